@@ -1,0 +1,194 @@
+"""Raw limits measured in the same run as the loaders: page cache control, disk and memory rates.
+
+- disk O_DIRECT: the storage's own rate, many requests in flight, page cache bypassed
+  (fio io_uring, 8 MiB requests, queue depth 32; a Python thread pool of O_DIRECT preadv if no fio).
+- disk buffered: cold, one sequential reader through the page cache (kernel readahead only).
+- page-cache read: warm, buffered 8 MiB reads by 2 readers into reused buffers (copy_to_user).
+- memcpy: 1 GiB copy between pre-faulted buffers, 1 thread (numpy) and torch's intra-op threads.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------- page cache ------------------------
+
+
+def evict(paths: list[str]) -> None:
+    """Drop the files' pages from the page cache (flushing any dirty ones first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(paths: list[str]) -> None:
+    """Read the files once through the page cache."""
+    buf = bytearray(8 * MiB)
+    view = memoryview(buf)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+
+
+def resident_bytes(paths: list[str]) -> int | None:
+    """Bytes of the files in the page cache (util-linux fincore), or None if it cannot tell."""
+    if not shutil.which("fincore"):
+        return None
+    try:
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *paths],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout
+        return sum(int(x) for x in out.split())
+    except (subprocess.SubprocessError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- disk ------------------------------
+
+
+def _fio(paths: list[str], direct: bool, iodepth: int, jobs: int) -> dict:
+    names = ":".join(p.replace(":", "\\:") for p in paths)  # fio separates files with ':'
+    cmd = [
+        "fio", "--name=raw", "--readonly", "--rw=read", "--bs=8M",
+        f"--filename={names}",
+        f"--direct={int(direct)}", f"--iodepth={iodepth}", f"--numjobs={jobs}",
+        "--ioengine=io_uring" if direct else "--ioengine=psync",
+        "--group_reporting", "--output-format=json",
+    ]
+    if jobs > 1:
+        total = sum(os.path.getsize(p) for p in paths)
+        share = total // jobs // MiB * MiB
+        cmd += [f"--size={share}", f"--offset_increment={share}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+    read = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    return {"gb_per_s": read["bw_bytes"] / 1e9, "bytes": read["io_bytes"],
+            "seconds": read["runtime"] / 1e3, "tool": "fio " + " ".join(cmd[2:-2])}
+
+
+def _python_direct(paths: list[str], threads: int = 32, block: int = 8 * MiB) -> dict:
+    """O_DIRECT preadv of 8 MiB blocks from a thread pool, into page-aligned reused buffers."""
+    tasks = []
+    for p in paths:
+        size = os.path.getsize(p)
+        tasks += [(p, off) for off in range(0, size, block)]
+    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
+    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths}
+    free = list(range(threads))
+
+    def one(task):
+        i = free.pop()
+        try:
+            return os.preadv(fds[task[0]], [bufs[i]], task[1])
+        finally:
+            free.append(i)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(one, tasks))
+    seconds = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return {"gb_per_s": total / seconds / 1e9, "bytes": total, "seconds": seconds,
+            "tool": f"python O_DIRECT preadv, {threads} threads, {block // MiB} MiB"}
+
+
+def disk_direct(paths: list[str]) -> dict:
+    if shutil.which("fio"):
+        try:
+            return _fio(paths, direct=True, iodepth=32, jobs=1)
+        except (subprocess.SubprocessError, ValueError, KeyError) as e:
+            print(f"fio failed ({e}); using the Python O_DIRECT reader", file=sys.stderr)
+    return _python_direct(paths)
+
+
+def _python_buffered(paths: list[str], readers: int) -> dict:
+    chunks = []
+    for p in paths:
+        size = os.path.getsize(p)
+        chunks += [(p, off) for off in range(0, size, 8 * MiB)]
+    per = [chunks[i::readers] for i in range(readers)]
+
+    def reader(work):
+        buf = bytearray(8 * MiB)
+        n = 0
+        for p, off in work:
+            with open(p, "rb", buffering=0) as f:
+                f.seek(off)
+                n += f.readinto(buf)
+        return n
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(readers) as ex:
+        total = sum(ex.map(reader, per))
+    seconds = time.perf_counter() - t0
+    return {"gb_per_s": total / seconds / 1e9, "bytes": total, "seconds": seconds,
+            "tool": f"python buffered read, {readers} readers, 8 MiB"}
+
+
+def buffered_read(paths: list[str], readers: int) -> dict:
+    if shutil.which("fio"):
+        try:
+            return _fio(paths, direct=False, iodepth=1, jobs=readers)
+        except (subprocess.SubprocessError, ValueError, KeyError) as e:
+            print(f"fio failed ({e}); using Python reads", file=sys.stderr)
+    return _python_buffered(paths, readers)
+
+
+# ---------------------------------------------------------------- memory ----------------------------
+
+
+def memcpy(size: int = 2**30, repeat: int = 5) -> dict:
+    """Copy between two pre-faulted buffers; best of repeat. Runs in this process."""
+    import numpy as np
+    import torch
+
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeat))
+    ts, td = torch.from_numpy(src), torch.from_numpy(dst)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    best_t = min(_timed(lambda: td.copy_(ts)) for _ in range(repeat))
+    fresh = _timed(lambda: np.ones(size, dtype=np.uint8))
+    return {
+        "numpy_1thread_gb_per_s": size / best / 1e9,
+        "torch_gb_per_s": size / best_t / 1e9,
+        "torch_threads": torch.get_num_threads(),
+        "fresh_fill_gb_per_s": size / fresh / 1e9,
+        "bytes": size,
+    }
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    # python benches/limits.py memcpy  -> one JSON line (run.py calls this in a fresh process)
+    if sys.argv[1:] == ["memcpy"]:
+        print(json.dumps(memcpy()))
+    else:
+        files = sys.argv[1:]
+        evict(files)
+        print("direct", disk_direct(files))
+        evict(files)
+        print("buffered cold", buffered_read(files, 1))
+        warm(files)
+        print("page cache", buffered_read(files, 2))

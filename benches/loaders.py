@@ -1,0 +1,268 @@
+"""One timed measurement of one loader, run in a fresh process by run.py.
+
+    python benches/loaders.py '{"loader": "safetensors", "workload": "load", "files": [...], ...}'
+
+Prints one JSON line on stdout: seconds, bytes, tensors, first_tensor_s (stream only), checksum,
+peak RSS growth, or {"skipped": why} / {"error": why}. Imports and destination allocation happen
+before the clock starts; everything the loader does to deliver the bytes happens inside it.
+
+The two workloads:
+- load:   the loader's own "give me every tensor on the CPU" call, then every 4 KiB page of every
+          tensor is read (``touch``). For mmap-based loaders this is where the reading happens, so it
+          is inside the clock for everyone.
+- stream: each tensor is copied into a destination allocated and pre-faulted beforehand (as a GPU
+          loader's destination would be), ``dst[name].copy_(t)``, as soon as the loader hands it over.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+PAGE = 4096
+
+
+def touch(tensors: Iterable[torch.Tensor]) -> int:
+    """Read one byte in every 4 KiB page of every tensor, plus its last byte; return their sum.
+
+    Byte k*4096 of a tensor lies in page (first page + k) whatever the tensor's alignment, so the
+    stride visits every page the tensor spans except possibly the one holding its last byte, which is
+    read separately. numpy does this with the least per-tensor overhead (about 3 us), which matters
+    for the many-tiny-tensors case; the sum doubles as a checksum compared across loaders.
+    """
+    acc = 0
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        a = t.detach().reshape(-1).view(torch.uint8).numpy()
+        acc += int(a[::PAGE].sum(dtype=np.int64)) + int(a[-1])
+    return acc
+
+
+# ---------------------------------------------------------------- loaders ---------------------------
+# Each loader is two functions: load(job) -> dict[name, tensor], and
+# stream(job) -> iterator of (name, tensor) whose tensors are valid until the next step.
+
+
+def _fastload_opts(job: dict) -> dict:
+    opts = dict(job.get("options") or {})
+    if job.get("memory_limit") and job["workload"] == "stream":
+        opts.setdefault("memory_limit", job["memory_limit"])
+    return opts
+
+
+def fastload_load(job: dict) -> dict:
+    import fastload
+
+    return fastload.load(job["uri"], **_fastload_opts(job))
+
+
+def fastload_stream(job: dict) -> Iterator:
+    import fastload
+
+    yield from fastload.stream(job["uri"], **_fastload_opts(job))
+
+
+def safetensors_load(job: dict) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in job["files"]:
+        out.update(load_file(f))
+    return out
+
+
+def safetensors_stream(job: dict) -> Iterator:
+    from safetensors import safe_open
+
+    for f in job["files"]:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                yield name, st.get_tensor(name)
+
+
+def _runai_env(job: dict) -> None:
+    # Set before the library is imported: the C++ side reads its settings at first use.
+    os.environ.setdefault("RUNAI_STREAMER_LOG_LEVEL", "WARNING")
+    if job.get("memory_limit") and job["workload"] == "stream":
+        os.environ["RUNAI_STREAMER_MEMORY_LIMIT"] = str(job["memory_limit"])
+    for k, v in (job.get("env") or {}).items():
+        os.environ[k] = str(v)
+
+
+def runai_load(job: dict) -> dict:
+    _runai_env(job)
+    from runai_model_streamer import SafetensorsStreamer
+
+    # owned=True (0.17's default) hands each ring buffer to the caller, so tensors stay valid after
+    # the iterator moves on: no clone needed. run.py checks this through the checksum.
+    with SafetensorsStreamer() as s:
+        s.stream_files(job["files"], owned=True)
+        return dict(s.get_tensors())
+
+
+def runai_stream(job: dict) -> Iterator:
+    _runai_env(job)
+    from runai_model_streamer import SafetensorsStreamer
+
+    # owned=False: views into reused ring buffers, consumed (copied) before the next step.
+    with SafetensorsStreamer() as s:
+        s.stream_files(job["files"], owned=False)
+        yield from s.get_tensors()
+
+
+def tensorizer_load(job: dict) -> dict:
+    from tensorizer import TensorDeserializer
+
+    d = TensorDeserializer(job["tensorizer_file"], device="cpu")
+    out = dict(d.items())
+    d.close()
+    return out
+
+
+def tensorizer_stream(job: dict) -> Iterator:
+    from tensorizer import TensorDeserializer
+
+    d = TensorDeserializer(job["tensorizer_file"], device="cpu")
+    try:
+        yield from d.items()
+    finally:
+        d.close()
+
+
+def fastsafetensors_load(job: dict) -> dict:
+    from fastsafetensors import fastsafe_open
+
+    # nogds=True: no GPUDirect Storage here; pread into a host buffer, tensors viewed from it.
+    with fastsafe_open(job["files"], framework="pt", device="cpu", nogds=True) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+def fastsafetensors_stream(job: dict) -> Iterator:
+    from fastsafetensors import fastsafe_open
+
+    # It has no per-tensor streaming: the whole file lands in its buffer before the first tensor.
+    with fastsafe_open(job["files"], framework="pt", device="cpu", nogds=True) as f:
+        for k in f.keys():  # noqa: SIM118
+            yield k, f.get_tensor(k)
+
+
+LOADERS: dict[str, tuple[Callable, Callable]] = {
+    "fastload": (fastload_load, fastload_stream),
+    "safetensors": (safetensors_load, safetensors_stream),
+    "runai": (runai_load, runai_stream),
+    "tensorizer": (tensorizer_load, tensorizer_stream),
+    "fastsafetensors": (fastsafetensors_load, fastsafetensors_stream),
+}
+IMPORTS = {
+    "fastload": "fastload",
+    "safetensors": "safetensors.torch",
+    "runai": "runai_model_streamer",
+    "tensorizer": "tensorizer",
+    "fastsafetensors": "fastsafetensors",
+}
+
+
+# ---------------------------------------------------------------- measurement -----------------------
+
+
+def _rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _destination(files: list[str]) -> dict[str, torch.Tensor]:
+    """Allocate and pre-fault one CPU tensor per checkpoint tensor, from the headers alone."""
+    from safetensors import safe_open
+
+    dst = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118
+                sl = st.get_slice(name)
+                dtype = _DTYPES[sl.get_dtype()]
+                dst[name] = torch.empty(sl.get_shape(), dtype=dtype)
+    for t in dst.values():
+        t.view(torch.uint8).fill_(1) if t.numel() else None  # write, so every page is really mapped
+    return dst
+
+
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}
+
+
+def measure(job: dict) -> dict:
+    name, workload = job["loader"], job["workload"]
+    try:
+        __import__(IMPORTS[name])
+    except Exception as e:  # a missing/broken peer is a row note, not a crash
+        return {"skipped": f"import {IMPORTS[name]} failed: {type(e).__name__}: {e}"}
+    if name == "fastload" and (job.get("options") or {}).get("method"):
+        import fastload
+
+        if "method" not in inspect.signature(fastload.load).parameters:
+            return {"skipped": "fastload.load has no method= option"}
+
+    load_fn, stream_fn = LOADERS[name]
+    dst = _destination(job["files"]) if workload == "stream" else None
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    rss0 = _rss_peak_bytes()
+
+    first = None
+    t0 = time.perf_counter()
+    if workload == "load":
+        tensors = load_fn(job)
+        checksum = touch(tensors.values())
+        seconds = time.perf_counter() - t0
+        count, nbytes = len(tensors), sum(t.nbytes for t in tensors.values())
+        t1 = time.perf_counter()
+        touch(tensors.values())  # again, on resident pages: the touch's own cost
+        touch_s = time.perf_counter() - t1
+    else:
+        count = nbytes = 0
+        for tname, t in stream_fn(job):
+            if first is None:
+                first = time.perf_counter() - t0
+            dst[tname].copy_(t)
+            count += 1
+            nbytes += t.nbytes
+        seconds = time.perf_counter() - t0
+        checksum = touch(dst.values())
+        touch_s = None
+    return {
+        "seconds": seconds,
+        "bytes": nbytes,
+        "tensors": count,
+        "first_tensor_s": first,
+        "touch_s": touch_s,
+        "checksum": checksum,
+        "rss_growth_bytes": max(0, _rss_peak_bytes() - rss0),
+    }
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    try:
+        result = measure(job)
+    except Exception as e:
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    # Skip interpreter teardown: some peers' native threads make it slow or noisy, and it is untimed.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

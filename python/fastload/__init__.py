@@ -1,0 +1,184 @@
+"""fastload: the fastest way to get safetensors weights from storage into torch tensors.
+
+>>> import fastload
+>>> tensors = fastload.load("model/")                 # dict[str, torch.Tensor]
+>>> for name, tensor in fastload.stream("model/"):    # each tensor as soon as it landed
+...     ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Union
+
+from . import _fastload
+from ._errors import (
+    ConfigError,
+    FastloadError,
+    FormatError,
+    NotFoundError,
+    StorageError,
+    TensorNotFoundError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__version__: str = _fastload.__version__
+
+__all__ = [
+    "ConfigError",
+    "FastloadError",
+    "FormatError",
+    "NotFoundError",
+    "StorageError",
+    "Stream",
+    "TensorNotFoundError",
+    "__version__",
+    "inspect",
+    "load",
+    "stream",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+Uri = Union[PathLike, Iterable[PathLike]]
+Size = Union[int, str]
+
+
+def _uris(uri: Uri) -> list[str]:
+    if isinstance(uri, (str, os.PathLike)):
+        return [os.fspath(uri)]
+    if isinstance(uri, bytes):
+        raise ConfigError("invalid option uri: pass a str or os.PathLike, not bytes")
+    out = [os.fspath(u) for u in uri]
+    if not out:
+        raise ConfigError("invalid option uri: the list of files is empty")
+    return out
+
+
+def _check_device(device: Any) -> None:
+    kind = getattr(device, "type", None) or str(device)
+    if kind != "cpu":
+        raise ConfigError(
+            f"invalid option device: {device!r} is not supported yet (only 'cpu' in this build)"
+        )
+
+
+class Stream:
+    """Iterator of ``(name, tensor)`` pairs in completion order; see :func:`stream`.
+
+    Usable as a context manager; leaving it (or ``close()``) cancels the reads still pending.
+    """
+
+    def __init__(
+        self,
+        uri: Uri,
+        *,
+        device: Any = "cpu",
+        concurrency: int | None = None,
+        block_size: Size | None = None,
+        memory_limit: Size | None = None,
+        names: Iterable[str] | None = None,
+        method: str | None = None,
+    ) -> None:
+        from . import _torch
+
+        _check_device(device)
+        self._to_tensor = _torch.to_tensor
+        self._native = _fastload.Stream(
+            _uris(uri),
+            concurrency=concurrency,
+            block_size=block_size,
+            memory_limit=memory_limit,
+            names=None if names is None else list(dict.fromkeys(names)),
+            method=method,
+        )
+        self._batch: list[Any] = []
+        self._pos = 0
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        while self._pos >= len(self._batch):
+            batch = next(self._native)  # StopIteration ends the stream
+            self._batch, self._pos = batch, 0
+        name, dtype, shape, capsule = self._batch[self._pos]
+        self._batch[self._pos] = None
+        self._pos += 1
+        return name, self._to_tensor(dtype, shape, capsule, name)
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes and tensors planned, read and delivered so far; time to the first tensor."""
+        return dict(self._native.stats())
+
+    def close(self) -> None:
+        """Cancels outstanding reads and frees buffers no tensor uses."""
+        self._batch, self._pos = [], 0
+        self._native.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is not None:
+            native.close()
+
+
+def stream(
+    uri: Uri,
+    *,
+    device: Any = "cpu",
+    concurrency: int | None = None,
+    block_size: Size | None = None,
+    memory_limit: Size | None = None,
+    names: Iterable[str] | None = None,
+    method: str | None = None,
+) -> Stream:
+    """Streams the tensors of a safetensors file, directory of shards or list of files.
+
+    Yields ``(name, tensor)`` as soon as each tensor's bytes have landed. Host memory held by the
+    loader stays within ``memory_limit``; a tensor you keep owns its memory and stays valid.
+    """
+    return Stream(
+        uri,
+        device=device,
+        concurrency=concurrency,
+        block_size=block_size,
+        memory_limit=memory_limit,
+        names=names,
+        method=method,
+    )
+
+
+def load(
+    uri: Uri,
+    *,
+    device: Any = "cpu",
+    concurrency: int | None = None,
+    block_size: Size | None = None,
+    memory_limit: Size | None = None,
+    names: Iterable[str] | None = None,
+    method: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Loads every tensor (or only ``names``) into a ``dict[str, torch.Tensor]``."""
+    with Stream(
+        uri,
+        device=device,
+        concurrency=concurrency,
+        block_size=block_size,
+        memory_limit=memory_limit,
+        names=names,
+        method=method,
+    ) as s:
+        return dict(s)
+
+
+def inspect(uri: Uri) -> list[dict[str, Any]]:
+    """Headers of every file ``uri`` names, without reading tensor data."""
+    return list(_fastload.inspect(_uris(uri)))

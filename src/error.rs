@@ -1,0 +1,69 @@
+//! The crate's one error type. Every fallible function returns [`Result`]; the Python bindings map
+//! these variants to exceptions in exactly one place (`python/errors.rs`).
+
+use std::io;
+
+/// Everything that can go wrong while planning or running a load.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file is not a valid safetensors file (or the index file is malformed).
+    #[error("{path}: invalid safetensors file: {message}")]
+    Format { path: String, message: String },
+
+    /// A file, object or directory does not exist.
+    #[error("{path}: no such file or object")]
+    NotFound { path: String },
+
+    /// An I/O or network failure while reading.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+
+    /// Requested tensor names that no file contains.
+    #[error("tensors not found in {uri}: {names}")]
+    MissingTensors { uri: String, names: String },
+
+    /// An option value that cannot be used (bad size string, zero concurrency, unknown device, ...).
+    #[error("invalid option {option}: {message}")]
+    InvalidOption { option: String, message: String },
+
+    /// A URI scheme this build does not handle.
+    #[error("{uri}: unsupported URI: {message}")]
+    UnsupportedUri { uri: String, message: String },
+
+    /// The consumer went away; reads were stopped.
+    #[error("load cancelled")]
+    Cancelled,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn format(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::Format {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn option(option: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidOption {
+            option: option.into(),
+            message: message.into(),
+        }
+    }
+
+    /// Wraps an `io::Error` for `path`, turning "not found" into [`Error::NotFound`].
+    pub(crate) fn io(path: impl Into<String>, source: io::Error) -> Self {
+        let path = path.into();
+        if source.kind() == io::ErrorKind::NotFound {
+            Error::NotFound { path }
+        } else {
+            Error::Io { path, source }
+        }
+    }
+}

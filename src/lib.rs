@@ -1,0 +1,27 @@
+//! fastload: safetensors from local disks and object stores into host (and device) memory, with
+//! many reads in flight, bounded host memory, and tensors handed out as soon as they land.
+//!
+//! Data flows one way: [`format`] → [`plan`] → [`source`] → [`memory`] → [`pipeline`] → the
+//! Python bindings and the [`cli`].
+
+#![deny(unsafe_code)]
+
+pub mod cli;
+pub mod error;
+pub mod format;
+pub mod memory;
+pub mod options;
+pub mod pipeline;
+pub mod plan;
+pub mod runtime;
+pub mod source;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};
+pub use options::{LoadOptions, Method, Size};
+pub use pipeline::{open, Loaded, Loader, Stats};
+
+/// The crate version (also the Python package's `__version__`).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

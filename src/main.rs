@@ -1,0 +1,3 @@
+fn main() {
+    std::process::exit(fastload::cli::run(std::env::args().collect()));
+}

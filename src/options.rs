@@ -1,0 +1,235 @@
+//! User-facing options: byte sizes like "64MiB", the FASTLOAD_* environment variables, and the
+//! defaults each source gets when nothing is set.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// A byte count parsed from an integer or a string such as "8MiB", "1.5GiB" or "64MB".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Size(pub u64);
+
+impl FromStr for Size {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let unit = unit.trim();
+        let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" => 1_000,
+            "m" | "mb" => 1_000_000,
+            "g" | "gb" => 1_000_000_000,
+            "t" | "tb" => 1_000_000_000_000,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            "tib" => 1 << 40,
+            _ => {
+                return Err(format!(
+                    "{s:?} has unknown unit {unit:?} (use B, KB, MB, GB, KiB, MiB, GiB or TiB)"
+                ))
+            }
+        };
+        if num.is_empty() {
+            return Err(format!(
+                "{s:?} is not a size (expected e.g. 8MiB or 1048576)"
+            ));
+        }
+        if let Ok(n) = num.parse::<u64>() {
+            return n
+                .checked_mul(mult)
+                .map(Size)
+                .ok_or_else(|| format!("{s:?} is too large"));
+        }
+        let f: f64 = num
+            .parse()
+            .map_err(|_| format!("{s:?} is not a size (expected e.g. 8MiB or 1048576)"))?;
+        let bytes = f * mult as f64;
+        if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+            return Err(format!("{s:?} is out of range"));
+        }
+        Ok(Size(bytes.round() as u64))
+    }
+}
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [(&str, u64); 4] = [
+            ("TiB", 1 << 40),
+            ("GiB", 1 << 30),
+            ("MiB", 1 << 20),
+            ("KiB", 1 << 10),
+        ];
+        for (name, unit) in UNITS {
+            if self.0 >= unit && self.0 % unit == 0 {
+                return write!(f, "{}{name}", self.0 / unit);
+            }
+        }
+        write!(f, "{}B", self.0)
+    }
+}
+
+/// How local files are read into host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Method {
+    /// Pick per destination (see [`Method::resolve`]).
+    #[default]
+    Auto,
+    /// Map windows of the file and fault them in from several threads: no copy out of the
+    /// page cache at all.
+    Mmap,
+    /// `pread` into reused, pre-faulted anonymous buffers.
+    Read,
+}
+
+impl FromStr for Method {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Method::Auto),
+            "mmap" => Ok(Method::Mmap),
+            "read" | "pread" => Ok(Method::Read),
+            _ => Err(format!("{s:?} is not a method (use auto, mmap or read)")),
+        }
+    }
+}
+
+/// Options of one load, as given by the caller; unset fields come from the environment, then
+/// from defaults.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    pub concurrency: Option<usize>,
+    pub block_size: Option<u64>,
+    pub memory_limit: Option<u64>,
+    pub names: Option<Vec<String>>,
+    pub method: Method,
+}
+
+/// Options with every value decided.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub concurrency: usize,
+    pub block_size: u64,
+    pub memory_limit: u64,
+    pub method: Method,
+}
+
+pub const ENV_CONCURRENCY: &str = "FASTLOAD_CONCURRENCY";
+pub const ENV_BLOCK_SIZE: &str = "FASTLOAD_BLOCK_SIZE";
+pub const ENV_MEMORY_LIMIT: &str = "FASTLOAD_MEMORY_LIMIT";
+pub const ENV_METHOD: &str = "FASTLOAD_METHOD";
+
+/// Local defaults: enough reads in flight to keep a virtual disk or NVMe queue busy, blocks big
+/// enough that syscall overhead vanishes, and a host-memory window that still overlaps reads of
+/// the next segments with the consumer's work on the current one.
+pub const DEFAULT_CONCURRENCY: usize = 16;
+pub const DEFAULT_BLOCK_SIZE: u64 = 8 << 20;
+pub const DEFAULT_MEMORY_LIMIT: u64 = 1 << 30;
+
+fn env_value<T: FromStr<Err = String>>(var: &str) -> Result<Option<T>> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => v.parse().map(Some).map_err(|e| Error::option(var, e)),
+        _ => Ok(None),
+    }
+}
+
+struct Count(usize);
+
+impl FromStr for Count {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.trim()
+            .parse()
+            .map(Count)
+            .map_err(|_| format!("{s:?} is not a positive integer"))
+    }
+}
+
+impl LoadOptions {
+    /// Fills unset values from `FASTLOAD_*` variables, then defaults, and checks them.
+    pub fn resolve(&self) -> Result<Resolved> {
+        let concurrency = match self.concurrency {
+            Some(c) => c,
+            None => env_value::<Count>(ENV_CONCURRENCY)?.map_or(DEFAULT_CONCURRENCY, |c| c.0),
+        };
+        let block_size = match self.block_size {
+            Some(b) => b,
+            None => env_value::<Size>(ENV_BLOCK_SIZE)?.map_or(DEFAULT_BLOCK_SIZE, |s| s.0),
+        };
+        let memory_limit = match self.memory_limit {
+            Some(m) => m,
+            None => env_value::<Size>(ENV_MEMORY_LIMIT)?.map_or(DEFAULT_MEMORY_LIMIT, |s| s.0),
+        };
+        let method = match self.method {
+            Method::Auto => env_value::<Method>(ENV_METHOD)?.unwrap_or(Method::Auto),
+            m => m,
+        };
+        if concurrency == 0 || concurrency > 4096 {
+            return Err(Error::option(
+                "concurrency",
+                format!("{concurrency} is not in 1..=4096"),
+            ));
+        }
+        if block_size < 4096 || block_size > (1 << 30) {
+            return Err(Error::option(
+                "block_size",
+                format!("{} is not between 4KiB and 1GiB", Size(block_size)),
+            ));
+        }
+        if memory_limit < (1 << 20) {
+            return Err(Error::option(
+                "memory_limit",
+                format!("{} is below the 1MiB minimum", Size(memory_limit)),
+            ));
+        }
+        Ok(Resolved {
+            concurrency,
+            block_size,
+            memory_limit,
+            method,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!("64MiB".parse::<Size>().unwrap(), Size(64 << 20));
+        assert_eq!("8MB".parse::<Size>().unwrap(), Size(8_000_000));
+        assert_eq!("1.5GiB".parse::<Size>().unwrap(), Size(3 << 29));
+        assert_eq!(" 4096 ".parse::<Size>().unwrap(), Size(4096));
+        assert_eq!("2 gib".parse::<Size>().unwrap(), Size(2 << 30));
+        assert!("12XB".parse::<Size>().is_err());
+        assert!("MiB".parse::<Size>().is_err());
+        assert!("-1MiB".parse::<Size>().is_err());
+        assert!("99999999999TiB".parse::<Size>().is_err());
+        assert_eq!(Size(64 << 20).to_string(), "64MiB");
+        assert_eq!(Size(1000).to_string(), "1000B");
+    }
+
+    #[test]
+    fn rejects_bad_options() {
+        let o = LoadOptions {
+            concurrency: Some(0),
+            ..Default::default()
+        };
+        assert!(o.resolve().unwrap_err().to_string().contains("concurrency"));
+        let o = LoadOptions {
+            block_size: Some(10),
+            concurrency: Some(1),
+            memory_limit: Some(1 << 30),
+            ..Default::default()
+        };
+        assert!(o.resolve().unwrap_err().to_string().contains("block_size"));
+    }
+}

@@ -1,0 +1,324 @@
+//! Runs a [`Plan`]: reads in flight bounded by a concurrency limit, host buffers bounded by bytes
+//! (`memory_limit`), each segment published to the consumer as soon as all its blocks landed, in
+//! completion order. Dropping the [`Loader`] cancels what has not started and frees buffers.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+use crate::error::{Error, Result};
+use crate::memory::{self, HostBuffer};
+use crate::options::{LoadOptions, Method, Resolved};
+use crate::plan::{self, Plan, TensorSlot};
+use crate::source::{self, Shard};
+
+/// A segment whose bytes have all landed: its tensors are views into `buffer`.
+pub struct Loaded {
+    pub buffer: Arc<HostBuffer>,
+    pub shard: usize,
+    pub tensors: Vec<TensorSlot>,
+}
+
+/// Counters of one load, readable while it runs.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Bytes read from storage (or faulted in from a file mapping).
+    pub bytes_read: AtomicU64,
+    /// Bytes handed to the consumer.
+    pub bytes_delivered: AtomicU64,
+    pub tensors_delivered: AtomicU64,
+}
+
+enum Msg {
+    Segment(Loaded, OwnedSemaphorePermit),
+    Failed(Error),
+}
+
+/// A running load. Iterate with [`Loader::next_segment`] (blocking; call it outside the runtime).
+pub struct Loader {
+    plan: Arc<Plan>,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    cancel: Arc<AtomicBool>,
+    budget: Arc<Semaphore>,
+    stats: Arc<Stats>,
+    started: Instant,
+    first: Option<Duration>,
+    done: bool,
+    method: Method,
+}
+
+/// Resolves the URIs, validates every header, plans and starts reading.
+pub fn open(uris: &[String], options: &LoadOptions) -> Result<Loader> {
+    let resolved = options.resolve()?;
+    let shards = source::open_all(uris)?;
+    let target = plan::segment_target(resolved.memory_limit, resolved.block_size);
+    let plan = plan::build(shards, options.names.as_deref(), target)?;
+    Ok(Loader::start(plan, resolved))
+}
+
+/// Permits are KiB so that a u32 acquire covers any segment.
+fn kib(bytes: u64) -> u32 {
+    bytes.div_ceil(1024).min(u32::MAX as u64) as u32
+}
+
+struct SegmentJob {
+    plan: Arc<Plan>,
+    index: usize,
+    buffer: Arc<HostBuffer>,
+    method: Method,
+    remaining: AtomicUsize,
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+    tx: mpsc::UnboundedSender<Msg>,
+    cancel: Arc<AtomicBool>,
+    stats: Arc<Stats>,
+}
+
+impl SegmentJob {
+    fn shard(&self) -> &Shard {
+        &self.plan.shards[self.plan.segments[self.index].shard]
+    }
+
+    #[allow(unsafe_code)]
+    fn read_block(&self, off: u64, len: u64) -> Result<()> {
+        let shard = self.shard();
+        let (o, l) = (off as usize, len as usize);
+        match self.method {
+            Method::Mmap => self.buffer.populate(o, l, &shard.name)?,
+            _ => {
+                if self.buffer.is_fresh() {
+                    self.buffer.populate(o, l, &shard.name)?;
+                }
+                let start = self.plan.segments[self.index].start + off;
+                // SAFETY: every block of this buffer goes to exactly one reader, and the buffer is
+                // published only after the last reader finished.
+                let dst = unsafe { self.buffer.slice_mut(o, l) };
+                source::read_exact_at(&shard.file, dst, start, &shard.name)?;
+            }
+        }
+        self.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn fail(&self, err: Error) {
+        if !self.cancel.swap(true, Ordering::SeqCst) {
+            let _ = self.tx.send(Msg::Failed(err));
+        }
+    }
+
+    fn block_done(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        self.buffer.mark_populated();
+        let seg = &self.plan.segments[self.index];
+        let permit = self
+            .permit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .expect("segment published twice");
+        let loaded = Loaded {
+            buffer: self.buffer.clone(),
+            shard: seg.shard,
+            tensors: seg.tensors.clone(),
+        };
+        let _ = self.tx.send(Msg::Segment(loaded, permit));
+    }
+}
+
+struct Driver {
+    plan: Arc<Plan>,
+    opts: Resolved,
+    method: Method,
+    budget: Arc<Semaphore>,
+    budget_kib: u32,
+    tx: mpsc::UnboundedSender<Msg>,
+    cancel: Arc<AtomicBool>,
+    stats: Arc<Stats>,
+}
+
+impl Driver {
+    async fn run(self) {
+        let reads = Arc::new(Semaphore::new(self.opts.concurrency));
+        for index in 0..self.plan.segments.len() {
+            let seg = &self.plan.segments[index];
+            let need = kib(seg.len).clamp(1, self.budget_kib);
+            let Ok(permit) = self.budget.clone().acquire_many_owned(need).await else {
+                return;
+            };
+            if self.cancel.load(Ordering::SeqCst) {
+                return;
+            }
+            let shard = &self.plan.shards[seg.shard];
+            let buffer = match self.method {
+                Method::Mmap => {
+                    HostBuffer::map_file(&shard.file, seg.start, seg.len as usize, &shard.name)
+                }
+                _ => HostBuffer::alloc(seg.len as usize),
+            };
+            let buffer = match buffer {
+                Ok(b) => Arc::new(b),
+                Err(e) => {
+                    if !self.cancel.swap(true, Ordering::SeqCst) {
+                        let _ = self.tx.send(Msg::Failed(e));
+                    }
+                    return;
+                }
+            };
+            let blocks: Vec<(u64, u64)> = plan::blocks(seg.len, self.opts.block_size).collect();
+            let job = Arc::new(SegmentJob {
+                plan: self.plan.clone(),
+                index,
+                buffer,
+                method: self.method,
+                remaining: AtomicUsize::new(blocks.len()),
+                permit: Mutex::new(Some(permit)),
+                tx: self.tx.clone(),
+                cancel: self.cancel.clone(),
+                stats: self.stats.clone(),
+            });
+            if blocks.is_empty() {
+                job.publish();
+                continue;
+            }
+            for (off, len) in blocks {
+                let Ok(slot) = reads.clone().acquire_owned().await else {
+                    return;
+                };
+                if self.cancel.load(Ordering::SeqCst) {
+                    return;
+                }
+                let job = job.clone();
+                tokio::task::spawn_blocking(move || {
+                    if job.cancel.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let result = job.read_block(off, len);
+                    drop(slot);
+                    match result {
+                        Ok(()) => job.block_done(),
+                        Err(e) => job.fail(e),
+                    }
+                });
+            }
+        }
+    }
+}
+
+impl Loader {
+    /// Starts reading `plan` on the process runtime.
+    pub fn start(plan: Plan, opts: Resolved) -> Loader {
+        let method = match opts.method {
+            // Local files to host memory: mapping page-cache pages costs no copy and no zeroing of
+            // fresh memory, and the benchmark (benches/run.py) shows it ahead cold and warm.
+            Method::Auto => Method::Mmap,
+            m => m,
+        };
+        memory::set_pool_limit(opts.memory_limit);
+        let plan = Arc::new(plan);
+        let budget_kib = kib(opts.memory_limit).min(Semaphore::MAX_PERMITS as u32);
+        let budget = Arc::new(Semaphore::new(budget_kib as usize));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(Stats::default());
+        let driver = Driver {
+            plan: plan.clone(),
+            opts,
+            method,
+            budget: budget.clone(),
+            budget_kib,
+            tx,
+            cancel: cancel.clone(),
+            stats: stats.clone(),
+        };
+        crate::runtime::get().spawn(driver.run());
+        Loader {
+            plan,
+            rx,
+            cancel,
+            budget,
+            stats,
+            started: Instant::now(),
+            first: None,
+            done: false,
+            method,
+        }
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The read strategy in use.
+    pub fn method(&self) -> Method {
+        self.method
+    }
+
+    /// Time from start to the first segment handed out.
+    pub fn first_segment_after(&self) -> Option<Duration> {
+        self.first
+    }
+
+    /// Blocks until the next segment is complete; `None` once everything was delivered.
+    pub fn next_segment(&mut self) -> Option<Result<Loaded>> {
+        if self.done {
+            return None;
+        }
+        match self.rx.blocking_recv() {
+            Some(Msg::Segment(loaded, permit)) => {
+                drop(permit);
+                self.first.get_or_insert_with(|| self.started.elapsed());
+                let bytes: u64 = loaded.tensors.iter().map(|t| t.len).sum();
+                self.stats
+                    .bytes_delivered
+                    .fetch_add(bytes, Ordering::Relaxed);
+                self.stats
+                    .tensors_delivered
+                    .fetch_add(loaded.tensors.len() as u64, Ordering::Relaxed);
+                Some(Ok(loaded))
+            }
+            Some(Msg::Failed(e)) => {
+                self.finish();
+                Some(Err(e))
+            }
+            None => {
+                self.done = true;
+                let delivered = self.stats.tensors_delivered.load(Ordering::Relaxed);
+                if delivered as usize != self.plan.tensor_count
+                    && !self.cancel.load(Ordering::SeqCst)
+                {
+                    return Some(Err(Error::Cancelled));
+                }
+                None
+            }
+        }
+    }
+
+    /// Stops reading: nothing new starts, buffers are freed as in-flight reads end.
+    pub fn cancel(&mut self) {
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        self.done = true;
+        self.cancel.store(true, Ordering::SeqCst);
+        self.budget.close();
+        self.rx.close();
+        while self.rx.try_recv().is_ok() {}
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}

@@ -1,0 +1,105 @@
+//! The private native module `fastload._fastload`. Python values become owned Rust values first;
+//! every wait runs with the GIL released.
+
+use pyo3::prelude::*;
+
+mod dlpack;
+mod errors;
+mod stream;
+
+use crate::options::{LoadOptions, Method, Size};
+
+/// Parses a size given as an int or a string like "64MiB".
+fn size_arg(option: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let Some(v) = value else { return Ok(None) };
+    if v.is_none() {
+        return Ok(None);
+    }
+    if let Ok(n) = v.extract::<i128>() {
+        return u64::try_from(n).map(Some).map_err(|_| {
+            errors::to_py(crate::Error::option(
+                option,
+                format!("{n} is not a byte count"),
+            ))
+        });
+    }
+    if let Ok(s) = v.extract::<String>() {
+        return s
+            .parse::<Size>()
+            .map(|s| Some(s.0))
+            .map_err(|e| errors::to_py(crate::Error::option(option, e)));
+    }
+    Err(errors::to_py(crate::Error::option(
+        option,
+        format!(
+            "expected an int or a string like \"64MiB\", got {}",
+            v.get_type().name()?
+        ),
+    )))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn options(
+    concurrency: Option<&Bound<'_, PyAny>>,
+    block_size: Option<&Bound<'_, PyAny>>,
+    memory_limit: Option<&Bound<'_, PyAny>>,
+    names: Option<Vec<String>>,
+    method: Option<&str>,
+) -> PyResult<LoadOptions> {
+    let concurrency = match concurrency {
+        Some(c) if !c.is_none() => {
+            let n: i64 = c.extract().map_err(|_| {
+                errors::to_py(crate::Error::option(
+                    "concurrency",
+                    "expected a positive int",
+                ))
+            })?;
+            if n <= 0 {
+                return Err(errors::to_py(crate::Error::option(
+                    "concurrency",
+                    format!("{n} is not a positive int"),
+                )));
+            }
+            Some(n as usize)
+        }
+        _ => None,
+    };
+    let method = match method {
+        Some(m) => m
+            .parse::<Method>()
+            .map_err(|e| errors::to_py(crate::Error::option("method", e)))?,
+        None => Method::Auto,
+    };
+    Ok(LoadOptions {
+        concurrency,
+        block_size: size_arg("block_size", block_size)?,
+        memory_limit: size_arg("memory_limit", memory_limit)?,
+        names,
+        method,
+    })
+}
+
+/// Parses a byte size ("64MiB", "1.5GB", "4096").
+#[pyfunction]
+fn parse_size(value: &str) -> PyResult<u64> {
+    value
+        .parse::<Size>()
+        .map(|s| s.0)
+        .map_err(|e| errors::to_py(crate::Error::option("size", e)))
+}
+
+/// Runs the `fastload` command line with `argv` (program name first); returns the exit code.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
+    py.detach(|| crate::cli::run(argv))
+}
+
+#[pymodule]
+fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", crate::VERSION)?;
+    m.add_class::<stream::Stream>()?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,198 @@
+//! Where bytes come from: URI resolution (files, shard directories, index files, `file://`) and
+//! the local fast path (positioned reads on blocking threads, straight into the destination).
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::format::{self, Header};
+
+/// The index file that sharded Hugging Face checkpoints carry.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// One safetensors file, opened, with its validated header.
+#[derive(Debug)]
+pub struct Shard {
+    /// The name used in messages (the path as the user would recognise it).
+    pub name: String,
+    pub path: PathBuf,
+    pub file: Arc<File>,
+    pub size: u64,
+    pub header: Header,
+}
+
+fn local_path(uri: &str) -> Result<PathBuf> {
+    if let Some(rest) = uri.strip_prefix("file://") {
+        // file:///abs/path or file://localhost/abs/path
+        let rest = rest.strip_prefix("localhost").unwrap_or(rest);
+        if !rest.starts_with('/') {
+            return Err(Error::UnsupportedUri {
+                uri: uri.to_string(),
+                message: "file:// URLs must hold an absolute path".into(),
+            });
+        }
+        return Ok(PathBuf::from(rest));
+    }
+    if let Some((scheme, _)) = uri.split_once("://") {
+        return Err(Error::UnsupportedUri {
+            uri: uri.to_string(),
+            message: format!(
+                "scheme {scheme}:// is not supported by this build (local paths and file:// are)"
+            ),
+        });
+    }
+    Ok(PathBuf::from(uri))
+}
+
+fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
+    let name = index.display().to_string();
+    let text = std::fs::read(index).map_err(|e| Error::io(&name, e))?;
+    let value: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| Error::format(&name, format!("index is not valid JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::format(&name, "index has no \"weight_map\" object"))?;
+    let mut files = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            Error::format(
+                &name,
+                format!("weight_map entry for {tensor:?} is not a file name"),
+            )
+        })?;
+        files.insert(file.to_string());
+    }
+    let dir = index.parent().unwrap_or(Path::new("."));
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+fn expand(uri: &str) -> Result<Vec<PathBuf>> {
+    let path = local_path(uri)?;
+    let meta = std::fs::metadata(&path).map_err(|e| Error::io(uri, e))?;
+    if meta.is_dir() {
+        let index = path.join(INDEX_FILE);
+        if index.is_file() {
+            return index_files(&index);
+        }
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&path)
+            .map_err(|e| Error::io(uri, e))?
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors") && p.is_file())
+            .collect();
+        if files.is_empty() {
+            return Err(Error::NotFound {
+                path: format!("{uri} (no .safetensors files in this directory)"),
+            });
+        }
+        files.sort();
+        return Ok(files);
+    }
+    if path.extension().is_some_and(|e| e == "json") {
+        return index_files(&path);
+    }
+    Ok(vec![path])
+}
+
+/// Turns the user's URIs into the list of files to load, in a stable order.
+pub fn resolve(uris: &[String]) -> Result<Vec<PathBuf>> {
+    if uris.is_empty() {
+        return Err(Error::option("uri", "no file given"));
+    }
+    let mut out = Vec::new();
+    let mut seen = BTreeSet::new();
+    for uri in uris {
+        for p in expand(uri)? {
+            if seen.insert(p.clone()) {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, retrying interrupted and short reads.
+pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, name: &str) -> Result<()> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                return Err(Error::Io {
+                    path: name.to_string(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "file ended at byte {} while reading {} bytes at offset {offset} (was it truncated while loading?)",
+                            offset + done as u64,
+                            buf.len()
+                        ),
+                    ),
+                })
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io(name, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Opens one file and validates its header. Reads at most 8 + header-length bytes, and only after
+/// the length was checked against the file size and the 100 MB cap.
+pub fn open_shard(path: &Path) -> Result<Shard> {
+    let name = path.display().to_string();
+    let file = File::open(path).map_err(|e| Error::io(&name, e))?;
+    let meta = file.metadata().map_err(|e| Error::io(&name, e))?;
+    if meta.is_dir() {
+        return Err(Error::format(
+            &name,
+            "is a directory, not a safetensors file",
+        ));
+    }
+    let size = meta.len();
+    let mut prefix = [0u8; format::PREFIX_LEN as usize];
+    let got = prefix.len().min(size as usize);
+    read_exact_at(&file, &mut prefix[..got], 0, &name)?;
+    let n = format::header_len(&prefix[..got], size).map_err(|e| Error::format(&name, e.0))?;
+    let mut json = vec![0u8; n as usize];
+    read_exact_at(&file, &mut json, format::PREFIX_LEN, &name)?;
+    let header = format::parse_header(&json, size).map_err(|e| Error::format(&name, e.0))?;
+    Ok(Shard {
+        name,
+        path: path.to_path_buf(),
+        file: Arc::new(file),
+        size,
+        header,
+    })
+}
+
+/// Resolves the URIs and opens every file, reading headers on several threads when there are
+/// many shards.
+pub fn open_all(uris: &[String]) -> Result<Vec<Shard>> {
+    let paths = resolve(uris)?;
+    if paths.len() <= 2 {
+        return paths.iter().map(|p| open_shard(p)).collect();
+    }
+    let workers = paths.len().min(16);
+    let chunk = paths.len().div_ceil(workers);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = paths
+            .chunks(chunk)
+            .map(|part| {
+                scope.spawn(move || {
+                    part.iter()
+                        .map(|p| open_shard(p))
+                        .collect::<Result<Vec<_>>>()
+                })
+            })
+            .collect();
+        let mut out = Vec::with_capacity(paths.len());
+        for h in handles {
+            out.extend(h.join().expect("header reader thread panicked")?);
+        }
+        Ok(out)
+    })
+}

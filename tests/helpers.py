@@ -1,0 +1,265 @@
+"""Shared helpers for the fastload tests.
+
+Fixture files are written by the reference writer (`safetensors.torch.save_file`) and every
+result is compared bitwise against the reference reader (`safetensors.torch.load_file`).
+Memory and I/O behaviour is measured in fresh interpreters (`run_probe`) so that the test
+process's own allocations and page cache use cannot hide or fake a result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MiB = 1 << 20
+
+# Every safetensors dtype this torch can represent, by its name in the file format.
+_DTYPE_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+}
+DTYPES = {k: getattr(torch, v) for k, v in _DTYPE_NAMES.items() if hasattr(torch, v)}
+
+# Shapes every dtype is written with: scalar, empties, odd sizes that break alignment.
+SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (3, 5), (2, 3, 4), (17, 13)]
+
+# A few names that exercise JSON escaping and UTF-8 handling in the header.
+UNICODE_NAMES = ["模型.权重", "ünïcödé/λ.bias", "emoji_🚀_tensor", "with space", 'quote"and\\slash']
+
+
+def pattern(shape, dtype, seed: int = 0) -> torch.Tensor:
+    """Deterministic bytes that differ per position and per seed (no RNG: fast and stable)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape)
+    raw = (torch.arange(n * itemsize, dtype=torch.int64) * 131 + seed * 17 + 7) % 251
+    if dtype == torch.bool:
+        raw = raw % 2  # anything but 0/1 is not a valid torch bool
+    return raw.to(torch.uint8).view(dtype).reshape(shape)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (NaN-safe bitwise comparison)."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def assert_same_tensors(got, want) -> None:
+    """`got` (a dict from fastload) matches `want` (from the reference reader) bit for bit."""
+    assert isinstance(got, dict), type(got)
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    assert not missing and not extra, f"missing {missing[:5]}, unexpected {extra[:5]}"
+    for name, ref in want.items():
+        assert_same_tensor(got[name], ref, name)
+
+
+def assert_same_tensor(t, ref: torch.Tensor, name: str = "") -> None:
+    assert isinstance(t, torch.Tensor), f"{name}: {type(t)}"
+    assert t.dtype == ref.dtype, f"{name}: dtype {t.dtype} != {ref.dtype}"
+    assert tuple(t.shape) == tuple(ref.shape), f"{name}: shape {tuple(t.shape)} != {tuple(ref.shape)}"
+    assert t.device.type == "cpu", f"{name}: on {t.device}"
+    assert t.is_contiguous(), f"{name}: not contiguous (strides {t.stride()})"
+    assert torch.equal(raw_bytes(t), raw_bytes(ref)), f"{name}: bytes differ"
+
+
+def reference(*paths) -> dict:
+    """What `safetensors.torch.load_file` returns for these files, merged."""
+    out: dict = {}
+    for p in paths:
+        out.update(load_file(str(p)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixture builders (called once per session from conftest.py)
+
+
+def write_all_dtypes(path: Path) -> Path:
+    """Every dtype in every shape, unicode names, and a __metadata__ block."""
+    tensors = {}
+    for i, (dname, dtype) in enumerate(DTYPES.items()):
+        for j, shape in enumerate(SHAPES):
+            if dname == "F4" and shape == ():
+                continue  # the reference writer cannot store a scalar of a sub-byte dtype
+            tensors[f"{dname}.{'x'.join(map(str, shape)) or 'scalar'}"] = pattern(
+                shape, dtype, seed=i * 31 + j
+            )
+    for k, name in enumerate(UNICODE_NAMES):
+        tensors[name] = pattern((k + 2, 3), torch.float32, seed=1000 + k)
+    save_file(tensors, str(path), metadata={"format": "pt", "note": "ünïcödé ✓"})
+    return path
+
+
+# Cycled through by the many-tiny-tensors checkpoint.
+_TINY = [
+    ((3,), torch.float32),
+    ((5,), torch.float16),
+    ((1,), torch.uint8),
+    ((2, 2), torch.bfloat16),
+    ((), torch.int64),
+    ((0,), torch.float32),
+    ((3,), torch.bool),
+]
+
+
+def write_many_tiny(path: Path, count: int = 20_500) -> Path:
+    tensors = {}
+    for i in range(count):
+        shape, dtype = _TINY[i % len(_TINY)]
+        tensors[f"blocks.{i}.w"] = pattern(shape, dtype, seed=i)
+    save_file(tensors, str(path))
+    return path
+
+
+def write_sharded(directory: Path, shards: int = 3, per_shard: int = 4) -> Path:
+    """A sharded checkpoint with model.safetensors.index.json, plus files the index doesn't name.
+
+    `stray.safetensors` holds one name of its own and one that collides with an indexed tensor
+    (with different bytes): reading it at all changes the result or raises.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    total = 0
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {
+            f"layers.{s * per_shard + k}.weight": pattern((64, 33), torch.bfloat16, seed=s * 10 + k)
+            for k in range(per_shard)
+        }
+        if s == 0:
+            tensors["embed.weight"] = pattern((100, 8), torch.float32, seed=99)
+        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    save_file(
+        {"stray.only": pattern((4,), torch.float32, seed=7), "layers.0.weight": pattern((3,), torch.uint8)},
+        str(directory / "stray.safetensors"),
+    )
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def indexed_files(directory: Path) -> list[Path]:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return sorted({directory / f for f in index["weight_map"].values()})
+
+
+BIG_TENSORS = 64
+BIG_ELEMS = 4 * MiB  # int32 elements per tensor: 16 MiB each, 1 GiB in all
+
+
+def big_name(i: int) -> str:
+    return f"layer.{i:03d}"
+
+
+def write_big(path: Path) -> Path:
+    """1 GiB of int32: tensor i holds arange(i*N, (i+1)*N), so any misplaced block shows."""
+    tensors = {
+        big_name(i): torch.arange(i * BIG_ELEMS, (i + 1) * BIG_ELEMS, dtype=torch.int32)
+        for i in range(BIG_TENSORS)
+    }
+    save_file(tensors, str(path))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh-interpreter probes
+
+PROBE_PRELUDE = textwrap.dedent(
+    """
+    import gc, json, os, resource, sys, threading, time
+    import psutil
+    import torch
+    import fastload
+
+    MiB = 1 << 20
+    PROC = psutil.Process()
+
+    def rss():
+        return PROC.memory_info().rss
+
+    def rchar():
+        # Bytes passed through read()/pread() by every thread of this process, cached or not.
+        return PROC.io_counters().read_chars
+
+    def maxrss():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    class PeakRss:
+        # Samples RSS from a thread; the loader releases the GIL, so sampling keeps going.
+        def __enter__(self):
+            self.peak = rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+            return self
+        def _run(self):
+            while not self._stop.is_set():
+                self.peak = max(self.peak, rss())
+                time.sleep(0.002)
+        def __exit__(self, *exc):
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, rss())
+
+    def settle(limit, timeout=5.0):
+        # Waits (bounded) for RSS to fall under `limit`; returns the last reading.
+        deadline = time.monotonic() + timeout
+        while True:
+            gc.collect()
+            now = rss()
+            if now <= limit or time.monotonic() > deadline:
+                return now
+            time.sleep(0.05)
+
+    def emit(**kw):
+        print("RESULT " + json.dumps(kw), flush=True)
+    """
+)
+
+
+def run_probe(code: str, *args, env: dict | None = None, timeout: float = 180) -> dict:
+    """Runs PROBE_PRELUDE + `code` in a fresh interpreter; returns what it passed to emit()."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE_PRELUDE + textwrap.dedent(code), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"probe failed (rc {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\n"
+        f"stderr:\n{proc.stderr[-3000:]}"
+    )
+    return json.loads(lines[-1][len("RESULT ") :])
