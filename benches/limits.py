@@ -3,7 +3,9 @@
 - disk O_DIRECT: the storage's own rate, many requests in flight, page cache bypassed
   (fio io_uring, 8 MiB requests, queue depth 32; a Python thread pool of O_DIRECT preadv if no fio).
 - disk buffered: cold, one sequential reader through the page cache (kernel readahead only).
-- page-cache read: warm, buffered 8 MiB reads by 2 readers into reused buffers (copy_to_user).
+- page-cache read: warm, buffered 8 MiB read() calls by one thread into a reused buffer
+  (copy_to_user). Plain Python: fio's psync reads from page cache came out 2x slower here, varying a
+  lot, which would understate the ceiling.
 - memcpy: 1 GiB copy between pre-faulted buffers, 1 thread (numpy) and torch's intra-op threads.
 """
 
@@ -67,6 +69,7 @@ def _fio(paths: list[str], direct: bool, iodepth: int, jobs: int) -> dict:
     cmd = [
         "fio", "--name=raw", "--readonly", "--rw=read", "--bs=8M",
         f"--filename={names}",
+        "--invalidate=0",  # the caller decides what is cached (evict() / warm())
         f"--direct={int(direct)}", f"--iodepth={iodepth}", f"--numjobs={jobs}",
         "--ioengine=io_uring" if direct else "--ioengine=psync",
         "--group_reporting", "--output-format=json",
@@ -141,8 +144,8 @@ def _python_buffered(paths: list[str], readers: int) -> dict:
             "tool": f"python buffered read, {readers} readers, 8 MiB"}
 
 
-def buffered_read(paths: list[str], readers: int) -> dict:
-    if shutil.which("fio"):
+def buffered_read(paths: list[str], readers: int, prefer_fio: bool = True) -> dict:
+    if prefer_fio and shutil.which("fio"):
         try:
             return _fio(paths, direct=False, iodepth=1, jobs=readers)
         except (subprocess.SubprocessError, ValueError, KeyError) as e:
@@ -191,4 +194,4 @@ if __name__ == "__main__":
         evict(files)
         print("buffered cold", buffered_read(files, 1))
         warm(files)
-        print("page cache", buffered_read(files, 2))
+        print("page cache", buffered_read(files, 1, prefer_fio=False))

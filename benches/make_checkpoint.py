@@ -233,6 +233,30 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def tensorizer_copy(stamp: dict) -> str:
+    """The checkpoint re-serialized in tensorizer's format (one file, all shards), made once."""
+    path = os.path.join(stamp["dir"], "model.tensors")
+    marker = path + ".json"
+    want = {"spec": stamp["spec"], "version": GENERATOR_VERSION}
+    if os.path.exists(path) and os.path.exists(marker):
+        with open(marker) as f:
+            got = json.load(f)
+        if {k: got.get(k) for k in want} == want and os.path.getsize(path) == got.get("size"):
+            return path
+    from safetensors.torch import load_file
+    from tensorizer import TensorSerializer
+
+    tensors: dict = {}
+    for f in checkpoint_files(stamp):
+        tensors.update(load_file(f))
+    ser = TensorSerializer(path)
+    ser.write_state_dict(tensors)
+    ser.close()
+    with open(marker, "w") as f:
+        json.dump({**want, "size": os.path.getsize(path)}, f)
+    return path
+
+
 def checkpoint_files(stamp: dict) -> list[str]:
     """Absolute paths of a generated checkpoint's .safetensors files, in shard order."""
     return [os.path.join(stamp["dir"], f) for f in sorted(stamp["files"])]
@@ -246,10 +270,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", type=int, default=0, metavar="N", help="N tiny tensors instead")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "ckpt"))
+    ap.add_argument("--tensorizer", action="store_true",
+                    help="also write model.tensors (tensorizer's format) beside it")
+    ap.add_argument("--json", action="store_true", help="print only the stamp, as one JSON line")
     args = ap.parse_args(argv)
     spec = make_spec(args.size, args.dtype, args.shards, args.tiny, args.seed)
-    stamp = generate(spec, args.out)
-    print(json.dumps(stamp, indent=1))
+    stamp = generate(spec, args.out, quiet=args.json)
+    if args.tensorizer:
+        stamp = {**stamp, "tensorizer_file": tensorizer_copy(stamp)}
+    print(json.dumps(stamp) if args.json else json.dumps(stamp, indent=1))
 
 
 if __name__ == "__main__":

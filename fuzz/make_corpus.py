@@ -59,27 +59,42 @@ def main() -> None:
     header_only("valid_header_only", small)
 
     dtypes = [
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-        torch.uint16, torch.uint32, torch.uint64, torch.complex64,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.complex64,
     ]
     all_dtypes = {f"t.{str(d).split('.')[-1]}": torch.zeros(2, 2, dtype=d) for d in dtypes}
     header_only("valid_all_dtypes", written(all_dtypes))
 
     seed(
         "valid_scalars_and_empty",
-        written({
-            "scalar": torch.tensor(3.5),
-            "empty": torch.zeros(0),
-            "empty2d": torch.zeros(3, 0, dtype=torch.int32),
-            "x": torch.ones(1, dtype=torch.bfloat16),
-        }),
+        written(
+            {
+                "scalar": torch.tensor(3.5),
+                "empty": torch.zeros(0),
+                "empty2d": torch.zeros(3, 0, dtype=torch.int32),
+                "x": torch.ones(1, dtype=torch.bfloat16),
+            }
+        ),
     )
     header_only(
         "valid_unicode_metadata",
         written(
             {"名前.weight": torch.ones(2), "émoji_🙂": torch.zeros(1, dtype=torch.int8)},
-            metadata={"format": "pt", "note": "ü\n\"quoted\""},
+            metadata={"format": "pt", "note": 'ü\n"quoted"'},
         ),
     )
     header_only("valid_many_tiny", written({f"layer.{i}.b": torch.ones(1) for i in range(24)}))
@@ -89,11 +104,13 @@ def main() -> None:
     seed(
         "valid_f4_f6",
         with_json(
-            json.dumps({
-                "f4": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]},
-                "f6": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [3, 6]},
-                "e8": {"dtype": "F8_E8M0", "shape": [2], "data_offsets": [6, 8]},
-            }),
+            json.dumps(
+                {
+                    "f4": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]},
+                    "f6": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [3, 6]},
+                    "e8": {"dtype": "F8_E8M0", "shape": [2], "data_offsets": [6, 8]},
+                }
+            ),
             8,
         ),
     )
@@ -116,8 +133,10 @@ def main() -> None:
 
     edited("bad_unknown_dtype", lambda h: h["w"].update(dtype="F128"))
     edited("bad_shape_overflow", lambda h: h["w"].update(shape=[2**32, 2**32, 16]))
-    edited("bad_offsets_out_of_range", lambda h: h["w"].update(data_offsets=[24, 48]))
-    edited("bad_overlap", lambda h: h["b"].update(data_offsets=[0, 24]))
+    # The writer puts "b" (I64) at [0, 24] and "w" (F32) at [24, 48].
+    assert header["b"]["data_offsets"] == [0, 24] and header["w"]["data_offsets"] == [24, 48]
+    edited("bad_offsets_out_of_range", lambda h: h["w"].update(data_offsets=[40, 64]))
+    edited("bad_overlap", lambda h: h["w"].update(data_offsets=[16, 40]))
     edited("bad_gap", lambda h: h["w"].update(data_offsets=[28, 52]), len(data) + 4)
     edited("bad_data_longer", lambda h: None, len(data) + 8)
     edited("bad_metadata_not_strings", lambda h: h.update(__metadata__={"k": 1}))

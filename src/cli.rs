@@ -1,7 +1,236 @@
 //! The `fastload` command line (bench, inspect); shared by the binary and the wheel's script.
+//!
+//! Parsing never exits the process (the Python console script calls [`run`] in-process): clap's
+//! own messages are printed and its exit code returned; every other failure becomes exactly one
+//! line `fastload: error: ...` on stderr and exit code 1.
+
+use std::fmt;
+use std::io::{self, Write};
+use std::str::FromStr;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod checkpoint;
+mod inspect;
 
 /// Runs the CLI with `args` (including the program name) and returns the exit code.
 pub fn run(args: Vec<String>) -> i32 {
-    let _ = args;
-    0
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version land here too, with exit code 0.
+            let _ = e.print();
+            return e.exit_code();
+        }
+    };
+    let result = match cli.command {
+        Command::Bench(args) => bench::run(args),
+        Command::Inspect(args) => inspect::run(args),
+    };
+    match result {
+        Ok(()) => 0,
+        // The reader went away (`fastload inspect m.safetensors | head`): not an error.
+        Err(CliError::Stdout(e)) if e.kind() == io::ErrorKind::BrokenPipe => 0,
+        Err(e) => {
+            let line = e.to_string().replace(['\n', '\r'], " ");
+            eprintln!("fastload: error: {line}");
+            1
+        }
+    }
+}
+
+#[derive(Parser)]
+#[command(
+    name = "fastload",
+    bin_name = "fastload",
+    version,
+    about = "Load safetensors checkpoints fast; benchmark and inspect them.",
+    after_help = "Sizes take a number of bytes or a unit: 4096, 64KiB, 8MiB, 1GiB, 500MB (KB/MB/GB are \
+                  powers of 1000, KiB/MiB/GiB powers of 1024). Throughput is reported in GB/s \
+                  (10^9 bytes per second)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load checkpoints into memory and report throughput and time to first tensor.
+    Bench(bench::BenchArgs),
+    /// List every tensor (name, dtype, shape, bytes, file) and the totals; reads headers only.
+    Inspect(inspect::InspectArgs),
+}
+
+/// Why a command failed; printed as one line.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Load(#[from] crate::Error),
+    /// A request this build cannot serve (e.g. a CUDA device).
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("{path}: {source}")]
+    Io { path: String, source: io::Error },
+    #[error("cannot write to stdout: {0}")]
+    Stdout(io::Error),
+}
+
+type CliResult<T = ()> = Result<T, CliError>;
+
+/// Where tensors should land. Parsed at the boundary so that a typo is a usage error; only `cpu`
+/// is served by this build.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Device {
+    Cpu,
+    Cuda(Option<u32>),
+}
+
+impl FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "cpu" => return Ok(Device::Cpu),
+            "cuda" => return Ok(Device::Cuda(None)),
+            _ => {}
+        }
+        if let Some(n) = t.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            return Ok(Device::Cuda(Some(n)));
+        }
+        Err(format!("{s:?} is not a device (use cpu, cuda or cuda:N)"))
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(None) => f.write_str("cuda"),
+            Device::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl Device {
+    fn check_supported(&self) -> CliResult {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(_) => Err(CliError::Unsupported(format!(
+                "device {self} is not supported by this build yet"
+            ))),
+        }
+    }
+}
+
+/// Writes `text` to stdout in one go; a closed pipe surfaces as [`CliError::Stdout`].
+fn print_stdout(text: &str) -> CliResult {
+    let mut out = io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(CliError::Stdout)
+}
+
+/// Bytes in decimal units (1 GB = 10^9 bytes), as throughput is reported.
+fn decimal_bytes(n: u64) -> String {
+    const UNITS: [(&str, f64); 4] = [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)];
+    for (unit, scale) in UNITS {
+        if n as f64 >= scale {
+            return format!("{:.2} {unit}", n as f64 / scale);
+        }
+    }
+    format!("{n} B")
+}
+
+/// A plain text table: first column left-aligned, the rest right-aligned unless listed.
+struct Table {
+    rows: Vec<Vec<String>>,
+    left: Vec<usize>,
+}
+
+impl Table {
+    fn new(header: &[&str], left: &[usize]) -> Table {
+        Table {
+            rows: vec![header.iter().map(|s| s.to_string()).collect()],
+            left: left.to_vec(),
+        }
+    }
+
+    fn push(&mut self, row: Vec<String>) {
+        self.rows.push(row);
+    }
+
+    fn render(&self) -> String {
+        let cols = self.rows.iter().map(Vec::len).max().unwrap_or(0);
+        let widths: Vec<usize> = (0..cols)
+            .map(|c| {
+                self.rows
+                    .iter()
+                    .filter_map(|r| r.get(c))
+                    .map(|s| s.chars().count())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let mut out = String::new();
+        for row in &self.rows {
+            let mut line = String::new();
+            for (c, cell) in row.iter().enumerate() {
+                if c > 0 {
+                    line.push_str("  ");
+                }
+                let pad = widths[c] - cell.chars().count();
+                if self.left.contains(&c) {
+                    line.push_str(cell);
+                    line.push_str(&" ".repeat(pad));
+                } else {
+                    line.push_str(&" ".repeat(pad));
+                    line.push_str(cell);
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_devices() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("CUDA".parse::<Device>().unwrap(), Device::Cuda(None));
+        assert_eq!("cuda:1".parse::<Device>().unwrap(), Device::Cuda(Some(1)));
+        assert!("cuda:x".parse::<Device>().is_err());
+        assert!("tpu".parse::<Device>().is_err());
+        let err = Device::Cuda(None).check_supported().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "device cuda is not supported by this build yet"
+        );
+    }
+
+    #[test]
+    fn formats_decimal_bytes() {
+        assert_eq!(decimal_bytes(999), "999 B");
+        assert_eq!(decimal_bytes(1_073_741_824), "1.07 GB");
+    }
+
+    #[test]
+    fn renders_aligned_tables() {
+        let mut t = Table::new(&["name", "n"], &[0]);
+        t.push(vec!["a".into(), "100".into()]);
+        assert_eq!(t.render(), "name    n\na     100\n");
+    }
+
+    #[test]
+    fn usage_errors_return_instead_of_exiting() {
+        assert_eq!(run(vec!["fastload".into(), "frobnicate".into()]), 2);
+        assert_eq!(run(vec!["fastload".into(), "--version".into()]), 0);
+    }
 }

@@ -237,6 +237,11 @@ pub fn parse_header(json: &[u8], file_size: u64) -> Result<Header, FormatError> 
                 "tensor {name:?} has data_offsets [{begin}, {end}] that run backwards"
             ));
         }
+        if end > data_len {
+            return fail(format!(
+                "tensor {name:?} has data_offsets [{begin}, {end}] past the end of the data section ({data_len} bytes)"
+            ));
+        }
         let bits = info
             .shape
             .iter()
@@ -267,7 +272,7 @@ pub fn parse_header(json: &[u8], file_size: u64) -> Result<Header, FormatError> 
             end,
         });
     }
-    tensors.sort_by(|a, b| (a.begin, a.end).cmp(&(b.begin, b.end)));
+    tensors.sort_by_key(|t| (t.begin, t.end));
 
     let mut cursor = 0u64;
     for t in &tensors {
@@ -403,7 +408,7 @@ mod tests {
         assert!(parse(&b, size).unwrap_err().0.contains("overlaps"));
         let short = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
         let (b, size) = file(short, 3);
-        assert!(parse(&b, size).unwrap_err().0.contains("cover"));
+        assert!(parse(&b, size).unwrap_err().0.contains("past the end"));
     }
 
     #[test]
@@ -581,13 +586,16 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
             2,
         );
-        assert!(e.contains("cover 4 bytes") && e.contains("holds 2"), "{e}");
+        assert!(
+            e.contains("past the end of the data section (2 bytes)"),
+            "{e}"
+        );
         // Offsets near u64::MAX with a consistent length must not overflow anything.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}}"#,
             1,
         );
-        assert!(e.contains("gap"), "{e}");
+        assert!(e.contains("past the end"), "{e}");
         // Backwards offsets.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#,
@@ -626,12 +634,18 @@ mod tests {
             4,
         );
         assert!(e.contains("gap") && e.contains("[0, 2]"), "{e}");
-        // An empty tensor past the end of the data.
+        // An empty tensor after a gap; the data is long enough for the offsets.
+        let e = err(
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#,
+            12,
+        );
+        assert!(e.contains("gap") && e.contains("[4, 9]"), "{e}");
+        // The same empty tensor past the end of the data.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#,
             4,
         );
-        assert!(e.contains("gap"), "{e}");
+        assert!(e.contains("past the end"), "{e}");
     }
 
     #[test]

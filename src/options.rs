@@ -177,7 +177,7 @@ impl LoadOptions {
                 format!("{concurrency} is not in 1..=4096"),
             ));
         }
-        if block_size < 4096 || block_size > (1 << 30) {
+        if !(4096..=(1 << 30)).contains(&block_size) {
             return Err(Error::option(
                 "block_size",
                 format!("{} is not between 4KiB and 1GiB", Size(block_size)),

@@ -1,8 +1,7 @@
 """Session fixtures: checkpoints written once by the reference writer (see helpers.py)."""
 
-import pytest
-
 import helpers
+import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +30,9 @@ def sharded_dir(tmp_path_factory):
 def big_file(tmp_path_factory):
     """1 GiB, 64 int32 tensors of 16 MiB (about 6 s to write; shared by the memory tests)."""
     return helpers.write_big(tmp_path_factory.mktemp("big") / "big.safetensors")
+
+
+@pytest.fixture(scope="session")
+def gil_file(tmp_path_factory):
+    """One 512 MiB tensor: a single long wait inside the loader (about 3 s to write)."""
+    return helpers.write_one_tensor(tmp_path_factory.mktemp("gil") / "one.safetensors")

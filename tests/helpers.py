@@ -8,8 +8,10 @@ process's own allocations and page cache use cannot hide or fake a result.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -81,7 +83,9 @@ def assert_same_tensors(got, want) -> None:
 def assert_same_tensor(t, ref: torch.Tensor, name: str = "") -> None:
     assert isinstance(t, torch.Tensor), f"{name}: {type(t)}"
     assert t.dtype == ref.dtype, f"{name}: dtype {t.dtype} != {ref.dtype}"
-    assert tuple(t.shape) == tuple(ref.shape), f"{name}: shape {tuple(t.shape)} != {tuple(ref.shape)}"
+    assert tuple(t.shape) == tuple(ref.shape), (
+        f"{name}: shape {tuple(t.shape)} != {tuple(ref.shape)}"
+    )
     assert t.device.type == "cpu", f"{name}: on {t.device}"
     assert t.is_contiguous(), f"{name}: not contiguous (strides {t.stride()})"
     assert torch.equal(raw_bytes(t), raw_bytes(ref)), f"{name}: bytes differ"
@@ -160,7 +164,10 @@ def write_sharded(directory: Path, shards: int = 3, per_shard: int = 4) -> Path:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     save_file(
-        {"stray.only": pattern((4,), torch.float32, seed=7), "layers.0.weight": pattern((3,), torch.uint8)},
+        {
+            "stray.only": pattern((4,), torch.float32, seed=7),
+            "layers.0.weight": pattern((3,), torch.uint8),
+        },
         str(directory / "stray.safetensors"),
     )
     (directory / "config.json").write_text("{}")
@@ -190,19 +197,75 @@ def write_big(path: Path) -> Path:
     return path
 
 
+GIL_ELEMS = 128 * MiB  # one int32 tensor of 512 MiB
+
+
+def write_one_tensor(path: Path) -> Path:
+    save_file({"w": torch.arange(GIL_ELEMS, dtype=torch.int32)}, str(path))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage: what was read, whichever way the loader reads (pread, mmap, ...)
+
+
+def evict(path) -> None:
+    """Drops the file's pages from the page cache (fsync first: dirty pages cannot be dropped)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def cached_bytes(path) -> int:
+    """Bytes of `path` in the page cache (mincore).
+
+    After evict(), this is what buffered reads or mappings of the file brought in from storage
+    (plus the kernel's read-ahead), whether the loader uses pread or mmap.
+    """
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    vec = ctypes.create_string_buffer((size + page - 1) // page)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert _libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw) * page
+
+
 # ---------------------------------------------------------------------------------------------
 # Fresh-interpreter probes
 
 PROBE_PRELUDE = textwrap.dedent(
-    """
+    f"""
     import gc, json, os, resource, sys, threading, time
     import psutil
     import torch
     import fastload
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    from helpers import cached_bytes, evict
 
     MiB = 1 << 20
     PROC = psutil.Process()
-
+    """
+    """
     def rss():
         return PROC.memory_info().rss
 

@@ -20,7 +20,9 @@ _VIEWED: dict[str, Any] = {
 }
 
 
-def to_tensor(dtype: str, shape: tuple[int, ...], capsule: Any, file_hint: str = "") -> torch.Tensor:
+def to_tensor(
+    dtype: str, shape: tuple[int, ...], capsule: Any, file_hint: str = ""
+) -> torch.Tensor:
     tensor = torch.from_dlpack(capsule)
     if dtype not in _VIEWED:
         return tensor

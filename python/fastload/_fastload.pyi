@@ -1,0 +1,28 @@
+"""Type stubs for the native module (checked against it by `mypy.stubtest` in CI)."""
+
+from typing import Any, final
+
+__all__ = ["Stream", "__version__", "cli_main", "inspect", "parse_size"]
+
+__version__: str
+
+@final
+class Stream:
+    def __new__(
+        cls,
+        uris: list[str],
+        *,
+        concurrency: Any = None,
+        block_size: Any = None,
+        memory_limit: Any = None,
+        names: list[str] | None = None,
+        method: str | None = None,
+    ) -> Stream: ...
+    def __iter__(self) -> Stream: ...
+    def __next__(self) -> list[tuple[str, str, tuple[int, ...], Any]]: ...
+    def close(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+def parse_size(value: str) -> int: ...
+def cli_main(argv: list[str]) -> int: ...
+def inspect(uris: list[str]) -> list[dict[str, Any]]: ...

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every check and test: the command README.md gives and CI runs.
+# Sets up .venv (torch, safetensors, pytest, ...) on first use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -r requirements-test.txt
+
+echo "== rust: fmt, clippy, tests"
+cargo fmt --all --check
+cargo clippy --all-targets --features python -- -D warnings
+cargo test --all-targets
+
+echo "== python: build, lint, stubs"
+VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m mypy.stubtest fastload._fastload
+.venv/bin/mypy python/fastload
+
+echo "== python: tests"
+.venv/bin/python -m pytest -q tests "$@"

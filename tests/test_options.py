@@ -1,0 +1,235 @@
+"""Options (sizes, concurrency, device, environment defaults) and the exception contract."""
+
+from __future__ import annotations
+
+import json
+
+import fastload
+import pytest
+import torch
+from helpers import MiB, assert_same_tensors, pattern, reference, run_probe
+from safetensors.torch import save_file
+
+# ---------------------------------------------------------------------------------------------
+# Accepted values give the same bytes
+
+SIZES = ["64KiB", "64MiB", "1GiB", "8MB", "100KB", 65536, 3 * MiB]
+
+
+@pytest.mark.parametrize("value", SIZES)
+def test_block_size(dtypes_file, value):
+    assert_same_tensors(fastload.load(dtypes_file, block_size=value), reference(dtypes_file))
+
+
+# Only values of 1 MiB and up: the loader may set a floor for its buffers (it does: 1 MiB).
+@pytest.mark.parametrize("value", ["64MiB", "1GiB", "8MB", "1MiB", 3 * MiB])
+def test_memory_limit(dtypes_file, value):
+    assert_same_tensors(fastload.load(dtypes_file, memory_limit=value), reference(dtypes_file))
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 8, 64])
+def test_concurrency(dtypes_file, concurrency):
+    assert_same_tensors(fastload.load(dtypes_file, concurrency=concurrency), reference(dtypes_file))
+
+
+def test_all_options_on_stream(dtypes_file):
+    got = dict(fastload.stream(dtypes_file, concurrency=3, block_size="64KiB", memory_limit="1MiB"))
+    assert_same_tensors(got, reference(dtypes_file))
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_cpu_device(dtypes_file, device):
+    got = fastload.load(dtypes_file, device=device)
+    assert {t.device for t in got.values()} == {torch.device("cpu")}
+    assert_same_tensors(got, reference(dtypes_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejected values name the option
+
+BAD_VALUES = [
+    ("block_size", "banana"),
+    ("block_size", "12XB"),
+    ("block_size", ""),
+    ("block_size", "-1MiB"),
+    ("block_size", -1),
+    ("block_size", 0),
+    ("memory_limit", "lots"),
+    ("memory_limit", -5),
+    ("memory_limit", 0),
+    ("concurrency", 0),
+    ("concurrency", -1),
+]
+
+
+def _names_option(message: str, option: str) -> bool:
+    return option in message.lower().replace("-", "_")
+
+
+@pytest.mark.parametrize(("option", "value"), BAD_VALUES)
+def test_bad_option_values(dtypes_file, option, value):
+    with pytest.raises(ValueError) as info:
+        fastload.load(dtypes_file, **{option: value})
+    assert isinstance(info.value, fastload.FastloadError), type(info.value).__mro__
+    assert _names_option(str(info.value), option), str(info.value)
+
+
+@pytest.mark.parametrize(("option", "value"), BAD_VALUES[:1] + BAD_VALUES[-1:])
+def test_bad_option_values_on_stream(dtypes_file, option, value):
+    with pytest.raises(ValueError) as info:
+        list(fastload.stream(dtypes_file, **{option: value}))
+    assert isinstance(info.value, fastload.FastloadError)
+    assert _names_option(str(info.value), option), str(info.value)
+
+
+def test_bad_device(dtypes_file):
+    with pytest.raises(ValueError, match=r"(?i)device|tpu"):
+        fastload.load(dtypes_file, device="tpu:0")
+
+
+def test_options_are_keyword_only(dtypes_file):
+    with pytest.raises(TypeError):
+        fastload.load(dtypes_file, "cpu")
+    with pytest.raises(TypeError):
+        fastload.load(dtypes_file, chunk_size="1MiB")
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment defaults (read in fresh interpreters: they may be read at import time)
+
+ENV_PROBE = """
+from safetensors.torch import load_file
+path, option, good = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def attempt(**kw):
+    try:
+        got = fastload.load(path, **kw)
+    except Exception as e:
+        return {"error": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    want = load_file(path)
+    same = set(got) == set(want) and all(
+        got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+        and torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8))
+        for k in want)
+    return {"same": same}
+
+explicit = {option: int(good) if option == "concurrency" else good}
+emit(default=attempt(), explicit=attempt(**explicit))
+"""
+
+ENV_VARS = {
+    "concurrency": "FASTLOAD_CONCURRENCY",
+    "block_size": "FASTLOAD_BLOCK_SIZE",
+    "memory_limit": "FASTLOAD_MEMORY_LIMIT",
+}
+
+
+@pytest.fixture(scope="module")
+def large_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "large.safetensors"
+    save_file(
+        {"big": pattern((4 * MiB + 5,), torch.uint8), "f": pattern((9, 7), torch.float32)},
+        str(path),
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("option", "bad", "good"),
+    [
+        ("concurrency", "0", "2"),
+        ("block_size", "banana", "1MiB"),
+        ("memory_limit", "lots", "8MiB"),
+    ],
+)
+def test_bad_environment_value_is_reported_and_explicit_argument_wins(
+    large_file, option, bad, good
+):
+    r = run_probe(ENV_PROBE, large_file, option, good, env={ENV_VARS[option]: bad})
+    assert "error" in r["default"], f"{ENV_VARS[option]}={bad!r} was ignored"
+    assert "ValueError" in r["default"]["error"] and "FastloadError" in r["default"]["error"], r
+    msg = r["default"]["message"]
+    assert _names_option(msg, option) or ENV_VARS[option] in msg, msg
+    assert r["explicit"] == {"same": True}, r["explicit"]
+
+
+def test_valid_environment_values(large_file):
+    env = {
+        "FASTLOAD_CONCURRENCY": "2",
+        "FASTLOAD_BLOCK_SIZE": "64KiB",
+        "FASTLOAD_MEMORY_LIMIT": "1MiB",
+    }
+    r = run_probe(ENV_PROBE, large_file, "block_size", "128KiB", env=env)
+    assert r == {"default": {"same": True}, "explicit": {"same": True}}, r
+
+
+# ---------------------------------------------------------------------------------------------
+# Exceptions
+
+
+def test_exception_hierarchy():
+    assert issubclass(fastload.FastloadError, Exception)
+    assert issubclass(fastload.FormatError, fastload.FastloadError)
+    assert issubclass(fastload.FormatError, ValueError)
+    assert issubclass(fastload.StorageError, fastload.FastloadError)
+    assert issubclass(fastload.StorageError, OSError)
+
+
+def _missing_uris(tmp_path, dtypes_file):
+    missing = tmp_path / "nope" / "model.safetensors"
+    return {
+        "str": (str(missing), "model.safetensors"),
+        "path": (missing, "model.safetensors"),
+        "dir": (tmp_path / "no_dir", "no_dir"),
+        "url": (missing.as_uri(), "model.safetensors"),
+        "list": ([dtypes_file, tmp_path / "other.safetensors"], "other.safetensors"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["str", "path", "dir", "url", "list"])
+def test_missing_path_is_file_not_found(tmp_path, dtypes_file, kind):
+    uri, shown = _missing_uris(tmp_path, dtypes_file)[kind]
+    with pytest.raises(FileNotFoundError) as info:
+        fastload.load(uri)
+    assert isinstance(info.value, fastload.FastloadError), type(info.value).__mro__
+    assert shown in str(info.value), str(info.value)
+    with pytest.raises(FileNotFoundError):
+        list(fastload.stream(uri))
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    save_file(
+        {"a": pattern((3,), torch.float32)}, str(tmp_path / "model-00001-of-00002.safetensors")
+    )
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        fastload.load(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (runs only where a CUDA device is present)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 0)])
+def test_cuda_parity(dtypes_file, device):
+    got = fastload.load(dtypes_file, device=device)
+    assert {t.device for t in got.values()} == {torch.device("cuda", 0)}
+    assert_same_tensors({k: v.cpu() for k, v in got.items()}, reference(dtypes_file))
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_stream_through_small_buffers(large_file):
+    got = dict(fastload.stream(large_file, device="cuda", block_size="64KiB", memory_limit="1MiB"))
+    assert {t.device.type for t in got.values()} == {"cuda"}
+    assert_same_tensors({k: v.cpu() for k, v in got.items()}, reference(large_file))
