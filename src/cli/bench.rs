@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
 
-use super::{checkpoint, decimal_bytes, print_stdout, CliError, CliResult, Device};
+use super::report::{method_name, RunReport, Setup};
+use super::{checkpoint, print_stdout, CliError, CliResult, Device};
 use crate::options::{LoadOptions, Method, Resolved, Size};
 use crate::source;
 
@@ -40,7 +40,12 @@ pub(super) struct BenchArgs {
     /// How local files are read: auto (the loader picks), mmap (map the file and fault pages in
     /// from several threads) or read (pread into reused buffers) [default: $FASTLOAD_METHOD,
     /// else auto]
-    #[arg(long, value_name = "METHOD", default_value = "auto", hide_default_value = true)]
+    #[arg(
+        long,
+        value_name = "METHOD",
+        default_value = "auto",
+        hide_default_value = true
+    )]
     method: Method,
     /// Where tensors land: cpu (cuda and cuda:N are not supported by this build yet)
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
@@ -62,65 +67,13 @@ pub(super) struct BenchArgs {
     sweep: bool,
     /// Size of the generated checkpoint used when no URI is given, e.g. 256MiB; it is cached in
     /// $FASTLOAD_CACHE_DIR, else in the user cache directory under fastload/
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", conflicts_with = "uris")]
+    #[arg(
+        long,
+        value_name = "SIZE",
+        default_value = "1GiB",
+        conflicts_with = "uris"
+    )]
     size: Size,
-}
-
-/// One timed load.
-#[derive(Serialize, Clone, Debug)]
-struct RunReport {
-    /// 1-based, in the order the runs happened.
-    run: usize,
-    concurrency: usize,
-    block_size: u64,
-    /// The read strategy the loader used.
-    method: &'static str,
-    bytes: u64,
-    tensors: usize,
-    /// From opening the files (headers included) until the last tensor was read by the consumer.
-    seconds: f64,
-    /// Decimal: 10^9 bytes per second.
-    gb_per_s: f64,
-    /// From opening the files until the first tensor was available; null with no tensors.
-    first_tensor_ms: Option<f64>,
-    checksum: u64,
-}
-
-#[derive(Serialize)]
-struct Grid {
-    concurrency: Vec<usize>,
-    block_size: Vec<u64>,
-}
-
-#[derive(Serialize)]
-struct Report {
-    uris: Vec<String>,
-    files: usize,
-    bytes: u64,
-    tensors: usize,
-    device: String,
-    /// As requested (after FASTLOAD_METHOD); `method_used` is what the loader picked.
-    method: &'static str,
-    method_used: &'static str,
-    /// Of the best run when sweeping.
-    concurrency: usize,
-    block_size: u64,
-    memory_limit: u64,
-    cold: bool,
-    repeat: u32,
-    sweep: Option<Grid>,
-    runs: Vec<RunReport>,
-    best_run: usize,
-    best_gb_per_s: f64,
-    checksum: u64,
-}
-
-fn method_name(m: Method) -> &'static str {
-    match m {
-        Method::Auto => "auto",
-        Method::Mmap => "mmap",
-        Method::Read => "read",
-    }
 }
 
 /// The option sets to run, each validated (FASTLOAD_* variables included) before anything runs.
@@ -201,7 +154,12 @@ fn progress_bar(total: u64, label: String) -> ProgressBar {
     bar
 }
 
-fn load_once(uris: &[String], opts: &LoadOptions, run: usize, label: String) -> CliResult<RunReport> {
+fn load_once(
+    uris: &[String],
+    opts: &LoadOptions,
+    run: usize,
+    label: String,
+) -> CliResult<RunReport> {
     let resolved = opts.resolve()?;
     let started = Instant::now();
     let mut loader = crate::open(uris, opts)?;
@@ -210,7 +168,13 @@ fn load_once(uris: &[String], opts: &LoadOptions, run: usize, label: String) -> 
     while let Some(segment) = loader.next_segment() {
         let segment = segment?;
         first.get_or_insert_with(|| started.elapsed());
-        checksum = checksum.wrapping_add(touch_pages(segment.buffer.as_slice()));
+        let data = segment.buffer.as_slice();
+        // Per tensor, so the checksum depends on the file's bytes only, not on how a
+        // configuration cut the file into segments: every run of a sweep must agree.
+        for t in &segment.tensors {
+            let range = t.offset as usize..(t.offset + t.len) as usize;
+            checksum = checksum.wrapping_add(touch_pages(&data[range]));
+        }
         let n: u64 = segment.tensors.iter().map(|t| t.len).sum();
         bytes += n;
         tensors += segment.tensors.len();
@@ -236,97 +200,27 @@ fn load_once(uris: &[String], opts: &LoadOptions, run: usize, label: String) -> 
     })
 }
 
-/// The values of one sweep axis, in grid order.
-fn distinct<T: PartialEq>(values: impl Iterator<Item = T>) -> Vec<T> {
-    let mut out = Vec::new();
-    for v in values {
-        if !out.contains(&v) {
-            out.push(v);
-        }
-    }
-    out
+/// The files to evict with `--cold`, and what one load covers, from the headers alone (so a
+/// bad file fails before the first run).
+fn describe(uris: &[String]) -> CliResult<(Vec<PathBuf>, usize, u64)> {
+    let shards = source::open_all(uris)?;
+    let files = shards.iter().map(|s| s.path.clone()).collect();
+    let tensors = shards.iter().map(|s| s.header.tensors.len()).sum();
+    let bytes = shards.iter().map(|s| s.header.data_len()).sum();
+    Ok((files, tensors, bytes))
 }
 
-/// Fixed-width rows, so each can be printed as soon as its run ends.
-fn row(r: &RunReport, sweep: bool) -> String {
-    let first = r
-        .first_tensor_ms
-        .map_or_else(|| "-".into(), |ms| format!("{ms:.2} ms"));
-    let config = if sweep {
-        format!("{:>11}  {:>10}  ", r.concurrency, Size(r.block_size).to_string())
-    } else {
-        String::new()
-    };
-    format!(
-        "{:>4}  {config}{:>14}  {:>8}  {:>8.4}  {:>7.3}  {first:>12}\n",
-        r.run, r.bytes, r.tensors, r.seconds, r.gb_per_s
-    )
-}
-
-fn header_row(sweep: bool) -> String {
-    let config = if sweep {
-        format!("{:>11}  {:>10}  ", "concurrency", "block size")
-    } else {
-        String::new()
-    };
-    format!(
-        "{:>4}  {config}{:>14}  {:>8}  {:>8}  {:>7}  {:>12}\n",
-        "run", "bytes", "tensors", "seconds", "GB/s", "first tensor"
-    )
-}
-
-pub(super) fn run(args: BenchArgs) -> CliResult {
-    args.device.check_supported()?;
-    let configs = configs(&args)?;
-    let uris = if args.uris.is_empty() {
-        vec![checkpoint::ensure(args.size.0)?.display().to_string()]
-    } else {
-        args.uris.clone()
-    };
-    // Headers once up front: fails fast on a bad file, describes the load, lists files to evict.
-    let shards = source::open_all(&uris)?;
-    let files: Vec<PathBuf> = shards.iter().map(|s| s.path.clone()).collect();
-    let tensors: usize = shards.iter().map(|s| s.header.tensors.len()).sum();
-    let bytes: u64 = shards.iter().map(|s| s.header.data_len()).sum();
-    drop(shards);
-
-    let repeat = args.repeat.unwrap_or(if args.sweep { 1 } else { 3 });
-    let total = configs.len() * repeat as usize;
-    let resolved = &configs[0].1;
-    if !args.json {
-        let plural = |n: usize| if n == 1 { "" } else { "s" };
-        let mut intro = format!(
-            "fastload bench: {} ({} file{}, {tensors} tensor{}) from {}\n",
-            decimal_bytes(bytes),
-            files.len(),
-            plural(files.len()),
-            plural(tensors),
-            uris.join(" ")
-        );
-        let config = if args.sweep {
-            String::new()
-        } else {
-            format!(
-                ", concurrency {}, block size {}",
-                resolved.concurrency,
-                Size(resolved.block_size)
-            )
-        };
-        intro.push_str(&format!(
-            "device {}, method {}{config}, memory limit {}, {} page cache, {total} run{}\n\n",
-            args.device,
-            method_name(resolved.method),
-            Size(resolved.memory_limit),
-            if args.cold { "cold" } else { "warm" },
-            plural(total),
-        ));
-        intro.push_str(&header_row(args.sweep));
-        print_stdout(&intro)?;
-    }
-
-    let mut runs: Vec<RunReport> = Vec::with_capacity(total);
-    for (opts, resolved) in &configs {
-        for _ in 0..repeat {
+/// Every configuration `repeat` times, each row printed as its run ends.
+fn execute(
+    args: &BenchArgs,
+    setup: &Setup<'_>,
+    configs: &[LoadOptions],
+    files: &[PathBuf],
+) -> CliResult<Vec<RunReport>> {
+    let total = configs.len() * setup.repeat as usize;
+    let mut runs = Vec::with_capacity(total);
+    for (opts, resolved) in configs.iter().zip(&setup.configs) {
+        for _ in 0..setup.repeat {
             if args.cold {
                 files.iter().try_for_each(|f| evict(f))?;
             }
@@ -339,65 +233,50 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
                     Size(resolved.block_size)
                 ));
             }
-            let report = load_once(&uris, opts, n, label)?;
+            let run = load_once(setup.uris, opts, n, label)?;
             if !args.json {
-                print_stdout(&row(&report, args.sweep))?;
+                print_stdout(&setup.row(&run))?;
             }
-            runs.push(report);
+            runs.push(run);
         }
     }
-    if runs.iter().any(|r| r.checksum != runs[0].checksum) {
-        eprintln!("fastload: warning: runs read different bytes (checksums differ); did a file change?");
-    }
-    let best = runs
-        .iter()
-        .max_by(|a, b| a.gb_per_s.total_cmp(&b.gb_per_s))
-        .expect("at least one run")
-        .clone();
+    Ok(runs)
+}
 
-    if args.json {
-        let report = Report {
-            uris,
-            files: files.len(),
-            bytes: runs[0].bytes,
-            tensors: runs[0].tensors,
-            device: args.device.to_string(),
-            method: method_name(resolved.method),
-            method_used: best.method,
-            concurrency: best.concurrency,
-            block_size: best.block_size,
-            memory_limit: resolved.memory_limit,
-            cold: args.cold,
-            repeat,
-            sweep: args.sweep.then(|| Grid {
-                concurrency: distinct(configs.iter().map(|c| c.1.concurrency)),
-                block_size: distinct(configs.iter().map(|c| c.1.block_size)),
-            }),
-            best_run: best.run,
-            best_gb_per_s: best.gb_per_s,
-            checksum: best.checksum,
-            runs,
-        };
-        let mut text = serde_json::to_string(&report).expect("the report serializes");
-        text.push('\n');
-        return print_stdout(&text);
-    }
-    let first = best
-        .first_tensor_ms
-        .map_or_else(String::new, |ms| format!(", first tensor {ms:.2} ms"));
-    let config = if args.sweep {
-        format!(
-            ", concurrency {}, block size {}",
-            best.concurrency,
-            Size(best.block_size)
-        )
+pub(super) fn run(args: BenchArgs) -> CliResult {
+    args.device.check_supported()?;
+    let (configs, resolved): (Vec<_>, Vec<_>) = configs(&args)?.into_iter().unzip();
+    let uris = if args.uris.is_empty() {
+        vec![checkpoint::ensure(args.size.0)?.display().to_string()]
     } else {
-        String::new()
+        args.uris.clone()
     };
-    print_stdout(&format!(
-        "\nbest: run {} (method {}{config}): {:.3} GB/s, {:.3} s{first}\n",
-        best.run, best.method, best.gb_per_s, best.seconds
-    ))
+    let (files, tensors, bytes) = describe(&uris)?;
+    let setup = Setup {
+        uris: &uris,
+        files: files.len(),
+        bytes,
+        tensors,
+        device: &args.device,
+        configs: resolved,
+        repeat: args.repeat.unwrap_or(if args.sweep { 1 } else { 3 }),
+        cold: args.cold,
+        sweep: args.sweep,
+    };
+    if !args.json {
+        print_stdout(&setup.intro())?;
+    }
+    let runs = execute(&args, &setup, &configs, &files)?;
+    if runs.iter().any(|r| r.checksum != runs[0].checksum) {
+        eprintln!(
+            "fastload: warning: runs read different bytes (checksums differ); did a file change?"
+        );
+    }
+    if args.json {
+        print_stdout(&setup.json(&runs))
+    } else {
+        print_stdout(&setup.summary(&runs))
+    }
 }
 
 #[cfg(test)]

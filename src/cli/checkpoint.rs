@@ -114,10 +114,26 @@ impl Layout {
                     Fill::Random,
                 ));
             }
-            out.push(spec(format!("{p}.mlp.gate_proj.weight"), vec![i, h], Fill::Random));
-            out.push(spec(format!("{p}.mlp.up_proj.weight"), vec![i, h], Fill::Random));
-            out.push(spec(format!("{p}.mlp.down_proj.weight"), vec![h, i], Fill::Random));
-            out.push(spec(format!("{p}.input_layernorm.weight"), vec![h], Fill::Ones));
+            out.push(spec(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![i, h],
+                Fill::Random,
+            ));
+            out.push(spec(
+                format!("{p}.mlp.up_proj.weight"),
+                vec![i, h],
+                Fill::Random,
+            ));
+            out.push(spec(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![h, i],
+                Fill::Random,
+            ));
+            out.push(spec(
+                format!("{p}.input_layernorm.weight"),
+                vec![h],
+                Fill::Ones,
+            ));
             out.push(spec(
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![h],

@@ -1,0 +1,314 @@
+//! The `fastload` binary end to end: bench and inspect on small files written here, the generated
+//! checkpoint cache, and the error contract (one `fastload: error:` line, exit code 1).
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fastload");
+
+/// Writes a safetensors file holding `tensors` (name, dtype, shape, element size) with patterned
+/// bytes; returns the bytes of tensor data.
+fn write_safetensors(path: &Path, tensors: &[(&str, &str, &[u64], u64)]) -> u64 {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, dtype, shape, item) in tensors {
+        let len = shape.iter().product::<u64>() * item;
+        let begin = data.len() as u64;
+        data.extend((0..len).map(|i| (i % 251) as u8));
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, begin + len]}),
+        );
+    }
+    let mut json = serde_json::to_vec(&header).unwrap();
+    json.resize(json.len().div_ceil(8) * 8, b' ');
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&json);
+    bytes.extend_from_slice(&data);
+    fs::write(path, bytes).unwrap();
+    data.len() as u64
+}
+
+fn sample(dir: &Path) -> (PathBuf, u64) {
+    let path = dir.join("model.safetensors");
+    let bytes = write_safetensors(
+        &path,
+        &[
+            ("embed", "BF16", &[300, 64], 2),
+            ("layer.0.weight", "F32", &[64, 64], 4),
+            ("layer.0.bias", "F32", &[64], 4),
+            ("scalar", "I64", &[], 8),
+            ("empty", "F16", &[0, 4], 2),
+            ("big", "U8", &[3 << 20], 1),
+        ],
+    );
+    (path, bytes)
+}
+
+fn fastload(args: &[&str], cache: Option<&Path>) -> Output {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args);
+    for var in [
+        "FASTLOAD_CONCURRENCY",
+        "FASTLOAD_BLOCK_SIZE",
+        "FASTLOAD_MEMORY_LIMIT",
+        "FASTLOAD_METHOD",
+    ] {
+        cmd.env_remove(var);
+    }
+    match cache {
+        Some(dir) => cmd.env("FASTLOAD_CACHE_DIR", dir),
+        None => cmd.env_remove("FASTLOAD_CACHE_DIR"),
+    };
+    cmd.output().expect("the fastload binary runs")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "exit {:?}, stderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+/// Exit code 1 and exactly one `fastload: error:` line on stderr; returns that line.
+fn error_line(out: &Output) -> String {
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr.clone()).unwrap();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "stderr: {stderr}");
+    assert!(
+        lines[0].starts_with("fastload: error: "),
+        "stderr: {stderr}"
+    );
+    assert!(out.stdout.is_empty());
+    lines[0].to_string()
+}
+
+#[test]
+fn bench_json_reports_the_file_totals() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, bytes) = sample(dir.path());
+    let p = path.to_str().unwrap();
+    let mut checksums = Vec::new();
+    for method in ["auto", "mmap", "read"] {
+        let out = fastload(
+            &[
+                "bench",
+                p,
+                "--json",
+                "--repeat",
+                "2",
+                "--method",
+                method,
+                "--block-size",
+                "1MiB",
+                "--concurrency",
+                "4",
+                "--memory-limit",
+                "8MiB",
+            ],
+            None,
+        );
+        let v = json_of(&out);
+        assert_eq!(v["bytes"], bytes);
+        assert_eq!(v["tensors"], 6);
+        assert_eq!(v["files"], 1);
+        assert_eq!(v["concurrency"], 4);
+        assert_eq!(v["block_size"], 1 << 20);
+        assert_eq!(v["memory_limit"], 8 << 20);
+        assert_eq!(v["method"], method);
+        assert_eq!(v["device"], "cpu");
+        assert_eq!(v["cold"], false);
+        assert_eq!(v["uris"][0], p);
+        let runs = v["runs"].as_array().unwrap();
+        assert_eq!(runs.len(), 2);
+        for run in runs {
+            assert!(run["seconds"].as_f64().unwrap() > 0.0);
+            assert!(run["gb_per_s"].as_f64().unwrap() > 0.0);
+            assert!(run["first_tensor_ms"].as_f64().unwrap() >= 0.0);
+            assert_eq!(run["bytes"], bytes);
+            assert_eq!(run["checksum"], v["checksum"]);
+        }
+        let best = runs
+            .iter()
+            .map(|r| r["gb_per_s"].as_f64().unwrap())
+            .fold(0.0, f64::max);
+        assert_eq!(v["best_gb_per_s"].as_f64().unwrap(), best);
+        checksums.push(v["checksum"].as_u64().unwrap());
+    }
+    // The checksum depends on the bytes only: every read strategy must see the same.
+    assert!(
+        checksums.iter().all(|&c| c == checksums[0]),
+        "{checksums:?}"
+    );
+}
+
+#[test]
+fn bench_table_cold_and_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, bytes) = sample(dir.path());
+    let p = path.to_str().unwrap();
+    let out = fastload(&["bench", p, "--cold", "--repeat", "1"], None);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("GB/s") && text.contains("first tensor"),
+        "{text}"
+    );
+    assert!(text.contains(&bytes.to_string()), "{text}");
+    assert!(text.contains("cold page cache") && text.contains("best: run 1"));
+
+    let v = json_of(&fastload(
+        &["bench", p, "--sweep", "--block-size", "1MiB", "--json"],
+        None,
+    ));
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 5);
+    assert!(runs.iter().all(|r| r["checksum"] == v["checksum"]));
+    assert_eq!(
+        v["sweep"]["concurrency"],
+        serde_json::json!([4, 8, 16, 32, 64])
+    );
+    assert_eq!(v["sweep"]["block_size"], serde_json::json!([1 << 20]));
+}
+
+#[test]
+fn inspect_lists_every_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, bytes) = sample(dir.path());
+    let p = path.to_str().unwrap();
+    let v = json_of(&fastload(&["inspect", p, "--json"], None));
+    assert_eq!(
+        v["total"],
+        serde_json::json!({"files": 1, "tensors": 6, "bytes": bytes})
+    );
+    let tensors = v["tensors"].as_array().unwrap();
+    let embed = tensors.iter().find(|t| t["name"] == "embed").unwrap();
+    assert_eq!(embed["dtype"], "BF16");
+    assert_eq!(embed["shape"], serde_json::json!([300, 64]));
+    assert_eq!(embed["bytes"], 300 * 64 * 2);
+    assert_eq!(embed["file"], p);
+    let scalar = tensors.iter().find(|t| t["name"] == "scalar").unwrap();
+    assert_eq!(scalar["shape"], serde_json::json!([]));
+    assert_eq!(v["files"][0]["size"], fs::metadata(&path).unwrap().len());
+
+    let out = fastload(&["inspect", dir.path().to_str().unwrap()], None);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("layer.0.weight") && text.contains("[64, 64]"));
+    assert!(text.contains(&format!("total: 1 file, 6 tensors, {bytes} bytes")));
+}
+
+#[test]
+fn errors_are_one_line_with_exit_code_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.safetensors");
+    let missing = missing.to_str().unwrap();
+    for cmd in ["bench", "inspect"] {
+        let line = error_line(&fastload(&[cmd, missing], None));
+        assert!(line.contains(missing), "{line}");
+    }
+
+    let bad = dir.path().join("bad.safetensors");
+    fs::write(&bad, b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": nonsense}").unwrap();
+    let bad = bad.to_str().unwrap();
+    for cmd in ["bench", "inspect"] {
+        let line = error_line(&fastload(&[cmd, bad], None));
+        assert!(
+            line.contains(bad) && line.contains("invalid safetensors"),
+            "{line}"
+        );
+    }
+
+    let (good, _) = sample(dir.path());
+    let good = good.to_str().unwrap();
+    let line = error_line(&fastload(&["bench", good, "--device", "cuda"], None));
+    assert_eq!(
+        line,
+        "fastload: error: device cuda is not supported by this build yet"
+    );
+    let line = error_line(&fastload(&["bench", good, "--concurrency", "0"], None));
+    assert!(line.contains("concurrency"), "{line}");
+    error_line(&fastload(&["bench", "s3://bucket/model.safetensors"], None));
+
+    // Usage errors are clap's: its message and exit code 2.
+    let out = fastload(&["bench", good, "--block-size", "12XB"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("12XB"));
+    assert_eq!(fastload(&["inspect"], None).status.code(), Some(2));
+}
+
+#[test]
+fn help_and_version() {
+    let out = fastload(&["bench", "--help"], None);
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for option in [
+        "--concurrency",
+        "--block-size",
+        "--memory-limit",
+        "--method",
+        "--device",
+        "--repeat",
+        "--cold",
+        "--json",
+        "--sweep",
+        "--size",
+        "MiB",
+    ] {
+        assert!(help.contains(option), "{option} missing from:\n{help}");
+    }
+    let out = fastload(&["--version"], None);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap().trim(),
+        format!("fastload {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn bench_without_uri_generates_once_and_reuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let args = ["bench", "--size", "8MiB", "--repeat", "1", "--json"];
+
+    let first = fastload(&args, Some(&cache));
+    let v = json_of(&first);
+    let files: Vec<PathBuf> = fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let file = &files[0];
+    let name = file.file_name().unwrap().to_str().unwrap();
+    assert!(
+        name.contains("8MiB") && name.ends_with(".safetensors"),
+        "{name}"
+    );
+    assert_eq!(v["uris"][0], file.to_str().unwrap());
+    let bytes = v["bytes"].as_u64().unwrap();
+    assert!(bytes <= 8 << 20 && bytes > 8_000_000, "{bytes}");
+    assert!(String::from_utf8_lossy(&first.stderr).contains(file.to_str().unwrap()));
+
+    let inode = fs::metadata(file).unwrap().ino();
+    let second = json_of(&fastload(&args, Some(&cache)));
+    assert_eq!(fs::metadata(file).unwrap().ino(), inode, "regenerated");
+    assert_eq!(second["bytes"], bytes);
+    assert_eq!(second["checksum"], v["checksum"]);
+    assert_eq!(fs::read_dir(&cache).unwrap().count(), 1);
+
+    // The generated file is what `inspect` sees too.
+    let listing = json_of(&fastload(
+        &["inspect", file.to_str().unwrap(), "--json"],
+        None,
+    ));
+    assert_eq!(listing["total"]["bytes"], bytes);
+    assert_eq!(listing["total"]["tensors"], v["tensors"]);
+}
