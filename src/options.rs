@@ -88,6 +88,22 @@ pub enum Method {
     Read,
 }
 
+impl Method {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Auto => "auto",
+            Method::Mmap => "mmap",
+            Method::Read => "read",
+        }
+    }
+}
+
+impl fmt::Display for Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl FromStr for Method {
     type Err = String;
 

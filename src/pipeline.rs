@@ -263,7 +263,7 @@ impl Loader {
         self.method
     }
 
-    /// Time from start to the first segment handed out.
+    /// Time from the start of reading (after headers were parsed) to the first segment handed out.
     pub fn first_segment_after(&self) -> Option<Duration> {
         self.first
     }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::report::{method_name, RunReport, Setup};
+use super::report::{RunReport, Setup};
 use super::{checkpoint, print_stdout, CliError, CliResult, Device};
 use crate::options::{LoadOptions, Method, Resolved, Size};
 use crate::source;
@@ -186,7 +186,7 @@ fn load_once(
         run,
         concurrency: resolved.concurrency,
         block_size: resolved.block_size,
-        method: method_name(loader.method()),
+        method: loader.method().as_str(),
         bytes,
         tensors,
         seconds,

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use super::{decimal_bytes, Device};
-use crate::options::{Method, Resolved, Size};
+use crate::options::{Resolved, Size};
 
 /// One timed load.
 #[derive(Serialize, Clone, Debug)]
@@ -70,14 +70,6 @@ struct Report<'a> {
     checksum: u64,
 }
 
-pub(super) fn method_name(m: Method) -> &'static str {
-    match m {
-        Method::Auto => "auto",
-        Method::Mmap => "mmap",
-        Method::Read => "read",
-    }
-}
-
 fn plural(n: usize, what: &str) -> String {
     format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
@@ -125,7 +117,7 @@ impl Setup<'_> {
             plural(self.tensors, "tensor"),
             self.uris.join(" "),
             self.device,
-            method_name(first.method),
+            first.method.as_str(),
             Size(first.memory_limit),
             if self.cold { "cold" } else { "warm" },
             plural(self.runs(), "run"),
@@ -197,7 +189,7 @@ impl Setup<'_> {
             bytes: best.bytes,
             tensors: best.tensors,
             device: self.device.to_string(),
-            method: method_name(first.method),
+            method: first.method.as_str(),
             method_used: best.method,
             concurrency: best.concurrency,
             block_size: best.block_size,

@@ -7,7 +7,6 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::{dlpack, errors, options};
 use crate::pipeline::{self, Loader};
-use crate::Method;
 
 /// A running load. Each `next()` waits (GIL released) for the next completed segment and returns
 /// a list of `(name, dtype, shape, capsule)`; a capsule holds the tensor as the native DLPack dtype
@@ -100,14 +99,7 @@ impl Stream {
                 "first_segment_ms",
                 l.first_segment_after().map(|t| t.as_secs_f64() * 1e3),
             )?;
-            d.set_item(
-                "method",
-                match l.method() {
-                    Method::Mmap => "mmap",
-                    Method::Read => "read",
-                    Method::Auto => "auto",
-                },
-            )?;
+            d.set_item("method", l.method().as_str())?;
         }
         Ok(d)
     }
