@@ -25,16 +25,15 @@ pub struct Shard {
 }
 
 fn local_path(uri: &str) -> Result<PathBuf> {
-    if let Some(rest) = uri.strip_prefix("file://") {
-        // file:///abs/path or file://localhost/abs/path
-        let rest = rest.strip_prefix("localhost").unwrap_or(rest);
-        if !rest.starts_with('/') {
-            return Err(Error::UnsupportedUri {
+    if uri.starts_with("file:") {
+        // file:///abs/path, file://localhost/abs/path, percent-encoded as Path::as_uri() writes.
+        return url::Url::parse(uri)
+            .ok()
+            .and_then(|u| u.to_file_path().ok())
+            .ok_or_else(|| Error::UnsupportedUri {
                 uri: uri.to_string(),
-                message: "file:// URLs must hold an absolute path".into(),
+                message: "not a valid file:// URL with an absolute path".into(),
             });
-        }
-        return Ok(PathBuf::from(rest));
     }
     if let Some((scheme, _)) = uri.split_once("://") {
         return Err(Error::UnsupportedUri {

@@ -1,5 +1,7 @@
 """Session fixtures: checkpoints written once by the reference writer (see helpers.py)."""
 
+import os
+
 import helpers
 import pytest
 
@@ -7,8 +9,8 @@ import pytest
 @pytest.fixture(autouse=True)
 def _no_fastload_env(monkeypatch):
     """Tests start from the built-in defaults, whatever the caller's environment says."""
-    for var in ("FASTLOAD_CONCURRENCY", "FASTLOAD_BLOCK_SIZE", "FASTLOAD_MEMORY_LIMIT"):
-        monkeypatch.delenv(var, raising=False)
+    for var in [v for v in os.environ if v.startswith("FASTLOAD_")]:
+        monkeypatch.delenv(var)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import json
 import math
 import mmap
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -226,8 +227,8 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 
-def cached_bytes(path) -> int:
-    """Bytes of `path` in the page cache (mincore).
+def cached_bytes(path, start: int = 0, end: int | None = None) -> int:
+    """Bytes of `path[start:end]` in the page cache (mincore), counted in whole pages.
 
     After evict(), this is what buffered reads or mappings of the file brought in from storage
     (plus the kernel's read-ahead), whether the loader uses pread or mmap.
@@ -247,7 +248,14 @@ def cached_bytes(path) -> int:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
-    return sum(b & 1 for b in vec.raw) * page
+    first, last = start // page, (size if end is None else end) // page
+    return sum(b & 1 for b in vec.raw[first:last]) * page
+
+
+def data_offset(path) -> int:
+    """Where the data section of a safetensors file starts."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,20 +317,32 @@ PROBE_PRELUDE = textwrap.dedent(
 )
 
 
-def run_probe(code: str, *args, env: dict | None = None, timeout: float = 180) -> dict:
-    """Runs PROBE_PRELUDE + `code` in a fresh interpreter; returns what it passed to emit()."""
+def start_probe(code: str, *args, env: dict | None = None) -> subprocess.Popen:
+    """Starts PROBE_PRELUDE + `code` in a fresh interpreter (FASTLOAD_* taken from `env` only)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
     full_env.update(env or {})
-    proc = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", PROBE_PRELUDE + textwrap.dedent(code), *map(str, args)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=full_env,
-        timeout=timeout,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+
+
+def finish_probe(proc: subprocess.Popen, timeout: float = 180) -> dict:
+    """Waits for a probe; returns what it passed to emit()."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
-        f"probe failed (rc {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\n"
-        f"stderr:\n{proc.stderr[-3000:]}"
+        f"probe failed (rc {proc.returncode})\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
     )
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def run_probe(code: str, *args, env: dict | None = None, timeout: float = 180) -> dict:
+    return finish_probe(start_probe(code, *args, env=env), timeout)

@@ -7,7 +7,7 @@ import json
 import fastload
 import pytest
 import torch
-from helpers import MiB, assert_same_tensors, pattern, reference, run_probe
+from helpers import MiB, assert_same_tensors, finish_probe, pattern, reference, start_probe
 from safetensors.torch import save_file
 
 # ---------------------------------------------------------------------------------------------
@@ -134,32 +134,41 @@ def large_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize(
-    ("option", "bad", "good"),
-    [
-        ("concurrency", "0", "2"),
-        ("block_size", "banana", "1MiB"),
-        ("memory_limit", "lots", "8MiB"),
-    ],
-)
-def test_bad_environment_value_is_reported_and_explicit_argument_wins(
-    large_file, option, bad, good
-):
-    r = run_probe(ENV_PROBE, large_file, option, good, env={ENV_VARS[option]: bad})
-    assert "error" in r["default"], f"{ENV_VARS[option]}={bad!r} was ignored"
+ENV_CASES = {
+    "concurrency": ("0", "2"),
+    "block_size": ("banana", "1MiB"),
+    "memory_limit": ("lots", "8MiB"),
+}
+VALID_ENV = {
+    "FASTLOAD_CONCURRENCY": "2",
+    "FASTLOAD_BLOCK_SIZE": "64KiB",
+    "FASTLOAD_MEMORY_LIMIT": "1MiB",
+}
+
+
+@pytest.fixture(scope="module")
+def env_results(large_file):
+    """Every environment scenario, each in its own interpreter, all started at once."""
+    procs = {
+        option: start_probe(ENV_PROBE, large_file, option, good, env={ENV_VARS[option]: bad})
+        for option, (bad, good) in ENV_CASES.items()
+    }
+    procs["valid"] = start_probe(ENV_PROBE, large_file, "block_size", "128KiB", env=VALID_ENV)
+    return {key: finish_probe(proc) for key, proc in procs.items()}
+
+
+@pytest.mark.parametrize("option", list(ENV_CASES))
+def test_bad_environment_value_is_reported_and_explicit_argument_wins(env_results, option):
+    r = env_results[option]
+    assert "error" in r["default"], f"{ENV_VARS[option]}={ENV_CASES[option][0]!r} was ignored"
     assert "ValueError" in r["default"]["error"] and "FastloadError" in r["default"]["error"], r
     msg = r["default"]["message"]
     assert _names_option(msg, option) or ENV_VARS[option] in msg, msg
     assert r["explicit"] == {"same": True}, r["explicit"]
 
 
-def test_valid_environment_values(large_file):
-    env = {
-        "FASTLOAD_CONCURRENCY": "2",
-        "FASTLOAD_BLOCK_SIZE": "64KiB",
-        "FASTLOAD_MEMORY_LIMIT": "1MiB",
-    }
-    r = run_probe(ENV_PROBE, large_file, "block_size", "128KiB", env=env)
+def test_valid_environment_values(env_results):
+    r = env_results["valid"]
     assert r == {"default": {"same": True}, "explicit": {"same": True}}, r
 
 

@@ -103,6 +103,42 @@ def test_file_url_is_percent_decoded(dtypes_file, tmp_path):
     assert_same_tensors(fastload.load(uri), reference(dtypes_file))
 
 
+def test_path_with_spaces_and_unicode(dtypes_file, tmp_path):
+    target = tmp_path / "a dir ü" / "my model ✓.safetensors"
+    target.parent.mkdir()
+    shutil.copy(dtypes_file, target)
+    assert_same_tensors(fastload.load(target), reference(dtypes_file))
+    assert_same_tensors(fastload.load(target.parent), reference(dtypes_file))
+
+
+def test_symlinked_shards_like_the_hub_cache(sharded_dir, tmp_path):
+    # huggingface_hub snapshots are directories of symlinks into a blobs/ folder.
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for k, f in enumerate(
+        [*indexed_files(sharded_dir), sharded_dir / "model.safetensors.index.json"]
+    ):
+        shutil.copy(f, blobs / f"blob{k}")
+        (snapshot / f.name).symlink_to(blobs / f"blob{k}")
+    want = reference(*indexed_files(sharded_dir))
+    assert_same_tensors(fastload.load(snapshot), want)
+    linked_dir = tmp_path / "linked"
+    linked_dir.symlink_to(snapshot)
+    assert_same_tensors(fastload.load(linked_dir), want)
+
+
+def test_many_files(tmp_path):
+    for k in range(300):
+        save_file(
+            {f"t{k}": pattern((k % 7 + 1, 3), torch.float16, seed=k)},
+            str(tmp_path / f"{k}.safetensors"),
+        )
+    want = reference(*sorted(tmp_path.glob("*.safetensors")))
+    assert len(want) == 300
+    assert_same_tensors(fastload.load(tmp_path, concurrency=4), want)
+
+
 def test_tensors_larger_than_block_size_and_memory_limit(tmp_path):
     path = tmp_path / "large.safetensors"
     tensors = {

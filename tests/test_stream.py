@@ -24,6 +24,8 @@ from helpers import (
     assert_same_tensor,
     assert_same_tensors,
     big_name,
+    cached_bytes,
+    data_offset,
     evict,
     indexed_files,
     pattern,
@@ -286,6 +288,53 @@ def test_load_holds_one_copy_and_frees_it(big_file):
         )
     for after in r["afters"]:
         assert after < 2 * LIMIT + 100 * MiB, f"{after / MiB:.0f} MiB still resident after del"
+
+
+def test_names_reads_only_those_tensors(big_file):
+    evict(big_file)
+    chosen = [7, 40]
+    got = fastload.load(big_file, names=[big_name(i) for i in chosen])
+    assert sorted(got) == [big_name(i) for i in chosen]
+    assert int(got[big_name(40)][0]) == 40 * BIG_ELEMS
+    # The kernel reads ahead of what is asked (8 MiB windows on these disks), so look only at
+    # tensors at least two away from a chosen one (and from the header, which is read too):
+    # none of their pages may have been fetched.
+    base, size = data_offset(big_file), BIG_ELEMS * 4
+    far = [i for i in range(1, BIG_TENSORS) if all(abs(i - c) > 2 for c in chosen)]
+    fetched = {i: cached_bytes(big_file, base + i * size, base + (i + 1) * size) for i in far}
+    assert not any(fetched.values()), {big_name(i): n for i, n in fetched.items() if n}
+
+
+def test_fork_after_load(dtypes_file):
+    r = run_probe(
+        """
+        path = sys.argv[1]
+        before = fastload.load(path)
+        pid = os.fork()
+        if pid == 0:  # the child: a fresh runtime must serve it, not the parent's dead threads
+            try:
+                again = fastload.load(path)
+                same = all(torch.equal(again[k].reshape(-1).view(torch.uint8),
+                                       before[k].reshape(-1).view(torch.uint8)) for k in before)
+                os._exit(0 if same and len(again) == len(before) else 1)
+            except BaseException:
+                os._exit(2)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not done:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        after = fastload.load(path)  # and the parent still works
+        emit(child=os.waitstatus_to_exitcode(status) if done else "hung", parent=len(after))
+        """,
+        dtypes_file,
+    )
+    assert r["child"] == 0, f"load in a forked child: {r['child']} (1 wrong data, 2 raised)"
+    assert r["parent"] == len(reference(dtypes_file))
 
 
 # ---------------------------------------------------------------------------------------------
