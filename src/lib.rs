@@ -10,6 +10,7 @@ pub mod cli;
 pub mod error;
 pub mod format;
 pub mod memory;
+pub mod object;
 pub mod options;
 pub mod pipeline;
 pub mod plan;

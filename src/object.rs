@@ -18,8 +18,8 @@ use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::path::Path;
 use object_store::{
-    BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, GetRange, ObjectStore,
-    ObjectStoreExt, ObjectStoreScheme, RetryConfig,
+    BackoffConfig, ClientConfigKey, GetOptions, GetRange, ObjectStore, ObjectStoreExt,
+    ObjectStoreScheme, RetryConfig,
 };
 use url::Url;
 
@@ -32,12 +32,16 @@ const SCHEMES: &[&str] = &[
     "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https",
 ];
 
-/// Whole-request limit. A block must finish inside it, so it is sized for 8 MiB blocks on slow,
-/// shared links (about 70 KB/s per stream); stalls are caught sooner by [`READ_TIMEOUT`].
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
-/// No byte for this long means a stalled connection: the read is retried from where it stopped.
-const READ_TIMEOUT: Duration = Duration::from_secs(30);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// HTTP client defaults, applied before the environment and the options (which can override them):
+/// - `timeout` covers a whole request, body included (object_store's default is 30 s): sized for
+///   8 MiB blocks on slow, shared links (about 70 KB/s per stream);
+/// - `read_timeout`: no byte for this long means a stalled connection, and the read is resumed;
+/// - `connect_timeout`: a dead or filtered endpoint fails fast.
+const CLIENT_DEFAULTS: &[(ClientConfigKey, &str)] = &[
+    (ClientConfigKey::Timeout, "120s"),
+    (ClientConfigKey::ReadTimeout, "30s"),
+    (ClientConfigKey::ConnectTimeout, "5s"),
+];
 /// Requests retried by object_store (5xx, 429, SlowDown, connection errors): bounded in count and
 /// time so that a dead endpoint fails in seconds, not minutes.
 const MAX_RETRIES: usize = 6;
@@ -110,52 +114,64 @@ pub fn open_with_env(
     remember_secrets(options, &env);
     install_crypto();
     let (retry, store_options) = split_retry_options(options)?;
-    let client = ClientOptions::new()
-        .with_timeout(REQUEST_TIMEOUT)
-        .with_read_timeout(READ_TIMEOUT)
-        .with_connect_timeout(CONNECT_TIMEOUT);
-    let store: Arc<dyn ObjectStore> = match scheme {
-        ObjectStoreScheme::AmazonS3 => Arc::new(
-            s3_builder(uri, &store_options, &env)?
-                .with_client_options(client)
-                .with_retry(retry)
-                .build()
-                .map_err(|e| build_error(&shown, e))?,
-        ),
+    let built = match scheme {
+        ObjectStoreScheme::AmazonS3 => s3_builder(uri, &store_options, &env)?
+            .with_retry(retry)
+            .build()
+            .map(|s| Arc::new(s) as Arc<dyn ObjectStore>),
         ObjectStoreScheme::GoogleCloudStorage => {
-            let mut b = GoogleCloudStorageBuilder::from_env()
-                .with_url(uri)
-                .with_client_options(client)
-                .with_retry(retry);
+            let mut b = GoogleCloudStorageBuilder::new().with_url(uri);
+            for (k, v) in CLIENT_DEFAULTS {
+                b = b.with_config(GoogleConfigKey::Client(*k), *v);
+            }
+            if let Some((_, path)) = env.iter().find(|(k, _)| k == "SERVICE_ACCOUNT") {
+                b = b.with_service_account_path(path);
+            }
+            for (k, v) in env_pairs(&env, "GOOGLE_") {
+                if let Ok(key) = k.parse() {
+                    b = b.with_config(key, v);
+                }
+            }
             for (k, v) in &store_options {
                 b = b.with_config(parse_key::<GoogleConfigKey>("gs", k)?, v);
             }
-            Arc::new(b.build().map_err(|e| build_error(&shown, e))?)
+            b.with_retry(retry).build().map(|s| Arc::new(s) as _)
         }
         ObjectStoreScheme::MicrosoftAzure => {
-            let mut b = MicrosoftAzureBuilder::from_env()
-                .with_url(uri)
-                .with_client_options(client)
-                .with_retry(retry);
+            let mut b = MicrosoftAzureBuilder::new().with_url(uri);
+            for (k, v) in CLIENT_DEFAULTS {
+                b = b.with_config(AzureConfigKey::Client(*k), *v);
+            }
+            for (k, v) in env_pairs(&env, "AZURE_") {
+                if let Ok(key) = k.parse() {
+                    b = b.with_config(key, v);
+                }
+            }
+            if let Some((_, endpoint)) = env.iter().find(|(k, _)| k == "IDENTITY_ENDPOINT") {
+                b = b.with_msi_endpoint(endpoint);
+            }
             for (k, v) in &store_options {
                 b = b.with_config(parse_key::<AzureConfigKey>("az", k)?, v);
             }
-            Arc::new(b.build().map_err(|e| build_error(&shown, e))?)
+            b.with_retry(retry).build().map(|s| Arc::new(s) as _)
         }
         ObjectStoreScheme::Http => {
             let base = &url[..url::Position::BeforePath];
-            let client = client.with_allow_http(url.scheme() == "http");
-            let mut b = HttpBuilder::new()
-                .with_url(base)
-                .with_client_options(client)
-                .with_retry(retry);
+            let mut b = HttpBuilder::new().with_url(base);
+            for (k, v) in CLIENT_DEFAULTS {
+                b = b.with_config(*k, *v);
+            }
+            if url.scheme() == "http" {
+                b = b.with_config(ClientConfigKey::AllowHttp, "true");
+            }
             for (k, v) in &store_options {
                 b = b.with_config(parse_key::<ClientConfigKey>("http", k)?, v);
             }
-            Arc::new(b.build().map_err(|e| build_error(&shown, e))?)
+            b.with_retry(retry).build().map(|s| Arc::new(s) as _)
         }
         _ => return Err(unsupported(&shown, "not an object-store URL")),
     };
+    let store = built.map_err(|e| build_error(&shown, e))?;
     let is_prefix = url.path().ends_with('/') || path.as_ref().is_empty();
     Ok(Remote {
         store,
@@ -188,8 +204,11 @@ fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result<K> {
     })
 }
 
-/// Pulls our own retry keys out of the options; the rest go to object_store.
-fn split_retry_options(options: &[(String, String)]) -> Result<(RetryConfig, Vec<(String, String)>)> {
+/// Pulls our own retry keys out of the options and gives bare-number timeouts a unit; the rest
+/// go to object_store as they are.
+fn split_retry_options(
+    options: &[(String, String)],
+) -> Result<(RetryConfig, Vec<(String, String)>)> {
     let mut retry = RetryConfig {
         backoff: BackoffConfig {
             init_backoff: Duration::from_millis(100),
@@ -204,7 +223,10 @@ fn split_retry_options(options: &[(String, String)]) -> Result<(RetryConfig, Vec
         match k.to_ascii_lowercase().as_str() {
             "max_retries" => {
                 retry.max_retries = v.trim().parse().map_err(|_| {
-                    Error::option("storage_options[\"max_retries\"]", "expected a whole number")
+                    Error::option(
+                        "storage_options[\"max_retries\"]",
+                        "expected a whole number",
+                    )
                 })?;
             }
             "retry_timeout" => {
@@ -222,6 +244,13 @@ fn split_retry_options(options: &[(String, String)]) -> Result<(RetryConfig, Vec
                     })?;
                 retry.retry_timeout = Duration::from_secs_f64(secs);
             }
+            // Bare numbers are seconds (object_store wants a unit: "30s").
+            key if key.ends_with("timeout") => match v.trim().parse::<f64>() {
+                Ok(secs) if secs.is_finite() && secs >= 0.0 => {
+                    rest.push((k.clone(), format!("{}ms", (secs * 1000.0).round() as u64)))
+                }
+                _ => rest.push((k.clone(), v.clone())),
+            },
             _ => rest.push((k.clone(), v.clone())),
         }
     }
@@ -229,21 +258,27 @@ fn split_retry_options(options: &[(String, String)]) -> Result<(RetryConfig, Vec
 }
 
 fn is_true(v: &str) -> bool {
-    matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")
+    matches!(
+        v.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "yes" | "on"
+    )
 }
 
-/// The S3 builder: `AWS_*` variables as boto3 reads them, then `options` on top.
+/// The S3 builder: our client defaults, `AWS_*` variables as boto3 reads them, then `options`.
 /// - `AWS_ENDPOINT_URL` (or `_S3`) set: path-style requests, plain http allowed when it is http://;
 ///   `virtual_hosted_style_request=true` puts the bucket in the endpoint's host instead.
 /// - no endpoint: virtual-hosted requests to AWS unless the bucket name has dots (as boto3 does).
 /// - no credentials and `AWS_EC2_METADATA_DISABLED=true`: an error now, instead of a request to
 ///   the instance-metadata address.
-pub fn s3_builder(
+pub(crate) fn s3_builder(
     uri: &str,
     options: &[(String, String)],
     env: &[(String, String)],
 ) -> Result<AmazonS3Builder> {
     let mut b = AmazonS3Builder::new().with_url(uri);
+    for (k, v) in CLIENT_DEFAULTS {
+        b = b.with_config(AmazonS3ConfigKey::Client(*k), *v);
+    }
     let mut explicit = HashSet::new();
     let mut metadata_disabled = false;
     for (k, v) in env_pairs(env, "AWS_") {
@@ -258,36 +293,6 @@ pub fn s3_builder(
         let key = parse_key::<AmazonS3ConfigKey>("s3", k)?;
         explicit.insert(key);
         b = b.with_config(key, v);
-    }
-    // Only s3:// URLs get these defaults; https://...amazonaws.com URLs carry their own style.
-    let bucket = match Url::parse(uri) {
-        Ok(url) if matches!(url.scheme(), "s3" | "s3a") => url.host_str().unwrap_or("").to_string(),
-        _ => return Ok(b),
-    };
-    let endpoint = b
-        .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
-        .or_else(|| b.get_config_value(&AmazonS3ConfigKey::Endpoint));
-    let virtual_key = AmazonS3ConfigKey::VirtualHostedStyleRequest;
-    let http_key = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
-    match &endpoint {
-        Some(endpoint) => {
-            if endpoint.starts_with("http://") && !explicit.contains(&http_key) {
-                b = b.with_allow_http(true);
-            }
-            let virtual_hosted = b.get_config_value(&virtual_key).is_some_and(|v| is_true(&v));
-            if virtual_hosted {
-                let with_bucket = endpoint_with_bucket(endpoint, &bucket);
-                // Both keys, so that AWS_ENDPOINT_URL_S3 (which wins in object_store) agrees.
-                b = b
-                    .with_config(AmazonS3ConfigKey::Endpoint, &with_bucket)
-                    .with_config(AmazonS3ConfigKey::S3Endpoint, with_bucket);
-            }
-        }
-        None => {
-            if !explicit.contains(&virtual_key) {
-                b = b.with_virtual_hosted_style_request(!bucket.contains('.'));
-            }
-        }
     }
     let has = |key: AmazonS3ConfigKey| b.get_config_value(&key).is_some();
     let has_credentials = has(AmazonS3ConfigKey::AccessKeyId)
@@ -308,6 +313,38 @@ pub fn s3_builder(
                  storage_options={\"skip_signature\": \"true\"} for a public bucket",
             ),
         });
+    }
+    // Only s3:// URLs get these defaults; https://...amazonaws.com URLs carry their own style.
+    let bucket = match Url::parse(uri) {
+        Ok(url) if matches!(url.scheme(), "s3" | "s3a") => url.host_str().unwrap_or("").to_string(),
+        _ => return Ok(b),
+    };
+    let endpoint = b
+        .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
+        .or_else(|| b.get_config_value(&AmazonS3ConfigKey::Endpoint));
+    let virtual_key = AmazonS3ConfigKey::VirtualHostedStyleRequest;
+    let http_key = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
+    match &endpoint {
+        Some(endpoint) => {
+            if endpoint.starts_with("http://") && !explicit.contains(&http_key) {
+                b = b.with_allow_http(true);
+            }
+            let virtual_hosted = b
+                .get_config_value(&virtual_key)
+                .is_some_and(|v| is_true(&v));
+            if virtual_hosted {
+                let with_bucket = endpoint_with_bucket(endpoint, &bucket);
+                // Both keys, so that AWS_ENDPOINT_URL_S3 (which wins in object_store) agrees.
+                b = b
+                    .with_config(AmazonS3ConfigKey::Endpoint, &with_bucket)
+                    .with_config(AmazonS3ConfigKey::S3Endpoint, with_bucket);
+            }
+        }
+        None => {
+            if !explicit.contains(&virtual_key) {
+                b = b.with_virtual_hosted_style_request(!bucket.contains('.'));
+            }
+        }
     }
     Ok(b)
 }
@@ -335,7 +372,7 @@ fn install_crypto() {
 /// Every `*.safetensors` directly under the remote's prefix, or exactly the files that its
 /// `model.safetensors.index.json` names, in a stable order, with their sizes.
 pub async fn list_safetensors(remote: &Remote) -> Result<Vec<(Path, u64)>> {
-    let index = remote.path.child(INDEX_FILE);
+    let index = remote.path.clone().join(INDEX_FILE);
     match get_small(remote, &index).await {
         Ok(bytes) => return from_index(remote, &index, &bytes).await,
         Err(Error::NotFound { .. }) => {}
@@ -369,6 +406,8 @@ pub async fn resolve(remote: &Remote) -> Result<Vec<(Path, u64)>> {
         Ok(size) => Ok(vec![(remote.path.clone(), size)]),
         Err(Error::NotFound { path }) => match list_safetensors(remote).await {
             Err(Error::NotFound { .. }) => Err(Error::NotFound { path }),
+            // Name what the user asked for, not the index probed for it.
+            Err(Error::Io { source, .. }) => Err(Error::Io { path, source }),
             other => other,
         },
         Err(e) => Err(e),
@@ -396,8 +435,14 @@ pub async fn read_header(remote: &Remote, path: &Path, size: u64) -> Result<Head
     if end > probe.len() {
         let have = probe.len();
         probe.resize(end, 0);
-        read_range_into(remote.store.as_ref(), path, have as u64, &mut probe[have..], &name)
-            .await?;
+        read_range_into(
+            remote.store.as_ref(),
+            path,
+            have as u64,
+            &mut probe[have..],
+            &name,
+        )
+        .await?;
     }
     format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
         .map_err(|e| Error::format(&name, e.0))
@@ -552,10 +597,16 @@ async fn from_index(remote: &Remote, index: &Path, bytes: &[u8]) -> Result<Vec<(
     let mut files = BTreeSet::new();
     for (tensor, file) in map {
         let file = file.as_str().ok_or_else(|| {
-            Error::format(&name, format!("weight_map entry for {tensor:?} is not a file name"))
+            Error::format(
+                &name,
+                format!("weight_map entry for {tensor:?} is not a file name"),
+            )
         })?;
         let rel = Path::parse(file).map_err(|e| {
-            Error::format(&name, format!("weight_map names an invalid file {file:?}: {e}"))
+            Error::format(
+                &name,
+                format!("weight_map names an invalid file {file:?}: {e}"),
+            )
         })?;
         files.insert(Path::from_iter(dir.parts().chain(rel.parts())));
     }
@@ -607,30 +658,35 @@ fn build_error(uri: &str, e: object_store::Error) -> Error {
 /// or container, and every other failure, is [`Error::Io`].
 pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
     let text = chain(&e);
-    let kind = match &e {
+    let detail = clean_message(&text);
+    let (kind, message) = match &e {
         object_store::Error::NotFound { .. } => {
-            const NO_BUCKET: &[&str] = &[
-                "NoSuchBucket",
-                "ContainerNotFound",
-                "bucket does not exist",
-            ];
+            const NO_BUCKET: &[&str] =
+                &["NoSuchBucket", "ContainerNotFound", "bucket does not exist"];
             if !NO_BUCKET.iter().any(|m| text.contains(m)) {
                 return Error::NotFound {
                     path: uri.to_string(),
                 };
             }
-            io::ErrorKind::NotFound
+            (
+                io::ErrorKind::NotFound,
+                format!("bucket or container not found ({detail})"),
+            )
         }
-        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
-            io::ErrorKind::PermissionDenied
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => (
+            io::ErrorKind::PermissionDenied,
+            format!("access denied: check the credentials and their rights ({detail})"),
+        ),
+        _ if text.contains("timed out") || text.contains("Timeout") => {
+            (io::ErrorKind::TimedOut, detail)
         }
-        _ if text.contains("timed out") || text.contains("Timeout") => io::ErrorKind::TimedOut,
-        _ => io::ErrorKind::Other,
+        _ => (io::ErrorKind::Other, detail),
     };
     // Constructed directly: `Error::io` would turn kind NotFound (a missing bucket) into NotFound.
     Error::Io {
         path: uri.to_string(),
-        source: io::Error::new(kind, scrub(&clean_message(&text))),
+        source: io::Error::new(kind, scrub(&message)),
     }
 }
 
@@ -669,6 +725,8 @@ fn clean_message(text: &str) -> String {
         }
         None => text.to_string(),
     };
+    let trimmed = out.trim_end_matches([':', ' ']).len();
+    out.truncate(trimmed);
     if out.len() > 2000 {
         let mut cut = 2000;
         while !out.is_char_boundary(cut) {
@@ -685,7 +743,9 @@ static SECRETS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 fn is_secret_key(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
-    let names_a_file = ["file", "path", "uri", "url"].iter().any(|m| key.contains(m));
+    let names_a_file = ["file", "path", "uri", "url"]
+        .iter()
+        .any(|m| key.contains(m));
     !names_a_file
         && ["secret", "token", "key", "password", "sas", "credential"]
             .iter()
@@ -726,3 +786,654 @@ pub fn redact_uri(uri: &str) -> String {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use std::fmt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures_util::stream::BoxStream;
+    use object_store::memory::InMemory;
+    use object_store::{
+        CopyOptions, GetResult, GetResultPayload, ListResult, MultipartUpload, ObjectMeta,
+        PutMultipartOptions, PutOptions, PutPayload, PutResult,
+    };
+
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn opts(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        env(pairs)
+    }
+
+    fn s3(uri: &str, o: &[(&str, &str)], e: &[(&str, &str)]) -> Result<AmazonS3Builder> {
+        s3_builder(uri, &opts(o), &env(e))
+    }
+
+    fn value(b: &AmazonS3Builder, key: AmazonS3ConfigKey) -> Option<String> {
+        b.get_config_value(&key)
+    }
+
+    const KEYS: &[(&str, &str)] = &[
+        ("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"),
+        (
+            "AWS_SECRET_ACCESS_KEY",
+            "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+        ),
+    ];
+
+    #[test]
+    fn recognises_remote_schemes() {
+        for uri in [
+            "s3://b/k",
+            "S3://b/k",
+            "s3a://b/k",
+            "gs://b/k",
+            "az://c/k",
+            "abfs://c/k",
+            "abfss://c@a.dfs.core.windows.net/k",
+            "http://h/x",
+            "https://h/x",
+        ] {
+            assert!(is_remote(uri), "{uri}");
+        }
+        for uri in [
+            "/tmp/x",
+            "x.safetensors",
+            "file:///tmp/x",
+            "memory:///x",
+            "ftp://h/x",
+            "",
+        ] {
+            assert!(!is_remote(uri), "{uri}");
+        }
+    }
+
+    #[test]
+    fn endpoint_means_path_style_and_http_when_http() {
+        let mut e = KEYS.to_vec();
+        e.push(("AWS_ENDPOINT_URL", "http://127.0.0.1:9000"));
+        let b = s3("s3://models/llama/", &[], &e).unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
+            Some("http://127.0.0.1:9000")
+        );
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+            Some("false")
+        );
+        let http = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
+        assert_eq!(value(&b, http).as_deref(), Some("true"));
+        // An explicit allow_http=false wins over the inference.
+        let b = s3("s3://models/x", &[("allow_http", "false")], &e).unwrap();
+        assert_eq!(value(&b, http).as_deref(), Some("false"));
+        // Client defaults are in place and options override them.
+        let timeout = AmazonS3ConfigKey::Client(ClientConfigKey::Timeout);
+        assert_eq!(value(&b, timeout).as_deref(), Some("120s"));
+        let b = s3("s3://models/x", &[("timeout", "5s")], &e).unwrap();
+        assert_eq!(value(&b, timeout).as_deref(), Some("5s"));
+        let (_, rest) = split_retry_options(&opts(&[("connect_timeout", "1.5")])).unwrap();
+        assert_eq!(rest, opts(&[("connect_timeout", "1500ms")]));
+        // https endpoints stay https-only.
+        e.pop();
+        e.push(("AWS_ENDPOINT_URL", "https://minio.example"));
+        let b = s3("s3://models/x", &[], &e).unwrap();
+        assert_ne!(value(&b, http).as_deref(), Some("true"));
+    }
+
+    #[test]
+    fn virtual_hosted_is_opt_in_with_an_endpoint() {
+        let mut e = KEYS.to_vec();
+        e.push(("AWS_ENDPOINT_URL", "http://s3.local:9000/"));
+        let o = [("virtual_hosted_style_request", "true")];
+        let b = s3("s3://models/x", &o, &e).unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
+            Some("http://models.s3.local:9000/")
+        );
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+            Some("true")
+        );
+        // An endpoint that already names the bucket is left alone.
+        let e2 = [
+            KEYS[0],
+            KEYS[1],
+            ("AWS_ENDPOINT_URL", "http://models.s3.local"),
+        ];
+        let b = s3("s3://models/x", &o, &e2).unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
+            Some("http://models.s3.local")
+        );
+    }
+
+    #[test]
+    fn aws_without_endpoint_is_virtual_hosted_unless_the_bucket_has_dots() {
+        let b = s3("s3://models/x", &[], KEYS).unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+            Some("true")
+        );
+        let b = s3("s3://my.models/x", &[], KEYS).unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+            Some("false")
+        );
+        let b = s3(
+            "s3://models/x",
+            &[("virtual_hosted_style_request", "false")],
+            KEYS,
+        )
+        .unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+            Some("false")
+        );
+    }
+
+    #[test]
+    fn region_and_credentials_come_from_env_and_options_win() {
+        let e = [
+            KEYS[0],
+            KEYS[1],
+            ("AWS_DEFAULT_REGION", "eu-west-1"),
+            ("AWS_REGION", "us-west-2"),
+            ("AWS_SESSION_TOKEN", "session-token-value"),
+        ];
+        let b = s3("s3://b/x", &[], &e).unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::Region).as_deref(),
+            Some("us-west-2")
+        );
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::Token).as_deref(),
+            Some("session-token-value")
+        );
+        let b = s3(
+            "s3://b/x",
+            &[],
+            &[KEYS[0], KEYS[1], ("AWS_DEFAULT_REGION", "eu-west-1")],
+        )
+        .unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::Region).as_deref(),
+            Some("eu-west-1")
+        );
+        let b = s3(
+            "s3://b/x",
+            &[("region", "ap-south-1"), ("access_key_id", "OTHER")],
+            &e,
+        )
+        .unwrap();
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::Region).as_deref(),
+            Some("ap-south-1")
+        );
+        assert_eq!(
+            value(&b, AmazonS3ConfigKey::AccessKeyId).as_deref(),
+            Some("OTHER")
+        );
+    }
+
+    #[test]
+    fn disabled_metadata_without_credentials_fails_before_any_request() {
+        let err = s3("s3://b/x", &[], &[("AWS_EC2_METADATA_DISABLED", "true")]).unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("s3://b/x") && text.contains("AWS_ACCESS_KEY_ID"),
+            "{text}"
+        );
+        let aws_url = "https://models.s3.eu-west-1.amazonaws.com/x";
+        assert!(s3(aws_url, &[], &[("AWS_EC2_METADATA_DISABLED", "true")]).is_err());
+        // Anonymous access needs no credentials.
+        let o = [("skip_signature", "true")];
+        assert!(s3("s3://b/x", &o, &[("AWS_EC2_METADATA_DISABLED", "true")]).is_ok());
+        assert!(s3(
+            "s3://b/x",
+            &[],
+            &[KEYS[0], KEYS[1], ("AWS_EC2_METADATA_DISABLED", "1")]
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn unknown_options_are_rejected_with_their_name() {
+        let err = s3("s3://b/x", &[("endpiont", "http://x")], KEYS).unwrap_err();
+        assert!(matches!(err, Error::InvalidOption { .. }), "{err}");
+        assert!(err.to_string().contains("endpiont"), "{err}");
+        let err =
+            open_with_env("s3://b/x", &opts(&[("max_retries", "many")]), env(KEYS)).unwrap_err();
+        assert!(err.to_string().contains("max_retries"), "{err}");
+    }
+
+    #[test]
+    fn open_parses_keys_prefixes_and_redacts() {
+        let e = env(&[KEYS[0], KEYS[1], ("AWS_ENDPOINT_URL", "http://127.0.0.1:1")]);
+        let r = open_with_env("s3://models/llama/model.safetensors", &[], e.clone()).unwrap();
+        assert_eq!(r.path.as_ref(), "llama/model.safetensors");
+        assert!(!r.is_prefix);
+        let r = open_with_env("s3://models/llama/", &[], e.clone()).unwrap();
+        assert_eq!(r.path.as_ref(), "llama");
+        assert!(r.is_prefix);
+        assert_eq!(
+            r.uri_of(&Path::from("llama/a.safetensors")),
+            "s3://models/llama/a.safetensors"
+        );
+        let r = open_with_env("s3://models", &[], e.clone()).unwrap();
+        assert!(r.is_prefix);
+        assert_eq!(
+            r.uri_of(&Path::from("a.safetensors")),
+            "s3://models/a.safetensors"
+        );
+        let r = open_with_env(
+            "https://user:pw@example.com/m/x.safetensors?sig=abc",
+            &[],
+            e,
+        )
+        .unwrap();
+        assert_eq!(r.uri, "https://example.com/m/x.safetensors");
+        assert_eq!(r.path.as_ref(), "m/x.safetensors");
+        let r = open_with_env("http://127.0.0.1:1/dir/", &[], env(&[])).unwrap();
+        assert!(r.is_prefix);
+        assert_eq!(r.path.as_ref(), "dir");
+        let anon = opts(&[("skip_signature", "true")]);
+        let r = open_with_env("gs://bucket/m/x.safetensors", &anon, env(&[])).unwrap();
+        assert_eq!(r.path.as_ref(), "m/x.safetensors");
+        // Azure needs an account: a configuration error that names the URI, not a panic.
+        let err = open_with_env("az://container/x", &[], env(&[])).unwrap_err();
+        assert!(err.to_string().contains("az://container/x"), "{err}");
+        assert!(matches!(
+            open_with_env("ftp://h/x", &[], env(&[])),
+            Err(Error::UnsupportedUri { .. })
+        ));
+    }
+
+    #[test]
+    fn messages_drop_xml_bodies_and_secrets() {
+        remember_secrets(
+            &opts(&[("secret_access_key", "very-secret-value-123")]),
+            &[],
+        );
+        let raw =
+            "Server returned 403: <?xml version=\"1.0\"?><Error><Code>SignatureDoesNotMatch</Code>\
+                   <Message>bad sig</Message><StringToSign>x</StringToSign></Error>";
+        assert_eq!(
+            clean_message(raw),
+            "Server returned 403: SignatureDoesNotMatch: bad sig"
+        );
+        assert_eq!(scrub("key very-secret-value-123 leaked"), "key *** leaked");
+        assert!(!is_secret_key("aws_web_identity_token_file"));
+        assert!(is_secret_key("AWS_SESSION_TOKEN"));
+    }
+
+    // ---- reads and listings against an in-memory store ----------------------------------
+
+    fn data(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
+    }
+
+    async fn memory(files: &[(&str, Vec<u8>)]) -> Arc<InMemory> {
+        let store = Arc::new(InMemory::new());
+        for (name, bytes) in files {
+            store
+                .put(&Path::from(*name), PutPayload::from(bytes.clone()))
+                .await
+                .unwrap();
+        }
+        store
+    }
+
+    fn remote(store: Arc<dyn ObjectStore>, path: &str, is_prefix: bool) -> Remote {
+        Remote {
+            store,
+            path: Path::from(path),
+            uri: format!("s3://bucket/{path}{}", if is_prefix { "/" } else { "" }),
+            is_prefix,
+        }
+    }
+
+    #[tokio::test]
+    async fn reads_ranges_exactly() {
+        let bytes = data(100_000);
+        let store = memory(&[("m.safetensors", bytes.clone())]).await;
+        let path = Path::from("m.safetensors");
+        let mut dst = vec![0u8; 30_000];
+        read_range_into(store.as_ref(), &path, 12_345, &mut dst, "s3://b/m")
+            .await
+            .unwrap();
+        assert_eq!(dst, bytes[12_345..42_345]);
+        read_range_into(store.as_ref(), &path, 0, &mut [], "s3://b/m")
+            .await
+            .unwrap();
+        // Past the end: the object is shorter than the range.
+        let err = read_range_into(store.as_ref(), &path, 90_000, &mut dst, "s3://b/m")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
+        assert!(err.to_string().contains("s3://b/m"), "{err}");
+        let err = read_range_into(
+            store.as_ref(),
+            &Path::from("nope"),
+            0,
+            &mut dst,
+            "s3://b/nope",
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(err, Error::NotFound { ref path } if path == "s3://b/nope"),
+            "{err}"
+        );
+    }
+
+    /// Cuts the first `cuts` bodies after `keep` bytes (then errors), or pads every body.
+    #[derive(Debug)]
+    struct Flaky {
+        inner: InMemory,
+        keep: usize,
+        cuts: AtomicUsize,
+        pad: bool,
+        gets: AtomicUsize,
+    }
+
+    impl Flaky {
+        fn new(inner: InMemory, keep: usize, cuts: usize, pad: bool) -> Self {
+            Flaky {
+                inner,
+                keep,
+                cuts: AtomicUsize::new(cuts),
+                pad,
+                gets: AtomicUsize::new(0),
+            }
+        }
+    }
+
+    impl fmt::Display for Flaky {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "Flaky")
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for Flaky {
+        async fn put_opts(
+            &self,
+            location: &Path,
+            payload: PutPayload,
+            opts: PutOptions,
+        ) -> object_store::Result<PutResult> {
+            self.inner.put_opts(location, payload, opts).await
+        }
+
+        async fn put_multipart_opts(
+            &self,
+            location: &Path,
+            opts: PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn MultipartUpload>> {
+            self.inner.put_multipart_opts(location, opts).await
+        }
+
+        async fn get_opts(
+            &self,
+            location: &Path,
+            options: GetOptions,
+        ) -> object_store::Result<GetResult> {
+            self.gets.fetch_add(1, Ordering::SeqCst);
+            let r = self.inner.get_opts(location, options).await?;
+            let (meta, range, attributes) = (r.meta.clone(), r.range.clone(), r.attributes.clone());
+            let body = r.bytes().await?;
+            let cut = self
+                .cuts
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            let chunks: Vec<object_store::Result<_>> = if cut {
+                let keep = self.keep.min(body.len());
+                vec![
+                    Ok(body.slice(..keep)),
+                    Err(object_store::Error::Generic {
+                        store: "flaky",
+                        source: "connection reset by peer".into(),
+                    }),
+                ]
+            } else if self.pad {
+                vec![Ok(body), Ok(bytes::Bytes::from_static(b"extra"))]
+            } else {
+                vec![Ok(body)]
+            };
+            Ok(GetResult {
+                payload: GetResultPayload::Stream(futures_util::stream::iter(chunks).boxed()),
+                meta,
+                range,
+                attributes,
+                extensions: Default::default(),
+            })
+        }
+
+        fn delete_stream(
+            &self,
+            locations: BoxStream<'static, object_store::Result<Path>>,
+        ) -> BoxStream<'static, object_store::Result<Path>> {
+            self.inner.delete_stream(locations)
+        }
+
+        fn list(
+            &self,
+            prefix: Option<&Path>,
+        ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+            self.inner.list(prefix)
+        }
+
+        async fn list_with_delimiter(
+            &self,
+            prefix: Option<&Path>,
+        ) -> object_store::Result<ListResult> {
+            self.inner.list_with_delimiter(prefix).await
+        }
+
+        async fn copy_opts(
+            &self,
+            from: &Path,
+            to: &Path,
+            options: CopyOptions,
+        ) -> object_store::Result<()> {
+            self.inner.copy_opts(from, to, options).await
+        }
+    }
+
+    async fn flaky(bytes: &[u8], keep: usize, cuts: usize, pad: bool) -> Flaky {
+        let inner = InMemory::new();
+        inner
+            .put(&Path::from("m"), PutPayload::from(bytes.to_vec()))
+            .await
+            .unwrap();
+        Flaky::new(inner, keep, cuts, pad)
+    }
+
+    #[tokio::test]
+    async fn resumes_cut_off_bodies_from_where_they_stopped() {
+        let bytes = data(50_000);
+        let store = flaky(&bytes, 7_000, 3, false).await;
+        let mut dst = vec![0u8; 40_000];
+        read_range_into(&store, &Path::from("m"), 5_000, &mut dst, "s3://b/m")
+            .await
+            .unwrap();
+        assert_eq!(dst, bytes[5_000..45_000]);
+        assert_eq!(
+            store.gets.load(Ordering::SeqCst),
+            4,
+            "3 cut bodies, then the rest"
+        );
+    }
+
+    #[tokio::test]
+    async fn gives_up_when_resuming_makes_no_progress() {
+        let store = flaky(&data(1000), 0, usize::MAX, false).await;
+        let mut dst = vec![0u8; 500];
+        let started = std::time::Instant::now();
+        let err = read_range_into(&store, &Path::from("m"), 0, &mut dst, "s3://b/m")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
+        assert!(err.to_string().contains("connection reset"), "{err}");
+        assert_eq!(
+            store.gets.load(Ordering::SeqCst),
+            MAX_STALLED_RESUMES as usize
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn rejects_bodies_longer_than_asked() {
+        let store = flaky(&data(1000), 0, 0, true).await;
+        let mut dst = vec![0u8; 100];
+        let err = read_range_into(&store, &Path::from("m"), 0, &mut dst, "s3://b/m")
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("more than"), "{err}");
+    }
+
+    fn index(files: &[(&str, &str)]) -> Vec<u8> {
+        let map: serde_json::Map<String, serde_json::Value> = files
+            .iter()
+            .map(|(t, f)| (t.to_string(), serde_json::Value::from(*f)))
+            .collect();
+        serde_json::to_vec(&serde_json::json!({"metadata": {}, "weight_map": map})).unwrap()
+    }
+
+    #[tokio::test]
+    async fn lists_safetensors_directly_under_a_prefix_sorted() {
+        let store = memory(&[
+            ("m/b.safetensors", data(10)),
+            ("m/a.safetensors", data(20)),
+            ("m/notes.txt", data(5)),
+            ("m/sub/c.safetensors", data(5)),
+            ("other/d.safetensors", data(5)),
+        ])
+        .await;
+        let r = remote(store.clone(), "m", true);
+        let got = list_safetensors(&r).await.unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (Path::from("m/a.safetensors"), 20),
+                (Path::from("m/b.safetensors"), 10)
+            ]
+        );
+        // Without the trailing slash, a name that is no object is tried as a prefix.
+        assert_eq!(
+            resolve(&remote(store.clone(), "m", false)).await.unwrap(),
+            got
+        );
+        let one = resolve(&remote(store.clone(), "m/b.safetensors", false))
+            .await
+            .unwrap();
+        assert_eq!(one, vec![(Path::from("m/b.safetensors"), 10)]);
+        let err = resolve(&remote(store.clone(), "nothing", false))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::NotFound { ref path } if path == "s3://bucket/nothing"),
+            "{err}"
+        );
+        let err = list_safetensors(&remote(store, "empty", true))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::NotFound { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn honours_the_index_and_names_missing_shards() {
+        let idx = index(&[
+            ("w1", "s-2.safetensors"),
+            ("w2", "s-1.safetensors"),
+            ("w3", "s-2.safetensors"),
+        ]);
+        let store = memory(&[
+            ("m/model.safetensors.index.json", idx.clone()),
+            ("m/s-1.safetensors", data(11)),
+            ("m/s-2.safetensors", data(22)),
+            ("m/stray.safetensors", data(33)),
+        ])
+        .await;
+        let want = vec![
+            (Path::from("m/s-1.safetensors"), 11),
+            (Path::from("m/s-2.safetensors"), 22),
+        ];
+        assert_eq!(
+            list_safetensors(&remote(store.clone(), "m", true))
+                .await
+                .unwrap(),
+            want
+        );
+        let direct = remote(store.clone(), "m/model.safetensors.index.json", false);
+        assert_eq!(resolve(&direct).await.unwrap(), want);
+
+        let idx = index(&[("w1", "s-1.safetensors"), ("w2", "gone.safetensors")]);
+        let store = memory(&[
+            ("m/model.safetensors.index.json", idx),
+            ("m/s-1.safetensors", data(11)),
+        ])
+        .await;
+        let err = list_safetensors(&remote(store, "m", true))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::NotFound { ref path } if path == "s3://bucket/m/gone.safetensors"),
+            "{err}"
+        );
+
+        let store = memory(&[(
+            "m/model.safetensors.index.json",
+            b"{\"weight_map\": 3}".to_vec(),
+        )])
+        .await;
+        let err = list_safetensors(&remote(store, "m", true))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Format { .. }), "{err}");
+        let idx = index(&[("w1", "../escape.safetensors")]);
+        let store = memory(&[("m/model.safetensors.index.json", idx)]).await;
+        let err = list_safetensors(&remote(store, "m", true))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Format { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn reads_headers_in_one_or_two_requests() {
+        let header = |pad: usize| {
+            let json = format!(
+                "{{\"t\":{{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4]}}{}}}",
+                " ".repeat(pad)
+            );
+            let mut file = (json.len() as u64).to_le_bytes().to_vec();
+            file.extend_from_slice(json.as_bytes());
+            file.extend_from_slice(&[1, 2, 3, 4]);
+            file
+        };
+        for pad in [0usize, 300_000] {
+            let file = header(pad);
+            let store = memory(&[("h.safetensors", file.clone())]).await;
+            let r = remote(store, "h.safetensors", false);
+            let h = read_header(&r, &r.path, file.len() as u64).await.unwrap();
+            assert_eq!(h.tensors.len(), 1);
+        }
+        let store = memory(&[(
+            "bad.safetensors",
+            b"\xff\xff\xff\xff\xff\xff\xff\x7f{}".to_vec(),
+        )])
+        .await;
+        let r = remote(store, "bad.safetensors", false);
+        let err = read_header(&r, &r.path, 10).await.unwrap_err();
+        assert!(matches!(err, Error::Format { .. }), "{err}");
+        let err = read_header(&r, &r.path, 0).await.unwrap_err();
+        assert!(matches!(err, Error::Format { .. }), "{err}");
+    }
+}

@@ -126,6 +126,8 @@ pub struct LoadOptions {
     pub memory_limit: Option<u64>,
     pub names: Option<Vec<String>>,
     pub method: Method,
+    /// Object-store settings (`endpoint`, `region`, `access_key_id`, ...); override `AWS_*` etc.
+    pub storage_options: Vec<(String, String)>,
 }
 
 /// Options with every value decided.

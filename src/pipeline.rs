@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::memory::{self, HostBuffer};
 use crate::options::{LoadOptions, Method, Resolved};
 use crate::plan::{self, Plan, TensorSlot};
-use crate::source::{self, Shard};
+use crate::source::{self, Data, Shard};
 
 /// A segment whose bytes have all landed: its tensors are views into `buffer`.
 pub struct Loaded {
@@ -52,7 +52,7 @@ pub struct Loader {
 /// Resolves the URIs, validates every header, plans and starts reading.
 pub fn open(uris: &[String], options: &LoadOptions) -> Result<Loader> {
     let resolved = options.resolve()?;
-    let shards = source::open_all(uris)?;
+    let shards = source::open_all(uris, &options.storage_options)?;
     let target = plan::segment_target(resolved.memory_limit, resolved.block_size);
     let plan = plan::build(shards, options.names.as_deref(), target)?;
     Ok(Loader::start(plan, resolved))
@@ -84,6 +84,9 @@ impl SegmentJob {
     fn read_block(&self, off: u64, len: u64) -> Result<()> {
         let shard = self.shard();
         let (o, l) = (off as usize, len as usize);
+        let Data::Local { file, .. } = &shard.data else {
+            unreachable!("remote blocks are read by read_remote_block");
+        };
         match self.method {
             Method::Mmap => self.buffer.populate(o, l, &shard.name)?,
             _ => {
@@ -94,11 +97,32 @@ impl SegmentJob {
                 // SAFETY: every block of this buffer goes to exactly one reader, and the buffer is
                 // published only after the last reader finished.
                 let dst = unsafe { self.buffer.slice_mut(o, l) };
-                source::read_exact_at(&shard.file, dst, start, &shard.name)?;
+                source::read_exact_at(file, dst, start, &shard.name)?;
             }
         }
         self.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
         Ok(())
+    }
+
+    #[allow(unsafe_code)]
+    async fn read_remote_block(&self, off: u64, len: u64) -> Result<()> {
+        let shard = self.shard();
+        let Data::Remote { store, path } = &shard.data else {
+            unreachable!("local blocks are read by read_block");
+        };
+        let start = self.plan.segments[self.index].start + off;
+        // SAFETY: as in `read_block`: one reader per block, published after all finished.
+        let dst = unsafe { self.buffer.slice_mut(off as usize, len as usize) };
+        crate::object::read_range_into(store.as_ref(), path, start, dst, &shard.name).await?;
+        self.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn block_finished(&self, result: Result<()>) {
+        match result {
+            Ok(()) => self.block_done(),
+            Err(e) => self.fail(e),
+        }
     }
 
     fn fail(&self, err: Error) {
@@ -155,9 +179,14 @@ impl Driver {
                 return;
             }
             let shard = &self.plan.shards[seg.shard];
-            let buffer = match self.method {
-                Method::Mmap => {
-                    HostBuffer::map_file(&shard.file, seg.start, seg.len as usize, &shard.name)
+            // Object-store bytes arrive over the network: always into pooled buffers.
+            let method = match (&shard.data, self.method) {
+                (Data::Local { .. }, m) => m,
+                (Data::Remote { .. }, _) => Method::Read,
+            };
+            let buffer = match (&shard.data, method) {
+                (Data::Local { file, .. }, Method::Mmap) => {
+                    HostBuffer::map_file(file, seg.start, seg.len as usize, &shard.name)
                 }
                 _ => HostBuffer::alloc(seg.len as usize),
             };
@@ -175,7 +204,7 @@ impl Driver {
                 plan: self.plan.clone(),
                 index,
                 buffer,
-                method: self.method,
+                method,
                 remaining: AtomicUsize::new(blocks.len()),
                 permit: Mutex::new(Some(permit)),
                 tx: self.tx.clone(),
@@ -194,17 +223,25 @@ impl Driver {
                     return;
                 }
                 let job = job.clone();
-                tokio::task::spawn_blocking(move || {
-                    if job.cancel.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    let result = job.read_block(off, len);
-                    drop(slot);
-                    match result {
-                        Ok(()) => job.block_done(),
-                        Err(e) => job.fail(e),
-                    }
-                });
+                if matches!(shard.data, Data::Remote { .. }) {
+                    tokio::spawn(async move {
+                        if job.cancel.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        let result = job.read_remote_block(off, len).await;
+                        drop(slot);
+                        job.block_finished(result);
+                    });
+                } else {
+                    tokio::task::spawn_blocking(move || {
+                        if job.cancel.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        let result = job.read_block(off, len);
+                        drop(slot);
+                        job.block_finished(result);
+                    });
+                }
             }
         }
     }

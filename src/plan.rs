@@ -179,8 +179,10 @@ mod tests {
         }
         Shard {
             name: name.into(),
-            path: name.into(),
-            file: Arc::new(std::fs::File::open("/dev/null").unwrap()),
+            data: crate::source::Data::Local {
+                path: name.into(),
+                file: Arc::new(std::fs::File::open("/dev/null").unwrap()),
+            },
             size: 100 + off,
             header: Header {
                 data_start: 100,

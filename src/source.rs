@@ -9,19 +9,41 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
+use crate::object;
 
 /// The index file that sharded Hugging Face checkpoints carry.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
-/// One safetensors file, opened, with its validated header.
+/// Where a shard's bytes live.
+#[derive(Debug)]
+pub enum Data {
+    /// A local file, read with `pread` or mapped.
+    Local { path: PathBuf, file: Arc<File> },
+    /// An object in an object store, read with ranged GETs.
+    Remote {
+        store: Arc<dyn object_store::ObjectStore>,
+        path: object_store::path::Path,
+    },
+}
+
+/// One safetensors file or object, opened, with its validated header.
 #[derive(Debug)]
 pub struct Shard {
-    /// The name used in messages (the path as the user would recognise it).
+    /// The name used in messages (the path or URI as the user would recognise it).
     pub name: String,
-    pub path: PathBuf,
-    pub file: Arc<File>,
+    pub data: Data,
     pub size: u64,
     pub header: Header,
+}
+
+impl Shard {
+    /// The local path, for files on this machine.
+    pub fn local_path(&self) -> Option<&Path> {
+        match &self.data {
+            Data::Local { path, .. } => Some(path),
+            Data::Remote { .. } => None,
+        }
+    }
 }
 
 fn local_path(uri: &str) -> Result<PathBuf> {
@@ -63,6 +85,16 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
                 format!("weight_map entry for {tensor:?} is not a file name"),
             )
         })?;
+        let rel = Path::new(file);
+        let inside = rel
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside || file.is_empty() {
+            return Err(Error::format(
+                &name,
+                format!("weight_map entry for {tensor:?} names {file:?}, which is not a file inside the checkpoint directory"),
+            ));
+        }
         files.insert(file.to_string());
     }
     let dir = index.parent().unwrap_or(Path::new("."));
@@ -161,16 +193,39 @@ pub fn open_shard(path: &Path) -> Result<Shard> {
     let header = format::parse_header(&json, size).map_err(|e| Error::format(&name, e.0))?;
     Ok(Shard {
         name,
-        path: path.to_path_buf(),
-        file: Arc::new(file),
+        data: Data::Local {
+            path: path.to_path_buf(),
+            file: Arc::new(file),
+        },
         size,
         header,
     })
 }
 
-/// Resolves the URIs and opens every file, reading headers on several threads when there are
-/// many shards.
-pub fn open_all(uris: &[String]) -> Result<Vec<Shard>> {
+/// Resolves the URIs and opens every file or object, reading headers concurrently when there are
+/// many shards. `storage_options` configure object stores (see [`crate::object::open`]).
+pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result<Vec<Shard>> {
+    if uris.is_empty() {
+        return Err(Error::option("uri", "no file given"));
+    }
+    let mut out = Vec::new();
+    let mut local = Vec::new();
+    for uri in uris {
+        if object::is_remote(uri) {
+            out.extend(open_local(&std::mem::take(&mut local))?);
+            out.extend(open_remote(uri, storage_options)?);
+        } else {
+            local.push(uri.clone());
+        }
+    }
+    out.extend(open_local(&local)?);
+    Ok(out)
+}
+
+fn open_local(uris: &[String]) -> Result<Vec<Shard>> {
+    if uris.is_empty() {
+        return Ok(Vec::new());
+    }
     let paths = resolve(uris)?;
     if paths.len() <= 2 {
         return paths.iter().map(|p| open_shard(p)).collect();
@@ -193,5 +248,34 @@ pub fn open_all(uris: &[String]) -> Result<Vec<Shard>> {
             out.extend(h.join().expect("header reader thread panicked")?);
         }
         Ok(out)
+    })
+}
+
+/// Lists what an object-store URI names and reads every header, 16 requests at a time.
+fn open_remote(uri: &str, storage_options: &[(String, String)]) -> Result<Vec<Shard>> {
+    use futures_util::stream::{StreamExt, TryStreamExt};
+
+    let remote = object::open(uri, storage_options)?;
+    crate::runtime::get().block_on(async {
+        let objects = object::resolve(&remote).await?;
+        futures_util::stream::iter(objects)
+            .map(|(path, size)| {
+                let remote = &remote;
+                async move {
+                    let header = object::read_header(remote, &path, size).await?;
+                    Ok::<_, Error>(Shard {
+                        name: remote.uri_of(&path),
+                        data: Data::Remote {
+                            store: remote.store.clone(),
+                            path,
+                        },
+                        size,
+                        header,
+                    })
+                }
+            })
+            .buffered(16)
+            .try_collect()
+            .await
     })
 }

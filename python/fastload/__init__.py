@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Union
 
 from . import _fastload
@@ -81,6 +81,7 @@ class Stream:
         memory_limit: Size | None = None,
         names: Iterable[str] | None = None,
         method: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         from . import _torch
 
@@ -93,6 +94,7 @@ class Stream:
             memory_limit=memory_limit,
             names=None if names is None else list(dict.fromkeys(names)),
             method=method,
+            storage_options=None if storage_options is None else dict(storage_options),
         )
         self._batch: list[Any] = []
         self._pos = 0
@@ -139,8 +141,14 @@ def stream(
     memory_limit: Size | None = None,
     names: Iterable[str] | None = None,
     method: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Stream:
     """Streams the tensors of a safetensors file, directory of shards or list of files.
+
+    ``uri`` may also name objects in object storage: ``s3://bucket/key`` or a prefix
+    ``s3://bucket/model/``, ``gs://``, ``az://``, ``http(s)://``. S3 reads the standard ``AWS_*``
+    variables; ``storage_options`` (object_store keys such as ``endpoint``, ``region``,
+    ``access_key_id``, ``secret_access_key``, ``skip_signature``) override them.
 
     Yields ``(name, tensor)`` as soon as each tensor's bytes have landed. Host memory held by the
     loader stays within ``memory_limit``; a tensor you keep owns its memory and stays valid.
@@ -153,6 +161,7 @@ def stream(
         memory_limit=memory_limit,
         names=names,
         method=method,
+        storage_options=storage_options,
     )
 
 
@@ -165,6 +174,7 @@ def load(
     memory_limit: Size | None = None,
     names: Iterable[str] | None = None,
     method: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Loads every tensor (or only ``names``) into a ``dict[str, torch.Tensor]``."""
     with Stream(
@@ -175,10 +185,12 @@ def load(
         memory_limit=memory_limit,
         names=names,
         method=method,
+        storage_options=storage_options,
     ) as s:
         return dict(s)
 
 
-def inspect(uri: Uri) -> list[dict[str, Any]]:
+def inspect(uri: Uri, *, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """Headers of every file ``uri`` names, without reading tensor data."""
-    return list(_fastload.inspect(_uris(uri)))
+    opts = None if storage_options is None else dict(storage_options)
+    return list(_fastload.inspect(_uris(uri), storage_options=opts))

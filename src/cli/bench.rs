@@ -84,6 +84,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         memory_limit: args.memory_limit.map(|s| s.0),
         names: None,
         method: args.method,
+        storage_options: Vec::new(),
     };
     let mut out = Vec::new();
     if !args.sweep {
@@ -203,8 +204,11 @@ fn load_once(
 /// The files to evict with `--cold`, and what one load covers, from the headers alone (so a
 /// bad file fails before the first run).
 fn describe(uris: &[String]) -> CliResult<(Vec<PathBuf>, usize, u64)> {
-    let shards = source::open_all(uris)?;
-    let files = shards.iter().map(|s| s.path.clone()).collect();
+    let shards = source::open_all(uris, &[])?;
+    let files = shards
+        .iter()
+        .filter_map(|s| s.local_path().map(|p| p.to_path_buf()))
+        .collect();
     let tensors = shards.iter().map(|s| s.header.tensors.len()).sum();
     let bytes = shards.iter().map(|s| s.header.data_len()).sum();
     Ok((files, tensors, bytes))

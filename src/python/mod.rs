@@ -76,7 +76,34 @@ pub(crate) fn options(
         memory_limit: size_arg("memory_limit", memory_limit)?,
         names,
         method,
+        storage_options: Vec::new(),
     })
+}
+
+/// Object-store settings from a dict; values are converted with `str()` (so `True` and numbers
+/// work), keys must be strings.
+pub(crate) fn storage_options(
+    value: Option<&Bound<'_, pyo3::types::PyDict>>,
+) -> PyResult<Vec<(String, String)>> {
+    let Some(d) = value else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(d.len());
+    for (k, v) in d.iter() {
+        let key: String = k.extract().map_err(|_| {
+            errors::to_py(crate::Error::option(
+                "storage_options",
+                "keys must be strings",
+            ))
+        })?;
+        let value = if let Ok(b) = v.extract::<bool>() {
+            b.to_string()
+        } else {
+            v.str()?.to_string()
+        };
+        out.push((key, value));
+    }
+    Ok(out)
 }
 
 /// Parses a byte size ("64MiB", "1.5GB", "4096").

@@ -19,7 +19,8 @@ pub struct Stream {
 #[pymethods]
 impl Stream {
     #[new]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -28,14 +29,16 @@ impl Stream {
         memory_limit: Option<&Bound<'_, PyAny>>,
         names: Option<Vec<String>>,
         method: Option<String>,
+        storage_options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let opts = options(
+        let mut opts = options(
             concurrency,
             block_size,
             memory_limit,
             names,
             method.as_deref(),
         )?;
+        opts.storage_options = super::storage_options(storage_options)?;
         let loader = py
             .detach(|| pipeline::open(&uris, &opts))
             .map_err(errors::to_py)?;
@@ -108,9 +111,15 @@ impl Stream {
 /// Headers of every file the URIs name: a list of dicts `{file, size, tensors: [(name, dtype,
 /// shape, begin, end)], metadata}`; reads no tensor data.
 #[pyfunction]
-pub fn inspect<'py>(py: Python<'py>, uris: Vec<String>) -> PyResult<Bound<'py, PyList>> {
+#[pyo3(signature = (uris, *, storage_options=None))]
+pub fn inspect<'py>(
+    py: Python<'py>,
+    uris: Vec<String>,
+    storage_options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let storage_options = super::storage_options(storage_options)?;
     let shards = py
-        .detach(|| crate::source::open_all(&uris))
+        .detach(|| crate::source::open_all(&uris, &storage_options))
         .map_err(errors::to_py)?;
     let out = PyList::empty(py);
     for s in shards {

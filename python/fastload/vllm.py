@@ -1,0 +1,440 @@
+"""vLLM integration: ``--load-format fastload`` and ``--load-format fastload_sharded``.
+
+Installing fastload is enough: its ``vllm.general_plugins`` entry point makes every vLLM process
+call :func:`register`, which adds two load formats through vLLM's ``register_model_loader``::
+
+    vllm serve MODEL --load-format fastload
+    LLM(MODEL, load_format="fastload", model_loader_extra_config={"concurrency": 32})
+
+``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id fetched through
+vLLM's own download helpers, or an object-store URI given as ``weights_uri``) into
+``model.load_weights``. ``fastload_sharded`` reads the per-rank files vLLM's
+``save_sharded_state`` writes (``model-rank-{rank}-part-{part}.safetensors``), each worker only its
+own, and copies them straight into the model's state dict, as vLLM's ``sharded_state`` does.
+
+This is the only fastload module that imports vllm, and it does so inside functions: importing it
+costs nothing, and ``register()`` may run any number of times in any process.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import logging
+import os
+import string
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LOAD_FORMAT", "SHARDED_LOAD_FORMAT", "register"]
+
+LOAD_FORMAT = "fastload"
+SHARDED_LOAD_FORMAT = "fastload_sharded"
+
+# A child of vLLM's "vllm" logger, so the lines come out through vLLM's handler and format.
+logger = logging.getLogger("vllm.fastload")
+
+# vLLM's own names for the sharded-state files (vllm ShardedStateLoader.TP_ONLY_PATTERN and
+# PP_AND_TP_PATTERN); {rank} is the tensor-parallel rank, as in older vLLM releases.
+TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+_PATTERN_FIELDS = frozenset({"rank", "tp_rank", "pp_rank", "part"})
+
+_KEYS = frozenset(
+    {"concurrency", "block_size", "memory_limit", "weights_uri", "storage_options", "distributed"}
+)
+_SHARDED_KEYS = _KEYS | {"pattern"}
+# fastload reads these itself; object-store URIs need no download.
+_URL_SCHEMES = (
+    "file://",
+    "s3://",
+    "s3a://",
+    "gs://",
+    "gcs://",
+    "az://",
+    "azure://",
+    "abfs://",
+    "abfss://",
+    "http://",
+    "https://",
+)
+
+_registered = False
+
+
+def register() -> None:
+    """Registers the ``fastload`` and ``fastload_sharded`` load formats with vLLM (idempotent).
+
+    vLLM calls this through the ``vllm.general_plugins`` entry point in every process it starts.
+    """
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
+        register_model_loader,
+    )
+
+    loaders = _loader_classes()
+    register_model_loader(LOAD_FORMAT)(loaders["FastloadModelLoader"])
+    register_model_loader(SHARDED_LOAD_FORMAT)(loaders["FastloadShardedStateLoader"])
+    _registered = True
+
+
+def __getattr__(name: str) -> Any:
+    """``FastloadModelLoader`` and ``FastloadShardedStateLoader``, built on first use."""
+    if name in ("FastloadModelLoader", "FastloadShardedStateLoader"):
+        return _loader_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass(frozen=True)
+class _Options:
+    """``model_loader_extra_config``, checked."""
+
+    load_format: str
+    weights_uri: str | None = None
+    pattern: str | None = None
+    stream_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, load_format: str, extra: Any, allowed: frozenset[str]) -> _Options:
+        from . import ConfigError
+
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ConfigError(
+                f"model_loader_extra_config for load format {load_format!r} must be a dict, "
+                f"not {type(extra).__name__}"
+            )
+        unknown = sorted(set(extra) - allowed, key=str)
+        if unknown:
+            hint = ""
+            if "pattern" in unknown and load_format == LOAD_FORMAT:
+                hint = f" ('pattern' belongs to load format {SHARDED_LOAD_FORMAT!r})"
+            raise ConfigError(
+                f"unknown model_loader_extra_config key(s) for load format {load_format!r}: "
+                f"{', '.join(map(repr, unknown))}{hint}; "
+                f"valid keys: {', '.join(sorted(allowed))}"
+            )
+        if "distributed" in extra:
+            logger.debug("model_loader_extra_config['distributed'] is reserved and ignored")
+
+        stream_kwargs: dict[str, Any] = {}
+        concurrency = extra.get("concurrency")
+        if concurrency is not None:
+            if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+                raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
+            stream_kwargs["concurrency"] = concurrency
+        for key in ("block_size", "memory_limit"):
+            value = extra.get(key)
+            if value is None:
+                continue
+            # Sizes like "64MiB" are parsed (and rejected with the valid forms) by fastload.
+            if isinstance(value, bool) or not isinstance(value, (int, str)) or value in (0, ""):
+                raise ConfigError(f"{key} must be a positive integer or a size like '64MiB'")
+            stream_kwargs[key] = value
+        options = extra.get("storage_options")
+        if options is not None:
+            if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+                raise ConfigError("storage_options must be a dict with string keys")
+            stream_kwargs["storage_options"] = {k: str(v) for k, v in options.items()}
+
+        weights_uri = extra.get("weights_uri")
+        if weights_uri is not None:
+            if not isinstance(weights_uri, (str, os.PathLike)) or not os.fspath(weights_uri):
+                raise ConfigError("weights_uri must be a non-empty path or URI")
+            weights_uri = os.fspath(weights_uri)
+        pattern = extra.get("pattern")
+        if pattern is not None:
+            _check_pattern(pattern)
+        return cls(load_format, weights_uri, pattern, stream_kwargs)
+
+
+def _check_pattern(pattern: Any) -> None:
+    from . import ConfigError
+
+    if not isinstance(pattern, str) or not pattern:
+        raise ConfigError("pattern must be a non-empty string")
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None}
+    except ValueError as e:
+        raise ConfigError(f"pattern {pattern!r} is not a valid format string: {e}") from None
+    if fields - _PATTERN_FIELDS:
+        raise ConfigError(
+            f"pattern {pattern!r} uses {', '.join(sorted(fields - _PATTERN_FIELDS))}; "
+            f"the fields it may use are {', '.join(sorted(_PATTERN_FIELDS))}"
+        )
+
+
+def _is_url(uri: str) -> bool:
+    return uri.lower().startswith(_URL_SCHEMES)
+
+
+def _weights_location(options: _Options, model_config: Any) -> str:
+    """Where the weights are: ``weights_uri``, else ``model_weights`` (the original object-store
+    URI when vLLM pulled config files to a local directory), else ``model``."""
+    return options.weights_uri or getattr(model_config, "model_weights", "") or model_config.model
+
+
+def _download(load_config: Any, repo: str, revision: str | None, index: bool) -> str:
+    """A Hugging Face (or ModelScope) repo's safetensors, fetched with vLLM's own helpers."""
+    from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
+        weight_utils,
+    )
+
+    modelscope = getattr(weight_utils, "maybe_download_from_modelscope", None)
+    if modelscope is not None:
+        local = modelscope(repo, revision)
+        if local:
+            return str(local)
+    folder = weight_utils.download_weights_from_hf(
+        repo,
+        load_config.download_dir,
+        ["*.safetensors"],
+        revision,
+        ignore_patterns=load_config.ignore_patterns,
+    )
+    if index:
+        # Repos that hold both sharded and consolidated files: the index says which to load.
+        weight_utils.download_safetensors_index_file_from_hf(
+            repo, "model.safetensors.index.json", load_config.download_dir, revision=revision
+        )
+    return str(folder)
+
+
+def _device(recorded: Any, model: Any) -> torch.device:
+    """The device fastload streams to: the worker's load device when fastload can write there."""
+    import torch
+
+    device = recorded
+    if device is None:
+        # load_weights called on its own (weight reloads): the model already sits on its device.
+        devices = (p.device for p in model.parameters() if p.device.type != "meta")
+        device = next(devices, "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and getattr(torch.version, "hip", None):
+        device = torch.device("cpu")  # ROCm: stream to host, the weight loaders copy over.
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        device = torch.device("cpu")
+    return device
+
+
+class _Meter:
+    """Bytes delivered, and the log line vLLM users look for."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.start = time.perf_counter()
+
+    def count(self, items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in items:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def log(self) -> None:
+        seconds = time.perf_counter() - self.start
+        rate = self.bytes / seconds / 1e9 if seconds > 0 else float("inf")
+        logger.info("Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate)
+
+
+def _stream(uri: Any, device: Any, options: _Options, prefix: str = "") -> Iterator[Any]:
+    import fastload
+
+    with fastload.stream(uri, device=device, **options.stream_kwargs) as tensors:
+        for name, tensor in tensors:
+            yield prefix + name, tensor
+
+
+def _check_all_loaded(model: Any, model_config: Any, loaded: Any) -> None:
+    """The check vLLM's default loader makes on unquantized models: every parameter was loaded."""
+    if getattr(model_config, "quantization", None) is not None or not isinstance(loaded, set):
+        return
+    loaded = set(loaded)
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "uses_meta_device", False) or getattr(
+            method, "process_weights_after_loading", None
+        ):
+            loaded.update(f"{name}.{p}" if name else p for p, _ in module.named_parameters())
+    missing = {name for name, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"Following weights were not initialized from checkpoint: {missing}")
+
+
+@cache
+def _loader_classes() -> dict[str, type]:
+    from vllm.model_executor.model_loader.base_loader import (  # type: ignore[import-not-found]
+        BaseModelLoader,
+    )
+
+    class _Loader(BaseModelLoader):  # type: ignore[misc]
+        _allowed = _KEYS
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.options = _Options.parse(
+                load_config.load_format, load_config.model_loader_extra_config, self._allowed
+            )
+            self._load_device: Any = None
+
+        def load_model(self, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+            # load_weights() is not told the device; vLLM builds the model on this one.
+            load_device = getattr(vllm_config.load_config, "device", None)
+            self._load_device = load_device or vllm_config.device_config.device
+            return super().load_model(vllm_config, *args, **kwargs)
+
+        def _location(self, model_config: Any, index: bool) -> str:
+            """A local path or URL fastload can read; repo ids are downloaded first."""
+            location = _weights_location(self.options, model_config)
+            if _is_url(location) or os.path.exists(location):
+                return location
+            revision = model_config.revision if location == model_config.model else None
+            return _download(self.load_config, location, revision, index)
+
+    class FastloadModelLoader(_Loader):
+        """``load_format="fastload"``: a safetensors checkpoint streamed into
+        ``model.load_weights``."""
+
+        def download_model(self, model_config: Any) -> None:
+            self._location(model_config, index=True)
+
+        def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
+            """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""
+            root = self._location(model_config, index=True)
+            sources: list[tuple[Any, str]] = [(self._apply_overrides(model, root), "")]
+            for extra in getattr(model, "secondary_weights", ()):
+                where = extra.model_or_path
+                if not (_is_url(where) or os.path.exists(where)):
+                    where = _download(self.load_config, where, extra.revision, index=True)
+                if getattr(extra, "subfolder", None):
+                    where = where.rstrip("/") + "/" + extra.subfolder
+                sources.append((where, getattr(extra, "prefix", "")))
+            return sources
+
+        @staticmethod
+        def _apply_overrides(model: Any, root: str) -> Any:
+            # A model may name its weight files itself (vLLM's allow_patterns_overrides).
+            patterns = getattr(model, "allow_patterns_overrides", None)
+            if not patterns or not os.path.isdir(root):
+                return root
+            for pattern in patterns:
+                files = sorted(glob.glob(os.path.join(root, pattern)))
+                if files:
+                    return files
+            return root
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            device = _device(self._load_device, model)
+            sources = self._sources(model, model_config)
+            meter = _Meter()
+
+            def weights() -> Iterator[tuple[str, Any]]:
+                for uri, prefix in sources:
+                    yield from _stream(uri, device, self.options, prefix)
+
+            loaded = model.load_weights(meter.count(weights()))
+            meter.log()
+            _check_all_loaded(model, model_config, loaded)
+
+    class FastloadShardedStateLoader(_Loader):
+        """``load_format="fastload_sharded"``: the files vLLM's ``save_sharded_state`` wrote,
+        each worker reading only its own and copying them into its state dict."""
+
+        _allowed = _SHARDED_KEYS
+
+        def download_model(self, model_config: Any) -> None:
+            self._location(model_config, index=False)
+
+        def _files(self, root: str) -> list[str]:
+            name = _render_pattern(self.options.pattern, part="*")
+            if _is_url(root):
+                import fastload
+
+                found = [entry["file"] for entry in fastload.inspect(root)]
+                files = [f for f in found if fnmatch.fnmatch(f.rsplit("/", 1)[-1], name)]
+            else:
+                files = glob.glob(os.path.join(glob.escape(root), name))
+            if not files:
+                raise FileNotFoundError(
+                    f"no sharded-state files {name!r} in {root!r}: write them with vLLM's "
+                    f"save_sharded_state (with the same tensor/pipeline parallel sizes), or use "
+                    f"load_format={LOAD_FORMAT!r} for an ordinary checkpoint"
+                )
+            return sorted(files)
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
+                sharded_state_loader,
+            )
+
+            device = _device(self._load_device, model)
+            files = self._files(self._location(model_config, index=False))
+            filter_subtensors = sharded_state_loader.ShardedStateLoader._filter_subtensors
+            state_dict = filter_subtensors(model.state_dict())
+            meter = _Meter()
+            for key, tensor in meter.count(_stream(files, device, self.options)):
+                param = state_dict.pop(key, None)
+                if param is None:
+                    raise ValueError(f"{key!r} in {files} is not a parameter of this model")
+                _copy_into(param, tensor, key)
+            meter.log()
+            if state_dict:
+                raise ValueError(f"Missing keys {tuple(state_dict)} in loaded state!")
+
+    loaders: dict[str, type] = {}
+    for cls in (FastloadModelLoader, FastloadShardedStateLoader):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+        loaders[cls.__name__] = cls
+    return loaders
+
+
+def _copy_into(param: Any, tensor: Any, key: str) -> None:
+    """As vLLM's sharded_state loader: LoRA may pad a parameter, so copy into a narrowed view."""
+    if param.dtype != tensor.dtype:
+        logger.warning(
+            "loading weight %s with dtype %s into a parameter of dtype %s",
+            key,
+            tensor.dtype,
+            param.dtype,
+        )
+    data = param.data
+    for dim, size in enumerate(tensor.shape):
+        if size < data.shape[dim]:
+            data = data.narrow(dim, 0, size)
+    if tensor.shape != param.shape:
+        logger.warning(
+            "loading tensor of shape %s into parameter %r of shape %s",
+            tuple(tensor.shape),
+            key,
+            tuple(param.shape),
+        )
+    data.copy_(tensor)
+
+
+def _render_pattern(pattern: str | None, part: str) -> str:
+    """This worker's file name, the way vLLM's ShardedStateLoader renders it."""
+    from vllm.distributed import get_pp_group, get_tp_group  # type: ignore[import-not-found]
+
+    from . import ConfigError
+
+    tp, pp = get_tp_group(), get_pp_group()
+    if pattern is None:
+        pattern = PP_AND_TP_PATTERN if pp.world_size > 1 else TP_ONLY_PATTERN
+    fields = {f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None}
+    if pp.world_size > 1 and "pp_rank" not in fields:
+        raise ConfigError(f"pattern {pattern!r} needs {{pp_rank}} with pipeline parallelism")
+    if tp.world_size > 1 and not fields & {"rank", "tp_rank"}:
+        raise ConfigError(f"pattern {pattern!r} needs {{rank}} with tensor parallelism")
+    return pattern.format(
+        rank=tp.rank_in_group, tp_rank=tp.rank_in_group, pp_rank=pp.rank_in_group, part=part
+    )

