@@ -68,37 +68,45 @@ fn local_path(uri: &str) -> Result<PathBuf> {
     Ok(PathBuf::from(uri))
 }
 
-fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
-    let name = index.display().to_string();
-    let text = std::fs::read(index).map_err(|e| Error::io(&name, e))?;
-    let value: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| Error::format(&name, format!("index is not valid JSON: {e}")))?;
+/// The shard file names an index's `weight_map` lists (sorted, each once), each checked to be a
+/// plain relative path inside the index's folder. `name` is the index, for messages.
+pub fn index_shard_names(bytes: &[u8], name: &str) -> Result<Vec<String>> {
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| Error::format(name, format!("index is not valid JSON: {e}")))?;
     let map = value
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::format(&name, "index has no \"weight_map\" object"))?;
+        .ok_or_else(|| Error::format(name, "index has no \"weight_map\" object"))?;
     let mut files = BTreeSet::new();
     for (tensor, file) in map {
         let file = file.as_str().ok_or_else(|| {
             Error::format(
-                &name,
+                name,
                 format!("weight_map entry for {tensor:?} is not a file name"),
             )
         })?;
-        let rel = Path::new(file);
-        let inside = rel
+        let inside = Path::new(file)
             .components()
             .all(|c| matches!(c, std::path::Component::Normal(_)));
         if !inside || file.is_empty() {
             return Err(Error::format(
-                &name,
+                name,
                 format!("weight_map entry for {tensor:?} names {file:?}, which is not a file inside the checkpoint directory"),
             ));
         }
         files.insert(file.to_string());
     }
+    Ok(files.into_iter().collect())
+}
+
+fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
+    let name = index.display().to_string();
+    let bytes = std::fs::read(index).map_err(|e| Error::io(&name, e))?;
     let dir = index.parent().unwrap_or(Path::new("."));
-    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+    Ok(index_shard_names(&bytes, &name)?
+        .into_iter()
+        .map(|f| dir.join(f))
+        .collect())
 }
 
 fn expand(uri: &str) -> Result<Vec<PathBuf>> {

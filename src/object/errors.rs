@@ -1,0 +1,162 @@
+//! object_store errors to the crate's error, with secrets and request echoes scrubbed.
+
+use std::io;
+use std::sync::Mutex;
+
+use url::Url;
+
+use crate::error::Error;
+
+pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
+    Error::UnsupportedUri {
+        uri: uri.to_string(),
+        message: message.into(),
+    }
+}
+
+pub(super) fn io_error(uri: &str, kind: io::ErrorKind, message: impl Into<String>) -> Error {
+    Error::Io {
+        path: uri.to_string(),
+        source: io::Error::new(kind, scrub(&message.into())),
+    }
+}
+
+pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
+    io_error(
+        uri,
+        io::ErrorKind::InvalidInput,
+        format!("cannot configure the store: {}", clean_message(&chain(&e))),
+    )
+}
+
+/// Maps an object_store error for `uri`: a missing object is [`Error::NotFound`]; a missing bucket
+/// or container, and every other failure, is [`Error::Io`].
+pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
+    let text = chain(&e);
+    let detail = clean_message(&text);
+    let (kind, message) = match &e {
+        object_store::Error::NotFound { .. } => {
+            const NO_BUCKET: &[&str] =
+                &["NoSuchBucket", "ContainerNotFound", "bucket does not exist"];
+            if !NO_BUCKET.iter().any(|m| text.contains(m)) {
+                return Error::NotFound {
+                    path: uri.to_string(),
+                };
+            }
+            (
+                io::ErrorKind::NotFound,
+                format!("bucket or container not found ({detail})"),
+            )
+        }
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => (
+            io::ErrorKind::PermissionDenied,
+            format!("access denied: check the credentials and their rights ({detail})"),
+        ),
+        _ if text.contains("timed out") || text.contains("Timeout") => {
+            (io::ErrorKind::TimedOut, detail)
+        }
+        _ => (io::ErrorKind::Other, detail),
+    };
+    // Constructed directly: `Error::io` would turn kind NotFound (a missing bucket) into NotFound.
+    Error::Io {
+        path: uri.to_string(),
+        source: io::Error::new(kind, scrub(&message)),
+    }
+}
+
+/// The error and its sources, without repeating what an outer message already quotes.
+pub(super) fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !out.contains(&s_text) {
+            out.push_str(": ");
+            out.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// Replaces an XML error body (which can echo the request, signature details included) by its
+/// `Code: Message`, and keeps messages to a readable length.
+pub(super) fn clean_message(text: &str) -> String {
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let start = text.find(&open)? + open.len();
+        let len = text[start..].find(&format!("</{name}>"))?;
+        Some(text[start..start + len].to_string())
+    };
+    let mut out = match text.find("<?xml").or_else(|| text.find("<Error>")) {
+        Some(at) => {
+            let summary = match (tag("Code"), tag("Message")) {
+                (Some(c), Some(m)) => format!("{c}: {m}"),
+                (Some(c), None) => c,
+                _ => "(XML error body)".to_string(),
+            };
+            format!("{}{summary}", &text[..at])
+        }
+        None => text.to_string(),
+    };
+    let trimmed = out.trim_end_matches([':', ' ']).len();
+    out.truncate(trimmed);
+    if out.len() > 2000 {
+        let mut cut = 2000;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+        out.push_str("...");
+    }
+    out
+}
+
+/// Values of credential-like options and variables seen by [`open`], scrubbed from messages.
+pub(super) static SECRETS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+pub(super) fn is_secret_key(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    let names_a_file = ["file", "path", "uri", "url"]
+        .iter()
+        .any(|m| key.contains(m));
+    !names_a_file
+        && ["secret", "token", "key", "password", "sas", "credential"]
+            .iter()
+            .any(|m| key.contains(m))
+}
+
+pub(super) fn remember_secrets(options: &[(String, String)], env: &[(String, String)]) {
+    let cloud_env = env.iter().filter(|(k, _)| {
+        k.starts_with("AWS_") || k.starts_with("AZURE_") || k.starts_with("GOOGLE_")
+    });
+    let mut secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    for (k, v) in options.iter().chain(cloud_env) {
+        // Short values would scrub ordinary words (and "true" is no secret).
+        if is_secret_key(k) && v.len() >= 8 && !secrets.contains(v) {
+            secrets.push(v.clone());
+        }
+    }
+}
+
+pub(super) fn scrub(text: &str) -> String {
+    let secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    secrets
+        .iter()
+        .fold(text.to_string(), |t, s| t.replace(s.as_str(), "***"))
+}
+
+/// The URI without user info, query or fragment (a presigned query holds credentials).
+pub fn redact_uri(uri: &str) -> String {
+    match Url::parse(uri) {
+        Ok(mut url) => {
+            let _ = url.set_username("");
+            let _ = url.set_password(None);
+            url.set_query(None);
+            url.set_fragment(None);
+            url.to_string()
+        }
+        Err(_) => uri.split(['?', '#']).next().unwrap_or(uri).to_string(),
+    }
+}

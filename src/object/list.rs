@@ -1,0 +1,144 @@
+//! Finding the shards under a URI: a prefix listing, an index file, or one object.
+
+use std::collections::HashMap;
+
+use futures_util::StreamExt;
+use object_store::path::Path;
+use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
+
+use super::errors::*;
+use super::*;
+use crate::error::{Error, Result};
+use crate::format;
+use crate::source::INDEX_FILE;
+
+/// Every `*.safetensors` directly under the remote's prefix, or exactly the files that its
+/// `model.safetensors.index.json` names, in a stable order, with their sizes.
+pub async fn list_safetensors(remote: &Remote) -> Result<Vec<(Path, u64)>> {
+    let index = remote.path.clone().join(INDEX_FILE);
+    match get_small(remote, &index).await {
+        Ok(bytes) => return from_index(remote, &index, &bytes).await,
+        Err(Error::NotFound { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    let listing = list_dir(remote, &remote.path).await?;
+    let mut files: Vec<(Path, u64)> = listing
+        .into_iter()
+        .filter(|(p, _)| p.extension() == Some("safetensors"))
+        .collect();
+    if files.is_empty() {
+        return Err(Error::NotFound {
+            path: format!("{} (no .safetensors objects under this prefix)", remote.uri),
+        });
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Turns the remote's URI into the objects to load: a prefix is listed, a `.json` is read as an
+/// index, anything else is one object (or, when no such object exists, a prefix without its `/`).
+pub async fn resolve(remote: &Remote) -> Result<Vec<(Path, u64)>> {
+    if remote.is_prefix {
+        return list_safetensors(remote).await;
+    }
+    if remote.path.extension() == Some("json") {
+        let bytes = get_small(remote, &remote.path).await?;
+        return from_index(remote, &remote.path, &bytes).await;
+    }
+    match head(remote, &remote.path).await {
+        Ok(size) => Ok(vec![(remote.path.clone(), size)]),
+        Err(Error::NotFound { path }) => match list_safetensors(remote).await {
+            Err(Error::NotFound { .. }) => Err(Error::NotFound { path }),
+            // Name what the user asked for, not the index probed for it.
+            Err(Error::Io { source, .. }) => Err(Error::Io { path, source }),
+            other => other,
+        },
+        Err(e) => Err(e),
+    }
+}
+
+/// Size of one object.
+pub async fn head(remote: &Remote, path: &Path) -> Result<u64> {
+    remote
+        .store
+        .head(path)
+        .await
+        .map(|m| m.size)
+        .map_err(|e| storage_error(&remote.uri_of(path), e))
+}
+
+/// GET of a small object (an index file) into memory.
+pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
+    let name = remote.uri_of(path);
+    let result = remote
+        .store
+        .get_opts(path, GetOptions::default())
+        .await
+        .map_err(|e| storage_error(&name, e))?;
+    if result.meta.size > format::MAX_HEADER_LEN {
+        return Err(Error::format(&name, "index file is over 100 MB"));
+    }
+    let mut out = Vec::with_capacity(result.meta.size as usize);
+    let mut body = result.into_stream();
+    while let Some(chunk) = body.next().await {
+        out.extend_from_slice(&chunk.map_err(|e| storage_error(&name, e))?);
+    }
+    Ok(out)
+}
+
+/// Objects directly under `prefix` with their sizes.
+pub(super) async fn list_dir(remote: &Remote, prefix: &Path) -> Result<Vec<(Path, u64)>> {
+    let prefix = (!prefix.as_ref().is_empty()).then_some(prefix);
+    let listing = remote
+        .store
+        .list_with_delimiter(prefix)
+        .await
+        .map_err(|e| storage_error(&remote.uri, e))?;
+    Ok(listing
+        .objects
+        .into_iter()
+        .map(|m| (m.location, m.size))
+        .collect())
+}
+
+/// The files an index names (relative to the index's folder), sized by one listing of that folder
+/// or, where the store cannot list (plain HTTP), by HEAD requests.
+pub(super) async fn from_index(
+    remote: &Remote,
+    index: &Path,
+    bytes: &[u8],
+) -> Result<Vec<(Path, u64)>> {
+    let name = remote.uri_of(index);
+    let dir: Path = {
+        let parts: Vec<_> = index.parts().collect();
+        Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned())
+    };
+    let mut files = Vec::new();
+    for file in crate::source::index_shard_names(bytes, &name)? {
+        let rel = Path::parse(&file).map_err(|e| {
+            Error::format(
+                &name,
+                format!("weight_map names an invalid file {file:?}: {e}"),
+            )
+        })?;
+        files.push(Path::from_iter(dir.parts().chain(rel.parts())));
+    }
+    let listed: HashMap<Path, u64> = match list_dir(remote, &dir).await {
+        Ok(objects) => objects.into_iter().collect(),
+        Err(_) => HashMap::new(),
+    };
+    let sizes: Vec<Result<(Path, u64)>> = futures_util::stream::iter(files)
+        .map(|p| {
+            let known = listed.get(&p).copied();
+            async move {
+                match known {
+                    Some(size) => Ok((p, size)),
+                    None => head(remote, &p).await.map(|size| (p, size)),
+                }
+            }
+        })
+        .buffered(HEAD_CONCURRENCY)
+        .collect()
+        .await;
+    sizes.into_iter().collect()
+}

@@ -1,0 +1,649 @@
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures_util::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::{
+    CopyOptions, GetResult, GetResultPayload, ListResult, MultipartUpload, ObjectMeta,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+
+use futures_util::StreamExt;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::path::Path;
+use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
+
+use super::config::*;
+use super::errors::*;
+use super::*;
+use crate::error::{Error, Result};
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn opts(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    env(pairs)
+}
+
+fn s3(uri: &str, o: &[(&str, &str)], e: &[(&str, &str)]) -> Result<AmazonS3Builder> {
+    s3_builder(uri, &opts(o), &env(e))
+}
+
+fn value(b: &AmazonS3Builder, key: AmazonS3ConfigKey) -> Option<String> {
+    b.get_config_value(&key)
+}
+
+const KEYS: &[(&str, &str)] = &[
+    ("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"),
+    (
+        "AWS_SECRET_ACCESS_KEY",
+        "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    ),
+];
+
+#[test]
+fn recognises_remote_schemes() {
+    for uri in [
+        "s3://b/k",
+        "S3://b/k",
+        "s3a://b/k",
+        "gs://b/k",
+        "az://c/k",
+        "abfs://c/k",
+        "abfss://c@a.dfs.core.windows.net/k",
+        "http://h/x",
+        "https://h/x",
+    ] {
+        assert!(is_remote(uri), "{uri}");
+    }
+    for uri in [
+        "/tmp/x",
+        "x.safetensors",
+        "file:///tmp/x",
+        "memory:///x",
+        "ftp://h/x",
+        "",
+    ] {
+        assert!(!is_remote(uri), "{uri}");
+    }
+}
+
+#[test]
+fn endpoint_means_path_style_and_http_when_http() {
+    let mut e = KEYS.to_vec();
+    e.push(("AWS_ENDPOINT_URL", "http://127.0.0.1:9000"));
+    let b = s3("s3://models/llama/", &[], &e).unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
+        Some("http://127.0.0.1:9000")
+    );
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+        Some("false")
+    );
+    let http = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
+    assert_eq!(value(&b, http).as_deref(), Some("true"));
+    // An explicit allow_http=false wins over the inference.
+    let b = s3("s3://models/x", &[("allow_http", "false")], &e).unwrap();
+    assert_eq!(value(&b, http).as_deref(), Some("false"));
+    // Client defaults are in place and options override them.
+    let timeout = AmazonS3ConfigKey::Client(ClientConfigKey::Timeout);
+    assert_eq!(value(&b, timeout).as_deref(), Some("120s"));
+    let b = s3("s3://models/x", &[("timeout", "5s")], &e).unwrap();
+    assert_eq!(value(&b, timeout).as_deref(), Some("5s"));
+    let (_, rest) = split_retry_options(&opts(&[("connect_timeout", "1.5")])).unwrap();
+    assert_eq!(rest, opts(&[("connect_timeout", "1500ms")]));
+    // https endpoints stay https-only.
+    e.pop();
+    e.push(("AWS_ENDPOINT_URL", "https://minio.example"));
+    let b = s3("s3://models/x", &[], &e).unwrap();
+    assert_ne!(value(&b, http).as_deref(), Some("true"));
+}
+
+#[test]
+fn virtual_hosted_is_opt_in_with_an_endpoint() {
+    let mut e = KEYS.to_vec();
+    e.push(("AWS_ENDPOINT_URL", "http://s3.local:9000/"));
+    let o = [("virtual_hosted_style_request", "true")];
+    let b = s3("s3://models/x", &o, &e).unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
+        Some("http://models.s3.local:9000/")
+    );
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+        Some("true")
+    );
+    // An endpoint that already names the bucket is left alone.
+    let e2 = [
+        KEYS[0],
+        KEYS[1],
+        ("AWS_ENDPOINT_URL", "http://models.s3.local"),
+    ];
+    let b = s3("s3://models/x", &o, &e2).unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
+        Some("http://models.s3.local")
+    );
+}
+
+#[test]
+fn aws_without_endpoint_is_virtual_hosted_unless_the_bucket_has_dots() {
+    let b = s3("s3://models/x", &[], KEYS).unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+        Some("true")
+    );
+    let b = s3("s3://my.models/x", &[], KEYS).unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+        Some("false")
+    );
+    let b = s3(
+        "s3://models/x",
+        &[("virtual_hosted_style_request", "false")],
+        KEYS,
+    )
+    .unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
+        Some("false")
+    );
+}
+
+#[test]
+fn region_and_credentials_come_from_env_and_options_win() {
+    let e = [
+        KEYS[0],
+        KEYS[1],
+        ("AWS_DEFAULT_REGION", "eu-west-1"),
+        ("AWS_REGION", "us-west-2"),
+        ("AWS_SESSION_TOKEN", "session-token-value"),
+    ];
+    let b = s3("s3://b/x", &[], &e).unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::Region).as_deref(),
+        Some("us-west-2")
+    );
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::Token).as_deref(),
+        Some("session-token-value")
+    );
+    let b = s3(
+        "s3://b/x",
+        &[],
+        &[KEYS[0], KEYS[1], ("AWS_DEFAULT_REGION", "eu-west-1")],
+    )
+    .unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::Region).as_deref(),
+        Some("eu-west-1")
+    );
+    let b = s3(
+        "s3://b/x",
+        &[("region", "ap-south-1"), ("access_key_id", "OTHER")],
+        &e,
+    )
+    .unwrap();
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::Region).as_deref(),
+        Some("ap-south-1")
+    );
+    assert_eq!(
+        value(&b, AmazonS3ConfigKey::AccessKeyId).as_deref(),
+        Some("OTHER")
+    );
+}
+
+#[test]
+fn disabled_metadata_without_credentials_fails_before_any_request() {
+    let err = s3("s3://b/x", &[], &[("AWS_EC2_METADATA_DISABLED", "true")]).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("s3://b/x") && text.contains("AWS_ACCESS_KEY_ID"),
+        "{text}"
+    );
+    let aws_url = "https://models.s3.eu-west-1.amazonaws.com/x";
+    assert!(s3(aws_url, &[], &[("AWS_EC2_METADATA_DISABLED", "true")]).is_err());
+    // Anonymous access needs no credentials.
+    let o = [("skip_signature", "true")];
+    assert!(s3("s3://b/x", &o, &[("AWS_EC2_METADATA_DISABLED", "true")]).is_ok());
+    assert!(s3(
+        "s3://b/x",
+        &[],
+        &[KEYS[0], KEYS[1], ("AWS_EC2_METADATA_DISABLED", "1")]
+    )
+    .is_ok());
+}
+
+#[test]
+fn unknown_options_are_rejected_with_their_name() {
+    let err = s3("s3://b/x", &[("endpiont", "http://x")], KEYS).unwrap_err();
+    assert!(matches!(err, Error::InvalidOption { .. }), "{err}");
+    assert!(err.to_string().contains("endpiont"), "{err}");
+    let err = open_with_env("s3://b/x", &opts(&[("max_retries", "many")]), env(KEYS)).unwrap_err();
+    assert!(err.to_string().contains("max_retries"), "{err}");
+}
+
+#[test]
+fn open_parses_keys_prefixes_and_redacts() {
+    let e = env(&[KEYS[0], KEYS[1], ("AWS_ENDPOINT_URL", "http://127.0.0.1:1")]);
+    let r = open_with_env("s3://models/llama/model.safetensors", &[], e.clone()).unwrap();
+    assert_eq!(r.path.as_ref(), "llama/model.safetensors");
+    assert!(!r.is_prefix);
+    let r = open_with_env("s3://models/llama/", &[], e.clone()).unwrap();
+    assert_eq!(r.path.as_ref(), "llama");
+    assert!(r.is_prefix);
+    assert_eq!(
+        r.uri_of(&Path::from("llama/a.safetensors")),
+        "s3://models/llama/a.safetensors"
+    );
+    let r = open_with_env("s3://models", &[], e.clone()).unwrap();
+    assert!(r.is_prefix);
+    assert_eq!(
+        r.uri_of(&Path::from("a.safetensors")),
+        "s3://models/a.safetensors"
+    );
+    let r = open_with_env(
+        "https://user:pw@example.com/m/x.safetensors?sig=abc",
+        &[],
+        e,
+    )
+    .unwrap();
+    assert_eq!(r.uri, "https://example.com/m/x.safetensors");
+    assert_eq!(r.path.as_ref(), "m/x.safetensors");
+    let r = open_with_env("http://127.0.0.1:1/dir/", &[], env(&[])).unwrap();
+    assert!(r.is_prefix);
+    assert_eq!(r.path.as_ref(), "dir");
+    let anon = opts(&[("skip_signature", "true")]);
+    let r = open_with_env("gs://bucket/m/x.safetensors", &anon, env(&[])).unwrap();
+    assert_eq!(r.path.as_ref(), "m/x.safetensors");
+    // Azure needs an account: a configuration error that names the URI, not a panic.
+    let err = open_with_env("az://container/x", &[], env(&[])).unwrap_err();
+    assert!(err.to_string().contains("az://container/x"), "{err}");
+    assert!(matches!(
+        open_with_env("ftp://h/x", &[], env(&[])),
+        Err(Error::UnsupportedUri { .. })
+    ));
+}
+
+#[test]
+fn messages_drop_xml_bodies_and_secrets() {
+    remember_secrets(
+        &opts(&[("secret_access_key", "very-secret-value-123")]),
+        &[],
+    );
+    let raw =
+        "Server returned 403: <?xml version=\"1.0\"?><Error><Code>SignatureDoesNotMatch</Code>\
+               <Message>bad sig</Message><StringToSign>x</StringToSign></Error>";
+    assert_eq!(
+        clean_message(raw),
+        "Server returned 403: SignatureDoesNotMatch: bad sig"
+    );
+    assert_eq!(scrub("key very-secret-value-123 leaked"), "key *** leaked");
+    assert!(!is_secret_key("aws_web_identity_token_file"));
+    assert!(is_secret_key("AWS_SESSION_TOKEN"));
+}
+
+// ---- reads and listings against an in-memory store ----------------------------------
+
+fn data(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
+async fn memory(files: &[(&str, Vec<u8>)]) -> Arc<InMemory> {
+    let store = Arc::new(InMemory::new());
+    for (name, bytes) in files {
+        store
+            .put(&Path::from(*name), PutPayload::from(bytes.clone()))
+            .await
+            .unwrap();
+    }
+    store
+}
+
+fn remote(store: Arc<dyn ObjectStore>, path: &str, is_prefix: bool) -> Remote {
+    Remote {
+        store,
+        path: Path::from(path),
+        uri: format!("s3://bucket/{path}{}", if is_prefix { "/" } else { "" }),
+        is_prefix,
+    }
+}
+
+#[tokio::test]
+async fn reads_ranges_exactly() {
+    let bytes = data(100_000);
+    let store = memory(&[("m.safetensors", bytes.clone())]).await;
+    let path = Path::from("m.safetensors");
+    let mut dst = vec![0u8; 30_000];
+    read_range_into(store.as_ref(), &path, 12_345, &mut dst, "s3://b/m")
+        .await
+        .unwrap();
+    assert_eq!(dst, bytes[12_345..42_345]);
+    read_range_into(store.as_ref(), &path, 0, &mut [], "s3://b/m")
+        .await
+        .unwrap();
+    // Past the end: the object is shorter than the range.
+    let err = read_range_into(store.as_ref(), &path, 90_000, &mut dst, "s3://b/m")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert!(err.to_string().contains("s3://b/m"), "{err}");
+    let err = read_range_into(
+        store.as_ref(),
+        &Path::from("nope"),
+        0,
+        &mut dst,
+        "s3://b/nope",
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { ref path } if path == "s3://b/nope"),
+        "{err}"
+    );
+}
+
+/// Cuts the first `cuts` bodies after `keep` bytes (then errors), or pads every body.
+#[derive(Debug)]
+struct Flaky {
+    inner: InMemory,
+    keep: usize,
+    cuts: AtomicUsize,
+    pad: bool,
+    gets: AtomicUsize,
+}
+
+impl Flaky {
+    fn new(inner: InMemory, keep: usize, cuts: usize, pad: bool) -> Self {
+        Flaky {
+            inner,
+            keep,
+            cuts: AtomicUsize::new(cuts),
+            pad,
+            gets: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl fmt::Display for Flaky {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Flaky")
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for Flaky {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        self.gets.fetch_add(1, Ordering::SeqCst);
+        let r = self.inner.get_opts(location, options).await?;
+        let (meta, range, attributes) = (r.meta.clone(), r.range.clone(), r.attributes.clone());
+        let body = r.bytes().await?;
+        let cut = self
+            .cuts
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let chunks: Vec<object_store::Result<_>> = if cut {
+            let keep = self.keep.min(body.len());
+            vec![
+                Ok(body.slice(..keep)),
+                Err(object_store::Error::Generic {
+                    store: "flaky",
+                    source: "connection reset by peer".into(),
+                }),
+            ]
+        } else if self.pad {
+            vec![Ok(body), Ok(bytes::Bytes::from_static(b"extra"))]
+        } else {
+            vec![Ok(body)]
+        };
+        Ok(GetResult {
+            payload: GetResultPayload::Stream(futures_util::stream::iter(chunks).boxed()),
+            meta,
+            range,
+            attributes,
+            extensions: Default::default(),
+        })
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+async fn flaky(bytes: &[u8], keep: usize, cuts: usize, pad: bool) -> Flaky {
+    let inner = InMemory::new();
+    inner
+        .put(&Path::from("m"), PutPayload::from(bytes.to_vec()))
+        .await
+        .unwrap();
+    Flaky::new(inner, keep, cuts, pad)
+}
+
+#[tokio::test]
+async fn resumes_cut_off_bodies_from_where_they_stopped() {
+    let bytes = data(50_000);
+    let store = flaky(&bytes, 7_000, 3, false).await;
+    let mut dst = vec![0u8; 40_000];
+    read_range_into(&store, &Path::from("m"), 5_000, &mut dst, "s3://b/m")
+        .await
+        .unwrap();
+    assert_eq!(dst, bytes[5_000..45_000]);
+    assert_eq!(
+        store.gets.load(Ordering::SeqCst),
+        4,
+        "3 cut bodies, then the rest"
+    );
+}
+
+#[tokio::test]
+async fn gives_up_when_resuming_makes_no_progress() {
+    let store = flaky(&data(1000), 0, usize::MAX, false).await;
+    let mut dst = vec![0u8; 500];
+    let started = std::time::Instant::now();
+    let err = read_range_into(&store, &Path::from("m"), 0, &mut dst, "s3://b/m")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert!(err.to_string().contains("connection reset"), "{err}");
+    assert_eq!(
+        store.gets.load(Ordering::SeqCst),
+        MAX_STALLED_RESUMES as usize
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn rejects_bodies_longer_than_asked() {
+    let store = flaky(&data(1000), 0, 0, true).await;
+    let mut dst = vec![0u8; 100];
+    let err = read_range_into(&store, &Path::from("m"), 0, &mut dst, "s3://b/m")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("more than"), "{err}");
+}
+
+fn index(files: &[(&str, &str)]) -> Vec<u8> {
+    let map: serde_json::Map<String, serde_json::Value> = files
+        .iter()
+        .map(|(t, f)| (t.to_string(), serde_json::Value::from(*f)))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({"metadata": {}, "weight_map": map})).unwrap()
+}
+
+#[tokio::test]
+async fn lists_safetensors_directly_under_a_prefix_sorted() {
+    let store = memory(&[
+        ("m/b.safetensors", data(10)),
+        ("m/a.safetensors", data(20)),
+        ("m/notes.txt", data(5)),
+        ("m/sub/c.safetensors", data(5)),
+        ("other/d.safetensors", data(5)),
+    ])
+    .await;
+    let r = remote(store.clone(), "m", true);
+    let got = list_safetensors(&r).await.unwrap();
+    assert_eq!(
+        got,
+        vec![
+            (Path::from("m/a.safetensors"), 20),
+            (Path::from("m/b.safetensors"), 10)
+        ]
+    );
+    // Without the trailing slash, a name that is no object is tried as a prefix.
+    assert_eq!(
+        resolve(&remote(store.clone(), "m", false)).await.unwrap(),
+        got
+    );
+    let one = resolve(&remote(store.clone(), "m/b.safetensors", false))
+        .await
+        .unwrap();
+    assert_eq!(one, vec![(Path::from("m/b.safetensors"), 10)]);
+    let err = resolve(&remote(store.clone(), "nothing", false))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { ref path } if path == "s3://bucket/nothing"),
+        "{err}"
+    );
+    let err = list_safetensors(&remote(store, "empty", true))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NotFound { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn honours_the_index_and_names_missing_shards() {
+    let idx = index(&[
+        ("w1", "s-2.safetensors"),
+        ("w2", "s-1.safetensors"),
+        ("w3", "s-2.safetensors"),
+    ]);
+    let store = memory(&[
+        ("m/model.safetensors.index.json", idx.clone()),
+        ("m/s-1.safetensors", data(11)),
+        ("m/s-2.safetensors", data(22)),
+        ("m/stray.safetensors", data(33)),
+    ])
+    .await;
+    let want = vec![
+        (Path::from("m/s-1.safetensors"), 11),
+        (Path::from("m/s-2.safetensors"), 22),
+    ];
+    assert_eq!(
+        list_safetensors(&remote(store.clone(), "m", true))
+            .await
+            .unwrap(),
+        want
+    );
+    let direct = remote(store.clone(), "m/model.safetensors.index.json", false);
+    assert_eq!(resolve(&direct).await.unwrap(), want);
+
+    let idx = index(&[("w1", "s-1.safetensors"), ("w2", "gone.safetensors")]);
+    let store = memory(&[
+        ("m/model.safetensors.index.json", idx),
+        ("m/s-1.safetensors", data(11)),
+    ])
+    .await;
+    let err = list_safetensors(&remote(store, "m", true))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { ref path } if path == "s3://bucket/m/gone.safetensors"),
+        "{err}"
+    );
+
+    let store = memory(&[(
+        "m/model.safetensors.index.json",
+        b"{\"weight_map\": 3}".to_vec(),
+    )])
+    .await;
+    let err = list_safetensors(&remote(store, "m", true))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Format { .. }), "{err}");
+    let idx = index(&[("w1", "../escape.safetensors")]);
+    let store = memory(&[("m/model.safetensors.index.json", idx)]).await;
+    let err = list_safetensors(&remote(store, "m", true))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Format { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn reads_headers_in_one_or_two_requests() {
+    let header = |pad: usize| {
+        let json = format!(
+            "{{\"t\":{{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4]}}{}}}",
+            " ".repeat(pad)
+        );
+        let mut file = (json.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(json.as_bytes());
+        file.extend_from_slice(&[1, 2, 3, 4]);
+        file
+    };
+    for pad in [0usize, 300_000] {
+        let file = header(pad);
+        let store = memory(&[("h.safetensors", file.clone())]).await;
+        let r = remote(store, "h.safetensors", false);
+        let h = read_header(&r, &r.path, file.len() as u64).await.unwrap();
+        assert_eq!(h.tensors.len(), 1);
+    }
+    let store = memory(&[(
+        "bad.safetensors",
+        b"\xff\xff\xff\xff\xff\xff\xff\x7f{}".to_vec(),
+    )])
+    .await;
+    let r = remote(store, "bad.safetensors", false);
+    let err = read_header(&r, &r.path, 10).await.unwrap_err();
+    assert!(matches!(err, Error::Format { .. }), "{err}");
+    let err = read_header(&r, &r.path, 0).await.unwrap_err();
+    assert!(matches!(err, Error::Format { .. }), "{err}");
+}
