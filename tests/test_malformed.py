@@ -313,6 +313,37 @@ def test_corrupt_shard_is_named(tmp_path, index, corruption):
             assert os.fspath(good) not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "index_text, words",
+    [
+        ('{"weight_map": {', ({"json"},)),
+        ('{"metadata": {}}', ({"weight_map"},)),
+        ('{"weight_map": {"a": 3}}', ({"weight_map", "file name"},)),
+    ],
+    ids=["invalid_json", "no_weight_map", "not_a_file_name"],
+)
+def test_malformed_index_is_named(tmp_path, index_text, words):
+    d = tmp_path / "ckpt"
+    _write_shards(d)
+    index = d / "model.safetensors.index.json"
+    index.write_text(index_text)
+    for reader in (_load, _stream):
+        with pytest.raises(fastload.FormatError) as info:
+            reader(d)
+        check_message(info.value, index, words)
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    d = tmp_path / "ckpt"
+    shards = _write_shards(d)
+    shards[2].unlink()
+    for reader in (_load, _stream):
+        with pytest.raises(FileNotFoundError) as info:
+            reader(d)
+        assert isinstance(info.value, fastload.FastloadError)
+        assert os.fspath(shards[2]) in str(info.value)
+
+
 def test_loader_still_works_after_errors(malformed_dir, tmp_path):
     """A failed load leaves no broken state behind (runtime, buffers, thread pools)."""
     ok = write_reference(tmp_path / "ok.safetensors")

@@ -36,11 +36,18 @@ fn check(header: &Header, bytes: &[u8], file_size: u64) {
     let mut cursor = 0u64;
     let mut names = HashSet::new();
     for pair in header.tensors.windows(2) {
-        assert!((pair[0].begin, pair[0].end) <= (pair[1].begin, pair[1].end), "not sorted");
+        assert!(
+            (pair[0].begin, pair[0].end) <= (pair[1].begin, pair[1].end),
+            "not sorted"
+        );
     }
     for t in &header.tensors {
         assert!(names.insert(t.name.as_str()), "duplicate name {:?}", t.name);
-        assert_eq!(t.begin, cursor, "tensor {:?} does not start where the last ended", t.name);
+        assert_eq!(
+            t.begin, cursor,
+            "tensor {:?} does not start where the last ended",
+            t.name
+        );
         assert!(t.end >= t.begin);
         cursor = t.end;
         let elems = t
@@ -50,10 +57,19 @@ fn check(header: &Header, bytes: &[u8], file_size: u64) {
             .expect("accepted shape overflows u128");
         let bits = elems * t.dtype.bits() as u128;
         assert_eq!(bits % 8, 0, "tensor {:?} does not fill whole bytes", t.name);
-        assert_eq!(bits / 8, t.len() as u128, "tensor {:?} has the wrong length", t.name);
-        assert_eq!(t.is_empty(), t.len() == 0);
+        assert_eq!(
+            bits / 8,
+            t.len() as u128,
+            "tensor {:?} has the wrong length",
+            t.name
+        );
+        assert_eq!(t.is_empty(), t.begin == t.end);
     }
-    assert_eq!(cursor, file_size - header.data_start, "tensors do not cover the data");
+    assert_eq!(
+        cursor,
+        file_size - header.data_start,
+        "tensors do not cover the data"
+    );
     assert_eq!(header.data_len(), cursor);
 
     // Parsing just the JSON gives the same answer.
