@@ -819,3 +819,31 @@ mod tests {
         assert_eq!(h.tensors[1].shape, Vec::<u64>::new());
     }
 }
+
+#[cfg(test)]
+mod corpus {
+    /// Replays the committed fuzz seeds (same input layout as `fuzz/fuzz_targets/header.rs`):
+    /// none may panic, and the valid seeds must stay valid.
+    #[test]
+    fn fuzz_seed_corpus_replays() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/header");
+        let mut accepted = 0;
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("fuzz/corpus/header is committed") {
+            let data = std::fs::read(entry.unwrap().path()).unwrap();
+            if data.len() < 8 {
+                continue;
+            }
+            seen += 1;
+            let (extra, bytes) = data.split_at(8);
+            let extra = u64::from_le_bytes(extra.try_into().unwrap());
+            let size = (bytes.len() as u64).saturating_add(extra);
+            if let Ok(h) = super::parse(bytes, size) {
+                accepted += 1;
+                assert_eq!(h.data_start + h.data_len(), size);
+            }
+        }
+        assert!(seen >= 20, "only {seen} seeds");
+        assert!(accepted >= 5, "only {accepted} seeds parse");
+    }
+}
