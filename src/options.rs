@@ -128,6 +128,9 @@ pub struct LoadOptions {
     pub method: Method,
     /// Object-store settings (`endpoint`, `region`, `access_key_id`, ...); override `AWS_*` etc.
     pub storage_options: Vec<(String, String)>,
+    /// Byte ranges `(tensor, begin, end)` within tensors to read instead of whole tensors (how a
+    /// rank of a distributed load reads only its share); excludes `names`.
+    pub parts: Option<Vec<crate::plan::Part>>,
 }
 
 /// Options with every value decided.

@@ -54,7 +54,13 @@ pub fn open(uris: &[String], options: &LoadOptions) -> Result<Loader> {
     let resolved = options.resolve()?;
     let shards = source::open_all(uris, &options.storage_options)?;
     let target = plan::segment_target(resolved.memory_limit, resolved.block_size);
-    let plan = plan::build(shards, options.names.as_deref(), target)?;
+    let plan = match &options.parts {
+        None => plan::build(shards, options.names.as_deref(), target)?,
+        Some(_) if options.names.is_some() => {
+            return Err(Error::option("parts", "names and parts cannot be combined"))
+        }
+        Some(parts) => plan::build_parts(shards, parts, target)?,
+    };
     Ok(Loader::start(plan, resolved))
 }
 

@@ -7,10 +7,10 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::error::{Error, Result};
-use crate::format::Dtype;
+use crate::format::{Dtype, TensorEntry};
 use crate::source::Shard;
 
-/// Where one tensor lands inside its segment's buffer.
+/// Where one tensor (or one piece of a tensor) lands inside its segment's buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSlot {
     pub name: String,
@@ -19,6 +19,9 @@ pub struct TensorSlot {
     /// Byte offset inside the segment.
     pub offset: u64,
     pub len: u64,
+    /// `Some(begin)` when the slot is a piece (see [`build_parts`]): bytes `begin..begin + len` of
+    /// tensor `name`, with dtype U8 and shape `[len]`. `None` for a whole tensor.
+    pub piece: Option<u64>,
 }
 
 /// A contiguous range of one file, read into one buffer.
@@ -38,8 +41,12 @@ pub struct Plan {
     pub shards: Vec<Shard>,
     pub segments: Vec<Segment>,
     pub total_bytes: u64,
+    /// Slots to deliver: tensors, or pieces for [`build_parts`].
     pub tensor_count: usize,
 }
+
+/// A byte range `begin..end` within the data of tensor `name`.
+pub type Part = (String, u64, u64);
 
 /// Segment size for a memory limit: small enough that several segments are in flight at once
 /// (reads of the next overlap the consumer's work on the current one), large enough that per
@@ -53,6 +60,84 @@ pub fn segment_target(memory_limit: u64, block_size: u64) -> u64 {
 /// Builds the plan. `names` selects tensors (every name must exist somewhere); tensor names must
 /// be unique across shards.
 pub fn build(shards: Vec<Shard>, names: Option<&[String]>, target: u64) -> Result<Plan> {
+    let owner = owners(&shards)?;
+    let wanted: Option<HashSet<&str>> = names.map(|n| n.iter().map(String::as_str).collect());
+    if let Some(w) = &wanted {
+        check_present(&shards, &owner, w.iter().copied())?;
+    }
+    drop(owner);
+    coalesce(shards, target, |t, slots| {
+        let keep = match &wanted {
+            Some(w) => w.contains(t.name.as_str()),
+            None => true,
+        };
+        if keep {
+            slots.push((t.begin, whole(t)));
+        }
+    })
+}
+
+/// Builds a plan that reads only `parts`: byte ranges within tensors, each delivered as a U8
+/// slot with [`TensorSlot::piece`] set. This is how the ranks of a process group each read their
+/// share of a checkpoint, splitting tensors where the shares meet. Ranges of one tensor must not
+/// overlap; adjacent pieces coalesce into one segment like small tensors do, and no other byte
+/// is read.
+pub fn build_parts(shards: Vec<Shard>, parts: &[Part], target: u64) -> Result<Plan> {
+    let owner = owners(&shards)?;
+    check_present(&shards, &owner, parts.iter().map(|p| p.0.as_str()))?;
+    let mut ranges: HashMap<&str, Vec<(u64, u64)>> = HashMap::new();
+    for (name, begin, end) in parts {
+        ranges
+            .entry(name.as_str())
+            .or_default()
+            .push((*begin, *end));
+    }
+    for (name, list) in &mut ranges {
+        let shard = &shards[owner[name]];
+        let len = shard
+            .header
+            .tensors
+            .iter()
+            .find(|t| t.name == *name)
+            .map_or(0, |t| t.len());
+        list.sort_unstable();
+        let mut cursor = 0u64;
+        for &(begin, end) in list.iter() {
+            if begin > end || end > len {
+                return Err(Error::option(
+                    "parts",
+                    format!("bytes {begin}..{end} of tensor {name:?} are outside its {len} bytes"),
+                ));
+            }
+            if begin < cursor {
+                return Err(Error::option(
+                    "parts",
+                    format!("ranges of tensor {name:?} overlap at byte {begin}"),
+                ));
+            }
+            cursor = end;
+        }
+    }
+    drop(owner);
+    coalesce(shards, target, |t, slots| {
+        for &(begin, end) in ranges.get(t.name.as_str()).into_iter().flatten() {
+            slots.push((
+                t.begin + begin,
+                TensorSlot {
+                    name: t.name.clone(),
+                    dtype: Dtype::U8,
+                    shape: vec![end - begin],
+                    offset: 0,
+                    len: end - begin,
+                    piece: Some(begin),
+                },
+            ));
+        }
+    })
+}
+
+/// Which shard holds each tensor; an error if a name is in two shards.
+fn owners(shards: &[Shard]) -> Result<HashMap<&str, usize>> {
     let mut owner: HashMap<&str, usize> = HashMap::new();
     for (i, shard) in shards.iter().enumerate() {
         for t in &shard.header.tensors {
@@ -67,75 +152,94 @@ pub fn build(shards: Vec<Shard>, names: Option<&[String]>, target: u64) -> Resul
             }
         }
     }
-    let wanted: Option<HashSet<&str>> = names.map(|n| n.iter().map(String::as_str).collect());
-    if let Some(w) = &wanted {
-        let mut missing: Vec<&str> = w
-            .iter()
-            .copied()
-            .filter(|n| !owner.contains_key(n))
-            .collect();
-        if !missing.is_empty() {
-            missing.sort_unstable();
-            let uri = shards.first().map_or(String::new(), |s| s.name.clone());
-            let uri = if shards.len() > 1 {
-                format!("{uri} and {} more files", shards.len() - 1)
-            } else {
-                uri
-            };
-            return Err(Error::MissingTensors {
-                uri,
-                names: missing
-                    .iter()
-                    .map(|n| format!("{n:?}"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            });
-        }
-    }
-    drop(owner);
+    Ok(owner)
+}
 
+fn check_present<'a>(
+    shards: &[Shard],
+    owner: &HashMap<&str, usize>,
+    names: impl Iterator<Item = &'a str>,
+) -> Result<()> {
+    let mut missing: Vec<&str> = names.filter(|n| !owner.contains_key(n)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    missing.sort_unstable();
+    missing.dedup();
+    let uri = shards.first().map_or(String::new(), |s| s.name.clone());
+    let uri = if shards.len() > 1 {
+        format!("{uri} and {} more files", shards.len() - 1)
+    } else {
+        uri
+    };
+    Err(Error::MissingTensors {
+        uri,
+        names: missing
+            .iter()
+            .map(|n| format!("{n:?}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+fn whole(t: &TensorEntry) -> TensorSlot {
+    TensorSlot {
+        name: t.name.clone(),
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        offset: 0,
+        len: t.len(),
+        piece: None,
+    }
+}
+
+/// Walks every shard's tensors in file order; `select` pushes the slots wanted from a tensor as
+/// `(offset within the data section, slot)`, in file order. Contiguous slots share a segment up
+/// to `target` bytes; any gap (a tensor or bytes nobody asked for) ends the segment.
+fn coalesce(
+    shards: Vec<Shard>,
+    target: u64,
+    mut select: impl FnMut(&TensorEntry, &mut Vec<(u64, TensorSlot)>),
+) -> Result<Plan> {
     let mut segments = Vec::new();
     let mut total_bytes = 0u64;
     let mut tensor_count = 0usize;
+    let mut slots = Vec::new();
     for (si, shard) in shards.iter().enumerate() {
         let base = shard.header.data_start;
         let mut current: Option<Segment> = None;
         for t in &shard.header.tensors {
-            if wanted
-                .as_ref()
-                .is_some_and(|w| !w.contains(t.name.as_str()))
-            {
+            slots.clear();
+            select(t, &mut slots);
+            if slots.is_empty() {
                 if let Some(seg) = current.take() {
                     segments.push(seg);
                 }
                 continue;
             }
-            tensor_count += 1;
-            total_bytes += t.len();
-            let start = base + t.begin;
-            let fits = current
-                .as_ref()
-                .is_some_and(|s| s.start + s.len == start && s.len + t.len() <= target);
-            if !fits {
-                if let Some(seg) = current.take() {
-                    segments.push(seg);
+            for (begin, mut slot) in slots.drain(..) {
+                tensor_count += 1;
+                total_bytes += slot.len;
+                let start = base + begin;
+                let fits = current
+                    .as_ref()
+                    .is_some_and(|s| s.start + s.len == start && s.len + slot.len <= target);
+                if !fits {
+                    if let Some(seg) = current.take() {
+                        segments.push(seg);
+                    }
+                    current = Some(Segment {
+                        shard: si,
+                        start,
+                        len: 0,
+                        tensors: Vec::new(),
+                    });
                 }
-                current = Some(Segment {
-                    shard: si,
-                    start,
-                    len: 0,
-                    tensors: Vec::new(),
-                });
+                let seg = current.as_mut().expect("segment was just opened");
+                slot.offset = seg.len;
+                seg.len += slot.len;
+                seg.tensors.push(slot);
             }
-            let seg = current.as_mut().expect("segment was just opened");
-            seg.tensors.push(TensorSlot {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                offset: seg.len,
-                len: t.len(),
-            });
-            seg.len += t.len();
         }
         if let Some(seg) = current.take() {
             segments.push(seg);
@@ -161,7 +265,7 @@ pub fn blocks(len: u64, block: u64) -> impl Iterator<Item = (u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{Header, TensorEntry};
+    use crate::format::Header;
     use std::sync::Arc;
 
     fn shard(name: &str, sizes: &[(&str, u64)]) -> Shard {
@@ -230,6 +334,81 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("unique"));
+    }
+
+    #[test]
+    fn parts_read_only_their_bytes_and_coalesce() {
+        let s = shard("a", &[("x", 10), ("y", 10), ("big", 1000), ("z", 5)]);
+        let parts: Vec<Part> = vec![
+            ("big".into(), 40, 100),
+            ("y".into(), 5, 10),
+            ("big".into(), 0, 40),
+            ("big".into(), 500, 600),
+            ("z".into(), 0, 5),
+        ];
+        let p = build_parts(vec![s], &parts, 100).unwrap();
+        let segs: Vec<(u64, u64)> = p.segments.iter().map(|s| (s.start, s.len)).collect();
+        // y's tail and big's head touch; the next piece would pass the target; 500..600 stands
+        // apart (a gap) and z is not adjacent to it either.
+        assert_eq!(segs, vec![(115, 45), (160, 60), (620, 100), (1120, 5)]);
+        assert_eq!(p.total_bytes, 5 + 40 + 60 + 100 + 5);
+        assert_eq!(p.tensor_count, 5);
+        let first = &p.segments[0].tensors;
+        assert_eq!(first.len(), 2);
+        assert_eq!(
+            first[1],
+            TensorSlot {
+                name: "big".into(),
+                dtype: Dtype::U8,
+                shape: vec![40],
+                offset: 5,
+                len: 40,
+                piece: Some(0),
+            }
+        );
+        assert_eq!(first[0].piece, Some(5));
+        assert_eq!(p.segments[1].tensors[0].piece, Some(40));
+        assert_eq!(p.segments[3].tensors[0].piece, Some(0));
+    }
+
+    #[test]
+    fn whole_tensors_are_not_pieces() {
+        let p = build(vec![shard("a", &[("x", 10)])], None, 100).unwrap();
+        assert_eq!(p.segments[0].tensors[0].piece, None);
+        assert_eq!(p.segments[0].tensors[0].dtype, Dtype::U8);
+        let p = build_parts(vec![shard("a", &[("x", 10)])], &[], 100).unwrap();
+        assert!(p.segments.is_empty());
+        assert_eq!((p.total_bytes, p.tensor_count), (0, 0));
+    }
+
+    #[test]
+    fn parts_span_shards_and_may_be_whole_tensors() {
+        let parts: Vec<Part> = vec![("x".into(), 0, 10), ("w".into(), 3, 4)];
+        let p = build_parts(
+            vec![shard("a", &[("x", 10)]), shard("b", &[("w", 8)])],
+            &parts,
+            100,
+        )
+        .unwrap();
+        let segs: Vec<(usize, u64, u64)> = p
+            .segments
+            .iter()
+            .map(|s| (s.shard, s.start, s.len))
+            .collect();
+        assert_eq!(segs, vec![(0, 100, 10), (1, 103, 1)]);
+    }
+
+    #[test]
+    fn rejects_bad_parts() {
+        let err = |parts: Vec<Part>| {
+            build_parts(vec![shard("a", &[("x", 10)])], &parts, 100)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(vec![("x".into(), 5, 11)]).contains("outside its 10 bytes"));
+        assert!(err(vec![("x".into(), 6, 5)]).contains("outside"));
+        assert!(err(vec![("x".into(), 0, 6), ("x".into(), 5, 10)]).contains("overlap"));
+        assert!(err(vec![("nope".into(), 0, 1)]).contains("\"nope\""));
     }
 
     #[test]

@@ -25,6 +25,8 @@ from ._errors import (
 if TYPE_CHECKING:
     import torch
 
+    from .distributed import DistributedStream
+
 __version__: str = _fastload.__version__
 
 __all__ = [
@@ -142,7 +144,8 @@ def stream(
     names: Iterable[str] | None = None,
     method: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
-) -> Stream:
+    process_group: Any = None,
+) -> Stream | DistributedStream:
     """Streams the tensors of a safetensors file, directory of shards or list of files.
 
     ``uri`` may also name objects in object storage: ``s3://bucket/key`` or a prefix
@@ -152,7 +155,25 @@ def stream(
 
     Yields ``(name, tensor)`` as soon as each tensor's bytes have landed. Host memory held by the
     loader stays within ``memory_limit``; a tensor you keep owns its memory and stays valid.
+
+    ``process_group`` (a ``torch.distributed`` group, or ``"default"`` for the default group):
+    the ranks share the reads, each byte is read from storage once and exchanged over the group;
+    see :mod:`fastload.distributed`. Every rank must call it and consume the stream to its end.
     """
+    if process_group is not None:
+        from . import distributed
+
+        return distributed.stream(
+            uri,
+            process_group=process_group,
+            device=device,
+            concurrency=concurrency,
+            block_size=block_size,
+            memory_limit=memory_limit,
+            names=names,
+            method=method,
+            storage_options=storage_options,
+        )
     return Stream(
         uri,
         device=device,
@@ -175,8 +196,25 @@ def load(
     names: Iterable[str] | None = None,
     method: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    process_group: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """Loads every tensor (or only ``names``) into a ``dict[str, torch.Tensor]``."""
+    """Loads every tensor (or only ``names``) into a ``dict[str, torch.Tensor]``.
+
+    With ``process_group``, the group reads each byte once; see :func:`stream`."""
+    if process_group is not None:
+        from . import distributed
+
+        return distributed.load(
+            uri,
+            process_group=process_group,
+            device=device,
+            concurrency=concurrency,
+            block_size=block_size,
+            memory_limit=memory_limit,
+            names=names,
+            method=method,
+            storage_options=storage_options,
+        )
     with Stream(
         uri,
         device=device,

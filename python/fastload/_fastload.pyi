@@ -6,6 +6,9 @@ __all__ = ["Stream", "__version__", "cli_main", "inspect", "parse_size"]
 
 __version__: str
 
+_Item = tuple[str, str, tuple[int, ...], Any]
+_Piece = tuple[str, str, tuple[int, ...], Any, int]
+
 @final
 class Stream:
     def __new__(
@@ -18,9 +21,11 @@ class Stream:
         names: list[str] | None = None,
         method: str | None = None,
         storage_options: dict[str, Any] | None = None,
+        parts: list[tuple[str, int, int]] | None = None,
     ) -> Stream: ...
     def __iter__(self) -> Stream: ...
-    def __next__(self) -> list[tuple[str, str, tuple[int, ...], Any]]: ...
+    # (name, dtype, shape, capsule), or with `parts` (name, "U8", (len,), capsule, begin).
+    def __next__(self) -> list[_Item | _Piece]: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
 

@@ -84,7 +84,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         memory_limit: args.memory_limit.map(|s| s.0),
         names: None,
         method: args.method,
-        storage_options: Vec::new(),
+        ..Default::default()
     };
     let mut out = Vec::new();
     if !args.sweep {

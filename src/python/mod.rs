@@ -76,7 +76,7 @@ pub(crate) fn options(
         memory_limit: size_arg("memory_limit", memory_limit)?,
         names,
         method,
-        storage_options: Vec::new(),
+        ..Default::default()
     })
 }
 

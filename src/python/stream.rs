@@ -7,10 +7,13 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::{dlpack, errors, options};
 use crate::pipeline::{self, Loader};
+use crate::plan::Part;
 
 /// A running load. Each `next()` waits (GIL released) for the next completed segment and returns
 /// a list of `(name, dtype, shape, capsule)`; a capsule holds the tensor as the native DLPack dtype
-/// or, for dtypes DLPack/torch cannot carry, as flat bytes.
+/// or, for dtypes DLPack/torch cannot carry, as flat bytes. With `parts` (byte ranges
+/// `(name, begin, end)` within tensors) only those ranges are read, and each comes back as
+/// `(name, "U8", (len,), capsule, begin)`.
 #[pyclass(module = "fastload._fastload")]
 pub struct Stream {
     loader: Mutex<Option<Loader>>,
@@ -20,7 +23,7 @@ pub struct Stream {
 impl Stream {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, parts=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -30,6 +33,7 @@ impl Stream {
         names: Option<Vec<String>>,
         method: Option<String>,
         storage_options: Option<&Bound<'_, PyDict>>,
+        parts: Option<Vec<Part>>,
     ) -> PyResult<Self> {
         let mut opts = options(
             concurrency,
@@ -39,6 +43,7 @@ impl Stream {
             method.as_deref(),
         )?;
         opts.storage_options = super::storage_options(storage_options)?;
+        opts.parts = parts;
         let loader = py
             .detach(|| pipeline::open(&uris, &opts))
             .map_err(errors::to_py)?;
@@ -65,16 +70,16 @@ impl Stream {
         for t in &loaded.tensors {
             let cap = dlpack::capsule(py, &loaded.buffer, t.offset, t.len, t.dtype, &t.shape)?;
             let shape = PyTuple::new(py, &t.shape)?;
-            let item = PyTuple::new(
-                py,
-                [
-                    t.name.as_str().into_pyobject(py)?.into_any(),
-                    t.dtype.as_str().into_pyobject(py)?.into_any(),
-                    shape.into_any(),
-                    cap.into_bound(py),
-                ],
-            )?;
-            items.append(item)?;
+            let mut fields = vec![
+                t.name.as_str().into_pyobject(py)?.into_any(),
+                t.dtype.as_str().into_pyobject(py)?.into_any(),
+                shape.into_any(),
+                cap.into_bound(py),
+            ];
+            if let Some(begin) = t.piece {
+                fields.push(begin.into_pyobject(py)?.into_any());
+            }
+            items.append(PyTuple::new(py, fields)?)?;
         }
         Ok(Some(items.unbind()))
     }

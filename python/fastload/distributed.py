@@ -1,0 +1,651 @@
+"""One checkpoint onto every rank of a torch.distributed group, each byte read from storage once.
+
+>>> tensors = fastload.load("s3://bucket/model/", process_group=pg)   # or fastload.distributed.load
+
+Every rank runs the same steps and computes the same plan from the same headers:
+
+1. Headers. Each rank reads the headers (``fastload.inspect``: small, no tensor data); the group
+   agrees on them with one ``all_gather_object`` of (error, header digest, wanted names, chunk
+   size). An error on any rank (missing file, bad header, unknown tensor name) is raised on every
+   rank as the same exception, before any data moves.
+2. Split. The tensors that any rank wants are laid end to end in file order; their total is cut
+   into ``world_size`` contiguous ranges of equal bytes (a tensor is split where two ranges meet),
+   and each range into chunks of at most ``chunk`` bytes. Rank r reads only its range, through
+   the native loader's byte-range selection (``parts``): the group reads every wanted byte once.
+3. Exchange, in rounds. In round k every rank waits for its own chunk k, the group agrees that
+   nobody failed (one 4-byte ``all_reduce``; an error raised during the read is then shared as in
+   step 1), and each chunk goes point to point (``batch_isend_irecv``) to the ranks that want a
+   tensor in it, and only those bytes. Pieces of ``DIRECT_BYTES`` or more travel as their own
+   message straight into the receiver's tensor; smaller ones travel packed, one message per pair
+   and round, and are viewed (whole tensors) or copied (pieces) out of it. The native loader keeps
+   reading ahead (within ``memory_limit``) while a round is on the wire.
+
+Why point to point and not broadcast: with ``names`` different per rank a broadcast needs a
+subgroup per set of receivers (``new_group`` is itself collective and costly to create), while
+isend/irecv route each byte only where it is wanted. When every rank wants everything, each rank
+sends and receives (W-1)/W of the checkpoint: the same volume as a ring all-gather.
+
+Backends: gloo moves host tensors; NCCL moves tensors on the rank's current CUDA device (pieces
+are copied there first). A group with both (``"cpu:gloo,cuda:nccl"``) uses NCCL for CUDA
+destinations and gloo otherwise.
+
+All ranks must consume a distributed stream to its end (``load`` does): each ``next()`` can take
+part in a collective, so a rank that stops early leaves the others waiting until the group's
+timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pickle
+import time
+import warnings
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import Stream, _fastload, _torch
+from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
+
+__all__ = ["DistributedStream", "last_stats", "load", "stream"]
+
+# Pieces at least this big travel as their own message, received in place; smaller ones are packed.
+DIRECT_BYTES = 256 << 10
+# Packed pieces start on this boundary, so that views of them are aligned for any dtype.
+ALIGN = 64
+# Bytes each rank moves per round at most (one chunk of its range).
+MAX_CHUNK = 64 << 20
+MIN_CHUNK = 256 << 10
+DEFAULT_MEMORY_LIMIT = 1 << 30
+
+# dtypes DLPack gives torch natively; the others are handled by _torch.to_tensor, as in local loads.
+_NATIVE = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+}
+
+_last_stats: dict[str, Any] | None = None
+
+
+def last_stats() -> dict[str, Any] | None:
+    """Counters of this process's last distributed load (or its fallback), once it ended.
+
+    ``bytes_read`` is the tensor data this rank read from storage; summed over the group it equals
+    ``total_bytes``, the bytes of the tensors any rank asked for. Also ``rank``, ``world_size``,
+    ``bytes_sent``, ``bytes_received``, ``rounds``, ``tensors`` and ``seconds``.
+    """
+    return None if _last_stats is None else dict(_last_stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: the same on every rank.
+
+
+class _Plan:
+    """Wanted tensors end to end, split into per-rank ranges and per-round chunks of pieces."""
+
+    def __init__(
+        self, table: list[tuple[str, str, tuple[int, ...], int]], needs: list[Any], chunk: int
+    ) -> None:
+        world = len(needs)
+        self.needs = needs  # per rank: a set of names, or None for every tensor
+        self.tensors = [t for t in table if any(n is None or t[0] in n for n in needs)]
+        self.starts: list[int] = []
+        total = 0
+        for t in self.tensors:
+            self.starts.append(total)
+            total += t[3]
+        self.total = total
+        bounds = [total * r // world for r in range(world + 1)]
+        self.ranges = [(bounds[r], bounds[r + 1]) for r in range(world)]
+        self.rounds = max(math.ceil((e - s) / chunk) for s, e in self.ranges) if total else 0
+        # pieces[r][k]: (tensor index, begin, end) within the tensor, in file order.
+        self.pieces: list[list[list[tuple[int, int, int]]]] = []
+        # count[i]: pieces tensor i is cut into.
+        self.count = [0] * len(self.tensors)
+        for start, end in self.ranges:
+            rounds: list[list[tuple[int, int, int]]] = []
+            for cs in range(start, end, chunk):
+                rounds.append(self._cut(cs, min(cs + chunk, end)))
+            rounds += [[] for _ in range(self.rounds - len(rounds))]
+            self.pieces.append(rounds)
+
+    def _cut(self, pos: int, end: int) -> list[tuple[int, int, int]]:
+        out = []
+        i = bisect_right(self.starts, pos) - 1
+        while pos < end:
+            t0, n = self.starts[i], self.tensors[i][3]
+            if pos >= t0 + n:  # empty tensors, or the end of the previous one
+                i += 1
+                continue
+            hi = min(end, t0 + n)
+            out.append((i, pos - t0, hi - t0))
+            self.count[i] += 1
+            pos = hi
+        return out
+
+    def wants(self, rank: int, i: int) -> bool:
+        need = self.needs[rank]
+        return need is None or self.tensors[i][0] in need
+
+
+def _pack(pieces: list[tuple[int, int, int]]) -> tuple[list[tuple[Any, int]], int, list[Any]]:
+    """One pair's messages for a round: packed small pieces (with their offsets), packed length,
+    and the pieces sent on their own. Sender and receiver compute the same."""
+    packed, direct, off = [], [], 0
+    for p in pieces:
+        n = p[2] - p[1]
+        if n >= DIRECT_BYTES:
+            direct.append(p)
+        else:
+            packed.append((p, off))
+            off = -(-(off + n) // ALIGN) * ALIGN
+    return packed, off, direct
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement and errors
+
+
+def _portable(exc: BaseException | None) -> BaseException | None:
+    """The exception itself when it survives pickling (fastload's errors do), else a stand-in."""
+    if exc is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return FastloadError(f"{type(exc).__name__}: {exc}")
+
+
+def _raise_first(errors: list[Any], rank: int, own: BaseException | None) -> None:
+    """Raises the lowest rank's error on every rank (the original object on that rank)."""
+    for r, err in enumerate(errors):
+        if err is not None:
+            if r == rank and own is not None:
+                err = own
+            if hasattr(err, "add_note"):
+                err.add_note(
+                    f"(raised on rank {r} of {len(errors)}; fastload raised it on every rank)"
+                )
+            raise err
+
+
+def _gather(obj: Any, group: Any, world: int) -> list[Any]:
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _memory_limit(value: Any) -> int:
+    if value is None:
+        value = os.environ.get("FASTLOAD_MEMORY_LIMIT", "").strip() or DEFAULT_MEMORY_LIMIT
+    if isinstance(value, str):
+        return _fastload.parse_size(value)
+    return int(value)
+
+
+def _headers(uri: Any, storage_options: Any) -> tuple[list[Any], list[str]]:
+    """(name, dtype, shape, bytes) of every tensor in file order, and the files."""
+    from . import inspect
+
+    table: list[Any] = []
+    seen: dict[str, str] = {}
+    shards = inspect(uri, storage_options=storage_options)
+    for shard in shards:
+        for name, dtype, shape, begin, end in shard["tensors"]:
+            if name in seen:
+                raise FormatError(
+                    f"{shard['file']}: invalid safetensors file: tensor {name!r} is also in "
+                    f"{seen[name]} (tensor names must be unique across shards)"
+                )
+            seen[name] = shard["file"]
+            table.append((name, dtype, tuple(shape), end - begin))
+    return table, [s["file"] for s in shards]
+
+
+def _check_names(table: list, files: list[str], names: list[str] | None) -> None:
+    """The local loader's check and message, made before any rank starts reading."""
+    if names is None:
+        return
+    known = {t[0] for t in table}
+    missing = sorted({n for n in names if n not in known})
+    if missing:
+        where = files[0] if files else ""
+        if len(files) > 1:
+            where += f" and {len(files) - 1} more files"
+        raise TensorNotFoundError(
+            f"tensors not found in {where}: "
+            + ", ".join(json.dumps(n, ensure_ascii=False) for n in missing)
+        )
+
+
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and (device.type == "cuda" or "gloo" not in backend):
+        if device.type == "cuda" and device.index is not None:
+            return device
+        return torch.device("cuda", torch.cuda.current_device())
+    if "gloo" in backend or device.type == "cpu":
+        return torch.device("cpu")
+    return device
+
+
+def _finish(u8: torch.Tensor, dtype: str, shape: tuple[int, ...], hint: str) -> torch.Tensor:
+    """The bytes as the file's dtype and shape, exactly as a local load returns them."""
+    native = _NATIVE.get(dtype)
+    if native is None:
+        return _torch.to_tensor(dtype, shape, u8, hint)
+    if (u8.storage_offset()) % native.itemsize:
+        # A view of a larger dtype needs an aligned storage offset; from_dlpack rebases to 0.
+        # (Not hit by this module's own buffers, whose pieces start 64-byte aligned.)
+        u8 = torch.from_dlpack(u8)
+    return u8.view(native).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stream
+
+
+class DistributedStream:
+    """Iterator of ``(name, tensor)`` on one rank of a group; see :func:`stream`."""
+
+    def __init__(
+        self,
+        uri: Any,
+        *,
+        group: Any,
+        device: Any = "cpu",
+        concurrency: int | None = None,
+        block_size: Any = None,
+        memory_limit: Any = None,
+        names: Iterable[str] | None = None,
+        method: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._started = time.monotonic()
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world = dist.get_world_size(group)
+        if self._rank < 0:
+            raise ConfigError("invalid option process_group: this process is not in the group")
+        self._hint = str(uri)
+        self._native: Any = None
+        self._sent = self._received = self._delivered = 0
+        names = None if names is None else list(dict.fromkeys(names))
+        options = None if storage_options is None else dict(storage_options)
+
+        # Step 1: headers, agreed by the group.
+        error: BaseException | None = None
+        table: list = []
+        digest = chunk = None
+        try:
+            self._device = torch.device(device)
+            self._comm = _comm_device(group, self._device)
+            self._comm_is_host = self._comm.type == "cpu"
+            self._move = self._device != self._comm
+            table, files = _headers(uri, options)
+            _check_names(table, files, names)
+            digest = hashlib.sha256(json.dumps(table).encode()).hexdigest()
+            chunk = min(max(_memory_limit(memory_limit) // 4, MIN_CHUNK), MAX_CHUNK)
+        except Exception as e:
+            error = e
+        views = _gather((_portable(error), digest, names, chunk), group, self._world)
+        _raise_first([v[0] for v in views], self._rank, error)
+        if len({v[1] for v in views}) != 1:
+            raise ConfigError(
+                "invalid option uri: the ranks of the group see different checkpoints "
+                "(tensor names, dtypes, shapes or sizes differ)"
+            )
+        self._plan = plan = _Plan(
+            table, [None if v[2] is None else set(v[2]) for v in views], min(v[3] for v in views)
+        )
+
+        # Step 2: this rank's bytes, read by the native loader.
+        self._error: BaseException | None = None
+        parts = [
+            (plan.tensors[i][0], lo, hi) for rnd in plan.pieces[self._rank] for i, lo, hi in rnd
+        ]
+        if parts:
+            try:
+                self._native = _fastload.Stream(
+                    _uris(uri),
+                    concurrency=concurrency,
+                    block_size=block_size,
+                    memory_limit=memory_limit,
+                    method=method,
+                    storage_options=options,
+                    parts=parts,
+                )
+            except Exception as e:
+                self._error = e
+        self._arrived: dict[tuple[str, int], torch.Tensor] = {}
+        self._whole: dict[int, torch.Tensor] = {}  # tensor index -> all its bytes, as one view
+        self._dest: dict[int, torch.Tensor] = {}  # tensor index -> buffer its pieces land in
+        self._left = list(plan.count)
+        self._iter = self._run()
+
+    # -- iteration
+
+    def __iter__(self) -> DistributedStream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._iter)
+
+    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        plan = self._plan
+        for i, t in enumerate(plan.tensors):
+            if t[3] == 0 and plan.wants(self._rank, i):
+                yield self._emit(i, torch.empty(0, dtype=torch.uint8, device=self._comm))
+        for k in range(max(plan.rounds, 1)):
+            mine: dict[Any, torch.Tensor] = {}
+            error, self._error = self._error, None
+            if error is None and k < plan.rounds:
+                try:
+                    mine = self._take(plan.pieces[self._rank][k])
+                except Exception as e:
+                    error = e
+            self._agree(error)
+            if k < plan.rounds:
+                yield from self._round(k, mine)
+        self._finish_stats()
+
+    def _take(self, pieces: list[tuple[int, int, int]]) -> dict[Any, torch.Tensor]:
+        """This rank's pieces of one chunk, waiting for the native loader as needed."""
+        out = {}
+        for p in pieces:
+            key = (self._plan.tensors[p[0]][0], p[1])
+            while key not in self._arrived:
+                try:
+                    batch = next(self._native)
+                except StopIteration:
+                    raise FastloadError(
+                        f"{self._hint}: the loader ended before piece {key} arrived"
+                    ) from None
+                for name, _dtype, _shape, capsule, begin in batch:
+                    self._arrived[(name, begin)] = torch.from_dlpack(capsule)
+            piece = self._arrived.pop(key)
+            out[p] = piece if self._comm_is_host else piece.to(self._comm)
+        return out
+
+    def _agree(self, error: BaseException | None) -> None:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self._comm)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if int(flag.item()):
+            self.close()
+            errors = _gather(_portable(error), self._group, self._world)
+            self._finish_stats()
+            _raise_first(errors, self._rank, error)
+
+    def _peer(self, r: int) -> int:
+        return r if self._group is None else dist.get_global_rank(self._group, r)
+
+    def _round(self, k: int, mine: dict[Any, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        plan, me = self._plan, self._rank
+        ops: list[Any] = []
+        packs: dict[tuple, torch.Tensor] = {}
+        inbox: list[tuple[list, torch.Tensor]] = []
+        in_place: list[tuple[int, int, int]] = []
+        for d in range(self._world):
+            if d == me:
+                continue
+            wanted = [p for p in plan.pieces[me][k] if plan.wants(d, p[0])]
+            packed, size, direct = _pack(wanted)
+            if packed:
+                key = tuple(p for p, _ in packed)
+                buf = packs.get(key)
+                if buf is None:
+                    buf = torch.empty(size, dtype=torch.uint8, device=self._comm)
+                    for p, off in packed:
+                        buf[off : off + p[2] - p[1]].copy_(mine[p])
+                    packs[key] = buf
+                ops.append(dist.P2POp(dist.isend, buf, self._peer(d), self._group, 0))
+                self._sent += sum(p[2] - p[1] for p, _ in packed)
+            for tag, p in enumerate(direct, 1):
+                ops.append(dist.P2POp(dist.isend, mine[p], self._peer(d), self._group, tag))
+                self._sent += p[2] - p[1]
+        for s in range(self._world):
+            if s == me:
+                continue
+            wanted = [p for p in plan.pieces[s][k] if plan.wants(me, p[0])]
+            packed, size, direct = _pack(wanted)
+            if packed:
+                buf = torch.empty(size, dtype=torch.uint8, device=self._comm)
+                ops.append(dist.P2POp(dist.irecv, buf, self._peer(s), self._group, 0))
+                inbox.append((packed, buf))
+                self._received += sum(p[2] - p[1] for p, _ in packed)
+            for tag, p in enumerate(direct, 1):
+                dst = self._buffer(p[0])[p[1] : p[2]]
+                ops.append(dist.P2POp(dist.irecv, dst, self._peer(s), self._group, tag))
+                in_place.append(p)
+                self._received += p[2] - p[1]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        done: list[int] = []
+        for p, piece in mine.items():
+            if plan.wants(me, p[0]):
+                self._land(p, piece, done)
+        for packed, buf in inbox:
+            for p, off in packed:
+                self._land(p, buf[off : off + p[2] - p[1]], done)
+        for p in in_place:
+            self._land(p, None, done)
+        for i in sorted(done):
+            u8 = self._whole.pop(i, None)
+            yield self._emit(i, u8 if u8 is not None else self._dest.pop(i))
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        buf = self._dest.get(i)
+        if buf is None:
+            buf = torch.empty(self._plan.tensors[i][3], dtype=torch.uint8, device=self._comm)
+            self._dest[i] = buf
+        return buf
+
+    def _land(self, p: tuple[int, int, int], data: torch.Tensor | None, done: list[int]) -> None:
+        """Piece `p` is here: `data` (a view to keep or copy), or None when received in place."""
+        i, lo, hi = p
+        if data is not None:
+            if hi - lo == self._plan.tensors[i][3]:
+                self._whole[i] = data
+            else:
+                self._buffer(i)[lo:hi].copy_(data)
+        self._left[i] -= 1
+        if self._left[i] == 0:
+            done.append(i)
+
+    def _emit(self, i: int, u8: torch.Tensor) -> tuple[str, torch.Tensor]:
+        name, dtype, shape, _ = self._plan.tensors[i]
+        tensor = _finish(u8, dtype, shape, self._hint)
+        if self._move:
+            tensor = tensor.to(self._device)
+        self._delivered += 1
+        return name, tensor
+
+    # -- stats and closing
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's counters; ``bytes_read`` summed over the group is ``total_bytes``."""
+        native = {} if self._native is None else dict(self._native.stats())
+        return {
+            "rank": self._rank,
+            "world_size": self._world,
+            "total_bytes": self._plan.total,
+            "bytes_planned": self._plan.ranges[self._rank][1] - self._plan.ranges[self._rank][0],
+            "bytes_read": native.get("bytes_read", 0),
+            "bytes_sent": self._sent,
+            "bytes_received": self._received,
+            "rounds": self._plan.rounds,
+            "tensors": self._delivered,
+            "seconds": time.monotonic() - self._started,
+        }
+
+    def _finish_stats(self) -> None:
+        global _last_stats
+        if getattr(self, "_plan", None) is not None:
+            _last_stats = self.stats()
+
+    def close(self) -> None:
+        """Stops this rank's reads. Call it on every rank: the others wait for this one's bytes."""
+        if self._native is not None:
+            self._finish_stats()
+            self._native.close()
+        self._arrived.clear()
+
+    def __enter__(self) -> DistributedStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def _uris(uri: Any) -> list[str]:
+    from . import _uris as uris
+
+    return uris(uri)
+
+
+def _resolve_group(process_group: Any) -> Any:
+    """The group to use, or None for an independent load (with a warning when none exists)."""
+    if isinstance(process_group, str) and process_group != "default":
+        raise ConfigError(
+            f"invalid option process_group: {process_group!r} (use a torch.distributed group, "
+            "'default' or None)"
+        )
+    if process_group is None or isinstance(process_group, str):
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.warn(
+                "fastload: torch.distributed is not initialised; every process reads the whole "
+                "checkpoint from storage on its own",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        process_group = dist.group.WORLD
+    if dist.get_world_size(process_group) == 1:
+        return None
+    return process_group
+
+
+class _Independent(Stream):
+    """The fallback: a local stream whose counters read like a distributed one's."""
+
+    def __init__(self, uri: Any, **options: Any) -> None:
+        self._t0 = time.monotonic()
+        super().__init__(uri, **options)
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        try:
+            return super().__next__()
+        except StopIteration:
+            self._record()
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        total = s.get("total_bytes", 0)
+        s.update(
+            rank=0,
+            world_size=1,
+            bytes_planned=total,
+            bytes_sent=0,
+            bytes_received=0,
+            rounds=0,
+            tensors=s.get("tensors_delivered", 0),
+            seconds=time.monotonic() - self._t0,
+        )
+        return s
+
+    def _record(self) -> None:
+        global _last_stats
+        stats = self.stats()
+        if "total_bytes" in stats:  # not yet closed
+            _last_stats = stats
+
+    def close(self) -> None:
+        self._record()
+        super().close()
+
+
+def stream(
+    uri: Any,
+    *,
+    process_group: Any = None,
+    device: Any = "cpu",
+    concurrency: int | None = None,
+    block_size: Any = None,
+    memory_limit: Any = None,
+    names: Iterable[str] | None = None,
+    method: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> DistributedStream | Stream:
+    """Like :func:`fastload.stream`, with the reads shared by the ranks of ``process_group``.
+
+    ``process_group``: a ``torch.distributed`` group, or None (or ``"default"``) for the default
+    group; with no group initialised, or a group of one, every process loads on its own (with a
+    ``RuntimeWarning`` when no group is initialised). Every rank of the group must call this with
+    the same checkpoint (same tensors; paths may differ per node) and consume the stream to its
+    end. ``names`` may differ per rank: each rank gets only its tensors, and bytes travel only to
+    the ranks that want them. Options are per rank (``memory_limit`` bounds this rank's reads).
+    """
+    group = _resolve_group(process_group)
+    options = dict(
+        device=device,
+        concurrency=concurrency,
+        block_size=block_size,
+        memory_limit=memory_limit,
+        names=names,
+        method=method,
+        storage_options=storage_options,
+    )
+    if group is None:
+        return _Independent(uri, **options)
+    return DistributedStream(uri, group=group, **options)
+
+
+def load(
+    uri: Any,
+    *,
+    process_group: Any = None,
+    device: Any = "cpu",
+    concurrency: int | None = None,
+    block_size: Any = None,
+    memory_limit: Any = None,
+    names: Iterable[str] | None = None,
+    method: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Like :func:`fastload.load`, with the reads shared by the ranks of ``process_group``;
+    see :func:`stream`. :func:`last_stats` then holds this rank's counters."""
+    with stream(
+        uri,
+        process_group=process_group,
+        device=device,
+        concurrency=concurrency,
+        block_size=block_size,
+        memory_limit=memory_limit,
+        names=names,
+        method=method,
+        storage_options=storage_options,
+    ) as s:
+        return dict(s)

@@ -1,0 +1,457 @@
+"""Loading across a torch.distributed group: real CPU processes with the gloo backend (env://
+rendezvous on 127.0.0.1), local files and a SeaweedFS S3 server.
+
+Every rank checks its result bit for bit against `safetensors.torch.load_file` and reports the
+tensor bytes it read from storage: summed over the group they must equal the checkpoint's tensor
+bytes exactly once. One launch of each group runs every scenario in turn (a torch import per
+process is the slow part here), failures included: a failure must raise the same exception on
+every rank and leave the group usable for the next scenario, all within the launch's deadline.
+
+Run as a script (`python test_distributed.py WORKER JOB OUT`), this file is one rank's worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import indexed_files, pattern, reference
+
+WORKER = "--fastload-dist-worker"
+# One group launch (process start, torch import, every scenario) must end within this.
+GROUP_DEADLINE = 120.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker (one rank)
+
+
+class _FailingStream:
+    """Stands in for the native stream on one rank: it opens, then storage fails."""
+
+    real = None
+
+    def __init__(self, *args, **kwargs):
+        self._s = self.real(*args, **kwargs)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import fastload
+
+        raise fastload.StorageError("s3://models/split.safetensors: connection reset (injected)")
+
+    def stats(self):
+        return self._s.stats()
+
+    def close(self):
+        self._s.close()
+
+
+def _run_scenario(sc: dict, rank: int, world: int) -> dict:
+    from unittest import mock
+
+    import fastload
+    import fastload.distributed
+    import torch.distributed as dist
+    from helpers import assert_same_tensors
+
+    uri = sc.get("uri_by_rank", {}).get(str(rank), sc.get("uri"))
+    names = sc["names"][str(rank)] if sc.get("names") else None
+    group = "default" if sc.get("api") == "stream" else dist.group.WORLD
+    opts = dict(
+        process_group=group,
+        names=names,
+        memory_limit=sc.get("memory_limit"),
+        storage_options=sc.get("storage_options"),
+    )
+    out: dict = {"id": sc["id"], "rank": rank, "uri": uri}
+    started = time.monotonic()
+    patch = mock.patch.object(fastload._fastload, "Stream", _FailingStream)
+    inject = sc.get("inject_rank") == rank
+    _FailingStream.real = fastload._fastload.Stream
+    try:
+        if inject:
+            patch.start()
+        if sc.get("api") == "stream":
+            got = {}
+            with fastload.stream(uri, **opts) as s:
+                for name, tensor in s:
+                    assert name not in got, f"{name} yielded twice"
+                    got[name] = tensor
+                stats = s.stats()
+        else:
+            got = fastload.load(uri, **opts)
+            stats = fastload.distributed.last_stats()
+        out.update(ok=True, names=sorted(got), stats=stats)
+        ref = reference(*sc["ref"])
+        want = ref if names is None else {n: ref[n] for n in names}
+        try:
+            assert_same_tensors(got, want)
+        except AssertionError as e:
+            out["parity"] = str(e)
+    except Exception as e:
+        out.update(ok=False, error_type=type(e).__name__, error=str(e))
+    finally:
+        if inject:
+            patch.stop()
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+def _worker(job: str, result: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = [_run_scenario(sc, rank, world) for sc in json.loads(Path(job).read_text())]
+    Path(result).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching a group
+
+
+def run_group(world: int, scenarios: list[dict], tmp: Path, env: dict | None = None) -> dict:
+    """Runs `scenarios` on `world` fresh processes; returns {scenario id: [result per rank]}."""
+    from s3_server import free_port
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    job = tmp / "job.json"
+    job.write_text(json.dumps(scenarios))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FASTLOAD_", "TORCH"))}
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    base.update(env or {})
+    procs = []
+    for r in range(world):
+        log = open(tmp / f"rank{r}.log", "wb")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, WORKER, str(job), str(tmp / f"rank{r}.json")],
+                env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=Path(__file__).parent,
+            )
+        )
+        log.close()
+    deadline = time.monotonic() + GROUP_DEADLINE
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def tail(r: int) -> str:
+        return (tmp / f"rank{r}.log").read_text(errors="replace")[-3000:]
+
+    assert not hung, f"ranks {hung} still running after {GROUP_DEADLINE:.0f} s:\n{tail(hung[0])}"
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{tail(r)}"
+    by_id: dict = {}
+    for r in range(world):
+        for res in json.loads((tmp / f"rank{r}.json").read_text()):
+            by_id.setdefault(res["id"], []).append(res)
+    return by_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints and scenarios
+
+
+def tensor_bytes(uri, names=None, storage_options=None) -> int:
+    """The checkpoint's tensor bytes (of `names` only, if given), from its headers."""
+    import fastload
+
+    total = 0
+    for shard in fastload.inspect(uri, storage_options=storage_options):
+        for name, _dtype, _shape, begin, end in shard["tensors"]:
+            if names is None or name in names:
+                total += end - begin
+    return total
+
+
+def write_split(path: Path) -> Path:
+    """One 3 MiB tensor (most of the file: every rank reads a piece of it) between small ones."""
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            "a.small": pattern((7,), torch.float16, seed=1),
+            "b.big": torch.arange(768 * 1024, dtype=torch.int32).reshape(768, 1024),
+            "c.scalar": pattern((), torch.float64, seed=2),
+            "d.odd": pattern((3, 5), torch.bfloat16, seed=3),
+        },
+        str(path),
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory, dtypes_file, sharded_dir):
+    from helpers import write_many_tiny
+
+    root = tmp_path_factory.mktemp("dist")
+    split = write_split(root / "split.safetensors")
+    # Fewer than the session's 20k tiny tensors: every rank compares each one with the reference.
+    tiny_file = write_many_tiny(root / "tiny.safetensors", count=4000)
+    corrupt = root / "corrupt.safetensors"
+    corrupt.write_bytes((10**9).to_bytes(8, "little") + b'{"x": garbage')
+    return {
+        "single": (str(dtypes_file), [str(dtypes_file)]),
+        "sharded": (str(sharded_dir), [str(p) for p in indexed_files(sharded_dir)]),
+        "tiny": (str(tiny_file), [str(tiny_file)]),
+        "split": (str(split), [str(split)]),
+        "missing": str(root / "no-such-model"),
+        "corrupt": str(corrupt),
+    }
+
+
+PARITY = ["single", "sharded", "tiny", "split", "split-rounds", "stream"]
+FAILURES = {"missing": "NotFoundError", "corrupt": "FormatError", "read": "StorageError"}
+
+
+def local_scenarios(ck: dict, world: int) -> list[dict]:
+    scenarios = [{"id": k, "uri": ck[k][0], "ref": ck[k][1]} for k in PARITY[:4]]
+    # 256 KiB chunks (the minimum): the big tensor crosses rounds, in direct and packed messages.
+    scenarios.append({**scenarios[3], "id": "split-rounds", "memory_limit": "1MiB"})
+    scenarios.append({**scenarios[1], "id": "stream", "api": "stream"})
+    sharded_names = sorted(reference(*ck["sharded"][1]))
+    # Rank r wants every world-th tensor from r on, and every rank wants "embed.weight".
+    names = {str(r): sorted({*sharded_names[r::world], "embed.weight"}) for r in range(world)}
+    names[str(world - 1)] = []  # one rank wants nothing at all
+    scenarios.append({**scenarios[1], "id": "names", "names": names})
+    last = str(world - 1)
+    scenarios += [
+        {**scenarios[0], "id": "missing", "uri_by_rank": {last: ck["missing"]}},
+        {**scenarios[0], "id": "corrupt", "uri_by_rank": {last: ck["corrupt"]}},
+        {**scenarios[3], "id": "read", "memory_limit": "1MiB", "inject_rank": world - 1},
+        {**scenarios[1], "id": "after-failures"},
+    ]
+    return scenarios
+
+
+def s3_scenarios(server, ck: dict) -> list[dict]:
+    from s3_server import BUCKET, upload, upload_dir
+
+    s3 = server.client()
+    upload(s3, BUCKET, {"dist/split.safetensors": Path(ck["split"][0])})
+    upload_dir(s3, BUCKET, "dist/sharded", Path(ck["sharded"][0]))
+    uris = {
+        "sharded": f"s3://{BUCKET}/dist/sharded/",
+        "split": f"s3://{BUCKET}/dist/split.safetensors",
+    }
+    scenarios = [{"id": f"s3-{k}", "uri": u, "ref": ck[k][1]} for k, u in uris.items()]
+    # The same with settings given as storage_options instead of the environment.
+    opts = server.storage_options()
+    scenarios.append({**scenarios[1], "id": "s3-split-opts", "storage_options": opts})
+    return scenarios
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+def group(request, local, tmp_path_factory):
+    """One launch per group size runs every scenario; the 4-rank one adds the S3 scenarios
+    (when SeaweedFS is installed), with credentials reaching the ranks through their env."""
+    world = request.param
+    scenarios, env, server = local_scenarios(local, world), None, None
+    if world == 4:
+        try:
+            server = request.getfixturevalue("seaweed")
+        except pytest.skip.Exception:
+            server = None
+        if server is not None:
+            scenarios += s3_scenarios(server, local)
+            env = server.env()
+    results = run_group(world, scenarios, tmp_path_factory.mktemp("group"), env=env)
+    return world, local, results, server
+
+
+def check_parity(results: list[dict], total: int, world: int) -> None:
+    assert len(results) == world
+    for res in results:
+        assert res["ok"], f"rank {res['rank']}: {res.get('error_type')}: {res.get('error')}"
+        assert "parity" not in res, f"rank {res['rank']}: {res['parity']}"
+    read = [res["stats"]["bytes_read"] for res in results]
+    assert sum(read) == total, f"bytes read per rank {read}, checkpoint {total}"
+    assert max(read) - min(read) <= 1, f"unbalanced reads {read}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: local files
+
+
+@pytest.mark.parametrize("scenario", PARITY)
+def test_every_rank_gets_every_tensor_read_once(group, scenario):
+    world, ck, results, _ = group
+    key = {"split-rounds": "split", "stream": "sharded"}.get(scenario, scenario)
+    check_parity(results[scenario], tensor_bytes(ck[key][0]), world)
+    if scenario == "split-rounds":
+        assert results[scenario][0]["stats"]["rounds"] > 1
+
+
+def test_names_per_rank_route_only_what_is_wanted(group):
+    world, ck, results, _ = group
+    uri = ck["sharded"][0]
+    wanted = {r: set(res["names"]) for r, res in enumerate(results["names"])}
+    union = set().union(*wanted.values())
+    assert wanted[world - 1] == set()
+    for res in results["names"]:
+        assert res["ok"] and "parity" not in res, res
+    stats = [res["stats"] for res in results["names"]]
+    assert sum(s["bytes_read"] for s in stats) == tensor_bytes(uri, union)
+    assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+    for r, s in enumerate(stats):
+        assert s["bytes_received"] <= tensor_bytes(uri, wanted[r])
+    assert stats[world - 1]["bytes_received"] == 0
+
+
+@pytest.mark.parametrize("scenario", sorted(FAILURES))
+def test_a_failure_on_one_rank_raises_on_every_rank(group, scenario):
+    world, _, results, _ = group
+    res = results[scenario]
+    assert [r["ok"] for r in res] == [False] * world, res
+    assert {r["error_type"] for r in res} == {FAILURES[scenario]}, res
+    assert len({r["error"] for r in res}) == 1, [r["error"] for r in res]
+
+
+def test_the_group_stays_usable_after_failures(group):
+    world, ck, results, _ = group
+    check_parity(results["after-failures"], tensor_bytes(ck["sharded"][0]), world)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: S3 (SeaweedFS)
+
+
+@pytest.mark.parametrize("scenario", ["s3-sharded", "s3-split", "s3-split-opts"])
+def test_s3_group_reads_each_byte_once(group, scenario):
+    world, _, results, server = group
+    if world != 4 or server is None:
+        pytest.skip("S3 scenarios run in the 4-rank group, with SeaweedFS installed")
+    res = results[scenario]
+    uri = res[0]["uri"]
+    check_parity(res, tensor_bytes(uri, storage_options=server.storage_options()), world)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: in process (no group)
+
+
+def test_without_a_group_every_process_reads_alone_with_a_warning(local):
+    import fastload
+    import fastload.distributed
+    import torch.distributed as dist
+    from helpers import assert_same_tensors
+
+    assert not dist.is_initialized()
+    uri, ref = local["split"]
+    with pytest.warns(RuntimeWarning, match="not initialised"):
+        got = fastload.load(uri, process_group="default")
+    assert_same_tensors(got, reference(*ref))
+    with pytest.warns(RuntimeWarning, match="not initialised"):
+        got = fastload.distributed.load(uri)
+    assert fastload.distributed.last_stats()["bytes_read"] == tensor_bytes(uri)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastload.load(uri)  # no process_group: a plain load, no warning
+
+
+def test_process_group_rejects_other_strings(local):
+    import fastload
+
+    with pytest.raises(fastload.ConfigError, match="process_group"):
+        fastload.load(local["split"][0], process_group="world")
+
+
+def test_native_parts_read_only_those_byte_ranges(local):
+    import fastload
+    from fastload import _fastload
+    from helpers import raw_bytes
+
+    uri, ref = local["split"]
+    want = reference(*ref)
+    parts = [("b.big", 4096, 1 << 20), ("a.small", 2, 14), ("b.big", 0, 4096), ("d.odd", 0, 30)]
+    stream = _fastload.Stream([uri], parts=parts)
+    got = {}
+    for batch in stream:
+        for name, dtype, shape, capsule, begin in batch:
+            assert dtype == "U8"
+            got[(name, begin)] = torch.from_dlpack(capsule).clone()
+            assert shape == (got[(name, begin)].numel(),)
+    assert sorted(got) == sorted((n, b) for n, b, _ in parts)
+    for name, begin, end in parts:
+        assert torch.equal(got[(name, begin)], raw_bytes(want[name])[begin:end]), name
+    assert stream.stats()["bytes_read"] == sum(e - b for _, b, e in parts)
+    with pytest.raises(fastload.ConfigError, match="overlap"):
+        _fastload.Stream([uri], parts=[("b.big", 0, 10), ("b.big", 5, 20)])
+    with pytest.raises(fastload.ConfigError, match="cannot be combined"):
+        _fastload.Stream([uri], parts=[("b.big", 0, 10)], names=["b.big"])
+    with pytest.raises(fastload.TensorNotFoundError):
+        _fastload.Stream([uri], parts=[("nope", 0, 1)])
+
+
+def test_plan_splits_bytes_evenly_and_covers_each_byte_once():
+    from fastload.distributed import _Plan
+
+    table = [
+        ("a", "F32", (3,), 12),
+        ("e", "F32", (0,), 0),
+        ("big", "U8", (1000,), 1000),
+        ("b", "I64", (), 8),
+        ("c", "U8", (5,), 5),
+    ]
+    for world in (1, 2, 3, 4, 7):
+        plan = _Plan(table, [None] * world, chunk=64)
+        assert plan.total == 1025
+        sizes = [e - s for s, e in plan.ranges]
+        assert sum(sizes) == 1025 and max(sizes) - min(sizes) <= 1
+        covered: dict[int, list] = {}
+        for rounds in plan.pieces:
+            assert len(rounds) == plan.rounds
+            for pieces in rounds:
+                assert sum(hi - lo for _, lo, hi in pieces) <= 64
+                for i, lo, hi in pieces:
+                    covered.setdefault(i, []).append((lo, hi))
+        for i, (_, _, _, n) in enumerate(plan.tensors):
+            spans = sorted(covered.get(i, []))
+            assert sum(hi - lo for lo, hi in spans) == n, plan.tensors[i]
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert plan.count[i] == len(spans)
+    # Only wanted tensors are planned.
+    plan = _Plan(table, [{"a"}, {"c"}], chunk=64)
+    assert [t[0] for t in plan.tensors] == ["a", "c"] and plan.total == 17
+
+
+# The seaweed fixture, bound here so that pytest finds it.
+if __name__ != "__main__":
+    import s3_server
+
+    seaweed = s3_server.seaweed
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == WORKER:
+    _worker(sys.argv[2], sys.argv[3])
