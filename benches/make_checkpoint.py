@@ -23,8 +23,20 @@ from pathlib import Path
 GENERATOR_VERSION = 2
 STAMP = "fastload-bench.json"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -46,10 +58,10 @@ def format_size(n: int) -> str:
 
 @dataclass(frozen=True)
 class Spec:
-    size: int = 2 * 2**30          # target bytes of tensor data (the result lands close to it)
+    size: int = 2 * 2**30  # target bytes of tensor data (the result lands close to it)
     dtype: str = "bf16"
-    shards: int = 1                # 1: model.safetensors; N>1: model-0000i-of-0000N + index
-    tiny: int = 0                  # >0: that many tiny tensors instead of a llama layout
+    shards: int = 1  # 1: model.safetensors; N>1: model-0000i-of-0000N + index
+    tiny: int = 0  # >0: that many tiny tensors instead of a llama layout
     seed: int = 0
 
     @property
@@ -59,8 +71,9 @@ class Spec:
         return f"llama-{format_size(self.size)}-{self.dtype}-{self.shards}shard-s{self.seed}"
 
 
-def make_spec(size: str | int, dtype: str = "bf16", shards: int = 1, tiny: int = 0,
-              seed: int = 0) -> Spec:
+def make_spec(
+    size: str | int, dtype: str = "bf16", shards: int = 1, tiny: int = 0, seed: int = 0
+) -> Spec:
     """A Spec with the fields that do not apply zeroed, so stamps compare equal."""
     if tiny:
         return Spec(size=0, dtype=dtype, shards=1, tiny=tiny, seed=seed)
@@ -119,7 +132,7 @@ def tiny_layout(count: int, seed: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 class _Filler:
-    """Deterministic tensor contents: a seeded 4 Mi-element chunk, rolled and perturbed per tensor."""
+    """Deterministic contents: a seeded 4 Mi-element chunk, sliced and perturbed per tensor."""
 
     CHUNK = 4 * 2**20
 
@@ -136,7 +149,6 @@ class _Filler:
         self.base_bits = self.base.view(self.int_view)
 
     def make(self, index: int, shape: tuple[int, ...]):
-        torch = self.torch
         n = 1
         for d in shape:
             n *= d
@@ -199,7 +211,9 @@ def generate(spec: Spec, root: str | os.PathLike, quiet: bool = False) -> dict:
     weight_map: dict[str, str] = {}
     index = 0
     for i, group in enumerate(groups):
-        fname = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        fname = (
+            "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        )
         tensors = {}
         for name, shape in group:
             tensors[name] = filler.make(index, shape)
@@ -270,14 +284,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", type=int, default=0, metavar="N", help="N tiny tensors instead")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "ckpt"))
-    ap.add_argument("--tensorizer", action="store_true",
-                    help="also write model.tensors (tensorizer's format) beside it")
+    ap.add_argument(
+        "--tensorizer",
+        action="store_true",
+        help="also write model.tensors (tensorizer's format) beside it",
+    )
     ap.add_argument("--json", action="store_true", help="print only the stamp, as one JSON line")
     args = ap.parse_args(argv)
     spec = make_spec(args.size, args.dtype, args.shards, args.tiny, args.seed)
     stamp = generate(spec, args.out, quiet=args.json)
     if args.tensorizer:
-        stamp = {**stamp, "tensorizer_file": tensorizer_copy(stamp)}
+        try:
+            stamp = {**stamp, "tensorizer_file": tensorizer_copy(stamp)}
+        except Exception as e:  # e.g. its writer's fixed 256 KiB index overflows on many tensors
+            for leftover in ("model.tensors", "model.tensors.json"):
+                Path(stamp["dir"], leftover).unlink(missing_ok=True)
+            stamp = {**stamp, "tensorizer_error": f"conversion failed: {type(e).__name__}: {e}"}
     print(json.dumps(stamp) if args.json else json.dumps(stamp, indent=1))
 
 
