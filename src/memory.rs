@@ -103,12 +103,13 @@ impl HostBuffer {
         let cap = len.div_ceil(ALIGN) * ALIGN;
         {
             let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-            // Best fit that wastes at most a quarter.
+            // Best fit that wastes at most half: segments of one load differ in size by tens of
+            // percent, and reusing a faulted buffer beats faulting a new one by far.
             let best = pool
                 .free
                 .iter()
                 .enumerate()
-                .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 4)
+                .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 2)
                 .min_by_key(|(_, &(_, c))| c)
                 .map(|(i, _)| i);
             if let Some(i) = best {

@@ -217,7 +217,8 @@ impl Driver {
                     return;
                 }
             };
-            let blocks: Vec<(u64, u64)> = plan::blocks(seg.len, self.opts.block_size).collect();
+            let blocks: Vec<(u64, u64)> =
+                plan::blocks(seg.start, seg.len, self.opts.block_size).collect();
             let job = Arc::new(SegmentJob {
                 plan: self.plan.clone(),
                 index,

@@ -253,12 +253,22 @@ fn coalesce(
     })
 }
 
-/// Splits `len` bytes into reads of at most `block` bytes: `(offset, len)` pairs.
-pub fn blocks(len: u64, block: u64) -> impl Iterator<Item = (u64, u64)> {
+/// Splits the `len` bytes that start at file offset `start` into reads of at most `block` bytes,
+/// cut at file offsets that are multiples of `block`: `(offset within the range, len)` pairs.
+/// Aligned cuts match how object stores keep large objects (in fixed-size parts), so ranged GETs
+/// rarely straddle two parts; the first and last reads may be short.
+pub fn blocks(start: u64, len: u64, block: u64) -> impl Iterator<Item = (u64, u64)> {
     let block = block.max(1);
-    (0..len.div_ceil(block)).map(move |i| {
-        let off = i * block;
-        (off, block.min(len - off))
+    let end = start + len;
+    let mut at = start;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let next = ((at / block) + 1).saturating_mul(block).min(end);
+        let piece = (at - start, next - at);
+        at = next;
+        Some(piece)
     })
 }
 
@@ -413,8 +423,13 @@ mod tests {
 
     #[test]
     fn splits_blocks() {
-        let b: Vec<_> = blocks(10, 4).collect();
+        let b: Vec<_> = blocks(0, 10, 4).collect();
         assert_eq!(b, vec![(0, 4), (4, 4), (8, 2)]);
-        assert_eq!(blocks(0, 4).count(), 0);
+        assert_eq!(blocks(7, 0, 4).count(), 0);
+        // Cuts fall on multiples of the block size in the file, not of the range.
+        let b: Vec<_> = blocks(6, 10, 4).collect();
+        assert_eq!(b, vec![(0, 2), (2, 4), (6, 4)]);
+        let b: Vec<_> = blocks(8, 3, 4).collect();
+        assert_eq!(b, vec![(0, 3)]);
     }
 }

@@ -6,6 +6,8 @@
 - moto's `ThreadedMotoServer` (`pip install "moto[server]"`): lenient, for error paths.
 - `FaultProxy`: a TCP relay in front of a server that answers the first connections with
   503 SlowDown or cuts their responses mid-body, to prove retries and resumed reads.
+- `HttpFaultProxy`: an HTTP-aware relay that injects one `Fault` per matching request (error
+  statuses, bodies cut or reset mid-way, stalls after the head or before it), then relays.
 
 Every fixture uploads with boto3 using explicit keys, endpoint and region, and sets
 AWS_EC2_METADATA_DISABLED so that no client ever asks a cloud metadata address.
@@ -17,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -369,6 +372,212 @@ class FaultProxy:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure of `HttpFaultProxy`, applied to one request.
+
+    kind:
+    - "status": answer `status` with an S3-style XML error (`code`) without asking the server;
+    - "cut": relay the response head and `after` body bytes, then close the connection (FIN);
+    - "reset": the same, then reset the connection (RST);
+    - "stall": relay the head and `after` body bytes, then send nothing for `seconds` (the
+      connection stays open), then close;
+    - "stall_head": send nothing at all for `seconds` (not even the response head), then close.
+    """
+
+    kind: str
+    after: int = 0
+    status: int = 500
+    code: str = "InternalError"
+    seconds: float = 30.0
+
+
+def _ranged_get(method: str, headers: dict[str, str]) -> bool:
+    return method == "GET" and "range" in headers
+
+
+class HttpFaultProxy:
+    """An HTTP/1.1-aware relay from 127.0.0.1:port to `target` that injects faults per request.
+
+    Every client connection carries exactly one request: the proxy forwards it with
+    `Connection: close` and tells the client the same, so that a fault hits exactly the request it
+    was meant for. Requests that `match(method, headers)` accepts (by default ranged GETs: the
+    data and header reads) take the next fault of `plan`, then `then` forever once the plan is
+    used up (None: relay untouched). Counters are in `served`.
+
+    Bounds: the relay stops accepting after `lifetime` seconds; every socket has a timeout of
+    `io_timeout`; request heads are capped at 64 KiB; stalls end after their `seconds` or at
+    `close()`, whichever is first.
+    """
+
+    def __init__(
+        self,
+        target: tuple[str, int],
+        plan: list[Fault] | tuple[Fault, ...] = (),
+        then: Fault | None = None,
+        match=_ranged_get,
+        lifetime: float = 300.0,
+        io_timeout: float = 30.0,
+    ) -> None:
+        self.target = target
+        self.plan = list(plan)
+        self.then = then
+        self.match = match
+        self.lifetime = lifetime
+        self.io_timeout = io_timeout
+        self.served: dict[str, int] = {"requests": 0, "matched": 0, "faults": 0}
+        self.log: list[tuple[str, str, str | None]] = []  # (method, target, fault kind)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> HttpFaultProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + self.lifetime
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                try:
+                    conn, _ = self._sock.accept()
+                except OSError:
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        finally:
+            self._sock.close()
+
+    @staticmethod
+    def _read_head(sock: socket.socket, limit: int = 65536) -> tuple[bytes, bytes]:
+        """Reads up to the end of an HTTP head: (head, bytes already read past it)."""
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            if len(buf) > limit:
+                raise OSError("HTTP head over 64 KiB")
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise OSError("connection closed inside an HTTP head")
+            buf += chunk
+        end = buf.index(b"\r\n\r\n") + 4
+        return buf[:end], buf[end:]
+
+    @staticmethod
+    def _parse(head: bytes) -> tuple[str, dict[str, str]]:
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        return lines[0], headers
+
+    @staticmethod
+    def _with_close(head: bytes) -> bytes:
+        """The head with any Connection header replaced by `Connection: close`."""
+        lines = head.decode("latin-1").split("\r\n")[:-2]
+        kept = [ln for ln in lines if not ln.lower().startswith(("connection:", "keep-alive:"))]
+        return ("\r\n".join([*kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1")
+
+    def _next_fault(self, method: str, target: str, headers: dict[str, str]) -> Fault | None:
+        with self._lock:
+            self.served["requests"] += 1
+            fault = None
+            if self.match(method, headers):
+                self.served["matched"] += 1
+                fault = self.plan.pop(0) if self.plan else self.then
+            if fault is not None:
+                self.served["faults"] += 1
+                self.served[fault.kind] = self.served.get(fault.kind, 0) + 1
+            self.log.append((method, target, fault.kind if fault else None))
+            return fault
+
+    def _hold(self, seconds: float) -> None:
+        self._stop.wait(timeout=max(0.0, seconds))
+
+    def _serve(self, conn: socket.socket) -> None:
+        upstream = None
+        try:
+            conn.settimeout(self.io_timeout)
+            head, rest = self._read_head(conn)
+            request_line, headers = self._parse(head)
+            method, target = [*request_line.split(" "), "", ""][:2]
+            want = int(headers.get("content-length", "0") or 0)
+            body = rest
+            while len(body) < want:  # a request body (uploads); bounded by its length
+                chunk = conn.recv(min(65536, want - len(body)))
+                if not chunk:
+                    return
+                body += chunk
+            fault = self._next_fault(method, target, headers)
+            if fault is not None and fault.kind == "stall_head":
+                self._hold(fault.seconds)
+                return
+            if fault is not None and fault.kind == "status":
+                xml = (
+                    f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{fault.code}'
+                    f"</Code><Message>injected by the test proxy</Message></Error>"
+                ).encode()
+                reason = {403: "Forbidden", 500: "Internal Server Error", 503: "Slow Down"}
+                conn.sendall(
+                    b"HTTP/1.1 %d %s\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+                    b"Connection: close\r\n\r\n%s"
+                    % (fault.status, reason.get(fault.status, "Error").encode(), len(xml), xml)
+                )
+                return
+            upstream = socket.create_connection(self.target, timeout=self.io_timeout)
+            upstream.sendall(self._with_close(head) + body)
+            resp_head, resp_rest = self._read_head(upstream)
+            conn.sendall(self._with_close(resp_head))
+            budget = None if fault is None else fault.after
+            sent = 0
+            pending = resp_rest
+            deadline = time.monotonic() + self.lifetime
+            while time.monotonic() < deadline:
+                if not pending:
+                    pending = upstream.recv(1 << 20)
+                    if not pending:
+                        break  # the server closed: the whole response went through
+                if budget is not None and sent + len(pending) >= budget:
+                    conn.sendall(pending[: budget - sent])
+                    break
+                conn.sendall(pending)
+                sent += len(pending)
+                pending = b""
+            if fault is None:
+                return
+            if fault.kind == "stall":
+                self._hold(fault.seconds)
+            elif fault.kind == "reset":
+                # SO_LINGER with a zero timeout: close() sends RST instead of FIN.
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+        finally:
+            for s in (conn, upstream):
+                if s is not None:
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ from s3_server import (
     PUBLIC_BUCKET,
     REGION,
     SECRET_KEY,
+    Fault,
     FaultProxy,
+    HttpFaultProxy,
     closed_port,
     upload,
     upload_dir,
@@ -245,3 +247,148 @@ def test_moto_parity(moto_s3, aws_env, dtypes_file):
     aws_env(moto_s3)
     upload(moto_s3.client(), BUCKET, {"m/all.safetensors": dtypes_file})
     assert_same_tensors(fastload.load(f"s3://{BUCKET}/m/"), reference(dtypes_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# More faults, per request, through an HTTP-aware proxy (HttpFaultProxy): resets, stalls, error
+# bursts and permanent refusals. Each test bounds its own duration.
+
+FAULT_KEY = "faults/big.safetensors"
+# Data reads of this size carry bodies far larger than the faults' `after` offsets.
+FAULT_BLOCK = "256KiB"
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory, bucket):
+    """About 4 MiB in a few dtypes, uploaded once."""
+    import torch
+    from helpers import pattern
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("faults") / "big.safetensors"
+    save_file(
+        {
+            "embed": pattern((1024, 640), torch.float32, seed=11),
+            "q": pattern((640, 777), torch.bfloat16, seed=12),
+            "ids": pattern((50_001,), torch.int64, seed=13),
+            "norm": pattern((641,), torch.float16, seed=14),
+        },
+        str(path),
+    )
+    upload(bucket.client(), BUCKET, {FAULT_KEY: path})
+    return path
+
+
+@pytest.fixture
+def through_proxy(bucket, aws_env, monkeypatch):
+    """Starts an HttpFaultProxy in front of SeaweedFS and points AWS_ENDPOINT_URL at it."""
+    aws_env(bucket)
+    port = int(bucket.endpoint.rsplit(":", 1)[1])
+    proxies = []
+
+    def start(**kw) -> HttpFaultProxy:
+        proxy = HttpFaultProxy(("127.0.0.1", port), **kw)
+        proxies.append(proxy)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        return proxy
+
+    yield start
+    for p in proxies:
+        p.close()
+
+
+def _load_fault_file(**storage_options):
+    return fastload.load(
+        f"s3://{BUCKET}/{FAULT_KEY}",
+        block_size=FAULT_BLOCK,
+        concurrency=8,
+        storage_options=storage_options or None,
+    )
+
+
+def test_connection_resets_mid_body_are_resumed(through_proxy, fault_file):
+    plan = [Fault("reset", after=a) for a in (30_000, 0, 100_000, 5_000, 200_000)]
+    proxy = through_proxy(plan=plan)
+    got = _load_fault_file()
+    assert_same_tensors(got, reference(fault_file))
+    assert proxy.served["reset"] == len(plan)
+
+
+def test_cut_bodies_are_resumed_per_request(through_proxy, fault_file):
+    proxy = through_proxy(plan=[Fault("cut", after=a) for a in (1, 65_536, 12_345)])
+    assert_same_tensors(_load_fault_file(), reference(fault_file))
+    assert proxy.served["cut"] == 3
+
+
+def test_stalled_bodies_are_resumed_after_the_read_timeout(through_proxy, fault_file):
+    # Headers and a little body, then silence on an open connection: the read timeout ends the
+    # wait and the read resumes from the first missing byte.
+    proxy = through_proxy(plan=[Fault("stall", after=a, seconds=60) for a in (10_000, 0)])
+    started = time.monotonic()
+    got = _load_fault_file(read_timeout="1", timeout="20")
+    took = time.monotonic() - started
+    assert_same_tensors(got, reference(fault_file))
+    assert proxy.served["stall"] == 2
+    assert took < 20, f"took {took:.1f} s"
+
+
+def test_a_stall_before_the_response_head_is_retried(through_proxy, fault_file):
+    proxy = through_proxy(plan=[Fault("stall_head", seconds=60)] * 2)
+    started = time.monotonic()
+    got = _load_fault_file(read_timeout="1", timeout="20")
+    assert_same_tensors(got, reference(fault_file))
+    assert proxy.served["stall_head"] == 2
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("kind", ["stall", "stall_head"])
+def test_a_server_that_always_stalls_fails_within_a_bound(through_proxy, fault_file, kind):
+    through_proxy(then=Fault(kind, after=0, seconds=120))
+    uri = f"s3://{BUCKET}/{FAULT_KEY}"
+    started = time.monotonic()
+    with pytest.raises(fastload.StorageError) as info:
+        _load_fault_file(read_timeout="1", timeout="5", max_retries="1", retry_timeout="10")
+    took = time.monotonic() - started
+    assert not isinstance(info.value, FileNotFoundError)
+    assert uri in str(info.value)
+    # 1 s per attempt. stall_head: 1 + max_retries attempts, then the request fails. stall: the
+    # attempts multiply: object_store resumes a broken body itself (1 + max_retries requests),
+    # and fastload resumes that up to 5 times without progress: 10 requests here (15 with
+    # max_retries=2, 35 with the default 6, each up to read_timeout, 30 s by default).
+    assert took < 30, f"took {took:.1f} s to fail"
+
+
+def test_a_burst_of_500s_recovers(through_proxy, fault_file):
+    # The first requests are sequential (HEAD, then the header read), so one request may take
+    # the whole burst: 4 stays inside the default 6 retries of a single request.
+    burst = [Fault("status", status=500, code="InternalError")] * 4
+    proxy = through_proxy(plan=burst, match=lambda method, headers: True)
+    assert_same_tensors(_load_fault_file(), reference(fault_file))
+    assert proxy.served["status"] == 4
+
+
+def test_persistent_slowdowns_give_up_within_a_bound(through_proxy, fault_file):
+    proxy = through_proxy(
+        then=Fault("status", status=503, code="SlowDown"), match=lambda method, headers: True
+    )
+    uri = f"s3://{BUCKET}/{FAULT_KEY}"
+    err = timed_error(fastload.StorageError, lambda: _load_fault_file())
+    assert uri in str(err)
+    # Retried (6 by default), then given up: neither one attempt nor an endless loop.
+    assert 2 <= proxy.served["status"] <= 20, proxy.served
+
+
+def test_permanent_403_is_a_storage_error_fast(through_proxy, fault_file):
+    proxy = through_proxy(
+        then=Fault("status", status=403, code="AccessDenied"), match=lambda method, headers: True
+    )
+    uri = f"s3://{BUCKET}/{FAULT_KEY}"
+    started = time.monotonic()
+    with pytest.raises(fastload.StorageError) as info:
+        _load_fault_file()
+    took = time.monotonic() - started
+    assert not isinstance(info.value, FileNotFoundError)
+    assert uri in str(info.value)
+    assert "AccessDenied" in str(info.value) or "denied" in str(info.value).lower()
+    assert took < 5, f"took {took:.1f} s: a 403 must not be retried"
+    assert proxy.served["requests"] <= 2, proxy.log

@@ -47,6 +47,10 @@ pub async fn resolve(remote: &Remote) -> Result<Vec<(Path, u64)>> {
     }
     match head(remote, &remote.path).await {
         Ok(size) => Ok(vec![(remote.path.clone(), size)]),
+        // A plain HTTP server cannot list (object_store would try WebDAV): the 404 is the answer.
+        Err(Error::NotFound { path }) if remote.uri.starts_with("http") => {
+            Err(Error::NotFound { path })
+        }
         Err(Error::NotFound { path }) => match list_safetensors(remote).await {
             Err(Error::NotFound { .. }) => Err(Error::NotFound { path }),
             // Name what the user asked for, not the index probed for it.

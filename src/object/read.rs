@@ -53,6 +53,7 @@ pub async fn read_range_into(
         .ok_or_else(|| Error::option("range", format!("offset {offset} overflows")))?;
     let mut done = 0usize;
     let mut stalled = 0u32;
+    let mut last_progress = std::time::Instant::now();
     let mut etag: Option<String> = None;
     let mut backoff = Duration::from_millis(50);
     while done < dst.len() {
@@ -115,14 +116,21 @@ pub async fn read_range_into(
         if done == dst.len() {
             break;
         }
-        stalled = if done > before { 0 } else { stalled + 1 };
-        if stalled >= MAX_STALLED_RESUMES {
+        if done > before {
+            stalled = 0;
+            last_progress = std::time::Instant::now();
+        } else {
+            stalled += 1;
+        }
+        // object_store already retried inside `get_opts`; without progress for the retry budget,
+        // resuming again only makes a dead or stalled server cost minutes.
+        if stalled >= MAX_STALLED_RESUMES || last_progress.elapsed() > RETRY_TIMEOUT {
             return Err(cut.unwrap_or_else(|| {
                 io_error(
                     uri,
                     io::ErrorKind::UnexpectedEof,
                     format!(
-                        "body ended after {done} of {} bytes at offset {offset}, {MAX_STALLED_RESUMES} times",
+                        "body ended after {done} of {} bytes at offset {offset}, with no progress on retrying",
                         dst.len()
                     ),
                 )
