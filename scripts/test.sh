@@ -18,8 +18,8 @@ cargo test --all-targets
 
 echo "== python: build, lint, stubs"
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
+.venv/bin/ruff check python tests benches fuzz
+.venv/bin/ruff format --check python tests benches fuzz
 .venv/bin/python -m mypy.stubtest fastload._fastload
 .venv/bin/mypy python/fastload
 
