@@ -206,21 +206,7 @@ def load(
     """Loads every tensor (or only ``names``) into a ``dict[str, torch.Tensor]``.
 
     With ``process_group``, the group reads each byte once; see :func:`stream`."""
-    if process_group is not None:
-        from . import distributed
-
-        return distributed.load(
-            uri,
-            process_group=process_group,
-            device=device,
-            concurrency=concurrency,
-            block_size=block_size,
-            memory_limit=memory_limit,
-            names=names,
-            method=method,
-            storage_options=storage_options,
-        )
-    with Stream(
+    with stream(
         uri,
         device=device,
         concurrency=concurrency,
@@ -229,6 +215,7 @@ def load(
         names=names,
         method=method,
         storage_options=storage_options,
+        process_group=process_group,
     ) as s:
         return dict(s)
 
