@@ -92,14 +92,14 @@ pub fn build_parts(shards: Vec<Shard>, parts: &[Part], target: u64) -> Result<Pl
             .or_default()
             .push((*begin, *end));
     }
+    let lens: HashMap<&str, u64> = shards
+        .iter()
+        .flat_map(|s| s.header.tensors.iter())
+        .filter(|t| ranges.contains_key(t.name.as_str()))
+        .map(|t| (t.name.as_str(), t.len()))
+        .collect();
     for (name, list) in &mut ranges {
-        let shard = &shards[owner[name]];
-        let len = shard
-            .header
-            .tensors
-            .iter()
-            .find(|t| t.name == *name)
-            .map_or(0, |t| t.len());
+        let len = lens.get(name).copied().unwrap_or(0);
         list.sort_unstable();
         let mut cursor = 0u64;
         for &(begin, end) in list.iter() {
