@@ -279,9 +279,13 @@ def test_extra_config_keys_are_checked():
             "memory_limit": 1 << 30,
             "weights_uri": "s3://bucket/model/",
             "storage_options": {"region": "us-east-1"},
-            "distributed": True,  # reserved: accepted, ignored
+            "distributed": True,
         }
     )
+    assert options.distributed is True
+    assert _parse(None).distributed is False
+    with pytest.raises(ConfigError, match="distributed must be true or false"):
+        _parse({"distributed": "yes"})
     assert options.weights_uri == "s3://bucket/model/"
     assert options.stream_kwargs == {
         "concurrency": 8,

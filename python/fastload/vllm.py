@@ -28,7 +28,7 @@ import string
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +138,7 @@ class _Options:
     weights_uri: str | None = None
     pattern: str | None = None
     stream_kwargs: dict[str, Any] = field(default_factory=dict)
+    distributed: bool = False
 
     @classmethod
     def parse(cls, load_format: str, extra: Any, allowed: frozenset[str]) -> _Options:
@@ -160,8 +161,9 @@ class _Options:
                 f"{', '.join(map(repr, unknown))}{hint}; "
                 f"valid keys: {', '.join(sorted(allowed))}"
             )
-        if "distributed" in extra:
-            logger.debug("model_loader_extra_config['distributed'] is reserved and ignored")
+        distributed = extra.get("distributed", False)
+        if not isinstance(distributed, bool):
+            raise ConfigError(f"distributed must be true or false, got {distributed!r}")
 
         stream_kwargs: dict[str, Any] = {}
         concurrency = extra.get("concurrency")
@@ -191,7 +193,7 @@ class _Options:
         pattern = extra.get("pattern")
         if pattern is not None:
             _check_pattern(pattern)
-        return cls(load_format, weights_uri, pattern, stream_kwargs)
+        return cls(load_format, weights_uri, pattern, stream_kwargs, distributed)
 
 
 def _check_pattern(pattern: Any) -> None:
@@ -287,10 +289,26 @@ class _Meter:
         logger.info("Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate)
 
 
+def _world_group(device: Any) -> Any:
+    """vLLM's world group for a shared read (fastload.distributed), or None for a lone worker."""
+    from vllm.distributed import get_world_group  # type: ignore[import-not-found]
+
+    world = get_world_group()
+    if world.world_size <= 1:
+        return None
+    # Host tensors travel over the gloo group; device tensors over the device (NCCL) group.
+    return world.cpu_group if str(device).startswith("cpu") else world.device_group
+
+
 def _stream(uri: Any, device: Any, options: _Options, prefix: str = "") -> Iterator[Any]:
     import fastload
 
-    with fastload.stream(uri, device=device, **options.stream_kwargs) as tensors:
+    group = _world_group(device) if options.distributed else None
+    kwargs = dict(options.stream_kwargs)
+    if group is not None:
+        # Every worker of the model reads 1/N of the bytes and gets the rest from the others.
+        kwargs["process_group"] = group
+    with fastload.stream(uri, device=device, **kwargs) as tensors:
         for name, tensor in tensors:
             yield prefix + name, tensor
 
@@ -438,7 +456,9 @@ def _loader_classes() -> dict[str, type]:
             filter_subtensors = sharded_state_loader.ShardedStateLoader._filter_subtensors
             state_dict = filter_subtensors(model.state_dict())
             meter = _Meter()
-            for key, tensor in meter.count(_stream(files, device, self.options)):
+            # Each rank reads its own files: nothing to share over the group.
+            own = replace(self.options, distributed=False)
+            for key, tensor in meter.count(_stream(files, device, own)):
                 param = state_dict.pop(key, None)
                 if param is None:
                     raise ValueError(f"{key!r} in {files} is not a parameter of this model")
