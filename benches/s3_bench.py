@@ -45,7 +45,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PAGE = 4096
 MiB = 1 << 20
 KEY = "bench/model.safetensors"
 
@@ -54,18 +53,11 @@ KEY = "bench/model.safetensors"
 
 
 def touch(tensors) -> int:
-    """Reads one byte of every 4 KiB page of every tensor and its last byte; returns their sum
-    (a checksum compared across loaders). numpy keeps the per-tensor cost to a few us."""
-    import numpy as np
-    import torch
+    """The suite's page touch and checksum (benches/loaders.py), imported when needed: it pulls in
+    torch, which the parent process does not otherwise load."""
+    from loaders import touch as touch_pages
 
-    acc = 0
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        a = t.detach().reshape(-1).view(torch.uint8).numpy()
-        acc += int(a[::PAGE].sum(dtype=np.int64)) + int(a[-1])
-    return acc
+    return touch_pages(tensors)
 
 
 def destination(layout: list, shm_path: str | None):
