@@ -83,11 +83,12 @@ enum CliError {
 
 type CliResult<T = ()> = Result<T, CliError>;
 
-/// Where tensors should land. Parsed at the boundary so that a typo is a usage error; only `cpu`
-/// is served by this build.
+/// Where tensors should land. Parsed at the boundary so that a typo is a usage error.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Device {
     Cpu,
+    /// Staged through the copy engine into host memory: the GPU path's pipeline, without a GPU.
+    Host,
     Cuda(Option<u32>),
 }
 
@@ -98,13 +99,16 @@ impl FromStr for Device {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
             "cpu" => return Ok(Device::Cpu),
+            "host" => return Ok(Device::Host),
             "cuda" => return Ok(Device::Cuda(None)),
             _ => {}
         }
         if let Some(n) = t.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
             return Ok(Device::Cuda(Some(n)));
         }
-        Err(format!("{s:?} is not a device (use cpu, cuda or cuda:N)"))
+        Err(format!(
+            "{s:?} is not a device (use cpu, cuda, cuda:N or host)"
+        ))
     }
 }
 
@@ -112,6 +116,7 @@ impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Device::Cpu => f.write_str("cpu"),
+            Device::Host => f.write_str("host"),
             Device::Cuda(None) => f.write_str("cuda"),
             Device::Cuda(Some(n)) => write!(f, "cuda:{n}"),
         }
@@ -119,12 +124,14 @@ impl fmt::Display for Device {
 }
 
 impl Device {
-    fn check_supported(&self) -> CliResult {
+    /// The staged-load target, `None` for plain host-memory loads.
+    fn target(&self) -> crate::Result<Option<crate::device::Target>> {
         match self {
-            Device::Cpu => Ok(()),
-            Device::Cuda(_) => Err(CliError::Unsupported(format!(
-                "device {self} is not supported by this build yet"
-            ))),
+            Device::Cpu => Ok(None),
+            Device::Host => crate::device::rust_target("host").map(Some),
+            Device::Cuda(n) => {
+                crate::device::rust_target(&format!("cuda:{}", n.unwrap_or(0))).map(Some)
+            }
         }
     }
 }
@@ -212,10 +219,26 @@ mod tests {
         assert_eq!("cuda:1".parse::<Device>().unwrap(), Device::Cuda(Some(1)));
         assert!("cuda:x".parse::<Device>().is_err());
         assert!("tpu".parse::<Device>().is_err());
-        let err = Device::Cuda(None).check_supported().unwrap_err();
+        assert_eq!("host".parse::<Device>().unwrap(), Device::Host);
+        assert!(Device::Cpu.target().unwrap().is_none());
         assert_eq!(
-            err.to_string(),
-            "device cuda is not supported by this build yet"
+            Device::Host.target().unwrap().unwrap().engine.name(),
+            "host"
+        );
+    }
+
+    #[test]
+    fn cuda_without_a_driver_is_a_clear_error() {
+        if crate::device::cuda_available() {
+            return; // a GPU machine: tests/test_gpu.py covers it
+        }
+        let err = Device::Cuda(Some(0))
+            .target()
+            .err()
+            .expect("no driver here");
+        assert!(
+            err.to_string().contains("CUDA driver not found"),
+            "unexpected: {err}"
         );
     }
 

@@ -38,6 +38,18 @@ pub enum Error {
     /// The consumer went away; reads were stopped.
     #[error("load cancelled")]
     Cancelled,
+
+    /// CUDA is unavailable (no driver, no such device) or a driver call failed.
+    #[error("{message}")]
+    Device { message: String },
+
+    /// The caller-supplied allocator of destination memory failed (for Python: the exception it
+    /// raised, re-raised as is).
+    #[error("allocating destination memory failed: {source}")]
+    Allocation {
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -53,6 +65,12 @@ impl Error {
     pub(crate) fn option(option: impl Into<String>, message: impl Into<String>) -> Self {
         Error::InvalidOption {
             option: option.into(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn device(message: impl Into<String>) -> Self {
+        Error::Device {
             message: message.into(),
         }
     }

@@ -12,6 +12,14 @@ fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
 
 /// Converts an error to the matching `fastload` exception.
 pub fn to_py(err: Error) -> PyErr {
+    // An exception raised by Python code we called (a destination allocator) goes back as is.
+    let err = match err {
+        Error::Allocation { source } => match source.downcast::<PyErr>() {
+            Ok(e) => return *e,
+            Err(source) => Error::Allocation { source },
+        },
+        e => e,
+    };
     Python::attach(|py| {
         let name = match &err {
             Error::Format { .. } => "FormatError",

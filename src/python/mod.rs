@@ -121,12 +121,31 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(|| crate::cli::run(argv))
 }
 
+/// The CUDA driver's version (e.g. 12080); raises `FastloadError` when no driver can be loaded.
+/// Loads and initialises the driver on first use, never at import.
+#[pyfunction]
+fn cuda_driver_version(py: Python<'_>) -> PyResult<i32> {
+    #[cfg(feature = "cuda")]
+    {
+        py.detach(crate::device::cuda::driver_version)
+            .map_err(errors::to_py)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = py;
+        Err(errors::to_py(crate::Error::Device {
+            message: "CUDA support was not built in".into(),
+        }))
+    }
+}
+
 #[pymodule]
 fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", crate::VERSION)?;
     m.add_class::<stream::Stream>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_version, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
     Ok(())
 }

@@ -1,6 +1,14 @@
 //! Runs a [`Plan`]: reads in flight bounded by a concurrency limit, host buffers bounded by bytes
 //! (`memory_limit`), each segment published to the consumer as soon as all its blocks landed, in
 //! completion order. Dropping the [`Loader`] cancels what has not started and frees buffers.
+//!
+//! Two ways to run it:
+//! - into host memory (this file): each segment is read into its own [`HostBuffer`] (or mapped
+//!   from the file), and the tensors are views of it;
+//! - staged ([`staged`]): blocks are read into a ring of staging buffers and copied by a
+//!   [`crate::device::Engine`] into destination memory (a GPU) while later blocks are read.
+
+mod staged;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,17 +16,26 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
+use crate::device::{Destination, Target};
 use crate::error::{Error, Result};
 use crate::memory::{self, HostBuffer};
 use crate::options::{LoadOptions, Method, Resolved};
 use crate::plan::{self, Plan, TensorSlot};
 use crate::source::{self, Data, Shard};
 
-/// A segment whose bytes have all landed: its tensors are views into `buffer`.
+/// A segment whose bytes have all landed.
 pub struct Loaded {
-    pub buffer: Arc<HostBuffer>,
+    pub memory: Memory,
     pub shard: usize,
     pub tensors: Vec<TensorSlot>,
+}
+
+/// Where a [`Loaded`] segment's tensors are.
+pub enum Memory {
+    /// Views at each tensor's `offset` into one host buffer.
+    Host(Arc<HostBuffer>),
+    /// One destination per tensor (in `tensors` order), filled by a staged load.
+    Placed(Vec<Destination>),
 }
 
 /// Counters of one load, readable while it runs.
@@ -29,10 +46,13 @@ pub struct Stats {
     /// Bytes handed to the consumer.
     pub bytes_delivered: AtomicU64,
     pub tensors_delivered: AtomicU64,
+    /// Staged loads: bytes copied to destinations, and the most staging memory held at once.
+    pub bytes_copied: AtomicU64,
+    pub staging_peak: AtomicU64,
 }
 
 enum Msg {
-    Segment(Loaded, OwnedSemaphorePermit),
+    Segment(Loaded, Option<OwnedSemaphorePermit>),
     Failed(Error),
 }
 
@@ -47,10 +67,22 @@ pub struct Loader {
     first: Option<Duration>,
     done: bool,
     method: Method,
+    target: Option<String>,
 }
 
-/// Resolves the URIs, validates every header, plans and starts reading.
+/// Resolves the URIs, validates every header, plans and starts reading into host memory.
 pub fn open(uris: &[String], options: &LoadOptions) -> Result<Loader> {
+    let (plan, resolved) = prepare(uris, options)?;
+    Ok(Loader::start(plan, resolved))
+}
+
+/// Like [`open`], but tensors go to `target`'s destinations through its copy engine.
+pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Result<Loader> {
+    let (plan, resolved) = prepare(uris, options)?;
+    Ok(staged::start(plan, resolved, target))
+}
+
+fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let resolved = options.resolve()?;
     let shards = source::open_all(uris, &options.storage_options)?;
     let target = plan::segment_target(resolved.memory_limit, resolved.block_size);
@@ -61,7 +93,7 @@ pub fn open(uris: &[String], options: &LoadOptions) -> Result<Loader> {
         }
         Some(parts) => plan::build_parts(shards, parts, target)?,
     };
-    Ok(Loader::start(plan, resolved))
+    Ok((plan, resolved))
 }
 
 /// Permits are KiB so that a u32 acquire covers any segment.
@@ -165,11 +197,11 @@ impl SegmentJob {
             .take()
             .expect("segment published twice");
         let loaded = Loaded {
-            buffer: self.buffer.clone(),
+            memory: Memory::Host(self.buffer.clone()),
             shard: seg.shard,
             tensors: seg.tensors.clone(),
         };
-        let _ = self.tx.send(Msg::Segment(loaded, permit));
+        let _ = self.tx.send(Msg::Segment(loaded, Some(permit)));
     }
 }
 
@@ -303,7 +335,13 @@ impl Loader {
             first: None,
             done: false,
             method,
+            target: None,
         }
+    }
+
+    /// The engine a staged load copies with ("cuda:0", "host"); `None` for host-memory loads.
+    pub fn target(&self) -> Option<&str> {
+        self.target.as_deref()
     }
 
     pub fn plan(&self) -> &Plan {

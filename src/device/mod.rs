@@ -1,0 +1,408 @@
+//! Where tensors go when they do not stay in host memory: a copy [`Engine`] moves staged blocks to
+//! destination memory that an [`Allocator`] hands out.
+//!
+//! - [`cuda`]: the GPU. Page-locked staging buffers, `cuMemcpyHtoDAsync` on a dedicated stream,
+//!   events as fences. The driver is loaded at run time (cudarc's dynamic loading), probed inside
+//!   `catch_unwind`, and never touched at import: a machine without a driver gets
+//!   [`Error::Device`], never a panic.
+//! - [`HostEngine`]: the same protocol into host memory, on a worker thread that plays the part of
+//!   a copy stream. It runs the pipeline's staging, ordering and overlap logic on machines without
+//!   a GPU (tests, CI), and is what `target="host"` selects.
+//!
+//! The pipeline (`pipeline/staged.rs`) reads each block into a [`Staging`] buffer, enqueues the
+//! copies of the tensor pieces it holds, records a [`Fence`], and returns the buffer to the ring
+//! once the fence passed; a segment's tensors are handed out after their last fence.
+
+use std::any::Any;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::memory::HostBuffer;
+use crate::plan::TensorSlot;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// A point in an engine's copy queue: every copy enqueued before it is complete once
+/// [`Engine::wait`] returns.
+pub enum Fence {
+    /// A [`HostEngine`] sequence number.
+    Seq(u64),
+    #[cfg(feature = "cuda")]
+    Event(cuda::Event),
+}
+
+/// Moves bytes from staging buffers to destination memory, asynchronously and in order.
+pub trait Engine: Send + Sync {
+    /// "cuda:0", "host".
+    fn name(&self) -> String;
+    /// A staging buffer of at least `len` bytes, ready to be written (page-locked for a GPU).
+    fn staging(&self, len: usize) -> Result<Staging>;
+    /// Makes the engine usable from the calling thread (binds the CUDA context).
+    fn enter(&self) -> Result<()>;
+    /// Orders the copies enqueued from now on after the work already queued on the consumer's
+    /// stream `stream` (a `CUstream` handle; 0 is the legacy default stream).
+    fn order_after(&self, stream: u64) -> Result<()>;
+    /// Enqueues a copy of `len` bytes from `src` to destination address `dst`.
+    ///
+    /// # Safety
+    /// `src` must stay valid and unchanged until a fence recorded after this call passed, and
+    /// `[dst, dst + len)` must be destination memory nobody else writes meanwhile.
+    #[allow(unsafe_code)]
+    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()>;
+    /// A fence after the copies enqueued so far.
+    fn record(&self) -> Result<Fence>;
+    /// Blocks until `fence` passed.
+    fn wait(&self, fence: Fence) -> Result<()>;
+}
+
+/// Destination memory for one tensor: its address and whatever keeps it alive (a torch tensor
+/// for the Python bindings, a device allocation for the CLI).
+pub struct Destination {
+    pub addr: u64,
+    pub owner: Box<dyn Any + Send>,
+}
+
+/// Destinations for the tensors of one segment, and the stream whose work must finish before
+/// that memory is written (see [`Engine::order_after`]); `None` when no ordering is needed.
+pub struct Allocation {
+    pub destinations: Vec<Destination>,
+    pub stream: Option<u64>,
+}
+
+/// Hands out destination memory, one call per segment, from the pipeline's copy thread.
+pub trait Allocator: Send {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation>;
+}
+
+/// What a staged load needs: the engine that copies and the allocator of destinations.
+pub struct Target {
+    pub engine: Arc<dyn Engine>,
+    pub allocator: Box<dyn Allocator>,
+}
+
+/// Owns a [`Staging`] buffer's memory; never read, dropped with it.
+#[allow(dead_code)]
+enum StagingMemory {
+    Host(HostBuffer),
+    #[cfg(feature = "cuda")]
+    Pinned(cuda::Pinned),
+}
+
+/// A host buffer that blocks are read into before they are copied out.
+pub struct Staging {
+    ptr: NonNull<u8>,
+    len: usize,
+    _memory: StagingMemory,
+}
+
+// SAFETY: plain memory; the pipeline gives each staging buffer to one reader, then one copier.
+#[allow(unsafe_code)]
+unsafe impl Send for Staging {}
+// SAFETY: as above.
+#[allow(unsafe_code)]
+unsafe impl Sync for Staging {}
+
+impl Staging {
+    /// Pooled anonymous memory, faulted in.
+    pub fn host(len: usize) -> Result<Staging> {
+        let buffer = HostBuffer::alloc(len.max(1))?;
+        if buffer.is_fresh() {
+            buffer.populate(0, buffer.len(), "staging buffer")?;
+            buffer.mark_populated();
+        }
+        Ok(Staging {
+            ptr: NonNull::new(buffer.as_ptr()).expect("host buffer is not null"),
+            len: buffer.len(),
+            _memory: StagingMemory::Host(buffer),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The first `len` bytes, for a reader to fill.
+    pub fn slice_mut(&mut self, len: usize) -> &mut [u8] {
+        assert!(len <= self.len, "read larger than its staging buffer");
+        // SAFETY: `&mut self` is the only access to this memory, valid for `self.len` bytes.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len)
+        }
+    }
+}
+
+enum HostJob {
+    Copy { dst: usize, src: usize, len: usize },
+    Mark(u64),
+}
+
+struct Progress {
+    passed: Mutex<u64>,
+    cond: Condvar,
+}
+
+/// A copy engine into host memory: copies run in order on one worker thread, like a CUDA stream,
+/// and fences are sequence numbers.
+pub struct HostEngine {
+    queue: Mutex<mpsc::Sender<HostJob>>,
+    next: AtomicU64,
+    progress: Arc<Progress>,
+}
+
+impl HostEngine {
+    pub fn new() -> HostEngine {
+        let (tx, rx) = mpsc::channel::<HostJob>();
+        let progress = Arc::new(Progress {
+            passed: Mutex::new(0),
+            cond: Condvar::new(),
+        });
+        let worker = progress.clone();
+        std::thread::Builder::new()
+            .name("fastload-host-copy".into())
+            .spawn(move || {
+                for job in rx {
+                    match job {
+                        HostJob::Copy { dst, src, len } => {
+                            // SAFETY: `Engine::copy`'s contract: both ranges are valid and
+                            // untouched by others until the next fence passed.
+                            #[allow(unsafe_code)]
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len)
+                            };
+                        }
+                        HostJob::Mark(seq) => {
+                            *worker.passed.lock().unwrap_or_else(|e| e.into_inner()) = seq;
+                            worker.cond.notify_all();
+                        }
+                    }
+                }
+            })
+            .expect("spawning the host copy thread");
+        HostEngine {
+            queue: Mutex::new(tx),
+            next: AtomicU64::new(0),
+            progress,
+        }
+    }
+
+    fn send(&self, job: HostJob) -> Result<()> {
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(job)
+            .map_err(|_| Error::device("host copy thread is gone"))
+    }
+}
+
+impl Default for HostEngine {
+    fn default() -> Self {
+        HostEngine::new()
+    }
+}
+
+impl Engine for HostEngine {
+    fn name(&self) -> String {
+        "host".into()
+    }
+
+    fn staging(&self, len: usize) -> Result<Staging> {
+        Staging::host(len)
+    }
+
+    fn enter(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn order_after(&self, _stream: u64) -> Result<()> {
+        Ok(())
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.send(HostJob::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            len,
+        })
+    }
+
+    fn record(&self) -> Result<Fence> {
+        let seq = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        self.send(HostJob::Mark(seq))?;
+        Ok(Fence::Seq(seq))
+    }
+
+    fn wait(&self, fence: Fence) -> Result<()> {
+        let Fence::Seq(seq) = fence else {
+            return Err(Error::device("fence from another engine"));
+        };
+        let mut passed = self
+            .progress
+            .passed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        while *passed < seq {
+            passed = self
+                .progress
+                .cond
+                .wait(passed)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        Ok(())
+    }
+}
+
+/// Host memory destinations, one zeroed `Vec` per tensor: the Rust-side allocator for
+/// [`HostEngine`] loads (tests, the CLI's `--device host`).
+#[derive(Default)]
+pub struct HostAllocator;
+
+impl Allocator for HostAllocator {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+        let destinations = tensors
+            .iter()
+            .map(|t| {
+                let mut v = vec![0u8; t.len as usize].into_boxed_slice();
+                Destination {
+                    addr: v.as_mut_ptr() as u64,
+                    owner: Box::new(v),
+                }
+            })
+            .collect();
+        Ok(Allocation {
+            destinations,
+            stream: None,
+        })
+    }
+}
+
+/// The bytes of a destination made by [`HostAllocator`].
+pub fn host_bytes(destination: &Destination) -> Option<&[u8]> {
+    destination
+        .owner
+        .downcast_ref::<Box<[u8]>>()
+        .map(|b| &b[..])
+}
+
+/// The engine for a target name: "host", "cuda" or "cuda:N".
+pub fn engine(name: &str) -> Result<Arc<dyn Engine>> {
+    if name == "host" {
+        return Ok(Arc::new(HostEngine::new()));
+    }
+    let ordinal = parse_cuda(name)?;
+    open_cuda(ordinal)
+}
+
+/// The ordinal of "cuda" (0) or "cuda:N".
+pub fn parse_cuda(name: &str) -> Result<usize> {
+    match name.strip_prefix("cuda") {
+        Some("") => Ok(0),
+        Some(rest) => rest
+            .strip_prefix(':')
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| Error::option("device", format!("{name:?} is not cuda or cuda:N"))),
+        None => Err(Error::option(
+            "device",
+            format!("{name:?} is not one of cpu, cuda, cuda:N"),
+        )),
+    }
+}
+
+/// A target whose destinations Rust allocates: [`HostAllocator`] for "host", driver allocations
+/// for "cuda[:N]" (the CLI; the Python bindings allocate with torch instead).
+pub fn rust_target(name: &str) -> Result<Target> {
+    let engine = engine(name)?;
+    if name == "host" {
+        return Ok(Target {
+            engine,
+            allocator: Box::new(HostAllocator),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        Ok(Target {
+            engine,
+            allocator: Box::new(cuda::CudaAllocator::new(parse_cuda(name)?)?),
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        drop(engine);
+        Err(Error::device("CUDA support was not built in"))
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> Result<Arc<dyn Engine>> {
+    Ok(Arc::new(cuda::CudaEngine::new(ordinal)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_ordinal: usize) -> Result<Arc<dyn Engine>> {
+    Err(Error::device(
+        "CUDA support was not built in (fastload was compiled without the `cuda` feature)",
+    ))
+}
+
+/// Whether a CUDA driver can be loaded and initialised (probes it once; never panics).
+pub fn cuda_available() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::driver_version().is_ok()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_engine_copies_in_order_and_fences() {
+        let engine = HostEngine::new();
+        let mut src = engine.staging(1 << 16).unwrap();
+        for (i, b) in src.slice_mut(1 << 16).iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let mut dst = vec![0u8; 1 << 16];
+        #[allow(unsafe_code)]
+        unsafe {
+            engine
+                .copy(dst.as_mut_ptr() as u64, src.as_ptr(), 1 << 15)
+                .unwrap();
+            engine
+                .copy(
+                    dst.as_mut_ptr() as u64 + (1 << 15),
+                    src.as_ptr().add(1 << 15),
+                    1 << 15,
+                )
+                .unwrap();
+        }
+        let fence = engine.record().unwrap();
+        engine.wait(fence).unwrap();
+        assert_eq!(&dst[..], src.slice_mut(1 << 16));
+    }
+
+    #[test]
+    fn parses_cuda_names() {
+        assert_eq!(parse_cuda("cuda").unwrap(), 0);
+        assert_eq!(parse_cuda("cuda:3").unwrap(), 3);
+        assert!(parse_cuda("cuda:x").is_err());
+        assert!(parse_cuda("mps").is_err());
+    }
+}

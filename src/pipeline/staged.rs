@@ -1,0 +1,557 @@
+//! Staged loads: storage → ring of staging buffers → copy engine → destination memory.
+//!
+//! Three stages run side by side, so reading block k+1.. overlaps copying block k:
+//! - the driver (a task on the runtime) walks the plan's blocks in order; each takes a ring slot
+//!   (the ring has `memory_limit / block` slots, which is what bounds host memory whatever the
+//!   model size) and a read permit (`concurrency`), then reads into a staging buffer;
+//! - the copy thread takes blocks as their reads finish, asks the allocator for a segment's
+//!   destinations when its first block arrives, enqueues one copy per tensor piece the block
+//!   holds (a tensor larger than a block is copied in pieces) and records a fence;
+//! - the completion thread waits for fences in order, returns each staging buffer to the ring,
+//!   and hands a segment's tensors to the consumer once its last block's fence passed.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::Instant;
+
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+use super::{Loaded, Loader, Memory, Msg, Stats};
+use crate::device::{Allocator, Destination, Engine, Fence, Staging, Target};
+use crate::error::{Error, Result};
+use crate::options::{Method, Resolved};
+use crate::plan::{self, Plan};
+use crate::source::{self, Data};
+
+/// The block size of a staged load: the requested one, shrunk so the ring has at least two slots.
+fn block_for(opts: &Resolved) -> u64 {
+    let half = (opts.memory_limit / 2) / 4096 * 4096;
+    opts.block_size.min(half).max(4096)
+}
+
+struct Shared {
+    plan: Arc<Plan>,
+    engine: Arc<dyn Engine>,
+    tx: mpsc::UnboundedSender<Msg>,
+    cancel: Arc<AtomicBool>,
+    stats: Arc<Stats>,
+}
+
+impl Shared {
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::SeqCst)
+    }
+
+    fn fail(&self, err: Error) {
+        if !self.cancel.swap(true, Ordering::SeqCst) {
+            let _ = self.tx.send(Msg::Failed(err));
+        }
+    }
+}
+
+/// One segment in flight.
+struct Job {
+    index: usize,
+    /// Blocks not yet through the completion thread.
+    remaining: AtomicUsize,
+    /// Set by the copy thread when the first block arrives.
+    destinations: Mutex<Option<Vec<Destination>>>,
+}
+
+/// A block that was read: `len` bytes at `off` within its segment, in `staging`.
+struct Block {
+    job: Arc<Job>,
+    off: u64,
+    len: u64,
+    staging: Option<Staging>,
+    _slot: Option<OwnedSemaphorePermit>,
+}
+
+pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
+    let Target { engine, allocator } = target;
+    let block = block_for(&opts);
+    let slots = (opts.memory_limit / block).clamp(2, Semaphore::MAX_PERMITS as u64) as usize;
+    #[cfg(feature = "cuda")]
+    crate::device::cuda::set_pinned_limit((slots as u64 * block) as usize);
+    crate::memory::set_pool_limit(opts.memory_limit);
+    let plan = Arc::new(plan);
+    let ring = Arc::new(Semaphore::new(slots));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let stats = Arc::new(Stats::default());
+    let target_name = engine.name();
+    let shared = Arc::new(Shared {
+        plan: plan.clone(),
+        engine,
+        tx,
+        cancel: cancel.clone(),
+        stats: stats.clone(),
+    });
+    let (copy_tx, copy_rx) = std_mpsc::channel::<Block>();
+    let (done_tx, done_rx) = std_mpsc::channel::<(Fence, Block, Option<Error>)>();
+    {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("fastload-copy".into())
+            .spawn(move || copier(&shared, allocator, copy_rx, done_tx))
+            .expect("spawning the copy thread");
+    }
+    {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("fastload-copy-done".into())
+            .spawn(move || completer(&shared, done_rx))
+            .expect("spawning the copy completion thread");
+    }
+    crate::runtime::get().spawn(drive(
+        shared,
+        ring.clone(),
+        slots,
+        block,
+        opts.concurrency,
+        copy_tx,
+    ));
+    Loader {
+        plan,
+        rx,
+        cancel,
+        budget: ring,
+        stats,
+        started: Instant::now(),
+        first: None,
+        done: false,
+        method: Method::Read,
+        target: Some(target_name),
+    }
+}
+
+async fn drive(
+    shared: Arc<Shared>,
+    ring: Arc<Semaphore>,
+    slots: usize,
+    block: u64,
+    concurrency: usize,
+    copy_tx: std_mpsc::Sender<Block>,
+) {
+    let reads = Arc::new(Semaphore::new(concurrency));
+    let plan = shared.plan.clone();
+    for (index, seg) in plan.segments.iter().enumerate() {
+        let blocks: Vec<(u64, u64)> = plan::blocks(seg.start, seg.len, block).collect();
+        let job = Arc::new(Job {
+            index,
+            remaining: AtomicUsize::new(blocks.len().max(1)),
+            destinations: Mutex::new(None),
+        });
+        if blocks.is_empty() {
+            // Only empty tensors: they still need destinations, and are published in order.
+            let _ = copy_tx.send(Block {
+                job,
+                off: 0,
+                len: 0,
+                staging: None,
+                _slot: None,
+            });
+            continue;
+        }
+        for (off, len) in blocks {
+            let Ok(slot) = ring.clone().acquire_owned().await else {
+                return;
+            };
+            let held = (slots - ring.available_permits()) as u64 * block;
+            shared.stats.staging_peak.fetch_max(held, Ordering::Relaxed);
+            let Ok(read) = reads.clone().acquire_owned().await else {
+                return;
+            };
+            if shared.cancelled() {
+                return;
+            }
+            let (shared, job, copy_tx) = (shared.clone(), job.clone(), copy_tx.clone());
+            let is_remote = matches!(plan.shards[seg.shard].data, Data::Remote { .. });
+            let task = async move {
+                if shared.cancelled() {
+                    return;
+                }
+                let staging = read_block(&shared, job.index, off, len, block, is_remote).await;
+                drop(read);
+                match staging {
+                    Ok(staging) => {
+                        shared.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
+                        let _ = copy_tx.send(Block {
+                            job,
+                            off,
+                            len,
+                            staging: Some(staging),
+                            _slot: Some(slot),
+                        });
+                    }
+                    Err(e) => shared.fail(e),
+                }
+            };
+            tokio::spawn(task);
+        }
+    }
+}
+
+/// Reads one block into a staging buffer from the engine.
+#[allow(unsafe_code)]
+async fn read_block(
+    shared: &Arc<Shared>,
+    index: usize,
+    off: u64,
+    len: u64,
+    block: u64,
+    is_remote: bool,
+) -> Result<Staging> {
+    let seg = &shared.plan.segments[index];
+    let start = seg.start + off;
+    if is_remote {
+        let engine = shared.engine.clone();
+        let mut staging = tokio::task::spawn_blocking(move || engine.staging(block as usize))
+            .await
+            .map_err(|e| Error::device(format!("staging allocation: {e}")))??;
+        let shard = &shared.plan.shards[seg.shard];
+        let Data::Remote { store, path } = &shard.data else {
+            unreachable!("checked by the caller");
+        };
+        let dst = staging.slice_mut(len as usize);
+        crate::object::read_range_into(store.as_ref(), path, start, dst, &shard.name).await?;
+        return Ok(staging);
+    }
+    let shared = shared.clone();
+    tokio::task::spawn_blocking(move || {
+        let seg = &shared.plan.segments[index];
+        let shard = &shared.plan.shards[seg.shard];
+        let Data::Local { file, .. } = &shard.data else {
+            unreachable!("checked by the caller");
+        };
+        let mut staging = shared.engine.staging(block as usize)?;
+        source::read_exact_at(file, staging.slice_mut(len as usize), start, &shard.name)?;
+        Ok(staging)
+    })
+    .await
+    .map_err(|e| Error::device(format!("read task: {e}")))?
+}
+
+/// The copy thread: destinations on a segment's first block, then one copy per tensor piece.
+fn copier(
+    shared: &Shared,
+    mut allocator: Box<dyn Allocator>,
+    rx: std_mpsc::Receiver<Block>,
+    done: std_mpsc::Sender<(Fence, Block, Option<Error>)>,
+) {
+    if let Err(e) = shared.engine.enter() {
+        shared.fail(e);
+        return;
+    }
+    for block in rx {
+        if shared.cancelled() {
+            continue;
+        }
+        let copied = copy_block(shared, allocator.as_mut(), &block);
+        // A fence even after a failed copy: pieces already enqueued may still be reading the
+        // staging buffer, which must not be reused before they finished.
+        match shared.engine.record() {
+            Ok(fence) => {
+                let _ = done.send((fence, block, copied.err()));
+            }
+            Err(e) => {
+                // Cannot tell when the engine is done with this buffer: never reuse it.
+                if let Some(staging) = block.staging {
+                    std::mem::forget(staging);
+                }
+                shared.fail(copied.err().unwrap_or(e));
+            }
+        }
+    }
+}
+
+fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> Result<()> {
+    let seg = &shared.plan.segments[block.job.index];
+    let mut guard = block
+        .job
+        .destinations
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        let allocation = allocator.allocate(&seg.tensors)?;
+        if allocation.destinations.len() != seg.tensors.len() {
+            return Err(Error::device(format!(
+                "the allocator returned {} destinations for {} tensors",
+                allocation.destinations.len(),
+                seg.tensors.len()
+            )));
+        }
+        if let Some(stream) = allocation.stream {
+            shared.engine.order_after(stream)?;
+        }
+        *guard = Some(allocation.destinations);
+    }
+    let destinations = guard.as_ref().expect("set above");
+    let Some(staging) = &block.staging else {
+        return Ok(());
+    };
+    let (lo, hi) = (block.off, block.off + block.len);
+    // Tensors of a segment are contiguous and in order: find the first one this block touches.
+    let first = seg.tensors.partition_point(|t| t.offset + t.len <= lo);
+    for (t, d) in seg.tensors[first..].iter().zip(&destinations[first..]) {
+        if t.offset >= hi {
+            break;
+        }
+        let a = t.offset.max(lo);
+        let b = (t.offset + t.len).min(hi);
+        if b <= a {
+            continue;
+        }
+        // SAFETY: `a - lo .. b - lo` lies inside the bytes read into `staging`, which the
+        // completion thread keeps until the fence after these copies passed; the destination
+        // range lies inside the tensor's destination, written by this block only.
+        #[allow(unsafe_code)]
+        unsafe {
+            shared.engine.copy(
+                d.addr + (a - t.offset),
+                staging.as_ptr().add((a - lo) as usize),
+                (b - a) as usize,
+            )?;
+        }
+        shared
+            .stats
+            .bytes_copied
+            .fetch_add(b - a, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// The completion thread: fences in order; a segment is handed out after its last block.
+fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error>)>) {
+    for (fence, block, failed) in rx {
+        let waited = shared.engine.wait(fence);
+        let Block { job, .. } = block; // drops the staging buffer and its ring slot
+        if let Some(e) = failed.or(waited.err()) {
+            shared.fail(e);
+            continue;
+        }
+        if job.remaining.fetch_sub(1, Ordering::AcqRel) != 1 || shared.cancelled() {
+            continue;
+        }
+        let seg = &shared.plan.segments[job.index];
+        let destinations = job
+            .destinations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default();
+        let loaded = Loaded {
+            memory: Memory::Placed(destinations),
+            shard: seg.shard,
+            tensors: seg.tensors.clone(),
+        };
+        let _ = shared.tx.send(Msg::Segment(loaded, None));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{host_bytes, Allocation, HostAllocator, HostEngine};
+    use crate::options::LoadOptions;
+    use crate::plan::TensorSlot;
+    use std::io::Write;
+
+    /// A checkpoint of `sizes` U8 tensors whose bytes are a function of their position.
+    fn checkpoint(sizes: &[usize]) -> (tempfile::NamedTempFile, Vec<u8>) {
+        let mut header = serde_json::Map::new();
+        let mut at = 0usize;
+        for (i, &n) in sizes.iter().enumerate() {
+            header.insert(
+                format!("t{i:03}"),
+                serde_json::json!({"dtype": "U8", "shape": [n], "data_offsets": [at, at + n]}),
+            );
+            at += n;
+        }
+        let json = serde_json::to_vec(&header).unwrap();
+        let data: Vec<u8> = (0..at).map(|i| (i * 7 % 251) as u8).collect();
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
+        f.write_all(&json).unwrap();
+        f.write_all(&data).unwrap();
+        (f, data)
+    }
+
+    fn run(
+        sizes: &[usize],
+        opts: LoadOptions,
+        engine: Arc<dyn Engine>,
+        allocator: Box<dyn Allocator>,
+    ) -> (Vec<(String, Vec<u8>)>, Vec<u8>, Loader) {
+        let (file, data) = checkpoint(sizes);
+        let uris = vec![file.path().to_string_lossy().into_owned()];
+        let mut loader =
+            super::super::open_staged(&uris, &opts, Target { engine, allocator }).expect("open");
+        let mut out = Vec::new();
+        while let Some(seg) = loader.next_segment() {
+            let seg = seg.expect("segment");
+            let Memory::Placed(dest) = seg.memory else {
+                panic!("staged load returned host memory");
+            };
+            for (t, d) in seg.tensors.iter().zip(&dest) {
+                out.push((t.name.clone(), host_bytes(d).unwrap().to_vec()));
+            }
+        }
+        out.sort();
+        (out, data, loader)
+    }
+
+    fn expected(sizes: &[usize], data: &[u8]) -> Vec<(String, Vec<u8>)> {
+        let mut at = 0;
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                at += n;
+                (format!("t{i:03}"), data[at - n..at].to_vec())
+            })
+            .collect()
+    }
+
+    fn opts(block: u64, limit: u64) -> LoadOptions {
+        LoadOptions {
+            block_size: Some(block),
+            memory_limit: Some(limit),
+            concurrency: Some(4),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn copies_every_tensor_bitwise_with_pieces_and_empties() {
+        // Tensors smaller than, equal to and many times a block; empty ones in between.
+        let sizes = [3, 0, 4096, 70_000, 0, 1, 1 << 20, 5000, 12_345, 0];
+        let (got, data, loader) = run(
+            &sizes,
+            opts(16 << 10, 1 << 20),
+            Arc::new(HostEngine::new()),
+            Box::new(HostAllocator),
+        );
+        assert_eq!(got, expected(&sizes, &data));
+        let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+        assert_eq!(loader.stats().bytes_copied.load(Ordering::Relaxed), total);
+        assert_eq!(loader.target(), Some("host"));
+    }
+
+    /// A host engine whose copies are slow, so that reads run ahead of them.
+    struct SlowEngine {
+        inner: HostEngine,
+        in_flight: AtomicUsize,
+        max_in_flight: AtomicUsize,
+    }
+
+    impl Engine for SlowEngine {
+        fn name(&self) -> String {
+            "slow".into()
+        }
+        fn staging(&self, len: usize) -> Result<Staging> {
+            self.inner.staging(len)
+        }
+        fn enter(&self) -> Result<()> {
+            Ok(())
+        }
+        fn order_after(&self, _stream: u64) -> Result<()> {
+            Ok(())
+        }
+        #[allow(unsafe_code)]
+        unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+            self.inner.copy(dst, src, len)
+        }
+        fn record(&self) -> Result<Fence> {
+            let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            self.max_in_flight.fetch_max(n, Ordering::SeqCst);
+            self.inner.record()
+        }
+        fn wait(&self, fence: Fence) -> Result<()> {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.inner.wait(fence)
+        }
+    }
+
+    #[test]
+    fn reads_run_ahead_of_copies_within_the_ring() {
+        let engine = Arc::new(SlowEngine {
+            inner: HostEngine::new(),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight: AtomicUsize::new(0),
+        });
+        let sizes = [3 << 20, 100, 2 << 20];
+        let (block, limit) = (128u64 << 10, 1u64 << 20);
+        let (got, data, loader) = run(
+            &sizes,
+            opts(block, limit),
+            engine.clone(),
+            Box::new(HostAllocator),
+        );
+        assert_eq!(got, expected(&sizes, &data));
+        // Host memory: never more than the ring, whatever the tensor sizes (5 MiB here).
+        let peak = loader.stats().staging_peak.load(Ordering::Relaxed);
+        assert!(peak <= limit, "staging peak {peak} over the {limit} limit");
+        // Overlap: several blocks were waiting on copies while later ones were read.
+        let most = engine.max_in_flight.load(Ordering::SeqCst);
+        assert!(
+            most >= 2,
+            "copies never overlapped reads (max in flight {most})"
+        );
+        assert!(most as u64 <= limit / block);
+    }
+
+    struct FailingAllocator {
+        after: usize,
+    }
+
+    impl Allocator for FailingAllocator {
+        fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+            if self.after == 0 {
+                return Err(Error::device("out of device memory (test)"));
+            }
+            self.after -= 1;
+            HostAllocator.allocate(tensors)
+        }
+    }
+
+    #[test]
+    fn allocator_failure_ends_the_load_with_its_error() {
+        let (file, _) = checkpoint(&[1 << 20, 1 << 20, 1 << 20]);
+        let uris = vec![file.path().to_string_lossy().into_owned()];
+        let target = Target {
+            engine: Arc::new(HostEngine::new()),
+            allocator: Box::new(FailingAllocator { after: 1 }),
+        };
+        let mut loader =
+            super::super::open_staged(&uris, &opts(64 << 10, 1 << 20), target).unwrap();
+        let mut failed = None;
+        while let Some(seg) = loader.next_segment() {
+            if let Err(e) = seg {
+                failed = Some(e.to_string());
+            }
+        }
+        assert_eq!(failed.as_deref(), Some("out of device memory (test)"));
+    }
+
+    #[test]
+    fn dropping_the_loader_midway_returns_the_ring() {
+        let (file, _) = checkpoint(&[4 << 20, 4 << 20]);
+        let uris = vec![file.path().to_string_lossy().into_owned()];
+        let target = Target {
+            engine: Arc::new(HostEngine::new()),
+            allocator: Box::new(HostAllocator),
+        };
+        let mut loader =
+            super::super::open_staged(&uris, &opts(256 << 10, 1 << 20), target).unwrap();
+        let first = loader.next_segment().unwrap().unwrap();
+        assert_eq!(first.tensors.len(), 1);
+        drop(loader);
+        // Nothing hangs and the copy threads end; the first tensor stays readable.
+        let Memory::Placed(d) = first.memory else {
+            panic!()
+        };
+        assert_eq!(host_bytes(&d[0]).unwrap().len(), 4 << 20);
+    }
+}
