@@ -14,6 +14,8 @@ fi
 echo "== rust: fmt, clippy, tests"
 cargo fmt --all --check
 cargo clippy --all-targets --features python -- -D warnings
+# The build without the GPU path must stay valid too (cudarc is optional).
+cargo clippy --all-targets --no-default-features -- -D warnings
 cargo test --all-targets
 
 echo "== python: build, lint, stubs"

@@ -219,26 +219,3 @@ def test_index_naming_a_missing_shard(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
         fastload.load(tmp_path)
-
-
-# ---------------------------------------------------------------------------------------------
-# GPU (runs only where a CUDA device is present)
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 0)])
-def test_cuda_parity(dtypes_file, device):
-    got = fastload.load(dtypes_file, device=device)
-    assert {t.device for t in got.values()} == {torch.device("cuda", 0)}
-    assert_same_tensors({k: v.cpu() for k, v in got.items()}, reference(dtypes_file))
-
-
-@pytest.mark.gpu
-@gpu
-def test_cuda_stream_through_small_buffers(large_file):
-    got = dict(fastload.stream(large_file, device="cuda", block_size="64KiB", memory_limit="1MiB"))
-    assert {t.device.type for t in got.values()} == {"cuda"}
-    assert_same_tensors({k: v.cpu() for k, v in got.items()}, reference(large_file))

@@ -60,16 +60,42 @@ def _uris(uri: Uri) -> list[str]:
     return out
 
 
-# Device types tensors can be delivered to by this build (the GPU path adds "cuda").
-DEVICE_TYPES: frozenset[str] = frozenset({"cpu"})
+# Device types tensors can be delivered to. "cuda" goes through page-locked staging buffers and
+# asynchronous copies into memory torch allocates on the device (see _fastload.Stream).
+DEVICE_TYPES: frozenset[str] = frozenset({"cpu", "cuda"})
 
 
-def _check_device(device: Any) -> None:
-    kind = getattr(device, "type", None) or str(device)
-    if kind not in DEVICE_TYPES:
+def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
+    """The torch device for ``device``, and the native target ("cuda:N") when it is a GPU."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"invalid option device: {device!r} is not a device") from e
+    if dev.type not in DEVICE_TYPES:
         raise ConfigError(
-            f"invalid option device: {device!r} is not supported yet (only 'cpu' in this build)"
+            f"invalid option device: {device!r} is not supported "
+            f"(fastload loads to {', '.join(sorted(DEVICE_TYPES))})"
         )
+    if dev.type == "cpu":
+        return dev, None
+    if method not in (None, "auto", "read"):
+        raise ConfigError(
+            f"invalid option method: {method!r} applies to device='cpu' only "
+            "(GPU loads always read into page-locked staging buffers)"
+        )
+    # Our own check first: without a driver it raises a clear FastloadError, where torch would
+    # raise its own error from current_device().
+    count = _fastload.cuda_device_count()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= count:
+        raise ConfigError(
+            f"invalid option device: cuda:{index} does not exist: this machine has {count} "
+            "CUDA device(s)"
+        )
+    dev = torch.device("cuda", index)
+    return dev, f"cuda:{index}"
 
 
 class Stream:
@@ -89,19 +115,25 @@ class Stream:
         names: Iterable[str] | None = None,
         method: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        _target: str | None = None,
     ) -> None:
         from . import _torch
 
-        _check_device(device)
-        self._to_tensor = _torch.to_tensor
+        dev, target = _target_for(device, method)
+        if _target == "host":
+            # The GPU path's staged pipeline into host memory (tests, and machines without one).
+            target = "host"
+        self._to_tensor = _torch.to_tensor if target is None else _torch.from_bytes
         self._native = _fastload.Stream(
             _uris(uri),
             concurrency=concurrency,
             block_size=block_size,
             memory_limit=memory_limit,
             names=None if names is None else list(dict.fromkeys(names)),
-            method=method,
+            method=None if target is not None else method,
             storage_options=None if storage_options is None else dict(storage_options),
+            target=target,
+            allocate=None if target is None else _torch.allocator(dev),
         )
         self._batch: list[Any] = []
         self._pos = 0
@@ -160,6 +192,12 @@ def stream(
 
     Yields ``(name, tensor)`` as soon as each tensor's bytes have landed. Host memory held by the
     loader stays within ``memory_limit``; a tensor you keep owns its memory and stays valid.
+
+    ``device``: ``"cpu"`` (the default), ``"cuda"``, ``"cuda:N"`` or a ``torch.device``. For a GPU,
+    blocks are read into a reused ring of page-locked buffers (``memory_limit`` bytes) and copied
+    asynchronously into memory torch allocates on the device, while later blocks are still being
+    read; a tensor is yielded once its copies completed, usable on any stream. Without a CUDA
+    driver this raises :class:`FastloadError`. CUDA is never initialised at import.
 
     ``process_group`` (a ``torch.distributed`` group, or ``"default"`` for the default group):
     the ranks share the reads, each byte is read from storage once and exchanged over the group;

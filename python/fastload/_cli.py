@@ -9,3 +9,7 @@ from . import _fastload
 
 def main() -> None:
     sys.exit(_fastload.cli_main(["fastload", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,9 @@
 """Type stubs for the native module (checked against it by `mypy.stubtest` in CI)."""
 
+from collections.abc import Callable
 from typing import Any, final
 
-__all__ = ["Stream", "__version__", "cli_main", "inspect", "parse_size"]
+__all__ = ["Stream", "__version__", "cli_main", "cuda_device_count", "inspect", "parse_size"]
 
 __version__: str
 
@@ -22,15 +23,19 @@ class Stream:
         method: str | None = None,
         storage_options: dict[str, Any] | None = None,
         parts: list[tuple[str, int, int]] | None = None,
+        target: str | None = None,
+        allocate: Callable[[list[int]], tuple[int | None, list[tuple[Any, int]]]] | None = None,
     ) -> Stream: ...
     def __iter__(self) -> Stream: ...
-    # (name, dtype, shape, capsule), or with `parts` (name, "U8", (len,), capsule, begin).
+    # (name, dtype, shape, capsule), or with `parts` (name, "U8", (len,), capsule, begin); with
+    # `target`, the owner object `allocate` returned takes the capsule's place.
     def __next__(self) -> list[_Item | _Piece]: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
 
 def parse_size(value: str) -> int: ...
 def cli_main(argv: list[str]) -> int: ...
+def cuda_device_count() -> int: ...
 def inspect(
     uris: list[str], *, storage_options: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]: ...

@@ -193,7 +193,7 @@ impl Drop for Pinned {
 }
 
 fn pinned(len: usize) -> Result<Pinned> {
-    const GRAIN: usize = 2 << 20;
+    const GRAIN: usize = 64 << 10;
     let cap = len.max(1).div_ceil(GRAIN) * GRAIN;
     {
         let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());

@@ -244,6 +244,8 @@ impl Engine for HostEngine {
         Ok(Fence::Seq(seq))
     }
 
+    // Irrefutable in builds without the `cuda` feature.
+    #[allow(irrefutable_let_patterns)]
     fn wait(&self, fence: Fence) -> Result<()> {
         let Fence::Seq(seq) = fence else {
             return Err(Error::device("fence from another engine"));

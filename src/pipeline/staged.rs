@@ -323,6 +323,16 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
 
 /// The completion thread: fences in order; a segment is handed out after its last block.
 fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error>)>) {
+    if let Err(e) = shared.engine.enter() {
+        shared.fail(e);
+        // Without the engine, fences cannot be waited for: keep their buffers out of reuse.
+        for (_, block, _) in rx {
+            if let Some(staging) = block.staging {
+                std::mem::forget(staging);
+            }
+        }
+        return;
+    }
     for (fence, block, failed) in rx {
         let waited = shared.engine.wait(fence);
         let Block { job, .. } = block; // drops the staging buffer and its ring slot
@@ -377,12 +387,14 @@ mod tests {
         (f, data)
     }
 
+    type Named = Vec<(String, Vec<u8>)>;
+
     fn run(
         sizes: &[usize],
         opts: LoadOptions,
         engine: Arc<dyn Engine>,
         allocator: Box<dyn Allocator>,
-    ) -> (Vec<(String, Vec<u8>)>, Vec<u8>, Loader) {
+    ) -> (Named, Vec<u8>, Loader) {
         let (file, data) = checkpoint(sizes);
         let uris = vec![file.path().to_string_lossy().into_owned()];
         let mut loader =
@@ -401,7 +413,7 @@ mod tests {
         (out, data, loader)
     }
 
-    fn expected(sizes: &[usize], data: &[u8]) -> Vec<(String, Vec<u8>)> {
+    fn expected(sizes: &[usize], data: &[u8]) -> Named {
         let mut at = 0;
         sizes
             .iter()

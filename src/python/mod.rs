@@ -121,13 +121,13 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(|| crate::cli::run(argv))
 }
 
-/// The CUDA driver's version (e.g. 12080); raises `FastloadError` when no driver can be loaded.
-/// Loads and initialises the driver on first use, never at import.
+/// The number of CUDA devices; raises `FastloadError` when no driver can be loaded. Loads and
+/// initialises the driver on first use, never at import.
 #[pyfunction]
-fn cuda_driver_version(py: Python<'_>) -> PyResult<i32> {
+fn cuda_device_count(py: Python<'_>) -> PyResult<usize> {
     #[cfg(feature = "cuda")]
     {
-        py.detach(crate::device::cuda::driver_version)
+        py.detach(crate::device::cuda::device_count)
             .map_err(errors::to_py)
     }
     #[cfg(not(feature = "cuda"))]
@@ -145,7 +145,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::Stream>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_driver_version, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
     Ok(())
 }
