@@ -244,9 +244,19 @@ impl CudaEngine {
     }
 
     fn event(&self) -> Result<Event> {
-        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map(|e| Event(e as usize))
-            .map_err(|e| driver_error("cuEventCreate", e))
+        // Blocking sync: the completion thread sleeps in cuEventSynchronize instead of spinning
+        // on a core that the reads need; a wake-up costs microseconds against a block's copy
+        // time of hundreds.
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+        let mut event = std::mem::MaybeUninit::uninit();
+        // SAFETY: writes one event handle; checked before use.
+        unsafe {
+            sys::cuEventCreate(event.as_mut_ptr(), flags)
+                .result()
+                .map_err(|e| driver_error("cuEventCreate", e))?;
+            Ok(Event(event.assume_init() as usize))
+        }
     }
 }
 
