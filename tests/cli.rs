@@ -143,6 +143,27 @@ fn bench_json_reports_the_file_totals() {
         assert_eq!(v["best_gb_per_s"].as_f64().unwrap(), best);
         checksums.push(v["checksum"].as_u64().unwrap());
     }
+    // The staged pipeline of the GPU path, into host memory: the same bytes arrive.
+    let out = fastload(
+        &[
+            "bench",
+            p,
+            "--json",
+            "--repeat",
+            "2",
+            "--device",
+            "host",
+            "--block-size",
+            "64KiB",
+            "--memory-limit",
+            "1MiB",
+        ],
+        None,
+    );
+    let v = json_of(&out);
+    assert_eq!(v["device"], "host");
+    assert_eq!(v["bytes"], bytes);
+    checksums.push(v["checksum"].as_u64().unwrap());
     // The checksum depends on the bytes only: every read strategy must see the same.
     assert!(
         checksums.iter().all(|&c| c == checksums[0]),
@@ -229,10 +250,20 @@ fn errors_are_one_line_with_exit_code_1() {
 
     let (good, _) = sample(dir.path());
     let good = good.to_str().unwrap();
-    let line = error_line(&fastload(&["bench", good, "--device", "cuda"], None));
-    assert_eq!(
-        line,
-        "fastload: error: device cuda is not supported by this build yet"
+    if !fastload::device::cuda_available() {
+        let line = error_line(&fastload(&["bench", good, "--device", "cuda"], None));
+        assert!(
+            line.starts_with("fastload: error: CUDA driver not found"),
+            "{line}"
+        );
+    }
+    let line = error_line(&fastload(
+        &["bench", good, "--device", "cuda:0", "--method", "mmap"],
+        None,
+    ));
+    assert!(
+        line.contains("--method applies to --device cpu only"),
+        "{line}"
     );
     let line = error_line(&fastload(&["bench", good, "--concurrency", "0"], None));
     assert!(line.contains("concurrency"), "{line}");
