@@ -49,6 +49,19 @@ fn unmap(addr: usize, len: usize) {
     }
 }
 
+/// Takes the free `(address, capacity)` entry that best fits `cap` bytes, wasting at most half:
+/// segments of one load differ in size by tens of percent, and reusing memory that is already
+/// faulted in (or page-locked) beats making new memory by far.
+pub(crate) fn take_best_fit(free: &mut Vec<(usize, usize)>, cap: usize) -> Option<(usize, usize)> {
+    let best = free
+        .iter()
+        .enumerate()
+        .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 2)
+        .min_by_key(|(_, &(_, c))| c)
+        .map(|(i, _)| i)?;
+    Some(free.swap_remove(best))
+}
+
 /// Sets how many bytes of freed buffers the pool keeps for reuse (the rest goes back to the OS).
 pub fn set_pool_limit(bytes: u64) {
     let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
@@ -103,17 +116,7 @@ impl HostBuffer {
         let cap = len.div_ceil(ALIGN) * ALIGN;
         {
             let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-            // Best fit that wastes at most half: segments of one load differ in size by tens of
-            // percent, and reusing a faulted buffer beats faulting a new one by far.
-            let best = pool
-                .free
-                .iter()
-                .enumerate()
-                .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 2)
-                .min_by_key(|(_, &(_, c))| c)
-                .map(|(i, _)| i);
-            if let Some(i) = best {
-                let (addr, c) = pool.free.swap_remove(i);
+            if let Some((addr, c)) = take_best_fit(&mut pool.free, cap) {
                 pool.cached -= c;
                 return Ok(HostBuffer {
                     ptr: NonNull::new(addr as *mut u8).expect("pooled address is not null"),

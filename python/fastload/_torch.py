@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-# Every safetensors dtype torch has natively (the rest are in _VIEWED).
-_NATIVE: dict[str, torch.dtype] = {
+# Every safetensors dtype torch has natively, which DLPack also carries (the rest are in _VIEWED).
+NATIVE: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -44,17 +44,7 @@ def to_tensor(
     tensor = torch.from_dlpack(capsule)
     if dtype not in _VIEWED:
         return tensor
-    target = _VIEWED[dtype]
-    if target is None:
-        raise _unsupported(dtype, file_hint)
-    if dtype == "F4":
-        # Two 4-bit values per byte: torch's float4_e2m1fn_x2 counts bytes in the last dimension.
-        if not shape or shape[-1] % 2:
-            from ._errors import FormatError
-
-            raise FormatError(f"{file_hint}: F4 tensor of shape {shape} has an odd last dimension")
-        shape = (*shape[:-1], shape[-1] // 2)
-    return tensor.view(target).reshape(shape)
+    return from_bytes(dtype, shape, tensor, file_hint)
 
 
 def _unsupported(dtype: str, file_hint: str) -> Exception:
@@ -66,11 +56,13 @@ def _unsupported(dtype: str, file_hint: str) -> Exception:
 def from_bytes(
     dtype: str, shape: tuple[int, ...], raw: torch.Tensor, file_hint: str = ""
 ) -> torch.Tensor:
-    """Views a flat uint8 tensor (a staged load's destination) as ``dtype`` and ``shape``."""
-    target = _NATIVE.get(dtype) or _VIEWED.get(dtype)
+    """Views a flat uint8 tensor (a staged load's destination, or the bytes of a dtype DLPack
+    cannot carry) as ``dtype`` and ``shape``."""
+    target = NATIVE.get(dtype) or _VIEWED.get(dtype)
     if target is None:
         raise _unsupported(dtype, file_hint)
     if dtype == "F4":
+        # Two 4-bit values per byte: torch's float4_e2m1fn_x2 counts bytes in the last dimension.
         if not shape or shape[-1] % 2:
             from ._errors import FormatError
 

@@ -64,21 +64,6 @@ MAX_CHUNK = 64 << 20
 MIN_CHUNK = 256 << 10
 DEFAULT_MEMORY_LIMIT = 1 << 30
 
-# dtypes DLPack gives torch natively; the others are handled by _torch.to_tensor, as in local loads.
-_NATIVE = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-}
-
 _last_stats: dict[str, Any] | None = None
 
 
@@ -248,9 +233,9 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
 
 def _finish(u8: torch.Tensor, dtype: str, shape: tuple[int, ...], hint: str) -> torch.Tensor:
     """The bytes as the file's dtype and shape, exactly as a local load returns them."""
-    native = _NATIVE.get(dtype)
+    native = _torch.NATIVE.get(dtype)
     if native is None:
-        return _torch.to_tensor(dtype, shape, u8, hint)
+        return _torch.from_bytes(dtype, shape, u8, hint)
     if (u8.storage_offset()) % native.itemsize:
         # A view of a larger dtype needs an aligned storage offset; from_dlpack rebases to 0.
         # (Not hit by this module's own buffers, whose pieces start 64-byte aligned.)

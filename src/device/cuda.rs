@@ -197,15 +197,7 @@ fn pinned(len: usize) -> Result<Pinned> {
     let cap = len.max(1).div_ceil(GRAIN) * GRAIN;
     {
         let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
-        let best = pool
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 2)
-            .min_by_key(|(_, &(_, c))| c)
-            .map(|(i, _)| i);
-        if let Some(i) = best {
-            let (addr, c) = pool.free.swap_remove(i);
+        if let Some((addr, c)) = crate::memory::take_best_fit(&mut pool.free, cap) {
             pool.cached -= c;
             return Ok(Pinned { addr, cap: c });
         }

@@ -41,10 +41,14 @@ pub trait Engine: Send + Sync {
     /// A staging buffer of at least `len` bytes, ready to be written (page-locked for a GPU).
     fn staging(&self, len: usize) -> Result<Staging>;
     /// Makes the engine usable from the calling thread (binds the CUDA context).
-    fn enter(&self) -> Result<()>;
+    fn enter(&self) -> Result<()> {
+        Ok(())
+    }
     /// Orders the copies enqueued from now on after the work already queued on the consumer's
     /// stream `stream` (a `CUstream` handle; 0 is the legacy default stream).
-    fn order_after(&self, stream: u64) -> Result<()>;
+    fn order_after(&self, _stream: u64) -> Result<()> {
+        Ok(())
+    }
     /// Enqueues a copy of `len` bytes from `src` to destination address `dst`.
     ///
     /// # Safety
@@ -219,14 +223,6 @@ impl Engine for HostEngine {
 
     fn staging(&self, len: usize) -> Result<Staging> {
         Staging::host(len)
-    }
-
-    fn enter(&self) -> Result<()> {
-        Ok(())
-    }
-
-    fn order_after(&self, _stream: u64) -> Result<()> {
-        Ok(())
     }
 
     #[allow(unsafe_code)]

@@ -464,12 +464,6 @@ mod tests {
         fn staging(&self, len: usize) -> Result<Staging> {
             self.inner.staging(len)
         }
-        fn enter(&self) -> Result<()> {
-            Ok(())
-        }
-        fn order_after(&self, _stream: u64) -> Result<()> {
-            Ok(())
-        }
         #[allow(unsafe_code)]
         unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
             self.inner.copy(dst, src, len)
