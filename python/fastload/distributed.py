@@ -306,6 +306,9 @@ class DistributedStream:
         parts = [
             (plan.tensors[i][0], lo, hi) for rnd in plan.pieces[self._rank] for i, lo, hi in rnd
         ]
+        # Over NCCL the pieces are wanted on the device: read them through the GPU path (a
+        # page-locked ring and async copies) instead of into host memory and then across.
+        self._staged = self._comm.type == "cuda"
         if parts:
             try:
                 self._native = _fastload.Stream(
@@ -313,9 +316,11 @@ class DistributedStream:
                     concurrency=concurrency,
                     block_size=block_size,
                     memory_limit=memory_limit,
-                    method=method,
+                    method=None if self._staged else method,
                     storage_options=options,
                     parts=parts,
+                    target=f"cuda:{self._comm.index}" if self._staged else None,
+                    allocate=_torch.allocator(self._comm) if self._staged else None,
                 )
             except Exception as e:
                 self._error = e
@@ -363,10 +368,11 @@ class DistributedStream:
                     raise FastloadError(
                         f"{self._hint}: the loader ended before piece {key} arrived"
                     ) from None
-                for name, _dtype, _shape, capsule, begin in batch:
-                    self._arrived[(name, begin)] = torch.from_dlpack(capsule)
+                for name, _dtype, _shape, item, begin in batch:
+                    # Staged: the item is already a uint8 tensor on the device; else a capsule.
+                    self._arrived[(name, begin)] = item if self._staged else torch.from_dlpack(item)
             piece = self._arrived.pop(key)
-            out[p] = piece if self._comm_is_host else piece.to(self._comm)
+            out[p] = piece if self._comm_is_host or self._staged else piece.to(self._comm)
         return out
 
     def _agree(self, error: BaseException | None) -> None:
