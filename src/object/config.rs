@@ -6,13 +6,13 @@ use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
-use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
-use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
 
+use super::azure::azure_builder;
 use super::errors::*;
+use super::gcs::gcs_builder;
 use super::*;
 use crate::error::{Error, Result};
 
@@ -45,42 +45,14 @@ pub fn open_with_env(
             .with_retry(retry)
             .build()
             .map(|s| Arc::new(s) as Arc<dyn ObjectStore>),
-        ObjectStoreScheme::GoogleCloudStorage => {
-            let mut b = GoogleCloudStorageBuilder::new().with_url(uri);
-            for (k, v) in CLIENT_DEFAULTS {
-                b = b.with_config(GoogleConfigKey::Client(*k), *v);
-            }
-            if let Some((_, path)) = env.iter().find(|(k, _)| k == "SERVICE_ACCOUNT") {
-                b = b.with_service_account_path(path);
-            }
-            for (k, v) in env_pairs(&env, "GOOGLE_") {
-                if let Ok(key) = k.parse() {
-                    b = b.with_config(key, v);
-                }
-            }
-            for (k, v) in &store_options {
-                b = b.with_config(parse_key::<GoogleConfigKey>("gs", k)?, v);
-            }
-            b.with_retry(retry).build().map(|s| Arc::new(s) as _)
-        }
-        ObjectStoreScheme::MicrosoftAzure => {
-            let mut b = MicrosoftAzureBuilder::new().with_url(uri);
-            for (k, v) in CLIENT_DEFAULTS {
-                b = b.with_config(AzureConfigKey::Client(*k), *v);
-            }
-            for (k, v) in env_pairs(&env, "AZURE_") {
-                if let Ok(key) = k.parse() {
-                    b = b.with_config(key, v);
-                }
-            }
-            if let Some((_, endpoint)) = env.iter().find(|(k, _)| k == "IDENTITY_ENDPOINT") {
-                b = b.with_msi_endpoint(endpoint);
-            }
-            for (k, v) in &store_options {
-                b = b.with_config(parse_key::<AzureConfigKey>("az", k)?, v);
-            }
-            b.with_retry(retry).build().map(|s| Arc::new(s) as _)
-        }
+        ObjectStoreScheme::GoogleCloudStorage => gcs_builder(uri, &store_options, &env)?
+            .with_retry(retry)
+            .build()
+            .map(|s| Arc::new(s) as _),
+        ObjectStoreScheme::MicrosoftAzure => azure_builder(uri, &store_options, &env)?
+            .with_retry(retry)
+            .build()
+            .map(|s| Arc::new(s) as _),
         ObjectStoreScheme::Http => {
             let base = &url[..url::Position::BeforePath];
             let mut b = HttpBuilder::new().with_url(base);
@@ -117,14 +89,28 @@ pub(super) fn env_pairs<'a>(
 }
 
 pub(super) fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result<K> {
+    let examples = match scheme {
+        "gs" => {
+            "endpoint (alias of base_url), service_account, service_account_key, \
+             application_credentials, bearer_token, skip_signature"
+        }
+        "az" => {
+            "account_name, access_key, endpoint, sas_token, bearer_token, use_emulator, \
+             skip_signature, connection_string"
+        }
+        "http" => "allow_http, allow_invalid_certificates",
+        _ => {
+            "endpoint, region, access_key_id, secret_access_key, session_token, \
+             skip_signature, virtual_hosted_style_request"
+        }
+    };
     key.to_ascii_lowercase().parse::<K>().map_err(|_| {
         Error::option(
             format!("storage_options[{key:?}]"),
             format!(
-                "not a {scheme}:// option (see object_store's config keys, e.g. endpoint, region, \
-                 access_key_id, secret_access_key, session_token, skip_signature, \
-                 virtual_hosted_style_request, allow_http, timeout, connect_timeout; \
-                 plus max_retries and retry_timeout)"
+                "not a {scheme}:// option (see object_store's config keys, e.g. {examples}; \
+                 and for every scheme allow_http, timeout, connect_timeout, max_retries and \
+                 retry_timeout)"
             ),
         )
     })

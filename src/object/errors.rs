@@ -122,21 +122,40 @@ pub(super) fn is_secret_key(key: &str) -> bool {
         .iter()
         .any(|m| key.contains(m));
     !names_a_file
-        && ["secret", "token", "key", "password", "sas", "credential"]
-            .iter()
-            .any(|m| key.contains(m))
+        && [
+            "secret",
+            "token",
+            "key",
+            "password",
+            "sas",
+            "credential",
+            "connection",
+        ]
+        .iter()
+        .any(|m| key.contains(m))
 }
 
 pub(super) fn remember_secrets(options: &[(String, String)], env: &[(String, String)]) {
     let cloud_env = env.iter().filter(|(k, _)| {
         k.starts_with("AWS_") || k.starts_with("AZURE_") || k.starts_with("GOOGLE_")
     });
-    let mut secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
     for (k, v) in options.iter().chain(cloud_env) {
-        // Short values would scrub ordinary words (and "true" is no secret).
-        if is_secret_key(k) && v.len() >= 8 && !secrets.contains(v) {
-            secrets.push(v.clone());
+        if is_secret_key(k) {
+            remember_secret(v);
         }
+    }
+}
+
+/// Remembers a value to scrub from messages (also one found inside a larger value, such as an
+/// Azure connection string's key).
+pub(super) fn remember_secret(value: &str) {
+    // Short values would scrub ordinary words (and "true" is no secret).
+    if value.len() < 8 {
+        return;
+    }
+    let mut secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    if !secrets.iter().any(|s| s == value) {
+        secrets.push(value.to_string());
     }
 }
 

@@ -1,6 +1,8 @@
 //! Object storage (s3://, gs://, az://, http(s)://) over the `object_store` crate: URI and option
-//! parsing with boto3-like `AWS_*` environment handling, shard discovery under a prefix (index file
-//! first), and ranged reads streamed straight into a caller's buffer, resuming cut-off bodies.
+//! parsing with boto3-like `AWS_*` environment handling (config.rs), Google's and Azure's own
+//! variables, emulators and connection strings (gcs.rs, azure.rs), shard discovery under a prefix
+//! (index file first), and ranged reads streamed straight into a caller's buffer, resuming cut-off
+//! bodies.
 //!
 //! Errors: a missing object is [`Error::NotFound`]; everything else (missing bucket, refused
 //! connection, bad credentials, timeouts) is [`Error::Io`] with a message that names the URI and has
@@ -12,12 +14,16 @@ use std::time::Duration;
 use object_store::path::Path;
 use object_store::{ClientConfigKey, ObjectStore};
 
+mod azure;
 mod config;
 mod errors;
+mod gcs;
 mod list;
 mod read;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_cloud;
 
 pub use config::{open, open_with_env};
 pub use errors::{redact_uri, storage_error};

