@@ -17,8 +17,10 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -346,3 +348,13 @@ def finish_probe(proc: subprocess.Popen, timeout: float = 180) -> dict:
 
 def run_probe(code: str, *args, env: dict | None = None, timeout: float = 180) -> dict:
     return finish_probe(start_probe(code, *args, env=env), timeout)
+
+
+def timed_error(exc_type, fn, deadline: float):
+    """Runs `fn`, which must raise `exc_type` within `deadline` seconds; returns the exception."""
+    started = time.monotonic()
+    with pytest.raises(exc_type) as info:
+        fn()
+    took = time.monotonic() - started
+    assert took < deadline, f"took {took:.1f} s to fail"
+    return info.value

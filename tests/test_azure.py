@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import base64
 import os
-import time
 
 import fastload
+import helpers
 import pytest
 from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer, start_azure
 from helpers import assert_same_tensors, indexed_files, reference
@@ -72,13 +72,8 @@ def az(path: str, container: str = CONTAINER) -> str:
     return f"az://{container}/{path}"
 
 
-def timed_error(exc_type, fn):
-    started = time.monotonic()
-    with pytest.raises(exc_type) as info:
-        fn()
-    took = time.monotonic() - started
-    assert took < ERROR_DEADLINE, f"took {took:.1f} s to fail"
-    return info.value
+def timed_error(exc_type, fn, deadline: float = ERROR_DEADLINE):
+    return helpers.timed_error(exc_type, fn, deadline)
 
 
 # ---------------------------------------------------------------------------------------------

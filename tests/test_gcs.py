@@ -15,6 +15,7 @@ import os
 import time
 
 import fastload
+import helpers
 import pytest
 from gcs_server import BUCKET, AuthProxy, find_fake_gcs, new_key, service_account, start_fake_gcs
 from helpers import assert_same_tensors, indexed_files, reference
@@ -93,13 +94,8 @@ def gs(path: str) -> str:
     return f"gs://{BUCKET}/{path}"
 
 
-def timed_error(exc_type, fn):
-    started = time.monotonic()
-    with pytest.raises(exc_type) as info:
-        fn()
-    took = time.monotonic() - started
-    assert took < ERROR_DEADLINE, f"took {took:.1f} s to fail"
-    return info.value
+def timed_error(exc_type, fn, deadline: float = ERROR_DEADLINE):
+    return helpers.timed_error(exc_type, fn, deadline)
 
 
 # ---------------------------------------------------------------------------------------------

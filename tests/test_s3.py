@@ -11,6 +11,7 @@ import json
 import time
 
 import fastload
+import helpers
 import pytest
 import s3_server
 from helpers import assert_same_tensors, indexed_files, reference
@@ -58,13 +59,8 @@ def bucket(seaweed, dtypes_file, sharded_dir, tiny_file):
     return seaweed
 
 
-def timed_error(exc_type, fn):
-    started = time.monotonic()
-    with pytest.raises(exc_type) as info:
-        fn()
-    took = time.monotonic() - started
-    assert took < ERROR_DEADLINE, f"took {took:.1f} s to fail"
-    return info.value
+def timed_error(exc_type, fn, deadline: float = ERROR_DEADLINE):
+    return helpers.timed_error(exc_type, fn, deadline)
 
 
 # ---------------------------------------------------------------------------------------------
