@@ -358,3 +358,14 @@ def timed_error(exc_type, fn, deadline: float):
     took = time.monotonic() - started
     assert took < deadline, f"took {took:.1f} s to fail"
     return info.value
+
+
+def bucket_objects(dtypes_file: Path, tiny_file: Path) -> dict[str, Path | bytes]:
+    """The objects every object-store test bucket holds (beside the `sharded/` directory)."""
+    return {
+        "all.safetensors": dtypes_file,
+        "tiny.safetensors": tiny_file,
+        "plain/a.safetensors": dtypes_file,
+        "plain/b.safetensors": tiny_file,
+        "plain/notes.txt": b"not a checkpoint",
+    }

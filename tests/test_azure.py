@@ -33,11 +33,7 @@ def azure(dtypes_file, sharded_dir, tiny_file):
     settings), plus a public container readable without credentials."""
     server = start_azure({ACCOUNT: KEY, EMULATOR_ACCOUNT: EMULATOR_KEY}, page_size=3)
     files = {
-        "all.safetensors": dtypes_file,
-        "tiny.safetensors": tiny_file,
-        "plain/a.safetensors": dtypes_file,
-        "plain/b.safetensors": tiny_file,
-        "plain/notes.txt": b"not a checkpoint",
+        **helpers.bucket_objects(dtypes_file, tiny_file),
         "plain/sub/c.safetensors": dtypes_file,  # not directly under plain/: not loaded
     }
     for account in (ACCOUNT, EMULATOR_ACCOUNT):

@@ -39,13 +39,7 @@ def gcs(fake_gcs, dtypes_file, sharded_dir, tiny_file):
     """The session's checkpoints, uploaded once (as in test_s3.py)."""
     fake_gcs.upload(
         BUCKET,
-        {
-            "all.safetensors": dtypes_file,
-            "tiny.safetensors": tiny_file,
-            "plain/a.safetensors": dtypes_file,
-            "plain/b.safetensors": tiny_file,
-            "plain/notes.txt": b"not a checkpoint",
-        },
+        helpers.bucket_objects(dtypes_file, tiny_file),
     )
     fake_gcs.upload_dir(BUCKET, "sharded", sharded_dir)
     return fake_gcs

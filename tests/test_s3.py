@@ -46,13 +46,7 @@ def bucket(seaweed, dtypes_file, sharded_dir, tiny_file):
     upload(
         s3,
         BUCKET,
-        {
-            "all.safetensors": dtypes_file,
-            "tiny.safetensors": tiny_file,
-            "plain/a.safetensors": dtypes_file,
-            "plain/b.safetensors": tiny_file,
-            "plain/notes.txt": b"not a checkpoint",
-        },
+        helpers.bucket_objects(dtypes_file, tiny_file),
     )
     upload_dir(s3, BUCKET, "sharded", sharded_dir)
     upload(s3, PUBLIC_BUCKET, {"open/all.safetensors": dtypes_file})
