@@ -112,11 +112,7 @@ unsafe impl Sync for Staging {}
 impl Staging {
     /// Pooled anonymous memory, faulted in.
     pub fn host(len: usize) -> Result<Staging> {
-        let buffer = HostBuffer::alloc(len.max(1))?;
-        if buffer.is_fresh() {
-            buffer.populate(0, buffer.len(), "staging buffer")?;
-            buffer.mark_populated();
-        }
+        let buffer = HostBuffer::alloc_populated(len.max(1), "staging buffer")?;
         Ok(Staging {
             ptr: NonNull::new(buffer.as_ptr()).expect("host buffer is not null"),
             len: buffer.len(),
@@ -262,8 +258,7 @@ impl Engine for HostEngine {
     }
 }
 
-/// Host memory destinations, one pooled buffer per tensor, faulted in up front (in bulk, which is
-/// several times faster than faulting page by page while the copies write): the Rust-side
+/// Host memory destinations, one pooled buffer per tensor, faulted in up front: the Rust-side
 /// allocator for [`HostEngine`] loads (tests, the CLI's `--device host`).
 #[derive(Default)]
 pub struct HostAllocator;
@@ -273,11 +268,7 @@ impl Allocator for HostAllocator {
         let destinations = tensors
             .iter()
             .map(|t| {
-                let buffer = HostBuffer::alloc(t.len as usize)?;
-                if buffer.is_fresh() {
-                    buffer.populate(0, buffer.len(), "destination memory")?;
-                    buffer.mark_populated();
-                }
+                let buffer = HostBuffer::alloc_populated(t.len as usize, "destination memory")?;
                 Ok(Destination {
                     addr: buffer.as_ptr() as u64,
                     owner: Box::new(buffer),
