@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import struct
@@ -38,12 +39,48 @@ REGION = "us-east-1"
 BUCKET = "models"
 PUBLIC_BUCKET = "public"  # readable without signing on SeaweedFS
 START_TIMEOUT = 60.0
+GRPC_OFFSET = 10000  # SeaweedFS's gRPC port is its HTTP port + 10000
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def seaweed_ports(services: list[str]) -> dict[str, int]:
+    """An HTTP port and its gRPC port for each SeaweedFS service, the gRPC one at HTTP + 10000.
+
+    SeaweedFS derives a peer's gRPC port as its HTTP port + 10000 in places (the mini worker
+    dials the admin server that way whatever `-admin.port.grpc` says), so a free ephemeral port
+    above 55535 would give an invalid address. Pairs are drawn below that, both halves checked
+    free and held bound until every pair is chosen, so no two services share a port.
+    """
+    rng = random.Random()
+    held: list[socket.socket] = []
+    ports: dict[str, int] = {}
+    try:
+        while len(ports) < len(services):
+            port = rng.randrange(20000, 45000)
+            pair = []
+            for candidate in (port, port + GRPC_OFFSET):
+                s = socket.socket()
+                try:
+                    s.bind(("127.0.0.1", candidate))
+                except OSError:
+                    s.close()
+                    break
+                pair.append(s)
+            if len(pair) == 2:
+                held.extend(pair)
+                ports[services[len(ports)]] = port
+            else:
+                for s in pair:
+                    s.close()
+    finally:
+        for s in held:
+            s.close()
+    return ports
 
 
 def closed_port() -> int:
@@ -171,7 +208,8 @@ def seaweed_identities() -> dict:
 
 
 def seaweed_command(weed: str, data: Path, config: Path, ports: dict[str, int]) -> list[str]:
-    """`weed mini` on 127.0.0.1 with every port chosen by the caller and extras off."""
+    """`weed mini` on 127.0.0.1 with every HTTP port chosen by the caller (gRPC at HTTP + 10000)
+    and extras off."""
     return [
         weed,
         "mini",
@@ -181,15 +219,15 @@ def seaweed_command(weed: str, data: Path, config: Path, ports: dict[str, int]) 
         "-master.telemetry=false",
         f"-s3.config={config}",
         f"-master.port={ports['master']}",
-        f"-master.port.grpc={ports['master_grpc']}",
+        f"-master.port.grpc={ports['master'] + GRPC_OFFSET}",
         f"-volume.port={ports['volume']}",
-        f"-volume.port.grpc={ports['volume_grpc']}",
+        f"-volume.port.grpc={ports['volume'] + GRPC_OFFSET}",
         f"-filer.port={ports['filer']}",
-        f"-filer.port.grpc={ports['filer_grpc']}",
+        f"-filer.port.grpc={ports['filer'] + GRPC_OFFSET}",
         f"-s3.port={ports['s3']}",
-        f"-s3.port.grpc={ports['s3_grpc']}",
+        f"-s3.port.grpc={ports['s3'] + GRPC_OFFSET}",
         f"-admin.port={ports['admin']}",
-        f"-admin.port.grpc={ports['admin_grpc']}",
+        f"-admin.port.grpc={ports['admin'] + GRPC_OFFSET}",
         "-admin.ui=false",
         "-webdav=false",
         "-s3.port.iceberg=0",
@@ -206,19 +244,7 @@ def start_seaweed(root: Path, timeout: float = START_TIMEOUT) -> Server:
     data.mkdir(exist_ok=True)
     config = root / "s3.json"
     config.write_text(json.dumps(seaweed_identities()))
-    names = [
-        "master",
-        "master_grpc",
-        "volume",
-        "volume_grpc",
-        "filer",
-        "filer_grpc",
-        "s3",
-        "s3_grpc",
-        "admin",
-        "admin_grpc",
-    ]
-    ports = {n: free_port() for n in names}
+    ports = seaweed_ports(["master", "volume", "filer", "s3", "admin"])
     log = root / "weed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
