@@ -17,7 +17,9 @@ in a fresh process, rounds interleaved with a rotated order:
             "within 10% of raw".
 - fastload: `fastload.load(uri, concurrency=N)` then every 4 KiB page of every tensor is read
             (load); `fastload.stream(...)` with each tensor copied into a destination allocated
-            and pre-faulted before the clock (stream).
+            and pre-faulted before the clock (stream); `fastload.stream(...)` with each tensor
+            page-touched and released as it arrives (drain: the raw client's work, bytes into
+            reused memory and no copy).
 - runai:    runai-model-streamer 0.17 + runai-model-streamer-s3 (AWS CRT client):
             `SafetensorsStreamer().stream_files(["s3://..."])`, RUNAI_STREAMER_CONCURRENCY=N
             (its default for object storage is 8), same load/stream workloads.
@@ -256,7 +258,7 @@ def measure(job: dict) -> dict:
         checksum = touch(tensors.values())
         seconds = time.perf_counter() - t0
         count, nbytes = len(tensors), sum(t.nbytes for t in tensors.values())
-    else:
+    elif workload == "stream":
         count = nbytes = 0
         if loader == "fastload":
             it = fastload.stream(uri, concurrency=job["concurrency"])
@@ -279,6 +281,30 @@ def measure(job: dict) -> dict:
             raise ValueError(f"{loader} has no stream workload")
         seconds = time.perf_counter() - t0
         checksum = touch(dst.values())
+    elif workload == "drain":
+        # The raw client's work: bytes into reused memory, nothing copied. Each tensor is
+        # page-touched (the checksum) and released as it arrives.
+        count = nbytes = checksum = 0
+
+        def drain(tensors) -> None:
+            nonlocal first, count, nbytes, checksum
+            for _name, t in tensors:
+                if first is None:
+                    first = time.perf_counter() - t0
+                checksum += touch((t,))
+                count += 1
+                nbytes += t.nbytes
+                del t
+
+        if loader == "fastload":
+            drain(fastload.stream(uri, concurrency=job["concurrency"]))
+        elif loader == "runai":
+            with SafetensorsStreamer() as s:
+                s.stream_files([uri], owned=False)
+                drain(s.get_tensors())
+        else:
+            raise ValueError(f"{loader} has no drain workload")
+        seconds = time.perf_counter() - t0
     return {
         "seconds": seconds,
         "bytes": nbytes,
@@ -360,8 +386,10 @@ def rows_for(args) -> list[dict]:
     spec += [
         ("fastload", "load", args.concurrency, None),
         ("fastload", "stream", args.stream_concurrency, None),
+        ("fastload", "drain", args.stream_concurrency, None),
         ("runai", "load", args.runai_concurrency, None),
         ("runai", "stream", args.runai_stream_concurrency, None),
+        ("runai", "drain", args.runai_stream_concurrency, None),
         ("boto3", "load", args.boto3_concurrency, None),
     ]
     rows = []
@@ -436,6 +464,7 @@ def report(summary: dict, rows: list[dict], nets: list[str], meta: dict) -> str:
         "",
         "Cells: GB/s median (min-max) and median seconds. load: tensors in a dict + every page "
         "touched; stream: each tensor copied into a pre-faulted destination as it arrives "
+        "drain: each tensor page-touched and released as it arrives, the raw client's work "
         "(first tensor ms in the last column).",
         "",
         "| row | " + " | ".join(nets) + " | first tensor ms |",
@@ -454,7 +483,7 @@ def report(summary: dict, rows: list[dict], nets: list[str], meta: dict) -> str:
             return "-"
         return f"**{a[0] / b[0]:.2f}** ({a[1]} / {b[1]})"
 
-    for workload in ("load", "stream"):
+    for workload in ("load", "stream", "drain"):
         cells = {"best fastload / best peer": [], "best fastload / raw": []}
         cells[f"fastload c={DEFAULT_CONCURRENCY} (default) / raw"] = []
         for net in nets:
