@@ -631,11 +631,15 @@ def moto_s3() -> Iterator[Server]:
 
 @pytest.fixture
 def aws_env(monkeypatch):
-    """Clears every AWS_* variable of the caller and returns a setter for a server's ones."""
+    """Clears every AWS_* variable of the caller (and its shared config files) and returns a
+    setter for a server's ones."""
     for var in list(os.environ):
         if var.startswith("AWS_"):
             monkeypatch.delenv(var)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # No profile of the caller's ~/.aws may leak in.
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
 
     def use(server: Server) -> Server:
         for k, v in server.env().items():

@@ -1,13 +1,15 @@
 """Loading from S3: a real S3-compatible server on 127.0.0.1 (SeaweedFS, SigV4 enforced; moto for
 some error paths), bitwise parity with `safetensors.torch.load_file`, and clean, bounded failures.
 
-Servers and fixtures live in s3_server.py. Settings reach fastload the two documented ways: the
-standard AWS_* environment variables, or `storage_options={...}`.
+Servers and fixtures live in s3_server.py. Settings reach fastload the three documented ways: the
+standard AWS_* environment variables, `storage_options={...}`, or boto3's shared config files.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 
 import fastload
@@ -135,6 +137,77 @@ def test_anonymous_access_to_a_public_bucket(bucket, aws_env, dtypes_file):
         storage_options={"endpoint": bucket.endpoint, "skip_signature": "true"},
     )
     assert_same_tensors(got, reference(dtypes_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared config files (~/.aws/credentials and ~/.aws/config, AWS_PROFILE), as boto3 reads them
+
+
+@pytest.fixture
+def profiles(bucket, aws_env, monkeypatch, tmp_path):
+    """A credentials file whose default profile has wrong keys and whose `dev` profile has the
+    server's, and a config file giving `dev` its region and (through a services section) the
+    server's endpoint; only the two file variables are set."""
+    creds = tmp_path / "credentials"
+    creds.write_text(
+        "[default]\naws_access_key_id = nobody\naws_secret_access_key = default-profile-secret\n"
+        f"\n[dev]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
+    )
+    config = tmp_path / "config"
+    config.write_text(
+        f"[default]\nregion = {REGION}\n\n"
+        f"[profile dev]\nregion = {REGION}\nservices = local\n\n"
+        f"[services local]\ns3 =\n  endpoint_url = {bucket.endpoint}\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    return bucket
+
+
+def test_profile_from_the_environment_or_options(profiles, monkeypatch, dtypes_file):
+    uri = f"s3://{BUCKET}/all.safetensors"
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    assert_same_tensors(fastload.load(uri), reference(dtypes_file))
+    monkeypatch.delenv("AWS_PROFILE")
+    got = fastload.load(uri, storage_options={"profile": "dev"})
+    assert_same_tensors(got, reference(dtypes_file))
+
+
+def test_boto3_reads_the_same_profile(profiles, monkeypatch, dtypes_file):
+    """The files mean to fastload what they mean to boto3: both reach the server with them."""
+    import boto3
+
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    s3 = boto3.Session().client("s3")
+    assert s3.meta.endpoint_url == profiles.endpoint
+    head = s3.head_object(Bucket=BUCKET, Key="all.safetensors")
+    assert head["ContentLength"] == os.path.getsize(dtypes_file)
+    assert_same_tensors(fastload.load(f"s3://{BUCKET}/all.safetensors"), reference(dtypes_file))
+
+
+def test_environment_wins_over_the_profile(profiles, monkeypatch, dtypes_file):
+    # The default profile's keys are wrong; the environment's keys and endpoint are used.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", profiles.endpoint)
+    uri = f"s3://{BUCKET}/all.safetensors"
+    err = timed_error(fastload.StorageError, lambda: fastload.load(uri))
+    assert "default-profile-secret" not in str(err)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    assert_same_tensors(fastload.load(uri), reference(dtypes_file))
+
+
+def test_missing_or_unsupported_profile_is_a_config_error(profiles, monkeypatch, tmp_path):
+    uri = f"s3://{BUCKET}/all.safetensors"
+    monkeypatch.setenv("AWS_PROFILE", "prod")
+    with pytest.raises(fastload.ConfigError, match='"prod" not found'):
+        fastload.load(uri)
+    config = tmp_path / "config"
+    config.write_text("[profile prod]\nrole_arn = arn:aws:iam::1:role/r\nsource_profile = dev\n")
+    with pytest.raises(fastload.ConfigError, match="export-credentials"):
+        fastload.load(uri)
+    config.write_text("[profile prod\nregion = x\n")
+    with pytest.raises(fastload.ConfigError, match=re.escape(f"{config}: line 1")):
+        fastload.load(uri)
 
 
 # ---------------------------------------------------------------------------------------------

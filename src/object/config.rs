@@ -10,6 +10,7 @@ use object_store::http::HttpBuilder;
 use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
 
+use super::aws_profile;
 use super::azure::azure_builder;
 use super::errors::*;
 use super::gcs::gcs_builder;
@@ -201,17 +202,27 @@ pub(crate) fn s3_builder(
             b = b.with_config(key, v);
         }
     }
+    let mut profile = None;
     for (k, v) in options {
+        if k.eq_ignore_ascii_case("profile") {
+            profile = Some(v.as_str());
+            continue;
+        }
         let key = parse_key::<AmazonS3ConfigKey>("s3", k)?;
         explicit.insert(key);
         b = b.with_config(key, v);
     }
-    let has = |key: AmazonS3ConfigKey| b.get_config_value(&key).is_some();
-    let has_credentials = has(AmazonS3ConfigKey::AccessKeyId)
-        || has(AmazonS3ConfigKey::SecretAccessKey)
-        || has(AmazonS3ConfigKey::WebIdentityTokenFile)
-        || has(AmazonS3ConfigKey::ContainerCredentialsRelativeUri)
-        || has(AmazonS3ConfigKey::ContainerCredentialsFullUri);
+    let has_credentials = |b: &AmazonS3Builder| {
+        let has = |key: AmazonS3ConfigKey| b.get_config_value(&key).is_some();
+        has(AmazonS3ConfigKey::AccessKeyId)
+            || has(AmazonS3ConfigKey::SecretAccessKey)
+            || has(AmazonS3ConfigKey::WebIdentityTokenFile)
+            || has(AmazonS3ConfigKey::ContainerCredentialsRelativeUri)
+            || has(AmazonS3ConfigKey::ContainerCredentialsFullUri)
+    };
+    let from_env = has_credentials(&b);
+    b = aws_profile::apply(b, env, profile, from_env, &mut explicit)?;
+    let has_credentials = has_credentials(&b);
     let unsigned = b
         .get_config_value(&AmazonS3ConfigKey::SkipSignature)
         .is_some_and(|v| is_true(&v));

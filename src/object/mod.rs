@@ -14,6 +14,7 @@ use std::time::Duration;
 use object_store::path::Path;
 use object_store::{ClientConfigKey, ObjectStore};
 
+mod aws_profile;
 mod azure;
 mod config;
 mod errors;
