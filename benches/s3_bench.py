@@ -14,12 +14,14 @@ in a fresh process, rounds interleaved with a rotated order:
             ranges, SigV4-signed, bodies to /dev/null (--raw-client boto3: Python threads with
             boto3 get_object + readinto into a reused buffer, which is CPU-bound well below the
             server here). The most a simple client gets out of this server: the reference for
-            "within 10% of raw".
+            "within 10% of raw" of stream and drain. raw keep: the same curl with each range
+            written to a tmpfs file, so the bytes land in fresh memory as a load's must: the
+            reference of load (fresh pages cost this VM more than the transfer itself).
 - fastload: `fastload.load(uri, concurrency=N)` then every 4 KiB page of every tensor is read
             (load); `fastload.stream(...)` with each tensor copied into a destination allocated
             and pre-faulted before the clock (stream); `fastload.stream(...)` with each tensor
             page-touched and released as it arrives (drain: the raw client's work, bytes into
-            reused memory and no copy).
+            reused memory and no copy); drain-warm times a second drain in the same process.
 - runai:    runai-model-streamer 0.17 + runai-model-streamer-s3 (AWS CRT client):
             `SafetensorsStreamer().stream_files(["s3://..."])`, RUNAI_STREAMER_CONCURRENCY=N
             (its default for object storage is 8), same load/stream workloads.
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -108,17 +111,27 @@ def curl_usable() -> bool:
 
 
 def _raw_curl(job: dict) -> dict:
-    """curl --parallel: N ranged GETs in flight over N connections, SigV4-signed, bodies written
-    to /dev/null. C, no per-byte work beyond recv: the least a client can spend on this."""
+    """curl --parallel: N ranged GETs in flight over N connections, SigV4-signed. C, no per-byte
+    work beyond recv: the least a client can spend on this. Bodies go to /dev/null, or with the
+    "keep" workload to one tmpfs file per range, so that the bytes end up in fresh memory as a
+    loader's must (removed after the clock)."""
+    if job["workload"] == "keep":
+        keep = tempfile.mkdtemp(prefix="s3bench-raw-", dir="/dev/shm")
+        try:
+            return _raw_curl({**job, "workload": "load", "keep_dir": keep})
+        finally:
+            shutil.rmtree(keep, ignore_errors=True)
     n, block, size = job["concurrency"], job["block"], job["object_size"]
     url = f"{os.environ['AWS_ENDPOINT_URL'].rstrip('/')}/{job['bucket']}/{job['key']}"
     sig = f"aws:amz:{os.environ.get('AWS_REGION', 'us-east-1')}:s3"
     user = f"{os.environ['AWS_ACCESS_KEY_ID']}:{os.environ['AWS_SECRET_ACCESS_KEY']}"
+    keep = job.get("keep_dir")
     transfers = []
     for off in range(0, size, block):
         end = min(size, off + block) - 1
+        output = f"{keep}/{off}" if keep else "/dev/null"
         transfers.append(
-            f'url = "{url}"\nrange = "{off}-{end}"\noutput = "/dev/null"\n'
+            f'url = "{url}"\nrange = "{off}-{end}"\noutput = "{output}"\n'
             f'aws-sigv4 = "{sig}"\nuser = "{user}"\nsilent\nshow-error\n'
             'write-out = "%{http_code} %{size_download}\\n"\n'
         )
@@ -281,11 +294,11 @@ def measure(job: dict) -> dict:
             raise ValueError(f"{loader} has no stream workload")
         seconds = time.perf_counter() - t0
         checksum = touch(dst.values())
-    elif workload == "drain":
+    elif workload in ("drain", "drain-warm"):
         # The raw client's work: bytes into reused memory, nothing copied. Each tensor is
-        # page-touched (the checksum) and released as it arrives.
-        count = nbytes = checksum = 0
-
+        # page-touched (the checksum) and released as it arrives. drain-warm times a second
+        # pass in the same process, so the loader's buffers are no longer fresh memory: what
+        # a long stream (a checkpoint many times the memory limit) runs at after its start.
         def drain(tensors) -> None:
             nonlocal first, count, nbytes, checksum
             for _name, t in tensors:
@@ -296,14 +309,23 @@ def measure(job: dict) -> dict:
                 nbytes += t.nbytes
                 del t
 
-        if loader == "fastload":
-            drain(fastload.stream(uri, concurrency=job["concurrency"]))
-        elif loader == "runai":
-            with SafetensorsStreamer() as s:
-                s.stream_files([uri], owned=False)
-                drain(s.get_tensors())
-        else:
-            raise ValueError(f"{loader} has no drain workload")
+        def one_pass() -> None:
+            if loader == "fastload":
+                drain(fastload.stream(uri, concurrency=job["concurrency"]))
+            elif loader == "runai":
+                with SafetensorsStreamer() as s:
+                    s.stream_files([uri], owned=False)
+                    drain(s.get_tensors())
+            else:
+                raise ValueError(f"{loader} has no drain workload")
+
+        if workload == "drain-warm":
+            count = nbytes = checksum = 0
+            one_pass()
+            t0 = time.perf_counter()
+        count = nbytes = checksum = 0
+        first = None
+        one_pass()
         seconds = time.perf_counter() - t0
     return {
         "seconds": seconds,
@@ -383,19 +405,26 @@ def run_job(job: dict, env: dict, timeout: float, log) -> dict:
 
 def rows_for(args) -> list[dict]:
     spec = [("raw", "load", args.raw_concurrency, c) for c in args.raw_clients]
+    if "curl" in args.raw_clients:
+        spec.append(("raw", "keep", args.raw_concurrency, "curl"))
     spec += [
         ("fastload", "load", args.concurrency, None),
         ("fastload", "stream", args.stream_concurrency, None),
         ("fastload", "drain", args.stream_concurrency, None),
+        ("fastload", "drain-warm", args.stream_concurrency, None),
         ("runai", "load", args.runai_concurrency, None),
         ("runai", "stream", args.runai_stream_concurrency, None),
         ("runai", "drain", args.runai_stream_concurrency, None),
+        ("runai", "drain-warm", args.runai_stream_concurrency, None),
         ("boto3", "load", args.boto3_concurrency, None),
     ]
     rows = []
     for loader, workload, ns, client in spec:
         for n in ns:
-            name = f"raw {client}" if loader == "raw" else f"{loader} {workload}"
+            if loader == "raw":
+                name = f"raw {client}" + (" keep" if workload == "keep" else "")
+            else:
+                name = f"{loader} {workload}"
             rows.append(
                 {
                     "loader": loader,
@@ -463,8 +492,9 @@ def report(summary: dict, rows: list[dict], nets: list[str], meta: dict) -> str:
         f"SeaweedFS `weed mini` shares the {os.cpu_count()} vCPUs with the client and the proxy.",
         "",
         "Cells: GB/s median (min-max) and median seconds. load: tensors in a dict + every page "
-        "touched; stream: each tensor copied into a pre-faulted destination as it arrives "
-        "drain: each tensor page-touched and released as it arrives, the raw client's work "
+        "touched; stream: each tensor copied into a pre-faulted destination as it arrives; "
+        "drain: each tensor page-touched and released as it arrives, the raw client's work; "
+        "drain-warm: the same, timing a second pass in the process (buffers no longer fresh) "
         "(first tensor ms in the last column).",
         "",
         "| row | " + " | ".join(nets) + " | first tensor ms |",
@@ -483,7 +513,8 @@ def report(summary: dict, rows: list[dict], nets: list[str], meta: dict) -> str:
             return "-"
         return f"**{a[0] / b[0]:.2f}** ({a[1]} / {b[1]})"
 
-    for workload in ("load", "stream", "drain"):
+    clients = {r["client"] for r in rows if r["loader"] == "raw"}
+    for workload in ("load", "stream", "drain", "drain-warm"):
         cells = {"best fastload / best peer": [], "best fastload / raw": []}
         cells[f"fastload c={DEFAULT_CONCURRENCY} (default) / raw"] = []
         for net in nets:
@@ -501,7 +532,16 @@ def report(summary: dict, rows: list[dict], nets: list[str], meta: dict) -> str:
                 net,
                 lambda r, w=workload: r["loader"] in ("runai", "boto3") and r["workload"] == w,
             )
-            raw = best(summary, rows, net, lambda r: r["loader"] == "raw")
+            # A load keeps every byte in fresh memory: its reference is the raw client doing
+            # the same (curl into tmpfs) when that row exists; stream and drain compare with
+            # the raw client discarding bodies.
+            raw_workload = "keep" if workload == "load" and "curl" in clients else "load"
+            raw = best(
+                summary,
+                rows,
+                net,
+                lambda r, w=raw_workload: r["loader"] == "raw" and r["workload"] == w,
+            )
             values = [ratio(fl, peer), ratio(fl, raw), ratio(default, raw)]
             for key, v in zip(cells, values):
                 cells[key].append(v)
@@ -543,6 +583,9 @@ def main(argv: list[str] | None = None) -> None:
         default="curl",
         help="raw ranged-GET client: curl --parallel (default; boto3 threads if curl lacks "
         "--aws-sigv4) or Python threads with boto3 get_object + readinto",
+    )
+    ap.add_argument(
+        "--skip", default="", help="rows to leave out, comma-separated: 'runai drain-warm c=8'"
     )
     ap.add_argument("--block", default="8MiB", help="raw and boto3 part size")
     ap.add_argument("--out", default=str(HERE / "out"))
@@ -610,7 +653,8 @@ def main(argv: list[str] | None = None) -> None:
             if not k.startswith(("AWS_", "FASTLOAD_", "RUNAI_STREAMER_"))
         }
         base_env["OMP_NUM_THREADS"] = "1"  # torch's pool made copy loops erratic on 2 vCPUs
-        rows = rows_for(args)
+        skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+        rows = [r for r in rows_for(args) if r["row"] not in skip]
         results: dict[tuple[str, str], list[dict]] = {}
         log = open(out / "s3_bench.log", "w")
         total = reps * len(rows) * len(nets)
@@ -663,8 +707,6 @@ def main(argv: list[str] | None = None) -> None:
             os.unlink(shm)
         except OSError:
             pass
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
 
     summary = {key: summarize(v) for key, v in results.items()}
