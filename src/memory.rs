@@ -1,7 +1,8 @@
 //! Host buffers. Two kinds:
 //! - anonymous memory from a process-wide pool: fresh pages are faulted in by the reader threads
 //!   (`MADV_POPULATE_WRITE`, in parallel, before the read lands) and freed buffers go back to the
-//!   pool, so a consumer that drops each tensor keeps reusing already-faulted memory;
+//!   pool, so a consumer that drops each tensor keeps reusing already-faulted memory, split to
+//!   size or stitched from several freed buffers by moving their pages;
 //! - private mappings of a window of a local file, populated from the page cache in parallel:
 //!   no copy at all, the pages the kernel already holds become the tensor's memory.
 //!
@@ -30,6 +31,8 @@ fn page_size() -> usize {
     }
 }
 
+/// Freed anonymous memory kept for reuse: `(address, bytes)` ranges, each a multiple of
+/// [`ALIGN`], whose pages are already faulted in.
 struct Pool {
     free: Vec<(usize, usize)>,
     cached: usize,
@@ -42,6 +45,122 @@ static POOL: Mutex<Pool> = Mutex::new(Pool {
     limit: 0,
 });
 
+/// What [`Pool::take`] found for a request.
+#[derive(Debug, PartialEq)]
+enum Taken {
+    /// Nothing pooled: map fresh memory.
+    Nothing,
+    /// `cap` pooled bytes at this address, every page faulted in.
+    Whole(usize),
+    /// A new mapping of `cap` bytes whose first `reused` bytes are pooled pages moved in (the
+    /// rest is fresh).
+    Stitched { addr: usize, reused: usize },
+}
+
+impl Pool {
+    /// Takes `cap` bytes. The smallest entry that holds them is used (its tail stays pooled);
+    /// when none does, pooled ranges, largest first, are moved with `mremap` into one new
+    /// contiguous mapping: page-table moves, no copy and no zeroing, so a tensor larger than
+    /// any freed buffer still reuses their pages. Fresh memory costs far more than moving
+    /// pages on small VMs.
+    fn take(&mut self, cap: usize) -> Result<Taken> {
+        let fits = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, &(_, c))| c >= cap)
+            .min_by_key(|(_, &(_, c))| c)
+            .map(|(i, _)| i);
+        if let Some(i) = fits {
+            let (addr, c) = self.free.swap_remove(i);
+            self.cached -= c;
+            if c > cap {
+                self.put(addr + cap, c - cap);
+            }
+            return Ok(Taken::Whole(addr));
+        }
+        if self.free.is_empty() {
+            return Ok(Taken::Nothing);
+        }
+        let addr = map_anonymous(cap)?;
+        let mut reused = 0;
+        self.free.sort_unstable_by_key(|&(_, c)| c);
+        while reused < cap {
+            let Some((from, c)) = self.free.pop() else {
+                break;
+            };
+            let n = c.min(cap - reused);
+            // SAFETY: `from..from + n` is pooled memory nobody references, and the target lies
+            // inside the mapping made above; MREMAP_FIXED replaces the untouched pages there.
+            let moved = unsafe {
+                libc::mremap(
+                    from as *mut libc::c_void,
+                    n,
+                    n,
+                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                    (addr + reused) as *mut libc::c_void,
+                )
+            };
+            if moved == libc::MAP_FAILED {
+                // Keep what was moved; the rest of the buffer is faulted in as fresh memory.
+                self.free.push((from, c));
+                break;
+            }
+            self.cached -= c;
+            if c > n {
+                self.put(from + n, c - n);
+            }
+            reused += n;
+        }
+        Ok(Taken::Stitched { addr, reused })
+    }
+
+    fn put(&mut self, addr: usize, cap: usize) {
+        self.cached += cap;
+        self.free.push((addr, cap));
+    }
+
+    /// Keeps a freed range if the limit allows; otherwise gives it back to the OS.
+    fn give(&mut self, addr: usize, cap: usize) {
+        if self.cached + cap <= self.limit {
+            self.put(addr, cap);
+        } else {
+            unmap(addr, cap);
+        }
+    }
+
+    fn trim(&mut self) {
+        while self.cached > self.limit {
+            let Some((addr, cap)) = self.free.pop() else {
+                break;
+            };
+            self.cached -= cap;
+            unmap(addr, cap);
+        }
+    }
+}
+
+fn map_anonymous(cap: usize) -> Result<usize> {
+    // SAFETY: anonymous private mapping, no file; the result is checked.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            cap,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(Error::Io {
+            path: "host memory".into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(addr as usize)
+}
+
 fn unmap(addr: usize, len: usize) {
     // SAFETY: (addr, len) is a mapping this module created and nobody references any more.
     unsafe {
@@ -50,8 +169,8 @@ fn unmap(addr: usize, len: usize) {
 }
 
 /// Takes the free `(address, capacity)` entry that best fits `cap` bytes, wasting at most half:
-/// segments of one load differ in size by tens of percent, and reusing memory that is already
-/// faulted in (or page-locked) beats making new memory by far.
+/// for the page-locked pool, whose buffers cannot be split or moved (they are registered with
+/// the driver as they are).
 pub(crate) fn take_best_fit(free: &mut Vec<(usize, usize)>, cap: usize) -> Option<(usize, usize)> {
     let best = free
         .iter()
@@ -66,13 +185,7 @@ pub(crate) fn take_best_fit(free: &mut Vec<(usize, usize)>, cap: usize) -> Optio
 pub fn set_pool_limit(bytes: u64) {
     let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
     pool.limit = bytes as usize;
-    while pool.cached > pool.limit {
-        let Some((addr, cap)) = pool.free.pop() else {
-            break;
-        };
-        pool.cached -= cap;
-        unmap(addr, cap);
-    }
+    pool.trim();
 }
 
 /// Bytes currently cached by the pool.
@@ -114,40 +227,17 @@ impl HostBuffer {
             });
         }
         let cap = len.div_ceil(ALIGN) * ALIGN;
-        {
-            let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((addr, c)) = take_best_fit(&mut pool.free, cap) {
-                pool.cached -= c;
-                return Ok(HostBuffer {
-                    ptr: NonNull::new(addr as *mut u8).expect("pooled address is not null"),
-                    len,
-                    kind: Kind::Anon { cap: c },
-                    fresh: AtomicBool::new(false),
-                });
-            }
-        }
-        // SAFETY: anonymous private mapping, no file; the result is checked.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                cap,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
+        let taken = POOL.lock().unwrap_or_else(|e| e.into_inner()).take(cap)?;
+        let (addr, fresh) = match taken {
+            Taken::Whole(addr) => (addr, false),
+            Taken::Stitched { addr, reused } => (addr, reused < cap),
+            Taken::Nothing => (map_anonymous(cap)?, true),
         };
-        if addr == libc::MAP_FAILED {
-            return Err(Error::Io {
-                path: "host memory".into(),
-                source: std::io::Error::last_os_error(),
-            });
-        }
         Ok(HostBuffer {
-            ptr: NonNull::new(addr as *mut u8).expect("mmap returned null"),
+            ptr: NonNull::new(addr as *mut u8).expect("mapped address is not null"),
             len,
             kind: Kind::Anon { cap },
-            fresh: AtomicBool::new(true),
+            fresh: AtomicBool::new(fresh),
         })
     }
 
@@ -281,13 +371,13 @@ impl Drop for HostBuffer {
             Kind::Mapped { base, map_len } => unmap(base, map_len),
             Kind::Anon { cap } => {
                 let addr = self.ptr.as_ptr() as usize;
-                let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-                if !self.is_fresh() && pool.cached + cap <= pool.limit {
-                    pool.cached += cap;
-                    pool.free.push((addr, cap));
-                } else {
-                    drop(pool);
+                if self.is_fresh() {
+                    // Some pages may never have been faulted in: not worth keeping.
                     unmap(addr, cap);
+                } else {
+                    POOL.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .give(addr, cap);
                 }
             }
         }
@@ -313,6 +403,98 @@ mod tests {
         drop(b);
         set_pool_limit(0);
         assert_eq!(pool_cached(), 0);
+    }
+
+    fn local_pool() -> Pool {
+        Pool {
+            free: Vec::new(),
+            cached: 0,
+            limit: usize::MAX,
+        }
+    }
+
+    /// Puts `cap` bytes filled with `byte` into `pool`.
+    fn pooled(pool: &mut Pool, cap: usize, byte: u8) -> usize {
+        let addr = map_anonymous(cap).unwrap();
+        // SAFETY: a fresh mapping of `cap` bytes.
+        unsafe { std::ptr::write_bytes(addr as *mut u8, byte, cap) };
+        pool.put(addr, cap);
+        addr
+    }
+
+    fn bytes(addr: usize, len: usize) -> &'static [u8] {
+        // SAFETY: the tests read only ranges they mapped and have not unmapped.
+        unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+    }
+
+    fn is_mapped(addr: usize, len: usize) -> bool {
+        let mut residency = vec![0u8; len.div_ceil(page_size())];
+        // SAFETY: mincore only reports; it fails with ENOMEM on unmapped ranges.
+        unsafe { libc::mincore(addr as *mut libc::c_void, len, residency.as_mut_ptr()) == 0 }
+    }
+
+    fn release(pool: &mut Pool) {
+        pool.limit = 0;
+        pool.trim();
+    }
+
+    #[test]
+    fn pool_splits_the_smallest_entry_that_fits() {
+        let mut pool = local_pool();
+        let big = pooled(&mut pool, 8 * ALIGN, 1);
+        let small = pooled(&mut pool, 2 * ALIGN, 2);
+        assert_eq!(pool.take(ALIGN).unwrap(), Taken::Whole(small));
+        // The small entry's tail stays pooled, and serves the next small request.
+        assert_eq!(pool.cached, 9 * ALIGN);
+        assert_eq!(pool.take(ALIGN).unwrap(), Taken::Whole(small + ALIGN));
+        assert_eq!(pool.take(4 * ALIGN).unwrap(), Taken::Whole(big));
+        assert_eq!(pool.cached, 4 * ALIGN);
+        unmap(small, 2 * ALIGN);
+        unmap(big, 4 * ALIGN);
+        release(&mut pool);
+    }
+
+    #[test]
+    fn pool_stitches_freed_pages_into_a_larger_buffer() {
+        let mut pool = local_pool();
+        assert_eq!(pool.take(ALIGN).unwrap(), Taken::Nothing);
+        let a = pooled(&mut pool, 2 * ALIGN, 1);
+        let b = pooled(&mut pool, 3 * ALIGN, 2);
+        let Taken::Stitched { addr, reused } = pool.take(4 * ALIGN).unwrap() else {
+            panic!("expected a stitched buffer");
+        };
+        // Largest first: all of b, then the head of a; a's tail stays pooled.
+        assert_eq!(reused, 4 * ALIGN);
+        assert!(bytes(addr, 3 * ALIGN).iter().all(|&x| x == 2));
+        assert!(bytes(addr + 3 * ALIGN, ALIGN).iter().all(|&x| x == 1));
+        assert_eq!(pool.free, vec![(a + ALIGN, ALIGN)]);
+        assert_eq!(pool.cached, ALIGN);
+        // The pages moved: their old addresses are no longer mapped.
+        assert!(!is_mapped(b, 3 * ALIGN) && !is_mapped(a, ALIGN));
+        unmap(addr, 4 * ALIGN);
+
+        // Not enough pooled: the rest of the buffer is fresh, zeroed memory.
+        let Taken::Stitched { addr, reused } = pool.take(3 * ALIGN).unwrap() else {
+            panic!("expected a stitched buffer");
+        };
+        assert_eq!((reused, pool.cached), (ALIGN, 0));
+        assert!(bytes(addr, ALIGN).iter().all(|&x| x == 1));
+        assert!(bytes(addr + ALIGN, 2 * ALIGN).iter().all(|&x| x == 0));
+        unmap(addr, 3 * ALIGN);
+    }
+
+    #[test]
+    fn pool_keeps_at_most_its_limit() {
+        let mut pool = local_pool();
+        pool.limit = 3 * ALIGN;
+        let a = map_anonymous(2 * ALIGN).unwrap();
+        let b = map_anonymous(2 * ALIGN).unwrap();
+        pool.give(a, 2 * ALIGN);
+        pool.give(b, 2 * ALIGN);
+        assert_eq!(pool.free, vec![(a, 2 * ALIGN)]);
+        assert!(!is_mapped(b, 2 * ALIGN));
+        release(&mut pool);
+        assert!(!is_mapped(a, 2 * ALIGN) && pool.cached == 0);
     }
 
     #[test]
