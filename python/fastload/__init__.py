@@ -187,10 +187,11 @@ def stream(
 
     ``uri`` may also name objects in object storage: ``s3://bucket/key`` or a prefix
     ``s3://bucket/model/``, ``gs://``, ``az://``, ``http(s)://``. S3 reads the standard ``AWS_*``
-    variables, GCS ``GOOGLE_*`` (and ``STORAGE_EMULATOR_HOST``), Azure ``AZURE_STORAGE_*``;
-    ``storage_options`` (object_store keys such as ``endpoint``, ``region``, ``access_key_id``,
-    ``secret_access_key``, ``service_account``, ``account_name``, ``access_key``,
-    ``connection_string``, ``skip_signature``) override them.
+    variables and boto3's ``~/.aws`` files (``AWS_PROFILE``), GCS ``GOOGLE_*`` (and
+    ``STORAGE_EMULATOR_HOST``), Azure ``AZURE_STORAGE_*``; ``storage_options`` (object_store keys
+    such as ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ``profile``,
+    ``service_account``, ``account_name``, ``access_key``, ``connection_string``,
+    ``skip_signature``) override them.
 
     Yields ``(name, tensor)`` as soon as each tensor's bytes have landed. Host memory held by the
     loader stays within ``memory_limit``; a tensor you keep owns its memory and stays valid.
