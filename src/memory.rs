@@ -168,19 +168,6 @@ fn unmap(addr: usize, len: usize) {
     }
 }
 
-/// Takes the free `(address, capacity)` entry that best fits `cap` bytes, wasting at most half:
-/// for the page-locked pool, whose buffers cannot be split or moved (they are registered with
-/// the driver as they are).
-pub(crate) fn take_best_fit(free: &mut Vec<(usize, usize)>, cap: usize) -> Option<(usize, usize)> {
-    let best = free
-        .iter()
-        .enumerate()
-        .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 2)
-        .min_by_key(|(_, &(_, c))| c)
-        .map(|(i, _)| i)?;
-    Some(free.swap_remove(best))
-}
-
 /// Sets how many bytes of freed buffers the pool keeps for reuse (the rest goes back to the OS).
 pub fn set_pool_limit(bytes: u64) {
     let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());

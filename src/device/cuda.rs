@@ -192,12 +192,25 @@ impl Drop for Pinned {
     }
 }
 
+/// Takes the free `(address, capacity)` entry that best fits `cap` bytes, wasting at most half:
+/// page-locked buffers cannot be split or moved (the driver registered them as they are), and
+/// reusing one beats allocating another by far.
+fn take_best_fit(free: &mut Vec<(usize, usize)>, cap: usize) -> Option<(usize, usize)> {
+    let best = free
+        .iter()
+        .enumerate()
+        .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 2)
+        .min_by_key(|(_, &(_, c))| c)
+        .map(|(i, _)| i)?;
+    Some(free.swap_remove(best))
+}
+
 fn pinned(len: usize) -> Result<Pinned> {
     const GRAIN: usize = 64 << 10;
     let cap = len.max(1).div_ceil(GRAIN) * GRAIN;
     {
         let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((addr, c)) = crate::memory::take_best_fit(&mut pool.free, cap) {
+        if let Some((addr, c)) = take_best_fit(&mut pool.free, cap) {
             pool.cached -= c;
             return Ok(Pinned { addr, cap: c });
         }
