@@ -95,7 +95,7 @@ fn pipeline(c: &mut Criterion) {
                         memory_limit: Some(256 << 20),
                         ..Default::default()
                     }
-                    .resolve()
+                    .resolve(true)
                     .unwrap();
                     let target = plan::segment_target(opts.memory_limit, opts.block_size);
                     let p = plan::build(vec![remote_shard(&store, &path, &bytes)], None, target)

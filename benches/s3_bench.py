@@ -478,7 +478,7 @@ def best(summary: dict, rows: list[dict], net: str, pred) -> tuple[float, str] |
     return max(cands) if cands else None
 
 
-DEFAULT_CONCURRENCY = 16  # fastload's default for every source
+DEFAULT_CONCURRENCY = 64  # fastload's default for object stores (16 for local files)
 
 
 def report(summary: dict, rows: list[dict], nets: list[str], meta: dict) -> str:
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-latency", action="store_true", help="skip the +RTT runs")
     # Row lists (comma-separated concurrencies); --quick has its own shorter defaults.
     ap.add_argument("--concurrency", help="fastload load rows (default 8,16,32,64; quick 16,64)")
-    ap.add_argument("--stream-concurrency", help="fastload stream rows (default 16; quick 16)")
+    ap.add_argument("--stream-concurrency", help="fastload stream rows (default 16,64; quick 64)")
     ap.add_argument("--raw-concurrency", help="raw client rows (default 32,64; quick 32)")
     ap.add_argument("--runai-concurrency", help="runai load rows (default 8,32; quick 8,32)")
     ap.add_argument("--runai-stream-concurrency", help="runai stream rows (default 8; quick 8)")
@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> None:
     # (full run, --quick): about 10 and 2 minutes here.
     defaults = {
         "concurrency": ("8,16,32,64", "16,64"),
-        "stream_concurrency": ("16", "16"),
+        "stream_concurrency": ("16,64", "64"),
         "raw_concurrency": ("32,64", "32"),
         "runai_concurrency": ("8,32", "8,32"),
         "runai_stream_concurrency": ("8", "8"),

@@ -210,6 +210,11 @@ pub fn open_shard(path: &Path) -> Result<Shard> {
     })
 }
 
+/// True when any URI names an object in an object store (not a local file).
+pub fn any_remote(uris: &[String]) -> bool {
+    uris.iter().any(|u| object::is_remote(u))
+}
+
 /// Resolves the URIs and opens every file or object, reading headers concurrently when there are
 /// many shards. `storage_options` configure object stores (see [`crate::object::open`]).
 pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result<Vec<Shard>> {

@@ -37,6 +37,23 @@ def test_all_options_on_stream(dtypes_file):
     assert_same_tensors(got, reference(dtypes_file))
 
 
+def test_stats_report_the_options_in_force(dtypes_file, monkeypatch):
+    for var in ("FASTLOAD_CONCURRENCY", "FASTLOAD_BLOCK_SIZE", "FASTLOAD_MEMORY_LIMIT"):
+        monkeypatch.delenv(var, raising=False)
+
+    def in_force(**options) -> tuple[int, int, int]:
+        with fastload.stream(dtypes_file, **options) as s:
+            dict(s)
+            stats = s.stats()
+        return stats["concurrency"], stats["block_size"], stats["memory_limit"]
+
+    # Local files: 16 reads in flight (object stores take 64: test_s3.py).
+    assert in_force() == (16, 8 * MiB, 1024 * MiB)
+    monkeypatch.setenv("FASTLOAD_CONCURRENCY", "5")
+    assert in_force(block_size="64KiB", memory_limit="3MiB") == (5, 64 << 10, 3 * MiB)
+    assert in_force(concurrency=2) == (2, 8 * MiB, 1024 * MiB)
+
+
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
 def test_cpu_device(dtypes_file, device):
     got = fastload.load(dtypes_file, device=device)

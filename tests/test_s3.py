@@ -131,6 +131,33 @@ def test_stream_yields_every_tensor_once(bucket, aws_env, dtypes_file):
     assert_same_tensors(got, want)
 
 
+def test_object_stores_default_to_more_reads_in_flight(bucket, aws_env, monkeypatch, fault_file):
+    """Unset, `concurrency` is 64 for object stores (16 for local files); an explicit value or
+    FASTLOAD_CONCURRENCY wins. A counting relay sees the connections the requests in flight need."""
+    aws_env(bucket)
+    monkeypatch.delenv("FASTLOAD_CONCURRENCY", raising=False)
+    port = int(bucket.endpoint.rsplit(":", 1)[1])
+    want = reference(fault_file)
+    for concurrency, env, expected in [(None, None, 64), (6, "40", 6), (None, "4", 4)]:
+        if env:
+            monkeypatch.setenv("FASTLOAD_CONCURRENCY", env)
+        relay = FaultProxy(("127.0.0.1", port))
+        try:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", relay.endpoint)
+            uri = f"s3://{BUCKET}/{FAULT_KEY}"
+            # 4 KiB blocks: about a thousand requests, so that every slot stays busy.
+            with fastload.stream(uri, concurrency=concurrency, block_size="4KiB") as s:
+                got = dict(s)
+                stats = s.stats()
+        finally:
+            relay.close()
+        assert_same_tensors(got, want)
+        assert stats["concurrency"] == expected
+        # Reads in flight each hold a connection (HTTP/1.1), and the pool reuses idle ones.
+        connections = relay.served["connections"]
+        assert expected // 2 < connections <= expected + 2, (expected, connections)
+
+
 def test_anonymous_access_to_a_public_bucket(bucket, aws_env, dtypes_file):
     got = fastload.load(
         f"s3://{PUBLIC_BUCKET}/open/all.safetensors",

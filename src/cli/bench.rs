@@ -28,7 +28,7 @@ pub(super) struct BenchArgs {
     /// llama-like checkpoint (see --size).
     #[arg(value_name = "URI")]
     uris: Vec<String>,
-    /// Reads in flight at once [default: $FASTLOAD_CONCURRENCY, else 16]
+    /// Reads in flight at once [default: $FASTLOAD_CONCURRENCY, else 16, or 64 for object stores]
     #[arg(long, value_name = "N")]
     concurrency: Option<usize>,
     /// Bytes per read request, e.g. 8MiB or 1048576 [default: $FASTLOAD_BLOCK_SIZE, else 8MiB]
@@ -88,9 +88,10 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         method: args.method,
         ..Default::default()
     };
+    let remote = source::any_remote(&args.uris);
     let mut out = Vec::new();
     if !args.sweep {
-        let resolved = base.resolve()?;
+        let resolved = base.resolve(remote)?;
         out.push((base, resolved));
         return Ok(out);
     }
@@ -109,7 +110,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
                 block_size: Some(b),
                 ..base.clone()
             };
-            let resolved = opts.resolve()?;
+            let resolved = opts.resolve(remote)?;
             out.push((opts, resolved));
         }
     }
@@ -188,7 +189,7 @@ fn load_once(
     run: usize,
     label: String,
 ) -> CliResult<RunReport> {
-    let resolved = opts.resolve()?;
+    let resolved = opts.resolve(source::any_remote(uris))?;
     // Set up before the clock starts: the driver probe and the device context are paid once per
     // process by a server, not per load.
     let target = device.target()?;

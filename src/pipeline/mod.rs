@@ -66,7 +66,8 @@ pub struct Loader {
     started: Instant,
     first: Option<Duration>,
     done: bool,
-    method: Method,
+    /// The options in force, `method` as chosen (never `Auto`).
+    config: Resolved,
     target: Option<String>,
 }
 
@@ -83,7 +84,7 @@ pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Re
 }
 
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
-    let resolved = options.resolve()?;
+    let resolved = options.resolve(source::any_remote(uris))?;
     let shards = source::open_all(uris, &options.storage_options)?;
     let target = plan::segment_target(resolved.memory_limit, resolved.block_size);
     let plan = match &options.parts {
@@ -314,6 +315,10 @@ impl Loader {
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Stats::default());
+        let config = Resolved {
+            method,
+            ..opts.clone()
+        };
         let driver = Driver {
             plan: plan.clone(),
             opts,
@@ -334,7 +339,7 @@ impl Loader {
             started: Instant::now(),
             first: None,
             done: false,
-            method,
+            config,
             target: None,
         }
     }
@@ -354,7 +359,12 @@ impl Loader {
 
     /// The read strategy in use.
     pub fn method(&self) -> Method {
-        self.method
+        self.config.method
+    }
+
+    /// The options in force: the caller's, else `FASTLOAD_*` variables, else defaults.
+    pub fn config(&self) -> &Resolved {
+        &self.config
     }
 
     /// Time from the start of reading (after headers were parsed) to the first segment handed out.

@@ -111,6 +111,10 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         opts.concurrency,
         copy_tx,
     ));
+    let config = Resolved {
+        method: Method::Read,
+        ..opts
+    };
     Loader {
         plan,
         rx,
@@ -120,7 +124,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         started: Instant::now(),
         first: None,
         done: false,
-        method: Method::Read,
+        config,
         target: Some(target_name),
     }
 }

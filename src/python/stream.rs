@@ -161,7 +161,8 @@ impl Stream {
         py.detach(|| drop(loader));
     }
 
-    /// Counters: bytes and tensors planned, read and delivered, time to first segment, method.
+    /// Counters: bytes and tensors planned, read and delivered, time to first segment; the method
+    /// and options in force.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         let guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
@@ -179,6 +180,9 @@ impl Stream {
                 l.first_segment_after().map(|t| t.as_secs_f64() * 1e3),
             )?;
             d.set_item("method", l.method().as_str())?;
+            d.set_item("concurrency", l.config().concurrency)?;
+            d.set_item("block_size", l.config().block_size)?;
+            d.set_item("memory_limit", l.config().memory_limit)?;
             d.set_item("target", l.target())?;
             d.set_item("bytes_copied", s.bytes_copied.load(Relaxed))?;
             d.set_item("staging_peak_bytes", s.staging_peak.load(Relaxed))?;
