@@ -94,6 +94,16 @@ def test_staged_parity_every_dtype(dtypes_file):
         assert_same_tensor(got[name], ref, name)
     assert stats["target"] == "host"
     assert stats["bytes_copied"] == stats["total_bytes"]
+    assert (stats["method"], stats["block_size"], stats["memory_limit"]) == ("read", 4096, 1 << 20)
+
+
+def test_staged_block_is_at_most_half_the_memory_limit(dtypes_file):
+    # Two staging buffers at least: an 8 MiB block under a 1 MiB limit stages 512 KiB at a time.
+    with _staged(dtypes_file, block_size="8MiB", memory_limit="1MiB") as s:
+        got = dict(s)
+        stats = s.stats()
+    assert stats["block_size"] == 512 << 10
+    assert sorted(got) == sorted(reference(dtypes_file))
 
 
 def test_staged_big_tensors_in_pieces_within_the_memory_limit(gil_file):

@@ -111,8 +111,10 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         opts.concurrency,
         copy_tx,
     ));
+    // What runs: staging buffers read whole blocks of `block` bytes.
     let config = Resolved {
         method: Method::Read,
+        block_size: block,
         ..opts
     };
     Loader {
