@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import fastload
@@ -156,6 +158,25 @@ def test_object_stores_default_to_more_reads_in_flight(bucket, aws_env, monkeypa
         # Reads in flight each hold a connection (HTTP/1.1), and the pool reuses idle ones.
         connections = relay.served["connections"]
         assert expected // 2 < connections <= expected + 2, (expected, connections)
+
+
+def test_cli_bench_reads_a_prefix(bucket, aws_env, monkeypatch, sharded_dir):
+    """`fastload bench s3://...` (the CLI the wheel installs) reads the bytes a local bench of the
+    same files reads, at the object-store default of 64 requests in flight."""
+    aws_env(bucket)
+    monkeypatch.delenv("FASTLOAD_CONCURRENCY", raising=False)
+
+    def bench(uri: str) -> dict:
+        cmd = [sys.executable, "-m", "fastload._cli", "bench", uri, "--json", "--repeat", "1"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    remote, local = bench(f"s3://{BUCKET}/sharded/"), bench(str(sharded_dir))
+    assert remote["concurrency"] == 64 and local["concurrency"] == 16
+    for key in ("files", "bytes", "tensors", "checksum"):
+        assert remote[key] == local[key], key
+    assert remote["runs"][0]["gb_per_s"] > 0
 
 
 def test_anonymous_access_to_a_public_bucket(bucket, aws_env, dtypes_file):

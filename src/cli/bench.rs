@@ -24,8 +24,9 @@ const PAGE: usize = 4096;
 #[derive(Args)]
 pub(super) struct BenchArgs {
     /// Checkpoints to load: files, directories (every *.safetensors, or what
-    /// model.safetensors.index.json names), index files or file:// URLs. None: a generated
-    /// llama-like checkpoint (see --size).
+    /// model.safetensors.index.json names), index files or file:// URLs; objects or prefixes in
+    /// object stores (s3://, gs://, az://, http(s)://), configured by their usual environment
+    /// variables. None: a generated llama-like checkpoint (see --size).
     #[arg(value_name = "URI")]
     uris: Vec<String>,
     /// Reads in flight at once [default: $FASTLOAD_CONCURRENCY, else 16, or 64 for object stores]
@@ -236,17 +237,27 @@ fn load_once(
     })
 }
 
-/// The files to evict with `--cold`, and what one load covers, from the headers alone (so a
-/// bad file fails before the first run).
-fn describe(uris: &[String]) -> CliResult<(Vec<PathBuf>, usize, u64)> {
+/// What one load covers, from the headers alone (so a bad file fails before the first run).
+struct Described {
+    /// Local files, to evict with `--cold`.
+    local: Vec<PathBuf>,
+    /// Files and objects.
+    shards: usize,
+    tensors: usize,
+    bytes: u64,
+}
+
+fn describe(uris: &[String]) -> CliResult<Described> {
     let shards = source::open_all(uris, &[])?;
-    let files = shards
-        .iter()
-        .filter_map(|s| s.local_path().map(|p| p.to_path_buf()))
-        .collect();
-    let tensors = shards.iter().map(|s| s.header.tensors.len()).sum();
-    let bytes = shards.iter().map(|s| s.header.data_len()).sum();
-    Ok((files, tensors, bytes))
+    Ok(Described {
+        local: shards
+            .iter()
+            .filter_map(|s| s.local_path().map(|p| p.to_path_buf()))
+            .collect(),
+        shards: shards.len(),
+        tensors: shards.iter().map(|s| s.header.tensors.len()).sum(),
+        bytes: shards.iter().map(|s| s.header.data_len()).sum(),
+    })
 }
 
 /// Every configuration `repeat` times, each row printed as its run ends.
@@ -297,12 +308,12 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
     } else {
         args.uris.clone()
     };
-    let (files, tensors, bytes) = describe(&uris)?;
+    let described = describe(&uris)?;
     let setup = Setup {
         uris: &uris,
-        files: files.len(),
-        bytes,
-        tensors,
+        files: described.shards,
+        bytes: described.bytes,
+        tensors: described.tensors,
         device: &args.device,
         configs: resolved,
         repeat: args.repeat.unwrap_or(if args.sweep { 1 } else { 3 }),
@@ -312,7 +323,7 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
     if !args.json {
         print_stdout(&setup.intro())?;
     }
-    let runs = execute(&args, &setup, &configs, &files)?;
+    let runs = execute(&args, &setup, &configs, &described.local)?;
     if runs.iter().any(|r| r.checksum != runs[0].checksum) {
         eprintln!(
             "fastload: warning: runs read different bytes (checksums differ); did a file change?"
