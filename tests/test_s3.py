@@ -167,9 +167,12 @@ def test_cli_bench_reads_a_prefix(bucket, aws_env, monkeypatch, sharded_dir):
     monkeypatch.delenv("FASTLOAD_CONCURRENCY", raising=False)
 
     def bench(uri: str) -> dict:
-        cmd = [sys.executable, "-m", "fastload._cli", "bench", uri, "--json", "--repeat", "1"]
+        cli = [sys.executable, "-m", "fastload._cli"]
+        cmd = [*cli, "bench", uri, "--json", "--cold", "--repeat=1"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
+        # --cold drops local files from the page cache; it cannot do that for objects.
+        assert ("--cold evicts local files only" in out.stderr) == ("://" in uri), out.stderr
         return json.loads(out.stdout)
 
     remote, local = bench(f"s3://{BUCKET}/sharded/"), bench(str(sharded_dir))

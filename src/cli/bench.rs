@@ -309,6 +309,12 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
         args.uris.clone()
     };
     let described = describe(&uris)?;
+    if args.cold && described.local.len() < described.shards {
+        eprintln!(
+            "fastload: note: --cold evicts local files only; objects are read over the network \
+             every run"
+        );
+    }
     let setup = Setup {
         uris: &uris,
         files: described.shards,
