@@ -180,6 +180,16 @@ pub fn pool_cached() -> u64 {
     POOL.lock().unwrap_or_else(|e| e.into_inner()).cached as u64
 }
 
+/// Gives every cached buffer back to the OS and stops caching until the next load sets a limit:
+/// buffers in use are unmapped when their last tensor is freed. Returns the bytes given back.
+pub fn release_pool() -> u64 {
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let cached = pool.cached as u64;
+    pool.limit = 0;
+    pool.trim();
+    cached
+}
+
 enum Kind {
     /// Zero bytes: nothing allocated.
     Empty,

@@ -237,6 +237,41 @@ def test_fake_driver_parity_and_bounds(fake_cuda, dtypes_file, gil_file, tmp_pat
         assert counters["bytes"] == 2 * out["stats"]["total_bytes"]
 
 
+def test_fake_driver_release_memory(fake_cuda, dtypes_file, tmp_path):
+    # The page-locked ring stays cached after a GPU load until release_memory() hands it back to
+    # the driver (in its context, from a thread that never used CUDA); the next load pins again.
+    code = """
+import threading
+def allocate(sizes):
+    ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    return None, [(t, t.data_ptr()) for t in ts]
+def run():
+    s = _fastload.Stream([sys.argv[1]], target="cuda:0", allocate=allocate,
+                         block_size="64KiB", memory_limit="1MiB")
+    return sum(len(batch) for batch in s)
+import torch
+from fastload import _fastload
+n = run()
+cached = fastload.cached_memory()
+out = {}
+t = threading.Thread(target=lambda: out.update(freed=fastload.release_memory()))
+t.start(); t.join()
+emptied = fastload.cached_memory()
+n2 = run()
+again = fastload.cached_memory()
+fastload.release_memory()
+emit(n=[n, n2], cached=cached, freed=out["freed"], emptied=emptied, again=again)
+"""
+    log = tmp_path / "log"
+    out = run_probe(code, dtypes_file, env=_fake_env(fake_cuda, log))
+    assert out["n"] == [len(reference(dtypes_file))] * 2
+    assert 0 < out["cached"]["pinned"] <= 1 << 20, out
+    assert out["freed"]["pinned"] == out["cached"]["pinned"], out
+    assert out["emptied"]["pinned"] == 0 and out["again"]["pinned"] > 0, out
+    counters = _fake_log(log)
+    assert counters["pinned_now"] == 0, counters
+
+
 def test_fake_driver_missing_device(fake_cuda, dtypes_file, tmp_path):
     code = """
 try:

@@ -290,6 +290,43 @@ def test_load_holds_one_copy_and_frees_it(big_file):
         assert after < 2 * LIMIT + 100 * MiB, f"{after / MiB:.0f} MiB still resident after del"
 
 
+def test_release_memory_gives_cached_buffers_back(big_file):
+    # Freed buffers stay with the process for the next load (up to memory_limit) until
+    # release_memory() gives them to the OS; RSS shows it, and the next load caches again.
+    limit = 4 * LIMIT
+    r = big_probe(
+        """
+        path, limit = sys.argv[1], int(sys.argv[2])
+        def drain():
+            ok = True
+            for name, t in fastload.stream(path, memory_limit=limit, method="read"):
+                ok = ok and check(name, t)
+                del t
+            gc.collect()
+            return ok
+        ok = drain()
+        cached = fastload.cached_memory()
+        before = rss()
+        freed = fastload.release_memory()
+        after = rss()
+        emptied = fastload.cached_memory()
+        ok = drain() and ok
+        emit(ok=ok, cached=cached, freed=freed, dropped=before - after, emptied=emptied,
+             again=fastload.cached_memory())
+        """,
+        big_file,
+        limit,
+    )
+    assert r["ok"]
+    assert 16 * MiB <= r["cached"]["host"] <= limit and r["cached"]["pinned"] == 0, r
+    assert r["freed"] == r["cached"], r
+    assert r["emptied"] == {"host": 0, "pinned": 0}
+    assert r["dropped"] >= r["freed"]["host"] - 16 * MiB, (
+        f"RSS fell {r['dropped'] / MiB:.0f} MiB, {r['freed']['host'] / MiB:.0f} MiB released"
+    )
+    assert 16 * MiB <= r["again"]["host"] <= limit
+
+
 def test_names_reads_only_those_tensors(big_file):
     evict(big_file)
     chosen = [7, 40]

@@ -39,8 +39,10 @@ __all__ = [
     "Stream",
     "TensorNotFoundError",
     "__version__",
+    "cached_memory",
     "inspect",
     "load",
+    "release_memory",
     "stream",
 ]
 
@@ -265,3 +267,22 @@ def inspect(uri: Uri, *, storage_options: Mapping[str, Any] | None = None) -> li
     """Headers of every file ``uri`` names, without reading tensor data."""
     opts = None if storage_options is None else dict(storage_options)
     return list(_fastload.inspect(_uris(uri), storage_options=opts))
+
+
+def cached_memory() -> dict[str, int]:
+    """Bytes of host memory fastload keeps for the next load: ``{"host": ..., "pinned": ...}``.
+
+    Loads reuse their buffers: freed host buffers (up to ``memory_limit``) and the ring of
+    page-locked staging buffers of GPU loads stay with the process, so a second load neither
+    faults in fresh pages nor pins memory again. See :func:`release_memory`."""
+    return dict(_fastload.cached_memory())
+
+
+def release_memory() -> dict[str, int]:
+    """Gives the memory :func:`cached_memory` counts back (to the OS, and page-locked memory to
+    the CUDA driver); returns the bytes given back, by kind.
+
+    For a process that loads once, such as an inference server after its weights are in place
+    (the vLLM loader calls it then). Tensors are not affected; buffers a running load still uses
+    are freed, not kept, when it is done with them; the next load caches again."""
+    return dict(_fastload.release_memory())

@@ -3,7 +3,16 @@
 from collections.abc import Callable
 from typing import Any, final
 
-__all__ = ["Stream", "__version__", "cli_main", "cuda_device_count", "inspect", "parse_size"]
+__all__ = [
+    "Stream",
+    "__version__",
+    "cached_memory",
+    "cli_main",
+    "cuda_device_count",
+    "inspect",
+    "parse_size",
+    "release_memory",
+]
 
 __version__: str
 
@@ -39,3 +48,5 @@ def cuda_device_count() -> int: ...
 def inspect(
     uris: list[str], *, storage_options: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]: ...
+def cached_memory() -> dict[str, int]: ...
+def release_memory() -> dict[str, int]: ...

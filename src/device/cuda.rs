@@ -154,8 +154,15 @@ impl Drop for Event {
     }
 }
 
+/// A page-locked buffer nobody uses, kept for the next load.
+struct Cached {
+    addr: usize,
+    cap: usize,
+    gpu: Arc<Gpu>,
+}
+
 struct PinnedPool {
-    free: Vec<(usize, usize)>,
+    free: Vec<Cached>,
     cached: usize,
     limit: usize,
 }
@@ -166,16 +173,54 @@ static PINNED: Mutex<PinnedPool> = Mutex::new(PinnedPool {
     limit: 0,
 });
 
-/// Sets how many bytes of page-locked staging memory stay cached between loads.
+/// Sets how many bytes of page-locked staging memory stay cached between loads (at least what
+/// an earlier load of this process asked for, until [`release_pinned`]).
 pub fn set_pinned_limit(bytes: usize) {
     let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
     pool.limit = pool.limit.max(bytes);
+}
+
+/// Bytes of page-locked memory cached for the next load.
+pub fn pinned_cached() -> usize {
+    PINNED.lock().unwrap_or_else(|e| e.into_inner()).cached
+}
+
+/// Frees every cached page-locked buffer and stops caching until the next GPU load: buffers in
+/// use are freed when their load is done with them. Returns the bytes freed.
+pub fn release_pinned() -> usize {
+    let free = {
+        let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
+        pool.limit = 0;
+        pool.cached = 0;
+        std::mem::take(&mut pool.free)
+    };
+    free.into_iter()
+        .map(|c| {
+            free_pinned(c.addr, &c.gpu);
+            c.cap
+        })
+        .sum()
+}
+
+/// Gives page-locked memory back to the driver, in the context that allocated it. In a child
+/// forked after CUDA was initialised the driver cannot be called: the memory is left as it is.
+fn free_pinned(addr: usize, gpu: &Gpu) {
+    if gpu.pid != std::process::id() {
+        return;
+    }
+    let _ = guarded("cuMemFreeHost", || {
+        gpu.bind()?;
+        // SAFETY: allocated by `malloc_host` in this process, no longer referenced.
+        unsafe { result::free_host(addr as *mut c_void) }
+            .map_err(|e| driver_error("cuMemFreeHost", e))
+    });
 }
 
 /// Page-locked host memory from the pool; returns there when dropped.
 pub struct Pinned {
     addr: usize,
     cap: usize,
+    gpu: Arc<Gpu>,
 }
 
 impl Drop for Pinned {
@@ -183,36 +228,44 @@ impl Drop for Pinned {
         let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
         if pool.cached + self.cap <= pool.limit {
             pool.cached += self.cap;
-            pool.free.push((self.addr, self.cap));
+            pool.free.push(Cached {
+                addr: self.addr,
+                cap: self.cap,
+                gpu: self.gpu.clone(),
+            });
         } else {
             drop(pool);
-            // SAFETY: allocated by `malloc_host`, no longer referenced.
-            let _ = unsafe { result::free_host(self.addr as *mut c_void) };
+            free_pinned(self.addr, &self.gpu);
         }
     }
 }
 
-/// Takes the free `(address, capacity)` entry that best fits `cap` bytes, wasting at most half:
-/// page-locked buffers cannot be split or moved (the driver registered them as they are), and
-/// reusing one beats allocating another by far.
-fn take_best_fit(free: &mut Vec<(usize, usize)>, cap: usize) -> Option<(usize, usize)> {
+/// Takes the cached buffer that best fits `cap` bytes, wasting at most half: page-locked
+/// buffers cannot be split or moved (the driver registered them as they are), and reusing one
+/// beats allocating another by far.
+fn take_best_fit(free: &mut Vec<Cached>, cap: usize) -> Option<Cached> {
     let best = free
         .iter()
         .enumerate()
-        .filter(|(_, &(_, c))| c >= cap && c - cap <= cap / 2)
-        .min_by_key(|(_, &(_, c))| c)
+        .filter(|(_, c)| c.cap >= cap && c.cap - cap <= cap / 2)
+        .min_by_key(|(_, c)| c.cap)
         .map(|(i, _)| i)?;
     Some(free.swap_remove(best))
 }
 
-fn pinned(len: usize) -> Result<Pinned> {
+/// `len` bytes (rounded up) of page-locked memory; `gpu`'s context is bound.
+fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
     const GRAIN: usize = 64 << 10;
     let cap = len.max(1).div_ceil(GRAIN) * GRAIN;
     {
         let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((addr, c)) = take_best_fit(&mut pool.free, cap) {
-            pool.cached -= c;
-            return Ok(Pinned { addr, cap: c });
+        if let Some(c) = take_best_fit(&mut pool.free, cap) {
+            pool.cached -= c.cap;
+            return Ok(Pinned {
+                addr: c.addr,
+                cap: c.cap,
+                gpu: c.gpu,
+            });
         }
     }
     // SAFETY: allocates `cap` bytes of page-locked memory, usable from every context.
@@ -221,6 +274,7 @@ fn pinned(len: usize) -> Result<Pinned> {
     Ok(Pinned {
         addr: ptr as usize,
         cap,
+        gpu: gpu.clone(),
     })
 }
 
@@ -281,7 +335,7 @@ impl Engine for CudaEngine {
 
     fn staging(&self, len: usize) -> Result<Staging> {
         self.gpu.bind()?;
-        let memory = pinned(len)?;
+        let memory = pinned(&self.gpu, len)?;
         Ok(Staging {
             ptr: NonNull::new(memory.addr as *mut u8).expect("cuMemHostAlloc returned null"),
             len: memory.cap,

@@ -87,6 +87,38 @@ pub struct Target {
     pub allocator: Box<dyn Allocator>,
 }
 
+/// Host memory that loads keep for the next load: freed pooled buffers (`host`) and page-locked
+/// staging buffers (`pinned`), in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CachedMemory {
+    pub host: u64,
+    pub pinned: u64,
+}
+
+/// What is cached now.
+pub fn cached_memory() -> CachedMemory {
+    CachedMemory {
+        host: crate::memory::pool_cached(),
+        #[cfg(feature = "cuda")]
+        pinned: cuda::pinned_cached() as u64,
+        #[cfg(not(feature = "cuda"))]
+        pinned: 0,
+    }
+}
+
+/// Gives the cached memory back (to the OS, and to the CUDA driver) and keeps nothing more until
+/// the next load; returns what was given back. For a process that loads once (an inference
+/// server), this is the host memory loading needed and nothing after it does.
+pub fn release_cached_memory() -> CachedMemory {
+    CachedMemory {
+        host: crate::memory::release_pool(),
+        #[cfg(feature = "cuda")]
+        pinned: cuda::release_pinned() as u64,
+        #[cfg(not(feature = "cuda"))]
+        pinned: 0,
+    }
+}
+
 /// Owns a [`Staging`] buffer's memory; never read, dropped with it.
 #[allow(dead_code)]
 enum StagingMemory {

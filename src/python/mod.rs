@@ -139,6 +139,21 @@ fn cuda_device_count(py: Python<'_>) -> PyResult<usize> {
     }
 }
 
+/// Host memory kept by fastload for the next load, in bytes: {"host": ..., "pinned": ...}.
+#[pyfunction]
+fn cached_memory() -> std::collections::HashMap<&'static str, u64> {
+    let c = crate::device::cached_memory();
+    [("host", c.host), ("pinned", c.pinned)].into()
+}
+
+/// Gives the host memory kept for the next load back; returns the bytes given back, as
+/// `cached_memory`.
+#[pyfunction]
+fn release_memory(py: Python<'_>) -> std::collections::HashMap<&'static str, u64> {
+    let c = py.detach(crate::device::release_cached_memory);
+    [("host", c.host), ("pinned", c.pinned)].into()
+}
+
 #[pymodule]
 fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", crate::VERSION)?;
@@ -147,5 +162,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(cached_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     Ok(())
 }

@@ -157,6 +157,7 @@ CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
 }
 
 CUresult cuMemFreeHost(void *p) {
+    NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < 4096; i++) {
         if (pinned[i].at == (uintptr_t)p) {
