@@ -249,24 +249,31 @@ def run():
     s = _fastload.Stream([sys.argv[1]], target="cuda:0", allocate=allocate,
                          block_size="64KiB", memory_limit="1MiB")
     return sum(len(batch) for batch in s)
-import torch
+import ctypes, torch
 from fastload import _fastload
 n = run()
 cached = fastload.cached_memory()
+driver = ctypes.CDLL("libcuda.so.1")
+def current():
+    ctx = ctypes.c_void_p()
+    driver.cuCtxGetCurrent(ctypes.byref(ctx))
+    return ctx.value
 out = {}
-t = threading.Thread(target=lambda: out.update(freed=fastload.release_memory()))
+def release():  # a thread without a current context keeps none
+    out.update(freed=fastload.release_memory(), ctx=current())
+t = threading.Thread(target=release)
 t.start(); t.join()
 emptied = fastload.cached_memory()
 n2 = run()
 again = fastload.cached_memory()
 fastload.release_memory()
-emit(n=[n, n2], cached=cached, freed=out["freed"], emptied=emptied, again=again)
+emit(n=[n, n2], cached=cached, freed=out["freed"], ctx=out["ctx"], emptied=emptied, again=again)
 """
     log = tmp_path / "log"
     out = run_probe(code, dtypes_file, env=_fake_env(fake_cuda, log))
     assert out["n"] == [len(reference(dtypes_file))] * 2
     assert 0 < out["cached"]["pinned"] <= 1 << 20, out
-    assert out["freed"]["pinned"] == out["cached"]["pinned"], out
+    assert out["freed"]["pinned"] == out["cached"]["pinned"] and out["ctx"] is None, out
     assert out["emptied"]["pinned"] == 0 and out["again"]["pinned"] > 0, out
     counters = _fake_log(log)
     assert counters["pinned_now"] == 0, counters

@@ -202,17 +202,28 @@ pub fn release_pinned() -> usize {
         .sum()
 }
 
-/// Gives page-locked memory back to the driver, in the context that allocated it. In a child
-/// forked after CUDA was initialised the driver cannot be called: the memory is left as it is.
+/// Gives page-locked memory back to the driver, in the context that allocated it; the calling
+/// thread's current context is put back afterwards (it may be a consumer's thread, whose CUDA
+/// runtime takes its current device from it). In a child forked after CUDA was initialised the
+/// driver cannot be called: the memory is left as it is.
 fn free_pinned(addr: usize, gpu: &Gpu) {
     if gpu.pid != std::process::id() {
         return;
     }
     let _ = guarded("cuMemFreeHost", || {
+        let previous = result::ctx::get_current()
+            .map_err(|e| driver_error("cuCtxGetCurrent", e))?
+            .unwrap_or(std::ptr::null_mut());
         gpu.bind()?;
         // SAFETY: allocated by `malloc_host` in this process, no longer referenced.
-        unsafe { result::free_host(addr as *mut c_void) }
-            .map_err(|e| driver_error("cuMemFreeHost", e))
+        let freed = unsafe { result::free_host(addr as *mut c_void) }
+            .map_err(|e| driver_error("cuMemFreeHost", e));
+        if previous as usize != gpu.ctx {
+            // SAFETY: the context that was current here a moment ago (or none).
+            unsafe { result::ctx::set_current(previous) }
+                .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+        }
+        freed
     });
 }
 

@@ -104,6 +104,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
 }
 
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return OK; }
 
 CUresult cuStreamCreate(CUstream *s, unsigned flags) {
     (void)flags;
