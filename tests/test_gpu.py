@@ -240,6 +240,7 @@ def test_fake_driver_parity_and_bounds(fake_cuda, dtypes_file, gil_file, tmp_pat
 def test_fake_driver_release_memory(fake_cuda, dtypes_file, tmp_path):
     # The page-locked ring stays cached after a GPU load until release_memory() hands it back to
     # the driver (in its context, from a thread that never used CUDA); the next load pins again.
+    # Neither the load nor the release leaves a context current on the caller's thread.
     code = """
 import threading
 def allocate(sizes):
@@ -258,6 +259,7 @@ def current():
     ctx = ctypes.c_void_p()
     driver.cuCtxGetCurrent(ctypes.byref(ctx))
     return ctx.value
+loaded_here = current()  # the consumer's thread: no context before, none after the load
 out = {}
 def release():  # a thread without a current context keeps none
     out.update(freed=fastload.release_memory(), ctx=current())
@@ -267,13 +269,16 @@ emptied = fastload.cached_memory()
 n2 = run()
 again = fastload.cached_memory()
 fastload.release_memory()
-emit(n=[n, n2], cached=cached, freed=out["freed"], ctx=out["ctx"], emptied=emptied, again=again)
+emit(n=[n, n2], cached=cached, freed=out["freed"], ctx=[loaded_here, out["ctx"], current()],
+     emptied=emptied, again=again)
 """
     log = tmp_path / "log"
     out = run_probe(code, dtypes_file, env=_fake_env(fake_cuda, log))
     assert out["n"] == [len(reference(dtypes_file))] * 2
     assert 0 < out["cached"]["pinned"] <= 1 << 20, out
-    assert out["freed"]["pinned"] == out["cached"]["pinned"] and out["ctx"] is None, out
+    assert out["freed"]["pinned"] == out["cached"]["pinned"], out
+    # torch's current device follows a thread's current context: fastload leaves it alone.
+    assert out["ctx"] == [None, None, None], out
     assert out["emptied"]["pinned"] == 0 and out["again"]["pinned"] > 0, out
     counters = _fake_log(log)
     assert counters["pinned_now"] == 0, counters

@@ -142,6 +142,22 @@ impl Gpu {
         unsafe { result::ctx::set_current(self.ctx as sys::CUcontext) }
             .map_err(|e| driver_error("cuCtxSetCurrent", e))
     }
+
+    /// Runs `f` with this context bound, then puts back the calling thread's own (or none): the
+    /// thread may be a consumer's, whose CUDA runtime (torch) takes its current device from it.
+    fn borrow<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let previous = result::ctx::get_current()
+            .map_err(|e| driver_error("cuCtxGetCurrent", e))?
+            .unwrap_or(std::ptr::null_mut());
+        self.bind()?;
+        let out = f();
+        if previous as usize != self.ctx {
+            // SAFETY: the context that was current here a moment ago (or none).
+            unsafe { result::ctx::set_current(previous) }
+                .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+        }
+        out
+    }
 }
 
 /// A recorded CUDA event, destroyed when dropped.
@@ -202,28 +218,19 @@ pub fn release_pinned() -> usize {
         .sum()
 }
 
-/// Gives page-locked memory back to the driver, in the context that allocated it; the calling
-/// thread's current context is put back afterwards (it may be a consumer's thread, whose CUDA
-/// runtime takes its current device from it). In a child forked after CUDA was initialised the
-/// driver cannot be called: the memory is left as it is.
+/// Gives page-locked memory back to the driver, in the context that allocated it (from any
+/// thread). In a child forked after CUDA was initialised the driver cannot be called: the memory
+/// is left as it is.
 fn free_pinned(addr: usize, gpu: &Gpu) {
     if gpu.pid != std::process::id() {
         return;
     }
     let _ = guarded("cuMemFreeHost", || {
-        let previous = result::ctx::get_current()
-            .map_err(|e| driver_error("cuCtxGetCurrent", e))?
-            .unwrap_or(std::ptr::null_mut());
-        gpu.bind()?;
-        // SAFETY: allocated by `malloc_host` in this process, no longer referenced.
-        let freed = unsafe { result::free_host(addr as *mut c_void) }
-            .map_err(|e| driver_error("cuMemFreeHost", e));
-        if previous as usize != gpu.ctx {
-            // SAFETY: the context that was current here a moment ago (or none).
-            unsafe { result::ctx::set_current(previous) }
-                .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
-        }
-        freed
+        gpu.borrow(|| {
+            // SAFETY: allocated by `malloc_host` in this process, no longer referenced.
+            unsafe { result::free_host(addr as *mut c_void) }
+                .map_err(|e| driver_error("cuMemFreeHost", e))
+        })
     });
 }
 
@@ -298,14 +305,16 @@ pub struct CudaEngine {
 impl CudaEngine {
     pub fn new(ordinal: usize) -> Result<CudaEngine> {
         let gpu = Gpu::get(ordinal)?;
-        guarded("stream", || {
-            gpu.bind()?;
-            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-                .map_err(|e| driver_error("cuStreamCreate", e))?;
-            Ok(CudaEngine {
-                gpu,
-                stream: stream as usize,
+        // Called on the consumer's thread: its current context stays as it was.
+        let stream = guarded("stream", || {
+            gpu.borrow(|| {
+                result::stream::create(result::stream::StreamKind::NonBlocking)
+                    .map_err(|e| driver_error("cuStreamCreate", e))
             })
+        })?;
+        Ok(CudaEngine {
+            gpu,
+            stream: stream as usize,
         })
     }
 
@@ -332,10 +341,13 @@ impl CudaEngine {
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
-        if self.gpu.bind().is_ok() {
+        let stream = self.stream();
+        // The last owner may be the consumer's thread: borrow the context.
+        let _ = self.gpu.borrow(|| {
             // SAFETY: our stream; cuStreamDestroy lets queued work finish first.
-            let _ = unsafe { result::stream::destroy(self.stream()) };
-        }
+            unsafe { result::stream::destroy(stream) }
+                .map_err(|e| driver_error("cuStreamDestroy", e))
+        });
     }
 }
 
@@ -408,10 +420,11 @@ struct DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        if self.gpu.bind().is_ok() {
+        let ptr = self.ptr;
+        let _ = self.gpu.borrow(|| {
             // SAFETY: allocated by `malloc_sync`, freed once.
-            let _ = unsafe { result::free_sync(self.ptr) };
-        }
+            unsafe { result::free_sync(ptr) }.map_err(|e| driver_error("cuMemFree", e))
+        });
     }
 }
 
