@@ -139,19 +139,22 @@ fn cuda_device_count(py: Python<'_>) -> PyResult<usize> {
     }
 }
 
+/// `{"host": bytes, "pinned": bytes}`, the shape both memory functions return.
+fn by_kind(c: crate::device::CachedMemory) -> std::collections::HashMap<&'static str, u64> {
+    [("host", c.host), ("pinned", c.pinned)].into()
+}
+
 /// Host memory kept by fastload for the next load, in bytes: {"host": ..., "pinned": ...}.
 #[pyfunction]
 fn cached_memory() -> std::collections::HashMap<&'static str, u64> {
-    let c = crate::device::cached_memory();
-    [("host", c.host), ("pinned", c.pinned)].into()
+    by_kind(crate::device::cached_memory())
 }
 
 /// Gives the host memory kept for the next load back; returns the bytes given back, as
 /// `cached_memory`.
 #[pyfunction]
 fn release_memory(py: Python<'_>) -> std::collections::HashMap<&'static str, u64> {
-    let c = py.detach(crate::device::release_cached_memory);
-    [("host", c.host), ("pinned", c.pinned)].into()
+    by_kind(py.detach(crate::device::release_cached_memory))
 }
 
 #[pymodule]
