@@ -9,7 +9,8 @@ use fastload::format::{self, Header};
 use fastload::options::LoadOptions;
 use fastload::pipeline::Loader;
 use fastload::plan;
-use fastload::source::{Data, Shard};
+use fastload::source::object::RemoteObject;
+use fastload::source::Shard;
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
@@ -43,14 +44,13 @@ fn header_of(bytes: &[u8]) -> Header {
 }
 
 fn remote_shard(store: &Arc<dyn ObjectStore>, path: &Path, bytes: &[u8]) -> Shard {
+    let name = format!("memory:///{path}");
+    let size = bytes.len() as u64;
     Shard {
-        name: format!("memory:///{path}"),
-        data: Data::Remote {
-            store: store.clone(),
-            path: path.clone(),
-        },
-        size: bytes.len() as u64,
+        name: name.clone(),
+        size,
         header: header_of(bytes),
+        source: Arc::new(RemoteObject::new(name, store.clone(), path.clone(), size)),
     }
 }
 

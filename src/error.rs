@@ -35,9 +35,14 @@ pub enum Error {
     #[error("{uri}: unsupported URI: {message}")]
     UnsupportedUri { uri: String, message: String },
 
-    /// The consumer went away; reads were stopped.
-    #[error("load cancelled")]
-    Cancelled,
+    /// The load ended without an error before every planned tensor was delivered (a worker
+    /// stopped early).
+    #[error("load ended after {delivered} of {planned} tensors")]
+    Incomplete { delivered: u64, planned: u64 },
+
+    /// A bug in fastload, such as a worker task that panicked.
+    #[error("internal error: {message}")]
+    Internal { message: String },
 
     /// CUDA is unavailable (no driver, no such device) or a driver call failed.
     #[error("{message}")]

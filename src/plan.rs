@@ -293,10 +293,10 @@ mod tests {
         }
         Shard {
             name: name.into(),
-            data: crate::source::Data::Local {
-                path: name.into(),
-                file: Arc::new(std::fs::File::open("/dev/null").unwrap()),
-            },
+            source: Arc::new(crate::source::testing::Bytes {
+                name: name.into(),
+                data: Vec::new(),
+            }),
             size: 100 + off,
             header: Header {
                 data_start: 100,

@@ -366,6 +366,10 @@ impl Engine for CudaEngine {
         })
     }
 
+    fn keep_staging(&self, bytes: u64) {
+        set_pinned_limit(bytes as usize);
+    }
+
     fn enter(&self) -> Result<()> {
         self.gpu.bind()
     }

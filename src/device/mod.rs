@@ -40,6 +40,9 @@ pub trait Engine: Send + Sync {
     fn name(&self) -> String;
     /// A staging buffer of at least `len` bytes, ready to be written (page-locked for a GPU).
     fn staging(&self, len: usize) -> Result<Staging>;
+    /// Staging memory a load may hold at once (its ring); engines that cache staging buffers
+    /// between loads (page-locked memory is slow to allocate) keep at least this much.
+    fn keep_staging(&self, _bytes: u64) {}
     /// Makes the engine usable from the calling thread (binds the CUDA context).
     fn enter(&self) -> Result<()> {
         Ok(())

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::memory::{self, HostBuffer};
 use crate::options::{LoadOptions, Method, Resolved};
 use crate::plan::{self, Plan, TensorSlot};
-use crate::source::{self, Data, Shard};
+use crate::source;
 
 /// A segment whose bytes have all landed.
 pub struct Loaded {
@@ -102,89 +102,72 @@ fn kib(bytes: u64) -> u32 {
     bytes.div_ceil(1024).min(u32::MAX as u64) as u32
 }
 
-struct SegmentJob {
-    plan: Arc<Plan>,
-    index: usize,
-    buffer: Arc<HostBuffer>,
-    method: Method,
-    remaining: AtomicUsize,
-    permit: Mutex<Option<OwnedSemaphorePermit>>,
+/// The producing side of a load, shared by both pipelines: the channel to the consumer, the
+/// cancel flag and the counters.
+struct Feed {
     tx: mpsc::UnboundedSender<Msg>,
     cancel: Arc<AtomicBool>,
     stats: Arc<Stats>,
 }
 
-impl SegmentJob {
-    fn shard(&self) -> &Shard {
-        &self.plan.shards[self.plan.segments[self.index].shard]
+impl Feed {
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::SeqCst)
     }
 
-    #[allow(unsafe_code)]
-    fn read_block(&self, off: u64, len: u64) -> Result<()> {
-        let shard = self.shard();
-        let (o, l) = (off as usize, len as usize);
-        let Data::Local { file, .. } = &shard.data else {
-            unreachable!("remote blocks are read by read_remote_block");
-        };
-        match self.method {
-            Method::Mmap => self.buffer.populate(o, l, &shard.name)?,
-            _ => {
-                if self.buffer.is_fresh() {
-                    self.buffer.populate(o, l, &shard.name)?;
-                }
-                let start = self.plan.segments[self.index].start + off;
-                // SAFETY: every block of this buffer goes to exactly one reader, and the buffer is
-                // published only after the last reader finished.
-                let dst = unsafe { self.buffer.slice_mut(o, l) };
-                source::read_exact_at(file, dst, start, &shard.name)?;
-            }
-        }
-        self.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
-        Ok(())
-    }
-
-    #[allow(unsafe_code)]
-    async fn read_remote_block(&self, off: u64, len: u64) -> Result<()> {
-        let shard = self.shard();
-        let Data::Remote { store, path } = &shard.data else {
-            unreachable!("local blocks are read by read_block");
-        };
-        if self.buffer.is_fresh() {
-            // Faulting fresh pages in bulk is several times faster than one fault per page
-            // while copying body chunks; it blocks, so off the async workers.
-            let buffer = self.buffer.clone();
-            let name = shard.name.clone();
-            tokio::task::spawn_blocking(move || buffer.populate(off as usize, len as usize, &name))
-                .await
-                .map_err(|e| Error::Io {
-                    path: shard.name.clone(),
-                    source: std::io::Error::other(e.to_string()),
-                })??;
-        }
-        let start = self.plan.segments[self.index].start + off;
-        // SAFETY: as in `read_block`: one reader per block, published after all finished.
-        let dst = unsafe { self.buffer.slice_mut(off as usize, len as usize) };
-        crate::object::read_range_into(store.as_ref(), path, start, dst, &shard.name).await?;
-        self.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn block_finished(&self, result: Result<()>) {
-        match result {
-            Ok(()) => self.block_done(),
-            Err(e) => self.fail(e),
-        }
-    }
-
+    /// Ends the load with `err`: the first failure is reported, later ones are consequences.
     fn fail(&self, err: Error) {
         if !self.cancel.swap(true, Ordering::SeqCst) {
             let _ = self.tx.send(Msg::Failed(err));
         }
     }
 
-    fn block_done(&self) {
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.publish();
+    fn deliver(&self, loaded: Loaded, permit: Option<OwnedSemaphorePermit>) {
+        let _ = self.tx.send(Msg::Segment(loaded, permit));
+    }
+}
+
+/// One segment being read into one host buffer.
+struct SegmentJob {
+    plan: Arc<Plan>,
+    index: usize,
+    buffer: Arc<HostBuffer>,
+    remaining: AtomicUsize,
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+    feed: Arc<Feed>,
+}
+
+impl SegmentJob {
+    /// Fills `len` bytes at `off` of the buffer: faults a mapping's pages in (that is the read),
+    /// or reads from the source into pooled memory.
+    #[allow(unsafe_code)]
+    async fn read_block(&self, off: u64, len: u64) -> Result<()> {
+        let seg = &self.plan.segments[self.index];
+        let shard = &self.plan.shards[seg.shard];
+        let (o, l) = (off as usize, len as usize);
+        if self.buffer.is_fresh() {
+            // Faulting fresh pages in bulk is several times faster than one fault per page
+            // while the read copies into them (and for a mapping it is the read itself).
+            tokio::task::block_in_place(|| self.buffer.populate(o, l, &shard.name))?;
+        }
+        if !self.buffer.is_mapped() {
+            // SAFETY: every block of this buffer goes to exactly one reader, and the buffer is
+            // published only after the last reader finished.
+            let dst = unsafe { self.buffer.slice_mut(o, l) };
+            shard.source.read_into(seg.start + off, dst).await?;
+        }
+        self.feed.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn block_finished(&self, result: Result<()>) {
+        match result {
+            Err(e) => self.feed.fail(e),
+            Ok(()) => {
+                if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    self.publish();
+                }
+            }
         }
     }
 
@@ -202,19 +185,16 @@ impl SegmentJob {
             shard: seg.shard,
             tensors: seg.tensors.clone(),
         };
-        let _ = self.tx.send(Msg::Segment(loaded, Some(permit)));
+        self.feed.deliver(loaded, Some(permit));
     }
 }
 
 struct Driver {
     plan: Arc<Plan>,
     opts: Resolved,
-    method: Method,
     budget: Arc<Semaphore>,
     budget_kib: u32,
-    tx: mpsc::UnboundedSender<Msg>,
-    cancel: Arc<AtomicBool>,
-    stats: Arc<Stats>,
+    feed: Arc<Feed>,
 }
 
 impl Driver {
@@ -226,29 +206,18 @@ impl Driver {
             let Ok(permit) = self.budget.clone().acquire_many_owned(need).await else {
                 return;
             };
-            if self.cancel.load(Ordering::SeqCst) {
+            if self.feed.cancelled() {
                 return;
             }
-            let shard = &self.plan.shards[seg.shard];
-            // Object-store bytes arrive over the network: always into pooled buffers.
-            let method = match (&shard.data, self.method) {
-                (Data::Local { .. }, m) => m,
-                (Data::Remote { .. }, _) => Method::Read,
+            let source = &self.plan.shards[seg.shard].source;
+            // Sources that cannot be mapped (object stores) are read into pooled buffers.
+            let mapped = match self.opts.method {
+                Method::Mmap => source.map(seg.start, seg.len as usize),
+                _ => None,
             };
-            let buffer = match (&shard.data, method) {
-                (Data::Local { file, .. }, Method::Mmap) => {
-                    HostBuffer::map_file(file, seg.start, seg.len as usize, &shard.name)
-                }
-                _ => HostBuffer::alloc(seg.len as usize),
-            };
-            let buffer = match buffer {
+            let buffer = match mapped.unwrap_or_else(|| HostBuffer::alloc(seg.len as usize)) {
                 Ok(b) => Arc::new(b),
-                Err(e) => {
-                    if !self.cancel.swap(true, Ordering::SeqCst) {
-                        let _ = self.tx.send(Msg::Failed(e));
-                    }
-                    return;
-                }
+                Err(e) => return self.feed.fail(e),
             };
             let blocks: Vec<(u64, u64)> =
                 plan::blocks(seg.start, seg.len, self.opts.block_size).collect();
@@ -256,12 +225,9 @@ impl Driver {
                 plan: self.plan.clone(),
                 index,
                 buffer,
-                method,
                 remaining: AtomicUsize::new(blocks.len()),
                 permit: Mutex::new(Some(permit)),
-                tx: self.tx.clone(),
-                cancel: self.cancel.clone(),
-                stats: self.stats.clone(),
+                feed: self.feed.clone(),
             });
             if blocks.is_empty() {
                 job.publish();
@@ -271,29 +237,18 @@ impl Driver {
                 let Ok(slot) = reads.clone().acquire_owned().await else {
                     return;
                 };
-                if self.cancel.load(Ordering::SeqCst) {
+                if self.feed.cancelled() {
                     return;
                 }
                 let job = job.clone();
-                if matches!(shard.data, Data::Remote { .. }) {
-                    tokio::spawn(async move {
-                        if job.cancel.load(Ordering::SeqCst) {
-                            return;
-                        }
-                        let result = job.read_remote_block(off, len).await;
-                        drop(slot);
-                        job.block_finished(result);
-                    });
-                } else {
-                    tokio::task::spawn_blocking(move || {
-                        if job.cancel.load(Ordering::SeqCst) {
-                            return;
-                        }
-                        let result = job.read_block(off, len);
-                        drop(slot);
-                        job.block_finished(result);
-                    });
-                }
+                tokio::spawn(async move {
+                    if job.feed.cancelled() {
+                        return;
+                    }
+                    let result = job.read_block(off, len).await;
+                    drop(slot);
+                    job.block_finished(result);
+                });
             }
         }
     }
@@ -309,29 +264,39 @@ impl Loader {
             m => m,
         };
         memory::set_pool_limit(opts.memory_limit);
-        let plan = Arc::new(plan);
         let budget_kib = kib(opts.memory_limit).min(Semaphore::MAX_PERMITS as u32);
         let budget = Arc::new(Semaphore::new(budget_kib as usize));
+        let opts = Resolved { method, ..opts };
+        let (loader, feed) = Loader::new(plan, budget.clone(), opts.clone(), None);
+        let driver = Driver {
+            plan: loader.plan.clone(),
+            opts,
+            budget,
+            budget_kib,
+            feed,
+        };
+        crate::runtime::get().spawn(driver.run());
+        loader
+    }
+
+    /// A loader over `plan` and the feed its producers publish to. `budget` is closed when the
+    /// consumer goes away; `config` is what `stats()` reports.
+    fn new(
+        plan: Plan,
+        budget: Arc<Semaphore>,
+        config: Resolved,
+        target: Option<String>,
+    ) -> (Loader, Arc<Feed>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Stats::default());
-        let config = Resolved {
-            method,
-            ..opts.clone()
-        };
-        let driver = Driver {
-            plan: plan.clone(),
-            opts,
-            method,
-            budget: budget.clone(),
-            budget_kib,
+        let feed = Arc::new(Feed {
             tx,
             cancel: cancel.clone(),
             stats: stats.clone(),
-        };
-        crate::runtime::get().spawn(driver.run());
-        Loader {
-            plan,
+        });
+        let loader = Loader {
+            plan: Arc::new(plan),
             rx,
             cancel,
             budget,
@@ -340,8 +305,9 @@ impl Loader {
             first: None,
             done: false,
             config,
-            target: None,
-        }
+            target,
+        };
+        (loader, feed)
     }
 
     /// The engine a staged load copies with ("cuda:0", "host"); `None` for host-memory loads.
@@ -400,7 +366,10 @@ impl Loader {
                 if delivered as usize != self.plan.tensor_count
                     && !self.cancel.load(Ordering::SeqCst)
                 {
-                    return Some(Err(Error::Cancelled));
+                    return Some(Err(Error::Incomplete {
+                        delivered,
+                        planned: self.plan.tensor_count as u64,
+                    }));
                 }
                 None
             }

@@ -10,18 +10,16 @@
 //! - the completion thread waits for fences in order, returns each staging buffer to the ring,
 //!   and hands a segment's tensors to the consumer once its last block's fence passed.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
-use std::time::Instant;
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{Loaded, Loader, Memory, Msg, Stats};
+use super::{Feed, Loaded, Loader, Memory};
 use crate::device::{Allocator, Destination, Engine, Fence, Staging, Target};
 use crate::error::{Error, Result};
 use crate::options::{Method, Resolved};
 use crate::plan::{self, Plan};
-use crate::source::{self, Data};
 
 /// The block size of a staged load: the requested one, shrunk so the ring has at least two slots.
 fn block_for(opts: &Resolved) -> u64 {
@@ -32,21 +30,7 @@ fn block_for(opts: &Resolved) -> u64 {
 struct Shared {
     plan: Arc<Plan>,
     engine: Arc<dyn Engine>,
-    tx: mpsc::UnboundedSender<Msg>,
-    cancel: Arc<AtomicBool>,
-    stats: Arc<Stats>,
-}
-
-impl Shared {
-    fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::SeqCst)
-    }
-
-    fn fail(&self, err: Error) {
-        if !self.cancel.swap(true, Ordering::SeqCst) {
-            let _ = self.tx.send(Msg::Failed(err));
-        }
-    }
+    feed: Arc<Feed>,
 }
 
 /// One segment in flight.
@@ -71,21 +55,22 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let Target { engine, allocator } = target;
     let block = block_for(&opts);
     let slots = (opts.memory_limit / block).clamp(2, Semaphore::MAX_PERMITS as u64) as usize;
-    #[cfg(feature = "cuda")]
-    crate::device::cuda::set_pinned_limit((slots as u64 * block) as usize);
+    engine.keep_staging(slots as u64 * block);
     crate::memory::set_pool_limit(opts.memory_limit);
-    let plan = Arc::new(plan);
     let ring = Arc::new(Semaphore::new(slots));
-    let (tx, rx) = mpsc::unbounded_channel();
-    let cancel = Arc::new(AtomicBool::new(false));
-    let stats = Arc::new(Stats::default());
     let target_name = engine.name();
+    // What runs: staging buffers read whole blocks of `block` bytes.
+    let config = Resolved {
+        method: Method::Read,
+        block_size: block,
+        ..opts
+    };
+    let concurrency = config.concurrency;
+    let (loader, feed) = Loader::new(plan, ring.clone(), config, Some(target_name));
     let shared = Arc::new(Shared {
-        plan: plan.clone(),
+        plan: loader.plan.clone(),
         engine,
-        tx,
-        cancel: cancel.clone(),
-        stats: stats.clone(),
+        feed,
     });
     let (copy_tx, copy_rx) = std_mpsc::channel::<Block>();
     let (done_tx, done_rx) = std_mpsc::channel::<(Fence, Block, Option<Error>)>();
@@ -103,32 +88,8 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
             .spawn(move || completer(&shared, done_rx))
             .expect("spawning the copy completion thread");
     }
-    crate::runtime::get().spawn(drive(
-        shared,
-        ring.clone(),
-        slots,
-        block,
-        opts.concurrency,
-        copy_tx,
-    ));
-    // What runs: staging buffers read whole blocks of `block` bytes.
-    let config = Resolved {
-        method: Method::Read,
-        block_size: block,
-        ..opts
-    };
-    Loader {
-        plan,
-        rx,
-        cancel,
-        budget: ring,
-        stats,
-        started: Instant::now(),
-        first: None,
-        done: false,
-        config,
-        target: Some(target_name),
-    }
+    crate::runtime::get().spawn(drive(shared, ring, slots, block, concurrency, copy_tx));
+    loader
 }
 
 async fn drive(
@@ -164,24 +125,31 @@ async fn drive(
                 return;
             };
             let held = (slots - ring.available_permits()) as u64 * block;
-            shared.stats.staging_peak.fetch_max(held, Ordering::Relaxed);
+            shared
+                .feed
+                .stats
+                .staging_peak
+                .fetch_max(held, Ordering::Relaxed);
             let Ok(read) = reads.clone().acquire_owned().await else {
                 return;
             };
-            if shared.cancelled() {
+            if shared.feed.cancelled() {
                 return;
             }
             let (shared, job, copy_tx) = (shared.clone(), job.clone(), copy_tx.clone());
-            let is_remote = matches!(plan.shards[seg.shard].data, Data::Remote { .. });
             let task = async move {
-                if shared.cancelled() {
+                if shared.feed.cancelled() {
                     return;
                 }
-                let staging = read_block(&shared, job.index, off, len, block, is_remote).await;
+                let staging = read_block(&shared, job.index, off, len, block).await;
                 drop(read);
                 match staging {
                     Ok(staging) => {
-                        shared.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
+                        shared
+                            .feed
+                            .stats
+                            .bytes_read
+                            .fetch_add(len, Ordering::Relaxed);
                         let _ = copy_tx.send(Block {
                             job,
                             off,
@@ -190,7 +158,7 @@ async fn drive(
                             _slot: Some(slot),
                         });
                     }
-                    Err(e) => shared.fail(e),
+                    Err(e) => shared.feed.fail(e),
                 }
             };
             tokio::spawn(task);
@@ -199,43 +167,22 @@ async fn drive(
 }
 
 /// Reads one block into a staging buffer from the engine.
-#[allow(unsafe_code)]
 async fn read_block(
     shared: &Arc<Shared>,
     index: usize,
     off: u64,
     len: u64,
     block: u64,
-    is_remote: bool,
 ) -> Result<Staging> {
     let seg = &shared.plan.segments[index];
-    let start = seg.start + off;
-    if is_remote {
-        let engine = shared.engine.clone();
-        let mut staging = tokio::task::spawn_blocking(move || engine.staging(block as usize))
-            .await
-            .map_err(|e| Error::device(format!("staging allocation: {e}")))??;
-        let shard = &shared.plan.shards[seg.shard];
-        let Data::Remote { store, path } = &shard.data else {
-            unreachable!("checked by the caller");
-        };
-        let dst = staging.slice_mut(len as usize);
-        crate::object::read_range_into(store.as_ref(), path, start, dst, &shard.name).await?;
-        return Ok(staging);
-    }
-    let shared = shared.clone();
-    tokio::task::spawn_blocking(move || {
-        let seg = &shared.plan.segments[index];
-        let shard = &shared.plan.shards[seg.shard];
-        let Data::Local { file, .. } = &shard.data else {
-            unreachable!("checked by the caller");
-        };
-        let mut staging = shared.engine.staging(block as usize)?;
-        source::read_exact_at(file, staging.slice_mut(len as usize), start, &shard.name)?;
-        Ok(staging)
-    })
-    .await
-    .map_err(|e| Error::device(format!("read task: {e}")))?
+    let shard = &shared.plan.shards[seg.shard];
+    // Page-locking new memory can take long: off the runtime's workers.
+    let mut staging = tokio::task::block_in_place(|| shared.engine.staging(block as usize))?;
+    shard
+        .source
+        .read_into(seg.start + off, staging.slice_mut(len as usize))
+        .await?;
+    Ok(staging)
 }
 
 /// The copy thread: destinations on a segment's first block, then one copy per tensor piece.
@@ -246,11 +193,11 @@ fn copier(
     done: std_mpsc::Sender<(Fence, Block, Option<Error>)>,
 ) {
     if let Err(e) = shared.engine.enter() {
-        shared.fail(e);
+        shared.feed.fail(e);
         return;
     }
     for block in rx {
-        if shared.cancelled() {
+        if shared.feed.cancelled() {
             continue;
         }
         let copied = copy_block(shared, allocator.as_mut(), &block);
@@ -265,7 +212,7 @@ fn copier(
                 if let Some(staging) = block.staging {
                     std::mem::forget(staging);
                 }
-                shared.fail(copied.err().unwrap_or(e));
+                shared.feed.fail(copied.err().unwrap_or(e));
             }
         }
     }
@@ -320,6 +267,7 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
             )?;
         }
         shared
+            .feed
             .stats
             .bytes_copied
             .fetch_add(b - a, Ordering::Relaxed);
@@ -330,7 +278,7 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
 /// The completion thread: fences in order; a segment is handed out after its last block.
 fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error>)>) {
     if let Err(e) = shared.engine.enter() {
-        shared.fail(e);
+        shared.feed.fail(e);
         // Without the engine, fences cannot be waited for: keep their buffers out of reuse.
         for (_, block, _) in rx {
             if let Some(staging) = block.staging {
@@ -343,10 +291,10 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
         let waited = shared.engine.wait(fence);
         let Block { job, .. } = block; // drops the staging buffer and its ring slot
         if let Some(e) = failed.or(waited.err()) {
-            shared.fail(e);
+            shared.feed.fail(e);
             continue;
         }
-        if job.remaining.fetch_sub(1, Ordering::AcqRel) != 1 || shared.cancelled() {
+        if job.remaining.fetch_sub(1, Ordering::AcqRel) != 1 || shared.feed.cancelled() {
             continue;
         }
         let seg = &shared.plan.segments[job.index];
@@ -361,7 +309,7 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
             shard: seg.shard,
             tensors: seg.tensors.clone(),
         };
-        let _ = shared.tx.send(Msg::Segment(loaded, None));
+        shared.feed.deliver(loaded, None);
     }
 }
 

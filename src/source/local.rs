@@ -1,0 +1,216 @@
+//! Files on this machine: URI resolution (files, shard directories, index files, `file://`) and
+//! positioned reads straight into the destination; files can also be mapped.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+
+use super::Source;
+use crate::error::{Error, Result};
+use crate::memory::HostBuffer;
+
+/// The index file that sharded Hugging Face checkpoints carry.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// An open local file.
+#[derive(Debug)]
+pub struct LocalFile {
+    name: String,
+    path: PathBuf,
+    file: File,
+    size: u64,
+}
+
+impl LocalFile {
+    /// Opens `path`; a directory is refused here, before any header is read.
+    pub fn open(path: &Path) -> Result<LocalFile> {
+        let name = path.display().to_string();
+        let file = File::open(path).map_err(|e| Error::io(&name, e))?;
+        let meta = file.metadata().map_err(|e| Error::io(&name, e))?;
+        if meta.is_dir() {
+            return Err(Error::format(
+                &name,
+                "is a directory, not a safetensors file",
+            ));
+        }
+        Ok(LocalFile {
+            name,
+            path: path.to_path_buf(),
+            file,
+            size: meta.len(),
+        })
+    }
+}
+
+impl Source for LocalFile {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+        // pread blocks: hand this worker's other tasks to another thread meanwhile.
+        Box::pin(async move {
+            tokio::task::block_in_place(|| read_exact_at(&self.file, dst, offset, &self.name))
+        })
+    }
+
+    fn map(&self, offset: u64, len: usize) -> Option<Result<HostBuffer>> {
+        Some(HostBuffer::map_file(&self.file, offset, len, &self.name))
+    }
+
+    fn local_path(&self) -> Option<&Path> {
+        Some(&self.path)
+    }
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, retrying interrupted and short reads.
+pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, name: &str) -> Result<()> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                return Err(Error::Io {
+                    path: name.to_string(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "file ended at byte {} while reading {} bytes at offset {offset} (was it truncated while loading?)",
+                            offset + done as u64,
+                            buf.len()
+                        ),
+                    ),
+                })
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io(name, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Opens the files that local URIs name, each once, in a stable order.
+pub fn open(uris: &[String]) -> Result<Vec<Arc<dyn Source>>> {
+    if uris.is_empty() {
+        return Ok(Vec::new());
+    }
+    resolve(uris)?
+        .iter()
+        .map(|p| Ok(Arc::new(LocalFile::open(p)?) as Arc<dyn Source>))
+        .collect()
+}
+
+fn local_path(uri: &str) -> Result<PathBuf> {
+    if uri.starts_with("file:") {
+        // file:///abs/path, file://localhost/abs/path, percent-encoded as Path::as_uri() writes.
+        return url::Url::parse(uri)
+            .ok()
+            .and_then(|u| u.to_file_path().ok())
+            .ok_or_else(|| Error::UnsupportedUri {
+                uri: uri.to_string(),
+                message: "not a valid file:// URL with an absolute path".into(),
+            });
+    }
+    if let Some((scheme, _)) = uri.split_once("://") {
+        return Err(Error::UnsupportedUri {
+            uri: uri.to_string(),
+            message: format!(
+                "scheme {scheme}:// is not supported by this build (local paths and file:// are)"
+            ),
+        });
+    }
+    Ok(PathBuf::from(uri))
+}
+
+/// The shard file names an index's `weight_map` lists (sorted, each once), each checked to be a
+/// plain relative path inside the index's folder. `name` is the index, for messages.
+pub fn index_shard_names(bytes: &[u8], name: &str) -> Result<Vec<String>> {
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| Error::format(name, format!("index is not valid JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::format(name, "index has no \"weight_map\" object"))?;
+    let mut files = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            Error::format(
+                name,
+                format!("weight_map entry for {tensor:?} is not a file name"),
+            )
+        })?;
+        let inside = Path::new(file)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside || file.is_empty() {
+            return Err(Error::format(
+                name,
+                format!("weight_map entry for {tensor:?} names {file:?}, which is not a file inside the checkpoint directory"),
+            ));
+        }
+        files.insert(file.to_string());
+    }
+    Ok(files.into_iter().collect())
+}
+
+fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
+    let name = index.display().to_string();
+    let bytes = std::fs::read(index).map_err(|e| Error::io(&name, e))?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    Ok(index_shard_names(&bytes, &name)?
+        .into_iter()
+        .map(|f| dir.join(f))
+        .collect())
+}
+
+fn expand(uri: &str) -> Result<Vec<PathBuf>> {
+    let path = local_path(uri)?;
+    let meta = std::fs::metadata(&path).map_err(|e| Error::io(uri, e))?;
+    if meta.is_dir() {
+        let index = path.join(INDEX_FILE);
+        if index.is_file() {
+            return index_files(&index);
+        }
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&path)
+            .map_err(|e| Error::io(uri, e))?
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors") && p.is_file())
+            .collect();
+        if files.is_empty() {
+            return Err(Error::NotFound {
+                path: format!("{uri} (no .safetensors files in this directory)"),
+            });
+        }
+        files.sort();
+        return Ok(files);
+    }
+    if path.extension().is_some_and(|e| e == "json") {
+        return index_files(&path);
+    }
+    Ok(vec![path])
+}
+
+/// Turns the user's local URIs into the list of files to load, in a stable order, each once.
+pub fn resolve(uris: &[String]) -> Result<Vec<PathBuf>> {
+    if uris.is_empty() {
+        return Err(Error::option("uri", "no file given"));
+    }
+    let mut out = Vec::new();
+    let mut seen = BTreeSet::new();
+    for uri in uris {
+        for p in expand(uri)? {
+            if seen.insert(p.clone()) {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,190 @@
+//! Where bytes come from. A [`Source`] is one safetensors file or object: its size, and reads of
+//! a byte range into a caller's buffer (plus a mapping of the range, where the source can). The
+//! pipeline reads every block through this trait without knowing what is behind it.
+//!
+//! Two implementations today:
+//! - [`local`]: files on this machine (plain paths, `file://`, directories of shards, index
+//!   files), read with positioned reads and mapped for zero-copy loads;
+//! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://), read with ranged
+//!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`.
+//!
+//! A new kind of source (a hub, a cache that writes remote blocks to disk as they land) is a new
+//! implementation of [`Source`] plus one arm in [`open_all`], which turns URIs into sources.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+
+use crate::error::{Error, Result};
+use crate::format::{self, Header};
+use crate::memory::HostBuffer;
+
+pub mod local;
+pub mod object;
+
+pub use local::{index_shard_names, read_exact_at, INDEX_FILE};
+
+/// One file or object that tensors are read from.
+pub trait Source: Send + Sync + fmt::Debug {
+    /// The path or URI as the user would recognise it; errors name it.
+    fn name(&self) -> &str;
+
+    /// Size in bytes, as seen when the source was opened.
+    fn size(&self) -> u64;
+
+    /// Reads exactly `dst.len()` bytes at `offset` into `dst`, retrying what the source can retry.
+    ///
+    /// Called on the process runtime. Sources whose reads block a thread (files) run them with
+    /// `tokio::task::block_in_place`, so that one call site serves every kind of source and
+    /// `dst` needs no `'static` owner.
+    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>>;
+
+    /// A private mapping of `len` bytes at `offset`, whose pages are faulted in later with
+    /// [`HostBuffer::populate`]; `None` when this source cannot be mapped (then it is read).
+    fn map(&self, _offset: u64, _len: usize) -> Option<Result<HostBuffer>> {
+        None
+    }
+
+    /// The file's path, for sources on this machine (the benchmark evicts them from the page
+    /// cache for cold runs).
+    fn local_path(&self) -> Option<&Path> {
+        None
+    }
+}
+
+/// One safetensors file or object, opened, with its validated header.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    /// The name used in messages (the path or URI as the user would recognise it).
+    pub name: String,
+    pub size: u64,
+    pub header: Header,
+    pub source: Arc<dyn Source>,
+}
+
+impl Shard {
+    /// The local path, for files on this machine.
+    pub fn local_path(&self) -> Option<&Path> {
+        self.source.local_path()
+    }
+}
+
+/// First bytes fetched for a header: one read covers the headers of typical shards (a round trip
+/// per shard is what costs on object stores), a second one only headers over 256 KiB.
+const HEADER_PROBE: u64 = 256 * 1024;
+
+/// Reads and validates the header of `source`. Never reads (or allocates) more than 8 bytes plus
+/// a header length that was checked against the size and the format's cap.
+pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
+    let size = source.size();
+    let name = source.name().to_string();
+    let mut probe = vec![0u8; size.min(HEADER_PROBE) as usize];
+    source.read_into(0, &mut probe).await?;
+    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e.0))?;
+    let end = (format::PREFIX_LEN + n) as usize;
+    if end > probe.len() {
+        let have = probe.len();
+        probe.resize(end, 0);
+        source.read_into(have as u64, &mut probe[have..]).await?;
+    }
+    let header = format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
+        .map_err(|e| Error::format(&name, e.0))?;
+    Ok(Shard {
+        name,
+        size,
+        header,
+        source,
+    })
+}
+
+/// True when any URI names an object in an object store (not a local file).
+pub fn any_remote(uris: &[String]) -> bool {
+    uris.iter().any(|u| crate::object::is_remote(u))
+}
+
+/// Headers read at once when there are many shards.
+const HEADER_CONCURRENCY: usize = 16;
+
+/// Resolves the URIs (files, shard directories, index files, object-store prefixes) and opens
+/// every file or object, in a stable order, reading headers concurrently. `storage_options`
+/// configure object stores (see [`crate::object::open`]).
+pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result<Vec<Shard>> {
+    if uris.is_empty() {
+        return Err(Error::option("uri", "no file given"));
+    }
+    let mut sources: Vec<Arc<dyn Source>> = Vec::new();
+    let mut local_uris = Vec::new();
+    // Local URIs are resolved together so that a file named twice is loaded once; the order of
+    // the user's URIs is kept across kinds.
+    for uri in uris {
+        if crate::object::is_remote(uri) {
+            sources.extend(local::open(&std::mem::take(&mut local_uris))?);
+            sources.extend(object::open(uri, storage_options)?);
+        } else {
+            local_uris.push(uri.clone());
+        }
+    }
+    sources.extend(local::open(&local_uris)?);
+    read_headers(sources)
+}
+
+/// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time.
+fn read_headers(sources: Vec<Arc<dyn Source>>) -> Result<Vec<Shard>> {
+    use futures_util::stream::{StreamExt, TryStreamExt};
+
+    let runtime = crate::runtime::get();
+    let handle = runtime.handle().clone();
+    runtime.block_on(async move {
+        futures_util::stream::iter(sources)
+            // A task each, so that blocking reads (files) run side by side.
+            .map(|source| {
+                let name = source.name().to_string();
+                let task = handle.spawn(open_shard(source));
+                async move { joined(task.await, &name) }
+            })
+            .buffered(HEADER_CONCURRENCY)
+            .try_collect()
+            .await
+    })
+}
+
+/// The result of a task on the runtime: a task that panicked becomes [`Error::Internal`] naming
+/// what it was working on.
+pub(crate) fn joined<T>(
+    result: std::result::Result<Result<T>, tokio::task::JoinError>,
+    name: &str,
+) -> Result<T> {
+    result.map_err(|e| Error::Internal {
+        message: format!("{name}: a worker task failed: {e}"),
+    })?
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// An in-memory source, for tests of code that takes shards.
+    #[derive(Debug)]
+    pub struct Bytes {
+        pub name: String,
+        pub data: Vec<u8>,
+    }
+
+    impl Source for Bytes {
+        fn name(&self) -> &str {
+            &self.name
+        }
+        fn size(&self) -> u64 {
+            self.data.len() as u64
+        }
+        fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+            Box::pin(async move {
+                let at = offset as usize;
+                dst.copy_from_slice(&self.data[at..at + dst.len()]);
+                Ok(())
+            })
+        }
+    }
+}
