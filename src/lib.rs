@@ -1,8 +1,11 @@
 //! fastload: safetensors from local disks and object stores into host (and device) memory, with
 //! many reads in flight, bounded host memory, and tensors handed out as soon as they land.
 //!
-//! Data flows one way: [`format`] → [`plan`] → [`source`] → [`memory`] / [`device`] →
-//! [`pipeline`] → the Python bindings and the [`cli`].
+//! Data flows one way: [`format`] (header bytes → validated entries) → [`source`] (URIs → opened
+//! files and objects behind one [`source::Source`] trait; [`object`] is the object-store half) →
+//! [`plan`] (shards + options → segments) → [`memory`] / [`device`] (where bytes land) →
+//! [`pipeline`] (reads every block through `Source`, hands tensors out) → the Python bindings and
+//! the [`cli`]. [`options`], [`error`] and [`runtime`] serve every stage.
 
 #![deny(unsafe_code)]
 
