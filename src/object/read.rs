@@ -18,7 +18,7 @@ pub async fn read_header(remote: &Remote, path: &Path, size: u64) -> Result<Head
     let name = remote.uri_of(path);
     let mut probe = vec![0u8; size.min(HEADER_PROBE) as usize];
     read_range_into(remote.store.as_ref(), path, 0, &mut probe, &name).await?;
-    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e.0))?;
+    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e))?;
     let end = (format::PREFIX_LEN + n) as usize;
     if end > probe.len() {
         let have = probe.len();
@@ -33,7 +33,7 @@ pub async fn read_header(remote: &Remote, path: &Path, size: u64) -> Result<Head
         .await?;
     }
     format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
-        .map_err(|e| Error::format(&name, e.0))
+        .map_err(|e| Error::format(&name, e))
 }
 
 /// Reads `dst.len()` bytes at `offset` with one ranged GET, copying each body chunk into `dst` as
