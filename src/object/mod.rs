@@ -9,7 +9,6 @@
 //! configured secrets and server-echoed request details scrubbed out.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use object_store::path::Path;
 use object_store::{ClientConfigKey, ObjectStore};
@@ -21,6 +20,7 @@ mod errors;
 mod gcs;
 mod list;
 mod read;
+mod retry;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -30,6 +30,7 @@ pub use config::{open, open_with_env};
 pub use errors::{redact_uri, storage_error};
 pub use list::{head, list_safetensors, resolve};
 pub use read::{read_header, read_range_into};
+pub use retry::{Decision, ResumeState, RetrySettings};
 
 /// Schemes served by this module (`file://` and plain paths stay on the local fast path).
 const SCHEMES: &[&str] = &[
@@ -46,12 +47,6 @@ const CLIENT_DEFAULTS: &[(ClientConfigKey, &str)] = &[
     (ClientConfigKey::ReadTimeout, "30s"),
     (ClientConfigKey::ConnectTimeout, "5s"),
 ];
-/// Requests retried by object_store (5xx, 429, SlowDown, connection errors): bounded in count and
-/// time so that a dead endpoint fails in seconds, not minutes.
-const MAX_RETRIES: usize = 6;
-const RETRY_TIMEOUT: Duration = Duration::from_secs(60);
-/// Body resumptions in a row that bring no new byte before a read gives up.
-const MAX_STALLED_RESUMES: u32 = 5;
 /// First bytes fetched for a header: one request covers the headers of typical shards.
 const HEADER_PROBE: u64 = 256 * 1024;
 /// HEAD requests in flight when sizes cannot be listed.
