@@ -32,7 +32,7 @@ pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
 
 /// Maps an object_store error for `uri`: a missing object is [`Error::NotFound`]; a missing bucket
 /// or container, and every other failure, is [`Error::Io`] whose `io::ErrorKind` says what failed
-/// (see [`failure_kind`]).
+/// (from the error's types, see `failure_kind`).
 pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
     let text = chain(&e);
     let detail = clean_message(&text);

@@ -2,11 +2,13 @@
 //! parsing with boto3-like `AWS_*` environment handling (config.rs), Google's and Azure's own
 //! variables, emulators and connection strings (gcs.rs, azure.rs), shard discovery under a prefix
 //! (index file first), and ranged reads streamed straight into a caller's buffer, resuming cut-off
-//! bodies.
+//! bodies (read.rs) as one [`RetrySettings`] allows (retry.rs; object_store's request retries are
+//! built from the same settings).
 //!
-//! Errors: a missing object is [`Error::NotFound`]; everything else (missing bucket, refused
-//! connection, bad credentials, timeouts) is [`Error::Io`] with a message that names the URI and has
-//! configured secrets and server-echoed request details scrubbed out.
+//! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
+//! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
+//! bucket, `PermissionDenied`, `TimedOut`, `ConnectionRefused`, ...), with a message that names the
+//! URI and has configured secrets and server-echoed request details scrubbed out.
 
 use std::sync::Arc;
 
