@@ -3,22 +3,38 @@
 
 use std::io;
 
+use crate::format::FormatError;
+
 /// Everything that can go wrong while planning or running a load.
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The file is not a valid safetensors file (or the index file is malformed).
-    #[error("{path}: invalid safetensors file: {message}")]
-    Format { path: String, message: String },
+    #[error("{path}: invalid safetensors file: {source}")]
+    Format {
+        path: String,
+        #[source]
+        source: FormatError,
+    },
 
     /// A file, object or directory does not exist.
     #[error("{path}: no such file or object")]
     NotFound { path: String },
 
-    /// An I/O or network failure while reading.
+    /// An I/O or network failure while reading. For object stores, `source.kind()` says what
+    /// kind of failure it was (`NotFound` for a missing bucket, `PermissionDenied`, `TimedOut`,
+    /// `ConnectionRefused`, ...).
     #[error("{path}: {source}")]
     Io {
         path: String,
+        #[source]
+        source: io::Error,
+    },
+
+    /// Host memory for buffers could not be mapped.
+    #[error("host memory: cannot map {bytes} bytes: {source}")]
+    Memory {
+        bytes: usize,
         #[source]
         source: io::Error,
     },
@@ -60,10 +76,10 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub(crate) fn format(path: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn format(path: impl Into<String>, source: FormatError) -> Self {
         Error::Format {
             path: path.into(),
-            message: message.into(),
+            source,
         }
     }
 

@@ -5,30 +5,18 @@
 //! exactly (no overlaps, no gaps, nothing past the end). Fuzzed by `fuzz/fuzz_targets/header.rs`.
 
 use std::collections::BTreeMap;
-use std::collections::HashSet;
 use std::fmt;
 
-use serde::de::{self, Deserializer, MapAccess, Visitor};
-use serde::Deserialize;
+mod error;
+mod json;
+
+pub use error::{FormatError, JsonPosition};
+use json::{parse_json, RawInfo};
 
 /// Bytes of the little-endian header-length prefix.
 pub const PREFIX_LEN: u64 = 8;
 /// Largest header accepted, as in the reference implementation.
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
-
-/// Why a header was rejected; the caller adds the file name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FormatError(pub String);
-
-impl fmt::Display for FormatError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-fn fail<T>(message: impl Into<String>) -> Result<T, FormatError> {
-    Err(FormatError(message.into()))
-}
 
 /// Element types of the safetensors format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -177,128 +165,133 @@ impl Header {
 /// Reads the length prefix and checks it against the cap and the file size.
 pub fn header_len(prefix: &[u8], file_size: u64) -> Result<u64, FormatError> {
     if file_size < PREFIX_LEN {
-        return fail(format!(
-            "file is {file_size} bytes, too small to hold the 8-byte header length"
-        ));
+        return Err(FormatError::FileTooSmall { file_size });
     }
     if prefix.len() < PREFIX_LEN as usize {
-        return fail(format!(
-            "only {} bytes given, too few to hold the 8-byte header length",
-            prefix.len()
-        ));
+        return Err(FormatError::PrefixTooShort {
+            given: prefix.len(),
+        });
     }
     let mut raw = [0u8; 8];
     raw.copy_from_slice(&prefix[..8]);
-    let n = u64::from_le_bytes(raw);
-    if n > MAX_HEADER_LEN {
-        return fail(format!(
-            "header length {n} is over the {MAX_HEADER_LEN}-byte limit"
-        ));
+    let len = u64::from_le_bytes(raw);
+    if len > MAX_HEADER_LEN {
+        return Err(FormatError::HeaderTooLarge {
+            len,
+            limit: MAX_HEADER_LEN,
+        });
     }
-    if n > file_size - PREFIX_LEN {
-        return fail(format!(
-            "header length {n} runs past the end of the file ({file_size} bytes)"
-        ));
+    if len > file_size - PREFIX_LEN {
+        return Err(FormatError::HeaderPastEnd { len, file_size });
     }
-    if n < 2 {
-        return fail(format!("header length {n} is too small for a JSON object"));
+    if len < 2 {
+        return Err(FormatError::HeaderTooSmall { len });
     }
-    Ok(n)
+    Ok(len)
 }
 
 /// Parses and validates the JSON header (the `n` bytes after the prefix) of a file of
 /// `file_size` bytes.
 pub fn parse_header(json: &[u8], file_size: u64) -> Result<Header, FormatError> {
-    let n = json.len() as u64;
+    let len = json.len() as u64;
     let data_start = PREFIX_LEN
-        .checked_add(n)
+        .checked_add(len)
         .filter(|&s| s <= file_size)
-        .ok_or_else(|| FormatError(format!("header length {n} runs past the end of the file")))?;
-    let text = std::str::from_utf8(json)
-        .map_err(|e| FormatError(format!("header is not valid UTF-8 ({e})")))?;
+        .ok_or(FormatError::HeaderPastEnd { len, file_size })?;
+    let text = std::str::from_utf8(json).map_err(|source| FormatError::InvalidUtf8 { source })?;
     if !text.starts_with('{') {
-        return fail("header does not start with '{'");
+        return Err(FormatError::NotAnObject);
     }
-    let raw: RawHeader = serde_json::from_str(text)
-        .map_err(|e| FormatError(format!("header is not valid JSON: {e}")))?;
+    let raw = parse_json(text)?;
     let data_len = file_size - data_start;
 
     let mut tensors = Vec::with_capacity(raw.tensors.len());
     for (name, info) in raw.tensors {
-        let dtype = Dtype::parse(&info.dtype).ok_or_else(|| {
-            FormatError(format!(
-                "tensor {name:?} has unknown dtype {:?}",
-                info.dtype
-            ))
-        })?;
-        let [begin, end] = info.data_offsets;
-        if begin > end {
-            return fail(format!(
-                "tensor {name:?} has data_offsets [{begin}, {end}] that run backwards"
-            ));
-        }
-        if end > data_len {
-            return fail(format!(
-                "tensor {name:?} has data_offsets [{begin}, {end}] past the end of the data section ({data_len} bytes)"
-            ));
-        }
-        let bits = info
-            .shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-            .and_then(|elems| elems.checked_mul(dtype.bits()))
-            .ok_or_else(|| {
-                FormatError(format!("tensor {name:?} shape {:?} overflows", info.shape))
-            })?;
-        if bits % 8 != 0 {
-            return fail(format!(
-                "tensor {name:?} of {dtype} with shape {:?} does not fill whole bytes",
-                info.shape
-            ));
-        }
-        if bits / 8 != end - begin {
-            return fail(format!(
-                "tensor {name:?} of {dtype} with shape {:?} needs {} bytes but data_offsets [{begin}, {end}] hold {}",
-                info.shape,
-                bits / 8,
-                end - begin
-            ));
-        }
-        tensors.push(TensorEntry {
-            name,
-            dtype,
-            shape: info.shape,
-            begin,
-            end,
-        });
+        tensors.push(check_entry(name, info, data_len)?);
     }
     tensors.sort_by_key(|t| (t.begin, t.end));
 
     let mut cursor = 0u64;
     for t in &tensors {
         if t.begin < cursor {
-            return fail(format!(
-                "tensor {:?} at [{}, {}] overlaps the previous tensor (which ends at {cursor})",
-                t.name, t.begin, t.end
-            ));
+            return Err(FormatError::Overlap {
+                name: t.name.clone(),
+                begin: t.begin,
+                end: t.end,
+                previous_end: cursor,
+            });
         }
         if t.begin > cursor {
-            return fail(format!(
-                "gap in the data section: bytes [{cursor}, {}] before tensor {:?} belong to no tensor",
-                t.begin, t.name
-            ));
+            return Err(FormatError::Gap {
+                name: t.name.clone(),
+                start: cursor,
+                end: t.begin,
+            });
         }
         cursor = t.end;
     }
     if cursor != data_len {
-        return fail(format!(
-            "tensors cover {cursor} bytes but the data section holds {data_len} (file is {file_size} bytes)"
-        ));
+        return Err(FormatError::Coverage {
+            covered: cursor,
+            data_len,
+            file_size,
+        });
     }
     Ok(Header {
         data_start,
         tensors,
         metadata: raw.metadata,
+    })
+}
+
+/// One entry on its own: a known dtype, offsets inside the data section, and a shape whose byte
+/// count (checked arithmetic) is what the offsets hold.
+fn check_entry(name: String, info: RawInfo, data_len: u64) -> Result<TensorEntry, FormatError> {
+    let Some(dtype) = Dtype::parse(&info.dtype) else {
+        return Err(FormatError::UnknownDtype {
+            name,
+            dtype: info.dtype,
+        });
+    };
+    let [begin, end] = info.data_offsets;
+    if begin > end {
+        return Err(FormatError::OffsetsBackwards { name, begin, end });
+    }
+    if end > data_len {
+        return Err(FormatError::OffsetsPastEnd {
+            name,
+            begin,
+            end,
+            data_len,
+        });
+    }
+    let shape = info.shape;
+    let Some(bits) = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .and_then(|elems| elems.checked_mul(dtype.bits()))
+    else {
+        return Err(FormatError::ShapeOverflow { name, shape });
+    };
+    if bits % 8 != 0 {
+        return Err(FormatError::PartialBytes { name, dtype, shape });
+    }
+    if bits / 8 != end - begin {
+        return Err(FormatError::OffsetsMismatch {
+            name,
+            dtype,
+            shape,
+            needed: bits / 8,
+            begin,
+            end,
+        });
+    }
+    Ok(TensorEntry {
+        name,
+        dtype,
+        shape,
+        begin,
+        end,
     })
 }
 
@@ -308,69 +301,12 @@ pub fn parse(bytes: &[u8], file_size: u64) -> Result<Header, FormatError> {
     let n = header_len(bytes, file_size)?;
     let end = (PREFIX_LEN + n) as usize;
     if bytes.len() < end {
-        return fail(format!(
-            "header needs {end} bytes but only {} were given",
-            bytes.len()
-        ));
+        return Err(FormatError::HeaderTruncated {
+            needed: end,
+            given: bytes.len(),
+        });
     }
     parse_header(&bytes[PREFIX_LEN as usize..end], file_size)
-}
-
-#[derive(Deserialize)]
-struct RawInfo {
-    dtype: String,
-    shape: Vec<u64>,
-    data_offsets: [u64; 2],
-}
-
-struct RawHeader {
-    metadata: BTreeMap<String, String>,
-    tensors: Vec<(String, RawInfo)>,
-}
-
-impl<'de> Deserialize<'de> for RawHeader {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_map(RawHeaderVisitor)
-    }
-}
-
-struct RawHeaderVisitor;
-
-impl<'de> Visitor<'de> for RawHeaderVisitor {
-    type Value = RawHeader;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a JSON object of tensor entries")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
-        let mut metadata = None;
-        let mut tensors = Vec::new();
-        let mut seen = HashSet::new();
-        while let Some(key) = map.next_key::<String>()? {
-            if key == "__metadata__" {
-                if metadata.is_some() {
-                    return Err(de::Error::custom("duplicate __metadata__"));
-                }
-                let m: Option<BTreeMap<String, String>> = map
-                    .next_value()
-                    .map_err(|e| de::Error::custom(format!("__metadata__: {e}")))?;
-                metadata = Some(m.unwrap_or_default());
-            } else {
-                if !seen.insert(key.clone()) {
-                    return Err(de::Error::custom(format!("duplicate tensor name {key:?}")));
-                }
-                let info: RawInfo = map
-                    .next_value()
-                    .map_err(|e| de::Error::custom(format!("tensor {key:?}: {e}")))?;
-                tensors.push((key, info));
-            }
-        }
-        Ok(RawHeader {
-            metadata: metadata.unwrap_or_default(),
-            tensors,
-        })
-    }
 }
 
 #[cfg(test)]
@@ -402,24 +338,53 @@ mod tests {
     fn rejects_gaps_overlaps_and_short_data() {
         let gap = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[3,5]}}"#;
         let (b, size) = file(gap, 5);
-        assert!(parse(&b, size).unwrap_err().0.contains("gap"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::Gap {
+                start: 2,
+                end: 3,
+                ..
+            })
+        ));
         let overlap = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#;
         let (b, size) = file(overlap, 3);
-        assert!(parse(&b, size).unwrap_err().0.contains("overlaps"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::Overlap {
+                begin: 1,
+                previous_end: 2,
+                ..
+            })
+        ));
         let short = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
         let (b, size) = file(short, 3);
-        assert!(parse(&b, size).unwrap_err().0.contains("past the end"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::OffsetsPastEnd { data_len: 3, .. })
+        ));
     }
 
     #[test]
     fn rejects_bad_lengths_without_allocating() {
         let mut b = u64::MAX.to_le_bytes().to_vec();
         b.extend_from_slice(b"{}");
-        assert!(parse(&b, 10).unwrap_err().0.contains("limit"));
+        assert!(matches!(
+            parse(&b, 10),
+            Err(FormatError::HeaderTooLarge { len: u64::MAX, .. })
+        ));
         let mut b = 1000u64.to_le_bytes().to_vec();
         b.extend_from_slice(b"{}");
-        assert!(parse(&b, 10).unwrap_err().0.contains("past the end"));
-        assert!(parse(b"abc", 3).unwrap_err().0.contains("too small"));
+        assert!(matches!(
+            parse(&b, 10),
+            Err(FormatError::HeaderPastEnd {
+                len: 1000,
+                file_size: 10
+            })
+        ));
+        assert!(matches!(
+            parse(b"abc", 3),
+            Err(FormatError::FileTooSmall { file_size: 3 })
+        ));
     }
 
     #[test]
@@ -427,18 +392,27 @@ mod tests {
         let big =
             r#"{"a":{"dtype":"F64","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}}"#;
         let (b, size) = file(big, 0);
-        assert!(parse(&b, size).unwrap_err().0.contains("overflows"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::ShapeOverflow { .. })
+        ));
         let bad = r#"{"a":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}}"#;
         let (b, size) = file(bad, 16);
-        assert!(parse(&b, size).unwrap_err().0.contains("unknown dtype"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::UnknownDtype { ref dtype, .. }) if dtype == "F128"
+        ));
         let dup = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
         let (b, size) = file(dup, 2);
-        assert!(parse(&b, size).unwrap_err().0.contains("duplicate"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::DuplicateTensor { ref name, .. }) if name == "a"
+        ));
     }
 
-    fn err(json: &str, data_len: u64) -> String {
+    fn err(json: &str, data_len: u64) -> FormatError {
         let (b, size) = file(json, data_len);
-        parse(&b, size).unwrap_err().0
+        parse(&b, size).unwrap_err()
     }
 
     fn ok(json: &str, data_len: u64) -> Header {
@@ -453,16 +427,195 @@ mod tests {
         (v, size)
     }
 
+    /// The messages are what users and the Python tests read: pinned here word for word.
+    #[test]
+    fn messages_are_stable() {
+        let name = || "w".to_string();
+        let cases = [
+            (
+                FormatError::FileTooSmall { file_size: 3 },
+                "file is 3 bytes, too small to hold the 8-byte header length",
+            ),
+            (
+                FormatError::PrefixTooShort { given: 3 },
+                "only 3 bytes given, too few to hold the 8-byte header length",
+            ),
+            (
+                FormatError::HeaderTooLarge {
+                    len: 100_000_001,
+                    limit: MAX_HEADER_LEN,
+                },
+                "header length 100000001 is over the 100000000-byte limit",
+            ),
+            (
+                FormatError::HeaderPastEnd {
+                    len: 9,
+                    file_size: 10,
+                },
+                "header length 9 runs past the end of the file (10 bytes)",
+            ),
+            (
+                FormatError::HeaderTooSmall { len: 1 },
+                "header length 1 is too small for a JSON object",
+            ),
+            (
+                FormatError::HeaderTruncated {
+                    needed: 10,
+                    given: 9,
+                },
+                "header needs 10 bytes but only 9 were given",
+            ),
+            (FormatError::NotAnObject, "header does not start with '{'"),
+            (
+                FormatError::UnknownDtype {
+                    name: name(),
+                    dtype: "F128".into(),
+                },
+                "tensor \"w\" has unknown dtype \"F128\"",
+            ),
+            (
+                FormatError::OffsetsBackwards {
+                    name: name(),
+                    begin: 4,
+                    end: 0,
+                },
+                "tensor \"w\" has data_offsets [4, 0] that run backwards",
+            ),
+            (
+                FormatError::OffsetsPastEnd {
+                    name: name(),
+                    begin: 0,
+                    end: 4,
+                    data_len: 2,
+                },
+                "tensor \"w\" has data_offsets [0, 4] past the end of the data section (2 bytes)",
+            ),
+            (
+                FormatError::ShapeOverflow {
+                    name: name(),
+                    shape: vec![u64::MAX, 2],
+                },
+                "tensor \"w\" shape [18446744073709551615, 2] overflows",
+            ),
+            (
+                FormatError::PartialBytes {
+                    name: name(),
+                    dtype: Dtype::F4,
+                    shape: vec![3],
+                },
+                "tensor \"w\" of F4 with shape [3] does not fill whole bytes",
+            ),
+            (
+                FormatError::OffsetsMismatch {
+                    name: name(),
+                    dtype: Dtype::F32,
+                    shape: vec![2],
+                    needed: 8,
+                    begin: 4,
+                    end: 8,
+                },
+                "tensor \"w\" of F32 with shape [2] needs 8 bytes but data_offsets [4, 8] hold 4",
+            ),
+            (
+                FormatError::Overlap {
+                    name: name(),
+                    begin: 1,
+                    end: 3,
+                    previous_end: 2,
+                },
+                "tensor \"w\" at [1, 3] overlaps the previous tensor (which ends at 2)",
+            ),
+            (
+                FormatError::Gap {
+                    name: name(),
+                    start: 2,
+                    end: 3,
+                },
+                "gap in the data section: bytes [2, 3] before tensor \"w\" belong to no tensor",
+            ),
+            (
+                FormatError::Coverage {
+                    covered: 4,
+                    data_len: 5,
+                    file_size: 70,
+                },
+                "tensors cover 4 bytes but the data section holds 5 (file is 70 bytes)",
+            ),
+            (
+                FormatError::IsDirectory,
+                "is a directory, not a safetensors file",
+            ),
+            (
+                FormatError::DuplicateAcrossShards {
+                    name: name(),
+                    other: "a.safetensors".into(),
+                },
+                "tensor \"w\" is also in a.safetensors (tensor names must be unique across shards)",
+            ),
+            (
+                FormatError::IndexTooLarge { size: 1 << 30 },
+                "index file is over 100 MB",
+            ),
+            (
+                FormatError::IndexNoWeightMap,
+                "index has no \"weight_map\" object",
+            ),
+            (
+                FormatError::IndexEntryNotAName { tensor: name() },
+                "weight_map entry for \"w\" is not a file name",
+            ),
+            (
+                FormatError::IndexEntryOutside {
+                    tensor: name(),
+                    file: "../x".into(),
+                },
+                "weight_map entry for \"w\" names \"../x\", which is not a file inside the checkpoint directory",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(e.to_string(), text);
+        }
+        // JSON errors keep serde_json's wording and position, as they always read.
+        let parsed = [
+            (
+                r#"{"w":{"dtype":"U8","shape":[1]}}"#,
+                "header is not valid JSON: tensor \"w\": missing field `data_offsets` at line 1 column 31",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{}}"#,
+                "header is not valid JSON: duplicate tensor name \"a\" at line 1 column 56",
+            ),
+            (
+                r#"{"__metadata__":{},"__metadata__":{}}"#,
+                "header is not valid JSON: duplicate __metadata__ at line 1 column 33",
+            ),
+            (
+                r#"{"__metadata__":{"a":1}}"#,
+                "header is not valid JSON: __metadata__: invalid type: integer `1`, expected a string at line 1 column 22",
+            ),
+            ("{ ", "header is not valid JSON: EOF while parsing an object at line 1 column 2"),
+        ];
+        for (json, text) in parsed {
+            assert_eq!(err(json, 0).to_string(), text, "{json}");
+        }
+    }
+
     #[test]
     fn rejects_invalid_utf8() {
         let (b, size) = raw_file(
             b"{\"\xff\xfe\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}",
             1,
         );
-        assert!(parse(&b, size).unwrap_err().0.contains("UTF-8"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::InvalidUtf8 { .. })
+        ));
         // A multi-byte sequence cut off by the header length.
         let (b, size) = raw_file("{\"é\":1}".as_bytes().split_at(3).0, 0);
-        assert!(parse(&b, size).unwrap_err().0.contains("UTF-8"));
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::InvalidUtf8 { .. })
+        ));
     }
 
     #[test]
@@ -482,10 +635,20 @@ mod tests {
             "{\"a\":[]}",
         ] {
             let e = err(json, 1);
-            assert!(e.contains("not valid JSON"), "{json}: {e}");
+            assert!(
+                matches!(
+                    e,
+                    FormatError::InvalidJson { .. } | FormatError::InvalidEntry { .. }
+                ),
+                "{json}: {e}"
+            );
         }
         // The error names the offending tensor.
-        assert!(err("{\"w\":{\"dtype\":\"U8\",\"shape\":[1]}}", 1).contains("\"w\""));
+        assert!(matches!(
+            err("{\"w\":{\"dtype\":\"U8\",\"shape\":[1]}}", 1),
+            FormatError::InvalidEntry { ref name, ref reason, .. }
+                if name == "w" && reason == "missing field `data_offsets`"
+        ));
     }
 
     #[test]
@@ -494,7 +657,7 @@ mod tests {
             "[]", "[1,2]", "\"{}\"", "123", "null", "true", " {}", "\n{}",
         ] {
             let e = err(json, 0);
-            assert!(e.contains("'{'"), "{json}: {e}");
+            assert_eq!(e, FormatError::NotAnObject, "{json}");
         }
     }
 
@@ -509,13 +672,19 @@ mod tests {
         assert_eq!(ok(&deep, 1).tensors.len(), 1);
         // Unbalanced, it is an error.
         let unbalanced = format!("{{\"a\":{{\"x\":{}}}}}", "[".repeat(100_000));
-        assert!(err(&unbalanced, 1).contains("not valid JSON"));
+        assert!(matches!(
+            err(&unbalanced, 1),
+            FormatError::InvalidEntry { ref name, .. } if name == "a"
+        ));
         let deep_meta = format!(
             "{{\"__metadata__\":{}{}}}",
             "{\"k\":".repeat(50_000),
             "}".repeat(50_000)
         );
-        assert!(err(&deep_meta, 0).contains("not valid JSON"));
+        assert!(matches!(
+            err(&deep_meta, 0),
+            FormatError::InvalidMetadata { .. }
+        ));
     }
 
     #[test]
@@ -532,7 +701,10 @@ mod tests {
         for dtype in ["F128", "f32", "", "FLOAT", "F8", "Q4_0", "F32 "] {
             let json = format!(r#"{{"a":{{"dtype":"{dtype}","shape":[1],"data_offsets":[0,4]}}}}"#);
             let e = err(&json, 4);
-            assert!(e.contains("unknown dtype"), "{dtype}: {e}");
+            assert!(
+                matches!(e, FormatError::UnknownDtype { dtype: ref d, .. } if d == dtype),
+                "{dtype}: {e}"
+            );
         }
     }
 
@@ -555,7 +727,10 @@ mod tests {
         ] {
             let json = format!(r#"{{"a":{{"dtype":"F64","shape":{shape},"data_offsets":[0,8]}}}}"#);
             let e = err(&json, 8);
-            assert!(e.contains("overflows"), "{shape}: {e}");
+            assert!(
+                matches!(e, FormatError::ShapeOverflow { ref name, .. } if name == "a"),
+                "{shape}: {e}"
+            );
         }
         // A zero dimension makes the product zero even beside huge ones: no overflow, 0 bytes.
         let h = ok(
@@ -571,12 +746,33 @@ mod tests {
             r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
             4,
         );
-        assert!(e.contains("needs 8 bytes"), "{e}");
+        assert!(
+            matches!(
+                e,
+                FormatError::OffsetsMismatch {
+                    needed: 8,
+                    begin: 0,
+                    end: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = err(
             r#"{"a":{"dtype":"F32","shape":[],"data_offsets":[0,8]}}"#,
             8,
         );
-        assert!(e.contains("needs 4 bytes"), "{e}");
+        assert!(
+            matches!(
+                e,
+                FormatError::OffsetsMismatch {
+                    needed: 4,
+                    end: 8,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -587,7 +783,14 @@ mod tests {
             2,
         );
         assert!(
-            e.contains("past the end of the data section (2 bytes)"),
+            matches!(
+                e,
+                FormatError::OffsetsPastEnd {
+                    end: 4,
+                    data_len: 2,
+                    ..
+                }
+            ),
             "{e}"
         );
         // Offsets near u64::MAX with a consistent length must not overflow anything.
@@ -595,13 +798,23 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}}"#,
             1,
         );
-        assert!(e.contains("past the end"), "{e}");
+        assert!(matches!(e, FormatError::OffsetsPastEnd { .. }), "{e}");
         // Backwards offsets.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#,
             4,
         );
-        assert!(e.contains("backwards"), "{e}");
+        assert!(
+            matches!(
+                e,
+                FormatError::OffsetsBackwards {
+                    begin: 4,
+                    end: 0,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -611,19 +824,19 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
             2,
         );
-        assert!(e.contains("overlaps"), "{e}");
+        assert!(matches!(e, FormatError::Overlap { .. }), "{e}");
         // One inside another.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#,
             8,
         );
-        assert!(e.contains("overlaps"), "{e}");
+        assert!(matches!(e, FormatError::Overlap { .. }), "{e}");
         // An empty tensor in the middle of another one.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[0],"data_offsets":[4,4]}}"#,
             8,
         );
-        assert!(e.contains("overlaps"), "{e}");
+        assert!(matches!(e, FormatError::Overlap { .. }), "{e}");
     }
 
     #[test]
@@ -633,19 +846,43 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#,
             4,
         );
-        assert!(e.contains("gap") && e.contains("[0, 2]"), "{e}");
+        assert!(
+            matches!(
+                e,
+                FormatError::Gap {
+                    start: 0,
+                    end: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         // An empty tensor after a gap; the data is long enough for the offsets.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#,
             12,
         );
-        assert!(e.contains("gap") && e.contains("[4, 9]"), "{e}");
+        assert!(
+            matches!(e, FormatError::Gap { ref name, start: 4, end: 9 } if name == "b"),
+            "{e}"
+        );
         // The same empty tensor past the end of the data.
         let e = err(
             r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#,
             4,
         );
-        assert!(e.contains("past the end"), "{e}");
+        assert!(
+            matches!(
+                e,
+                FormatError::OffsetsPastEnd {
+                    begin: 9,
+                    end: 9,
+                    data_len: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -654,9 +891,29 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
             5,
         );
-        assert!(e.contains("cover 4 bytes") && e.contains("holds 5"), "{e}");
+        assert!(
+            matches!(
+                e,
+                FormatError::Coverage {
+                    covered: 4,
+                    data_len: 5,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = err("{}", 1);
-        assert!(e.contains("cover 0 bytes"), "{e}");
+        assert!(
+            matches!(
+                e,
+                FormatError::Coverage {
+                    covered: 0,
+                    data_len: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -674,52 +931,85 @@ mod tests {
     fn header_length_checks() {
         // Past the end of the file, by one byte.
         let (b, size) = file("{}", 0);
-        assert!(parse(&b, size - 1).unwrap_err().0.contains("past the end"));
+        assert!(matches!(
+            parse(&b, size - 1),
+            Err(FormatError::HeaderPastEnd { len: 2, .. })
+        ));
         // Exactly the limit is allowed as far as the limit goes (then runs past the end here).
         let mut b = MAX_HEADER_LEN.to_le_bytes().to_vec();
         b.extend_from_slice(b"{}");
-        assert!(parse(&b, 100).unwrap_err().0.contains("past the end"));
+        assert!(matches!(
+            parse(&b, 100),
+            Err(FormatError::HeaderPastEnd {
+                len: MAX_HEADER_LEN,
+                file_size: 100
+            })
+        ));
         // One over the limit is refused even if the file is big enough.
         let mut b = (MAX_HEADER_LEN + 1).to_le_bytes().to_vec();
         b.extend_from_slice(b"{}");
-        let e = parse(&b, u64::MAX).unwrap_err().0;
-        assert!(e.contains("limit"), "{e}");
+        let e = parse(&b, u64::MAX).unwrap_err();
+        assert_eq!(
+            e,
+            FormatError::HeaderTooLarge {
+                len: MAX_HEADER_LEN + 1,
+                limit: MAX_HEADER_LEN
+            }
+        );
         // 2**63 and u64::MAX: refused on the limit, no arithmetic overflow.
         for n in [1u64 << 63, u64::MAX, u64::MAX - 7] {
-            let e = header_len(&n.to_le_bytes(), u64::MAX).unwrap_err().0;
-            assert!(e.contains("limit"), "{n}: {e}");
+            let e = header_len(&n.to_le_bytes(), u64::MAX).unwrap_err();
+            assert!(
+                matches!(e, FormatError::HeaderTooLarge { len, .. } if len == n),
+                "{n}: {e}"
+            );
         }
         // Lengths too small for "{}".
         for n in [0u64, 1] {
             let mut b = n.to_le_bytes().to_vec();
             b.extend_from_slice(b"{}");
-            assert!(parse(&b, 10).unwrap_err().0.contains("too small"));
+            assert_eq!(
+                parse(&b, 10).unwrap_err(),
+                FormatError::HeaderTooSmall { len: n }
+            );
         }
         // Files and prefixes shorter than 8 bytes.
         for size in 0..8u64 {
             let b = vec![0u8; size as usize];
-            assert!(parse(&b, size).unwrap_err().0.contains("too small"));
+            assert_eq!(
+                parse(&b, size).unwrap_err(),
+                FormatError::FileTooSmall { file_size: size }
+            );
         }
-        assert!(header_len(&[2, 0, 0], 100)
-            .unwrap_err()
-            .0
-            .contains("too few"));
+        assert_eq!(
+            header_len(&[2, 0, 0], 100),
+            Err(FormatError::PrefixTooShort { given: 3 })
+        );
         // The caller handed over fewer bytes than the header needs.
         let (b, size) = file("{}", 0);
-        assert!(parse(&b[..9], size).unwrap_err().0.contains("only 9"));
+        assert_eq!(
+            parse(&b[..9], size),
+            Err(FormatError::HeaderTruncated {
+                needed: 10,
+                given: 9
+            })
+        );
         assert_eq!(header_len(&b, size), Ok(2));
     }
 
     #[test]
     fn parse_header_checks_its_length_against_the_file() {
-        assert!(parse_header(b"{}", 9)
-            .unwrap_err()
-            .0
-            .contains("past the end"));
-        assert!(parse_header(b"{}", u64::MAX)
-            .unwrap_err()
-            .0
-            .contains("cover 0 bytes"));
+        assert_eq!(
+            parse_header(b"{}", 9),
+            Err(FormatError::HeaderPastEnd {
+                len: 2,
+                file_size: 9
+            })
+        );
+        assert!(matches!(
+            parse_header(b"{}", u64::MAX),
+            Err(FormatError::Coverage { covered: 0, .. })
+        ));
         assert_eq!(parse_header(b"{}", 10).unwrap().data_start, 10);
     }
 
@@ -729,9 +1019,12 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
             2,
         );
-        assert!(e.contains("duplicate tensor name \"a\""), "{e}");
+        assert!(
+            matches!(e, FormatError::DuplicateTensor { ref name, .. } if name == "a"),
+            "{e}"
+        );
         let e = err(r#"{"__metadata__":{},"__metadata__":{}}"#, 0);
-        assert!(e.contains("duplicate __metadata__"), "{e}");
+        assert!(matches!(e, FormatError::DuplicateMetadata { .. }), "{e}");
     }
 
     #[test]
@@ -748,7 +1041,7 @@ mod tests {
             let json = format!(r#"{{"__metadata__":{meta}}}"#);
             let e = err(&json, 0);
             assert!(
-                e.contains("not valid JSON") && e.contains("__metadata__"),
+                matches!(e, FormatError::InvalidMetadata { .. }),
                 "{meta}: {e}"
             );
         }
@@ -764,14 +1057,14 @@ mod tests {
             r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
             2,
         );
-        assert!(e.contains("whole bytes"), "{e}");
+        assert!(matches!(e, FormatError::PartialBytes { .. }), "{e}");
         let e = err(r#"{"a":{"dtype":"F4","shape":[],"data_offsets":[0,1]}}"#, 1);
-        assert!(e.contains("whole bytes"), "{e}");
+        assert!(matches!(e, FormatError::PartialBytes { .. }), "{e}");
         let e = err(
             r#"{"a":{"dtype":"F6_E2M3","shape":[2],"data_offsets":[0,2]}}"#,
             2,
         );
-        assert!(e.contains("whole bytes"), "{e}");
+        assert!(matches!(e, FormatError::PartialBytes { .. }), "{e}");
         let h = ok(
             r#"{"a":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]}}"#,
             3,
@@ -786,7 +1079,10 @@ mod tests {
             r#"{"a":{"dtype":"F4","shape":[4],"data_offsets":[0,4]}}"#,
             4,
         );
-        assert!(e.contains("needs 2 bytes"), "{e}");
+        assert!(
+            matches!(e, FormatError::OffsetsMismatch { needed: 2, .. }),
+            "{e}"
+        );
     }
 
     #[test]

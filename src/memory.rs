@@ -153,8 +153,8 @@ fn map_anonymous(cap: usize) -> Result<usize> {
         )
     };
     if addr == libc::MAP_FAILED {
-        return Err(Error::Io {
-            path: "host memory".into(),
+        return Err(Error::Memory {
+            bytes: cap,
             source: std::io::Error::last_os_error(),
         });
     }

@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::error::{Error, Result};
-use crate::format::{Dtype, TensorEntry};
+use crate::format::{Dtype, FormatError, TensorEntry};
 use crate::source::Shard;
 
 /// Where one tensor (or one piece of a tensor) lands inside its segment's buffer.
@@ -142,12 +142,11 @@ fn owners(shards: &[Shard]) -> Result<HashMap<&str, usize>> {
     for (i, shard) in shards.iter().enumerate() {
         for t in &shard.header.tensors {
             if let Some(prev) = owner.insert(t.name.as_str(), i) {
+                let name = t.name.clone();
+                let other = shards[prev].name.clone();
                 return Err(Error::format(
                     &shard.name,
-                    format!(
-                        "tensor {:?} is also in {} (tensor names must be unique across shards)",
-                        t.name, shards[prev].name
-                    ),
+                    FormatError::DuplicateAcrossShards { name, other },
                 ));
             }
         }
@@ -329,10 +328,11 @@ mod tests {
         assert_eq!(p.total_bytes, 20);
         let missing = vec!["nope".to_string()];
         let s = shard("a", &[("x", 10)]);
-        assert!(build(vec![s], Some(&missing), 1000)
-            .unwrap_err()
-            .to_string()
-            .contains("nope"));
+        let err = build(vec![s], Some(&missing), 1000).unwrap_err();
+        assert!(
+            matches!(err, Error::MissingTensors { ref names, .. } if names == "\"nope\""),
+            "{err}"
+        );
     }
 
     #[test]
@@ -343,7 +343,16 @@ mod tests {
             10,
         )
         .unwrap_err();
-        assert!(err.to_string().contains("unique"));
+        assert!(
+            matches!(
+                err,
+                Error::Format {
+                    ref path,
+                    source: FormatError::DuplicateAcrossShards { ref name, ref other },
+                } if path == "b" && name == "x" && other == "a"
+            ),
+            "{err}"
+        );
     }
 
     #[test]
@@ -411,14 +420,24 @@ mod tests {
     #[test]
     fn rejects_bad_parts() {
         let err = |parts: Vec<Part>| {
-            build_parts(vec![shard("a", &[("x", 10)])], &parts, 100)
-                .unwrap_err()
-                .to_string()
+            build_parts(vec![shard("a", &[("x", 10)])], &parts, 100).unwrap_err()
         };
-        assert!(err(vec![("x".into(), 5, 11)]).contains("outside its 10 bytes"));
-        assert!(err(vec![("x".into(), 6, 5)]).contains("outside"));
-        assert!(err(vec![("x".into(), 0, 6), ("x".into(), 5, 10)]).contains("overlap"));
-        assert!(err(vec![("nope".into(), 0, 1)]).contains("\"nope\""));
+        // Which check refused the parts is only in the message.
+        let refused = |parts: Vec<Part>| {
+            let err = err(parts);
+            assert!(
+                matches!(err, Error::InvalidOption { ref option, .. } if option == "parts"),
+                "{err}"
+            );
+            err.to_string()
+        };
+        assert!(refused(vec![("x".into(), 5, 11)]).contains("outside its 10 bytes"));
+        assert!(refused(vec![("x".into(), 6, 5)]).contains("outside"));
+        assert!(refused(vec![("x".into(), 0, 6), ("x".into(), 5, 10)]).contains("overlap"));
+        assert!(matches!(
+            err(vec![("nope".into(), 0, 1)]),
+            Error::MissingTensors { ref names, .. } if names == "\"nope\""
+        ));
     }
 
     #[test]

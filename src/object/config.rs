@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::http::HttpBuilder;
-use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
 
 use super::aws_profile;
 use super::azure::azure_builder;
 use super::errors::*;
 use super::gcs::gcs_builder;
+use super::retry::RetrySettings;
 use super::*;
 use crate::error::{Error, Result};
 
@@ -122,15 +123,7 @@ pub(super) fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result
 pub(super) fn split_retry_options(
     options: &[(String, String)],
 ) -> Result<(RetryConfig, Vec<(String, String)>)> {
-    let mut retry = RetryConfig {
-        backoff: BackoffConfig {
-            init_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(8),
-            base: 2.0,
-        },
-        max_retries: MAX_RETRIES,
-        retry_timeout: RETRY_TIMEOUT,
-    };
+    let mut retry = RetrySettings::default();
     let mut rest = Vec::new();
     for (k, v) in options {
         match k.to_ascii_lowercase().as_str() {
@@ -167,7 +160,7 @@ pub(super) fn split_retry_options(
             _ => rest.push((k.clone(), v.clone())),
         }
     }
-    Ok((retry, rest))
+    Ok((retry.request_config(), rest))
 }
 
 pub(super) fn is_true(v: &str) -> bool {

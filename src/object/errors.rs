@@ -3,6 +3,7 @@
 use std::io;
 use std::sync::Mutex;
 
+use object_store::client::{HttpError, HttpErrorKind};
 use url::Url;
 
 use crate::error::Error;
@@ -30,39 +31,91 @@ pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
 }
 
 /// Maps an object_store error for `uri`: a missing object is [`Error::NotFound`]; a missing bucket
-/// or container, and every other failure, is [`Error::Io`].
+/// or container, and every other failure, is [`Error::Io`] whose `io::ErrorKind` says what failed
+/// (from the error's types, see `failure_kind`).
 pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
     let text = chain(&e);
     let detail = clean_message(&text);
-    let (kind, message) = match &e {
-        object_store::Error::NotFound { .. } => {
-            const NO_BUCKET: &[&str] =
-                &["NoSuchBucket", "ContainerNotFound", "bucket does not exist"];
-            if !NO_BUCKET.iter().any(|m| text.contains(m)) {
-                return Error::NotFound {
-                    path: uri.to_string(),
-                };
-            }
-            (
-                io::ErrorKind::NotFound,
-                format!("bucket or container not found ({detail})"),
-            )
+    let kind = failure_kind(&e);
+    let message = match kind {
+        io::ErrorKind::NotFound if !names_missing_container(&text) => {
+            return Error::NotFound {
+                path: uri.to_string(),
+            };
         }
-        object_store::Error::PermissionDenied { .. }
-        | object_store::Error::Unauthenticated { .. } => (
-            io::ErrorKind::PermissionDenied,
-            format!("access denied: check the credentials and their rights ({detail})"),
-        ),
-        _ if text.contains("timed out") || text.contains("Timeout") => {
-            (io::ErrorKind::TimedOut, detail)
+        io::ErrorKind::NotFound => format!("bucket or container not found ({detail})"),
+        io::ErrorKind::PermissionDenied => {
+            format!("access denied: check the credentials and their rights ({detail})")
         }
-        _ => (io::ErrorKind::Other, detail),
+        _ => detail,
     };
     // Constructed directly: `Error::io` would turn kind NotFound (a missing bucket) into NotFound.
     Error::Io {
         path: uri.to_string(),
         source: io::Error::new(kind, scrub(&message)),
     }
+}
+
+/// What kind of failure `e` is, from its variant and the types in its source chain:
+/// - object_store's variants carry the HTTP status it recognises (404, 401 and 403);
+/// - a transport failure is object_store's `HttpError` (timeout, connect, interrupted) or
+///   reqwest's error, and below them the `io::Error` of the socket, whose kind is the most precise
+///   (`ConnectionRefused`, `ConnectionReset`, ...).
+///
+/// Other statuses (5xx, 429) reach us only as text: object_store keeps them in an error type it
+/// does not export. They stay `Other`, as they were retried already.
+pub(super) fn failure_kind(e: &object_store::Error) -> io::ErrorKind {
+    match e {
+        object_store::Error::NotFound { .. } => return io::ErrorKind::NotFound,
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => return io::ErrorKind::PermissionDenied,
+        _ => {}
+    }
+    let mut kind = io::ErrorKind::Other;
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = next {
+        if let Some(http) = err.downcast_ref::<HttpError>() {
+            match http.kind() {
+                HttpErrorKind::Timeout => return io::ErrorKind::TimedOut,
+                HttpErrorKind::Connect => kind = io::ErrorKind::NotConnected,
+                HttpErrorKind::Interrupted => kind = io::ErrorKind::ConnectionAborted,
+                _ => {}
+            }
+        } else if let Some(req) = err.downcast_ref::<reqwest::Error>() {
+            if req.is_timeout() {
+                return io::ErrorKind::TimedOut;
+            }
+            if req.is_connect() {
+                kind = io::ErrorKind::NotConnected;
+            }
+        } else if let Some(os) = err.downcast_ref::<io::Error>() {
+            match os.kind() {
+                io::ErrorKind::TimedOut => return io::ErrorKind::TimedOut,
+                io::ErrorKind::Other => {}
+                precise => kind = precise,
+            }
+        }
+        next = err.source();
+    }
+    kind
+}
+
+/// True when a 404 is about the bucket or container rather than the object. The status is the
+/// same; only the service's error code in the response body tells them apart, and object_store
+/// passes the body on as text. So this reads the body's `<Code>` element (S3, GCS's XML API and
+/// Azure all answer in XML), and nothing else of the text.
+fn names_missing_container(text: &str) -> bool {
+    const CODES: &[&str] = &["NoSuchBucket", "ContainerNotFound"];
+    xml_element(text, "Code").is_some_and(|code| CODES.contains(&code.trim()))
+}
+
+/// The text of the first `<name>...</name>` element of an XML error body quoted in `text`.
+fn xml_element<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    let body = &text[text.find("<?xml").or_else(|| text.find("<Error>"))?..];
+    let open = format!("<{name}>");
+    let start = body.find(&open)? + open.len();
+    let len = body[start..].find(&format!("</{name}>"))?;
+    Some(&body[start..start + len])
 }
 
 /// The error and its sources, without repeating what an outer message already quotes.
@@ -83,17 +136,11 @@ pub(super) fn chain(e: &dyn std::error::Error) -> String {
 /// Replaces an XML error body (which can echo the request, signature details included) by its
 /// `Code: Message`, and keeps messages to a readable length.
 pub(super) fn clean_message(text: &str) -> String {
-    let tag = |name: &str| {
-        let open = format!("<{name}>");
-        let start = text.find(&open)? + open.len();
-        let len = text[start..].find(&format!("</{name}>"))?;
-        Some(text[start..start + len].to_string())
-    };
     let mut out = match text.find("<?xml").or_else(|| text.find("<Error>")) {
         Some(at) => {
-            let summary = match (tag("Code"), tag("Message")) {
+            let summary = match (xml_element(text, "Code"), xml_element(text, "Message")) {
                 (Some(c), Some(m)) => format!("{c}: {m}"),
-                (Some(c), None) => c,
+                (Some(c), None) => c.to_string(),
                 _ => "(XML error body)".to_string(),
             };
             format!("{}{summary}", &text[..at])

@@ -9,7 +9,7 @@ use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
 use super::errors::*;
 use super::*;
 use crate::error::{Error, Result};
-use crate::format;
+use crate::format::{self, FormatError};
 use crate::source::INDEX_FILE;
 
 /// Every `*.safetensors` directly under the remote's prefix, or exactly the files that its
@@ -80,7 +80,8 @@ pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
         .await
         .map_err(|e| storage_error(&name, e))?;
     if result.meta.size > format::MAX_HEADER_LEN {
-        return Err(Error::format(&name, "index file is over 100 MB"));
+        let size = result.meta.size;
+        return Err(Error::format(&name, FormatError::IndexTooLarge { size }));
     }
     let mut out = Vec::with_capacity(result.meta.size as usize);
     let mut body = result.into_stream();
@@ -120,10 +121,8 @@ pub(super) async fn from_index(
     let mut files = Vec::new();
     for file in crate::source::index_shard_names(bytes, &name)? {
         let rel = Path::parse(&file).map_err(|e| {
-            Error::format(
-                &name,
-                format!("weight_map names an invalid file {file:?}: {e}"),
-            )
+            let (file, reason) = (file.clone(), e.to_string());
+            Error::format(&name, FormatError::IndexInvalidPath { file, reason })
         })?;
         files.push(Path::from_iter(dir.parts().chain(rel.parts())));
     }

@@ -2,14 +2,15 @@
 //! parsing with boto3-like `AWS_*` environment handling (config.rs), Google's and Azure's own
 //! variables, emulators and connection strings (gcs.rs, azure.rs), shard discovery under a prefix
 //! (index file first), and ranged reads streamed straight into a caller's buffer, resuming cut-off
-//! bodies.
+//! bodies (read.rs) as one [`RetrySettings`] allows (retry.rs; object_store's request retries are
+//! built from the same settings).
 //!
-//! Errors: a missing object is [`Error::NotFound`]; everything else (missing bucket, refused
-//! connection, bad credentials, timeouts) is [`Error::Io`] with a message that names the URI and has
-//! configured secrets and server-echoed request details scrubbed out.
+//! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
+//! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
+//! bucket, `PermissionDenied`, `TimedOut`, `ConnectionRefused`, ...), with a message that names the
+//! URI and has configured secrets and server-echoed request details scrubbed out.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use object_store::path::Path;
 use object_store::{ClientConfigKey, ObjectStore};
@@ -21,6 +22,7 @@ mod errors;
 mod gcs;
 mod list;
 mod read;
+mod retry;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -29,7 +31,8 @@ mod tests_cloud;
 pub use config::{open, open_with_env};
 pub use errors::{redact_uri, storage_error};
 pub use list::{head, list_safetensors, resolve};
-pub use read::{read_header, read_range_into};
+pub use read::read_range_into;
+pub use retry::{Decision, ResumeState, RetrySettings};
 
 /// Schemes served by this module (`file://` and plain paths stay on the local fast path).
 const SCHEMES: &[&str] = &[
@@ -46,14 +49,6 @@ const CLIENT_DEFAULTS: &[(ClientConfigKey, &str)] = &[
     (ClientConfigKey::ReadTimeout, "30s"),
     (ClientConfigKey::ConnectTimeout, "5s"),
 ];
-/// Requests retried by object_store (5xx, 429, SlowDown, connection errors): bounded in count and
-/// time so that a dead endpoint fails in seconds, not minutes.
-const MAX_RETRIES: usize = 6;
-const RETRY_TIMEOUT: Duration = Duration::from_secs(60);
-/// Body resumptions in a row that bring no new byte before a read gives up.
-const MAX_STALLED_RESUMES: u32 = 5;
-/// First bytes fetched for a header: one request covers the headers of typical shards.
-const HEADER_PROBE: u64 = 256 * 1024;
 /// HEAD requests in flight when sizes cannot be listed.
 const HEAD_CONCURRENCY: usize = 16;
 

@@ -1,46 +1,20 @@
-//! Ranged reads into caller buffers, resuming cut-off bodies; headers.
+//! Ranged reads into caller buffers, resuming cut-off bodies.
 
 use std::io;
-use std::time::Duration;
 
 use futures_util::StreamExt;
 use object_store::path::Path;
-use object_store::{GetOptions, GetRange, ObjectStore};
+use object_store::{GetOptions, GetRange, GetResult, ObjectStore};
 
 use super::errors::*;
-use super::*;
+use super::retry::{Decision, RetrySettings};
 use crate::error::{Error, Result};
-use crate::format::{self, Header};
-
-/// Reads and validates the header of a `size`-byte object: one request for typical shards, a
-/// second one only for headers over 256 KiB.
-pub async fn read_header(remote: &Remote, path: &Path, size: u64) -> Result<Header> {
-    let name = remote.uri_of(path);
-    let mut probe = vec![0u8; size.min(HEADER_PROBE) as usize];
-    read_range_into(remote.store.as_ref(), path, 0, &mut probe, &name).await?;
-    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e.0))?;
-    let end = (format::PREFIX_LEN + n) as usize;
-    if end > probe.len() {
-        let have = probe.len();
-        probe.resize(end, 0);
-        read_range_into(
-            remote.store.as_ref(),
-            path,
-            have as u64,
-            &mut probe[have..],
-            &name,
-        )
-        .await?;
-    }
-    format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
-        .map_err(|e| Error::format(&name, e.0))
-}
 
 /// Reads `dst.len()` bytes at `offset` with one ranged GET, copying each body chunk into `dst` as
 /// it arrives. A body that breaks off is resumed from the first missing byte (object_store already
-/// retried the request itself); [`MAX_STALLED_RESUMES`] resumptions in a row without progress end
-/// it. A body longer than asked for, an object shorter than the range, or an object that changed
-/// (ETag) between resumptions is an error.
+/// retried the request itself) for as long as [`ResumeState`] allows. A body longer than asked
+/// for, an object shorter than the range, or an object that changed (ETag) between resumptions is
+/// an error.
 pub async fn read_range_into(
     store: &dyn ObjectStore,
     path: &Path,
@@ -51,11 +25,9 @@ pub async fn read_range_into(
     let end = offset
         .checked_add(dst.len() as u64)
         .ok_or_else(|| Error::option("range", format!("offset {offset} overflows")))?;
-    let mut done = 0usize;
-    let mut stalled = 0u32;
-    let mut last_progress = std::time::Instant::now();
+    let mut resume = RetrySettings::default().resume_state();
     let mut etag: Option<String> = None;
-    let mut backoff = Duration::from_millis(50);
+    let mut done = 0usize;
     while done < dst.len() {
         let start = offset + done as u64;
         let options = GetOptions {
@@ -76,68 +48,74 @@ pub async fn read_range_into(
                 ),
             ));
         }
-        match (&etag, &result.meta.e_tag) {
-            (Some(a), Some(b)) if a != b => {
-                return Err(io_error(
-                    uri,
-                    io::ErrorKind::InvalidData,
-                    "object changed while it was being read (ETag differs)",
-                ))
-            }
-            (None, Some(b)) => etag = Some(b.clone()),
-            _ => {}
-        }
+        check_etag(&mut etag, result.meta.e_tag.as_deref(), uri)?;
         let before = done;
-        let mut body = result.into_stream();
-        let mut cut = None;
-        while let Some(chunk) = body.next().await {
-            match chunk {
-                Ok(chunk) => {
-                    let room = dst.len() - done;
-                    if chunk.len() > room {
-                        return Err(io_error(
-                            uri,
-                            io::ErrorKind::InvalidData,
-                            format!(
-                                "server sent more than the {} bytes asked for at offset {offset}",
-                                dst.len()
-                            ),
-                        ));
-                    }
-                    dst[done..done + chunk.len()].copy_from_slice(&chunk);
-                    done += chunk.len();
-                }
-                Err(e) => {
-                    cut = Some(storage_error(uri, e));
-                    break;
-                }
-            }
-        }
+        let cut = copy_body(result, dst, &mut done, offset, uri).await?;
         if done == dst.len() {
             break;
         }
-        if done > before {
-            stalled = 0;
-            last_progress = std::time::Instant::now();
-        } else {
-            stalled += 1;
+        match resume.after_cut(done > before) {
+            Decision::Resume { wait, .. } => tokio::time::sleep(wait).await,
+            Decision::GiveUp { .. } => {
+                return Err(cut.unwrap_or_else(|| {
+                    io_error(
+                        uri,
+                        io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "body ended after {done} of {} bytes at offset {offset}, with no progress on retrying",
+                            dst.len()
+                        ),
+                    )
+                }))
+            }
         }
-        // object_store already retried inside `get_opts`; without progress for the retry budget,
-        // resuming again only makes a dead or stalled server cost minutes.
-        if stalled >= MAX_STALLED_RESUMES || last_progress.elapsed() > RETRY_TIMEOUT {
-            return Err(cut.unwrap_or_else(|| {
-                io_error(
-                    uri,
-                    io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "body ended after {done} of {} bytes at offset {offset}, with no progress on retrying",
-                        dst.len()
-                    ),
-                )
-            }));
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
     Ok(())
+}
+
+/// The first response's ETag, if any, must be the ETag of every resumption.
+fn check_etag(first: &mut Option<String>, now: Option<&str>, uri: &str) -> Result<()> {
+    match (first.as_deref(), now) {
+        (Some(a), Some(b)) if a != b => Err(io_error(
+            uri,
+            io::ErrorKind::InvalidData,
+            "object changed while it was being read (ETag differs)",
+        )),
+        (None, Some(b)) => {
+            *first = Some(b.to_string());
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Copies the body into `dst[*done..]`, advancing `done`. Returns the error that broke the body
+/// off, if one did (a body may also just end early); a body longer than `dst` is an error.
+async fn copy_body(
+    result: GetResult,
+    dst: &mut [u8],
+    done: &mut usize,
+    offset: u64,
+    uri: &str,
+) -> Result<Option<Error>> {
+    let mut body = result.into_stream();
+    while let Some(chunk) = body.next().await {
+        let chunk = match chunk {
+            Ok(chunk) => chunk,
+            Err(e) => return Ok(Some(storage_error(uri, e))),
+        };
+        if chunk.len() > dst.len() - *done {
+            return Err(io_error(
+                uri,
+                io::ErrorKind::InvalidData,
+                format!(
+                    "server sent more than the {} bytes asked for at offset {offset}",
+                    dst.len()
+                ),
+            ));
+        }
+        dst[*done..*done + chunk.len()].copy_from_slice(&chunk);
+        *done += chunk.len();
+    }
+    Ok(None)
 }

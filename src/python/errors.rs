@@ -24,7 +24,7 @@ pub fn to_py(err: Error) -> PyErr {
         let name = match &err {
             Error::Format { .. } => "FormatError",
             Error::NotFound { .. } => "NotFoundError",
-            Error::Io { .. } => "StorageError",
+            Error::Io { .. } | Error::Memory { .. } => "StorageError",
             Error::MissingTensors { .. } => "TensorNotFoundError",
             Error::InvalidOption { .. } | Error::UnsupportedUri { .. } => "ConfigError",
             _ => "FastloadError",

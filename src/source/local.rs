@@ -11,6 +11,7 @@ use futures_util::future::BoxFuture;
 
 use super::Source;
 use crate::error::{Error, Result};
+use crate::format::FormatError;
 use crate::memory::HostBuffer;
 
 /// The index file that sharded Hugging Face checkpoints carry.
@@ -32,10 +33,7 @@ impl LocalFile {
         let file = File::open(path).map_err(|e| Error::io(&name, e))?;
         let meta = file.metadata().map_err(|e| Error::io(&name, e))?;
         if meta.is_dir() {
-            return Err(Error::format(
-                &name,
-                "is a directory, not a safetensors file",
-            ));
+            return Err(Error::format(&name, FormatError::IsDirectory));
         }
         Ok(LocalFile {
             name,
@@ -133,27 +131,28 @@ fn local_path(uri: &str) -> Result<PathBuf> {
 /// The shard file names an index's `weight_map` lists (sorted, each once), each checked to be a
 /// plain relative path inside the index's folder. `name` is the index, for messages.
 pub fn index_shard_names(bytes: &[u8], name: &str) -> Result<Vec<String>> {
-    let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| Error::format(name, format!("index is not valid JSON: {e}")))?;
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+        let reason = e.to_string();
+        Error::format(name, FormatError::IndexInvalidJson { reason })
+    })?;
     let map = value
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::format(name, "index has no \"weight_map\" object"))?;
+        .ok_or_else(|| Error::format(name, FormatError::IndexNoWeightMap))?;
     let mut files = BTreeSet::new();
     for (tensor, file) in map {
         let file = file.as_str().ok_or_else(|| {
-            Error::format(
-                name,
-                format!("weight_map entry for {tensor:?} is not a file name"),
-            )
+            let tensor = tensor.clone();
+            Error::format(name, FormatError::IndexEntryNotAName { tensor })
         })?;
         let inside = Path::new(file)
             .components()
             .all(|c| matches!(c, std::path::Component::Normal(_)));
         if !inside || file.is_empty() {
+            let (tensor, file) = (tensor.clone(), file.to_string());
             return Err(Error::format(
                 name,
-                format!("weight_map entry for {tensor:?} names {file:?}, which is not a file inside the checkpoint directory"),
+                FormatError::IndexEntryOutside { tensor, file },
             ));
         }
         files.insert(file.to_string());

@@ -82,7 +82,7 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
     let name = source.name().to_string();
     let mut probe = vec![0u8; size.min(HEADER_PROBE) as usize];
     source.read_into(0, &mut probe).await?;
-    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e.0))?;
+    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e))?;
     let end = (format::PREFIX_LEN + n) as usize;
     if end > probe.len() {
         let have = probe.len();
@@ -90,7 +90,7 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
         source.read_into(have as u64, &mut probe[have..]).await?;
     }
     let header = format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
-        .map_err(|e| Error::format(&name, e.0))?;
+        .map_err(|e| Error::format(&name, e))?;
     Ok(Shard {
         name,
         size,
