@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use fastload::format::{self, Header};
+use fastload::object::RetrySettings;
 use fastload::options::LoadOptions;
 use fastload::pipeline::Loader;
 use fastload::plan;
@@ -50,7 +51,13 @@ fn remote_shard(store: &Arc<dyn ObjectStore>, path: &Path, bytes: &[u8]) -> Shar
         name: name.clone(),
         size,
         header: header_of(bytes),
-        source: Arc::new(RemoteObject::new(name, store.clone(), path.clone(), size)),
+        source: Arc::new(RemoteObject::new(
+            name,
+            store.clone(),
+            path.clone(),
+            size,
+            RetrySettings::default(),
+        )),
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fastload::object::{self, Remote};
+use fastload::object::{self, Remote, RetrySettings};
 use fastload::source::object::RemoteObject;
 use fastload::Error;
 use object_store::path::Path;
@@ -41,6 +41,7 @@ async fn header_of(remote: &Remote, path: &Path, size: u64) -> fastload::format:
         remote.store.clone(),
         path.clone(),
         size,
+        remote.retry.clone(),
     );
     fastload::source::open_shard(Arc::new(source))
         .await
@@ -277,8 +278,15 @@ async fn reads_and_lists_against_seaweedfs() {
     let reads = buf.chunks_mut(block / 4).enumerate().map(|(i, chunk)| {
         let (store, path, uri) = (r.store.clone(), r.path.clone(), r.uri.clone());
         async move {
-            object::read_range_into(store.as_ref(), &path, (i * block / 4) as u64, chunk, &uri)
-                .await
+            object::read_range_into(
+                store.as_ref(),
+                &path,
+                (i * block / 4) as u64,
+                chunk,
+                &uri,
+                &RetrySettings::default(),
+            )
+            .await
         }
     });
     for result in futures_util::future::join_all(reads).await {
@@ -288,9 +296,16 @@ async fn reads_and_lists_against_seaweedfs() {
     eprintln!("20 MiB in 2 MiB ranges: {:?}", started.elapsed());
     for (off, len) in [(0usize, block), (12_345, 1), (big.len() - 7, 7)] {
         let mut dst = vec![0u8; len];
-        object::read_range_into(r.store.as_ref(), &r.path, off as u64, &mut dst, &r.uri)
-            .await
-            .unwrap();
+        object::read_range_into(
+            r.store.as_ref(),
+            &r.path,
+            off as u64,
+            &mut dst,
+            &r.uri,
+            &RetrySettings::default(),
+        )
+        .await
+        .unwrap();
         assert!(dst == big[off..off + len], "range {off}+{len}");
     }
     let mut past = vec![0u8; 10];
@@ -300,6 +315,7 @@ async fn reads_and_lists_against_seaweedfs() {
         (big.len() - 5) as u64,
         &mut past,
         &r.uri,
+        &RetrySettings::default(),
     )
     .await
     .unwrap_err();
@@ -313,9 +329,16 @@ async fn reads_and_lists_against_seaweedfs() {
     let (proxy, cut) = cutting_proxy(s3_port, 3, 100_000);
     let via = open("s3://models/big.bin", &format!("http://127.0.0.1:{proxy}"));
     let mut dst = vec![0u8; block];
-    object::read_range_into(via.store.as_ref(), &via.path, 1000, &mut dst, &via.uri)
-        .await
-        .unwrap();
+    object::read_range_into(
+        via.store.as_ref(),
+        &via.path,
+        1000,
+        &mut dst,
+        &via.uri,
+        &RetrySettings::default(),
+    )
+    .await
+    .unwrap();
     assert!(dst == big[1000..1000 + block], "resumed read differs");
     assert_eq!(
         cut.load(Ordering::SeqCst),

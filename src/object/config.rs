@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::http::HttpBuilder;
-use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 use url::Url;
 
 use super::aws_profile;
@@ -44,15 +44,15 @@ pub fn open_with_env(
     let (retry, store_options) = split_retry_options(options)?;
     let built = match scheme {
         ObjectStoreScheme::AmazonS3 => s3_builder(uri, &store_options, &env)?
-            .with_retry(retry)
+            .with_retry(retry.request_config())
             .build()
             .map(|s| Arc::new(s) as Arc<dyn ObjectStore>),
         ObjectStoreScheme::GoogleCloudStorage => gcs_builder(uri, &store_options, &env)?
-            .with_retry(retry)
+            .with_retry(retry.request_config())
             .build()
             .map(|s| Arc::new(s) as _),
         ObjectStoreScheme::MicrosoftAzure => azure_builder(uri, &store_options, &env)?
-            .with_retry(retry)
+            .with_retry(retry.request_config())
             .build()
             .map(|s| Arc::new(s) as _),
         ObjectStoreScheme::Http => {
@@ -67,7 +67,9 @@ pub fn open_with_env(
             for (k, v) in &store_options {
                 b = b.with_config(parse_key::<ClientConfigKey>("http", k)?, v);
             }
-            b.with_retry(retry).build().map(|s| Arc::new(s) as _)
+            b.with_retry(retry.request_config())
+                .build()
+                .map(|s| Arc::new(s) as _)
         }
         _ => return Err(unsupported(&shown, "not an object-store URL")),
     };
@@ -78,6 +80,7 @@ pub fn open_with_env(
         path,
         uri: shown,
         is_prefix,
+        retry,
     })
 }
 
@@ -122,7 +125,7 @@ pub(super) fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result
 /// go to object_store as they are.
 pub(super) fn split_retry_options(
     options: &[(String, String)],
-) -> Result<(RetryConfig, Vec<(String, String)>)> {
+) -> Result<(RetrySettings, Vec<(String, String)>)> {
     let mut retry = RetrySettings::default();
     let mut rest = Vec::new();
     for (k, v) in options {
@@ -160,7 +163,7 @@ pub(super) fn split_retry_options(
             _ => rest.push((k.clone(), v.clone())),
         }
     }
-    Ok((retry.request_config(), rest))
+    Ok((retry, rest))
 }
 
 pub(super) fn is_true(v: &str) -> bool {

@@ -62,6 +62,8 @@ pub struct Remote {
     pub uri: String,
     /// The URI ended with `/` or named a bucket root, so it can only be a prefix.
     pub is_prefix: bool,
+    /// How reads of this store retry and resume (object_store's own retries were built from it).
+    pub retry: RetrySettings,
 }
 
 impl Remote {

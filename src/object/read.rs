@@ -21,11 +21,12 @@ pub async fn read_range_into(
     offset: u64,
     dst: &mut [u8],
     uri: &str,
+    retry: &RetrySettings,
 ) -> Result<()> {
     let end = offset
         .checked_add(dst.len() as u64)
         .ok_or_else(|| Error::option("range", format!("offset {offset} overflows")))?;
-    let mut resume = RetrySettings::default().resume_state();
+    let mut resume = retry.resume_state();
     let mut etag: Option<String> = None;
     let mut done = 0usize;
     while done < dst.len() {

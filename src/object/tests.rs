@@ -328,6 +328,7 @@ fn remote(store: Arc<dyn ObjectStore>, path: &str, is_prefix: bool) -> Remote {
         path: Path::from(path),
         uri: format!("s3://bucket/{path}{}", if is_prefix { "/" } else { "" }),
         is_prefix,
+        retry: RetrySettings::default(),
     }
 }
 
@@ -337,17 +338,38 @@ async fn reads_ranges_exactly() {
     let store = memory(&[("m.safetensors", bytes.clone())]).await;
     let path = Path::from("m.safetensors");
     let mut dst = vec![0u8; 30_000];
-    read_range_into(store.as_ref(), &path, 12_345, &mut dst, "s3://b/m")
-        .await
-        .unwrap();
+    read_range_into(
+        store.as_ref(),
+        &path,
+        12_345,
+        &mut dst,
+        "s3://b/m",
+        &RetrySettings::default(),
+    )
+    .await
+    .unwrap();
     assert_eq!(dst, bytes[12_345..42_345]);
-    read_range_into(store.as_ref(), &path, 0, &mut [], "s3://b/m")
-        .await
-        .unwrap();
+    read_range_into(
+        store.as_ref(),
+        &path,
+        0,
+        &mut [],
+        "s3://b/m",
+        &RetrySettings::default(),
+    )
+    .await
+    .unwrap();
     // Past the end: the object is shorter than the range.
-    let err = read_range_into(store.as_ref(), &path, 90_000, &mut dst, "s3://b/m")
-        .await
-        .unwrap_err();
+    let err = read_range_into(
+        store.as_ref(),
+        &path,
+        90_000,
+        &mut dst,
+        "s3://b/m",
+        &RetrySettings::default(),
+    )
+    .await
+    .unwrap_err();
     assert!(
         matches!(err, Error::Io { ref path, ref source }
             if path == "s3://b/m" && source.kind() == io::ErrorKind::UnexpectedEof),
@@ -359,6 +381,7 @@ async fn reads_ranges_exactly() {
         0,
         &mut dst,
         "s3://b/nope",
+        &RetrySettings::default(),
     )
     .await
     .unwrap_err();
@@ -490,9 +513,16 @@ async fn resumes_cut_off_bodies_from_where_they_stopped() {
     let bytes = data(50_000);
     let store = flaky(&bytes, 7_000, 3, false).await;
     let mut dst = vec![0u8; 40_000];
-    read_range_into(&store, &Path::from("m"), 5_000, &mut dst, "s3://b/m")
-        .await
-        .unwrap();
+    read_range_into(
+        &store,
+        &Path::from("m"),
+        5_000,
+        &mut dst,
+        "s3://b/m",
+        &RetrySettings::default(),
+    )
+    .await
+    .unwrap();
     assert_eq!(dst, bytes[5_000..45_000]);
     assert_eq!(
         store.gets.load(Ordering::SeqCst),
@@ -506,9 +536,16 @@ async fn gives_up_when_resuming_makes_no_progress() {
     let store = flaky(&data(1000), 0, usize::MAX, false).await;
     let mut dst = vec![0u8; 500];
     let started = std::time::Instant::now();
-    let err = read_range_into(&store, &Path::from("m"), 0, &mut dst, "s3://b/m")
-        .await
-        .unwrap_err();
+    let err = read_range_into(
+        &store,
+        &Path::from("m"),
+        0,
+        &mut dst,
+        "s3://b/m",
+        &RetrySettings::default(),
+    )
+    .await
+    .unwrap_err();
     // The error is the one that cut the last body off, classified by its type.
     assert!(
         matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::ConnectionReset),
@@ -525,9 +562,16 @@ async fn gives_up_when_resuming_makes_no_progress() {
 async fn rejects_bodies_longer_than_asked() {
     let store = flaky(&data(1000), 0, 0, true).await;
     let mut dst = vec![0u8; 100];
-    let err = read_range_into(&store, &Path::from("m"), 0, &mut dst, "s3://b/m")
-        .await
-        .unwrap_err();
+    let err = read_range_into(
+        &store,
+        &Path::from("m"),
+        0,
+        &mut dst,
+        "s3://b/m",
+        &RetrySettings::default(),
+    )
+    .await
+    .unwrap_err();
     assert!(
         matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::InvalidData),
         "{err}"
@@ -648,6 +692,7 @@ async fn header_of(r: &Remote, path: &Path, size: u64) -> Result<crate::format::
         r.store.clone(),
         path.clone(),
         size,
+        r.retry.clone(),
     );
     crate::source::open_shard(std::sync::Arc::new(source))
         .await

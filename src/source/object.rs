@@ -10,6 +10,7 @@ use object_store::ObjectStore;
 
 use super::Source;
 use crate::error::Result;
+use crate::object::RetrySettings;
 
 /// One object of a store.
 #[derive(Debug)]
@@ -18,16 +19,25 @@ pub struct RemoteObject {
     store: Arc<dyn ObjectStore>,
     path: Path,
     size: u64,
+    retry: RetrySettings,
 }
 
 impl RemoteObject {
     /// The object at `path` of `store`, `size` bytes; `name` (its URI) is used in messages.
-    pub fn new(name: String, store: Arc<dyn ObjectStore>, path: Path, size: u64) -> RemoteObject {
+    /// Reads retry and resume as `retry` says.
+    pub fn new(
+        name: String,
+        store: Arc<dyn ObjectStore>,
+        path: Path,
+        size: u64,
+        retry: RetrySettings,
+    ) -> RemoteObject {
         RemoteObject {
             name,
             store,
             path,
             size,
+            retry,
         }
     }
 }
@@ -48,6 +58,7 @@ impl Source for RemoteObject {
             offset,
             dst,
             &self.name,
+            &self.retry,
         ))
     }
 }
@@ -60,7 +71,8 @@ pub fn open(uri: &str, storage_options: &[(String, String)]) -> Result<Vec<Arc<d
         .into_iter()
         .map(|(path, size)| {
             let name = remote.uri_of(&path);
-            Arc::new(RemoteObject::new(name, remote.store.clone(), path, size)) as Arc<dyn Source>
+            let (store, retry) = (remote.store.clone(), remote.retry.clone());
+            Arc::new(RemoteObject::new(name, store, path, size, retry)) as Arc<dyn Source>
         })
         .collect())
 }
