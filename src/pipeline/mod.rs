@@ -2,11 +2,15 @@
 //! (`memory_limit`), each segment published to the consumer as soon as all its blocks landed, in
 //! completion order. Dropping the [`Loader`] cancels what has not started and frees buffers.
 //!
-//! Two ways to run it:
-//! - into host memory (this file): each segment is read into its own [`HostBuffer`] (or mapped
-//!   from the file), and the tensors are views of it;
+//! Every block is read through the shard's [`crate::source::Source`]; the pipeline never knows
+//! whether a file or an object is behind it. Two ways to run a plan:
+//! - into host memory (this file): each segment gets one [`HostBuffer`], a mapping of the source
+//!   where it can be mapped and `method` asks for it, else pooled memory its blocks are read into;
+//!   the tensors are views of it;
 //! - staged ([`staged`]): blocks are read into a ring of staging buffers and copied by a
 //!   [`crate::device::Engine`] into destination memory (a GPU) while later blocks are read.
+//!
+//! Both publish through one [`Feed`] (the consumer's channel, the cancel flag, the counters).
 
 mod staged;
 
