@@ -10,7 +10,7 @@
 //! - staged ([`staged`]): blocks are read into a ring of staging buffers and copied by a
 //!   [`crate::device::Engine`] into destination memory (a GPU) while later blocks are read.
 //!
-//! Both publish through one [`Feed`] (the consumer's channel, the cancel flag, the counters).
+//! Both publish through one `Feed` (the consumer's channel, the cancel flag, the counters).
 
 mod staged;
 
