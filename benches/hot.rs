@@ -104,9 +104,13 @@ fn pipeline(c: &mut Criterion) {
                     }
                     .resolve(true)
                     .unwrap();
-                    let target = plan::segment_target(opts.memory_limit, opts.block_size);
-                    let p = plan::build(vec![remote_shard(&store, &path, &bytes)], None, target)
-                        .unwrap();
+                    let segment_size = plan::segment_size(opts.memory_limit, opts.block_size);
+                    let p = plan::build(
+                        vec![remote_shard(&store, &path, &bytes)],
+                        None,
+                        segment_size,
+                    )
+                    .unwrap();
                     (p, opts)
                 },
                 |(p, opts)| {

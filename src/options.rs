@@ -78,7 +78,7 @@ impl fmt::Display for Size {
 /// How local files are read into host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Method {
-    /// Pick per destination (see [`Method::resolve`]).
+    /// Pick per destination (mmap for CPU destinations: see `Loader::start`).
     #[default]
     Auto,
     /// Map windows of the file and fault them in from several threads: no copy out of the

@@ -1,6 +1,6 @@
 //! From validated headers and options to the work: segments (contiguous byte ranges of one file,
 //! each becoming one host buffer) holding the tensors that land in them. Small tensors are
-//! coalesced into one segment; a tensor larger than the segment target gets a segment of its own,
+//! coalesced into one segment; a tensor larger than the segment size gets a segment of its own,
 //! which the pipeline reads as several blocks in parallel. Gaps left by `names` end a segment, so
 //! bytes of tensors nobody asked for are never read.
 
@@ -51,7 +51,7 @@ pub type Part = (String, u64, u64);
 /// Segment size for a memory limit: small enough that several segments are in flight at once
 /// (reads of the next overlap the consumer's work on the current one), large enough that per
 /// segment costs vanish.
-pub fn segment_target(memory_limit: u64, block_size: u64) -> u64 {
+pub fn segment_size(memory_limit: u64, block_size: u64) -> u64 {
     (memory_limit / 4)
         .min(64 << 20)
         .max(block_size.min(memory_limit))
@@ -59,14 +59,14 @@ pub fn segment_target(memory_limit: u64, block_size: u64) -> u64 {
 
 /// Builds the plan. `names` selects tensors (every name must exist somewhere); tensor names must
 /// be unique across shards.
-pub fn build(shards: Vec<Shard>, names: Option<&[String]>, target: u64) -> Result<Plan> {
+pub fn build(shards: Vec<Shard>, names: Option<&[String]>, segment_size: u64) -> Result<Plan> {
     let owner = owners(&shards)?;
     let wanted: Option<HashSet<&str>> = names.map(|n| n.iter().map(String::as_str).collect());
     if let Some(w) = &wanted {
         check_present(&shards, &owner, w.iter().copied())?;
     }
     drop(owner);
-    coalesce(shards, target, |t, slots| {
+    coalesce(shards, segment_size, |t, slots| {
         let keep = match &wanted {
             Some(w) => w.contains(t.name.as_str()),
             None => true,
@@ -82,7 +82,7 @@ pub fn build(shards: Vec<Shard>, names: Option<&[String]>, target: u64) -> Resul
 /// share of a checkpoint, splitting tensors where the shares meet. Ranges of one tensor must not
 /// overlap; adjacent pieces coalesce into one segment like small tensors do, and no other byte
 /// is read.
-pub fn build_parts(shards: Vec<Shard>, parts: &[Part], target: u64) -> Result<Plan> {
+pub fn build_parts(shards: Vec<Shard>, parts: &[Part], segment_size: u64) -> Result<Plan> {
     let owner = owners(&shards)?;
     check_present(&shards, &owner, parts.iter().map(|p| p.0.as_str()))?;
     let mut ranges: HashMap<&str, Vec<(u64, u64)>> = HashMap::new();
@@ -119,7 +119,7 @@ pub fn build_parts(shards: Vec<Shard>, parts: &[Part], target: u64) -> Result<Pl
         }
     }
     drop(owner);
-    coalesce(shards, target, |t, slots| {
+    coalesce(shards, segment_size, |t, slots| {
         for &(begin, end) in ranges.get(t.name.as_str()).into_iter().flatten() {
             slots.push((
                 t.begin + begin,
@@ -194,10 +194,10 @@ fn whole(t: &TensorEntry) -> TensorSlot {
 
 /// Walks every shard's tensors in file order; `select` pushes the slots wanted from a tensor as
 /// `(offset within the data section, slot)`, in file order. Contiguous slots share a segment up
-/// to `target` bytes; any gap (a tensor or bytes nobody asked for) ends the segment.
+/// to `segment_size` bytes; any gap (a tensor or bytes nobody asked for) ends the segment.
 fn coalesce(
     shards: Vec<Shard>,
-    target: u64,
+    segment_size: u64,
     mut select: impl FnMut(&TensorEntry, &mut Vec<(u64, TensorSlot)>),
 ) -> Result<Plan> {
     let mut segments = Vec::new();
@@ -222,7 +222,7 @@ fn coalesce(
                 let start = base + begin;
                 let fits = current
                     .as_ref()
-                    .is_some_and(|s| s.start + s.len == start && s.len + slot.len <= target);
+                    .is_some_and(|s| s.start + s.len == start && s.len + slot.len <= segment_size);
                 if !fits {
                     if let Some(seg) = current.take() {
                         segments.push(seg);
@@ -367,7 +367,7 @@ mod tests {
         ];
         let p = build_parts(vec![s], &parts, 100).unwrap();
         let segs: Vec<(u64, u64)> = p.segments.iter().map(|s| (s.start, s.len)).collect();
-        // y's tail and big's head touch; the next piece would pass the target; 500..600 stands
+        // y's tail and big's head touch; the next piece would pass the segment size; 500..600 stands
         // apart (a gap) and z is not adjacent to it either.
         assert_eq!(segs, vec![(115, 45), (160, 60), (620, 100), (1120, 5)]);
         assert_eq!(p.total_bytes, 5 + 40 + 60 + 100 + 5);

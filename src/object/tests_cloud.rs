@@ -1,5 +1,6 @@
 //! gs:// and az:// configuration: emulators, custom endpoints, anonymous access, connection
-//! strings. (Requests against real servers are tested from Python: tests/test_gcs_azure.py.)
+//! strings. (Requests against real servers are tested from Python: tests/test_object_stores.py,
+//! tests/test_gcs.py and tests/test_azure.py.)
 
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};

@@ -72,7 +72,8 @@ pub struct Loader {
     done: bool,
     /// The options in force, `method` as chosen (never `Auto`).
     config: Resolved,
-    target: Option<String>,
+    /// The copy engine of a staged load ("cuda:0", "host").
+    engine: Option<String>,
 }
 
 /// Resolves the URIs, validates every header, plans and starts reading into host memory.
@@ -90,13 +91,13 @@ pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Re
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let resolved = options.resolve(source::any_remote(uris))?;
     let shards = source::open_all(uris, &options.storage_options)?;
-    let target = plan::segment_target(resolved.memory_limit, resolved.block_size);
+    let segment_size = plan::segment_size(resolved.memory_limit, resolved.block_size);
     let plan = match &options.parts {
-        None => plan::build(shards, options.names.as_deref(), target)?,
+        None => plan::build(shards, options.names.as_deref(), segment_size)?,
         Some(_) if options.names.is_some() => {
             return Err(Error::option("parts", "names and parts cannot be combined"))
         }
-        Some(parts) => plan::build_parts(shards, parts, target)?,
+        Some(parts) => plan::build_parts(shards, parts, segment_size)?,
     };
     Ok((plan, resolved))
 }
@@ -284,12 +285,13 @@ impl Loader {
     }
 
     /// A loader over `plan` and the feed its producers publish to. `budget` is closed when the
-    /// consumer goes away; `config` is what `stats()` reports.
+    /// consumer goes away; `config` is what `stats()` reports; `engine` names a staged load's copy
+    /// engine.
     fn new(
         plan: Plan,
         budget: Arc<Semaphore>,
         config: Resolved,
-        target: Option<String>,
+        engine: Option<String>,
     ) -> (Loader, Arc<Feed>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
@@ -309,14 +311,14 @@ impl Loader {
             first: None,
             done: false,
             config,
-            target,
+            engine,
         };
         (loader, feed)
     }
 
     /// The engine a staged load copies with ("cuda:0", "host"); `None` for host-memory loads.
-    pub fn target(&self) -> Option<&str> {
-        self.target.as_deref()
+    pub fn engine(&self) -> Option<&str> {
+        self.engine.as_deref()
     }
 
     pub fn plan(&self) -> &Plan {

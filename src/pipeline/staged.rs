@@ -401,7 +401,7 @@ mod tests {
         assert_eq!(got, expected(&sizes, &data));
         let total: u64 = sizes.iter().map(|&n| n as u64).sum();
         assert_eq!(loader.stats().bytes_copied.load(Ordering::Relaxed), total);
-        assert_eq!(loader.target(), Some("host"));
+        assert_eq!(loader.engine(), Some("host"));
     }
 
     /// A host engine whose copies are slow, so that reads run ahead of them.

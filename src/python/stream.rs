@@ -183,7 +183,7 @@ impl Stream {
             d.set_item("concurrency", l.config().concurrency)?;
             d.set_item("block_size", l.config().block_size)?;
             d.set_item("memory_limit", l.config().memory_limit)?;
-            d.set_item("target", l.target())?;
+            d.set_item("target", l.engine())?;
             d.set_item("bytes_copied", s.bytes_copied.load(Relaxed))?;
             d.set_item("staging_peak_bytes", s.staging_peak.load(Relaxed))?;
         }
