@@ -32,7 +32,7 @@ pub use list::{head, list_safetensors, resolve};
 pub use read::{read_header, read_range_into};
 
 /// Schemes served by this module (`file://` and plain paths stay on the local fast path).
-const SCHEMES: &[&str] = &[
+pub const SCHEMES: &[&str] = &[
     "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https",
 ];
 
