@@ -214,7 +214,9 @@ def load(
         return dict(s)
 
 
-def inspect(uri: Uri, *, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+def inspect(
+    uri: Uri, *, storage_options: Mapping[str, object] | None = None
+) -> list[dict[str, Any]]:
     """Headers of every file ``uri`` names, without reading tensor data."""
     return list(_fastload.inspect(_uris(uri), storage_options=storage_options))
 

@@ -56,7 +56,7 @@ class Options(TypedDict, total=False):
     memory_limit: Size | None
     names: Iterable[str] | None
     method: str | None
-    storage_options: Mapping[str, Any] | None
+    storage_options: Mapping[str, object] | None
 
 
 OPTIONS: frozenset[str] = frozenset(Options.__annotations__)
