@@ -40,8 +40,8 @@ pub enum Error {
     },
 
     /// Requested tensor names that no file contains.
-    #[error("tensors not found in {uri}: {names}")]
-    MissingTensors { uri: String, names: String },
+    #[error("tensors not found in {uri}: {}", quoted(.names))]
+    MissingTensors { uri: String, names: Vec<String> },
 
     /// An option value that cannot be used (bad size string, zero concurrency, unknown device, ...).
     #[error("invalid option {option}: {message}")]
@@ -105,4 +105,13 @@ impl Error {
             Error::Io { path, source }
         }
     }
+}
+
+/// Names as the messages show them: quoted, escaped, comma-separated.
+fn quoted(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| format!("{n:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -18,6 +18,7 @@ pub mod object;
 pub mod options;
 pub mod pipeline;
 pub mod plan;
+pub mod ranks;
 pub mod runtime;
 pub mod source;
 

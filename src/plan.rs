@@ -173,11 +173,7 @@ fn check_present<'a>(
     };
     Err(Error::MissingTensors {
         uri,
-        names: missing
-            .iter()
-            .map(|n| format!("{n:?}"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        names: missing.iter().map(|n| n.to_string()).collect(),
     })
 }
 
@@ -330,7 +326,7 @@ mod tests {
         let s = shard("a", &[("x", 10)]);
         let err = build(vec![s], Some(&missing), 1000).unwrap_err();
         assert!(
-            matches!(err, Error::MissingTensors { ref names, .. } if names == "\"nope\""),
+            matches!(err, Error::MissingTensors { ref names, .. } if *names == ["nope"]),
             "{err}"
         );
     }
@@ -436,7 +432,7 @@ mod tests {
         assert!(refused(vec![("x".into(), 0, 6), ("x".into(), 5, 10)]).contains("overlap"));
         assert!(matches!(
             err(vec![("nope".into(), 0, 1)]),
-            Error::MissingTensors { ref names, .. } if names == "\"nope\""
+            Error::MissingTensors { ref names, .. } if *names == ["nope"]
         ));
     }
 

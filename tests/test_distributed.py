@@ -383,8 +383,9 @@ def test_without_a_group_every_process_reads_alone_with_a_warning(local):
 def test_process_group_rejects_other_strings(local):
     import fastload
 
-    with pytest.raises(fastload.ConfigError, match="process_group"):
+    with pytest.raises(fastload.ConfigError) as info:
         fastload.load(local["split"][0], process_group="world")
+    assert info.value.option == "process_group"
 
 
 def test_native_parts_read_only_those_byte_ranges(local):
@@ -398,52 +399,85 @@ def test_native_parts_read_only_those_byte_ranges(local):
     stream = _fastload.Stream([uri], parts=parts)
     got = {}
     for batch in stream:
-        for name, dtype, shape, capsule, begin in batch:
-            assert dtype == "U8"
-            got[(name, begin)] = torch.from_dlpack(capsule).clone()
-            assert shape == (got[(name, begin)].numel(),)
+        for item in batch:
+            assert item.dtype == "U8"
+            got[(item.name, item.begin)] = torch.from_dlpack(item.data).clone()
+            assert item.shape == (got[(item.name, item.begin)].numel(),)
     assert sorted(got) == sorted((n, b) for n, b, _ in parts)
     for name, begin, end in parts:
         assert torch.equal(got[(name, begin)], raw_bytes(want[name])[begin:end]), name
-    assert stream.stats()["bytes_read"] == sum(e - b for _, b, e in parts)
-    with pytest.raises(fastload.ConfigError, match="overlap"):
-        _fastload.Stream([uri], parts=[("b.big", 0, 10), ("b.big", 5, 20)])
-    with pytest.raises(fastload.ConfigError, match="cannot be combined"):
-        _fastload.Stream([uri], parts=[("b.big", 0, 10)], names=["b.big"])
-    with pytest.raises(fastload.TensorNotFoundError):
+    assert stream.stats().bytes_read == sum(e - b for _, b, e in parts)
+    for bad in [
+        dict(parts=[("b.big", 0, 10), ("b.big", 5, 20)]),  # overlapping ranges
+        dict(parts=[("b.big", 0, 10)], names=["b.big"]),  # parts and names together
+    ]:
+        with pytest.raises(fastload.ConfigError) as info:
+            _fastload.Stream([uri], **bad)
+        assert info.value.option == "parts", bad
+    with pytest.raises(fastload.TensorNotFoundError) as missing:
         _fastload.Stream([uri], parts=[("nope", 0, 1)])
+    assert missing.value.names == ["nope"]
 
 
 def test_plan_splits_bytes_evenly_and_covers_each_byte_once():
-    from fastload.distributed import _Plan
+    from fastload import _fastload
 
+    # Sizes and chunk are those of the planner's unit tests (src/ranks.rs) times 4096: a 1 MiB
+    # memory limit makes 256 KiB rounds (64 bytes there).
+    scale = 4096
     table = [
-        ("a", "F32", (3,), 12),
+        ("a", "F32", (3 * scale,), 12 * scale),
         ("e", "F32", (0,), 0),
-        ("big", "U8", (1000,), 1000),
-        ("b", "I64", (), 8),
-        ("c", "U8", (5,), 5),
+        ("big", "U8", (1000 * scale,), 1000 * scale),
+        ("b", "I64", (scale,), 8 * scale),
+        ("c", "U8", (5 * scale,), 5 * scale),
     ]
+    total, chunk = 1025 * scale, 64 * scale
     for world in (1, 2, 3, 4, 7):
-        plan = _Plan(table, [None] * world, chunk=64)
-        assert plan.total == 1025
+        plan = _fastload.plan_ranks(table, [None] * world, [1 << 20] * world)
+        assert plan.total == total and plan.chunk == chunk
         sizes = [e - s for s, e in plan.ranges]
-        assert sum(sizes) == 1025 and max(sizes) - min(sizes) <= 1
+        assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
         covered: dict[int, list] = {}
-        for rounds in plan.pieces:
+        for rank, rounds in enumerate(plan.pieces):
             assert len(rounds) == plan.rounds
+            read = []
             for pieces in rounds:
-                assert sum(hi - lo for _, lo, hi in pieces) <= 64
+                assert sum(hi - lo for _, lo, hi in pieces) <= chunk
                 for i, lo, hi in pieces:
                     covered.setdefault(i, []).append((lo, hi))
+                    read.append((plan.tensors[i][0], lo, hi))
+            assert plan.parts(rank) == read
         for i, (_, _, _, n) in enumerate(plan.tensors):
             spans = sorted(covered.get(i, []))
             assert sum(hi - lo for lo, hi in spans) == n, plan.tensors[i]
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-            assert plan.count[i] == len(spans)
-    # Only wanted tensors are planned.
-    plan = _Plan(table, [{"a"}, {"c"}], chunk=64)
-    assert [t[0] for t in plan.tensors] == ["a", "c"] and plan.total == 17
+            assert plan.counts[i] == len(spans)
+    # Only wanted tensors are planned; rounds follow the smallest memory limit of the group.
+    plan = _fastload.plan_ranks(table, [["a"], ["c"]], [1 << 30, 1 << 20])
+    assert [t[0] for t in plan.tensors] == ["a", "c"] and plan.total == 17 * scale
+    assert plan.wants(0, 0) and not plan.wants(0, 1) and plan.wants(1, 1)
+    assert plan.chunk == chunk
+
+
+def test_checkpoint_tensors_are_checked_as_a_load_checks_them(local, tmp_path):
+    import fastload
+    from fastload import _fastload
+    from safetensors.torch import save_file
+
+    uri = local["split"][0]
+    table = _fastload.checkpoint_tensors([uri])
+    (header,) = fastload.inspect(uri)
+    in_file_order = sorted(header["tensors"], key=lambda t: t[3])
+    assert table == [(n, d, tuple(s), end - begin) for n, d, s, begin, end in in_file_order]
+    assert ("b.big", "I32", (768, 1024), 768 * 1024 * 4) in table
+    with pytest.raises(fastload.TensorNotFoundError) as info:
+        _fastload.checkpoint_tensors([uri], names=["a.small", "nope"])
+    assert info.value.names == ["nope"]
+    save_file({"a.small": torch.zeros(2)}, str(tmp_path / "dup.safetensors"))
+    with pytest.raises(fastload.FormatError) as dup:
+        _fastload.checkpoint_tensors([uri, str(tmp_path / "dup.safetensors")])
+    assert dup.value.path == str(tmp_path / "dup.safetensors")
 
 
 # The seaweed fixture, bound here so that pytest finds it.

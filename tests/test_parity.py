@@ -206,13 +206,25 @@ def test_names_across_shards(sharded_dir):
 
 
 def test_missing_name_raises_key_error_naming_it(dtypes_file):
-    with pytest.raises(KeyError, match="no_such_tensor"):
+    with pytest.raises(KeyError) as info:
         fastload.load(dtypes_file, names=["F32.7", "no_such_tensor"])
+    assert isinstance(info.value, fastload.TensorNotFoundError)
+    assert info.value.names == ["no_such_tensor"]
+    assert "no_such_tensor" in str(info.value)  # the message names it too
+
+
+def test_missing_names_come_back_as_given(dtypes_file):
+    odd = ['quote"d', "back\\slash", "new\nline", "ünï", "tab\t", "nul\x00", "zw\u200b"]
+    with pytest.raises(fastload.TensorNotFoundError) as info:
+        fastload.load(dtypes_file, names=["F32.7", *odd])
+    assert info.value.names == sorted(odd)
+    assert info.value.uri == str(dtypes_file)
 
 
 def test_name_only_in_stray_file_is_missing(sharded_dir):
-    with pytest.raises(KeyError, match=r"stray\.only"):
+    with pytest.raises(KeyError) as info:
         fastload.load(sharded_dir, names=["stray.only"])
+    assert info.value.names == ["stray.only"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,3 +316,11 @@ def test_concurrent_loads_of_the_same_files(dtypes_file, tiny_file, sharded_dir)
 def test_relative_path(dtypes_file, monkeypatch):
     monkeypatch.chdir(dtypes_file.parent)
     assert_same_tensors(fastload.load(dtypes_file.name), reference(dtypes_file))
+
+
+def test_torch_knows_every_dtype_of_the_native_module():
+    from fastload import _fastload, _torch
+
+    assert set(_torch._TORCH_NAMES) == set(_fastload.DTYPES)
+    # What DLPack carries natively, torch has natively (torch.from_dlpack builds it).
+    assert set(_fastload.DLPACK_DTYPES) <= set(_torch.DTYPES)

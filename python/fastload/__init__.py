@@ -9,10 +9,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from . import _fastload
+from . import _fastload, _options
 from ._errors import (
     ConfigError,
     FastloadError,
@@ -21,9 +21,11 @@ from ._errors import (
     StorageError,
     TensorNotFoundError,
 )
+from ._options import Options, Uri
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack
 
     from .distributed import DistributedStream
 
@@ -35,6 +37,7 @@ __all__ = [
     "FastloadError",
     "FormatError",
     "NotFoundError",
+    "Options",
     "StorageError",
     "Stream",
     "TensorNotFoundError",
@@ -46,19 +49,15 @@ __all__ = [
     "stream",
 ]
 
-PathLike = Union[str, "os.PathLike[str]"]
-Uri = Union[PathLike, Iterable[PathLike]]
-Size = Union[int, str]
-
 
 def _uris(uri: Uri) -> list[str]:
     if isinstance(uri, (str, os.PathLike)):
         return [os.fspath(uri)]
     if isinstance(uri, bytes):
-        raise ConfigError("invalid option uri: pass a str or os.PathLike, not bytes")
+        raise ConfigError("invalid option uri: pass a str or os.PathLike, not bytes", option="uri")
     out = [os.fspath(u) for u in uri]
     if not out:
-        raise ConfigError("invalid option uri: the list of files is empty")
+        raise ConfigError("invalid option uri: the list of files is empty", option="uri")
     return out
 
 
@@ -74,18 +73,23 @@ def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise ConfigError(f"invalid option device: {device!r} is not a device") from e
+        raise ConfigError(
+            f"invalid option device: {device!r} is not a device", option="device"
+        ) from e
     if dev.type not in DEVICE_TYPES:
         raise ConfigError(
             f"invalid option device: {device!r} is not supported "
-            f"(fastload loads to {', '.join(sorted(DEVICE_TYPES))})"
+            f"(fastload loads to {', '.join(sorted(DEVICE_TYPES))})",
+            option="device",
         )
     if dev.type == "cpu":
         return dev, None
-    if method not in (None, "auto", "read"):
+    # The method as the native module reads it (checked, any spelling it takes), not the env's.
+    if method is not None and _fastload.resolve_options(method=method).method == "mmap":
         raise ConfigError(
             f"invalid option method: {method!r} applies to device='cpu' only "
-            "(GPU loads always read into page-locked staging buffers)"
+            "(GPU loads always read into page-locked staging buffers)",
+            option="method",
         )
     # Our own check first: without a driver it raises a clear FastloadError, where torch would
     # raise its own error from current_device().
@@ -94,7 +98,8 @@ def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
     if index >= count:
         raise ConfigError(
             f"invalid option device: cuda:{index} does not exist: this machine has {count} "
-            "CUDA device(s)"
+            "CUDA device(s)",
+            option="device",
         )
     dev = torch.device("cuda", index)
     return dev, f"cuda:{index}"
@@ -106,59 +111,49 @@ class Stream:
     Usable as a context manager; leaving it (or ``close()``) cancels the reads still pending.
     """
 
-    def __init__(
-        self,
-        uri: Uri,
-        *,
-        device: Any = "cpu",
-        concurrency: int | None = None,
-        block_size: Size | None = None,
-        memory_limit: Size | None = None,
-        names: Iterable[str] | None = None,
-        method: str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        _target: str | None = None,
-    ) -> None:
+    def __init__(self, uri: Uri, *, _target: str | None = None, **options: Unpack[Options]) -> None:
         from . import _torch
 
-        dev, target = _target_for(device, method)
+        _options.check("Stream", options)
+        dev, target = _target_for(options.get("device", "cpu"), options.get("method"))
         if _target == "host":
             # The GPU path's staged pipeline into host memory (tests, and machines without one).
             target = "host"
-        self._to_tensor = _torch.to_tensor if target is None else _torch.from_bytes
+        self._to_tensor: Callable[[str, tuple[int, ...], Any, str], torch.Tensor] = (
+            _torch.to_tensor if target is None else _torch.from_bytes
+        )
+        native = _options.native(options)
+        if target is not None:
+            native.pop("method", None)  # staged loads read one way
         self._native = _fastload.Stream(
             _uris(uri),
-            concurrency=concurrency,
-            block_size=block_size,
-            memory_limit=memory_limit,
-            names=None if names is None else list(dict.fromkeys(names)),
-            method=None if target is not None else method,
-            storage_options=None if storage_options is None else dict(storage_options),
+            **native,
             target=target,
             allocate=None if target is None else _torch.allocator(dev),
         )
-        self._batch: list[Any] = []
-        self._pos = 0
+        # The current segment's items, last first: each is dropped as it is handed out, so that
+        # the tensor alone keeps the memory alive.
+        self._batch: list[_fastload.Item] = []
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        while self._pos >= len(self._batch):
-            batch = next(self._native)  # StopIteration ends the stream
-            self._batch, self._pos = batch, 0
-        name, dtype, shape, capsule = self._batch[self._pos]
-        self._batch[self._pos] = None
-        self._pos += 1
-        return name, self._to_tensor(dtype, shape, capsule, name)
+        while not self._batch:
+            self._batch = next(self._native)  # StopIteration ends the stream
+            self._batch.reverse()
+        item = self._batch.pop()
+        return item.name, self._to_tensor(item.dtype, item.shape, item.data, item.name)
 
     def stats(self) -> dict[str, Any]:
-        """Bytes and tensors planned, read and delivered so far; time to the first tensor."""
-        return dict(self._native.stats())
+        """Bytes and tensors planned, read and delivered so far; time to the first tensor; the
+        method and options in force. Empty once closed."""
+        stats = self._native.stats()
+        return {} if stats is None else dict(stats.as_dict())
 
     def close(self) -> None:
         """Cancels outstanding reads and frees buffers no tensor uses."""
-        self._batch, self._pos = [], 0
+        self._batch = []
         self._native.close()
 
     def __enter__(self) -> Stream:
@@ -174,16 +169,7 @@ class Stream:
 
 
 def stream(
-    uri: Uri,
-    *,
-    device: Any = "cpu",
-    concurrency: int | None = None,
-    block_size: Size | None = None,
-    memory_limit: Size | None = None,
-    names: Iterable[str] | None = None,
-    method: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    process_group: Any = None,
+    uri: Uri, *, process_group: Any = None, **options: Unpack[Options]
 ) -> Stream | DistributedStream:
     """Streams the tensors of a safetensors file, directory of shards or list of files.
 
@@ -208,65 +194,31 @@ def stream(
     the ranks share the reads, each byte is read from storage once and exchanged over the group;
     see :mod:`fastload.distributed`. Every rank must call it and consume the stream to its end.
     """
+    _options.check("stream", options)
     if process_group is not None:
         from . import distributed
 
-        return distributed.stream(
-            uri,
-            process_group=process_group,
-            device=device,
-            concurrency=concurrency,
-            block_size=block_size,
-            memory_limit=memory_limit,
-            names=names,
-            method=method,
-            storage_options=storage_options,
-        )
-    return Stream(
-        uri,
-        device=device,
-        concurrency=concurrency,
-        block_size=block_size,
-        memory_limit=memory_limit,
-        names=names,
-        method=method,
-        storage_options=storage_options,
-    )
+        return distributed.stream(uri, process_group=process_group, **options)
+    return Stream(uri, **options)
 
 
 def load(
-    uri: Uri,
-    *,
-    device: Any = "cpu",
-    concurrency: int | None = None,
-    block_size: Size | None = None,
-    memory_limit: Size | None = None,
-    names: Iterable[str] | None = None,
-    method: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    process_group: Any = None,
+    uri: Uri, *, process_group: Any = None, **options: Unpack[Options]
 ) -> dict[str, torch.Tensor]:
-    """Loads every tensor (or only ``names``) into a ``dict[str, torch.Tensor]``.
+    """Loads every tensor (or only ``names``) into a ``dict[str, torch.Tensor]``; the options are
+    :func:`stream`'s (:class:`Options`).
 
     With ``process_group``, the group reads each byte once; see :func:`stream`."""
-    with stream(
-        uri,
-        device=device,
-        concurrency=concurrency,
-        block_size=block_size,
-        memory_limit=memory_limit,
-        names=names,
-        method=method,
-        storage_options=storage_options,
-        process_group=process_group,
-    ) as s:
+    _options.check("load", options)
+    with stream(uri, process_group=process_group, **options) as s:
         return dict(s)
 
 
-def inspect(uri: Uri, *, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+def inspect(
+    uri: Uri, *, storage_options: Mapping[str, object] | None = None
+) -> list[dict[str, Any]]:
     """Headers of every file ``uri`` names, without reading tensor data."""
-    opts = None if storage_options is None else dict(storage_options)
-    return list(_fastload.inspect(_uris(uri), storage_options=opts))
+    return list(_fastload.inspect(_uris(uri), storage_options=storage_options))
 
 
 def cached_memory() -> dict[str, int]:

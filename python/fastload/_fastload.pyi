@@ -1,52 +1,238 @@
-"""Type stubs for the native module (checked against it by `mypy.stubtest` in CI)."""
+"""Type stubs for the native module (checked against it by `mypy.stubtest` in CI).
 
-from collections.abc import Callable
-from typing import Any, final
+Option inputs, as the native module converts them (``src/python/args.rs``); ``None`` always means
+"not given" (then ``FASTLOAD_*``, then the default applies):
+
+- ``concurrency``: reads in flight, an ``int`` >= 1 (at most 4096); not ``bool``. Default 16, 64
+  when any URI is an object store.
+- ``block_size``: bytes per read, an ``int`` or a ``str`` such as ``"8MiB"`` (B, KB, MB, GB, TB,
+  KiB, MiB, GiB, TiB); 4 KiB to 1 GiB. Default 8 MiB.
+- ``memory_limit``: host buffer bytes a load may hold, as ``block_size``; at least 1 MiB.
+  Default 1 GiB.
+- ``names``: any iterable of ``str`` (a bare ``str`` is its characters), duplicates dropped.
+  Default: every tensor.
+- ``method``: ``"auto"`` (default), ``"mmap"``, ``"read"`` (or ``"pread"``), any case.
+- ``storage_options``: a mapping with ``str`` keys; values are converted with ``str()``, ``bool`` as
+  ``"true"``/``"false"``. Default: none (the environment configures object stores).
+
+A value that cannot be used raises ``fastload.ConfigError`` with ``option`` set.
+"""
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import final
 
 __all__ = [
+    "DLPACK_DTYPES",
+    "DTYPES",
+    "SCHEMES",
+    "Item",
+    "RankPlan",
+    "ResolvedOptions",
+    "Stats",
     "Stream",
     "__version__",
     "cached_memory",
+    "checkpoint_tensors",
     "cli_main",
     "cuda_device_count",
     "inspect",
+    "is_remote_uri",
     "parse_size",
+    "plan_ranks",
     "release_memory",
+    "resolve_options",
 ]
 
 __version__: str
+# URI schemes read from object stores (``s3``, ``gs``, ``az``, ``http``, ...), lower case.
+SCHEMES: tuple[str, ...]
+# Every safetensors dtype name the parser knows (``"F32"``, ``"BF16"``, ``"F8_E4M3"``, ...).
+DTYPES: tuple[str, ...]
+# The dtypes whose capsules carry the dtype itself; the others carry flat uint8 bytes.
+DLPACK_DTYPES: tuple[str, ...]
 
-_Item = tuple[str, str, tuple[int, ...], Any]
-_Piece = tuple[str, str, tuple[int, ...], Any, int]
+_Size = int | str
+# What a staged load's allocator returns: the CUDA stream handle the memory was taken on (or
+# None), and per tensor an object owning the memory and its address.
+_Allocate = Callable[[list[int]], tuple[int | None, Sequence[tuple[object, int]]]]
+
+@final
+class Item:
+    """One delivered tensor, or a piece of one when the load reads ``parts``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str:
+        """The safetensors dtype (``"U8"`` for a piece)."""
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape (``(len,)`` for a piece)."""
+    @property
+    def data(self) -> object:
+        """A ``dltensor`` capsule (the tensor as its dtype when in ``DLPACK_DTYPES``, else flat
+        uint8 bytes), or for a staged load the owner object the allocator returned."""
+    @property
+    def begin(self) -> int | None:
+        """The piece's first byte within its tensor; ``None`` for a whole tensor."""
+
+@final
+class Stats:
+    """A load's counters at one moment, with the method and options in force."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the load delivers (tensors, or pieces)."""
+    @property
+    def tensor_count(self) -> int:
+        """Tensors (or pieces) the load delivers."""
+    @property
+    def files(self) -> int: ...
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from storage, or faulted in from a file mapping."""
+    @property
+    def bytes_delivered(self) -> int: ...
+    @property
+    def tensors_delivered(self) -> int: ...
+    @property
+    def first_segment_ms(self) -> float | None:
+        """Milliseconds from the start to the first completed segment; ``None`` before it."""
+    @property
+    def method(self) -> str:
+        """``"auto"``, ``"mmap"`` or ``"read"``."""
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def memory_limit(self) -> int: ...
+    @property
+    def target(self) -> str | None:
+        """``"cuda:N"`` or ``"host"`` for a staged load, else ``None``."""
+    @property
+    def bytes_copied(self) -> int:
+        """Staged loads: bytes copied into destinations."""
+    @property
+    def staging_peak_bytes(self) -> int:
+        """Staged loads: the most staging memory held at once."""
+    def as_dict(self) -> dict[str, int | float | str | None]:
+        """Every counter above, by name."""
+
+@final
+class ResolvedOptions:
+    """Options with every value decided (argument, else ``FASTLOAD_*``, else default)."""
+
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def memory_limit(self) -> int: ...
+    @property
+    def method(self) -> str:
+        """``"auto"``, ``"mmap"`` or ``"read"``."""
+    @property
+    def names(self) -> list[str] | None:
+        """Deduplicated, in the order given; ``None`` for every tensor."""
+
+@final
+class RankPlan:
+    """Who reads what in a distributed load; the same on every rank. A piece is
+    ``(tensor, begin, end)``: bytes of ``tensors[tensor]``."""
+
+    @property
+    def tensors(self) -> tuple[tuple[str, str, tuple[int, ...], int], ...]:
+        """The rows of the table some rank wants, in file order."""
+    @property
+    def total(self) -> int:
+        """Bytes of those tensors, end to end."""
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """Per rank: its ``(begin, end)`` of that total."""
+    @property
+    def rounds(self) -> int:
+        """Rounds of the exchange."""
+    @property
+    def pieces(self) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
+        """``pieces[rank][round]``: the pieces that rank reads for that round."""
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Per wanted tensor: the pieces it is cut into."""
+    @property
+    def chunk(self) -> int:
+        """Bytes a rank moves per round at most."""
+    def wants(self, rank: int, tensor: int) -> bool: ...
+    def parts(self, rank: int) -> list[tuple[str, int, int]]:
+        """``(name, begin, end)`` byte ranges ``rank`` reads, for ``Stream(parts=...)``."""
 
 @final
 class Stream:
+    """A running load; each ``next()`` returns the items of one completed segment.
+
+    ``parts``: read only these ``(name, begin, end)`` byte ranges within tensors (not with
+    ``names``). ``target`` (``"cuda"``, ``"cuda:N"`` or ``"host"``) with ``allocate``: the staged
+    pipeline, copying into the memory ``allocate`` hands out."""
+
     def __new__(
         cls,
         uris: list[str],
         *,
-        concurrency: Any = None,
-        block_size: Any = None,
-        memory_limit: Any = None,
-        names: list[str] | None = None,
+        concurrency: int | None = None,
+        block_size: _Size | None = None,
+        memory_limit: _Size | None = None,
+        names: Iterable[str] | None = None,
         method: str | None = None,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: Mapping[str, object] | None = None,
         parts: list[tuple[str, int, int]] | None = None,
         target: str | None = None,
-        allocate: Callable[[list[int]], tuple[int | None, list[tuple[Any, int]]]] | None = None,
+        allocate: _Allocate | None = None,
     ) -> Stream: ...
     def __iter__(self) -> Stream: ...
-    # (name, dtype, shape, capsule), or with `parts` (name, "U8", (len,), capsule, begin); with
-    # `target`, the owner object `allocate` returned takes the capsule's place.
-    def __next__(self) -> list[_Item | _Piece]: ...
-    def close(self) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
+    def __next__(self) -> list[Item]: ...
+    def close(self) -> None:
+        """Stops reading and frees buffers that no tensor uses."""
+    def stats(self) -> Stats | None:
+        """The counters so far; ``None`` once closed."""
+
+def resolve_options(
+    uris: list[str] = ...,
+    *,
+    concurrency: int | None = None,
+    block_size: _Size | None = None,
+    memory_limit: _Size | None = None,
+    names: Iterable[str] | None = None,
+    method: str | None = None,
+    storage_options: Mapping[str, object] | None = None,
+) -> ResolvedOptions:
+    """Resolves and checks options as a load of ``uris`` would (``uris`` only say whether an
+    object store is read; default: none); raises ``ConfigError``."""
+
+def checkpoint_tensors(
+    uris: list[str],
+    *,
+    names: Iterable[str] | None = None,
+    storage_options: Mapping[str, object] | None = None,
+) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """``(name, dtype, shape, bytes)`` of every tensor, in file order, checked as a load checks
+    them (``names`` must exist, names must be unique across files); reads headers only."""
+
+def plan_ranks(
+    tensors: list[tuple[str, str, tuple[int, ...], int]],
+    needs: list[list[str] | None],
+    memory_limits: list[int],
+) -> RankPlan:
+    """Plans a distributed load: ``needs`` per rank (``None``: every tensor); rounds move a
+    quarter of the smallest memory limit (256 KiB to 64 MiB) per rank."""
+
+def is_remote_uri(uri: str) -> bool:
+    """Whether ``uri``'s scheme is one of ``SCHEMES`` (read from an object store)."""
 
 def parse_size(value: str) -> int: ...
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...
 def inspect(
-    uris: list[str], *, storage_options: dict[str, Any] | None = None
-) -> list[dict[str, Any]]: ...
+    uris: list[str], *, storage_options: Mapping[str, object] | None = None
+) -> list[dict[str, object]]: ...
 def cached_memory() -> dict[str, int]: ...
 def release_memory() -> dict[str, int]: ...

@@ -1,5 +1,9 @@
 """Turning the native module's DLPack capsules into torch tensors, and allocating the torch
-memory that staged (GPU) loads copy into."""
+memory that staged (GPU) loads copy into.
+
+The list of dtypes, and which of them DLPack carries natively, are the native module's
+(``_fastload.DTYPES``, ``_fastload.DLPACK_DTYPES``); this module only knows what torch calls each
+one, and refuses to import when a dtype of the native module is missing from that mapping."""
 
 from __future__ import annotations
 
@@ -9,40 +13,55 @@ from typing import Any
 
 import torch
 
-# Every safetensors dtype torch has natively, which DLPack also carries (the rest are in _VIEWED).
-NATIVE: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
+from . import _fastload
+
+# Each safetensors dtype's torch attribute (None: torch has no such dtype). Newer dtypes are
+# looked up at import, so an older torch simply lacks them.
+_TORCH_NAMES: dict[str, str | None] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+    "F6_E2M3": None,
+    "F6_E3M2": None,
 }
 
-# dtypes that travel as raw bytes (DLPack/torch has no native code for them) and are viewed here.
-_VIEWED: dict[str, Any] = {
-    "U16": getattr(torch, "uint16", None),
-    "U32": getattr(torch, "uint32", None),
-    "U64": getattr(torch, "uint64", None),
-    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
-    "F8_E5M2": getattr(torch, "float8_e5m2", None),
-    "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
-    "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
-    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
-    "F4": getattr(torch, "float4_e2m1fn_x2", None),
+_unnamed = sorted(set(_fastload.DTYPES) - set(_TORCH_NAMES))
+if _unnamed:
+    raise ImportError(f"fastload._torch has no torch name for native dtype(s) {_unnamed}")
+
+# Every dtype of the native module that this torch has.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr)
+    for name in _fastload.DTYPES
+    if (attr := _TORCH_NAMES[name]) is not None and hasattr(torch, attr)
 }
+# dtypes whose capsules carry the dtype itself; the others carry flat bytes, viewed here.
+DLPACK: frozenset[str] = frozenset(_fastload.DLPACK_DTYPES)
 
 
 def to_tensor(
     dtype: str, shape: tuple[int, ...], capsule: Any, file_hint: str = ""
 ) -> torch.Tensor:
     tensor = torch.from_dlpack(capsule)
-    if dtype not in _VIEWED:
+    if dtype in DLPACK or _TORCH_NAMES.get(dtype) is None:
+        # (Dtypes no torch has, F6: their bytes, as before; a staged load raises instead.)
         return tensor
     return from_bytes(dtype, shape, tensor, file_hint)
 
@@ -50,7 +69,10 @@ def to_tensor(
 def _unsupported(dtype: str, file_hint: str) -> Exception:
     from ._errors import FormatError
 
-    return FormatError(f"{file_hint}: dtype {dtype} is not supported by torch {torch.__version__}")
+    return FormatError(
+        f"{file_hint}: dtype {dtype} is not supported by torch {torch.__version__}",
+        path=file_hint or None,
+    )
 
 
 def from_bytes(
@@ -58,7 +80,7 @@ def from_bytes(
 ) -> torch.Tensor:
     """Views a flat uint8 tensor (a staged load's destination, or the bytes of a dtype DLPack
     cannot carry) as ``dtype`` and ``shape``."""
-    target = NATIVE.get(dtype) or _VIEWED.get(dtype)
+    target = DTYPES.get(dtype)
     if target is None:
         raise _unsupported(dtype, file_hint)
     if dtype == "F4":
@@ -66,7 +88,10 @@ def from_bytes(
         if not shape or shape[-1] % 2:
             from ._errors import FormatError
 
-            raise FormatError(f"{file_hint}: F4 tensor of shape {shape} has an odd last dimension")
+            raise FormatError(
+                f"{file_hint}: F4 tensor of shape {shape} has an odd last dimension",
+                path=file_hint or None,
+            )
         shape = (*shape[:-1], shape[-1] // 2)
     if target is not torch.uint8:
         raw = raw.view(target)

@@ -4,14 +4,17 @@
 
 Every rank runs the same steps and computes the same plan from the same headers:
 
-1. Headers. Each rank reads the headers (``fastload.inspect``: small, no tensor data); the group
-   agrees on them with one ``all_gather_object`` of (error, header digest, wanted names, chunk
-   size). An error on any rank (missing file, bad header, unknown tensor name) is raised on every
-   rank as the same exception, before any data moves.
-2. Split. The tensors that any rank wants are laid end to end in file order; their total is cut
-   into ``world_size`` contiguous ranges of equal bytes (a tensor is split where two ranges meet),
-   and each range into chunks of at most ``chunk`` bytes. Rank r reads only its range, through
-   the native loader's byte-range selection (``parts``): the group reads every wanted byte once.
+1. Headers. Each rank reads the headers (``_fastload.checkpoint_tensors``: small, no tensor data,
+   checked as a local load checks them); the group agrees on them with one ``all_gather_object``
+   of (error, header digest, wanted names, memory limit). An error on any rank (missing file, bad
+   header, unknown tensor name) is raised on every rank as the same exception, before any data
+   moves.
+2. Split (``_fastload.plan_ranks``, planned in Rust: ``src/ranks.rs``). The tensors that any rank
+   wants are laid end to end in file order; their total is cut into ``world_size`` contiguous
+   ranges of equal bytes (a tensor is split where two ranges meet), and each range into chunks of
+   at most a quarter of the smallest ``memory_limit`` of the group. Rank r reads only its range,
+   through the native loader's byte-range selection (``parts``): the group reads every wanted byte
+   once.
 3. Exchange, in rounds. In round k every rank waits for its own chunk k, the group agrees that
    nobody failed (one 4-byte ``all_reduce``; an error raised during the read is then shared as in
    step 1), and each chunk goes point to point (``batch_isend_irecv``) to the ranks that want a
@@ -38,20 +41,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
 import pickle
 import time
 import warnings
-from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from . import Stream, _fastload, _torch
-from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
+from . import Stream, _fastload, _options, _torch
+from ._errors import ConfigError, FastloadError
+from ._options import Options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DistributedStream", "last_stats", "load", "stream"]
 
@@ -59,10 +63,6 @@ __all__ = ["DistributedStream", "last_stats", "load", "stream"]
 DIRECT_BYTES = 256 << 10
 # Packed pieces start on this boundary, so that views of them are aligned for any dtype.
 ALIGN = 64
-# Bytes each rank moves per round at most (one chunk of its range).
-MAX_CHUNK = 64 << 20
-MIN_CHUNK = 256 << 10
-DEFAULT_MEMORY_LIMIT = 1 << 30
 
 _last_stats: dict[str, Any] | None = None
 
@@ -78,55 +78,7 @@ def last_stats() -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The plan: the same on every rank.
-
-
-class _Plan:
-    """Wanted tensors end to end, split into per-rank ranges and per-round chunks of pieces."""
-
-    def __init__(
-        self, table: list[tuple[str, str, tuple[int, ...], int]], needs: list[Any], chunk: int
-    ) -> None:
-        world = len(needs)
-        self.needs = needs  # per rank: a set of names, or None for every tensor
-        self.tensors = [t for t in table if any(n is None or t[0] in n for n in needs)]
-        self.starts: list[int] = []
-        total = 0
-        for t in self.tensors:
-            self.starts.append(total)
-            total += t[3]
-        self.total = total
-        bounds = [total * r // world for r in range(world + 1)]
-        self.ranges = [(bounds[r], bounds[r + 1]) for r in range(world)]
-        self.rounds = max(math.ceil((e - s) / chunk) for s, e in self.ranges) if total else 0
-        # pieces[r][k]: (tensor index, begin, end) within the tensor, in file order.
-        self.pieces: list[list[list[tuple[int, int, int]]]] = []
-        # count[i]: pieces tensor i is cut into.
-        self.count = [0] * len(self.tensors)
-        for start, end in self.ranges:
-            rounds: list[list[tuple[int, int, int]]] = []
-            for cs in range(start, end, chunk):
-                rounds.append(self._cut(cs, min(cs + chunk, end)))
-            rounds += [[] for _ in range(self.rounds - len(rounds))]
-            self.pieces.append(rounds)
-
-    def _cut(self, pos: int, end: int) -> list[tuple[int, int, int]]:
-        out = []
-        i = bisect_right(self.starts, pos) - 1
-        while pos < end:
-            t0, n = self.starts[i], self.tensors[i][3]
-            if pos >= t0 + n:  # empty tensors, or the end of the previous one
-                i += 1
-                continue
-            hi = min(end, t0 + n)
-            out.append((i, pos - t0, hi - t0))
-            self.count[i] += 1
-            pos = hi
-        return out
-
-    def wants(self, rank: int, i: int) -> bool:
-        need = self.needs[rank]
-        return need is None or self.tensors[i][0] in need
+# Messages
 
 
 def _pack(pieces: list[tuple[int, int, int]]) -> tuple[list[tuple[Any, int]], int, list[Any]]:
@@ -177,49 +129,6 @@ def _gather(obj: Any, group: Any, world: int) -> list[Any]:
     return out
 
 
-def _memory_limit(value: Any) -> int:
-    if value is None:
-        value = os.environ.get("FASTLOAD_MEMORY_LIMIT", "").strip() or DEFAULT_MEMORY_LIMIT
-    if isinstance(value, str):
-        return _fastload.parse_size(value)
-    return int(value)
-
-
-def _headers(uri: Any, storage_options: Any) -> tuple[list[Any], list[str]]:
-    """(name, dtype, shape, bytes) of every tensor in file order, and the files."""
-    from . import inspect
-
-    table: list[Any] = []
-    seen: dict[str, str] = {}
-    shards = inspect(uri, storage_options=storage_options)
-    for shard in shards:
-        for name, dtype, shape, begin, end in shard["tensors"]:
-            if name in seen:
-                raise FormatError(
-                    f"{shard['file']}: invalid safetensors file: tensor {name!r} is also in "
-                    f"{seen[name]} (tensor names must be unique across shards)"
-                )
-            seen[name] = shard["file"]
-            table.append((name, dtype, tuple(shape), end - begin))
-    return table, [s["file"] for s in shards]
-
-
-def _check_names(table: list, files: list[str], names: list[str] | None) -> None:
-    """The local loader's check and message, made before any rank starts reading."""
-    if names is None:
-        return
-    known = {t[0] for t in table}
-    missing = sorted({n for n in names if n not in known})
-    if missing:
-        where = files[0] if files else ""
-        if len(files) > 1:
-            where += f" and {len(files) - 1} more files"
-        raise TensorNotFoundError(
-            f"tensors not found in {where}: "
-            + ", ".join(json.dumps(n, ensure_ascii=False) for n in missing)
-        )
-
-
 def _comm_device(group: Any, device: torch.device) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and (device.type == "cuda" or "gloo" not in backend):
@@ -233,14 +142,12 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
 
 def _finish(u8: torch.Tensor, dtype: str, shape: tuple[int, ...], hint: str) -> torch.Tensor:
     """The bytes as the file's dtype and shape, exactly as a local load returns them."""
-    native = _torch.NATIVE.get(dtype)
-    if native is None:
-        return _torch.from_bytes(dtype, shape, u8, hint)
-    if (u8.storage_offset()) % native.itemsize:
+    target = _torch.DTYPES.get(dtype)
+    if target is not None and u8.storage_offset() % target.itemsize:
         # A view of a larger dtype needs an aligned storage offset; from_dlpack rebases to 0.
         # (Not hit by this module's own buffers, whose pieces start 64-byte aligned.)
         u8 = torch.from_dlpack(u8)
-    return u8.view(native).reshape(shape)
+    return _torch.from_bytes(dtype, shape, u8, hint)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,74 +157,66 @@ def _finish(u8: torch.Tensor, dtype: str, shape: tuple[int, ...], hint: str) -> 
 class DistributedStream:
     """Iterator of ``(name, tensor)`` on one rank of a group; see :func:`stream`."""
 
-    def __init__(
-        self,
-        uri: Any,
-        *,
-        group: Any,
-        device: Any = "cpu",
-        concurrency: int | None = None,
-        block_size: Any = None,
-        memory_limit: Any = None,
-        names: Iterable[str] | None = None,
-        method: str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, uri: Any, *, group: Any, **options: Unpack[Options]) -> None:
+        _options.check("DistributedStream", options)
         self._started = time.monotonic()
         self._group = group
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
         if self._rank < 0:
-            raise ConfigError("invalid option process_group: this process is not in the group")
+            raise ConfigError(
+                "invalid option process_group: this process is not in the group",
+                option="process_group",
+            )
         self._hint = str(uri)
         self._native: Any = None
         self._sent = self._received = self._delivered = 0
-        names = None if names is None else list(dict.fromkeys(names))
-        options = None if storage_options is None else dict(storage_options)
+        native = _options.native(options)
 
         # Step 1: headers, agreed by the group.
         error: BaseException | None = None
         table: list = []
-        digest = chunk = None
+        names = digest = limit = None
         try:
-            self._device = torch.device(device)
+            self._device = torch.device(options.get("device", "cpu"))
             self._comm = _comm_device(group, self._device)
             self._comm_is_host = self._comm.type == "cpu"
             self._move = self._device != self._comm
-            table, files = _headers(uri, options)
-            _check_names(table, files, names)
+            uris = _uris(uri)
+            resolved = _fastload.resolve_options(uris, **native)
+            names, limit = resolved.names, resolved.memory_limit
+            table = _fastload.checkpoint_tensors(
+                uris, names=names, storage_options=native.get("storage_options")
+            )
             digest = hashlib.sha256(json.dumps(table).encode()).hexdigest()
-            chunk = min(max(_memory_limit(memory_limit) // 4, MIN_CHUNK), MAX_CHUNK)
         except Exception as e:
             error = e
-        views = _gather((_portable(error), digest, names, chunk), group, self._world)
+        views = _gather((_portable(error), digest, names, limit), group, self._world)
         _raise_first([v[0] for v in views], self._rank, error)
         if len({v[1] for v in views}) != 1:
             raise ConfigError(
                 "invalid option uri: the ranks of the group see different checkpoints "
-                "(tensor names, dtypes, shapes or sizes differ)"
+                "(tensor names, dtypes, shapes or sizes differ)",
+                option="uri",
             )
-        self._plan = plan = _Plan(
-            table, [None if v[2] is None else set(v[2]) for v in views], min(v[3] for v in views)
+        self._plan = plan = _fastload.plan_ranks(
+            table, [v[2] for v in views], [v[3] for v in views]
         )
 
         # Step 2: this rank's bytes, read by the native loader.
         self._error: BaseException | None = None
-        parts = [
-            (plan.tensors[i][0], lo, hi) for rnd in plan.pieces[self._rank] for i, lo, hi in rnd
-        ]
+        parts = plan.parts(self._rank)
         # Over NCCL the pieces are wanted on the device: read them through the GPU path (a
         # page-locked ring and async copies) instead of into host memory and then across.
         self._staged = self._comm.type == "cuda"
         if parts:
+            if self._staged:
+                native.pop("method", None)
+            native.pop("names", None)
             try:
                 self._native = _fastload.Stream(
-                    _uris(uri),
-                    concurrency=concurrency,
-                    block_size=block_size,
-                    memory_limit=memory_limit,
-                    method=None if self._staged else method,
-                    storage_options=options,
+                    uris,
+                    **native,
                     parts=parts,
                     target=f"cuda:{self._comm.index}" if self._staged else None,
                     allocate=_torch.allocator(self._comm) if self._staged else None,
@@ -327,7 +226,7 @@ class DistributedStream:
         self._arrived: dict[tuple[str, int], torch.Tensor] = {}
         self._whole: dict[int, torch.Tensor] = {}  # tensor index -> all its bytes, as one view
         self._dest: dict[int, torch.Tensor] = {}  # tensor index -> buffer its pieces land in
-        self._left = list(plan.count)
+        self._left = list(plan.counts)
         self._iter = self._run()
 
     # -- iteration
@@ -356,7 +255,7 @@ class DistributedStream:
                 yield from self._round(k, mine)
         self._finish_stats()
 
-    def _take(self, pieces: list[tuple[int, int, int]]) -> dict[Any, torch.Tensor]:
+    def _take(self, pieces: Sequence[tuple[int, int, int]]) -> dict[Any, torch.Tensor]:
         """This rank's pieces of one chunk, waiting for the native loader as needed."""
         out = {}
         for p in pieces:
@@ -368,9 +267,10 @@ class DistributedStream:
                     raise FastloadError(
                         f"{self._hint}: the loader ended before piece {key} arrived"
                     ) from None
-                for name, _dtype, _shape, item, begin in batch:
-                    # Staged: the item is already a uint8 tensor on the device; else a capsule.
-                    self._arrived[(name, begin)] = item if self._staged else torch.from_dlpack(item)
+                for item in batch:
+                    # Staged: the data is already a uint8 tensor on the device; else a capsule.
+                    data = item.data if self._staged else torch.from_dlpack(item.data)
+                    self._arrived[(item.name, item.begin)] = data
             piece = self._arrived.pop(key)
             out[p] = piece if self._comm_is_host or self._staged else piece.to(self._comm)
         return out
@@ -473,13 +373,13 @@ class DistributedStream:
 
     def stats(self) -> dict[str, Any]:
         """This rank's counters; ``bytes_read`` summed over the group is ``total_bytes``."""
-        native = {} if self._native is None else dict(self._native.stats())
+        native = None if self._native is None else self._native.stats()
         return {
             "rank": self._rank,
             "world_size": self._world,
             "total_bytes": self._plan.total,
             "bytes_planned": self._plan.ranges[self._rank][1] - self._plan.ranges[self._rank][0],
-            "bytes_read": native.get("bytes_read", 0),
+            "bytes_read": 0 if native is None else native.bytes_read,
             "bytes_sent": self._sent,
             "bytes_received": self._received,
             "rounds": self._plan.rounds,
@@ -521,7 +421,8 @@ def _resolve_group(process_group: Any) -> Any:
     if isinstance(process_group, str) and process_group != "default":
         raise ConfigError(
             f"invalid option process_group: {process_group!r} (use a torch.distributed group, "
-            "'default' or None)"
+            "'default' or None)",
+            option="process_group",
         )
     if process_group is None or isinstance(process_group, str):
         if not (dist.is_available() and dist.is_initialized()):
@@ -541,7 +442,7 @@ def _resolve_group(process_group: Any) -> Any:
 class _Independent(Stream):
     """The fallback: a local stream whose counters read like a distributed one's."""
 
-    def __init__(self, uri: Any, **options: Any) -> None:
+    def __init__(self, uri: Any, **options: Unpack[Options]) -> None:
         self._t0 = time.monotonic()
         super().__init__(uri, **options)
 
@@ -579,16 +480,7 @@ class _Independent(Stream):
 
 
 def stream(
-    uri: Any,
-    *,
-    process_group: Any = None,
-    device: Any = "cpu",
-    concurrency: int | None = None,
-    block_size: Any = None,
-    memory_limit: Any = None,
-    names: Iterable[str] | None = None,
-    method: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    uri: Any, *, process_group: Any = None, **options: Unpack[Options]
 ) -> DistributedStream | Stream:
     """Like :func:`fastload.stream`, with the reads shared by the ranks of ``process_group``.
 
@@ -599,44 +491,18 @@ def stream(
     end. ``names`` may differ per rank: each rank gets only its tensors, and bytes travel only to
     the ranks that want them. Options are per rank (``memory_limit`` bounds this rank's reads).
     """
+    _options.check("stream", options)
     group = _resolve_group(process_group)
-    options = dict(
-        device=device,
-        concurrency=concurrency,
-        block_size=block_size,
-        memory_limit=memory_limit,
-        names=names,
-        method=method,
-        storage_options=storage_options,
-    )
     if group is None:
         return _Independent(uri, **options)
     return DistributedStream(uri, group=group, **options)
 
 
 def load(
-    uri: Any,
-    *,
-    process_group: Any = None,
-    device: Any = "cpu",
-    concurrency: int | None = None,
-    block_size: Any = None,
-    memory_limit: Any = None,
-    names: Iterable[str] | None = None,
-    method: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    uri: Any, *, process_group: Any = None, **options: Unpack[Options]
 ) -> dict[str, torch.Tensor]:
     """Like :func:`fastload.load`, with the reads shared by the ranks of ``process_group``;
     see :func:`stream`. :func:`last_stats` then holds this rank's counters."""
-    with stream(
-        uri,
-        process_group=process_group,
-        device=device,
-        concurrency=concurrency,
-        block_size=block_size,
-        memory_limit=memory_limit,
-        names=names,
-        method=method,
-        storage_options=storage_options,
-    ) as s:
+    _options.check("load", options)
+    with stream(uri, process_group=process_group, **options) as s:
         return dict(s)

@@ -54,20 +54,8 @@ _KEYS = frozenset(
     {"concurrency", "block_size", "memory_limit", "weights_uri", "storage_options", "distributed"}
 )
 _SHARDED_KEYS = _KEYS | {"pattern"}
-# fastload reads these itself; object-store URIs need no download.
-_URL_SCHEMES = (
-    "file://",
-    "s3://",
-    "s3a://",
-    "gs://",
-    "gcs://",
-    "az://",
-    "azure://",
-    "abfs://",
-    "abfss://",
-    "http://",
-    "https://",
-)
+# The keys that are load options, checked and passed on to fastload.stream as given.
+_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options")
 
 # vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
 # never load weights (API server, engine core) would otherwise pay for the plugin alone.
@@ -143,7 +131,7 @@ class _Options:
 
     @classmethod
     def parse(cls, load_format: str, extra: Any, allowed: frozenset[str]) -> _Options:
-        from . import ConfigError
+        from . import ConfigError, _fastload
 
         if extra is None:
             extra = {}
@@ -164,32 +152,21 @@ class _Options:
             )
         distributed = extra.get("distributed", False)
         if not isinstance(distributed, bool):
-            raise ConfigError(f"distributed must be true or false, got {distributed!r}")
+            raise ConfigError(
+                f"distributed must be true or false, got {distributed!r}", option="distributed"
+            )
 
-        stream_kwargs: dict[str, Any] = {}
-        concurrency = extra.get("concurrency")
-        if concurrency is not None:
-            if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-                raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
-            stream_kwargs["concurrency"] = concurrency
-        for key in ("block_size", "memory_limit"):
-            value = extra.get(key)
-            if value is None:
-                continue
-            # Sizes like "64MiB" are parsed (and rejected with the valid forms) by fastload.
-            if isinstance(value, bool) or not isinstance(value, (int, str)) or value in (0, ""):
-                raise ConfigError(f"{key} must be a positive integer or a size like '64MiB'")
-            stream_kwargs[key] = value
-        options = extra.get("storage_options")
-        if options is not None:
-            if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
-                raise ConfigError("storage_options must be a dict with string keys")
-            stream_kwargs["storage_options"] = {k: str(v) for k, v in options.items()}
+        stream_kwargs = {k: extra[k] for k in _LOAD_KEYS if extra.get(k) is not None}
+        # Checked now, at engine start, by the same code that reads them at load time (a bad
+        # value raises ConfigError naming the key).
+        _fastload.resolve_options(**stream_kwargs)
 
         weights_uri = extra.get("weights_uri")
         if weights_uri is not None:
             if not isinstance(weights_uri, (str, os.PathLike)) or not os.fspath(weights_uri):
-                raise ConfigError("weights_uri must be a non-empty path or URI")
+                raise ConfigError(
+                    "weights_uri must be a non-empty path or URI", option="weights_uri"
+                )
             weights_uri = os.fspath(weights_uri)
         pattern = extra.get("pattern")
         if pattern is not None:
@@ -201,20 +178,28 @@ def _check_pattern(pattern: Any) -> None:
     from . import ConfigError
 
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigError("pattern must be a non-empty string")
+        raise ConfigError("pattern must be a non-empty string", option="pattern")
     try:
         fields = {f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None}
     except ValueError as e:
-        raise ConfigError(f"pattern {pattern!r} is not a valid format string: {e}") from None
+        raise ConfigError(
+            f"pattern {pattern!r} is not a valid format string: {e}", option="pattern"
+        ) from None
     if fields - _PATTERN_FIELDS:
         raise ConfigError(
             f"pattern {pattern!r} uses {', '.join(sorted(fields - _PATTERN_FIELDS))}; "
-            f"the fields it may use are {', '.join(sorted(_PATTERN_FIELDS))}"
+            f"the fields it may use are {', '.join(sorted(_PATTERN_FIELDS))}",
+            option="pattern",
         )
 
 
 def _is_url(uri: str) -> bool:
-    return uri.lower().startswith(_URL_SCHEMES)
+    """Whether fastload reads ``uri`` itself (no download): a ``file:`` URL, which fastload's
+    local path resolution takes, or an object-store URI, whose schemes the native module owns
+    (``_fastload.SCHEMES``)."""
+    from . import _fastload
+
+    return uri.startswith("file:") or _fastload.is_remote_uri(uri)
 
 
 def _weights_location(options: _Options, model_config: Any) -> str:
@@ -266,8 +251,8 @@ def _device(recorded: Any, model: Any) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in fastload.DEVICE_TYPES:
-        # Not deliverable by this build (CUDA before the GPU path lands): stream to host memory,
-        # as vLLM's own loaders do; the weight loaders copy into the parameters on the device.
+        # A device fastload does not write to (XPU, TPU, ...): stream to host memory, as vLLM's
+        # own loaders do; the weight loaders copy into the parameters on the device.
         device = torch.device("cpu")
     return device
 
@@ -526,9 +511,13 @@ def _render_pattern(pattern: str | None, part: str | int) -> str:
         pattern = PP_AND_TP_PATTERN if pp.world_size > 1 else TP_ONLY_PATTERN
     fields = {f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None}
     if pp.world_size > 1 and "pp_rank" not in fields:
-        raise ConfigError(f"pattern {pattern!r} needs {{pp_rank}} with pipeline parallelism")
+        raise ConfigError(
+            f"pattern {pattern!r} needs {{pp_rank}} with pipeline parallelism", option="pattern"
+        )
     if tp.world_size > 1 and not fields & {"rank", "tp_rank"}:
-        raise ConfigError(f"pattern {pattern!r} needs {{rank}} with tensor parallelism")
+        raise ConfigError(
+            f"pattern {pattern!r} needs {{rank}} with tensor parallelism", option="pattern"
+        )
     return pattern.format(
         rank=tp.rank_in_group, tp_rank=tp.rank_in_group, pp_rank=pp.rank_in_group, part=part
     )

@@ -35,7 +35,7 @@ pub use read::read_range_into;
 pub use retry::{Decision, ResumeState, RetrySettings};
 
 /// Schemes served by this module (`file://` and plain paths stay on the local fast path).
-const SCHEMES: &[&str] = &[
+pub const SCHEMES: &[&str] = &[
     "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https",
 ];
 

@@ -1,50 +1,66 @@
-//! The one place where Rust errors become Python exceptions. The exception classes live in
+//! The one place where Rust errors become Python exceptions: `impl From<Error> for PyErr`, so
+//! every binding returns `crate::Result` through `?`. The exception classes live in
 //! `fastload/_errors.py` so that they can inherit from both `FastloadError` and the matching
-//! builtin (`ValueError`, `OSError`, `FileNotFoundError`, `KeyError`).
+//! builtin (`ValueError`, `OSError`, `FileNotFoundError`, `KeyError`); what a caller may want to
+//! act on travels as attributes (`ConfigError.option`, `TensorNotFoundError.names`,
+//! `FormatError.path`, `filename` on `NotFoundError`), never only inside the message.
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::Error;
 
-fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
-    py.import("fastload._errors")?.getattr(name)
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        match err {
+            // An exception raised by Python code we called (a destination allocator) goes back
+            // as is.
+            Error::Allocation { source } => match source.downcast::<PyErr>() {
+                Ok(e) => *e,
+                Err(source) => Python::attach(|py| exception(py, &Error::Allocation { source })),
+            },
+            e => Python::attach(|py| exception(py, &e)),
+        }
+    }
 }
 
-/// Converts an error to the matching `fastload` exception.
-pub fn to_py(err: Error) -> PyErr {
-    // An exception raised by Python code we called (a destination allocator) goes back as is.
-    let err = match err {
-        Error::Allocation { source } => match source.downcast::<PyErr>() {
-            Ok(e) => return *e,
-            Err(source) => Error::Allocation { source },
-        },
-        e => e,
-    };
-    Python::attach(|py| {
-        let name = match &err {
-            Error::Format { .. } => "FormatError",
-            Error::NotFound { .. } => "NotFoundError",
-            Error::Io { .. } | Error::Memory { .. } => "StorageError",
-            Error::MissingTensors { .. } => "TensorNotFoundError",
-            Error::InvalidOption { .. } | Error::UnsupportedUri { .. } => "ConfigError",
-            _ => "FastloadError",
-        };
-        let message = err.to_string();
-        match class(py, name) {
-            Ok(cls) => match &err {
-                // OSError subclasses take (errno, strerror, filename) so that `.filename` works.
-                Error::NotFound { path } => {
-                    match cls.call1((libc::ENOENT, message.clone(), path)) {
-                        Ok(obj) => PyErr::from_value(obj),
-                        Err(e) => e,
-                    }
-                }
-                _ => match cls.call1((message,)) {
-                    Ok(obj) => PyErr::from_value(obj),
-                    Err(e) => e,
-                },
-            },
-            Err(e) => e,
+fn exception(py: Python<'_>, err: &Error) -> PyErr {
+    build(py, err).unwrap_or_else(|e| e)
+}
+
+fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
+    let message = err.to_string();
+    let attrs = PyDict::new(py);
+    let name = match err {
+        Error::Format { path, .. } => {
+            attrs.set_item("path", path)?;
+            "FormatError"
         }
-    })
+        Error::NotFound { path } => {
+            // OSError subclasses take (errno, strerror, filename) so that `.filename` works.
+            let cls = py.import("fastload._errors")?.getattr("NotFoundError")?;
+            return Ok(PyErr::from_value(cls.call1((
+                libc::ENOENT,
+                message,
+                path,
+            ))?));
+        }
+        Error::Io { .. } | Error::Memory { .. } => "StorageError",
+        Error::MissingTensors { uri, names } => {
+            attrs.set_item("names", names)?;
+            attrs.set_item("uri", uri)?;
+            "TensorNotFoundError"
+        }
+        Error::InvalidOption { option, .. } => {
+            attrs.set_item("option", option)?;
+            "ConfigError"
+        }
+        Error::UnsupportedUri { .. } => {
+            attrs.set_item("option", "uri")?;
+            "ConfigError"
+        }
+        _ => "FastloadError",
+    };
+    let cls = py.import("fastload._errors")?.getattr(name)?;
+    Ok(PyErr::from_value(cls.call((message,), Some(&attrs))?))
 }

@@ -2,117 +2,33 @@
 //! every wait runs with the GIL released.
 
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
+mod args;
 mod dlpack;
 mod errors;
+mod item;
+mod options;
+mod ranks;
 mod stream;
 
-use crate::options::{LoadOptions, Method, Size};
-
-/// Parses a size given as an int or a string like "64MiB".
-fn size_arg(option: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
-    let Some(v) = value else { return Ok(None) };
-    if v.is_none() {
-        return Ok(None);
-    }
-    if let Ok(n) = v.extract::<i128>() {
-        return u64::try_from(n).map(Some).map_err(|_| {
-            errors::to_py(crate::Error::option(
-                option,
-                format!("{n} is not a byte count"),
-            ))
-        });
-    }
-    if let Ok(s) = v.extract::<String>() {
-        return s
-            .parse::<Size>()
-            .map(|s| Some(s.0))
-            .map_err(|e| errors::to_py(crate::Error::option(option, e)));
-    }
-    Err(errors::to_py(crate::Error::option(
-        option,
-        format!(
-            "expected an int or a string like \"64MiB\", got {}",
-            v.get_type().name()?
-        ),
-    )))
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn options(
-    concurrency: Option<&Bound<'_, PyAny>>,
-    block_size: Option<&Bound<'_, PyAny>>,
-    memory_limit: Option<&Bound<'_, PyAny>>,
-    names: Option<Vec<String>>,
-    method: Option<&str>,
-) -> PyResult<LoadOptions> {
-    let concurrency = match concurrency {
-        Some(c) if !c.is_none() => {
-            let n: i64 = c.extract().map_err(|_| {
-                errors::to_py(crate::Error::option(
-                    "concurrency",
-                    "expected a positive int",
-                ))
-            })?;
-            if n <= 0 {
-                return Err(errors::to_py(crate::Error::option(
-                    "concurrency",
-                    format!("{n} is not a positive int"),
-                )));
-            }
-            Some(n as usize)
-        }
-        _ => None,
-    };
-    let method = match method {
-        Some(m) => m
-            .parse::<Method>()
-            .map_err(|e| errors::to_py(crate::Error::option("method", e)))?,
-        None => Method::Auto,
-    };
-    Ok(LoadOptions {
-        concurrency,
-        block_size: size_arg("block_size", block_size)?,
-        memory_limit: size_arg("memory_limit", memory_limit)?,
-        names,
-        method,
-        ..Default::default()
-    })
-}
-
-/// Object-store settings from a dict; values are converted with `str()` (so `True` and numbers
-/// work), keys must be strings.
-pub(crate) fn storage_options(
-    value: Option<&Bound<'_, pyo3::types::PyDict>>,
-) -> PyResult<Vec<(String, String)>> {
-    let Some(d) = value else {
-        return Ok(Vec::new());
-    };
-    let mut out = Vec::with_capacity(d.len());
-    for (k, v) in d.iter() {
-        let key: String = k.extract().map_err(|_| {
-            errors::to_py(crate::Error::option(
-                "storage_options",
-                "keys must be strings",
-            ))
-        })?;
-        let value = if let Ok(b) = v.extract::<bool>() {
-            b.to_string()
-        } else {
-            v.str()?.to_string()
-        };
-        out.push((key, value));
-    }
-    Ok(out)
-}
+use crate::format::Dtype;
+use crate::options::Size;
 
 /// Parses a byte size ("64MiB", "1.5GB", "4096").
 #[pyfunction]
 fn parse_size(value: &str) -> PyResult<u64> {
-    value
+    Ok(value
         .parse::<Size>()
-        .map(|s| s.0)
-        .map_err(|e| errors::to_py(crate::Error::option("size", e)))
+        .map_err(|e| crate::Error::option("size", e))?
+        .0)
+}
+
+/// Whether `uri` names an object in an object store (its scheme is one of `SCHEMES`), which
+/// fastload reads itself; anything else is a local path or `file://` URL.
+#[pyfunction]
+fn is_remote_uri(uri: &str) -> bool {
+    crate::object::is_remote(uri)
 }
 
 /// Runs the `fastload` command line with `argv` (program name first); returns the exit code.
@@ -127,15 +43,12 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
 fn cuda_device_count(py: Python<'_>) -> PyResult<usize> {
     #[cfg(feature = "cuda")]
     {
-        py.detach(crate::device::cuda::device_count)
-            .map_err(errors::to_py)
+        Ok(py.detach(crate::device::cuda::device_count)?)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = py;
-        Err(errors::to_py(crate::Error::Device {
-            message: "CUDA support was not built in".into(),
-        }))
+        Err(crate::Error::device("CUDA support was not built in").into())
     }
 }
 
@@ -160,7 +73,25 @@ fn release_memory(py: Python<'_>) -> std::collections::HashMap<&'static str, u64
 #[pymodule]
 fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", crate::VERSION)?;
+    // Facts Python asks instead of copying (tuples: nobody can change them from Python).
+    let py = m.py();
+    m.add("SCHEMES", PyTuple::new(py, crate::object::SCHEMES)?)?;
+    m.add("DTYPES", PyTuple::new(py, Dtype::ALL.map(Dtype::as_str))?)?;
+    let dlpack: Vec<&str> = Dtype::ALL
+        .into_iter()
+        .filter(|d| dlpack::native(*d).is_some())
+        .map(Dtype::as_str)
+        .collect();
+    m.add("DLPACK_DTYPES", PyTuple::new(py, dlpack)?)?;
     m.add_class::<stream::Stream>()?;
+    m.add_class::<item::Item>()?;
+    m.add_class::<item::Stats>()?;
+    m.add_class::<options::ResolvedOptions>()?;
+    m.add_class::<ranks::RankPlan>()?;
+    m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;
+    m.add_function(wrap_pyfunction!(ranks::checkpoint_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(is_remote_uri, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;

@@ -3,9 +3,11 @@
 use std::sync::Mutex;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use super::{dlpack, errors, options};
+use super::args::{BlockSize, Bytes, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions};
+use super::item::{Item, Stats};
+use super::{dlpack, options::load_options};
 use crate::device::{self, Allocation, Allocator, Destination, Target};
 use crate::pipeline::{self, Loader, Memory};
 use crate::plan::{Part, TensorSlot};
@@ -48,15 +50,13 @@ impl Allocator for PyAllocator {
 }
 
 /// A running load. Each `next()` waits (GIL released) for the next completed segment and returns
-/// a list of `(name, dtype, shape, capsule)`; a capsule holds the tensor as the native DLPack dtype
-/// or, for dtypes DLPack/torch cannot carry, as flat bytes. With `parts` (byte ranges
-/// `(name, begin, end)` within tensors) only those ranges are read, and each comes back as
-/// `(name, "U8", (len,), capsule, begin)`.
+/// its tensors as a list of [`Item`]s. With `parts` (byte ranges `(name, begin, end)` within
+/// tensors) only those ranges are read, and each comes back as a U8 item of shape `(len,)` with
+/// `begin` set.
 ///
 /// With `target` ("cuda", "cuda:N", or "host" for the same staged pipeline into host memory) and
 /// `allocate` (see `PyAllocator`), blocks go through staging buffers into the memory `allocate`
-/// hands out, and each item carries that owner object (e.g. a torch uint8 tensor) in place of
-/// the capsule.
+/// hands out, and each item's `data` is that owner object (e.g. a torch uint8 tensor).
 #[pyclass(module = "fastload._fastload")]
 pub struct Stream {
     loader: Mutex<Option<Loader>>,
@@ -70,24 +70,24 @@ impl Stream {
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
-        concurrency: Option<&Bound<'_, PyAny>>,
-        block_size: Option<&Bound<'_, PyAny>>,
-        memory_limit: Option<&Bound<'_, PyAny>>,
-        names: Option<Vec<String>>,
-        method: Option<String>,
-        storage_options: Option<&Bound<'_, PyDict>>,
+        concurrency: Option<Concurrency>,
+        block_size: Option<Bytes<BlockSize>>,
+        memory_limit: Option<Bytes<MemoryLimit>>,
+        names: Option<Names>,
+        method: Option<MethodArg>,
+        storage_options: Option<StorageOptions>,
         parts: Option<Vec<Part>>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let mut opts = options(
+        let mut opts = load_options(
             concurrency,
             block_size,
             memory_limit,
             names,
-            method.as_deref(),
-        )?;
-        opts.storage_options = super::storage_options(storage_options)?;
+            method,
+            storage_options,
+        );
         opts.parts = parts;
         let loader = match (target, allocate) {
             (None, None) => py.detach(|| pipeline::open(&uris, &opts)),
@@ -100,8 +100,7 @@ impl Stream {
                 "target",
                 "target and allocate go together",
             )),
-        }
-        .map_err(errors::to_py)?;
+        }?;
         Ok(Stream {
             loader: Mutex::new(Some(loader)),
         })
@@ -116,10 +115,8 @@ impl Stream {
             let mut guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
             guard.as_mut().and_then(|l| l.next_segment())
         });
-        let loaded = match next {
-            None => return Ok(None),
-            Some(Err(e)) => return Err(errors::to_py(e)),
-            Some(Ok(loaded)) => loaded,
+        let Some(loaded) = next.transpose()? else {
+            return Ok(None);
         };
         let items = PyList::empty(py);
         let (host, mut placed) = match loaded.memory {
@@ -127,7 +124,7 @@ impl Stream {
             Memory::Placed(d) => (None, Some(d.into_iter())),
         };
         for t in &loaded.tensors {
-            let cap = match (&host, placed.as_mut()) {
+            let data = match (&host, placed.as_mut()) {
                 (Some(buffer), _) => {
                     dlpack::capsule(py, buffer, t.offset, t.len, t.dtype, &t.shape)?
                 }
@@ -140,17 +137,13 @@ impl Stream {
                 }
                 (None, None) => unreachable!("a segment is in host memory or placed"),
             };
-            let shape = PyTuple::new(py, &t.shape)?;
-            let mut fields = vec![
-                t.name.as_str().into_pyobject(py)?.into_any(),
-                t.dtype.as_str().into_pyobject(py)?.into_any(),
-                shape.into_any(),
-                cap.into_bound(py),
-            ];
-            if let Some(begin) = t.piece {
-                fields.push(begin.into_pyobject(py)?.into_any());
-            }
-            items.append(PyTuple::new(py, fields)?)?;
+            items.append(Item {
+                name: PyString::new(py, &t.name).unbind(),
+                dtype: t.dtype.as_str(),
+                shape: PyTuple::new(py, &t.shape)?.unbind(),
+                data,
+                begin: t.piece,
+            })?;
         }
         Ok(Some(items.unbind()))
     }
@@ -161,33 +154,10 @@ impl Stream {
         py.detach(|| drop(loader));
     }
 
-    /// Counters: bytes and tensors planned, read and delivered, time to first segment; the method
-    /// and options in force.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
+    /// The counters so far, or `None` once closed.
+    fn stats(&self) -> Option<Stats> {
         let guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = guard.as_ref() {
-            use std::sync::atomic::Ordering::Relaxed;
-            let s = l.stats();
-            d.set_item("total_bytes", l.plan().total_bytes)?;
-            d.set_item("tensor_count", l.plan().tensor_count)?;
-            d.set_item("files", l.plan().shards.len())?;
-            d.set_item("bytes_read", s.bytes_read.load(Relaxed))?;
-            d.set_item("bytes_delivered", s.bytes_delivered.load(Relaxed))?;
-            d.set_item("tensors_delivered", s.tensors_delivered.load(Relaxed))?;
-            d.set_item(
-                "first_segment_ms",
-                l.first_segment_after().map(|t| t.as_secs_f64() * 1e3),
-            )?;
-            d.set_item("method", l.method().as_str())?;
-            d.set_item("concurrency", l.config().concurrency)?;
-            d.set_item("block_size", l.config().block_size)?;
-            d.set_item("memory_limit", l.config().memory_limit)?;
-            d.set_item("target", l.engine())?;
-            d.set_item("bytes_copied", s.bytes_copied.load(Relaxed))?;
-            d.set_item("staging_peak_bytes", s.staging_peak.load(Relaxed))?;
-        }
-        Ok(d)
+        guard.as_ref().map(Stats::of)
     }
 }
 
@@ -198,12 +168,10 @@ impl Stream {
 pub fn inspect<'py>(
     py: Python<'py>,
     uris: Vec<String>,
-    storage_options: Option<&Bound<'py, PyDict>>,
+    storage_options: Option<StorageOptions>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let storage_options = super::storage_options(storage_options)?;
-    let shards = py
-        .detach(|| crate::source::open_all(&uris, &storage_options))
-        .map_err(errors::to_py)?;
+    let storage_options = storage_options.unwrap_or_default().0;
+    let shards = py.detach(|| crate::source::open_all(&uris, &storage_options))?;
     let out = PyList::empty(py);
     for s in shards {
         let d = PyDict::new(py);

@@ -1,0 +1,78 @@
+"""The keyword options of a load, defined once for ``load``, ``stream``, ``Stream`` and
+``fastload.distributed.load`` / ``stream``.
+
+Why a ``TypedDict`` taken as ``**options: Unpack[Options]`` (PEP 692) rather than seven keyword
+parameters in each of six signatures: one class says which options exist and what each takes, and
+type checkers still check every call's keywords and value types against it (mypy, pyright).
+``Unpack`` comes from ``typing_extensions`` under ``TYPE_CHECKING`` only (type checkers ship it):
+the package keeps no runtime dependency and runs on Python 3.9, where ``typing`` has no
+``Unpack``. At run time an unknown keyword raises ``TypeError``, as a plain signature would
+(:func:`check`). The cost: ``help(fastload.load)`` shows ``**options``, so the defaults are
+documented here (and in README's table). Considered and not taken: an options object (callers
+would build one instead of passing keywords: a breaking change), and a decorator that copies one
+function's signature onto others (mypy cannot see through it).
+
+Values are converted and checked by the native module (each shape one ``FromPyObject`` type in
+``src/python/args.rs``); environment variables and defaults live in Rust (``src/options.rs``) and
+Python copies none of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict, Union
+
+if TYPE_CHECKING:
+    import torch
+
+Device = Union[str, "torch.device"]
+Size = Union[int, str]
+
+
+class Options(TypedDict, total=False):
+    """Options of a load, all keyword-only and optional.
+
+    ``device``: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+    ``concurrency``: reads in flight, an int >= 1; default ``FASTLOAD_CONCURRENCY``, else 16
+    (64 when any URI is an object store).
+    ``block_size``: bytes per read, an int or a size such as ``"8MiB"``; default
+    ``FASTLOAD_BLOCK_SIZE``, else 8 MiB (4 KiB to 1 GiB).
+    ``memory_limit``: host buffer bytes the loader may hold at once, an int or ``"1GiB"``; default
+    ``FASTLOAD_MEMORY_LIMIT``, else 1 GiB (at least 1 MiB).
+    ``names``: load only these tensors (any iterable of str; duplicates are ignored); default
+    every tensor.
+    ``method``: how local files are read to CPU: ``"auto"`` (default, ``FASTLOAD_METHOD``),
+    ``"mmap"`` or ``"read"``.
+    ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)
+    that override the environment; values are converted with ``str()``.
+
+    ``None`` for any of them means "not given".
+    """
+
+    device: Device
+    concurrency: int | None
+    block_size: Size | None
+    memory_limit: Size | None
+    names: Iterable[str] | None
+    method: str | None
+    storage_options: Mapping[str, object] | None
+
+
+OPTIONS: frozenset[str] = frozenset(Options.__annotations__)
+
+
+def check(function: str, options: Mapping[str, Any]) -> None:
+    """Raises the ``TypeError`` a signature with exactly these keywords would raise."""
+    for key in options:
+        if key not in OPTIONS:
+            raise TypeError(f"{function}() got an unexpected keyword argument {key!r}")
+
+
+def native(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options the native loader takes (all but ``device``, which torch resolves)."""
+    return {k: v for k, v in options.items() if k != "device"}
+
+
+PathLike = Union[str, "os.PathLike[str]"]
+Uri = Union[PathLike, Iterable[PathLike]]

@@ -1,0 +1,197 @@
+//! Python inputs of the load options, each converted once, at the edge, into an owned Rust value.
+//! A value of the wrong shape raises `fastload.ConfigError` (a `ValueError`) whose `option` names
+//! the argument, as a value out of range does; nothing downstream sees a Python object.
+
+use std::collections::HashSet;
+use std::marker::PhantomData;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyMapping, PyString};
+
+use crate::options::{Method, Size};
+use crate::Error;
+
+/// Names an option in the errors of its conversion.
+pub trait OptionName {
+    const NAME: &'static str;
+}
+
+/// `block_size`.
+pub enum BlockSize {}
+/// `memory_limit`.
+pub enum MemoryLimit {}
+
+impl OptionName for BlockSize {
+    const NAME: &'static str = "block_size";
+}
+impl OptionName for MemoryLimit {
+    const NAME: &'static str = "memory_limit";
+}
+
+fn type_name(obj: &Borrowed<'_, '_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |n| n.to_string())
+}
+
+/// A byte count.
+///
+/// Supported Python input: an `int` >= 0, or a `str` such as `"64MiB"`, `"1.5GB"`, `"4096"`
+/// (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; see [`Size`]). Not `bool`.
+pub struct Bytes<N>(pub u64, PhantomData<N>);
+
+impl<N: OptionName> FromPyObject<'_, '_> for Bytes<N> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let bytes = if obj.is_instance_of::<PyBool>() {
+            Err(format!(
+                "expected an int or a string like \"64MiB\", got {}",
+                type_name(&obj)
+            ))
+        } else if let Ok(n) = obj.extract::<i128>() {
+            u64::try_from(n).map_err(|_| format!("{n} is not a byte count"))
+        } else if let Ok(s) = obj.cast::<PyString>() {
+            s.to_cow()?.parse::<Size>().map(|s| s.0)
+        } else {
+            Err(format!(
+                "expected an int or a string like \"64MiB\", got {}",
+                type_name(&obj)
+            ))
+        };
+        match bytes {
+            Ok(b) => Ok(Bytes(b, PhantomData)),
+            Err(message) => Err(Error::option(N::NAME, message).into()),
+        }
+    }
+}
+
+/// Reads in flight.
+///
+/// Supported Python input: an `int` >= 1 (the upper bound is checked when options are resolved).
+/// Not `bool`, not a numeric `str`.
+pub struct Concurrency(pub usize);
+
+impl FromPyObject<'_, '_> for Concurrency {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let n = if obj.is_instance_of::<PyBool>() {
+            None
+        } else {
+            obj.extract::<i128>().ok()
+        };
+        match n {
+            Some(n) if n >= 1 => Ok(Concurrency(usize::try_from(n).unwrap_or(usize::MAX))),
+            Some(n) => {
+                Err(Error::option("concurrency", format!("{n} is not a positive int")).into())
+            }
+            None => Err(Error::option(
+                "concurrency",
+                format!("expected a positive int, got {}", type_name(&obj)),
+            )
+            .into()),
+        }
+    }
+}
+
+/// How local files are read.
+///
+/// Supported Python input: `"auto"`, `"mmap"`, `"read"` (or `"pread"`), in any case.
+pub struct MethodArg(pub Method);
+
+impl FromPyObject<'_, '_> for MethodArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let method = match obj.cast::<PyString>() {
+            Ok(s) => s.to_cow()?.parse::<Method>(),
+            Err(_) => Err(format!(
+                "expected \"auto\", \"mmap\" or \"read\", got {}",
+                type_name(&obj)
+            )),
+        };
+        method
+            .map(MethodArg)
+            .map_err(|e| Error::option("method", e).into())
+    }
+}
+
+/// Object-store settings (`endpoint`, `region`, `access_key_id`, ...).
+///
+/// Supported Python input: a `dict` (or any `collections.abc.Mapping`) with `str` keys; values
+/// are converted with `str()` (so numbers work), `bool` as `"true"`/`"false"`.
+#[derive(Default)]
+pub struct StorageOptions(pub Vec<(String, String)>);
+
+impl FromPyObject<'_, '_> for StorageOptions {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let bad = |message: &str| -> PyErr { Error::option("storage_options", message).into() };
+        let dict = match obj.cast::<PyDict>() {
+            Ok(d) => d.to_owned(),
+            Err(_) => {
+                let mapping = obj.py().import("collections.abc")?.getattr("Mapping")?;
+                if !obj.is_instance(&mapping)? {
+                    return Err(bad(&format!(
+                        "expected a dict with str keys, got {}",
+                        type_name(&obj)
+                    )));
+                }
+                let d = PyDict::new(obj.py());
+                let mapping = obj.cast::<PyMapping>().map_err(PyErr::from)?;
+                d.update(&mapping)?;
+                d
+            }
+        };
+        let mut out = Vec::with_capacity(dict.len());
+        for (k, v) in dict.iter() {
+            let key: String = k.extract().map_err(|_| bad("keys must be strings"))?;
+            let value = match v.cast::<PyBool>() {
+                Ok(b) => b.is_true().to_string(),
+                Err(_) => v.str()?.to_string(),
+            };
+            out.push((key, value));
+        }
+        Ok(StorageOptions(out))
+    }
+}
+
+/// Tensor names to load.
+///
+/// Supported Python input: any iterable of `str` (list, tuple, set, generator, dict keys),
+/// consumed once; duplicates are dropped, the first occurrence's order kept. A bare `str` is an
+/// iterable of its characters, as everywhere in Python.
+pub struct Names(pub Vec<String>);
+
+impl FromPyObject<'_, '_> for Names {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let bad = |what: String| -> PyErr { Error::option("names", what).into() };
+        let iter = obj.try_iter().map_err(|_| {
+            bad(format!(
+                "expected an iterable of str, got {}",
+                type_name(&obj)
+            ))
+        })?;
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        for item in iter {
+            let item = item?;
+            let name: String = item.extract().map_err(|_| {
+                bad(format!(
+                    "expected an iterable of str, got an item of type {}",
+                    item.get_type()
+                        .name()
+                        .map_or_else(|_| "?".into(), |n| n.to_string())
+                ))
+            })?;
+            if seen.insert(name.clone()) {
+                out.push(name);
+            }
+        }
+        Ok(Names(out))
+    }
+}

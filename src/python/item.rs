@@ -1,0 +1,117 @@
+//! The typed values `_fastload.Stream` hands to Python: an [`Item`] per delivered tensor (or
+//! piece) and [`Stats`], both frozen.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString, PyTuple};
+
+use crate::pipeline::Loader;
+
+/// One tensor of a completed segment, or one piece of a tensor when the load reads `parts`.
+///
+/// `data` is a `dltensor` capsule viewing the loader's host memory: the tensor in its own dtype
+/// when DLPack carries that dtype natively (`DLPACK_DTYPES`), else its bytes as flat uint8. For a
+/// staged load it is the owner object the allocator returned (e.g. a torch uint8 tensor).
+/// `begin` is the piece's first byte within its tensor (then `dtype` is `"U8"` and `shape` is
+/// `(len,)`), `None` for a whole tensor.
+#[pyclass(module = "fastload._fastload", frozen, get_all)]
+pub struct Item {
+    pub name: Py<PyString>,
+    pub dtype: &'static str,
+    pub shape: Py<PyTuple>,
+    pub data: Py<PyAny>,
+    pub begin: Option<u64>,
+}
+
+#[pymethods]
+impl Item {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "Item(name={}, dtype={:?}, shape={}, begin={:?})",
+            self.name
+                .bind(py)
+                .repr()
+                .map_or_else(|_| "?".into(), |r| r.to_string()),
+            self.dtype,
+            self.shape.bind(py),
+            self.begin
+        )
+    }
+}
+
+/// A load's counters at one moment, and the method and options in force.
+#[pyclass(module = "fastload._fastload", frozen, get_all)]
+pub struct Stats {
+    /// Bytes and tensors (or pieces) the plan delivers, and the files it reads.
+    pub total_bytes: u64,
+    pub tensor_count: usize,
+    pub files: usize,
+    pub bytes_read: u64,
+    pub bytes_delivered: u64,
+    pub tensors_delivered: u64,
+    /// Milliseconds from the start to the first completed segment.
+    pub first_segment_ms: Option<f64>,
+    pub method: &'static str,
+    pub concurrency: usize,
+    pub block_size: u64,
+    pub memory_limit: u64,
+    /// `"cuda:N"` or `"host"` for a staged load, `None` otherwise.
+    pub target: Option<String>,
+    pub bytes_copied: u64,
+    pub staging_peak_bytes: u64,
+}
+
+impl Stats {
+    pub fn of(l: &Loader) -> Self {
+        let s = l.stats();
+        Stats {
+            total_bytes: l.plan().total_bytes,
+            tensor_count: l.plan().tensor_count,
+            files: l.plan().shards.len(),
+            bytes_read: s.bytes_read.load(Relaxed),
+            bytes_delivered: s.bytes_delivered.load(Relaxed),
+            tensors_delivered: s.tensors_delivered.load(Relaxed),
+            first_segment_ms: l.first_segment_after().map(|t| t.as_secs_f64() * 1e3),
+            method: l.method().as_str(),
+            concurrency: l.config().concurrency,
+            block_size: l.config().block_size,
+            memory_limit: l.config().memory_limit,
+            target: l.engine().map(str::to_owned),
+            bytes_copied: s.bytes_copied.load(Relaxed),
+            staging_peak_bytes: s.staging_peak.load(Relaxed),
+        }
+    }
+}
+
+#[pymethods]
+impl Stats {
+    /// The counters as a `dict` (the shape `fastload.Stream.stats()` returns).
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        macro_rules! put {
+            ($($field:ident),*) => { $( d.set_item(stringify!($field), &self.$field)?; )* };
+        }
+        put!(
+            total_bytes,
+            tensor_count,
+            files,
+            bytes_read,
+            bytes_delivered,
+            tensors_delivered,
+            first_segment_ms,
+            method,
+            concurrency,
+            block_size,
+            memory_limit,
+            target,
+            bytes_copied,
+            staging_peak_bytes
+        );
+        Ok(d)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("Stats({})", self.as_dict(py)?.repr()?))
+    }
+}
