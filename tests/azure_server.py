@@ -183,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         account = parts[0] if parts else ""
         container = parts[1] if len(parts) > 1 else ""
         blob = "/".join(parts[2:])
-        self._status = 0
+        self._recorded = False
         try:
             if account not in self.server.accounts:
                 return self._error(400, "InvalidUri", "Unknown account.", send_body)
@@ -204,8 +204,20 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             return self._blob(blobs[blob], send_body)
         finally:
-            with self.server.stats.lock:
-                self.server.stats.requests.append((self.command, raw_path, query, self._status))
+            if not self._recorded:  # no response was sent (the handler failed)
+                self._record(0)
+
+    def send_response(self, code, message=None) -> None:
+        # Recorded before the client can see the response, so that a test that counts requests
+        # right after its call returned never misses the last one.
+        self._record(code)
+        super().send_response(code, message)
+
+    def _record(self, status: int) -> None:
+        raw_path, _, query = self.path.partition("?")
+        with self.server.stats.lock:
+            self.server.stats.requests.append((self.command, raw_path, query, status))
+        self._recorded = True
 
     def _authorized(self, account, raw_path, query, key, send_body) -> bool:
         auth = self.headers.get("Authorization")
@@ -266,7 +278,6 @@ class _Handler(BaseHTTPRequestHandler):
             start = int(first)
             end = min(size, int(last) + 1) if last.isdigit() else size
             status = 206
-        self._status = status
         self.send_response(status)
         self._common_headers()
         self.send_header("Content-Length", str(end - start))
@@ -332,7 +343,6 @@ class _Handler(BaseHTTPRequestHandler):
             )
             + "</EnumerationResults>"
         ).encode()
-        self._status = 200
         self.send_response(200)
         self._common_headers()
         self.send_header("Content-Type", "application/xml")
@@ -346,7 +356,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("x-ms-version", self.headers.get("x-ms-version", "2021-08-06"))
 
     def _error(self, status, code, message, send_body, headers=(), detail="") -> None:
-        self._status = status
         extra = f"<AuthenticationErrorDetail>{escape(detail)}</AuthenticationErrorDetail>"
         body = (
             '<?xml version="1.0" encoding="utf-8"?>'
