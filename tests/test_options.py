@@ -274,3 +274,27 @@ def test_index_naming_a_missing_shard(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
         fastload.load(tmp_path)
+
+
+def test_signatures_spell_out_every_option():
+    """help() and inspect.signature show the options as keyword-only parameters, the same ones
+    with the same defaults on every entry point (they are defined once, in fastload.Options)."""
+    import inspect
+
+    import fastload.distributed
+
+    options = list(fastload.Options.__annotations__)
+    for fn in (
+        fastload.load,
+        fastload.stream,
+        fastload.Stream,
+        fastload.distributed.load,
+        fastload.distributed.stream,
+    ):
+        params = inspect.signature(fn).parameters
+        assert list(params)[-len(options) :] == options, fn
+        for name in options:
+            p = params[name]
+            assert p.kind is inspect.Parameter.KEYWORD_ONLY, (fn, name)
+            assert p.default == ("cpu" if name == "device" else None), (fn, name)
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn

@@ -111,6 +111,7 @@ class Stream:
     Usable as a context manager; leaving it (or ``close()``) cancels the reads still pending.
     """
 
+    @_options.spelled_out
     def __init__(self, uri: Uri, *, _target: str | None = None, **options: Unpack[Options]) -> None:
         from . import _torch
 
@@ -168,6 +169,7 @@ class Stream:
             native.close()
 
 
+@_options.spelled_out
 def stream(
     uri: Uri, *, process_group: Any = None, **options: Unpack[Options]
 ) -> Stream | DistributedStream:
@@ -202,6 +204,7 @@ def stream(
     return Stream(uri, **options)
 
 
+@_options.spelled_out
 def load(
     uri: Uri, *, process_group: Any = None, **options: Unpack[Options]
 ) -> dict[str, torch.Tensor]:

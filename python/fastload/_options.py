@@ -7,10 +7,12 @@ type checkers still check every call's keywords and value types against it (mypy
 ``Unpack`` comes from ``typing_extensions`` under ``TYPE_CHECKING`` only (type checkers ship it):
 the package keeps no runtime dependency and runs on Python 3.9, where ``typing`` has no
 ``Unpack``. At run time an unknown keyword raises ``TypeError``, as a plain signature would
-(:func:`check`). The cost: ``help(fastload.load)`` shows ``**options``, so the defaults are
-documented here (and in README's table). Considered and not taken: an options object (callers
-would build one instead of passing keywords: a breaking change), and a decorator that copies one
-function's signature onto others (mypy cannot see through it).
+(:func:`check`), and :func:`spelled_out` gives each function the signature it would have with the
+options written out, so ``help()``, ``inspect.signature`` and tools that introspect at run time
+(notebooks, ``benches/run.py``) still see every option, its type and its default. Considered and
+not taken: an options object (callers would build one instead of passing keywords: a breaking
+change), and a decorator that copies one function's signature onto others (mypy cannot see
+through it).
 
 Values are converted and checked by the native module (each shape one ``FromPyObject`` type in
 ``src/python/args.rs``); environment variables and defaults live in Rust (``src/options.rs``) and
@@ -19,9 +21,10 @@ Python copies none of them.
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypedDict, Union
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Union
 
 if TYPE_CHECKING:
     import torch
@@ -76,3 +79,29 @@ def native(options: Mapping[str, Any]) -> dict[str, Any]:
 
 PathLike = Union[str, "os.PathLike[str]"]
 Uri = Union[PathLike, Iterable[PathLike]]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Defaults as a written-out signature shows them (None means "not given": see Options).
+_DEFAULTS: dict[str, Any] = {"device": "cpu"}
+
+
+def spelled_out(function: F) -> F:
+    """Sets ``function.__signature__`` to its own signature with ``**options`` replaced by one
+    keyword-only parameter per option (annotation from :class:`Options`, default ``"cpu"`` for
+    ``device`` and ``None`` for the rest). Type checkers see the function unchanged."""
+    own = inspect.signature(function)
+    kept = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    added = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=_DEFAULTS.get(name),
+            # Written as in the source, as the function's own (postponed) annotations are.
+            annotation=getattr(hint, "__forward_arg__", hint),
+        )
+        for name, hint in Options.__annotations__.items()
+    ]
+    function.__signature__ = own.replace(parameters=kept + added)  # type: ignore[attr-defined]
+    return function

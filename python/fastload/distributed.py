@@ -157,6 +157,7 @@ def _finish(u8: torch.Tensor, dtype: str, shape: tuple[int, ...], hint: str) -> 
 class DistributedStream:
     """Iterator of ``(name, tensor)`` on one rank of a group; see :func:`stream`."""
 
+    @_options.spelled_out
     def __init__(self, uri: Any, *, group: Any, **options: Unpack[Options]) -> None:
         _options.check("DistributedStream", options)
         self._started = time.monotonic()
@@ -479,6 +480,7 @@ class _Independent(Stream):
         super().close()
 
 
+@_options.spelled_out
 def stream(
     uri: Any, *, process_group: Any = None, **options: Unpack[Options]
 ) -> DistributedStream | Stream:
@@ -498,6 +500,7 @@ def stream(
     return DistributedStream(uri, group=group, **options)
 
 
+@_options.spelled_out
 def load(
     uri: Any, *, process_group: Any = None, **options: Unpack[Options]
 ) -> dict[str, torch.Tensor]:
