@@ -245,15 +245,18 @@ impl Driver {
                 if self.feed.cancelled() {
                     return;
                 }
-                let job = job.clone();
-                tokio::spawn(async move {
-                    if job.feed.cancelled() {
-                        return;
+                let task = {
+                    let job = job.clone();
+                    async move {
+                        if job.feed.cancelled() {
+                            return;
+                        }
+                        let result = job.read_block(off, len).await;
+                        drop(slot);
+                        job.block_finished(result);
                     }
-                    let result = job.read_block(off, len).await;
-                    drop(slot);
-                    job.block_finished(result);
-                });
+                };
+                source::spawn_read(source.as_ref(), task);
             }
         }
     }

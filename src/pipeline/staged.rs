@@ -20,6 +20,7 @@ use crate::device::{Allocator, Destination, Engine, Fence, Staging, Target};
 use crate::error::{Error, Result};
 use crate::options::{Method, Resolved};
 use crate::plan::{self, Plan};
+use crate::source;
 
 /// The block size of a staged load: the requested one, shrunk so the ring has at least two slots.
 fn block_for(opts: &Resolved) -> u64 {
@@ -161,7 +162,7 @@ async fn drive(
                     Err(e) => shared.feed.fail(e),
                 }
             };
-            tokio::spawn(task);
+            source::spawn_read(plan.shards[seg.shard].source.as_ref(), task);
         }
     }
 }

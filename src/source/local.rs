@@ -53,8 +53,13 @@ impl Source for LocalFile {
         self.size
     }
 
+    fn reads_block(&self) -> bool {
+        true
+    }
+
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-        // pread blocks: hand this worker's other tasks to another thread meanwhile.
+        // pread blocks: on an async worker, hand its other tasks to another thread meanwhile (on
+        // a blocking thread, where the pipeline runs file reads, this just runs the closure).
         Box::pin(async move {
             tokio::task::block_in_place(|| read_exact_at(&self.file, dst, offset, &self.name))
         })
