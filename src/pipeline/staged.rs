@@ -178,7 +178,11 @@ async fn read_block(
     let seg = &shared.plan.segments[index];
     let shard = &shared.plan.shards[seg.shard];
     // Page-locking new memory can take long: off the runtime's workers.
-    let mut staging = tokio::task::block_in_place(|| shared.engine.staging(block as usize))?;
+    let engine = shared.engine.clone();
+    let mut staging = super::beside_reads(shard.source.as_ref(), move || {
+        engine.staging(block as usize)
+    })
+    .await?;
     shard
         .source
         .read_into(seg.start + off, staging.slice_mut(len as usize))
