@@ -16,7 +16,7 @@ from pathlib import Path
 import fastload
 import helpers
 import pytest
-from helpers import assert_same_tensors, reference
+from helpers import assert_same_tensors, indexed_files, reference
 from http_server import RANGE, Behaviour, RangeServer, start_server
 
 # A failure must surface well inside this (retries and timeouts are bounded).
@@ -123,6 +123,18 @@ def test_names_reads_only_those_tensors(http_server, multi_block_file):
         a, b = RANGE.match(r).groups()
         fetched += int(b) + 1 - int(a)
     assert fetched < 512 << 10, (fetched, ranges)
+
+
+def test_index_is_sized_with_head_requests_not_a_listing(http_server, sharded_dir):
+    """A plain server cannot list (PROPFIND is refused, and retried as a server error for
+    seconds): the shards an index names are sized with HEAD requests alone."""
+    log = http_server.behaviour.log
+    before = len(log)
+    got = fastload.load(http_server.url("sharded/model.safetensors.index.json"))
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    methods = [e[0] for e in log[before:]]
+    assert "PROPFIND" not in methods, methods
+    assert "HEAD" in methods, methods
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,9 +48,7 @@ pub async fn resolve(remote: &Remote) -> Result<Vec<(Path, u64)>> {
     match head(remote, &remote.path).await {
         Ok(size) => Ok(vec![(remote.path.clone(), size)]),
         // A plain HTTP server cannot list (object_store would try WebDAV): the 404 is the answer.
-        Err(Error::NotFound { path }) if remote.uri.starts_with("http") => {
-            Err(Error::NotFound { path })
-        }
+        Err(Error::NotFound { path }) if !lists(remote) => Err(Error::NotFound { path }),
         Err(Error::NotFound { path }) => match list_safetensors(remote).await {
             Err(Error::NotFound { .. }) => Err(Error::NotFound { path }),
             // Name what the user asked for, not the index probed for it.
@@ -59,6 +57,11 @@ pub async fn resolve(remote: &Remote) -> Result<Vec<(Path, u64)>> {
         },
         Err(e) => Err(e),
     }
+}
+
+/// Whether the store can list a prefix (every store but plain http(s)://).
+fn lists(remote: &Remote) -> bool {
+    !remote.uri.starts_with("http")
 }
 
 /// Size of one object.
@@ -126,9 +129,14 @@ pub(super) async fn from_index(
         })?;
         files.push(Path::from_iter(dir.parts().chain(rel.parts())));
     }
-    let listed: HashMap<Path, u64> = match list_dir(remote, &dir).await {
-        Ok(objects) => objects.into_iter().collect(),
-        Err(_) => HashMap::new(),
+    // A plain HTTP server cannot list: object_store would ask WebDAV's PROPFIND, which such
+    // servers refuse (501, 405) and object_store retries as a server error, for seconds.
+    let listed: HashMap<Path, u64> = match lists(remote) {
+        false => HashMap::new(),
+        true => match list_dir(remote, &dir).await {
+            Ok(objects) => objects.into_iter().collect(),
+            Err(_) => HashMap::new(),
+        },
     };
     let sizes: Vec<Result<(Path, u64)>> = futures_util::stream::iter(files)
         .map(|p| {
