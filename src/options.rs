@@ -188,17 +188,28 @@ impl LoadOptions {
         } else {
             DEFAULT_CONCURRENCY
         };
-        let concurrency = match self.concurrency {
-            Some(c) => c,
-            None => env_value::<Count>(ENV_CONCURRENCY)?.map_or(default_concurrency, |c| c.0),
+        // Each value with where it came from: a bad one names the option or the variable the
+        // user set, not one for the other.
+        let (concurrency, concurrency_from) = match self.concurrency {
+            Some(c) => (c, "concurrency"),
+            None => match env_value::<Count>(ENV_CONCURRENCY)? {
+                Some(c) => (c.0, ENV_CONCURRENCY),
+                None => (default_concurrency, "concurrency"),
+            },
         };
-        let block_size = match self.block_size {
-            Some(b) => b,
-            None => env_value::<Size>(ENV_BLOCK_SIZE)?.map_or(DEFAULT_BLOCK_SIZE, |s| s.0),
+        let (block_size, block_size_from) = match self.block_size {
+            Some(b) => (b, "block_size"),
+            None => match env_value::<Size>(ENV_BLOCK_SIZE)? {
+                Some(s) => (s.0, ENV_BLOCK_SIZE),
+                None => (DEFAULT_BLOCK_SIZE, "block_size"),
+            },
         };
-        let memory_limit = match self.memory_limit {
-            Some(m) => m,
-            None => env_value::<Size>(ENV_MEMORY_LIMIT)?.map_or(DEFAULT_MEMORY_LIMIT, |s| s.0),
+        let (memory_limit, memory_limit_from) = match self.memory_limit {
+            Some(m) => (m, "memory_limit"),
+            None => match env_value::<Size>(ENV_MEMORY_LIMIT)? {
+                Some(s) => (s.0, ENV_MEMORY_LIMIT),
+                None => (DEFAULT_MEMORY_LIMIT, "memory_limit"),
+            },
         };
         let method = match self.method {
             Method::Auto => env_value::<Method>(ENV_METHOD)?.unwrap_or(Method::Auto),
@@ -206,19 +217,19 @@ impl LoadOptions {
         };
         if concurrency == 0 || concurrency > 4096 {
             return Err(Error::option(
-                "concurrency",
+                concurrency_from,
                 format!("{concurrency} is not in 1..=4096"),
             ));
         }
         if !(4096..=(1 << 30)).contains(&block_size) {
             return Err(Error::option(
-                "block_size",
+                block_size_from,
                 format!("{} is not between 4KiB and 1GiB", Size(block_size)),
             ));
         }
         if memory_limit < (1 << 20) {
             return Err(Error::option(
-                "memory_limit",
+                memory_limit_from,
                 format!("{} is below the 1MiB minimum", Size(memory_limit)),
             ));
         }

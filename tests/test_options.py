@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import fastload
 import pytest
@@ -218,7 +220,8 @@ def test_bad_environment_value_is_reported_and_explicit_argument_wins(env_result
     r = env_results[option]
     assert "error" in r["default"], f"{ENV_VARS[option]}={ENV_CASES[option][0]!r} was ignored"
     assert "ValueError" in r["default"]["error"] and "FastloadError" in r["default"]["error"], r
-    assert r["default"]["option"] in (option, ENV_VARS[option]), r
+    # The variable the user set, not the option it stands for (FASTLOAD_CONCURRENCY=0 included).
+    assert r["default"]["option"] == ENV_VARS[option], r
     assert r["explicit"] == {"same": True}, r["explicit"]
 
 
@@ -298,3 +301,55 @@ def test_signatures_spell_out_every_option():
             assert p.kind is inspect.Parameter.KEYWORD_ONLY, (fn, name)
             assert p.default == ("cpu" if name == "device" else None), (fn, name)
         assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn
+
+
+# ---------------------------------------------------------------------------------------------
+# API edges
+
+
+def test_names_as_one_str_is_one_tensor(dtypes_file):
+    want = reference(dtypes_file)
+    name = sorted(want)[0]
+    got = fastload.load(dtypes_file, names=name)
+    assert list(got) == [name]
+    assert_same_tensors(got, {name: want[name]})
+
+
+def test_process_group_of_the_wrong_type_is_a_config_error(dtypes_file):
+    for bad in (5, object()):
+        with pytest.raises(fastload.ConfigError) as info:
+            fastload.load(dtypes_file, process_group=bad)
+        assert info.value.option == "process_group"
+
+
+def test_bad_device_lists_the_valid_ones(dtypes_file):
+    with pytest.raises(fastload.ConfigError) as info:
+        fastload.load(dtypes_file, device="gpu")
+    assert info.value.option == "device"
+    assert "cuda:N" in str(info.value) and "cpu" in str(info.value), info.value
+
+
+def test_stats_after_close_are_the_final_counters(dtypes_file):
+    s = fastload.stream(dtypes_file, memory_limit="1MiB")
+    next(s)
+    s.close()
+    stats = s.stats()
+    assert stats["tensors_delivered"] >= 1, stats
+    assert stats["tensor_count"] == len(reference(dtypes_file)), stats
+
+
+def test_load_without_torch_says_what_to_install(dtypes_file):
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import fastload\n"
+        "try:\n"
+        "    fastload.load(sys.argv[1])\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(dtypes_file)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    name, message = out.stdout.split("|", 1)
+    assert name.strip() == "torch" and "pip install torch" in message, out.stdout

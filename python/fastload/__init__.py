@@ -68,13 +68,23 @@ DEVICE_TYPES: frozenset[str] = frozenset({"cpu", "cuda"})
 
 def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
     """The torch device for ``device``, and the native target ("cuda:N") when it is a GPU."""
-    import torch
+    try:
+        import torch
+    except ImportError as e:
+        # `pip install fastload` does not pull torch (a 3 GB choice of build the user makes).
+        raise ModuleNotFoundError(
+            "fastload.load and fastload.stream return torch tensors and need PyTorch, which is "
+            f"not importable here ({e}): install it, e.g. `pip install torch`",
+            name="torch",
+        ) from e
 
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
         raise ConfigError(
-            f"invalid option device: {device!r} is not a device", option="device"
+            f"invalid option device: {device!r} is not a device (use 'cpu', 'cuda', 'cuda:N' "
+            "or a torch.device)",
+            option="device",
         ) from e
     if dev.type not in DEVICE_TYPES:
         raise ConfigError(
@@ -113,10 +123,10 @@ class Stream:
 
     @_options.spelled_out
     def __init__(self, uri: Uri, *, _target: str | None = None, **options: Unpack[Options]) -> None:
-        from . import _torch
-
         _options.check("Stream", options)
         dev, target = _target_for(options.get("device", "cpu"), options.get("method"))
+        from . import _torch
+
         if _target == "host":
             # The GPU path's staged pipeline into host memory (tests, and machines without one).
             target = "host"
@@ -148,7 +158,8 @@ class Stream:
 
     def stats(self) -> dict[str, Any]:
         """Bytes and tensors planned, read and delivered so far; time to the first tensor; the
-        method and options in force. Empty once closed."""
+        method and options in force. After ``close()``, the counters as they were then (so the
+        caller can tell how far a closed stream got)."""
         stats = self._native.stats()
         return {} if stats is None else dict(stats.as_dict())
 

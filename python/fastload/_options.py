@@ -43,8 +43,8 @@ class Options(TypedDict, total=False):
     ``FASTLOAD_BLOCK_SIZE``, else 8 MiB (4 KiB to 1 GiB).
     ``memory_limit``: host buffer bytes the loader may hold at once, an int or ``"1GiB"``; default
     ``FASTLOAD_MEMORY_LIMIT``, else 1 GiB (at least 1 MiB).
-    ``names``: load only these tensors (any iterable of str; duplicates are ignored); default
-    every tensor.
+    ``names``: load only these tensors (any iterable of str, or one str for one tensor;
+    duplicates are ignored); default every tensor.
     ``method``: how local files are read to CPU: ``"auto"`` (default, ``FASTLOAD_METHOD``),
     ``"mmap"`` or ``"read"``.
     ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)

@@ -425,6 +425,13 @@ def _resolve_group(process_group: Any) -> Any:
             "'default' or None)",
             option="process_group",
         )
+    group_type = getattr(dist, "ProcessGroup", ())  # absent from builds without distributed
+    if not (process_group is None or isinstance(process_group, (str, group_type))):
+        raise ConfigError(
+            f"invalid option process_group: {process_group!r} is a "
+            f"{type(process_group).__name__} (use a torch.distributed group, 'default' or None)",
+            option="process_group",
+        )
     if process_group is None or isinstance(process_group, str):
         if not (dist.is_available() and dist.is_initialized()):
             warnings.warn(

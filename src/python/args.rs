@@ -161,8 +161,8 @@ impl FromPyObject<'_, '_> for StorageOptions {
 /// Tensor names to load.
 ///
 /// Supported Python input: any iterable of `str` (list, tuple, set, generator, dict keys),
-/// consumed once; duplicates are dropped, the first occurrence's order kept. A bare `str` is an
-/// iterable of its characters, as everywhere in Python.
+/// consumed once; duplicates are dropped, the first occurrence's order kept. A bare `str` is one
+/// name (`names="lm_head.weight"`): tensor names are never meant as their characters.
 pub struct Names(pub Vec<String>);
 
 impl FromPyObject<'_, '_> for Names {
@@ -170,6 +170,9 @@ impl FromPyObject<'_, '_> for Names {
 
     fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
         let bad = |what: String| -> PyErr { Error::option("names", what).into() };
+        if let Ok(one) = obj.cast::<PyString>() {
+            return Ok(Names(vec![one.to_cow()?.into_owned()]));
+        }
         let iter = obj.try_iter().map_err(|_| {
             bad(format!(
                 "expected an iterable of str, got {}",

@@ -42,6 +42,7 @@ impl Item {
 
 /// A load's counters at one moment, and the method and options in force.
 #[pyclass(module = "fastload._fastload", frozen, get_all)]
+#[derive(Clone)]
 pub struct Stats {
     /// Bytes and tensors (or pieces) the plan delivers, and the files it reads.
     pub total_bytes: u64,

@@ -60,6 +60,8 @@ impl Allocator for PyAllocator {
 #[pyclass(module = "fastload._fastload")]
 pub struct Stream {
     loader: Mutex<Option<Loader>>,
+    /// The counters as `close()` left them.
+    closed: Mutex<Option<Stats>>,
 }
 
 #[pymethods]
@@ -103,6 +105,7 @@ impl Stream {
         }?;
         Ok(Stream {
             loader: Mutex::new(Some(loader)),
+            closed: Mutex::new(None),
         })
     }
 
@@ -151,13 +154,23 @@ impl Stream {
     /// Stops reading and frees buffers that no tensor uses.
     fn close(&self, py: Python<'_>) {
         let loader = self.loader.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(l) = &loader {
+            *self.closed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Stats::of(l));
+        }
         py.detach(|| drop(loader));
     }
 
-    /// The counters so far, or `None` once closed.
+    /// The counters so far; once closed, as they were when it closed.
     fn stats(&self) -> Option<Stats> {
         let guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
-        guard.as_ref().map(Stats::of)
+        match guard.as_ref() {
+            Some(l) => Some(Stats::of(l)),
+            None => self
+                .closed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
     }
 }
 
