@@ -75,7 +75,7 @@ impl Source for LocalFile {
 }
 
 /// Reads exactly `buf.len()` bytes at `offset`, retrying interrupted and short reads.
-pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, name: &str) -> Result<()> {
+fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, name: &str) -> Result<()> {
     let mut done = 0usize;
     while done < buf.len() {
         match file.read_at(&mut buf[done..], offset + done as u64) {

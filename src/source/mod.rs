@@ -24,7 +24,7 @@ use crate::memory::HostBuffer;
 pub mod local;
 pub mod object;
 
-pub use local::{index_shard_names, read_exact_at, INDEX_FILE};
+pub use local::{index_shard_names, INDEX_FILE};
 
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {
