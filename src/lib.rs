@@ -5,7 +5,8 @@
 //! files and objects behind one [`source::Source`] trait; [`object`] is the object-store half) →
 //! [`plan`] (shards + options → segments) → [`memory`] / [`device`] (where bytes land) →
 //! [`pipeline`] (reads every block through `Source`, hands tensors out) → the Python bindings and
-//! the [`cli`]. [`options`], [`error`] and [`runtime`] serve every stage.
+//! the [`cli`]. [`options`], [`error`], [`runtime`] and [`per_process`] (state a forked child rebuilds)
+//! serve every stage.
 
 #![deny(unsafe_code)]
 
@@ -16,6 +17,7 @@ pub mod format;
 pub mod memory;
 pub mod object;
 pub mod options;
+pub mod per_process;
 pub mod pipeline;
 pub mod plan;
 pub mod ranks;

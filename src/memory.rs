@@ -15,9 +15,9 @@ use std::fs::File;
 use std::os::unix::io::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::per_process::PerProcess;
 
 const ALIGN: usize = 2 << 20;
 
@@ -39,7 +39,9 @@ struct Pool {
     limit: usize,
 }
 
-static POOL: Mutex<Pool> = Mutex::new(Pool {
+/// One pool per process: a child forked while a loading thread held the pool's lock gets its own
+/// (see `per_process`).
+static POOL: PerProcess<Pool> = PerProcess::new(|| Pool {
     free: Vec::new(),
     cached: 0,
     limit: 0,
@@ -170,20 +172,20 @@ fn unmap(addr: usize, len: usize) {
 
 /// Sets how many bytes of freed buffers the pool keeps for reuse (the rest goes back to the OS).
 pub fn set_pool_limit(bytes: u64) {
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pool = POOL.lock();
     pool.limit = bytes as usize;
     pool.trim();
 }
 
 /// Bytes currently cached by the pool.
 pub fn pool_cached() -> u64 {
-    POOL.lock().unwrap_or_else(|e| e.into_inner()).cached as u64
+    POOL.lock().cached as u64
 }
 
 /// Gives every cached buffer back to the OS and stops caching until the next load sets a limit:
 /// buffers in use are unmapped when their last tensor is freed. Returns the bytes given back.
 pub fn release_pool() -> u64 {
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pool = POOL.lock();
     let cached = pool.cached as u64;
     pool.limit = 0;
     pool.trim();
@@ -224,7 +226,7 @@ impl HostBuffer {
             });
         }
         let cap = len.div_ceil(ALIGN) * ALIGN;
-        let taken = POOL.lock().unwrap_or_else(|e| e.into_inner()).take(cap)?;
+        let taken = POOL.lock().take(cap)?;
         let (addr, fresh) = match taken {
             Taken::Whole(addr) => (addr, false),
             Taken::Stitched { addr, reused } => (addr, reused < cap),
@@ -372,9 +374,7 @@ impl Drop for HostBuffer {
                     // Some pages may never have been faulted in: not worth keeping.
                     unmap(addr, cap);
                 } else {
-                    POOL.lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .give(addr, cap);
+                    POOL.lock().give(addr, cap);
                 }
             }
         }

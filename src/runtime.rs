@@ -1,24 +1,21 @@
-//! The process-wide tokio runtime: built lazily on first use and rebuilt in a forked child (the
-//! parent's worker threads do not exist there).
+//! The process-wide tokio runtime: built lazily on first use, and again in a forked child (the
+//! parent's worker threads do not exist there, and its lock may have been held when it forked).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::runtime::Runtime;
 
-static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
+use crate::per_process::PerProcess;
+
+// In a child, the parent's runtime is left behind, never dropped: dropping it would wait for
+// worker threads that are not in this process.
+static RUNTIME: PerProcess<Option<Arc<Runtime>>> = PerProcess::new(|| None);
 
 /// The runtime for this process.
 pub fn get() -> Arc<Runtime> {
-    let pid = std::process::id();
-    let mut slot = RUNTIME.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((owner, rt)) = slot.as_ref() {
-        if *owner == pid {
-            return rt.clone();
-        }
-    }
-    if let Some((_, stale)) = slot.take() {
-        // Inherited across fork: its threads are gone, so dropping it could wait forever.
-        std::mem::forget(stale);
+    let mut slot = RUNTIME.lock();
+    if let Some(rt) = slot.as_ref() {
+        return rt.clone();
     }
     let rt = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
@@ -29,6 +26,6 @@ pub fn get() -> Arc<Runtime> {
             .build()
             .expect("failed to start the fastload tokio runtime"),
     );
-    *slot = Some((pid, rt.clone()));
+    *slot = Some(rt.clone());
     rt
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _fastload, _options
@@ -66,18 +67,33 @@ def _uris(uri: Uri) -> list[str]:
 DEVICE_TYPES: frozenset[str] = frozenset({"cpu", "cuda"})
 
 
+_tensors: ModuleType | None = None
+
+
+def _torch_glue() -> ModuleType:
+    """``fastload._torch``, imported by the first call that needs it and kept: later calls run
+    no import statement (a process forked while another thread imports would wait for ever on
+    that module's import lock), and ``import fastload`` (the CLI) does not pay for torch."""
+    global _tensors
+    if _tensors is None:
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            # `pip install fastload` does not pull torch (a 3 GB choice of build the user makes).
+            raise ModuleNotFoundError(
+                "fastload.load and fastload.stream return torch tensors and need PyTorch, which "
+                f"is not importable here ({e}): install it, e.g. `pip install torch`",
+                name="torch",
+            ) from e
+        from . import _torch
+
+        _tensors = _torch
+    return _tensors
+
+
 def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
     """The torch device for ``device``, and the native target ("cuda:N") when it is a GPU."""
-    try:
-        import torch
-    except ImportError as e:
-        # `pip install fastload` does not pull torch (a 3 GB choice of build the user makes).
-        raise ModuleNotFoundError(
-            "fastload.load and fastload.stream return torch tensors and need PyTorch, which is "
-            f"not importable here ({e}): install it, e.g. `pip install torch`",
-            name="torch",
-        ) from e
-
+    torch = _torch_glue().torch
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
@@ -125,8 +141,7 @@ class Stream:
     def __init__(self, uri: Uri, *, _target: str | None = None, **options: Unpack[Options]) -> None:
         _options.check("Stream", options)
         dev, target = _target_for(options.get("device", "cpu"), options.get("method"))
-        from . import _torch
-
+        _torch = _torch_glue()
         if _target == "host":
             # The GPU path's staged pipeline into host memory (tests, and machines without one).
             target = "host"

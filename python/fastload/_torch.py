@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import _fastload
+from ._errors import FormatError
 
 # Each safetensors dtype's torch attribute (None: torch has no such dtype). Newer dtypes are
 # looked up at import, so an older torch simply lacks them.
@@ -67,8 +68,6 @@ def to_tensor(
 
 
 def _unsupported(dtype: str, file_hint: str) -> Exception:
-    from ._errors import FormatError
-
     return FormatError(
         f"{file_hint}: dtype {dtype} is not supported by torch {torch.__version__}",
         path=file_hint or None,
@@ -86,8 +85,6 @@ def from_bytes(
     if dtype == "F4":
         # Two 4-bit values per byte: torch's float4_e2m1fn_x2 counts bytes in the last dimension.
         if not shape or shape[-1] % 2:
-            from ._errors import FormatError
-
             raise FormatError(
                 f"{file_hint}: F4 tensor of shape {shape} has an odd last dimension",
                 path=file_hint or None,

@@ -2,7 +2,8 @@
 
 use std::collections::HashSet;
 use std::io;
-use std::sync::{Arc, Once};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
@@ -280,10 +281,12 @@ pub(super) fn endpoint_with_bucket(endpoint: &str, bucket: &str) -> String {
 
 /// reqwest runs rustls without a built-in provider (the `ring` one is installed here), which keeps
 /// the aws-lc C build out of the crate.
+/// Lock-free (a `Once` being run when the process forks stays locked in the child): two threads
+/// may both try, and the second's `Err` only says a provider is already installed.
 pub(super) fn install_crypto() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        // Err only means another provider is already installed, which is fine.
+    static INSTALLED: AtomicBool = AtomicBool::new(false);
+    if !INSTALLED.load(Ordering::Acquire) {
         let _ = rustls::crypto::ring::default_provider().install_default();
-    });
+        INSTALLED.store(true, Ordering::Release);
+    }
 }

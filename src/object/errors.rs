@@ -1,12 +1,12 @@
 //! object_store errors to the crate's error, with secrets and request echoes scrubbed.
 
 use std::io;
-use std::sync::Mutex;
 
 use object_store::client::{HttpError, HttpErrorKind};
 use url::Url;
 
 use crate::error::Error;
+use crate::per_process::PerProcess;
 
 pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
     Error::UnsupportedUri {
@@ -160,8 +160,10 @@ pub(super) fn clean_message(text: &str) -> String {
     out
 }
 
-/// Values of credential-like options and variables seen by [`open`], scrubbed from messages.
-pub(super) static SECRETS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// Values of credential-like options and variables seen by [`open`], scrubbed from messages. Per
+/// process: a forked child starts empty and remembers what its own opens see (every open
+/// remembers its options and environment again).
+pub(super) static SECRETS: PerProcess<Vec<String>> = PerProcess::new(Vec::new);
 
 pub(super) fn is_secret_key(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
@@ -200,14 +202,14 @@ pub(super) fn remember_secret(value: &str) {
     if value.len() < 8 {
         return;
     }
-    let mut secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut secrets = SECRETS.lock();
     if !secrets.iter().any(|s| s == value) {
         secrets.push(value.to_string());
     }
 }
 
 pub(super) fn scrub(text: &str) -> String {
-    let secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    let secrets = SECRETS.lock();
     secrets
         .iter()
         .fold(text.to_string(), |t, s| t.replace(s.as_str(), "***"))

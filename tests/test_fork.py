@@ -1,0 +1,88 @@
+"""fork beside loading threads: a child forked at any moment, with threads loading in the parent,
+can load (issue 14, item 3). The hammer runs in its own interpreter with a timeout, so that a hang
+fails the test instead of freezing the suite."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+from safetensors.torch import save_file
+
+HAMMER = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    import fastload
+    import torch
+
+    torch.set_num_threads(1)  # the children compare tensors: no OpenMP pool to start in each
+
+    path, forks = sys.argv[1], int(sys.argv[2])
+    want = fastload.load(path)
+    stop = threading.Event()
+    loads = [0, 0]
+
+    def loader(i):
+        # Alternating methods and pool limits: the buffer pool's lock, the runtime and the file
+        # sources are all in use when a fork lands.
+        while not stop.is_set():
+            method = "read" if loads[i] % 2 else "mmap"
+            fastload.load(path, method=method, memory_limit=(1 + loads[i] % 3) << 20)
+            loads[i] += 1
+
+    threads = [threading.Thread(target=loader, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    # A watchdog kills a child that has not exited in time; the main thread waits in a blocking
+    # waitpid (which releases the GIL to the loading threads).
+    child = {"pid": 0, "deadline": 0.0, "killed": False}
+
+    def watchdog():
+        while not stop.is_set():
+            if child["pid"] and time.monotonic() > child["deadline"]:
+                child["killed"] = True
+                os.kill(child["pid"], 9)
+                child["pid"] = 0
+            time.sleep(0.2)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    hung, failed = 0, 0
+    for n in range(forks):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                got = fastload.load(path, method="read" if n % 2 else "mmap")
+                ok = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+                os._exit(0 if ok else 3)
+            except BaseException:
+                os._exit(4)
+        child.update(deadline=time.monotonic() + 10, killed=False, pid=pid)
+        _, status = os.waitpid(pid, 0)
+        child["pid"] = 0
+        if child["killed"]:
+            hung += 1
+            break  # one hang fails the test: no need to wait for more
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed += 1
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    print(f"forks={n + 1} hung={hung} failed={failed} parent_loads={sum(loads)}", flush=True)
+    sys.exit(1 if hung or failed or min(loads) == 0 else 0)
+    """
+)
+
+
+def test_fork_hammer_beside_loading_threads(tmp_path):
+    path = tmp_path / "small.safetensors"
+    save_file({f"t{i}": torch.arange(i * 1000, dtype=torch.float32) for i in range(40)}, path)
+    proc = subprocess.run(
+        [sys.executable, "-c", HAMMER, str(path), "500"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hung=0 failed=0" in proc.stdout
