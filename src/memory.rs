@@ -333,6 +333,12 @@ impl HostBuffer {
             match err.raw_os_error() {
                 // Kernel without MADV_POPULATE_*: pages fault in on first use instead.
                 Some(libc::EINVAL) => {}
+                // Pages of a file mapping past the file's end: it was cut short after mapping.
+                Some(libc::EFAULT) if self.is_mapped() => {
+                    let message = "the file changed while loading: it was truncated (its pages \
+                                   past the new end are gone)";
+                    return Err(Error::io(name, std::io::Error::other(message)));
+                }
                 _ => return Err(Error::io(name, err)),
             }
         }

@@ -90,6 +90,10 @@ pub enum FormatError {
     },
     #[error("is a directory, not a safetensors file")]
     IsDirectory,
+    /// A FIFO, device or socket: refused before it is opened (opening a FIFO blocks until a
+    /// writer comes, reading a device never ends).
+    #[error("is a {kind}, not a regular file (only regular files are read)")]
+    NotARegularFile { kind: &'static str },
     /// Two shards of one checkpoint hold a tensor of the same name.
     #[error("tensor {name:?} is also in {other} (tensor names must be unique across shards)")]
     DuplicateAcrossShards { name: String, other: String },

@@ -171,6 +171,11 @@ impl SegmentJob {
             let (buffer, name) = (self.buffer.clone(), shard.name.clone());
             beside_reads(shard.source.as_ref(), move || buffer.populate(o, l, &name)).await?;
         }
+        if self.buffer.is_mapped() {
+            // The pages are the file's own: past the end of a file cut short meanwhile they read
+            // as zeros, with no error. Checked before the segment can be handed out.
+            shard.source.check_unchanged()?;
+        }
         if !self.buffer.is_mapped() {
             // SAFETY: every block of this buffer goes to exactly one reader, and the buffer is
             // published only after the last reader finished.

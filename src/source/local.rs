@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,30 +17,93 @@ use crate::memory::HostBuffer;
 /// The index file that sharded Hugging Face checkpoints carry.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
-/// An open local file.
+/// A local file, checked to be a regular file.
+///
+/// No descriptor is kept: every read opens the file, checks that it is still the file whose
+/// header was read (same device and inode), reads and closes it. So the files open at once are
+/// bounded by the reads in flight (`concurrency`, and 16 header reads), whatever the shard count:
+/// 1,500 shards load under `ulimit -n 1024`. An `open` + `fstat` costs microseconds against a
+/// block's milliseconds. Reopening by path also sees a file replaced under a running load, which
+/// then fails with a clear error instead of mixing two files' bytes.
 #[derive(Debug)]
 pub struct LocalFile {
     name: String,
     path: PathBuf,
-    file: File,
     size: u64,
+    id: (u64, u64),
+}
+
+/// What kind of file `meta` describes, for refusals.
+fn kind(meta: &std::fs::Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else {
+        "special file"
+    }
 }
 
 impl LocalFile {
-    /// Opens `path`; a directory is refused here, before any header is read.
+    /// Checks `path` without opening it: a directory, FIFO, device or socket is refused here,
+    /// before any header is read (opening a FIFO would block until a writer came).
     pub fn open(path: &Path) -> Result<LocalFile> {
         let name = path.display().to_string();
-        let file = File::open(path).map_err(|e| Error::io(&name, e))?;
-        let meta = file.metadata().map_err(|e| Error::io(&name, e))?;
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(&name, e))?;
         if meta.is_dir() {
             return Err(Error::format(&name, FormatError::IsDirectory));
+        }
+        if !meta.is_file() {
+            let kind = kind(&meta);
+            return Err(Error::format(&name, FormatError::NotARegularFile { kind }));
         }
         Ok(LocalFile {
             name,
             path: path.to_path_buf(),
-            file,
             size: meta.len(),
+            id: (meta.dev(), meta.ino()),
         })
+    }
+
+    /// The file, opened for one read and checked to be the one this source describes.
+    fn reopen(&self) -> Result<File> {
+        // O_NONBLOCK: should a FIFO have been put at the path since, opening it does not block
+        // (for a regular file the flag changes nothing).
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&self.path)
+            .map_err(|e| Error::io(&self.name, e))?;
+        let meta = file.metadata().map_err(|e| Error::io(&self.name, e))?;
+        self.same_file(&meta)?;
+        Ok(file)
+    }
+
+    fn same_file(&self, meta: &std::fs::Metadata) -> Result<()> {
+        if (meta.dev(), meta.ino()) != self.id {
+            return Err(self.changed("it was replaced (another file is at this path now)"));
+        }
+        if meta.len() < self.size {
+            let reason = format!(
+                "it was truncated to {} bytes (it had {} when its header was read)",
+                meta.len(),
+                self.size
+            );
+            return Err(self.changed(&reason));
+        }
+        Ok(())
+    }
+
+    fn changed(&self, reason: &str) -> Error {
+        Error::Io {
+            path: self.name.clone(),
+            source: std::io::Error::other(format!("the file changed while loading: {reason}")),
+        }
     }
 }
 
@@ -61,12 +124,22 @@ impl Source for LocalFile {
         // pread blocks: on an async worker, hand its other tasks to another thread meanwhile (on
         // a blocking thread, where the pipeline runs file reads, this just runs the closure).
         Box::pin(async move {
-            tokio::task::block_in_place(|| read_exact_at(&self.file, dst, offset, &self.name))
+            tokio::task::block_in_place(|| {
+                read_exact_at(&self.reopen()?, dst, offset, &self.name)
+            })
         })
     }
 
     fn map(&self, offset: u64, len: usize) -> Option<Result<HostBuffer>> {
-        Some(HostBuffer::map_file(&self.file, offset, len, &self.name))
+        Some(
+            self.reopen()
+                .and_then(|file| HostBuffer::map_file(&file, offset, len, &self.name)),
+        )
+    }
+
+    fn check_unchanged(&self) -> Result<()> {
+        let meta = std::fs::metadata(&self.path).map_err(|e| Error::io(&self.name, e))?;
+        self.same_file(&meta)
     }
 
     fn local_path(&self) -> Option<&Path> {
@@ -167,6 +240,11 @@ pub fn index_shard_names(bytes: &[u8], name: &str) -> Result<Vec<String>> {
 
 fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
     let name = index.display().to_string();
+    let meta = std::fs::metadata(index).map_err(|e| Error::io(&name, e))?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() { "directory" } else { kind(&meta) };
+        return Err(Error::format(&name, FormatError::NotARegularFile { kind }));
+    }
     let bytes = std::fs::read(index).map_err(|e| Error::io(&name, e))?;
     let dir = index.parent().unwrap_or(Path::new("."));
     Ok(index_shard_names(&bytes, &name)?
@@ -186,7 +264,9 @@ fn expand(uri: &str) -> Result<Vec<PathBuf>> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&path)
             .map_err(|e| Error::io(uri, e))?
             .filter_map(|entry| entry.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors") && p.is_file())
+            // Directories named *.safetensors are skipped; a FIFO, device or socket is kept, to
+            // be refused with a clear error rather than left out unnoticed.
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors") && !p.is_dir())
             .collect();
         if files.is_empty() {
             return Err(Error::NotFound {

@@ -55,6 +55,13 @@ pub trait Source: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Checks that the source still holds the bytes it had when its header was read. Called
+    /// after a mapping's pages were faulted in: a file cut short meanwhile reads as zeros (or
+    /// faults) past its new end, with no error from the mapping itself.
+    fn check_unchanged(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// The file's path, for sources on this machine (the benchmark evicts them from the page
     /// cache for cold runs).
     fn local_path(&self) -> Option<&Path> {
