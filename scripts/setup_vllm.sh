@@ -79,7 +79,7 @@ if [ -x .venv/bin/maturin ]; then
     # Build exactly as scripts/test.sh does: pyo3's build script reruns (and recompiles pyo3 and
     # fastload, minutes here) whenever it sees another interpreter, so the build goes to .venv and
     # .venv-vllm gets a copy of that editable install (its .pth and dist-info).
-    VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
+    PIP_QUIET=1 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
     src=$(site .venv)
     dst=$(site "$VENV")
     rm -rf "$dst"/fastload-*.dist-info "$dst/fastload.pth"
@@ -87,7 +87,7 @@ if [ -x .venv/bin/maturin ]; then
 else
     # No .venv yet: a build of its own (scripts/test.sh will then rebuild pyo3 for .venv once).
     "${PIP[@]}" "maturin>=1.7,<2"
-    VIRTUAL_ENV="$VENV" "$VENV/bin/maturin" develop --release --quiet
+    PIP_QUIET=1 VIRTUAL_ENV="$VENV" "$VENV/bin/maturin" develop --release --quiet
 fi
 "$VENV/bin/python" - <<'EOF'
 from importlib.metadata import entry_points

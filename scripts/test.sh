@@ -19,7 +19,8 @@ cargo clippy --all-targets --no-default-features -- -D warnings
 cargo test --all-targets
 
 echo "== python: build, lint, stubs"
-VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
+# PIP_QUIET: the pip that maturin runs would list every optional extra it skips ("Ignoring ...").
+PIP_QUIET=1 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
 .venv/bin/ruff check python tests benches fuzz
 .venv/bin/ruff format --check python tests benches fuzz
 .venv/bin/python -m mypy.stubtest fastload._fastload

@@ -21,6 +21,11 @@ pub enum Error {
     #[error("{path}: no such file or object")]
     NotFound { path: String },
 
+    /// A directory holds no `*.safetensors` file (and no index): nothing to load. Raised as
+    /// Python's `NotFoundError` with `filename` the directory.
+    #[error("{path}: no .safetensors files in this directory (and no {index})", index = crate::source::INDEX_FILE)]
+    NoShards { path: String },
+
     /// An I/O or network failure while reading. For object stores, `source.kind()` says what
     /// kind of failure it was (`NotFound` for a missing bucket, `PermissionDenied`, `TimedOut`,
     /// `ConnectionRefused`, ...).

@@ -266,6 +266,11 @@ fn check_entry(name: String, info: RawInfo, data_len: u64) -> Result<TensorEntry
         });
     }
     let shape = info.shape;
+    // Frameworks hold dimensions as i64; a zero-element shape passes the byte count whatever its
+    // other dimensions are.
+    if shape.iter().any(|&d| d > i64::MAX as u64) {
+        return Err(FormatError::DimensionTooLarge { name, shape });
+    }
     let Some(bits) = shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -396,6 +401,16 @@ mod tests {
             parse(&b, size),
             Err(FormatError::ShapeOverflow { .. })
         ));
+        let empty_but_huge =
+            r#"{"a":{"dtype":"F32","shape":[0,9223372036854775808],"data_offsets":[0,0]}}"#;
+        let (b, size) = file(empty_but_huge, 0);
+        assert!(matches!(
+            parse(&b, size),
+            Err(FormatError::DimensionTooLarge { .. })
+        ));
+        let largest = r#"{"a":{"dtype":"F32","shape":[0,9223372036854775807],"data_offsets":[0,0]}}"#;
+        let (b, size) = file(largest, 0);
+        assert!(parse(&b, size).is_ok());
         let bad = r#"{"a":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}}"#;
         let (b, size) = file(bad, 16);
         assert!(matches!(

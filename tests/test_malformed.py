@@ -120,6 +120,12 @@ CASES = {
         lambda raw: edited(raw, _set("w", shape=[2**32, 2**32, 16])),
         ({"overflow"}, {'"w"'}),
     ),
+    "dimension_above_2_63_in_an_empty_shape": (
+        lambda raw: assemble(
+            {"z": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}, b""
+        ),
+        ({"2^63"}, {'"z"'}),
+    ),
     "shape_disagrees_with_offsets": (
         lambda raw: edited(raw, _set("w", shape=[2, 2])),
         ({"needs 16 bytes", "shape"}, {'"w"'}),
@@ -432,3 +438,27 @@ def test_every_malformed_case_in_one_subprocess(malformed_dir):
         if not k.endswith("grew_kib") and not v.startswith("FormatError: ")
     }
     assert not bad, bad
+
+
+@pytest.mark.parametrize("dtype", ["F6_E2M3", "F6_E3M2"])
+def test_f6_tensors_are_refused_naming_file_and_dtype(tmp_path, dtype):
+    """torch has no 6-bit dtypes: CPU loads refuse them as staged loads do, never hand out bytes
+    of the wrong shape; the headers stay readable."""
+    path = tmp_path / "f6.safetensors"
+    header = {
+        "ok": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+        "q": {"dtype": dtype, "shape": [4], "data_offsets": [2, 5]},  # 4 x 6 bits = 3 bytes
+    }
+    path.write_bytes(assemble(header, bytes(5)))
+    readers = {
+        "load": _load,
+        "stream": _stream,
+        "staged": lambda p: list(fastload.Stream(p, _target="host")),
+    }
+    for reader in readers.values():
+        with pytest.raises(fastload.FormatError) as info:
+            reader(path)
+        assert info.value.path == str(path)
+        check_message(info.value, path, ({dtype}, {"'q'"}, {"not supported"}))
+    assert ("q", dtype, (4,), 2, 5) in fastload.inspect(path)[0]["tensors"]
+    assert fastload.load(path, names=["ok"])["ok"].tolist() == [0, 0]

@@ -353,3 +353,35 @@ def test_load_without_torch_says_what_to_install(dtypes_file):
     assert out.returncode == 0, out.stderr
     name, message = out.stdout.split("|", 1)
     assert name.strip() == "torch" and "pip install torch" in message, out.stdout
+
+
+@pytest.mark.parametrize("key", ["timeout", "connect_timeout", "pool_idle_timeout"])
+@pytest.mark.parametrize("value", ["5 parsecs", "-3", "soon", "nan"])
+def test_bad_durations_in_storage_options_name_the_option(key, value):
+    """Checked when the store is built, before any request (the endpoint is never contacted)."""
+    for uri in ("s3://bucket/m.safetensors", "http://127.0.0.1:9/m.safetensors"):
+        options = {key: value}
+        if uri.startswith("s3"):
+            options |= {"endpoint": "http://127.0.0.1:9", "skip_signature": "true"}
+        with pytest.raises(fastload.ConfigError) as info:
+            fastload.load(uri, storage_options=options)
+        assert info.value.option == f'storage_options["{key}"]'
+        assert "not a duration" in str(info.value)
+
+
+def test_good_durations_in_storage_options_are_accepted(tmp_path):
+    """Seconds, fractions and units all pass the check (the load then fails to connect)."""
+    for value in ("5", "2.5", "30s", "500ms", "2m"):
+        with pytest.raises(fastload.StorageError):
+            fastload.load(
+                "http://127.0.0.1:9/m.safetensors",
+                storage_options={"timeout": value, "connect_timeout": value, "max_retries": "0"},
+            )
+
+
+def test_empty_directory_names_the_directory_once(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(fastload.NotFoundError) as info:
+        fastload.load(tmp_path)
+    assert info.value.filename == str(tmp_path)
+    assert str(info.value).count("no .safetensors files in this directory") == 1

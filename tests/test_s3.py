@@ -315,3 +315,48 @@ def test_permanent_403_is_a_storage_error_fast(through_proxy, fault_file):
     assert "AccessDenied" in str(info.value) or "denied" in str(info.value).lower()
     assert took < 5, f"took {took:.1f} s: a 403 must not be retried"
     assert proxy.served["requests"] <= 2, proxy.log
+
+
+def test_no_credentials_anywhere_says_where_it_looked(aws_env, monkeypatch):
+    """AWS_EC2_METADATA_DISABLED unset: object_store asks the instance metadata service. The
+    endpoint is a server of ours on 127.0.0.1 answering 403 (as off EC2); no cloud address is
+    ever contacted (the endpoint option is checked: an unknown key would be a ConfigError)."""
+    import http.server
+    import threading
+
+    asked: list[str] = []
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            asked.append(self.path)
+            self.send_response(403)
+            self.end_headers()
+
+        do_GET = do_PUT
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
+    metadata = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(fastload.StorageError) as info:
+            fastload.load(
+                f"s3://{BUCKET}/all.safetensors",
+                storage_options={
+                    "endpoint": f"http://127.0.0.1:{closed_port()}",
+                    "region": "us-east-1",
+                    "metadata_endpoint": metadata,
+                    "max_retries": "0",
+                },
+            )
+    finally:
+        server.shutdown()
+    assert asked == ["/latest/api/token"]
+    text = str(info.value)
+    assert text.startswith(f"s3://{BUCKET}/all.safetensors: no AWS credentials found"), text
+    for where in ("storage_options", "AWS_ACCESS_KEY_ID", "~/.aws/credentials", metadata):
+        assert where in text
+    assert "AWS_EC2_METADATA_DISABLED=true" in text

@@ -34,6 +34,7 @@ MAX_TOKENS = 12
 LOG_LINE = "Loading weights took"
 ENGINE_TIMEOUT_S = 900
 S3_BUCKET = "models"
+AMX_SITE = ROOT / "tests" / "vllm_site"
 # Words of the tiny model's word-level tokenizer (for `vllm serve`, which wants one).
 WORDS = "the a of to and in is it you that he was for on are with as I his they be at one".split()
 
@@ -57,6 +58,11 @@ def _engine_env() -> dict[str, str]:
     for var in [v for v in env if v.startswith(("FASTLOAD_", "AWS_"))]:
         del env[var]
     env["AWS_EC2_METADATA_DISABLED"] = "true"  # object-store settings come from the test only
+    # Every process vLLM starts asks for AMX permission first (see vllm_site/sitecustomize.py):
+    # without it vLLM's worker dies with SIGILL on CPUs with AMX.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(AMX_SITE), env.get("PYTHONPATH", "")) if p
+    )
     return env
 
 
@@ -537,12 +543,14 @@ def test_openai_server(offline):
     cmd += ["--load-format", "fastload", "--model-loader-extra-config", extra]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
     cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    amx_log = work / "amx"
+    amx_log.mkdir(exist_ok=True)
     with open(log, "w") as out:
         server = subprocess.Popen(
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_engine_env(),
+            env={**_engine_env(), "FASTLOAD_TEST_AMX_LOG": str(amx_log)},
             cwd=ROOT,
             start_new_session=True,
         )
@@ -569,6 +577,13 @@ def test_openai_server(offline):
     output = log.read_text(errors="replace")
     lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
     assert lines and lines[0].startswith("(Worker"), _tail(output)
+    # That worker, a fresh interpreter, asked for AMX permission at start (sitecustomize.py).
+    worker = lines[0].split("pid=", 1)[1].split(")", 1)[0]
+    asked = {p.name: p.read_text().split() for p in amx_log.iterdir()}
+    assert worker in asked, (worker, sorted(asked))
+    rc, errno = map(int, asked[worker])
+    # Granted (CPU with AMX), or EINVAL (22: a CPU without it); never anything else.
+    assert rc == 0 or (rc == -1 and errno == 22), asked[worker]
 
 
 # SeaweedFS on 127.0.0.1 (tests/s3_server.py; skips where `weed` is missing).

@@ -149,10 +149,12 @@ class Stream:
             _torch.to_tensor if target is None else _torch.from_bytes
         )
         native = _options.native(options)
+        self._uris = _uris(uri)
+        self._storage_options = native.get("storage_options")
         if target is not None:
             native.pop("method", None)  # staged loads read one way
         self._native = _fastload.Stream(
-            _uris(uri),
+            self._uris,
             **native,
             target=target,
             allocate=None if target is None else _torch.allocator(dev),
@@ -169,7 +171,22 @@ class Stream:
             self._batch = next(self._native)  # StopIteration ends the stream
             self._batch.reverse()
         item = self._batch.pop()
-        return item.name, self._to_tensor(item.dtype, item.shape, item.data, item.name)
+        try:
+            return item.name, self._to_tensor(item.dtype, item.shape, item.data, item.name)
+        except _torch_glue().UnsupportedDtype as e:
+            self.close()
+            message, file = self._in_file(e)
+            raise FormatError(message, path=file) from None
+
+    def _in_file(self, e: Any) -> tuple[str, str | None]:
+        """The message and file of an unsupported dtype: the file is looked up from the headers
+        (once, on this error path only)."""
+        try:
+            files = _fastload.inspect(self._uris, storage_options=self._storage_options)
+            file = next(f["file"] for f in files if any(t[0] == e.tensor for t in f["tensors"]))
+        except (FastloadError, StopIteration):
+            file = None
+        return e.describe(file), file
 
     def stats(self) -> dict[str, Any]:
         """Bytes and tensors planned, read and delivered so far; time to the first tensor; the

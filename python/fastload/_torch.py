@@ -60,18 +60,27 @@ DLPACK: frozenset[str] = frozenset(_fastload.DLPACK_DTYPES)
 def to_tensor(
     dtype: str, shape: tuple[int, ...], capsule: Any, file_hint: str = ""
 ) -> torch.Tensor:
-    tensor = torch.from_dlpack(capsule)
-    if dtype in DLPACK or _TORCH_NAMES.get(dtype) is None:
-        # (Dtypes no torch has, F6: their bytes, as before; a staged load raises instead.)
-        return tensor
-    return from_bytes(dtype, shape, tensor, file_hint)
+    if dtype in DLPACK:
+        return torch.from_dlpack(capsule)
+    # Flat bytes, viewed as the dtype; one torch has no name for (F6) is refused there, as a
+    # staged load refuses it, rather than handed out as bytes of the wrong shape.
+    return from_bytes(dtype, shape, torch.from_dlpack(capsule), file_hint)
+
+
+class UnsupportedDtype(FormatError):
+    """A dtype this torch cannot represent; ``Stream`` names the file that holds the tensor."""
+
+    def __init__(self, dtype: str, tensor: str) -> None:
+        self.dtype, self.tensor = dtype, tensor
+        super().__init__(self.describe(None))
+
+    def describe(self, file: str | None) -> str:
+        where = f"{file}: tensor {self.tensor!r}" if file else f"tensor {self.tensor!r}"
+        return f"{where}: dtype {self.dtype} is not supported by torch {torch.__version__}"
 
 
 def _unsupported(dtype: str, file_hint: str) -> Exception:
-    return FormatError(
-        f"{file_hint}: dtype {dtype} is not supported by torch {torch.__version__}",
-        path=file_hint or None,
-    )
+    return UnsupportedDtype(dtype, file_hint)
 
 
 def from_bytes(

@@ -56,6 +56,9 @@ pub enum FormatError {
     },
     #[error("tensor {name:?} shape {shape:?} overflows")]
     ShapeOverflow { name: String, shape: Vec<u64> },
+    /// A dimension no tensor library can hold (above 2^63 - 1), even in an empty tensor.
+    #[error("tensor {name:?} shape {shape:?} has a dimension above 2^63 - 1")]
+    DimensionTooLarge { name: String, shape: Vec<u64> },
     /// A sub-byte dtype whose element count leaves a partial byte.
     #[error("tensor {name:?} of {dtype} with shape {shape:?} does not fill whole bytes")]
     PartialBytes {

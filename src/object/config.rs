@@ -154,13 +154,31 @@ pub(super) fn split_retry_options(
                     })?;
                 retry.retry_timeout = Duration::from_secs_f64(secs);
             }
-            // Bare numbers are seconds (object_store wants a unit: "30s").
-            key if key.ends_with("timeout") => match v.trim().parse::<f64>() {
-                Ok(secs) if secs.is_finite() && secs >= 0.0 => {
-                    rest.push((k.clone(), format!("{}ms", (secs * 1000.0).round() as u64)))
-                }
-                _ => rest.push((k.clone(), v.clone())),
-            },
+            // Durations: bare numbers are seconds (object_store wants a unit: "30s"); anything
+            // else must parse as object_store parses it (humantime), checked here so that a typo
+            // is a ConfigError naming the option rather than a storage error at the first read.
+            key if key.ends_with("timeout") || key.ends_with("interval") => {
+                let bad = || {
+                    Error::option(
+                        format!("storage_options[{k:?}]"),
+                        format!(
+                            "{v:?} is not a duration: expected seconds (\"30\", \"2.5\") or a \
+                             number with a unit (\"30s\", \"500ms\", \"2m\")"
+                        ),
+                    )
+                };
+                let value = match v.trim().parse::<f64>() {
+                    Ok(secs) if secs.is_finite() && secs >= 0.0 => {
+                        format!("{}ms", (secs * 1000.0).round() as u64)
+                    }
+                    Ok(_) => return Err(bad()),
+                    Err(_) => {
+                        humantime::parse_duration(v.trim()).map_err(|_| bad())?;
+                        v.trim().to_string()
+                    }
+                };
+                rest.push((k.clone(), value));
+            }
             _ => rest.push((k.clone(), v.clone())),
         }
     }

@@ -36,6 +36,9 @@ pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
 pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
     let text = chain(&e);
     let detail = clean_message(&text);
+    if let Some(endpoint) = instance_metadata_endpoint(&text) {
+        return no_credentials(uri, endpoint, &detail);
+    }
     let kind = failure_kind(&e);
     let message = match kind {
         io::ErrorKind::NotFound if !names_missing_container(&text) => {
@@ -53,6 +56,34 @@ pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
     Error::Io {
         path: uri.to_string(),
         source: io::Error::new(kind, scrub(&message)),
+    }
+}
+
+/// The instance-metadata endpoint a failed credential request went to: object_store asks it for
+/// S3 credentials when none were configured (`AWS_EC2_METADATA_DISABLED` unset).
+fn instance_metadata_endpoint(text: &str) -> Option<&str> {
+    let at = text
+        .find("/latest/api/token")
+        .or_else(|| text.find("/latest/meta-data/iam/security-credentials"))?;
+    let start = text[..at].rfind("http")?;
+    Some(&text[start..at])
+}
+
+/// S3 with no credentials anywhere: say so, where we looked, and how out, instead of the
+/// metadata service's own refusal (off EC2 that is all a user would see).
+fn no_credentials(uri: &str, endpoint: &str, detail: &str) -> Error {
+    let message = format!(
+        "no AWS credentials found: none in storage_options, in the environment \
+         (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_WEB_IDENTITY_TOKEN_FILE, \
+         AWS_CONTAINER_CREDENTIALS_*), or in the shared files (AWS_SHARED_CREDENTIALS_FILE or \
+         ~/.aws/credentials, AWS_CONFIG_FILE or ~/.aws/config, profile AWS_PROFILE or default); \
+         the EC2 instance metadata service at {endpoint} gave none ({detail}). Set credentials, \
+         pass storage_options={{\"skip_signature\": \"true\"}} for a public bucket, or set \
+         AWS_EC2_METADATA_DISABLED=true off EC2 to fail at once"
+    );
+    Error::Io {
+        path: uri.to_string(),
+        source: io::Error::new(io::ErrorKind::PermissionDenied, scrub(&message)),
     }
 }
 

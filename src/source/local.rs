@@ -269,8 +269,8 @@ fn expand(uri: &str) -> Result<Vec<PathBuf>> {
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors") && !p.is_dir())
             .collect();
         if files.is_empty() {
-            return Err(Error::NotFound {
-                path: format!("{uri} (no .safetensors files in this directory)"),
+            return Err(Error::NoShards {
+                path: uri.to_string(),
             });
         }
         files.sort();
