@@ -408,7 +408,8 @@ mod tests {
             parse(&b, size),
             Err(FormatError::DimensionTooLarge { .. })
         ));
-        let largest = r#"{"a":{"dtype":"F32","shape":[0,9223372036854775807],"data_offsets":[0,0]}}"#;
+        let largest =
+            r#"{"a":{"dtype":"F32","shape":[0,9223372036854775807],"data_offsets":[0,0]}}"#;
         let (b, size) = file(largest, 0);
         assert!(parse(&b, size).is_ok());
         let bad = r#"{"a":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}}"#;

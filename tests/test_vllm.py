@@ -60,9 +60,7 @@ def _engine_env() -> dict[str, str]:
     env["AWS_EC2_METADATA_DISABLED"] = "true"  # object-store settings come from the test only
     # Every process vLLM starts asks for AMX permission first (see vllm_site/sitecustomize.py):
     # without it vLLM's worker dies with SIGILL on CPUs with AMX.
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(AMX_SITE), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(AMX_SITE), env.get("PYTHONPATH", "")) if p)
     return env
 
 

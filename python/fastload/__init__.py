@@ -181,11 +181,15 @@ class Stream:
     def _in_file(self, e: Any) -> tuple[str, str | None]:
         """The message and file of an unsupported dtype: the file is looked up from the headers
         (once, on this error path only)."""
+        file: str | None = None
         try:
-            files = _fastload.inspect(self._uris, storage_options=self._storage_options)
-            file = next(f["file"] for f in files if any(t[0] == e.tensor for t in f["tensors"]))
-        except (FastloadError, StopIteration):
-            file = None
+            for header in _fastload.inspect(self._uris, storage_options=self._storage_options):
+                tensors: Any = header["tensors"]
+                if any(t[0] == e.tensor for t in tensors):
+                    file = str(header["file"])
+                    break
+        except FastloadError:
+            pass
         return e.describe(file), file
 
     def stats(self) -> dict[str, Any]:

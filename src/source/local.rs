@@ -124,9 +124,7 @@ impl Source for LocalFile {
         // pread blocks: on an async worker, hand its other tasks to another thread meanwhile (on
         // a blocking thread, where the pipeline runs file reads, this just runs the closure).
         Box::pin(async move {
-            tokio::task::block_in_place(|| {
-                read_exact_at(&self.reopen()?, dst, offset, &self.name)
-            })
+            tokio::task::block_in_place(|| read_exact_at(&self.reopen()?, dst, offset, &self.name))
         })
     }
 
@@ -242,7 +240,11 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
     let name = index.display().to_string();
     let meta = std::fs::metadata(index).map_err(|e| Error::io(&name, e))?;
     if !meta.is_file() {
-        let kind = if meta.is_dir() { "directory" } else { kind(&meta) };
+        let kind = if meta.is_dir() {
+            "directory"
+        } else {
+            kind(&meta)
+        };
         return Err(Error::format(&name, FormatError::NotARegularFile { kind }));
     }
     let bytes = std::fs::read(index).map_err(|e| Error::io(&name, e))?;
