@@ -6,7 +6,7 @@ XFEATURE_XTILEDATA)``; the permission survives fork but not exec. vLLM's CPU wor
 interpreter, and on CPUs with AMX one of its bfloat16 kernels uses AMX without asking: the worker
 dies with SIGILL on the first forward pass (the API server then answers HTTP 500). Asking here, in
 every process, before any kernel runs, is what vLLM's worker omits. On CPUs without AMX the call
-fails with EINVAL and nothing changes.
+fails (EOPNOTSUPP; EINVAL on kernels before 5.16, which know no AMX) and nothing changes.
 
 With ``FASTLOAD_TEST_AMX_LOG`` set to a folder, each process writes a file named by its pid
 holding the call's result and errno, so the tests can check that vLLM's workers ran it.
