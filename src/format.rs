@@ -735,9 +735,9 @@ mod tests {
     #[test]
     fn rejects_overflowing_shapes() {
         for shape in [
-            "[18446744073709551615,2]",
+            "[9223372036854775807,4]",
             "[4294967296,4294967296]",
-            "[1,1,1,18446744073709551615]",
+            "[1,1,1,9223372036854775807]",
             // Product fits in u64 but the bit count does not.
             "[2305843009213693952]",
         ] {
@@ -748,12 +748,18 @@ mod tests {
                 "{shape}: {e}"
             );
         }
-        // A zero dimension makes the product zero even beside huge ones: no overflow, 0 bytes.
+        // A zero dimension makes the product zero even beside huge ones: no overflow, 0 bytes
+        // (up to 2^63 - 1; above it, no framework could hold the dimension).
         let h = ok(
-            r#"{"a":{"dtype":"F64","shape":[0,18446744073709551615],"data_offsets":[0,0]}}"#,
+            r#"{"a":{"dtype":"F64","shape":[0,9223372036854775807],"data_offsets":[0,0]}}"#,
             0,
         );
         assert_eq!(h.tensors[0].len(), 0);
+        let e = err(
+            r#"{"a":{"dtype":"F64","shape":[0,18446744073709551615],"data_offsets":[0,0]}}"#,
+            0,
+        );
+        assert!(matches!(e, FormatError::DimensionTooLarge { .. }), "{e}");
     }
 
     #[test]
