@@ -13,6 +13,7 @@ import email.utils
 import hashlib
 import re
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,6 +51,7 @@ class Behaviour:
     fail_status: int = 503
     forbid: bool = False  # every request gets 403
     propfind: int = 501  # WebDAV listing: 501 as http.server answers, 405 as nginx does
+    trickle: float = 0  # bodies at this many bytes per second (0: at full speed)
     failed: int = 0
     log: list = field(default_factory=list)  # (method, path, Range header, status)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -127,7 +129,15 @@ class _Handler(BaseHTTPRequestHandler):
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
-        if send_body:
+        if send_body and b.trickle:
+            try:
+                for at in range(start, end):
+                    self.wfile.write(data[at : at + 1])
+                    self.wfile.flush()
+                    time.sleep(1 / b.trickle)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up on this body
+        elif send_body:
             view = memoryview(data)
             for at in range(start, end, 1 << 20):
                 self.wfile.write(view[at : min(end, at + (1 << 20))])

@@ -290,3 +290,50 @@ def test_https_with_invalid_certificates_allowed(https_server, multi_block_file)
         storage_options={"allow_invalid_certificates": "true"},
     )
     assert_same_tensors(got, reference(multi_block_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# The stall rule: a body under the minimum rate is cancelled, requested again, and given up on
+
+
+TRICKLE = """
+import sys, time
+import fastload
+
+started = time.monotonic()
+try:
+    fastload.load(sys.argv[1], storage_options={
+        "min_rate": "1KiB", "stall_window": "1", "retry_timeout": "30", "max_retries": "0",
+    })
+    print("NO ERROR")
+except fastload.StorageError as e:
+    print(f"{time.monotonic() - started:.1f}", str(e), flush=True)
+"""
+
+
+def test_a_trickling_server_fails_within_the_stall_bound(make_server):
+    """20 bytes/s, with a 1 KiB/s minimum over 1 s windows: each attempt is cancelled after a
+    window, 5 attempts in a row without progress give up. Before the stall rule a trickle was
+    resumed for as long as bytes came (the subprocess timeout turns that into a failure)."""
+    import subprocess
+    import sys
+
+    server = make_server(trickle=20)
+    url = server.url("big.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-c", TRICKLE, url], capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    took, message = proc.stdout.split(" ", 1)
+    assert float(took) < 60, proc.stdout
+    assert url in message and "came too slowly" in message, message
+    assert "bytes 0.." in message and "bytes/s" in message, message
+    gets = [entry for entry in server.behaviour.log if entry[0] == "GET"]
+    assert len(gets) >= 5, gets  # each attempt on a request of its own
+
+
+def test_stall_rule_options_are_checked():
+    for key, value in [("min_rate", "fast"), ("stall_window", "0"), ("stall_window", "-1")]:
+        with pytest.raises(fastload.ConfigError) as info:
+            fastload.load("http://127.0.0.1:9/m.safetensors", storage_options={key: value})
+        assert info.value.option == f'storage_options["{key}"]'

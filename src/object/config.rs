@@ -115,8 +115,8 @@ pub(super) fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result
             format!("storage_options[{key:?}]"),
             format!(
                 "not a {scheme}:// option (see object_store's config keys, e.g. {examples}; \
-                 and for every scheme allow_http, timeout, connect_timeout, max_retries and \
-                 retry_timeout)"
+                 and for every scheme allow_http, timeout, connect_timeout, max_retries, \
+                 retry_timeout, min_rate and stall_window)"
             ),
         )
     })
@@ -136,6 +136,25 @@ pub(super) fn split_retry_options(
                     Error::option(
                         "storage_options[\"max_retries\"]",
                         "expected a whole number",
+                    )
+                })?;
+            }
+            "min_rate" => {
+                retry.min_rate = v
+                    .parse::<crate::options::Size>()
+                    .map_err(|_| {
+                        Error::option(
+                            "storage_options[\"min_rate\"]",
+                            format!("{v:?}: expected bytes per second, e.g. \"32KiB\" or 0 (off)"),
+                        )
+                    })?
+                    .0;
+            }
+            "stall_window" => {
+                retry.stall_window = seconds(v).filter(|d| !d.is_zero()).ok_or_else(|| {
+                    Error::option(
+                        "storage_options[\"stall_window\"]",
+                        format!("{v:?}: expected seconds or a duration, e.g. \"20\", \"20s\""),
                     )
                 })?;
             }
@@ -183,6 +202,15 @@ pub(super) fn split_retry_options(
         }
     }
     Ok((retry, rest))
+}
+
+/// Seconds ("20", "2.5") or a duration with a unit ("20s", "500ms").
+fn seconds(v: &str) -> Option<Duration> {
+    match v.trim().parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs >= 0.0 => Some(Duration::from_secs_f64(secs)),
+        Ok(_) => None,
+        Err(_) => humantime::parse_duration(v.trim()).ok(),
+    }
 }
 
 pub(super) fn is_true(v: &str) -> bool {

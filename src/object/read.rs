@@ -1,6 +1,7 @@
 //! Ranged reads into caller buffers, resuming cut-off bodies.
 
 use std::io;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use object_store::path::Path;
@@ -27,6 +28,7 @@ pub async fn read_range_into(
         .checked_add(dst.len() as u64)
         .ok_or_else(|| Error::option("range", format!("offset {offset} overflows")))?;
     let mut resume = retry.resume_state();
+    let mut slow_seen: Option<(u64, Duration)> = None;
     let mut etag: Option<String> = None;
     let mut done = 0usize;
     while done < dst.len() {
@@ -51,13 +53,44 @@ pub async fn read_range_into(
         }
         check_etag(&mut etag, result.meta.e_tag.as_deref(), uri)?;
         let before = done;
-        let cut = copy_body(result, dst, &mut done, offset, uri).await?;
+        let started = Instant::now();
+        let cut = copy_body(result, dst, &mut done, offset, uri, retry).await?;
         if done == dst.len() {
             break;
         }
-        match resume.after_cut(done > before) {
+        // A body cut off (or cancelled by the stall rule) after bringing bytes below the minimum
+        // rate made no progress worth resuming for: a trickle would otherwise go on for ever.
+        let elapsed = started.elapsed();
+        let got = (done - before) as u64;
+        let slow = match &cut {
+            Cut::Slow => true,
+            _ => retry.min_rate > 0 && elapsed >= SLOW_AFTER && got < rate_bar(retry, elapsed),
+        };
+        if slow {
+            slow_seen = Some((got, elapsed));
+        }
+        match resume.after_cut(got > 0 && !slow) {
             Decision::Resume { wait, .. } => tokio::time::sleep(wait).await,
-            Decision::GiveUp { .. } => {
+            Decision::GiveUp { reason } => {
+                if let Some((got, elapsed)) = slow_seen {
+                    let rate = got as f64 / elapsed.as_secs_f64().max(1e-3);
+                    return Err(io_error(
+                        uri,
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "bytes {offset}..{end} came too slowly: {rate:.0} bytes/s on the last \
+                             attempt ({got} bytes in {elapsed:.1?}), under the minimum of {} \
+                             bytes/s (storage_options min_rate, stall_window); {done} of {} \
+                             bytes read; gave up: {reason}",
+                            retry.min_rate,
+                            dst.len()
+                        ),
+                    ));
+                }
+                let cut = match cut {
+                    Cut::Broken(e) => Some(e),
+                    _ => None,
+                };
                 return Err(cut.unwrap_or_else(|| {
                     io_error(
                         uri,
@@ -67,7 +100,7 @@ pub async fn read_range_into(
                             dst.len()
                         ),
                     )
-                }))
+                }));
             }
         }
     }
@@ -90,20 +123,62 @@ fn check_etag(first: &mut Option<String>, now: Option<&str>, uri: &str) -> Resul
     }
 }
 
-/// Copies the body into `dst[*done..]`, advancing `done`. Returns the error that broke the body
-/// off, if one did (a body may also just end early); a body longer than `dst` is an error.
+/// An attempt shorter than this is not judged by its rate (a reset right after the first bytes
+/// says nothing about the link).
+const SLOW_AFTER: Duration = Duration::from_secs(1);
+
+/// Bytes a body must bring in `elapsed` to keep up with the minimum rate.
+fn rate_bar(retry: &RetrySettings, elapsed: Duration) -> u64 {
+    (retry.min_rate as f64 * elapsed.as_secs_f64()) as u64
+}
+
+/// How a body ended before its last byte.
+enum Cut {
+    /// It ended (or there was no cut: the range is complete).
+    Ended,
+    /// An error broke it off.
+    Broken(Error),
+    /// The stall rule cancelled it: under `min_rate` over a `stall_window`.
+    Slow,
+}
+
+/// Copies the body into `dst[*done..]`, advancing `done`. Says how the body ended early, if it
+/// did: an error, the stall rule (fewer than `min_rate` bytes per second over a `stall_window`:
+/// the body is dropped, which closes its connection), or just an early end. A body longer than
+/// `dst` is an error.
 async fn copy_body(
     result: GetResult,
     dst: &mut [u8],
     done: &mut usize,
     offset: u64,
     uri: &str,
-) -> Result<Option<Error>> {
+    retry: &RetrySettings,
+) -> Result<Cut> {
     let mut body = result.into_stream();
-    while let Some(chunk) = body.next().await {
+    let window = retry.stall_window;
+    let (mut window_start, mut window_done) = (Instant::now(), *done);
+    loop {
+        let next = if retry.min_rate == 0 {
+            body.next().await
+        } else {
+            // Waits at most until the window closes, so that a body that sends nothing at all
+            // is judged too.
+            let left = window.saturating_sub(window_start.elapsed());
+            match tokio::time::timeout(left, body.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    if ((*done - window_done) as u64) < rate_bar(retry, window_start.elapsed()) {
+                        return Ok(Cut::Slow);
+                    }
+                    (window_start, window_done) = (Instant::now(), *done);
+                    continue;
+                }
+            }
+        };
+        let Some(chunk) = next else { break };
         let chunk = match chunk {
             Ok(chunk) => chunk,
-            Err(e) => return Ok(Some(storage_error(uri, e))),
+            Err(e) => return Ok(Cut::Broken(storage_error(uri, e))),
         };
         if chunk.len() > dst.len() - *done {
             return Err(io_error(
@@ -117,6 +192,12 @@ async fn copy_body(
         }
         dst[*done..*done + chunk.len()].copy_from_slice(&chunk);
         *done += chunk.len();
+        if retry.min_rate > 0 && window_start.elapsed() >= window {
+            if ((*done - window_done) as u64) < rate_bar(retry, window_start.elapsed()) {
+                return Ok(Cut::Slow);
+            }
+            (window_start, window_done) = (Instant::now(), *done);
+        }
     }
-    Ok(None)
+    Ok(Cut::Ended)
 }

@@ -19,9 +19,17 @@ pub struct RetrySettings {
     /// Time after which object_store stops retrying a request, and a read that made no progress
     /// for that long stops resuming: a dead endpoint fails in about a minute, not many.
     pub retry_timeout: Duration,
-    /// Resumptions in a row that bring no new byte before a read gives up (each one already
-    /// went through object_store's retries).
+    /// Resumptions in a row that bring no new byte (or bring them below `min_rate`) before a
+    /// read gives up (each one already went through object_store's retries).
     pub max_stalled_resumes: u32,
+    /// The stall rule: a body that brings fewer than `min_rate` bytes per second, measured over
+    /// `stall_window`, is cancelled and requested again on a fresh connection, and counts as an
+    /// attempt without progress. `min_rate` 0 turns the rule off. Defaults: a dead-slow server
+    /// fails a read in about a minute (windows of 20 s until `retry_timeout` passes without
+    /// progress, at most `max_stalled_resumes` + 1 of them), while a healthy link (tens of MB/s
+    /// per connection) is 1000 times over the bar.
+    pub min_rate: u64,
+    pub stall_window: Duration,
 }
 
 impl Default for RetrySettings {
@@ -35,6 +43,8 @@ impl Default for RetrySettings {
             max_retries: 6,
             retry_timeout: Duration::from_secs(60),
             max_stalled_resumes: 5,
+            min_rate: 32 * 1024,
+            stall_window: Duration::from_secs(20),
         }
     }
 }
@@ -107,7 +117,7 @@ impl ResumeState {
             "the body broke off after new bytes".to_string()
         } else {
             format!(
-                "{} of {} attempts in a row without a new byte",
+                "{} of {} attempts in a row without progress (a new byte, at the minimum rate)",
                 self.stalled, self.settings.max_stalled_resumes
             )
         };
@@ -122,11 +132,13 @@ impl ResumeState {
     pub fn exhausted(&self) -> Option<String> {
         let max = self.settings.max_stalled_resumes;
         if self.stalled >= max {
-            return Some(format!("{max} attempts in a row brought no new byte"));
+            return Some(format!(
+                "{max} attempts in a row made no progress (no new byte, or under the minimum rate)"
+            ));
         }
         let idle = self.last_progress.elapsed();
         let limit = self.settings.retry_timeout;
-        (idle > limit).then(|| format!("no new byte for {idle:.1?} (limit {limit:?})"))
+        (idle > limit).then(|| format!("no progress for {idle:.1?} (limit {limit:?})"))
     }
 
     /// The wait before the next resumption; each call doubles (`base`) the next one, up to
@@ -176,7 +188,9 @@ mod tests {
             first,
             Decision::Resume {
                 wait: Duration::from_millis(100),
-                reason: "1 of 3 attempts in a row without a new byte".into()
+                reason:
+                    "1 of 3 attempts in a row without progress (a new byte, at the minimum rate)"
+                        .into()
             }
         );
         assert!(
@@ -185,7 +199,9 @@ mod tests {
         assert_eq!(
             state.after_cut(false),
             Decision::GiveUp {
-                reason: "3 attempts in a row brought no new byte".into()
+                reason:
+                    "3 attempts in a row made no progress (no new byte, or under the minimum rate)"
+                        .into()
             }
         );
         assert!(state.exhausted().is_some());
@@ -222,7 +238,7 @@ mod tests {
         };
         state.last_progress = then;
         let reason = state.exhausted().expect("over the 60 s budget");
-        assert!(reason.starts_with("no new byte for 61"), "{reason}");
+        assert!(reason.starts_with("no progress for 61"), "{reason}");
         assert!(matches!(state.after_cut(false), Decision::GiveUp { .. }));
         // Progress restarts the clock.
         assert!(matches!(state.after_cut(true), Decision::Resume { .. }));
