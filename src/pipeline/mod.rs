@@ -376,6 +376,18 @@ impl Loader {
         match self.rx.blocking_recv() {
             Some(Msg::Segment(loaded, permit)) => {
                 drop(permit);
+                // A mapping's pages are the file's own: checked again at hand-out, the last
+                // moment before the consumer touches them (pages of a file cut short since its
+                // blocks were read would read as zeros or fault).
+                if let Memory::Host(buffer) = &loaded.memory {
+                    if buffer.is_mapped() {
+                        let source = &self.plan.shards[loaded.shard].source;
+                        if let Err(e) = source.check_unchanged() {
+                            self.finish();
+                            return Some(Err(e));
+                        }
+                    }
+                }
                 self.first.get_or_insert_with(|| self.started.elapsed());
                 let bytes: u64 = loaded.tensors.iter().map(|t| t.len).sum();
                 self.stats
