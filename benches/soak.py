@@ -128,9 +128,7 @@ def local_load(rng, original: Path, want, work: Path) -> tuple[str, float, str]:
         try:
             out = {}
             method = rng.choice(["mmap", "read"])
-            with fastload.stream(
-                path, method=method, block_size="64KiB", memory_limit="1MiB"
-            ) as s:
+            with fastload.stream(path, method=method, block_size="64KiB", memory_limit="1MiB") as s:
                 for name, tensor in s:
                     # A tensor handed out must be the original bytes, whatever happened later.
                     # (Copied at once: an mmap-backed tensor of a file truncated after it was
