@@ -14,6 +14,7 @@ from pathlib import Path
 
 import cuda_sim
 import pytest
+from helpers import run_probe
 
 TESTS = Path(__file__).resolve().parent
 
@@ -521,3 +522,105 @@ emit(code=code, name=cu.name(code))
 """
     r = run(stub_cuda, tmp_path, code, SIM_LIBRARY="libcuda.so")
     assert r.out == {"code": 34, "name": "CUDA_ERROR_STUB_LIBRARY"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The real pipeline (fastload's CUDA engine) on the simulator
+
+PIPELINE = """
+import ctypes
+from fastload import _fastload
+from safetensors.torch import load_file
+from cuda_sim import Driver
+path, mode, broken = sys.argv[1], sys.argv[2], sys.argv[3] == "broken"
+cu = Driver()
+cu.init()
+ctx0 = cu.context(0)
+
+def view(addr, n):  # the simulator's device memory, seen from the host
+    return torch.frombuffer((ctypes.c_uint8 * max(n, 1)).from_address(addr), dtype=torch.uint8)[:n]
+
+if mode == "consumer-stream":
+    # The consumer's stream 0 still has work on the destination memory (a slow memset, as a
+    # kernel using memory that the caching allocator hands out again): the allocator returns
+    # the stream, and the copies must be ordered after it. The broken consumer says None.
+    target = "cuda:0"
+    size = max(4 << 20, 2 * os.path.getsize(path))
+    cu.bind(ctx0)
+    pool = cu.alloc(size)
+    cu.bind(None)
+    at = [0]
+    def allocate(sizes):  # on the copy thread, with the engine's context bound
+        if at[0] == 0:
+            cu.ok("cuMemsetD8_v2", pool, 0xEE, size)
+        out = []
+        for n in sizes:
+            addr = pool + at[0]
+            at[0] += (n + 255) // 256 * 256
+            out.append((view(addr, n), addr))
+        return (None if broken else 0), out
+else:
+    # Loading to cuda:1 while the allocator leaves device 0's context current on the calling
+    # (copy) thread, as torch's device guard does on a thread whose current device is 0.
+    target = "cuda:1"
+    def allocate(sizes):
+        if broken:
+            cu.bind(ctx0)
+        ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        return None, [(t, t.data_ptr()) for t in ts]
+
+got, error = {}, None
+try:
+    s = _fastload.Stream([path], target=target, allocate=allocate, block_size="64KiB",
+                         memory_limit="1MiB")
+    for batch in s:
+        for item in batch:
+            got[item.name] = item.data
+except Exception as e:
+    error = str(e)
+cu.bind(ctx0)
+cu.ok("cuCtxSynchronize")  # the consumer's later work sees what stream 0 left behind
+got = {k: bytes(v.numpy()) for k, v in got.items()}
+want = {k: bytes(v.reshape(-1).view(torch.uint8).numpy()) for k, v in load_file(path).items()}
+emit(error=error, bad=sorted(k for k in want if got.get(k) != want[k]), n=len(got))
+"""
+
+
+@VARIANTS
+def test_pipeline_orders_copies_after_the_consumers_stream(
+    fake_cuda, dtypes_file, tmp_path, broken
+):
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, **SLOW)
+    mode = "broken" if broken else "correct"
+    out = run_probe(PIPELINE, dtypes_file, "consumer-stream", mode, env=env)
+    assert out["error"] is None
+    if broken:
+        assert out["bad"], "copies landed before the consumer's stream was done"
+    else:
+        assert out["bad"] == [] and out["n"] > 0
+    assert cuda_sim.log(log)["violations"] == 0
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 13 item 5: the copy thread does not re-bind its context after the "
+                "allocator ran (torch code) before cuMemcpyHtoDAsync / cuEventRecord",
+            ),
+        ),
+    ],
+    ids=["allocator-keeps-context", "allocator-switches-context"],
+)
+def test_pipeline_rebinds_its_context_after_the_allocator(fake_cuda, dtypes_file, tmp_path, broken):
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, devices=2)
+    mode = "broken" if broken else "correct"
+    out = run_probe(PIPELINE, dtypes_file, "switch-context", mode, env=env)
+    assert out["error"] is None and out["bad"] == [] and out["n"] > 0, out
+    assert cuda_sim.log(log)["violations"] == 0
