@@ -624,3 +624,26 @@ def test_pipeline_rebinds_its_context_after_the_allocator(fake_cuda, dtypes_file
     out = run_probe(PIPELINE, dtypes_file, "switch-context", mode, env=env)
     assert out["error"] is None and out["bad"] == [] and out["n"] > 0, out
     assert cuda_sim.log(log)["violations"] == 0
+
+
+@pytest.mark.parametrize(
+    ("devices", "visible", "device"),
+    [(2, None, "cuda:1"), (2, "1", "cuda:0"), (3, "2,0", "cuda:1")],
+)
+def test_cli_bench_on_another_device(fake_cuda, dtypes_file, tmp_path, devices, visible, device):
+    # The Rust-only path (driver-allocated destinations) on a device other than the first.
+    log = tmp_path / "log"
+    options = ["--device", device, "--block-size", "64KiB", "--memory-limit", "1MiB", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cuda_sim.env(fake_cuda, log, devices=devices, visible=visible),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    counters = cuda_sim.log(log)
+    assert counters["bytes"] == report["bytes"] * len(report["runs"]), (counters, report)
+    assert counters["violations"] == 0 and counters["device_now"] == 0, counters
+    assert 0 < counters["device_peak"] and counters["pinned_peak"] <= 1 << 20
