@@ -690,3 +690,25 @@ def test_pipeline_in_a_forked_child(fake_cuda, dtypes_file, tmp_path):
     assert "forked" in out["child"]["error"], out
     assert out["child"]["freed"] == 0, out
     assert cuda_sim.log(log)["violations"] == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13 item 7: the driver is looked up as libcuda.so before libcuda.so.1, so a "
+    "toolkit stub directory on LD_LIBRARY_PATH wins over the driver",
+)
+def test_stub_directory_before_the_driver(fake_cuda, stub_cuda, dtypes_file, tmp_path):
+    # A CUDA toolkit's stubs directory (libcuda.so only) ahead of the driver (libcuda.so.1) on
+    # LD_LIBRARY_PATH, as in many containers: torch links libcuda.so.1 and runs.
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log)
+    env["LD_LIBRARY_PATH"] = f"{stub_cuda}:{env['LD_LIBRARY_PATH']}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert cuda_sim.log(log)["violations"] == 0
