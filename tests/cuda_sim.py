@@ -78,7 +78,9 @@ def env(
     """A full environment for a subprocess on the simulator in `lib_dir` (os.environ, then
     LD_LIBRARY_PATH and the FAKE_CUDA_* variables; CUDA_VISIBLE_DEVICES=`visible` if given, else
     removed). `memory` is each device's capacity in bytes; `fail` is e.g. "cuEventSynchronize:3";
-    `extra` adds or overrides variables (FAKE_CUDA_LAG_US=...)."""
+    `extra` adds or overrides variables: FAKE_CUDA_LAG_US (how late queued work runs at the
+    earliest, default 2000) and FAKE_CUDA_COPY_RATE (bytes a second a stream carries, default
+    unlimited) make late work later, for tests that must see a skipped wait."""
     out = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_CUDA_")}
     out.pop("CUDA_VISIBLE_DEVICES", None)
     if lib_dir is not None:
