@@ -207,6 +207,41 @@ class Driver:
             return None
         return text.value.decode() if text.value else None
 
+    def allocator(self, ordinal: int = 0, stream: int | None = None):
+        """An `allocate` callback for `_fastload.Stream` that takes destinations from device
+        `ordinal`'s memory (cuMemAlloc, one block per tensor, so the log's device_peak counts
+        them) and hands them out as uint8 torch tensors over that memory (the simulator's device
+        memory is host memory). A block is freed (cuMemFree) when its tensor and every view of
+        it are gone. `stream` is what the callback says the copies must wait for (None: nothing).
+        The calling thread's current context is left as it was."""
+        import weakref
+
+        import torch
+
+        ctx = self.context(ordinal)
+
+        def borrowed(f):
+            previous = self.current()
+            self.bind(ctx)
+            try:
+                return f()
+            finally:
+                self.bind(previous)
+
+        def free(addr: int) -> None:
+            borrowed(lambda: self.ok("cuMemFree_v2", addr))
+
+        def one(n: int):
+            addr = self.alloc(max(n, 1))
+            memory = (ctypes.c_uint8 * max(n, 1)).from_address(addr)
+            weakref.finalize(memory, free, addr)
+            return torch.frombuffer(memory, dtype=torch.uint8)[:n], addr
+
+        def allocate(sizes):
+            return stream, borrowed(lambda: [one(n) for n in sizes])
+
+        return allocate
+
     @staticmethod
     def write(addr: int, data: bytes) -> None:
         """Host-side write (the simulator's device memory is host memory too)."""

@@ -712,3 +712,69 @@ def test_stub_directory_before_the_driver(fake_cuda, stub_cuda, dtypes_file, tmp
     )
     assert proc.returncode == 0, proc.stderr
     assert cuda_sim.log(log)["violations"] == 0
+
+
+RUN_AHEAD = """
+import gc
+from fastload import _fastload
+from cuda_sim import Driver
+from safetensors.torch import load_file
+path, keep, sleep = sys.argv[1], sys.argv[2] == "keep", float(sys.argv[3])
+cu = Driver()
+cu.init()
+stream = _fastload.Stream([path], target="cuda:0", allocate=cu.allocator(0),
+                          block_size="64KiB", memory_limit="1MiB")
+want = load_file(path)
+kept, bad, n = [], [], 0
+for batch in stream:
+    for item in batch:
+        n += 1
+        if not torch.equal(item.data, want[item.name].reshape(-1).view(torch.uint8)):
+            bad.append(item.name)
+        if keep:
+            kept.append(item.data)
+        time.sleep(sleep)
+    del batch, item  # reference counting frees a dropped tensor's device memory at once
+del stream, kept
+gc.collect()
+emit(n=n, bad=bad)
+"""
+
+
+@pytest.fixture(scope="module")
+def quarter_mib_tensors(tmp_path_factory):
+    """16 MiB: 64 int32 tensors of 256 KiB."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("run_ahead") / "w.safetensors"
+    save_file({f"w{i:02}": torch.full((64 << 10,), i, dtype=torch.int32) for i in range(64)}, path)
+    return path
+
+
+def test_device_memory_of_a_load_that_keeps_everything(fake_cuda, quarter_mib_tensors, tmp_path):
+    # The real pipeline into simulated device memory (cuda_sim.Driver.allocator): the log counts
+    # every destination byte, and a consumer that keeps every tensor holds all of them at once.
+    log = tmp_path / "log"
+    out = run_probe(RUN_AHEAD, quarter_mib_tensors, "keep", 0, env=cuda_sim.env(fake_cuda, log))
+    assert out == {"n": 64, "bad": []}
+    counters = cuda_sim.log(log)
+    assert counters["device_peak"] >= 16 << 20
+    assert counters["device_now"] == 0 and counters["violations"] == 0, counters
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13 item 1: the staged path allocates destinations for segments the consumer "
+    "has not received without bound (device memory run-ahead)",
+)
+def test_device_memory_run_ahead_is_bounded(fake_cuda, quarter_mib_tensors, tmp_path):
+    # A consumer that takes 20 ms a tensor and drops it: fastload's device memory for tensors
+    # not yet handed out stays within memory_limit (1 MiB), plus the tensor being consumed.
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log)
+    out = run_probe(RUN_AHEAD, quarter_mib_tensors, "drop", 0.02, env=env)
+    assert out == {"n": 64, "bad": []}
+    counters = cuda_sim.log(log)
+    assert counters["device_now"] == 0 and counters["violations"] == 0, counters
+    assert counters["device_peak"] <= (1 << 20) + (256 << 10), counters
