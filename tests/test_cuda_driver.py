@@ -140,7 +140,7 @@ def allocate_on_device_1(sizes):
     assert driver.cuCtxSetCurrent(ctx1) == 0
     return host_allocate(sizes)
 
-got, stats = load(sys.argv[1], allocate_on_device_1, block_size="4KiB", memory_limit="64KiB")
+got, stats = load(sys.argv[1], allocate_on_device_1, block_size="4KiB", memory_limit="1MiB")
 emit(ok=got == expected(sys.argv[1]), target=stats["target"])
 """
     )
