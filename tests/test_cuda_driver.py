@@ -40,7 +40,8 @@ def load(path, allocate=host_allocate, target="cuda:0", **opts):
 
 def expected(path):
     from safetensors.torch import load_file
-    return {k: v.reshape(-1).view(torch.uint8).numpy().tobytes() for k, v in load_file(path).items()}
+    flat = lambda t: t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {k: flat(v) for k, v in load_file(path).items()}
 """
 
 
@@ -48,7 +49,10 @@ def _file(tmp_path, name: str, tensors: int, each: int):
     path = tmp_path / name
     g = torch.Generator().manual_seed(tensors * each)
     save_file(
-        {f"w{i:02d}": torch.randint(0, 255, (each,), dtype=torch.uint8, generator=g) for i in range(tensors)},
+        {
+            f"w{i:02d}": torch.randint(0, 255, (each,), dtype=torch.uint8, generator=g)
+            for i in range(tensors)
+        },
         path,
     )
     return path

@@ -38,7 +38,7 @@ def _has_driver() -> bool:
 
 
 no_driver = pytest.mark.skipif(_has_driver(), reason="a CUDA driver is present")
-# Without a usable device: no driver at all, or one with no visible device (CUDA_VISIBLE_DEVICES="").
+# No usable device: no driver at all, or one with no visible device (CUDA_VISIBLE_DEVICES="").
 NO_CUDA = "CUDA driver not found|no CUDA device is visible"
 
 

@@ -227,7 +227,9 @@ impl Drop for Event {
         let (api, event) = (self.gpu.api, self.raw());
         let _ = self.gpu.borrow(|| {
             // SAFETY: created by `CudaEngine::event`, destroyed once.
-            check(api, "cuEventDestroy", unsafe { (api.cuEventDestroy_v2)(event) })
+            check(api, "cuEventDestroy", unsafe {
+                (api.cuEventDestroy_v2)(event)
+            })
         });
     }
 }
@@ -290,7 +292,11 @@ pub fn set_pinned_limit(bytes: usize) {
 /// buffers are not usable there).
 pub fn pinned_cached() -> usize {
     let pool = pool();
-    pool.free.iter().filter(|c| c.gpu.here()).map(|c| c.cap).sum()
+    pool.free
+        .iter()
+        .filter(|c| c.gpu.here())
+        .map(|c| c.cap)
+        .sum()
 }
 
 /// Frees every cached page-locked buffer and stops caching until the next GPU load: buffers in
@@ -310,7 +316,13 @@ pub fn release_pinned() -> usize {
 fn free_all(buffers: Vec<Cached>) -> usize {
     buffers
         .into_iter()
-        .map(|c| if free_pinned(c.addr, &c.gpu) { c.cap } else { 0 })
+        .map(|c| {
+            if free_pinned(c.addr, &c.gpu) {
+                c.cap
+            } else {
+                0
+            }
+        })
         .sum()
 }
 
@@ -389,11 +401,9 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
     let api = gpu.api;
     let mut ptr = std::ptr::null_mut();
     // SAFETY: allocates `cap` bytes of page-locked memory, usable from every context.
-    check(
-        api,
-        "cuMemHostAlloc (page-locked staging memory)",
-        unsafe { (api.cuMemHostAlloc)(&mut ptr, cap, driver::CU_MEMHOSTALLOC_PORTABLE) },
-    )?;
+    check(api, "cuMemHostAlloc (page-locked staging memory)", unsafe {
+        (api.cuMemHostAlloc)(&mut ptr, cap, driver::CU_MEMHOSTALLOC_PORTABLE)
+    })?;
     Ok(Pinned {
         addr: ptr as usize,
         cap,

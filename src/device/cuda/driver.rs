@@ -111,9 +111,11 @@ fn open() -> Result<Api, String> {
             return unsafe { Api::resolve(handle, library) };
         }
     }
-    Err("CUDA driver not found: libcuda.so.1 could not be loaded (is an NVIDIA driver installed, \
+    Err(
+        "CUDA driver not found: libcuda.so.1 could not be loaded (is an NVIDIA driver installed, \
          and this a GPU machine?)"
-        .into())
+            .into(),
+    )
 }
 
 impl Api {
