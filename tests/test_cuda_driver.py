@@ -199,6 +199,35 @@ emit(parent_cached=parent_cached, child=child, still=fastload.cached_memory()["p
     assert cuda_sim.log(log)["violations"] == 0
 
 
+def test_child_of_a_parent_that_initialised_cuda_gets_the_fork_error(
+    fake_cuda, dtypes_file, tmp_path
+):
+    # The parent initialised CUDA without fastload (as torch does); the child's first fastload
+    # call is its own cuInit, which the driver refuses after fork.
+    code = """
+import ctypes, os
+from fastload import _fastload
+assert ctypes.CDLL("libcuda.so.1").cuInit(0) == 0
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        _fastload.cuda_device_count()
+        message = "no error"
+    except fastload.FastloadError as e:
+        message = str(e)
+    os.write(w, message.encode())
+    os._exit(0)
+os.close(w)
+message = os.read(r, 1 << 16).decode()
+os.waitpid(pid, 0)
+emit(message=message, parent=_fastload.cuda_device_count())
+"""
+    out = run_probe(code, dtypes_file, env=cuda_sim.env(fake_cuda, tmp_path / "log"))
+    assert "forked" in out["message"] and "spawn" in out["message"], out
+    assert out["parent"] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Failures (item 7)
 

@@ -67,6 +67,16 @@ fn probe() -> Result<&'static Probe> {
                     api.describe(status)
                 )));
             }
+            if status == driver::CUDA_ERROR_NOT_INITIALIZED {
+                // What the driver answers in a child forked after its parent initialised CUDA
+                // (torch, typically), where this process never did.
+                return Err(format!(
+                    "CUDA cannot be initialised here (cuInit returned {}); this is what a process \
+                     forked after its parent initialised CUDA gets: start workers with the \
+                     'spawn' method",
+                    api.describe(status)
+                ));
+            }
             check(api, "initialisation (cuInit)", status).map_err(|e| e.to_string())?;
             let mut version = 0;
             // SAFETY: writes one int.

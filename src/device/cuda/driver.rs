@@ -22,6 +22,7 @@ pub type Stream = *mut c_void;
 pub type Event = *mut c_void;
 pub type DevicePtr = u64;
 
+pub const CUDA_ERROR_NOT_INITIALIZED: Status = 3;
 pub const CUDA_ERROR_NO_DEVICE: Status = 100;
 pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 0x01;
