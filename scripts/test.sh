@@ -14,7 +14,7 @@ fi
 echo "== rust: fmt, clippy, tests"
 cargo fmt --all --check
 cargo clippy --all-targets --features python -- -D warnings
-# The build without the GPU path must stay valid too (cudarc is optional).
+# The build without the GPU path (the `cuda` feature) must stay valid too.
 cargo clippy --all-targets --no-default-features -- -D warnings
 cargo test --all-targets
 

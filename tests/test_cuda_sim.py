@@ -604,17 +604,7 @@ def test_pipeline_orders_copies_after_the_consumers_stream(
 
 @pytest.mark.parametrize(
     "broken",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 13 item 5: the copy thread does not re-bind its context after the "
-                "allocator ran (torch code) before cuMemcpyHtoDAsync / cuEventRecord",
-            ),
-        ),
-    ],
+    [False, True],
     ids=["allocator-keeps-context", "allocator-switches-context"],
 )
 def test_pipeline_rebinds_its_context_after_the_allocator(fake_cuda, dtypes_file, tmp_path, broken):
@@ -675,12 +665,6 @@ emit(n=n, child=json.loads(os.read(r, 65536)))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 6: in a forked child cuda_device_count() runs before the fork check "
-    "(raw CUDA_ERROR_NOT_INITIALIZED), and release_memory() reports the parent's page-locked "
-    "bytes as freed",
-)
 def test_pipeline_in_a_forked_child(fake_cuda, dtypes_file, tmp_path):
     log = tmp_path / "log"
     out = run_probe(FORK_AFTER_GPU_LOAD, dtypes_file, env=cuda_sim.env(fake_cuda, log))
@@ -692,11 +676,6 @@ def test_pipeline_in_a_forked_child(fake_cuda, dtypes_file, tmp_path):
     assert cuda_sim.log(log)["violations"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 7: the driver is looked up as libcuda.so before libcuda.so.1, so a "
-    "toolkit stub directory on LD_LIBRARY_PATH wins over the driver",
-)
 def test_stub_directory_before_the_driver(fake_cuda, stub_cuda, dtypes_file, tmp_path):
     # A CUDA toolkit's stubs directory (libcuda.so only) ahead of the driver (libcuda.so.1) on
     # LD_LIBRARY_PATH, as in many containers: torch links libcuda.so.1 and runs.
