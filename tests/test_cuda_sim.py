@@ -759,11 +759,6 @@ def test_device_memory_run_ahead_is_bounded(fake_cuda, quarter_mib_tensors, tmp_
     assert counters["device_peak"] <= (1 << 20) + (256 << 10), counters
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 8: with a driver but no visible device the user sees a raw "
-    "CUDA_ERROR_NO_DEVICE",
-)
 def test_no_visible_device_is_a_clear_error(fake_cuda, dtypes_file, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), "--device", "cuda"],
