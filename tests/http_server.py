@@ -4,7 +4,8 @@
 Content-Range, HEAD with Content-Length, 416 for ranges past the end, ETag and Last-Modified, and
 no listing (PROPFIND gets 501, as `http.server` answers, or 405, as nginx does). A `Behaviour`
 makes it misbehave the way some servers do: ignore Range (200 with the whole body, as some static
-servers and CDNs do), answer the first requests with an error status, or forbid everything.
+servers and CDNs do), answer the first requests with an error status, forbid everything, or send
+bodies at a trickle.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import email.utils
 import hashlib
 import re
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,6 +52,8 @@ class Behaviour:
     fail_status: int = 503
     forbid: bool = False  # every request gets 403
     propfind: int = 501  # WebDAV listing: 501 as http.server answers, 405 as nginx does
+    trickle_rate: int = 0  # bytes/s for bodies of ranges from `trickle_from` (0: full speed)
+    trickle_from: int = 0
     failed: int = 0
     log: list = field(default_factory=list)  # (method, path, Range header, status)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -127,10 +131,26 @@ class _Handler(BaseHTTPRequestHandler):
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
-        if send_body:
-            view = memoryview(data)
-            for at in range(start, end, 1 << 20):
-                self.wfile.write(view[at : min(end, at + (1 << 20))])
+        if not send_body:
+            return
+        view = memoryview(data)
+        if b.trickle_rate and start >= b.trickle_from:
+            self._trickle(view[start:end], b.trickle_rate)
+            return
+        for at in range(start, end, 1 << 20):
+            self.wfile.write(view[at : min(end, at + (1 << 20))])
+
+    def _trickle(self, body: memoryview, rate: int) -> None:
+        """Sends `body` at `rate` bytes per second, a twentieth of a second's worth at a time,
+        until the client hangs up."""
+        step = max(1, rate // 20)
+        try:
+            for at in range(0, len(body), step):
+                self.wfile.write(body[at : at + step])
+                self.wfile.flush()
+                time.sleep(step / rate)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
 
 
 class RangeServer(ThreadingHTTPServer):
