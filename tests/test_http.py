@@ -110,6 +110,15 @@ def test_multi_block_file_with_small_blocks(http_server, served, multi_block_fil
     assert all(rng and status == 206 for _, _, rng, status in gets), gets[:5]
 
 
+def test_auto_reads_objects_and_says_so(http_server, multi_block_file):
+    url = http_server.url("big.safetensors")
+    with fastload.stream(url) as s:
+        list(s)
+        stats = s.stats()
+    assert stats["method"] == "read", stats
+    assert stats["method_reason"] == f"{url} is not a local file: read into pooled buffers"
+
+
 def test_names_reads_only_those_tensors(http_server, multi_block_file):
     want = reference(multi_block_file)
     names = ["layer.0.norm", "scalar"]
