@@ -78,7 +78,8 @@ impl fmt::Display for Size {
 /// How local files are read into host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Method {
-    /// Pick per destination (mmap for CPU destinations: see `Loader::start`).
+    /// Pick per source: mmap for local files on a local filesystem, read for network and FUSE
+    /// filesystems and objects (see `pipeline::auto_method`).
     #[default]
     Auto,
     /// Map windows of the file and fault them in from several threads: no copy out of the
