@@ -100,7 +100,11 @@ class Stats:
         """Milliseconds from the start to the first completed segment; ``None`` before it."""
     @property
     def method(self) -> str:
-        """``"auto"``, ``"mmap"`` or ``"read"``."""
+        """``"mmap"`` or ``"read"``: the method that ran."""
+    @property
+    def method_reason(self) -> str:
+        """Why that method ran (asked for, or what ``"auto"`` saw: a local or network filesystem,
+        an object store, a staged load)."""
     @property
     def concurrency(self) -> int: ...
     @property

@@ -17,6 +17,7 @@ use super::gcs::gcs_builder;
 use super::retry::RetrySettings;
 use super::*;
 use crate::error::{Error, Result};
+use crate::options::Size;
 
 /// Parses `uri` and builds its store. `options` are object_store configuration keys for the
 /// scheme (`endpoint`, `region`, `access_key_id`, `skip_signature`, `timeout`, ...) plus
@@ -114,8 +115,8 @@ pub(super) fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result
             format!("storage_options[{key:?}]"),
             format!(
                 "not a {scheme}:// option (see object_store's config keys, e.g. {examples}; \
-                 and for every scheme allow_http, timeout, connect_timeout, max_retries and \
-                 retry_timeout)"
+                 and for every scheme allow_http, timeout, connect_timeout, max_retries, \
+                 retry_timeout, min_rate and min_rate_window)"
             ),
         )
     })
@@ -138,20 +139,31 @@ pub(super) fn split_retry_options(
                     )
                 })?;
             }
-            "retry_timeout" => {
-                let secs: f64 = v
-                    .trim()
-                    .trim_end_matches('s')
-                    .parse()
-                    .ok()
-                    .filter(|s: &f64| s.is_finite() && *s >= 0.0)
-                    .ok_or_else(|| {
+            "retry_timeout" => retry.retry_timeout = seconds("retry_timeout", v)?,
+            "min_rate" => {
+                let rate = v.trim();
+                let rate = rate
+                    .strip_suffix("/s")
+                    .unwrap_or(rate)
+                    .parse::<Size>()
+                    .map_err(|e| {
                         Error::option(
-                            "storage_options[\"retry_timeout\"]",
-                            "expected seconds, e.g. \"30\"",
+                            "storage_options[\"min_rate\"]",
+                            format!(
+                                "{e}; expected bytes per second, e.g. \"16KiB\" (0: no minimum)"
+                            ),
                         )
                     })?;
-                retry.retry_timeout = Duration::from_secs_f64(secs);
+                retry.min_rate = rate.0;
+            }
+            "min_rate_window" => {
+                retry.min_rate_window = seconds("min_rate_window", v)?;
+                if retry.min_rate_window.is_zero() {
+                    return Err(Error::option(
+                        "storage_options[\"min_rate_window\"]",
+                        "must be more than 0 seconds",
+                    ));
+                }
             }
             // Bare numbers are seconds (object_store wants a unit: "30s").
             key if key.ends_with("timeout") => match v.trim().parse::<f64>() {
@@ -164,6 +176,22 @@ pub(super) fn split_retry_options(
         }
     }
     Ok((retry, rest))
+}
+
+/// A duration in seconds, as a number or with an `s`: "30", "2.5s".
+fn seconds(key: &str, v: &str) -> Result<Duration> {
+    v.trim()
+        .trim_end_matches('s')
+        .parse()
+        .ok()
+        .filter(|s: &f64| s.is_finite() && *s >= 0.0 && *s < 1e9)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| {
+            Error::option(
+                format!("storage_options[{key:?}]"),
+                "expected seconds, e.g. \"30\"",
+            )
+        })
 }
 
 pub(super) fn is_true(v: &str) -> bool {

@@ -278,19 +278,54 @@ impl Driver {
     }
 }
 
+/// What `method="auto"` does for a load into host memory, and why. Local files are mapped:
+/// mapping page-cache pages costs no copy and no zeroing of fresh memory, and the benchmark
+/// (benches/run.py) shows it ahead cold and warm. Everything else is read in blocks into pooled
+/// buffers: objects cannot be mapped, and on network and FUSE filesystems a page fault is a small
+/// synchronous round trip (see `source::fs`).
+fn auto_method(plan: &Plan) -> (Method, String) {
+    for shard in &plan.shards {
+        let Some(path) = shard.source.local_path() else {
+            return (
+                Method::Read,
+                format!(
+                    "{} is not a local file: read into pooled buffers",
+                    shard.name
+                ),
+            );
+        };
+        if let Some(fs) = source::fs::remote_filesystem(path) {
+            return (
+                Method::Read,
+                format!(
+                    "{} is on {fs}, where each page fault of a mapping is a round trip: read in \
+                     blocks instead",
+                    shard.name
+                ),
+            );
+        }
+    }
+    (
+        Method::Mmap,
+        "local filesystem: mapped, no copy".to_string(),
+    )
+}
+
 impl Loader {
     /// Starts reading `plan` on the process runtime.
     pub fn start(plan: Plan, opts: Resolved) -> Loader {
-        let method = match opts.method {
-            // Local files to host memory: mapping page-cache pages costs no copy and no zeroing of
-            // fresh memory, and the benchmark (benches/run.py) shows it ahead cold and warm.
-            Method::Auto => Method::Mmap,
-            m => m,
+        let (method, method_reason) = match opts.method {
+            Method::Auto => auto_method(&plan),
+            m => (m, opts.method_reason.clone()),
         };
         memory::set_pool_limit(opts.memory_limit);
         let budget_kib = kib(opts.memory_limit).min(Semaphore::MAX_PERMITS as u32);
         let budget = Arc::new(Semaphore::new(budget_kib as usize));
-        let opts = Resolved { method, ..opts };
+        let opts = Resolved {
+            method,
+            method_reason,
+            ..opts
+        };
         let (loader, feed) = Loader::new(plan, budget.clone(), opts.clone(), None);
         let driver = Driver {
             plan: loader.plan.clone(),

@@ -65,6 +65,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     // What runs: staging buffers read whole blocks of `block` bytes.
     let config = Resolved {
         method: Method::Read,
+        method_reason: "staged loads read into page-locked staging buffers".into(),
         block_size: block,
         ..opts
     };

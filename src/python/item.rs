@@ -54,6 +54,8 @@ pub struct Stats {
     /// Milliseconds from the start to the first completed segment.
     pub first_segment_ms: Option<f64>,
     pub method: &'static str,
+    /// Why that method: "local filesystem: mapped, no copy", a network filesystem's name, ...
+    pub method_reason: String,
     pub concurrency: usize,
     pub block_size: u64,
     pub memory_limit: u64,
@@ -75,6 +77,7 @@ impl Stats {
             tensors_delivered: s.tensors_delivered.load(Relaxed),
             first_segment_ms: l.first_segment_after().map(|t| t.as_secs_f64() * 1e3),
             method: l.method().as_str(),
+            method_reason: l.config().method_reason.clone(),
             concurrency: l.config().concurrency,
             block_size: l.config().block_size,
             memory_limit: l.config().memory_limit,
@@ -102,6 +105,7 @@ impl Stats {
             tensors_delivered,
             first_segment_ms,
             method,
+            method_reason,
             concurrency,
             block_size,
             memory_limit,

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
 
+pub mod fs;
 pub mod local;
 pub mod object;
 

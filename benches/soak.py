@@ -1,0 +1,230 @@
+"""Soak: hundreds of loads against a fault-injecting server of ours and a local file that changes
+under load; counts what each load ended as.
+
+    python benches/soak.py                       # 300 remote + 100 local loads
+    python benches/soak.py --remote 60 --local 40 --json out.json
+
+Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/http_server.py`'s server on
+127.0.0.1 with chaos on: a share of GETs (`--chaos`) answer 503, reset the connection midway, end
+the body early, stall for seconds, or trickle, at random (seeded). Local loads read a file that a
+thread shrinks and restores, or replaces by rename, while they run (`method` mmap and read in
+turn). Loads run in a worker process, one JSON line each; a watchdog counts a load that does not
+end within `--deadline` as a hang and a worker that dies as a crash.
+
+Each load ends as one of:
+- equal: every tensor bitwise equal to the reference (safetensors' own reader);
+- clear error: a fastload exception naming the URL or file, in words (no bare "os error N"),
+  within `--deadline`;
+- wrong data, unclear error, hang, crash: each must be zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+# Short timeouts so that a fault costs seconds, not minutes: the stall rule at 32 KiB/s over half
+# a second, requests cut after 2 s, 3 retries.
+STORAGE_OPTIONS = {
+    "timeout": "2",
+    "connect_timeout": "2",
+    "max_retries": "3",
+    "retry_timeout": "5",
+    "min_rate": "32KiB",
+    "min_rate_window": "0.5",
+}
+
+WORKER = r"""
+import json, os, random, sys, threading, time
+import torch, fastload
+from safetensors.torch import load_file
+
+kind, target, reference = sys.argv[1:4]
+count, seed = int(sys.argv[4]), int(sys.argv[5])
+options = json.loads(sys.argv[6])
+want = load_file(reference)
+flat = lambda t: t.reshape(-1).view(torch.uint8)
+lock = threading.Lock()  # held while a local file is changed; verification takes it too
+stop = False
+
+def mutate():
+    # Shrinks the file and writes it back in place, or replaces it with a fresh copy by rename.
+    data = open(reference, "rb").read()
+    rng = random.Random(seed)
+    while not stop:
+        time.sleep(rng.uniform(0.0, 0.2))
+        with lock:
+            if rng.random() < 0.25:
+                with open(target, "r+b") as f:
+                    f.truncate(rng.randrange(len(data)))
+                    time.sleep(rng.uniform(0.0, 0.01))
+                    f.seek(0)
+                    f.write(data)
+            else:
+                tmp = target + ".tmp"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, target)
+
+if kind == "local":
+    threading.Thread(target=mutate, daemon=True).start()
+
+for i in range(count):
+    method = ("mmap", "read")[i % 2] if kind == "local" else "auto"
+    start = time.monotonic()
+    try:
+        kw = {"storage_options": options} if kind == "remote" else {}
+        got = fastload.load(target, method=method, block_size="256KiB", **kw)
+        took = time.monotonic() - start
+        with lock:
+            same = sorted(got) == sorted(want) and all(
+                got[n].dtype == want[n].dtype and got[n].shape == want[n].shape
+                and torch.equal(flat(got[n]), flat(want[n])) for n in want)
+        del got
+        out = {"outcome": "equal" if same else "wrong"}
+    except Exception as e:
+        took = time.monotonic() - start
+        text = str(e)
+        # Clear: ours, naming the URL or file, and saying what happened in words (not errno text).
+        clear = (isinstance(e, fastload.FastloadError) and os.path.basename(target) in text
+                 and "os error" not in text)
+        out = {"outcome": "clear error" if clear else "unclear error",
+               "type": type(e).__name__, "message": str(e)[:300]}
+    out.update(i=i, took=round(took, 3), method=method)
+    print(json.dumps(out), flush=True)
+stop = True
+"""
+
+
+def write_checkpoint(path: Path, layers: int = 4, width: int = 512) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(7)
+    tensors = {
+        f"layer.{i}.{k}": torch.randn(shape, generator=g).to(dtype)
+        for i in range(layers)
+        for k, shape, dtype in [
+            ("w", (width // 2, width), torch.bfloat16),
+            ("b", (512,), torch.float32),
+            ("ids", (40_001,), torch.int64),
+        ]
+    }
+    save_file(tensors, str(path))
+    return path
+
+
+def run_worker(kind: str, target: str, reference: Path, count: int, seed: int, deadline: float):
+    """Runs `count` loads in worker processes; yields one record per load, restarting the worker
+    after a hang or a crash."""
+    done = 0
+    while done < count:
+        cmd = [sys.executable, "-c", WORKER, kind, target, str(reference), str(count - done)]
+        cmd += [str(seed + done), json.dumps(STORAGE_OPTIONS)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        last = time.monotonic()
+        while done < count:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                line = proc.stdout.readline()
+                if line:
+                    yield json.loads(line)
+                    done += 1
+                    last = time.monotonic()
+                    continue
+                proc.wait()
+                yield {
+                    "outcome": "crash",
+                    "i": done,
+                    "returncode": proc.returncode,
+                    "stderr": proc.stderr.read()[-2000:],
+                }
+                done += 1
+                break
+            # Allow for the worker's start-up (imports) before its first load.
+            if time.monotonic() - last > deadline + 20:
+                proc.kill()
+                proc.wait()
+                yield {"outcome": "hang", "i": done}
+                done += 1
+                break
+        else:
+            proc.wait(timeout=30)
+
+
+def soak(remote: int, local: int, chaos: float, seed: int, deadline: float) -> dict:
+    from http_server import Behaviour, start_server
+
+    work = Path(tempfile.mkdtemp(prefix="fastload-soak-"))
+    reference = write_checkpoint(work / "reference.safetensors")
+    # Locally, 64 MiB: a load takes long enough for changes to land in the middle of it.
+    local_reference = write_checkpoint(work / "local.safetensors", layers=16, width=2048)
+    target = work / "changing.safetensors"
+    target.write_bytes(local_reference.read_bytes())
+    behaviour = Behaviour(chaos=chaos, seed=seed)
+    server = start_server({"/model.safetensors": reference.read_bytes()}, behaviour)
+    records = []
+    try:
+        runs = [
+            ("remote", server.url("model.safetensors"), reference, remote),
+            ("local", str(target), local_reference, local),
+        ]
+        for kind, where, ref, count in runs:
+            started = time.monotonic()
+            for rec in run_worker(kind, where, ref, count, seed, deadline):
+                rec["kind"] = kind
+                if rec["outcome"] == "clear error" and rec["took"] > deadline:
+                    rec["outcome"] = "slow error"
+                records.append(rec)
+            print(f"{kind}: {count} loads in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    finally:
+        server.close()
+    summary: dict = {}
+    for kind in ("remote", "local"):
+        mine = [r for r in records if r["kind"] == kind]
+        counts: dict[str, int] = {}
+        for r in mine:
+            counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+        took = sorted(r["took"] for r in mine if "took" in r)
+        summary[kind] = {
+            "loads": len(mine),
+            "outcomes": counts,
+            "max_s": took[-1] if took else None,
+            "median_s": took[len(took) // 2] if took else None,
+        }
+    summary["faults_injected"] = dict(behaviour.faults)
+    summary["bad"] = [r for r in records if r["outcome"] not in ("equal", "clear error")]
+    summary["errors_seen"] = sorted(
+        {r.get("message", "")[:160] for r in records if r["outcome"] == "clear error"}
+    )[:12]
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--remote", type=int, default=300, help="loads from the chaotic server")
+    ap.add_argument("--local", type=int, default=100, help="loads of the changing local file")
+    ap.add_argument("--chaos", type=float, default=0.3, help="share of GETs that misbehave")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--deadline", type=float, default=30.0, help="seconds a load may take")
+    ap.add_argument("--json", type=Path, help="write the summary here")
+    args = ap.parse_args()
+    summary = soak(args.remote, args.local, args.chaos, args.seed, args.deadline)
+    text = json.dumps(summary, indent=2)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+    return 0 if not summary["bad"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
