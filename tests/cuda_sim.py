@@ -1,6 +1,6 @@
 """The simulated CUDA driver (tests/fake_cuda/fake_cuda.c): building it, running processes on it.
 
-The simulator is a libcuda.so.1 that runs the real CUDA engine (cudarc's loading, contexts,
+The simulator is a libcuda.so.1 that runs the real CUDA engine (its own driver loading, contexts,
 page-locked staging, async copies, events) on machines without a GPU, with host memory standing in
 for device memory, and that reports misuse the real driver would punish on a GPU (see the rules in
 the C file's header comment). A process uses it through `LD_LIBRARY_PATH` and the `FAKE_CUDA_*`

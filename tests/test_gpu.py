@@ -6,7 +6,7 @@
   completion code as CUDA, checked bitwise for every dtype, tensors larger than a block, and
   the host-memory bound;
 - the simulated driver (tests/fake_cuda/fake_cuda.c, see cuda_sim.py): the real CUDA engine
-  (cudarc's loading, the probe, contexts per thread, page-locked staging, async copies run late
+  (its driver loading, the probe, contexts per thread, page-locked staging, async copies run late
   on the simulator's thread) with host memory standing in for the device;
 - ``gpu``-marked tests for a real driver and device, skipped elsewhere.
 """

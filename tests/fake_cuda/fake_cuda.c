@@ -1,6 +1,6 @@
 /*
- * A simulated CUDA driver: a libcuda.so.1 with the driver entry points fastload (through cudarc's
- * dynamic loading) and its tests call, so that the CUDA engine runs on machines without a GPU.
+ * A simulated CUDA driver: a libcuda.so.1 with the driver entry points fastload (src/device/cuda/driver.rs,
+ * opened at run time) and its tests call, so that the CUDA engine runs on machines without a GPU.
  * "Device memory" is host memory; a device is a number. Built by tests/cuda_sim.py.
  *
  * It models the driver semantics that the pipeline depends on, so that a pipeline that would
