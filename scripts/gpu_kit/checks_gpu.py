@@ -271,7 +271,7 @@ def stats_thread(work: Path) -> dict:
             received += 1
             time.sleep(0.01)
     except fastload.FastloadError as e:
-        end = f"FastloadError: {e}"
+        end = f"{type(e).__name__}: {e}"
     close_s = time.perf_counter() - t1
     closer.join()
     faulthandler.cancel_dump_traceback_later()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -143,7 +144,9 @@ def main(checks: dict[str, Check]) -> None:
     except Exception as e:
         out = result("fail", f"{type(e).__name__}: {e}\n{short(traceback.format_exc())}")
     print(RESULT_TAG + json.dumps(out, default=str), flush=True)
-    # Threads a failed check left blocked (a deadlock is what some checks look for) must not keep
-    # the process alive.
-    sys.stdout.flush()
-    os._exit(0)
+    # A thread a failed check left blocked (a deadlock is what some checks look for) must not
+    # keep the process alive; otherwise exit normally, so that the simulated driver writes its
+    # counters at exit.
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()[1:]):
+        os._exit(0)
+    sys.exit(0)

@@ -108,6 +108,7 @@ def script_check(script: str, function: str, **extra_env: str) -> Callable[[Ctx,
             simulated(ctx, check.name, res)
         return res
 
+    run.script, run.function = script, function  # type: ignore[attr-defined]
     return run
 
 

@@ -1,0 +1,128 @@
+"""The GPU verification kit (scripts/gpu_kit/) run here: its dry mode (no driver: the GPU checks
+are reported as not run, the no-driver checks run) and its driver-level checks against the
+simulated driver, so that the code a GPU machine runs is exercised for real. The runner uses this
+environment's fastload (``--no-install``); `scripts/test.sh` runs the built kit itself, wheels and
+all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNER = REPO / "scripts" / "gpu_kit" / "runner.py"
+sys.path.insert(0, str(RUNNER.parent))
+
+import runner  # noqa: E402
+
+GPU_CHECKS = [c.name for c in runner.CHECKS if c.needs == "gpu"]
+DRIVER_CHECKS = [c.name for c in runner.CHECKS if c.needs == "driver"]
+NO_DRIVER_CHECKS = [c.name for c in runner.CHECKS if c.needs == "no-driver"]
+
+
+def run_kit(out: Path, *args: str, env: dict | None = None) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), "--root", str(REPO), "--no-install", "--out", str(out)]
+        + list(args),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    report = json.loads((out / "gpu-kit-report.json").read_text())
+    markdown = (out / "gpu-kit-report.md").read_text()
+    return proc.returncode, report, markdown + proc.stderr
+
+
+def by_name(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_dry_mode_reports_every_check(tmp_path):
+    code, report, text = run_kit(tmp_path)
+    assert code == 0, text
+    assert report["mode"] == "dry"
+    checks = by_name(report)
+    # Every check of the kit is in the report, in order, each with a status and a reason.
+    assert [c["name"] for c in report["checks"]] == [c.name for c in runner.CHECKS]
+    for c in report["checks"]:
+        assert c["status"] in ("pass", "fail", "not-run"), c
+        assert c["details"] and isinstance(c["numbers"], dict) and c["seconds"] >= 0, c
+    for name in GPU_CHECKS:
+        assert checks[name]["status"] == "not-run", checks[name]
+        assert "no CUDA device" in checks[name]["details"], checks[name]
+    for name in DRIVER_CHECKS:
+        assert checks[name]["status"] == "not-run", checks[name]
+        assert "CUDA driver not found" in checks[name]["details"], checks[name]
+    # What runs without a GPU ran, and passed.
+    for name in [*NO_DRIVER_CHECKS, "import_fastload", "pytest_collect"]:
+        assert checks[name]["status"] == "pass", checks[name]
+    assert checks["pytest_collect"]["numbers"]["collected"] >= 5
+    assert checks["wheels_offline"]["status"] == "not-run"  # --no-install
+    assert report["summary"] == {"pass": 4, "fail": 0, "not-run": len(runner.CHECKS) - 4}
+    assert report["storage_to_gpu"] == []
+    assert "## Storage → GPU" in text and "Not measured in this run" in text
+    for name in checks:
+        assert f"`{name}`" in text
+
+
+def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
+    only = ",".join([*DRIVER_CHECKS, "pytest_gpu"])
+    code, report, text = run_kit(tmp_path, "--sim", str(fake_cuda), "--only", only)
+    assert report["mode"] == "sim"
+    checks = by_name(report)
+    assert sorted(checks) == sorted(only.split(","))
+    # torch has no CUDA here: the torch-level checks say so; the driver-level ones ran.
+    assert checks["pytest_gpu"]["status"] == "not-run"
+    assert "simulated driver" in checks["pytest_gpu"]["details"]
+    for name in DRIVER_CHECKS:
+        assert checks[name]["status"] == "pass", checks[name]
+        sim = checks[name]["numbers"].get("simulator")
+        if name != "no_visible_device":  # that one's processes never initialise a device
+            assert sim is not None and sim["violations"] == 0, checks[name]
+    assert code == 0, text
+    bench = checks["cli_bench_cuda"]["numbers"]
+    assert bench["bytes"] == 8 << 20 and bench["simulator"]["bytes"] == 2 * bench["bytes"]
+    child = checks["fork_child"]["numbers"]["child"]
+    assert child["error"]["fastload"] and "fork" in child["error"]["message"]
+    assert checks["fork_child"]["numbers"]["parent_pinned"] > 0
+    assert child["released"]["pinned"] == 0
+    rows = report["storage_to_gpu"]  # the CLI's row, without a copy rate to compare it with
+    assert [r["cache"] for r in rows] == ["warm"] and rows[0]["of_pinned_copy"] is None
+
+
+def test_a_failing_check_does_not_stop_the_others(fake_cuda, tmp_path):
+    # The simulator fails the first asynchronous copy of every process: the CLI's bench fails,
+    # the checks after it still run and the report says which failed and why.
+    code, report, text = run_kit(
+        tmp_path,
+        "--sim",
+        str(fake_cuda),
+        "--only",
+        "cli_no_driver,cli_bench_cuda,fork_child",
+        env={"FAKE_CUDA_FAIL": "cuMemcpyHtoDAsync:1"},
+    )
+    assert code == 1, text
+    checks = by_name(report)
+    assert checks["cli_bench_cuda"]["status"] == "fail"
+    assert "CUDA_ERROR_UNKNOWN" in checks["cli_bench_cuda"]["details"]
+    assert checks["cli_no_driver"]["status"] == "pass"  # before it: no driver on its path
+    assert checks["fork_child"]["status"] in ("pass", "fail")  # after it: ran
+    assert "fork_child" in checks and report["summary"]["fail"] >= 1
+    assert "**FAIL**" in text
+
+
+def test_every_script_check_exists():
+    # The GPU checks cannot run here: at least each function the runner calls must exist.
+    import checks_driver
+    import checks_gpu
+
+    modules = {"checks_driver.py": checks_driver.CHECKS, "checks_gpu.py": checks_gpu.CHECKS}
+    called = {(c.run.script, c.run.function) for c in runner.CHECKS if hasattr(c.run, "script")}
+    defined = {(script, name) for script, checks in modules.items() for name in checks}
+    # sanitizer_load runs under compute-sanitizer, from the runner's own sanitizer check.
+    assert called == defined - {("checks_gpu.py", "sanitizer_load")}
