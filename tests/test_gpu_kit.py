@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "scripts" / "gpu_kit" / "runner.py"
 sys.path.insert(0, str(RUNNER.parent))
@@ -26,8 +25,16 @@ NO_DRIVER_CHECKS = [c.name for c in runner.CHECKS if c.needs == "no-driver"]
 
 def run_kit(out: Path, *args: str, env: dict | None = None) -> tuple[int, dict, str]:
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), "--root", str(REPO), "--no-install", "--out", str(out)]
-        + list(args),
+        [
+            sys.executable,
+            str(RUNNER),
+            "--root",
+            str(REPO),
+            "--no-install",
+            "--out",
+            str(out),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=600,

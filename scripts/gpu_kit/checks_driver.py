@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import (
+from kit_common import (
     MiB,
     checkpoint,
     differing,

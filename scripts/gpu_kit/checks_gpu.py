@@ -1,6 +1,6 @@
 """Checks that need torch with a CUDA device (a real GPU): each runs in its own process.
 
-    python checks_gpu.py NAME WORKDIR
+python checks_gpu.py NAME WORKDIR
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import MiB, checkpoint, differing, main, reference, result, verdict
+from kit_common import MiB, checkpoint, differing, main, reference, result, verdict
 
 GiB = 1 << 30
 

@@ -30,8 +30,8 @@ from typing import Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import RESULT_TAG, result, short  # noqa: E402
-from report import write_report  # noqa: E402
+from kit_common import RESULT_TAG, result, short  # noqa: E402
+from kit_report import write_report  # noqa: E402
 
 REPORT_NAME = "gpu-kit-report"
 
@@ -47,6 +47,7 @@ class Ctx:
     sim: Path | None
     probe: dict = field(default_factory=dict)
     wheels: Path | None = None
+    setup: dict = field(default_factory=dict)  # what was installed where
     log: list[str] = field(default_factory=list)
 
     def driver_env(self, name: str) -> dict:
@@ -142,21 +143,27 @@ def wheels_offline(ctx: Ctx, check: Check) -> dict:
     wheels = sorted(ctx.wheels.glob("*.whl"))
     if not any(w.name.startswith("fastload-") for w in wheels):
         return result("fail", f"no fastload wheel in {ctx.wheels} (run gpu_kit.sh build)")
+    if ctx.setup.get("status") != "ok":
+        return result("fail", f"installing into the target: {ctx.setup.get('status')}")
     scratch = ctx.work / "all-wheels"
     code, out = ctx.run(pip_install(ctx.python, scratch, wheels), ctx.env, check.timeout)
     if code != 0:
         return result("fail", f"pip exit {code}: {short(out)}")
     modules = [dist_name(w) for w in wheels if not w.name.startswith("fastload-")]
     code2, out2 = ctx.run(
-        [ctx.python, "-S", "-c", f"import sys; sys.path.insert(0, {str(scratch)!r}); "
-         f"import {', '.join(modules) or 'sys'}"],
+        [
+            ctx.python,
+            "-S",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(scratch)!r}); "
+            f"import {', '.join(modules) or 'sys'}",
+        ],
         ctx.env,
         120,
     )
     return result(
         "pass" if code2 == 0 else "fail",
-        f"{len(wheels)} wheels installed offline; {', '.join(modules)} import without "
-        "site-packages"
+        f"{len(wheels)} wheels installed offline; {', '.join(modules)} import without site-packages"
         if code2 == 0
         else f"imports from the wheels alone failed: {short(out2)}",
         wheels=[w.name for w in wheels],
@@ -380,6 +387,8 @@ if os.environ.get("GPU_KIT_PROBE_TORCH") == "1":
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
         out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except FileNotFoundError:
+        out["nvidia_smi"] = None
     except Exception as e:
         out["nvidia_smi"] = f"{type(e).__name__}: {e}"
 print(json.dumps(out))
@@ -440,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated check names")
     ap.add_argument("--skip", default="", help="comma-separated check names")
     args = ap.parse_args(argv)
+    unknown = {n for n in f"{args.only},{args.skip}".split(",") if n} - {c.name for c in CHECKS}
+    if unknown:
+        ap.error(f"unknown checks {sorted(unknown)}; the checks: {[c.name for c in CHECKS]}")
 
     root = Path(args.root).resolve()
     out_dir = Path(args.out or os.environ.get("OUT") or root).resolve()
@@ -454,11 +466,10 @@ def main(argv: list[str] | None = None) -> int:
               sim=Path(args.sim).resolve() if args.sim else None)  # fmt: skip
     started = time.time()
     try:
-        setup: dict = {}
         if not args.no_install:
             ctx.wheels = Path(args.wheels).resolve() if args.wheels else root / "wheels"
             site = tmp / "site"
-            setup = install(ctx, site) if ctx.wheels.is_dir() else {"status": "no wheels"}
+            ctx.setup = install(ctx, site) if ctx.wheels.is_dir() else {"status": "no wheels"}
             path = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
             ctx.env = {**env, "PYTHONPATH": path, "GPU_KIT_SITE": str(site)}
         ctx.probe = probe(ctx, ctx.env, with_torch=True)
@@ -493,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode": mode,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "seconds": round(time.time() - started, 1),
-            "setup": setup,
+            "setup": ctx.setup,
             "environment": ctx.probe,
             "checks": results,
         }

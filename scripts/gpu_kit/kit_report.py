@@ -26,7 +26,7 @@ def storage_to_gpu(checks: dict[str, dict]) -> list[dict]:
     rate = pinned.get("numbers", {}).get("gb_per_s") if pinned.get("status") == "pass" else None
     if rate:
         rows.append(
-            {"row": "page-locked host→device copy, 1 GiB (torch, CUDA events)", "cache": "–",
+            {"row": "page-locked host→device copy, 1 GiB (torch, CUDA events)", "cache": "-",
              "gb_per_s": rate}
         )  # fmt: skip
     cli = checks.get("cli_bench_cuda", {})
@@ -94,7 +94,7 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|",
         ]
         for r in rows:
-            frac = f"{r['of_pinned_copy']:.2f}" if r["of_pinned_copy"] is not None else "–"
+            frac = f"{r['of_pinned_copy']:.2f}" if r["of_pinned_copy"] is not None else "-"
             lines.append(f"| {r['row']} | {r['cache']} | {r['gb_per_s']:.2f} | {frac} |")
     else:
         lines.append("Not measured in this run (no GPU).")
