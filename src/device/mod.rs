@@ -2,8 +2,8 @@
 //! destination memory that an [`Allocator`] hands out.
 //!
 //! - [`cuda`]: the GPU. Page-locked staging buffers, `cuMemcpyHtoDAsync` on a dedicated stream,
-//!   events as fences. The driver is loaded at run time (cudarc's dynamic loading), probed inside
-//!   `catch_unwind`, and never touched at import: a machine without a driver gets
+//!   events as fences. The driver (`libcuda.so.1`) is opened at run time with every entry point
+//!   resolved at once, and never touched at import: a machine without a driver (or device) gets
 //!   [`Error::Device`], never a panic.
 //! - [`HostEngine`]: the same protocol into host memory, on a worker thread that plays the part of
 //!   a copy stream. It runs the pipeline's staging, ordering and overlap logic on machines without
@@ -40,6 +40,11 @@ pub trait Engine: Send + Sync {
     fn name(&self) -> String;
     /// A staging buffer of at least `len` bytes, ready to be written (page-locked for a GPU).
     fn staging(&self, len: usize) -> Result<Staging>;
+    /// The memory a staging buffer of `len` bytes really takes (page-locked memory is allocated in
+    /// whole pages): what a ring of them counts.
+    fn staging_size(&self, len: usize) -> usize {
+        len
+    }
     /// Staging memory a load may hold at once (its ring); engines that cache staging buffers
     /// between loads (page-locked memory is slow to allocate) keep at least this much.
     fn keep_staging(&self, _bytes: u64) {}

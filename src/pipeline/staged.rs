@@ -55,8 +55,10 @@ struct Block {
 pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let Target { engine, allocator } = target;
     let block = block_for(&opts);
-    let slots = (opts.memory_limit / block).clamp(2, Semaphore::MAX_PERMITS as u64) as usize;
-    engine.keep_staging(slots as u64 * block);
+    // The ring counts what a staging buffer really takes, so the limit holds for any block size.
+    let slot = (engine.staging_size(block as usize) as u64).max(block);
+    let slots = (opts.memory_limit / slot).clamp(2, Semaphore::MAX_PERMITS as u64) as usize;
+    engine.keep_staging(slots as u64 * slot);
     crate::memory::set_pool_limit(opts.memory_limit);
     let ring = Arc::new(Semaphore::new(slots));
     let target_name = engine.name();
@@ -294,7 +296,13 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
     }
     for (fence, block, failed) in rx {
         let waited = shared.engine.wait(fence);
-        let Block { job, .. } = block; // drops the staging buffer and its ring slot
+        let Block { job, staging, .. } = block; // drops the ring slot
+        match (&waited, staging) {
+            // The copies may still read the buffer: never reuse it (as the copier does when it
+            // cannot record a fence).
+            (Err(_), Some(staging)) => std::mem::forget(staging),
+            (_, staging) => drop(staging),
+        }
         if let Some(e) = failed.or(waited.err()) {
             shared.feed.fail(e);
             continue;
