@@ -97,20 +97,22 @@ def busy_stream(work: Path) -> dict:
     )
 
 
+_LIBCUDA: list[ctypes.CDLL] = []
+
+
 def _driver_context() -> int | None:
+    """The calling thread's current CUDA context, as the driver has it (None: none)."""
+    if not _LIBCUDA:
+        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
     ctx = ctypes.c_void_p()
-    _driver_context.lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    _LIBCUDA[0].cuCtxGetCurrent(ctypes.byref(ctx))
     return ctx.value
-
-
-_driver_context.lib = None  # type: ignore[attr-defined]
 
 
 def context_threads(work: Path) -> dict:
     """The current device and driver context of the calling thread are the same before and after
     ``load`` and ``release_memory()``, from fresh threads as well as the main one."""
     torch = _torch()
-    _driver_context.lib = ctypes.CDLL("libcuda.so.1")  # type: ignore[attr-defined]
     import fastload
 
     path = checkpoint(work, "small", count=12, each=256 << 10)
