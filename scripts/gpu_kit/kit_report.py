@@ -31,9 +31,10 @@ def storage_to_gpu(checks: dict[str, dict]) -> list[dict]:
         )  # fmt: skip
     cli = checks.get("cli_bench_cuda", {})
     if cli.get("status") == "pass" and "best_gb_per_s" in cli.get("numbers", {}):
-        size = cli["numbers"].get("file_bytes", 0) / 2**30
+        size = cli["numbers"].get("file_bytes", 0)
+        size_text = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
         rows.append(
-            {"row": f"`fastload bench --device cuda` ({size:.1f} GiB, driver memory)",
+            {"row": f"`fastload bench --device cuda` ({size_text}, driver memory)",
              "cache": "warm", "gb_per_s": cli["numbers"]["best_gb_per_s"]}
         )  # fmt: skip
     bench = checks.get("gpu_bench", {})
@@ -85,10 +86,13 @@ def markdown(report: dict) -> str:
     lines += ["", "## Storage → GPU", ""]
     rows = report["storage_to_gpu"]
     if rows:
-        device = torch.get("devices", ["?"])[0] if torch.get("devices") else "?"
+        if report["mode"] == "sim":
+            where = "the simulated driver (copies by a CPU thread: not a GPU measurement)"
+        else:
+            where = ", ".join(torch.get("devices") or ["?"]) + f" ({env.get('nvidia_smi')})"
         lines += [
-            f"On {device} ({env.get('nvidia_smi', '')}), torch {torch.get('version')}; GB/s of "
-            "tensor data (10^9 bytes/s), best of the runs.",
+            f"On {where}, torch {torch.get('version')}; GB/s of tensor data (10^9 bytes/s), "
+            "best of the runs.",
             "",
             "| path | page cache | GB/s | of the page-locked copy rate |",
             "|---|---|---|---|",
