@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -330,8 +331,12 @@ def why_not(check: Check, ctx: Ctx) -> str | None:
     """None when the check can run here, else the reason it cannot."""
     p = ctx.probe
     plain, sim = p.get("driver", {}), p.get("sim_driver", {})
-    if "error" in p.get("fastload", {}) and check.needs != "always":
+    if check.name in ("wheels_offline", "import_fastload"):
+        return None
+    if "error" in p.get("fastload", {}):
         return "fastload does not import"
+    if "error" in p.get("torch", {}):  # every check writes or reads tensors
+        return f"torch does not import ({p['torch']['error']})"
     if check.needs == "no-driver":
         if "count" in plain:
             return f"a CUDA driver is present ({plain['count']} device(s))"
@@ -343,8 +348,6 @@ def why_not(check: Check, ctx: Ctx) -> str | None:
         return None
     if check.needs == "gpu":
         torch = p.get("torch", {})
-        if "error" in torch:
-            return f"torch does not import ({torch['error']})"
         if not torch.get("cuda_available"):
             why = "simulated driver: " if ctx.sim is not None else ""
             return f"{why}no CUDA device for torch (torch {torch.get('version')})"
@@ -430,10 +433,18 @@ def install(ctx: Ctx, site: Path) -> dict:
                 present.append(name)
                 continue
         chosen.append(w)
-    code, out = ctx.run(pip_install(ctx.python, site, chosen), ctx.env, 300) if chosen else (0, "")
+    how = "pip"
+    if ctx.run([ctx.python, "-m", "pip", "--version"], ctx.env, 60)[0] == 0:
+        code, out = ctx.run(pip_install(ctx.python, site, chosen), ctx.env, 300)
+    else:  # no pip: pure and abi3 wheels import the same once unpacked
+        how, code, out = "unzip (no pip)", 0, ""
+        for w in chosen:
+            with zipfile.ZipFile(w) as z:
+                z.extractall(site)
     return {
         "installed": [w.name for w in chosen],
         "from_machine": present,
+        "how": how,
         "status": "ok" if code == 0 else f"pip exit {code}: {short(out)}",
     }
 
