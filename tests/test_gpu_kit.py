@@ -133,3 +133,36 @@ def test_every_script_check_exists():
     defined = {(script, name) for script, checks in modules.items() for name in checks}
     # sanitizer_load runs under compute-sanitizer, from the runner's own sanitizer check.
     assert called == defined - {("checks_gpu.py", "sanitizer_load")}
+
+
+def test_pytest_results_are_read_from_junit(tmp_path):
+    # How the kit reads the gpu-marked tests' outcome on the GPU machine: a real pytest run's
+    # JUnit XML, with a pass, a failure (its message kept), an error and a skip.
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n"
+        "    raise RuntimeError('no fixture')\n"
+        "def test_ok():\n"
+        "    print('output')\n"
+        "def test_bad():\n"
+        "    assert 1 == 2, 'bytes differ'\n"
+        "def test_error(broken):\n"
+        "    pass\n"
+        "@pytest.mark.skip(reason='no GPU')\n"
+        "def test_skipped():\n"
+        "    pass\n"
+    )
+    xml = tmp_path / "out.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
+         f"--junitxml={xml}", "-o", "junit_logging=all"],
+        capture_output=True,
+        timeout=120,
+        cwd=tmp_path,
+    )  # fmt: skip
+    counts, failed = runner.junit(xml)
+    assert counts == {"tests": 4, "failures": 1, "errors": 1, "skipped": 1}
+    assert len(failed) == 2
+    assert failed[0].startswith("test_bad: ") and "bytes differ" in failed[0]
+    assert failed[1].startswith("test_error: ")

@@ -209,21 +209,28 @@ def pytest_env(ctx: Ctx) -> dict:
     return {**ctx.env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
-def pytest_gpu(ctx: Ctx, check: Check) -> dict:
-    junit = ctx.work / "pytest-gpu.xml"
-    code, out = ctx.run(
-        pytest_argv(ctx, "-q", f"--junitxml={junit}"), pytest_env(ctx), check.timeout
-    )
-    if code is None or not junit.exists():
-        return result("fail", f"exit {code}: {short(out)}")
-    suite = ET.parse(junit).getroot()
+def junit(path: Path) -> tuple[dict[str, int], list[str]]:
+    """A JUnit XML file's counts, and each failed or erroring test with its message."""
+    suite = ET.parse(path).getroot()
     suite = suite if suite.tag == "testsuite" else suite[0]
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [
-        f"{case.get('name')}: {(case[0].get('message') or '')[:300]}"
-        for case in suite.iter("testcase")
-        if len(case) and case[0].tag in ("failure", "error")
-    ]
+    failed = []
+    for case in suite.iter("testcase"):
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
+            failed.append(f"{case.get('name')}: {(bad.get('message') or '')[:300]}")
+    return counts, failed
+
+
+def pytest_gpu(ctx: Ctx, check: Check) -> dict:
+    junit_path = ctx.work / "pytest-gpu.xml"
+    code, out = ctx.run(
+        pytest_argv(ctx, "-q", f"--junitxml={junit_path}"), pytest_env(ctx), check.timeout
+    )
+    if code is None or not junit_path.exists():
+        return result("fail", f"exit {code}: {short(out)}")
+    counts, failed = junit(junit_path)
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     ok = code == 0 and passed > 0 and not failed
     return result(
