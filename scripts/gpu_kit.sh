@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU verification kit (README.md, "Checking on a real GPU").
 #
-#   bash scripts/gpu_kit.sh build   # here: the abi3 wheel, the kit's scripts and tests, and the
+#   bash scripts/gpu_kit.sh build   # here: the abi3 wheel, the kit's scripts and gpu tests, and the
 #                                   # wheels they need offline, into gpu-kit/ (git-ignored)
 #   bash gpu-kit/run.sh             # on the GPU machine (Python + CUDA torch + driver; no Rust,
 #                                   # no network): every check, one report
@@ -56,11 +56,14 @@ PY
     mkdir -p "$KIT/kit" "$KIT/tests" "$KIT/benches"
     cp "$REPO"/scripts/gpu_kit/*.py "$KIT/kit/"
     cp "$REPO/scripts/gpu_kit/run.sh" "$KIT/run.sh"
-    # test_gpu.py and what it imports (conftest's helpers are standard library + pytest/torch).
+    # The test files with gpu-marked tests and what they import (conftest and its helpers need
+    # only the standard library, pytest, torch and safetensors).
     for f in "$REPO"/tests/*.py; do
-        case "$(basename "$f")" in test_*) ;; *) cp "$f" "$KIT/tests/" ;; esac
+        case "$(basename "$f")" in
+        test_*) if grep -q "pytest.mark.gpu" "$f"; then cp "$f" "$KIT/tests/"; fi ;;
+        *) cp "$f" "$KIT/tests/" ;;
+        esac
     done
-    cp "$REPO/tests/test_gpu.py" "$KIT/tests/"
     cp -r "$REPO/tests/fake_cuda" "$KIT/tests/"
     cp "$REPO"/benches/{gpu_bench.py,limits.py,make_checkpoint.py} "$KIT/benches/"
     cat >"$KIT/pytest.ini" <<'INI'

@@ -52,7 +52,7 @@ def by_name(report: dict) -> dict[str, dict]:
 def test_dry_mode_reports_every_check(tmp_path):
     code, report, text = run_kit(tmp_path)
     assert code == 0, text
-    assert report["mode"] == "dry"
+    assert report["mode"] == "dry" and report["complete"]
     checks = by_name(report)
     # Every check of the kit is in the report, in order, each with a status and a reason.
     assert [c["name"] for c in report["checks"]] == [c.name for c in runner.CHECKS]
@@ -133,6 +133,17 @@ def test_every_script_check_exists():
     defined = {(script, name) for script, checks in modules.items() for name in checks}
     # sanitizer_load runs under compute-sanitizer, from the runner's own sanitizer check.
     assert called == defined - {("checks_gpu.py", "sanitizer_load")}
+
+
+def test_time_budget(tmp_path):
+    # Past --budget no check starts; each says why. (The report is written after every check, so
+    # a run stopped from outside leaves one too.)
+    code, report, _ = run_kit(
+        tmp_path, "--budget", "0.001", "--only", "no_driver_load,cli_no_driver"
+    )
+    assert code == 0
+    for c in report["checks"]:
+        assert c["status"] == "not-run" and "--budget" in c["details"], c
 
 
 def test_pytest_results_are_read_from_junit(tmp_path):

@@ -66,7 +66,8 @@ def markdown(report: dict) -> str:
         "# fastload GPU verification kit: report",
         "",
         f"- mode: **{report['mode']}**; {s['pass']} passed, {s['fail']} failed, {s['not-run']} "
-        f"not run; {report['seconds']} s from {report['started']}",
+        f"not run; {report['seconds']} s from {report['started']}"
+        + ("" if report.get("complete") else " (**incomplete**: the run was stopped during it)"),
         f"- kit: commit {kit.get('commit', '?')} built {kit.get('built', '?')}; wheel "
         f"{kit.get('wheel', '?')}",
         f"- machine: {env.get('nvidia_smi') or 'no nvidia-smi'}; Python {env.get('python')}; "

@@ -185,10 +185,16 @@ def import_fastload(ctx: Ctx, check: Check) -> dict:
     )
 
 
+def gpu_test_files(root: Path) -> list[str]:
+    """The test files with ``gpu``-marked tests (the kit ships only those)."""
+    files = sorted((root / "tests").glob("test_*.py"))
+    return [str(f) for f in files if "pytest.mark.gpu" in f.read_text(errors="replace")]
+
+
 def pytest_argv(ctx: Ctx, *extra: str) -> list[str]:
     return [
         ctx.python, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu",
-        str(ctx.root / "tests" / "test_gpu.py"), *extra,
+        *gpu_test_files(ctx.root), *extra,
     ]  # fmt: skip
 
 
@@ -300,7 +306,7 @@ CHECKS = [
           "no-driver", script_check(_D, "no_driver_load"), 180),
     Check("cli_no_driver", "fastload bench --device cuda without a driver: clear error",
           "no-driver", script_check(_D, "cli_no_driver"), 180),
-    Check("pytest_gpu", "gpu-marked tests (tests/test_gpu.py)", "gpu", pytest_gpu, 480),
+    Check("pytest_gpu", "gpu-marked tests (tests/test_gpu.py, ...)", "gpu", pytest_gpu, 480),
     Check("busy_stream", "Ordering under a busy stream (native allocator)", "gpu",
           script_check(_G, "busy_stream"), 180),
     Check("busy_stream_async", "Ordering under a busy stream, backend:cudaMallocAsync", "gpu",
@@ -466,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim", help="folder of a simulated libcuda for the driver-level checks")
     ap.add_argument("--only", default="", help="comma-separated check names")
     ap.add_argument("--skip", default="", help="comma-separated check names")
+    ap.add_argument(
+        "--budget", type=float, help="seconds after which no further check starts (not run)"
+    )
     args = ap.parse_args(argv)
     unknown = {n for n in f"{args.only},{args.skip}".split(",") if n} - {c.name for c in CHECKS}
     if unknown:
@@ -493,7 +502,20 @@ def main(argv: list[str] | None = None) -> int:
         ctx.probe = probe(ctx, ctx.env, with_torch=True)
         if ctx.sim is not None:
             ctx.probe["sim_driver"] = probe(ctx, ctx.driver_env("probe"), False).get("driver", {})
-        results = []
+        mode = "sim" if ctx.sim else ("gpu" if ctx.probe.get("torch", {}).get("cuda_available")
+                                      else ("driver" if "count" in ctx.probe.get("driver", {})
+                                            else "dry"))  # fmt: skip
+        kit = root / "BUILD.json"
+        report = {
+            "kit": json.loads(kit.read_text()) if kit.exists() else None,
+            "mode": mode,
+            "complete": False,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "seconds": 0.0,
+            "setup": ctx.setup,
+            "environment": ctx.probe,
+            "checks": [],
+        }
         only = {n for n in args.only.split(",") if n}
         skip = {n for n in args.skip.split(",") if n}
         for check in CHECKS:
@@ -501,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.perf_counter()
             reason = why_not(check, ctx)
+            if reason is None and args.budget and time.time() - started > args.budget:
+                reason = f"the run's time budget ({args.budget:.0f} s, --budget) was spent"
             if reason is not None:
                 res = result("not-run", reason)
             else:
@@ -512,20 +536,13 @@ def main(argv: list[str] | None = None) -> int:
             res = {"name": check.name, "title": check.title, "needs": check.needs, **res}
             res["seconds"] = round(time.perf_counter() - t0, 2)
             print(f"gpu-kit: {check.name}: {res['status']}", file=sys.stderr, flush=True)
-            results.append(res)
-        mode = "sim" if ctx.sim else ("gpu" if ctx.probe.get("torch", {}).get("cuda_available")
-                                      else ("driver" if "count" in ctx.probe.get("driver", {})
-                                            else "dry"))  # fmt: skip
-        kit = root / "BUILD.json"
-        report = {
-            "kit": json.loads(kit.read_text()) if kit.exists() else None,
-            "mode": mode,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "seconds": round(time.time() - started, 1),
-            "setup": ctx.setup,
-            "environment": ctx.probe,
-            "checks": results,
-        }
+            report["checks"].append(res)
+            # Written after every check: a run killed from outside still leaves its report.
+            report["seconds"] = round(time.time() - started, 1)
+            write_report(report, out_dir / REPORT_NAME)
+            (out_dir / "gpu-kit.log").write_text("\n".join(ctx.log))
+        report["complete"] = True
+        report["seconds"] = round(time.time() - started, 1)
         write_report(report, out_dir / REPORT_NAME)
         (out_dir / "gpu-kit.log").write_text("\n".join(ctx.log))
     finally:
