@@ -12,6 +12,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from kit_common import MiB, checkpoint, differing, main, reference, result, verdict
 
@@ -314,7 +315,7 @@ def cancellations(work: Path) -> dict:
     path = checkpoint(work, "cancel", count=32, each=4 * MiB)
     want = reference(path)
     limit = 32 * MiB
-    opts = {"device": "cuda:0", "memory_limit": limit, "block_size": "1MiB"}
+    opts: dict[str, Any] = {"device": "cuda:0", "memory_limit": limit, "block_size": "1MiB"}
     fastload.load(path, **opts)  # the ring is pinned before the baseline
     torch.cuda.synchronize()
     gc.collect()
@@ -380,7 +381,7 @@ def block_size_change(work: Path) -> dict:
         del got
         return dt
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for first, second in (("4MiB", "16MiB"), ("16MiB", "4MiB")):
         # The first load of each series pins its ring; the best of the next three is the rate.
         fastload.release_memory()

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -139,7 +140,7 @@ def short(text: str, limit: int = 1500) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-def main(checks: dict[str, Check]) -> None:
+def main(checks: Mapping[str, Check]) -> None:
     name, work = sys.argv[1], Path(sys.argv[2])
     try:
         out = checks[name](work)

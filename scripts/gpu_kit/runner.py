@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                                       else ("driver" if "count" in ctx.probe.get("driver", {})
                                             else "dry"))  # fmt: skip
         kit = root / "BUILD.json"
-        report = {
+        report: dict[str, Any] = {
             "kit": json.loads(kit.read_text()) if kit.exists() else None,
             "mode": mode,
             "complete": False,
