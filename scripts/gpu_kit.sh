@@ -92,7 +92,7 @@ run)
     exec bash "$KIT/run.sh" "$@"
     ;;
 *)
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac
