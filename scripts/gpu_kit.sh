@@ -66,6 +66,16 @@ PY
     done
     cp -r "$REPO/tests/fake_cuda" "$KIT/tests/"
     cp "$REPO"/benches/{gpu_bench.py,limits.py,make_checkpoint.py} "$KIT/benches/"
+    cat >"$KIT/README.txt" <<'TXT'
+fastload GPU verification kit (built by scripts/gpu_kit.sh build; see README.md, "Checking on a
+real GPU"). On a GPU machine (Python with a CUDA torch, an NVIDIA driver; no Rust, no network):
+
+    bash run.sh                 # every check; report in $OUT if set, else here
+    bash run.sh --only a,b      # some checks; --skip a,b; --budget SECONDS; --help
+
+Writes gpu-kit-report.json, gpu-kit-report.md (its "Storage -> GPU" table fills README.md's)
+and gpu-kit.log. Exit status 1 if a check failed.
+TXT
     cat >"$KIT/pytest.ini" <<'INI'
 [pytest]
 testpaths = tests
