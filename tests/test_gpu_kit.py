@@ -146,6 +146,18 @@ def test_time_budget(tmp_path):
         assert c["status"] == "not-run" and "--budget" in c["details"], c
 
 
+def test_a_check_past_its_time_fails_and_the_run_goes_on(tmp_path):
+    # Each check within 0.5 s: both time out (the CLI the second one starts, a grandchild, is
+    # killed with it), each is reported as such, and the run ends with a report.
+    only = "no_driver_load,cli_no_driver"
+    code, report, _ = run_kit(tmp_path, "--timeout", "0.5", "--only", only)
+    assert code == 1
+    assert [c["name"] for c in report["checks"]] == only.split(",")
+    for c in report["checks"]:
+        assert c["status"] == "fail" and c["details"].startswith("timed out after 0.5 s"), c
+        assert c["seconds"] < 30, c
+
+
 def test_pytest_results_are_read_from_junit(tmp_path):
     # How the kit reads the gpu-marked tests' outcome on the GPU machine: a real pytest run's
     # JUnit XML, with a pass, a failure (its message kept), an error and a skip.

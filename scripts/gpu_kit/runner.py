@@ -14,10 +14,12 @@ folder); the exit status is 1 when a check failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,22 +66,30 @@ class Ctx:
         }
 
     def run(self, argv: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
-        """Runs a child, returns (exit status or None on timeout, its output); logs both."""
+        """Runs a child, returns (exit status or None on timeout, its output); logs both. The
+        child leads a process group of its own: on timeout the whole group is killed, so that a
+        grandchild holding the output pipe cannot hang the run."""
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env=env,
+            cwd=self.root,
+            start_new_session=True,
+        )
+        code: int | None
         try:
-            proc = subprocess.run(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                errors="replace",
-                env=env,
-                cwd=self.root,
-                timeout=timeout,
-            )
-            code, out = proc.returncode, proc.stdout
-        except subprocess.TimeoutExpired as e:
-            raw = e.stdout or b""
-            code, out = None, raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            out, _ = proc.communicate(timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            code = None
+        except BaseException:  # Ctrl-C: the group goes with the runner
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         self.log.append(f"$ {' '.join(argv)}\n{out}\n[exit {code}]\n")
         return code, out
 
@@ -117,7 +127,7 @@ def script_check(script: str, function: str, **extra_env: str) -> Callable[[Ctx,
 def parse_result(code: int | None, out: str, timeout: float) -> dict:
     lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
     if code is None:
-        return result("fail", f"timed out after {timeout:.0f} s (a deadlock?): {short(out)}")
+        return result("fail", f"timed out after {timeout:g} s (a deadlock?): {short(out)}")
     if not lines:
         return result("fail", f"exit {code} without a result: {short(out)}")
     return json.loads(lines[-1][len(RESULT_TAG) :])
@@ -475,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--budget", type=float, help="seconds after which no further check starts (not run)"
     )
+    ap.add_argument("--timeout", type=float, help="at most this many seconds for any one check")
     args = ap.parse_args(argv)
     unknown = {n for n in f"{args.only},{args.skip}".split(",") if n} - {c.name for c in CHECKS}
     if unknown:
@@ -521,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         for check in CHECKS:
             if (only and check.name not in only) or check.name in skip:
                 continue
+            if args.timeout:
+                check = dataclasses.replace(check, timeout=min(check.timeout, args.timeout))
             t0 = time.perf_counter()
             reason = why_not(check, ctx)
             if reason is None and args.budget and time.time() - started > args.budget:
