@@ -189,3 +189,48 @@ def test_pytest_results_are_read_from_junit(tmp_path):
     assert len(failed) == 2
     assert failed[0].startswith("test_bad: ") and "bytes differ" in failed[0]
     assert failed[1].startswith("test_error: ")
+
+
+def test_storage_to_gpu_table_from_a_gpu_report(tmp_path):
+    # The table README's is filled from: each throughput as a fraction of the page-locked copy
+    # rate, from the numbers the checks report on a GPU (benches/gpu_bench.py's JSON rows).
+    import kit_report
+
+    def check(name, status, **numbers):
+        return {"name": name, "title": name, "status": status, "details": "d", "seconds": 1.0,
+                "numbers": numbers}  # fmt: skip
+
+    bench_rows = [
+        {"cache": "warm", "row": "fastload", "seconds": 0.1, "gb_per_s": 20.0},
+        {"cache": "cold", "row": "safetensors", "seconds": 0.4, "gb_per_s": 5.0},
+    ]
+    report = {
+        "mode": "gpu",
+        "complete": True,
+        "seconds": 9.0,
+        "started": "now",
+        "kit": None,
+        "environment": {"torch": {"version": "2.11", "devices": ["NVIDIA H100"]}},
+        "checks": [
+            check("pinned_h2d", "pass", gb_per_s=40.0),
+            check("cli_bench_cuda", "pass", best_gb_per_s=30.0, file_bytes=2 << 30),
+            check("gpu_bench", "pass", rows=bench_rows, notes={}),
+            check("fork_child", "fail"),
+        ],
+    }
+    kit_report.write_report(report, tmp_path / "r")
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["summary"] == {"pass": 3, "fail": 1, "not-run": 0}
+    rows = [(r["cache"], r["gb_per_s"], r["of_pinned_copy"]) for r in saved["storage_to_gpu"]]
+    assert rows == [
+        ("-", 40.0, 1.0),
+        ("warm", 30.0, 0.75),
+        ("warm", 20.0, 0.5),
+        ("cold", 5.0, 0.125),
+    ]
+    text = (tmp_path / "r.md").read_text()
+    assert (
+        "| `fastload bench --device cuda` (2.0 GiB, driver memory) | warm | 30.00 | 0.75 |" in text
+    )
+    assert "| fastload `load(device=...)` (benches/gpu_bench.py) | warm | 20.00 | 0.50 |" in text
+    assert "NVIDIA H100" in text and "**FAIL**" in text
