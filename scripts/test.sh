@@ -28,6 +28,7 @@ VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
 echo "== GPU kit: built (its wheel reuses the release build above), then run dry: no GPU here, so"
 echo "   its GPU checks report 'not run'; every check that can run must pass, and the report exist"
 bash scripts/gpu_kit.sh build
+rm -rf gpu-kit/dry-run
 PYTHON=.venv/bin/python bash scripts/gpu_kit.sh run --out gpu-kit/dry-run
 test -s gpu-kit/dry-run/gpu-kit-report.json && test -s gpu-kit/dry-run/gpu-kit-report.md
 
