@@ -19,6 +19,7 @@ from ._errors import (
     FormatError,
     NotFoundError,
     StorageError,
+    StreamClosedError,
     TensorNotFoundError,
 )
 from ._options import Options, Uri
@@ -40,6 +41,7 @@ __all__ = [
     "Options",
     "StorageError",
     "Stream",
+    "StreamClosedError",
     "TensorNotFoundError",
     "__version__",
     "cached_memory",
@@ -160,11 +162,12 @@ class Stream:
         """Bytes and tensors planned, read and delivered so far; time to the first tensor; the
         method and options in force. After ``close()``, the counters as they were then (so the
         caller can tell how far a closed stream got)."""
-        stats = self._native.stats()
-        return {} if stats is None else dict(stats.as_dict())
+        return dict(self._native.stats().as_dict())
 
     def close(self) -> None:
-        """Cancels outstanding reads and frees buffers no tensor uses."""
+        """Cancels outstanding reads and frees buffers no tensor uses. Safe from any thread: it
+        never waits for a ``next()`` in progress, which then raises :class:`StreamClosedError`
+        (as does any later ``next()``) unless every tensor had been delivered."""
         self._batch = []
         self._native.close()
 

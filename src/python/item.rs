@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 
-use crate::pipeline::Loader;
+use crate::pipeline::Control;
 
 /// One tensor of a completed segment, or one piece of a tensor when the load reads `parts`.
 ///
@@ -64,7 +64,7 @@ pub struct Stats {
 }
 
 impl Stats {
-    pub fn of(l: &Loader) -> Self {
+    pub fn of(l: &Control) -> Self {
         let s = l.stats();
         Stats {
             total_bytes: l.plan().total_bytes,
