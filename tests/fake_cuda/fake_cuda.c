@@ -33,9 +33,11 @@ enum {
     INVALID_VALUE = 1,
     OUT_OF_MEMORY = 2,
     NOT_INITIALIZED = 3,
+    NO_DEVICE = 100,
     INVALID_DEVICE = 101,
     INVALID_CONTEXT = 201,
     INVALID_HANDLE = 400,
+    UNKNOWN = 999,
 };
 
 struct ctx_s { int device; };
@@ -50,21 +52,70 @@ static struct ctx_s contexts[16];
 static __thread CUcontext current;
 static struct region pinned[4096];
 static size_t pinned_bytes, pinned_peak;
-static unsigned long long copies, copied_bytes;
+static unsigned long long copies, copied_bytes, host_allocs, host_frees, violations;
+static size_t device_now[16], device_peak;
 
-static int devices(void) {
+static int physical(void) {
     const char *n = getenv("FAKE_CUDA_DEVICES");
     int d = n ? atoi(n) : 1;
     return d < 0 ? 0 : (d > 16 ? 16 : d);
 }
+
+/* Devices visible through CUDA_VISIBLE_DEVICES (a comma list of ordinals; unset: all). */
+static int devices(void) {
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    if (!v) return physical();
+    int n = 0;
+    for (const char *p = v; *p;) {
+        char *end;
+        long d = strtol(p, &end, 10);
+        if (end == p || d < 0 || d >= physical()) break;
+        n++;
+        if (*end != ',') break;
+        p = end + 1;
+    }
+    return n;
+}
+
+/* FAKE_CUDA_FAIL=name:n[,name:n]: the n-th call of `name` fails with CUDA_ERROR_UNKNOWN. */
+static int injected(const char *name) {
+    static struct { char name[64]; long at, calls; } rules[16];
+    static int parsed, count;
+    int hit = 0;
+    pthread_mutex_lock(&lock);
+    if (!parsed) {
+        parsed = 1;
+        const char *spec = getenv("FAKE_CUDA_FAIL");
+        while (spec && *spec && count < 16) {
+            const char *colon = strchr(spec, ':');
+            if (!colon || colon - spec >= 64) break;
+            memcpy(rules[count].name, spec, colon - spec);
+            rules[count].name[colon - spec] = 0;
+            rules[count].at = strtol(colon + 1, NULL, 10);
+            count++;
+            spec = strchr(colon, ',');
+            if (spec) spec++;
+        }
+    }
+    for (int i = 0; i < count; i++)
+        if (!strcmp(rules[i].name, name) && ++rules[i].calls == rules[i].at) hit = 1;
+    pthread_mutex_unlock(&lock);
+    return hit;
+}
+#define INJECT(name) do { if (injected(name)) return UNKNOWN; } while (0)
 
 static void report(void) {
     const char *path = getenv("FAKE_CUDA_LOG");
     if (!path) return;
     FILE *f = fopen(path, "w");
     if (!f) return;
-    fprintf(f, "copies=%llu bytes=%llu pinned_peak=%zu pinned_now=%zu\n", copies, copied_bytes,
-            pinned_peak, pinned_bytes);
+    size_t now = 0;
+    for (int d = 0; d < 16; d++) now += device_now[d];
+    fprintf(f,
+            "copies=%llu bytes=%llu pinned_peak=%zu pinned_now=%zu host_allocs=%llu "
+            "host_frees=%llu device_peak=%zu device_now=%zu violations=%llu\n",
+            copies, copied_bytes, pinned_peak, pinned_bytes, host_allocs, host_frees, device_peak,
+            now, violations);
     fclose(f);
 }
 
@@ -73,6 +124,9 @@ static void report(void) {
 
 CUresult cuInit(unsigned flags) {
     (void)flags;
+    INJECT("cuInit");
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    if (v && !*v) return NO_DEVICE;
     pthread_mutex_lock(&lock);
     if (!initialised) atexit(report);
     initialised = 1;
@@ -152,6 +206,7 @@ CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
     pinned[i].at = (uintptr_t)*p;
     pinned[i].len = len;
     pinned_bytes += len;
+    host_allocs++;
     if (pinned_bytes > pinned_peak) pinned_peak = pinned_bytes;
     pthread_mutex_unlock(&lock);
     return OK;
@@ -163,6 +218,7 @@ CUresult cuMemFreeHost(void *p) {
     for (size_t i = 0; i < 4096; i++) {
         if (pinned[i].at == (uintptr_t)p) {
             pinned_bytes -= pinned[i].len;
+            host_frees++;
             pinned[i].at = 0;
             free(p);
             pthread_mutex_unlock(&lock);
@@ -180,18 +236,49 @@ static int is_pinned(const void *p, size_t len) {
     return 0;
 }
 
+static size_t capacity(void) {
+    const char *m = getenv("FAKE_CUDA_DEVICE_MEMORY");
+    return m ? strtoull(m, NULL, 10) : (size_t)1 << 40;
+}
+
+struct dalloc { uintptr_t at; size_t len; int device; };
+static struct dalloc dallocs[4096];
+
 CUresult cuMemAlloc_v2(CUdeviceptr *d, size_t len) {
+    INJECT("cuMemAlloc");
     NEED_CONTEXT();
+    int dev = current->device;
+    pthread_mutex_lock(&lock);
+    size_t i;
+    for (i = 0; i < 4096 && dallocs[i].at; i++) {}
+    if (i == 4096 || device_now[dev] + len > capacity()) {
+        pthread_mutex_unlock(&lock);
+        return OUT_OF_MEMORY;
+    }
     void *p = malloc(len ? len : 1);
-    if (!p) return OUT_OF_MEMORY;
+    if (!p) { pthread_mutex_unlock(&lock); return OUT_OF_MEMORY; }
+    dallocs[i] = (struct dalloc){(uintptr_t)p, len, dev};
+    device_now[dev] += len;
+    if (device_now[dev] > device_peak) device_peak = device_now[dev];
+    pthread_mutex_unlock(&lock);
     *d = (CUdeviceptr)(uintptr_t)p;
     return OK;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr d) {
     NEED_CONTEXT();
-    free((void *)(uintptr_t)d);
-    return OK;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < 4096; i++) {
+        if (dallocs[i].at && dallocs[i].at == (uintptr_t)d) {
+            device_now[dallocs[i].device] -= dallocs[i].len;
+            dallocs[i].at = 0;
+            pthread_mutex_unlock(&lock);
+            free((void *)(uintptr_t)d);
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return INVALID_VALUE;
 }
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t len, CUstream s) {
@@ -227,6 +314,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 }
 
 CUresult cuEventSynchronize(CUevent e) {
+    INJECT("cuEventSynchronize");
     NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     if (e->stream) run_until(e->stream, e->mark);
@@ -247,6 +335,7 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
     case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
     case OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
     case NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; break;
+    case NO_DEVICE: *s = "CUDA_ERROR_NO_DEVICE"; break;
     case INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
     case INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
     case INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
