@@ -85,3 +85,61 @@ emit(n=len(got), total=sum(t.numel() * t.element_size() for t in got.values()))
 def test_a_consumer_that_keeps_everything_is_not_limited(two_gib):
     out = run_probe(KEEPS_EVERYTHING, two_gib, timeout=300)
     assert out == {"n": COUNT, "total": COUNT * 16 * MiB}, out
+
+
+# Reads a dltensor capsule's memory: on the simulator device memory is host memory.
+DLPACK = """
+import ctypes
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+_get = ctypes.pythonapi.PyCapsule_GetPointer
+_get.restype, _get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+def dl(capsule):
+    t = DLTensor.from_address(_get(capsule, b"dltensor"))
+    n = t.dtype.bits // 8
+    for i in range(t.ndim):
+        n *= t.shape[i]
+    data = ctypes.string_at(t.data + t.byte_offset, n) if n else b""
+    return (t.device.device_type, t.device.device_id), data
+"""
+
+SIMULATED = (
+    CHECK
+    + DLPACK
+    + """
+from fastload import _fastload
+s = _fastload.Stream([sys.argv[1]], target="cuda:0", memory_limit="256MiB")
+n, bad, devices = 0, [], set()
+for batch in s:
+    while batch:
+        item = batch.pop(0)
+        time.sleep(0.02)
+        n += 1
+        if n % 16 == 0:
+            device, data = dl(item.data)
+            devices.add(device)
+            if not check(item.name, data):
+                bad.append(item.name)
+        del item
+emit(n=n, bad=bad, devices=sorted(devices))
+"""
+)
+
+
+def test_simulated_device_peak_within_the_limit(fake_cuda, two_gib, tmp_path):
+    import cuda_sim
+
+    log = tmp_path / "log"
+    out = run_probe(SIMULATED, two_gib, env=cuda_sim.env(fake_cuda, log), timeout=300)
+    assert out["n"] == COUNT and out["bad"] == [] and out["devices"] == [[2, 0]], out
+    counters = cuda_sim.log(log)
+    # The budget (undelivered segments) plus the tensor the consumer holds; before the budget
+    # the peak was the whole 2 GiB.
+    assert counters["device_peak"] <= LIMIT + 16 * MiB, counters
+    assert counters["device_now"] == 0 and counters["violations"] == 0, counters

@@ -199,6 +199,14 @@ def stream(
 
     Yields ``(name, tensor)`` as soon as each tensor's bytes have landed. Host memory held by the
     loader stays within ``memory_limit``; a tensor you keep owns its memory and stays valid.
+    For a GPU, the device memory of tensors not yet yielded stays within ``memory_limit`` too
+    (one knob for what fastload holds that you have not received; the page-locked ring and the
+    device memory are each within it), so a slow consumer never piles the checkpoint up on the
+    device; tensors you keep are not counted.
+
+    Every wait honours Ctrl-C (KeyboardInterrupt; the reads are cancelled and buffers freed).
+    ``close()`` from another thread makes the consumer's ``next()`` raise
+    :class:`StreamClosedError` rather than end as if the load were complete.
 
     ``device``: ``"cpu"`` (the default), ``"cuda"``, ``"cuda:N"`` or a ``torch.device``. For a GPU,
     blocks are read into a reused ring of page-locked buffers (``memory_limit`` bytes) and copied
