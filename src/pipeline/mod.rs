@@ -475,13 +475,13 @@ impl Loader {
     pub fn next_segment_within(&mut self, wait: Duration) -> Option<Option<Result<Loaded>>> {
         // The segment handed out last is the consumer's now: its budget may go to the next.
         self.held = None;
+        let Some(rx) = &self.rx else {
+            return Some(None);
+        };
         if self.control.closed() {
             self.finish();
             return Some(Some(Err(self.control.closed_error())));
         }
-        let Some(rx) = &self.rx else {
-            return Some(None);
-        };
         let msg = match rx.try_recv() {
             Ok(msg) => Some(msg),
             Err(TryRecvError::Disconnected) => None,
