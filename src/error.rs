@@ -58,7 +58,9 @@ pub enum Error {
 
     /// The load was closed (from another thread, or interrupted) before it delivered every
     /// tensor; what was delivered stays valid.
-    #[error("the stream was closed before it finished: {delivered} of {planned} tensors delivered")]
+    #[error(
+        "the stream was closed before it finished: {delivered} of {planned} tensors delivered"
+    )]
     Closed { delivered: u64, planned: u64 },
 
     /// A bug in fastload, such as a worker task that panicked.

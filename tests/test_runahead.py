@@ -70,6 +70,7 @@ def test_host_engine_rss_growth_within_the_limit(two_gib):
     # alive. Before the budget the reads outran the consumer and RSS grew by about 2 GiB.
     out = run_probe(HOST_ENGINE, two_gib, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=300)
     assert out["n"] == COUNT and out["bad"] == [], out
+    print(f"RSS growth {out['growth'] / MiB:.0f} MiB (limit {LIMIT // MiB} MiB)")
     slack = 32 * MiB  # interpreter, torch and the pool's bookkeeping
     assert out["growth"] <= LIMIT + 16 * MiB + slack, out
 
@@ -139,6 +140,7 @@ def test_simulated_device_peak_within_the_limit(fake_cuda, two_gib, tmp_path):
     out = run_probe(SIMULATED, two_gib, env=cuda_sim.env(fake_cuda, log), timeout=300)
     assert out["n"] == COUNT and out["bad"] == [] and out["devices"] == [[2, 0]], out
     counters = cuda_sim.log(log)
+    print(f"device peak {counters['device_peak'] / MiB:.0f} MiB (limit {LIMIT // MiB} MiB)")
     # The budget (undelivered segments) plus the tensor the consumer holds; before the budget
     # the peak was the whole 2 GiB.
     assert counters["device_peak"] <= LIMIT + 16 * MiB, counters

@@ -109,7 +109,11 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
             .spawn(move || completer(&shared, done_rx))
             .expect("spawning the copy completion thread");
     }
-    let ring = Ring { semaphore: ring, slots, block };
+    let ring = Ring {
+        semaphore: ring,
+        slots,
+        block,
+    };
     crate::runtime::get().spawn(drive(shared, budget, ring, concurrency, copy_tx));
     loader
 }
@@ -625,7 +629,10 @@ mod tests {
         got.sort();
         assert_eq!(got, expected(&sizes, &data));
         let peak = peak.load(Ordering::SeqCst) as u64;
-        assert!(peak <= limit, "destination peak {peak} over the {limit} limit");
+        assert!(
+            peak <= limit,
+            "destination peak {peak} over the {limit} limit"
+        );
         assert_eq!(live.load(Ordering::SeqCst), 0);
     }
 
@@ -672,7 +679,13 @@ mod tests {
         let got = loader.next_segment();
         closer.join().unwrap();
         assert!(
-            matches!(got, Some(Err(Error::Closed { delivered: 0, planned: 2 }))),
+            matches!(
+                got,
+                Some(Err(Error::Closed {
+                    delivered: 0,
+                    planned: 2
+                }))
+            ),
             "{:?}",
             got.map(|r| r.map(|_| ()))
         );
