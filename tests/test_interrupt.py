@@ -272,3 +272,19 @@ def test_stats_thread_never_stalls_a_simulated_gpu_load(fake_cuda, big_file, tmp
     assert out["n"] == out["delivered"] == 64, out
     assert out["calls"] > 0, out
     assert cuda_sim.log(log)["violations"] == 0
+
+
+def test_next_after_close_is_a_closed_error_unless_finished(dtypes_file, tiny_file):
+    import fastload
+
+    s = fastload.stream(tiny_file, memory_limit="1MiB")
+    next(s)
+    s.close()
+    with pytest.raises(fastload.StreamClosedError, match="closed before it finished") as info:
+        next(s)
+    assert isinstance(info.value, ValueError)
+    # A stream that delivered everything ends as usual, closed or not.
+    done = fastload.stream(dtypes_file)
+    n = len(list(done))
+    done.close()
+    assert n > 0 and list(done) == []

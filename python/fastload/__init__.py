@@ -147,15 +147,30 @@ class Stream:
         # The current segment's items, last first: each is dropped as it is handed out, so that
         # the tensor alone keeps the memory alive.
         self._batch: list[_fastload.Item] = []
+        # Set when close() dropped items of a delivered segment before they were yielded: the
+        # native loader finished, the consumer did not.
+        self._cut, self._cut_items = False, 0
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        while not self._batch:
-            self._batch = next(self._native)  # StopIteration ends the stream
-            self._batch.reverse()
-        item = self._batch.pop()
+        batch = self._batch  # close() on another thread may replace it meanwhile
+        while not batch:
+            try:
+                batch = next(self._native)  # StopIteration ends the stream
+            except StopIteration:
+                if self._cut:
+                    stats = self._native.stats()
+                    raise StreamClosedError(
+                        "the stream was closed before it finished: "
+                        f"{stats.tensors_delivered - self._cut_items} of {stats.tensor_count} "
+                        "tensors delivered"
+                    ) from None
+                raise
+            batch.reverse()
+            self._batch = batch
+        item = batch.pop()
         return item.name, self._to_tensor(item.dtype, item.shape, item.data, item.name)
 
     def stats(self) -> dict[str, Any]:
@@ -168,6 +183,8 @@ class Stream:
         """Cancels outstanding reads and frees buffers no tensor uses. Safe from any thread: it
         never waits for a ``next()`` in progress, which then raises :class:`StreamClosedError`
         (as does any later ``next()``) unless every tensor had been delivered."""
+        if self._batch:
+            self._cut, self._cut_items = True, len(self._batch)
         self._batch = []
         self._native.close()
 
