@@ -194,6 +194,7 @@ def test_fake_driver_parity_and_bounds(fake_cuda, dtypes_file, gil_file, tmp_pat
         assert out["stats"]["target"] == "cuda:0"
         assert out["libcuda"]
         counters = cuda_sim.log(log)
+        assert counters["violations"] == 0, counters
         # Page-locked memory: the ring only, allocated once and reused by the second load.
         assert counters["pinned_peak"] <= fastload._fastload.parse_size(limit)
         assert counters["bytes"] == 2 * out["stats"]["total_bytes"]
@@ -243,6 +244,7 @@ emit(n=[n, n2], cached=cached, freed=out["freed"], ctx=[loaded_here, out["ctx"],
     assert out["ctx"] == [None, None, None], out
     assert out["emptied"]["pinned"] == 0 and out["again"]["pinned"] > 0, out
     counters = cuda_sim.log(log)
+    assert counters["violations"] == 0, counters
     assert counters["pinned_now"] == 0, counters
 
 
@@ -314,6 +316,7 @@ def test_fake_driver_cli_bench(fake_cuda, gil_file, tmp_path):
     report = json.loads(proc.stdout)
     assert report["bytes"] == 512 << 20 and len(report["runs"]) == 2
     counters = cuda_sim.log(log)
+    assert counters["violations"] == 0, counters
     assert counters["bytes"] == 2 * (512 << 20)
     assert counters["pinned_peak"] <= 8 << 20
 
