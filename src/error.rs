@@ -63,6 +63,11 @@ pub enum Error {
     )]
     Closed { delivered: u64, planned: u64 },
 
+    /// Work given up before it finished (an open whose caller was interrupted); nobody waits for
+    /// its result.
+    #[error("{what}: cancelled")]
+    Cancelled { what: String },
+
     /// A bug in fastload, such as a worker task that panicked.
     #[error("internal error: {message}")]
     Internal { message: String },

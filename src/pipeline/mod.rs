@@ -34,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::memory::{self, HostBuffer};
 use crate::options::{LoadOptions, Method, Resolved};
 use crate::plan::{self, Plan, TensorSlot};
+use crate::runtime::Abort;
 use crate::source;
 
 /// A segment whose bytes have all landed.
@@ -85,7 +86,7 @@ pub struct Loader {
 pub struct Control {
     plan: Arc<Plan>,
     stats: Arc<Stats>,
-    cancel: Arc<AtomicBool>,
+    cancel: Arc<Abort>,
     /// Set by [`Control::close`]: the consumer's next wait ends with [`Error::Closed`].
     closed: AtomicBool,
     /// Set when every planned segment was handed out.
@@ -149,7 +150,7 @@ impl Control {
     }
 
     fn stop(&self) {
-        self.cancel.store(true, Ordering::SeqCst);
+        self.cancel.trigger();
         for budget in &self.budgets {
             budget.close();
         }
@@ -199,18 +200,18 @@ fn kib(bytes: u64) -> u32 {
 /// cancel flag and the counters.
 struct Feed {
     tx: mpsc::Sender<Msg>,
-    cancel: Arc<AtomicBool>,
+    cancel: Arc<Abort>,
     stats: Arc<Stats>,
 }
 
 impl Feed {
     fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::SeqCst)
+        self.cancel.is_triggered()
     }
 
     /// Ends the load with `err`: the first failure is reported, later ones are consequences.
     fn fail(&self, err: Error) {
-        if !self.cancel.swap(true, Ordering::SeqCst) {
+        if !self.cancel.trigger() {
             let _ = self.tx.send(Msg::Failed(err));
         }
     }
@@ -355,7 +356,12 @@ impl Driver {
                         if job.feed.cancelled() {
                             return;
                         }
-                        let result = job.read_block(off, len).await;
+                        // Cancelled midway (a failure elsewhere, close, Ctrl-C): the request is
+                        // dropped, not left to end at the storage timeout.
+                        let result = tokio::select! {
+                            result = job.read_block(off, len) => result,
+                            () = job.feed.cancel.triggered() => return,
+                        };
                         drop(slot);
                         job.block_finished(result);
                     }
@@ -401,7 +407,7 @@ impl Loader {
         engine: Option<String>,
     ) -> (Loader, Arc<Feed>) {
         let (tx, rx) = mpsc::channel();
-        let cancel = Arc::new(AtomicBool::new(false));
+        let cancel = Arc::new(Abort::default());
         let stats = Arc::new(Stats::default());
         let feed = Arc::new(Feed {
             tx,
@@ -521,7 +527,7 @@ impl Loader {
             }
             None => {
                 let delivered = stats.tensors_delivered.load(Ordering::Relaxed);
-                let cancelled = self.control.cancel.load(Ordering::SeqCst);
+                let cancelled = self.control.cancel.is_triggered();
                 self.finish();
                 if delivered as usize == self.control.plan.tensor_count {
                     self.control.finished.store(true, Ordering::SeqCst);

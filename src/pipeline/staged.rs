@@ -193,7 +193,11 @@ async fn drive(
                 if shared.feed.cancelled() {
                     return;
                 }
-                let staging = read_block(&shared, job.index, off, len, block).await;
+                // Cancelled midway: the request is dropped, the staging buffer goes back.
+                let staging = tokio::select! {
+                    staging = read_block(&shared, job.index, off, len, block) => staging,
+                    () = shared.feed.cancel.triggered() => return,
+                };
                 drop(read);
                 match staging {
                     Ok(staging) => {
