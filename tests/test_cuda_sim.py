@@ -742,11 +742,6 @@ def test_device_memory_of_a_load_that_keeps_everything(fake_cuda, quarter_mib_te
     assert counters["device_now"] == 0 and counters["violations"] == 0, counters
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 1: the staged path allocates destinations for segments the consumer "
-    "has not received without bound (device memory run-ahead)",
-)
 def test_device_memory_run_ahead_is_bounded(fake_cuda, quarter_mib_tensors, tmp_path):
     # A consumer that takes 20 ms a tensor and drops it: fastload's device memory for tensors
     # not yet handed out stays within memory_limit (1 MiB), plus the tensor being consumed.

@@ -322,6 +322,33 @@ impl Allocator for HostAllocator {
     }
 }
 
+/// One allocation per tensor from `A`, whatever `A` does for a segment: each tensor then owns its
+/// memory alone, so a tensor the consumer keeps holds no other tensor's memory (the Python
+/// bindings' driver-allocated destinations; the CLI drops whole segments and allocates once each).
+pub struct PerTensor<A>(pub A);
+
+impl<A: Allocator> Allocator for PerTensor<A> {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+        let mut destinations = Vec::with_capacity(tensors.len());
+        let mut stream = None;
+        for t in tensors {
+            let one = self.0.allocate(std::slice::from_ref(t))?;
+            stream = stream.or(one.stream);
+            destinations.extend(one.destinations);
+        }
+        Ok(Allocation {
+            destinations,
+            stream,
+        })
+    }
+}
+
+impl Allocator for Box<dyn Allocator> {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+        self.as_mut().allocate(tensors)
+    }
+}
+
 /// The bytes of a destination made by [`HostAllocator`].
 pub fn host_bytes(destination: &Destination) -> Option<&[u8]> {
     destination

@@ -6,13 +6,15 @@ use std::sync::atomic::Ordering::Relaxed;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 
-use crate::pipeline::Loader;
+use crate::pipeline::Control;
 
 /// One tensor of a completed segment, or one piece of a tensor when the load reads `parts`.
 ///
 /// `data` is a `dltensor` capsule viewing the loader's host memory: the tensor in its own dtype
 /// when DLPack carries that dtype natively (`DLPACK_DTYPES`), else its bytes as flat uint8. For a
-/// staged load it is the owner object the allocator returned (e.g. a torch uint8 tensor).
+/// staged load it is the owner object the allocator returned (e.g. a torch uint8 tensor), or,
+/// without an allocator, a capsule of the same kind that owns the memory fastload allocated
+/// (kDLCUDA for a GPU).
 /// `begin` is the piece's first byte within its tensor (then `dtype` is `"U8"` and `shape` is
 /// `(len,)`), `None` for a whole tensor.
 #[pyclass(module = "fastload._fastload", frozen, get_all)]
@@ -66,7 +68,7 @@ pub struct Stats {
 }
 
 impl Stats {
-    pub fn of(l: &Loader) -> Self {
+    pub fn of(l: &Control) -> Self {
         let s = l.stats();
         Stats {
             total_bytes: l.plan().total_bytes,
