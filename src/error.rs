@@ -61,6 +61,18 @@ pub enum Error {
     #[error("load ended after {delivered} of {planned} tensors")]
     Incomplete { delivered: u64, planned: u64 },
 
+    /// The load was closed (from another thread, or interrupted) before it delivered every
+    /// tensor; what was delivered stays valid.
+    #[error(
+        "the stream was closed before it finished: {delivered} of {planned} tensors delivered"
+    )]
+    Closed { delivered: u64, planned: u64 },
+
+    /// Work given up before it finished (an open whose caller was interrupted); nobody waits for
+    /// its result.
+    #[error("{what}: cancelled")]
+    Cancelled { what: String },
+
     /// A bug in fastload, such as a worker task that panicked.
     #[error("internal error: {message}")]
     Internal { message: String },

@@ -29,7 +29,7 @@ mod python;
 
 pub use error::{Error, Result};
 pub use options::{LoadOptions, Method, Size};
-pub use pipeline::{open, open_staged, Loaded, Loader, Memory, Stats};
+pub use pipeline::{open, open_staged, Control, Loaded, Loader, Memory, Stats};
 
 /// The crate version (also the Python package's `__version__`).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

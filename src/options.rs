@@ -78,7 +78,8 @@ impl fmt::Display for Size {
 /// How local files are read into host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Method {
-    /// Pick per destination (mmap for CPU destinations: see `Loader::start`).
+    /// Pick per source: mmap for local files on a local filesystem, read for network and FUSE
+    /// filesystems and objects (see `pipeline::auto_method`).
     #[default]
     Auto,
     /// Map windows of the file and fault them in from several threads: no copy out of the
@@ -140,6 +141,8 @@ pub struct Resolved {
     pub block_size: u64,
     pub memory_limit: u64,
     pub method: Method,
+    /// Why `method` is what it is (`stats()["method_reason"]`).
+    pub method_reason: String,
 }
 
 pub const ENV_CONCURRENCY: &str = "FASTLOAD_CONCURRENCY";
@@ -211,9 +214,12 @@ impl LoadOptions {
                 None => (DEFAULT_MEMORY_LIMIT, "memory_limit"),
             },
         };
-        let method = match self.method {
-            Method::Auto => env_value::<Method>(ENV_METHOD)?.unwrap_or(Method::Auto),
-            m => m,
+        let (method, method_reason) = match self.method {
+            Method::Auto => match env_value::<Method>(ENV_METHOD)? {
+                Some(m) => (m, format!("{ENV_METHOD}={}", m.as_str())),
+                None => (Method::Auto, String::new()),
+            },
+            m => (m, format!("method={:?} was asked for", m.as_str())),
         };
         if concurrency == 0 || concurrency > 4096 {
             return Err(Error::option(
@@ -238,6 +244,7 @@ impl LoadOptions {
             block_size,
             memory_limit,
             method,
+            method_reason,
         })
     }
 }

@@ -3,6 +3,7 @@
 import os
 
 import azure_server
+import cuda_sim
 import gcs_server
 import helpers
 import http_server
@@ -17,6 +18,24 @@ def _no_fastload_env(monkeypatch):
     """Tests start from the built-in defaults, whatever the caller's environment says."""
     for var in [v for v in os.environ if v.startswith("FASTLOAD_")]:
         monkeypatch.delenv(var)
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(tmp_path_factory):
+    """A directory holding the simulated CUDA driver (libcuda.so.1, see cuda_sim.py), built once."""
+    try:
+        return cuda_sim.build(tmp_path_factory.mktemp("fake_cuda"))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def stub_cuda(tmp_path_factory):
+    """A directory holding a toolkit-style stub libcuda.so (every call: CUDA_ERROR_STUB_LIBRARY)."""
+    try:
+        return cuda_sim.build_stub(tmp_path_factory.mktemp("stub_cuda"))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,18 @@
 Content-Range, HEAD with Content-Length, 416 for ranges past the end, ETag and Last-Modified, and
 no listing (PROPFIND gets 501, as `http.server` answers, or 405, as nginx does). A `Behaviour`
 makes it misbehave the way some servers do: ignore Range (200 with the whole body, as some static
-servers and CDNs do), answer the first requests with an error status, or forbid everything.
+servers and CDNs do), answer the first requests with an error status, forbid everything, or send
+bodies at a trickle.
 """
 
 from __future__ import annotations
 
 import email.utils
 import hashlib
+import random
 import re
+import socket
+import struct
 import threading
 import time
 import urllib.parse
@@ -20,6 +24,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+# What a chaotic server does to a body: answer 503, reset the connection midway, end the body
+# early (a clean close short of Content-Length), stall midway for seconds, or trickle it.
+FAULTS = ("503", "reset", "truncate", "stall", "trickle")
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
@@ -51,7 +59,14 @@ class Behaviour:
     fail_status: int = 503
     forbid: bool = False  # every request gets 403
     propfind: int = 501  # WebDAV listing: 501 as http.server answers, 405 as nginx does
-    trickle: float = 0  # bodies at this many bytes per second (0: at full speed)
+    trickle_rate: int = 0  # bytes/s for bodies of ranges from `trickle_from` (0: full speed)
+    trickle_from: int = 0
+    # Fault injection for the soak (benches/soak.py): each GET with a body draws a fault with
+    # probability `chaos`, one of FAULTS, from a generator seeded with `seed`.
+    chaos: float = 0.0
+    seed: int = 0
+    faults: dict = field(default_factory=dict)  # fault name -> times injected
+    rng: random.Random | None = None
     failed: int = 0
     log: list = field(default_factory=list)  # (method, path, Range header, status)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -94,6 +109,11 @@ class _Handler(BaseHTTPRequestHandler):
             failing = b.failed < b.fail_first
             if failing:
                 b.failed += 1
+        fault = self._draw_fault(b) if self.command == "GET" else None
+        if fault == "503":
+            b.log.append((self.command, path, rng, 503))
+            self._reply(503, b"slow down\n", send_body)
+            return
         if b.forbid:
             status = 403
         elif failing:
@@ -129,18 +149,60 @@ class _Handler(BaseHTTPRequestHandler):
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
-        if send_body and b.trickle:
-            try:
-                for at in range(start, end):
-                    self.wfile.write(data[at : at + 1])
-                    self.wfile.flush()
-                    time.sleep(1 / b.trickle)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up on this body
-        elif send_body:
-            view = memoryview(data)
-            for at in range(start, end, 1 << 20):
-                self.wfile.write(view[at : min(end, at + (1 << 20))])
+        if not send_body:
+            return
+        view = memoryview(data)
+        if b.trickle_rate and start >= b.trickle_from:
+            self._trickle(view[start:end], b.trickle_rate)
+            return
+        if fault is not None:
+            self._misbehave(fault, view[start:end])
+            return
+        for at in range(start, end, 1 << 20):
+            self.wfile.write(view[at : min(end, at + (1 << 20))])
+
+    def _draw_fault(self, b: Behaviour) -> str | None:
+        if not b.chaos:
+            return None
+        with b.lock:
+            if b.rng is None:
+                b.rng = random.Random(b.seed)
+            if b.rng.random() >= b.chaos:
+                return None
+            fault = b.rng.choice(FAULTS)
+            b.faults[fault] = b.faults.get(fault, 0) + 1
+            return fault
+
+    def _misbehave(self, fault: str, body: memoryview) -> None:
+        half = len(body) // 2
+        try:
+            if fault == "trickle":
+                self._trickle(body, 2048)
+                return
+            self.wfile.write(body[:half])
+            self.wfile.flush()
+            if fault == "stall":
+                time.sleep(5)
+            elif fault == "reset":
+                # An abortive close: the client sees a connection reset.
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        self.close_connection = True
+
+    def _trickle(self, body: memoryview, rate: int) -> None:
+        """Sends `body` at `rate` bytes per second, a twentieth of a second's worth at a time,
+        until the client hangs up."""
+        step = max(1, rate // 20)
+        try:
+            for at in range(0, len(body), step):
+                self.wfile.write(body[at : at + step])
+                self.wfile.flush()
+                time.sleep(step / rate)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
 
 
 class RangeServer(ThreadingHTTPServer):

@@ -20,6 +20,7 @@ from ._errors import (
     FormatError,
     NotFoundError,
     StorageError,
+    StreamClosedError,
     TensorNotFoundError,
 )
 from ._options import Options, Uri
@@ -41,6 +42,7 @@ __all__ = [
     "Options",
     "StorageError",
     "Stream",
+    "StreamClosedError",
     "TensorNotFoundError",
     "__version__",
     "cached_memory",
@@ -162,15 +164,30 @@ class Stream:
         # The current segment's items, last first: each is dropped as it is handed out, so that
         # the tensor alone keeps the memory alive.
         self._batch: list[_fastload.Item] = []
+        # Set when close() dropped items of a delivered segment before they were yielded: the
+        # native loader finished, the consumer did not.
+        self._cut, self._cut_items = False, 0
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        while not self._batch:
-            self._batch = next(self._native)  # StopIteration ends the stream
-            self._batch.reverse()
-        item = self._batch.pop()
+        batch = self._batch  # close() on another thread may replace it meanwhile
+        while not batch:
+            try:
+                batch = next(self._native)  # StopIteration ends the stream
+            except StopIteration:
+                if self._cut:
+                    stats = self._native.stats()
+                    raise StreamClosedError(
+                        "the stream was closed before it finished: "
+                        f"{stats.tensors_delivered - self._cut_items} of {stats.tensor_count} "
+                        "tensors delivered"
+                    ) from None
+                raise
+            batch.reverse()
+            self._batch = batch
+        item = batch.pop()
         try:
             return item.name, self._to_tensor(item.dtype, item.shape, item.data, item.name)
         except _torch_glue().UnsupportedDtype as e:
@@ -196,11 +213,14 @@ class Stream:
         """Bytes and tensors planned, read and delivered so far; time to the first tensor; the
         method and options in force. After ``close()``, the counters as they were then (so the
         caller can tell how far a closed stream got)."""
-        stats = self._native.stats()
-        return {} if stats is None else dict(stats.as_dict())
+        return dict(self._native.stats().as_dict())
 
     def close(self) -> None:
-        """Cancels outstanding reads and frees buffers no tensor uses."""
+        """Cancels outstanding reads and frees buffers no tensor uses. Safe from any thread: it
+        never waits for a ``next()`` in progress, which then raises :class:`StreamClosedError`
+        (as does any later ``next()``) unless every tensor had been delivered."""
+        if self._batch:
+            self._cut, self._cut_items = True, len(self._batch)
         self._batch = []
         self._native.close()
 
@@ -232,11 +252,23 @@ def stream(
 
     Yields ``(name, tensor)`` as soon as each tensor's bytes have landed. Host memory held by the
     loader stays within ``memory_limit``; a tensor you keep owns its memory and stays valid.
+    For a GPU, the device memory of tensors not yet yielded stays within ``memory_limit`` too
+    (one knob for what fastload holds that you have not received; the page-locked ring and the
+    device memory are each within it), so a slow consumer never piles the checkpoint up on the
+    device; tensors you keep are not counted.
+
+    Every wait honours Ctrl-C (KeyboardInterrupt; the reads are cancelled and buffers freed).
+    ``close()`` from another thread makes the consumer's ``next()`` raise
+    :class:`StreamClosedError` rather than end as if the load were complete.
 
     ``device``: ``"cpu"`` (the default), ``"cuda"``, ``"cuda:N"`` or a ``torch.device``. For a GPU,
     blocks are read into a reused ring of page-locked buffers (``memory_limit`` bytes) and copied
     asynchronously into memory torch allocates on the device, while later blocks are still being
-    read; a tensor is yielded once its copies completed, usable on any stream. Without a CUDA
+    read; a tensor is yielded once its copies completed. Its memory belongs to the stream that was
+    current when ``stream()`` (or ``load()``) was called. To use it on another stream ``side``, as
+    with any torch tensor: ``side.wait_stream(<that stream>)`` before reading it there, and
+    ``tensor.record_stream(side)`` before freeing it, or torch may hand the memory out again
+    while ``side`` still uses it. Without a CUDA
     driver this raises :class:`FastloadError`. CUDA is never initialised at import.
 
     ``process_group`` (a ``torch.distributed`` group, or ``"default"`` for the default group):

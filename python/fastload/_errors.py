@@ -13,6 +13,7 @@ __all__ = [
     "FormatError",
     "NotFoundError",
     "StorageError",
+    "StreamClosedError",
     "TensorNotFoundError",
 ]
 
@@ -62,3 +63,10 @@ class ConfigError(FastloadError, ValueError):
     def __init__(self, message: str, *, option: str | None = None) -> None:
         super().__init__(message)
         self.option = option
+
+
+class StreamClosedError(FastloadError, ValueError):
+    """A stream was closed before it delivered every tensor, and its consumer asked for more: by
+    ``close()`` from another thread while this one iterated, by Ctrl-C during a ``next()``, or a
+    ``next()`` after such a close. A ``ValueError`` like reading a closed file; the tensors
+    already yielded stay valid. A stream that finished, or ended with an error, ends as usual."""

@@ -71,7 +71,7 @@ class Item:
     @property
     def data(self) -> object:
         """A ``dltensor`` capsule (the tensor as its dtype when in ``DLPACK_DTYPES``, else flat
-        uint8 bytes), or for a staged load the owner object the allocator returned."""
+        uint8 bytes), or for a staged load with ``allocate`` the owner object it returned."""
     @property
     def begin(self) -> int | None:
         """The piece's first byte within its tensor; ``None`` for a whole tensor."""
@@ -100,7 +100,11 @@ class Stats:
         """Milliseconds from the start to the first completed segment; ``None`` before it."""
     @property
     def method(self) -> str:
-        """``"auto"``, ``"mmap"`` or ``"read"``."""
+        """``"mmap"`` or ``"read"``: the method that ran."""
+    @property
+    def method_reason(self) -> str:
+        """Why that method ran (asked for, or what ``"auto"`` saw: a local or network filesystem,
+        an object store, a staged load)."""
     @property
     def concurrency(self) -> int: ...
     @property
@@ -171,8 +175,14 @@ class Stream:
     """A running load; each ``next()`` returns the items of one completed segment.
 
     ``parts``: read only these ``(name, begin, end)`` byte ranges within tensors (not with
-    ``names``). ``target`` (``"cuda"``, ``"cuda:N"`` or ``"host"``) with ``allocate``: the staged
-    pipeline, copying into the memory ``allocate`` hands out."""
+    ``names``). ``target`` (``"cuda"``, ``"cuda:N"`` or ``"host"``): the staged pipeline; with
+    ``allocate`` it copies into the memory ``allocate`` hands out (items' ``data`` are its owner
+    objects), without it into memory fastload allocates per tensor (``cuMemAlloc`` for a GPU;
+    items' ``data`` are ``dltensor`` capsules, kDLCUDA or kDLCPU, that own it).
+
+    Waits release the GIL and honour Ctrl-C (KeyboardInterrupt, the load cancelled). ``stats()``
+    and ``close()`` never wait for a ``next()`` running on another thread; a stream closed before
+    it finished raises ``StreamClosedError`` from ``next()``."""
 
     def __new__(
         cls,
@@ -191,9 +201,9 @@ class Stream:
     def __iter__(self) -> Stream: ...
     def __next__(self) -> list[Item]: ...
     def close(self) -> None:
-        """Stops reading and frees buffers that no tensor uses."""
-    def stats(self) -> Stats | None:
-        """The counters so far; ``None`` once closed."""
+        """Stops reading and frees buffers that no tensor uses (from any thread)."""
+    def stats(self) -> Stats:
+        """The counters so far; once closed, as they were when it closed."""
 
 def resolve_options(
     uris: list[str] = ...,

@@ -45,8 +45,9 @@ class Options(TypedDict, total=False):
     ``FASTLOAD_MEMORY_LIMIT``, else 1 GiB (at least 1 MiB).
     ``names``: load only these tensors (any iterable of str, or one str for one tensor;
     duplicates are ignored); default every tensor.
-    ``method``: how local files are read to CPU: ``"auto"`` (default, ``FASTLOAD_METHOD``),
-    ``"mmap"`` or ``"read"``.
+    ``method``: how local files are read to CPU: ``"auto"`` (default, ``FASTLOAD_METHOD``: maps
+    files on a local filesystem, reads files on network and FUSE filesystems), ``"mmap"`` or
+    ``"read"``; ``stats()["method_reason"]`` says why a method ran.
     ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)
     that override the environment; values are converted with ``str()``.
 

@@ -1,97 +1,136 @@
-//! The GPU engine, over cudarc's driver API with the driver loaded at run time.
+//! The GPU engine, over the CUDA driver API with the driver loaded at run time.
 //!
-//! - Probe: `is_culib_present` then `cuInit`, inside `catch_unwind` (cudarc panics when a library
-//!   or symbol is missing); the answer is cached per process. Nothing here runs at import.
+//! - Driver: `libcuda.so.1` opened on first use and every entry point resolved then
+//!   ([`driver`]); the probe (`cuInit`) is cached per process. Nothing here runs at import, and
+//!   nothing panics: a missing library or symbol is an error.
 //! - Context: the device's primary context, the one the CUDA runtime (and so torch) uses, bound
-//!   on every thread that calls the driver.
+//!   before every call that needs it (threads that run other code, such as torch's allocator,
+//!   may have changed it since).
 //! - Staging: page-locked, cacheable (`CU_MEMHOSTALLOC_PORTABLE`, not write-combined: object-store
 //!   bodies are written into it by ordinary CPU copies) and kept in a process-wide pool, so a
 //!   second load reuses the pinned memory of the first instead of pinning again (pinning runs at a
 //!   few GB/s and would otherwise be paid per load).
 //! - Copies: `cuMemcpyHtoDAsync` on one non-blocking stream per engine; a fence is an event
 //!   recorded after a block's copies.
-//! - Fork: CUDA cannot be used in a child forked after it was initialised; that gives an error.
+//! - Fork: CUDA cannot be used in a child forked after it was initialised; every entry point
+//!   checks the process id before calling the driver and gives a clear error, and the parent's
+//!   page-locked buffers are neither counted nor freed there.
 
 #![allow(unsafe_code)]
 
+mod driver;
+
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::result::{self, DriverError};
-use cudarc::driver::sys;
+use driver::{Api, Status};
 
 use super::{Allocation, Allocator, Destination, Engine, Fence, Staging, StagingMemory};
 use crate::error::{Error, Result};
 use crate::plan::TensorSlot;
 
-fn driver_error(what: &str, e: DriverError) -> Error {
-    let name = e
-        .error_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", e.0));
-    let text = e
-        .error_string()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    Error::device(format!("CUDA {what} failed: {name} ({text})"))
+/// `Ok` for success, else the driver's name and text for `status`.
+fn check(api: &Api, what: &str, status: Status) -> Result<()> {
+    if status == 0 {
+        return Ok(());
+    }
+    Err(Error::device(format!(
+        "CUDA {what} failed: {}",
+        api.describe(status)
+    )))
 }
 
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
-    payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
+const FORKED: &str = "CUDA was initialised before this process was forked; a forked child cannot \
+                      use it (start workers with the 'spawn' method)";
+
+/// The opened and initialised driver, and the process that initialised it.
+struct Probe {
+    api: &'static Api,
+    version: i32,
+    pid: u32,
 }
 
-/// Runs a driver call that cudarc may turn into a panic (missing library or symbol).
-fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f))
-        .unwrap_or_else(|p| Err(Error::device(format!("CUDA {what}: {}", panic_text(p)))))
+/// The driver, loaded and initialised once per process. In a child forked after that, an error
+/// before any driver call: the driver cannot be used there.
+fn probe() -> Result<&'static Probe> {
+    static PROBE: OnceLock<std::result::Result<Probe, String>> = OnceLock::new();
+    let probe = PROBE
+        .get_or_init(|| {
+            let api = driver::api()?;
+            // SAFETY: plain calls with valid out-pointers.
+            let status = unsafe { (api.cuInit)(0) };
+            if status == driver::CUDA_ERROR_NO_DEVICE {
+                return Err(no_device(&format!(
+                    "cuInit returned {}",
+                    api.describe(status)
+                )));
+            }
+            if status == driver::CUDA_ERROR_NOT_INITIALIZED {
+                // What the driver answers in a child forked after its parent initialised CUDA
+                // (torch, typically), where this process never did.
+                return Err(format!(
+                    "CUDA cannot be initialised here (cuInit returned {}); this is what a process \
+                     forked after its parent initialised CUDA gets: start workers with the \
+                     'spawn' method",
+                    api.describe(status)
+                ));
+            }
+            check(api, "initialisation (cuInit)", status).map_err(|e| e.to_string())?;
+            let mut version = 0;
+            // SAFETY: writes one int.
+            check(api, "cuDriverGetVersion", unsafe {
+                (api.cuDriverGetVersion)(&mut version)
+            })
+            .map_err(|e| e.to_string())?;
+            Ok(Probe {
+                api,
+                version,
+                pid: std::process::id(),
+            })
+        })
+        .as_ref()
+        .map_err(|e| Error::device(e.clone()))?;
+    if probe.pid != std::process::id() {
+        return Err(Error::device(FORKED));
+    }
+    Ok(probe)
+}
+
+/// What a machine with a driver but no usable device says, naming `CUDA_VISIBLE_DEVICES` when
+/// it is set (it hides devices; `""` hides all of them).
+fn no_device(detail: &str) -> String {
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) => format!(
+            "no CUDA device is visible: CUDA_VISIBLE_DEVICES={v:?} hides every device of this \
+             machine from the driver ({detail})"
+        ),
+        Err(_) => format!(
+            "no CUDA device is visible: the driver is installed but finds no device ({detail})"
+        ),
+    }
 }
 
 /// The driver's version (e.g. 12080), after loading and initialising it once per process.
 pub fn driver_version() -> Result<i32> {
-    static PROBE: OnceLock<std::result::Result<i32, String>> = OnceLock::new();
-    PROBE
-        .get_or_init(|| {
-            guarded("driver probe", || {
-                // SAFETY: loads and unloads the library to see whether it exists.
-                if !unsafe { sys::is_culib_present() } {
-                    return Err(Error::device(
-                        "CUDA driver not found: libcuda.so could not be loaded (is an NVIDIA \
-                         driver installed, and this a GPU machine?)",
-                    ));
-                }
-                result::init().map_err(|e| driver_error("initialisation (cuInit)", e))?;
-                let mut version = 0;
-                // SAFETY: writes one int.
-                unsafe { sys::cuDriverGetVersion(&mut version) }
-                    .result()
-                    .map_err(|e| driver_error("cuDriverGetVersion", e))?;
-                Ok(version)
-            })
-            .map_err(|e| e.to_string())
-        })
-        .clone()
-        .map_err(Error::device)
+    Ok(probe()?.version)
 }
 
 /// Number of CUDA devices.
 pub fn device_count() -> Result<usize> {
-    driver_version()?;
-    guarded("device count", || {
-        result::device::get_count()
-            .map(|n| n as usize)
-            .map_err(|e| driver_error("cuDeviceGetCount", e))
-    })
+    let api = probe()?.api;
+    let mut n = 0;
+    // SAFETY: writes one int.
+    check(api, "cuDeviceGetCount", unsafe {
+        (api.cuDeviceGetCount)(&mut n)
+    })?;
+    Ok(n.max(0) as usize)
 }
 
 /// One device's primary context, retained for the life of the process.
 struct Gpu {
+    api: &'static Api,
     ordinal: usize,
     ctx: usize,
     pid: u32,
@@ -101,6 +140,9 @@ impl Gpu {
     fn get(ordinal: usize) -> Result<Arc<Gpu>> {
         static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
         let count = device_count()?;
+        if count == 0 {
+            return Err(Error::device(no_device("cuDeviceGetCount returned 0")));
+        }
         if ordinal >= count {
             return Err(Error::option(
                 "device",
@@ -112,61 +154,93 @@ impl Gpu {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if let Some(gpu) = gpus.get(&ordinal) {
-            if gpu.pid != std::process::id() {
-                return Err(Error::device(
-                    "CUDA was initialised before this process was forked; a forked child cannot \
-                     use it (start workers with the 'spawn' method)",
-                ));
-            }
             return Ok(gpu.clone());
         }
-        let gpu = guarded("context", || {
-            let dev =
-                result::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
-            // SAFETY: retains (creating if needed) the device's primary context; never released,
-            // like the runtime does.
-            let ctx = unsafe { result::primary_ctx::retain(dev) }
-                .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
-            Ok(Arc::new(Gpu {
-                ordinal,
-                ctx: ctx as usize,
-                pid: std::process::id(),
-            }))
+        let api = probe()?.api;
+        let mut dev = 0;
+        // SAFETY: writes one device handle.
+        check(api, "cuDeviceGet", unsafe {
+            (api.cuDeviceGet)(&mut dev, ordinal as i32)
         })?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: retains (creating if needed) the device's primary context; never released,
+        // like the runtime does.
+        check(api, "cuDevicePrimaryCtxRetain", unsafe {
+            (api.cuDevicePrimaryCtxRetain)(&mut ctx, dev)
+        })?;
+        let gpu = Arc::new(Gpu {
+            api,
+            ordinal,
+            ctx: ctx as usize,
+            pid: std::process::id(),
+        });
         gpus.insert(ordinal, gpu.clone());
         Ok(gpu)
     }
 
+    /// Whether this is the process that retained the context (not a child forked since).
+    fn here(&self) -> bool {
+        self.pid == std::process::id()
+    }
+
+    /// Makes this context current on the calling thread.
     fn bind(&self) -> Result<()> {
         // SAFETY: the context is retained for the life of the process.
-        unsafe { result::ctx::set_current(self.ctx as sys::CUcontext) }
-            .map_err(|e| driver_error("cuCtxSetCurrent", e))
+        check(self.api, "cuCtxSetCurrent", unsafe {
+            (self.api.cuCtxSetCurrent)(self.ctx as driver::Context)
+        })
+    }
+
+    fn current(&self) -> Result<driver::Context> {
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: writes one context handle (null when none is current).
+        check(self.api, "cuCtxGetCurrent", unsafe {
+            (self.api.cuCtxGetCurrent)(&mut ctx)
+        })?;
+        Ok(ctx)
     }
 
     /// Runs `f` with this context bound, then puts back the calling thread's own (or none): the
     /// thread may be a consumer's, whose CUDA runtime (torch) takes its current device from it.
     fn borrow<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let previous = result::ctx::get_current()
-            .map_err(|e| driver_error("cuCtxGetCurrent", e))?
-            .unwrap_or(std::ptr::null_mut());
+        let previous = self.current()?;
+        if previous as usize == self.ctx {
+            return f();
+        }
         self.bind()?;
         let out = f();
-        if previous as usize != self.ctx {
-            // SAFETY: the context that was current here a moment ago (or none).
-            unsafe { result::ctx::set_current(previous) }
-                .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
-        }
+        // SAFETY: the context that was current here a moment ago (or none).
+        check(self.api, "cuCtxSetCurrent", unsafe {
+            (self.api.cuCtxSetCurrent)(previous)
+        })?;
         out
     }
 }
 
-/// A recorded CUDA event, destroyed when dropped.
-pub struct Event(usize);
+/// A CUDA event of one context, destroyed (in that context, from any thread) when dropped.
+pub struct Event {
+    raw: usize,
+    gpu: Arc<Gpu>,
+}
+
+impl Event {
+    fn raw(&self) -> driver::Event {
+        self.raw as driver::Event
+    }
+}
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: created by `event::create`, destroyed once.
-        let _ = unsafe { result::event::destroy(self.0 as sys::CUevent) };
+        if !self.gpu.here() {
+            return; // a forked child cannot call the driver
+        }
+        let (api, event) = (self.gpu.api, self.raw());
+        let _ = self.gpu.borrow(|| {
+            // SAFETY: created by `CudaEngine::event`, destroyed once.
+            check(api, "cuEventDestroy", unsafe {
+                (api.cuEventDestroy_v2)(event)
+            })
+        });
     }
 }
 
@@ -177,10 +251,34 @@ struct Cached {
     gpu: Arc<Gpu>,
 }
 
+/// Page-locked buffers kept between loads. Everything is counted in what is really pinned (a
+/// buffer's whole capacity), and a buffer is only reused for its own size: the ring then pins
+/// exactly what it counts. Buffers of another size are evicted as soon as a load needs room
+/// (a load uses one size), so a change of block size costs one ring's worth of allocations, not
+/// a `cuMemHostAlloc` + `cuMemFreeHost` (slow, and synchronising the device) per block.
 struct PinnedPool {
     free: Vec<Cached>,
     cached: usize,
     limit: usize,
+}
+
+impl PinnedPool {
+    /// Removes cached buffers of other sizes than `cap` (oldest first) until `cap` more bytes fit
+    /// the limit, or all of them when `all`; returns them for freeing outside the lock.
+    fn evict(&mut self, cap: usize, all: bool) -> Vec<Cached> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.free.len() && (all || self.cached + cap > self.limit) {
+            if self.free[i].cap != cap {
+                let c = self.free.remove(i);
+                self.cached -= c.cap;
+                out.push(c);
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
 }
 
 static PINNED: Mutex<PinnedPool> = Mutex::new(PinnedPool {
@@ -189,49 +287,70 @@ static PINNED: Mutex<PinnedPool> = Mutex::new(PinnedPool {
     limit: 0,
 });
 
+fn pool() -> std::sync::MutexGuard<'static, PinnedPool> {
+    PINNED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Sets how many bytes of page-locked staging memory stay cached between loads (at least what
 /// an earlier load of this process asked for, until [`release_pinned`]).
 pub fn set_pinned_limit(bytes: usize) {
-    let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pool = pool();
     pool.limit = pool.limit.max(bytes);
 }
 
-/// Bytes of page-locked memory cached for the next load.
+/// Bytes of page-locked memory cached for the next load (none in a forked child: the parent's
+/// buffers are not usable there).
 pub fn pinned_cached() -> usize {
-    PINNED.lock().unwrap_or_else(|e| e.into_inner()).cached
+    let pool = pool();
+    pool.free
+        .iter()
+        .filter(|c| c.gpu.here())
+        .map(|c| c.cap)
+        .sum()
 }
 
 /// Frees every cached page-locked buffer and stops caching until the next GPU load: buffers in
-/// use are freed when their load is done with them. Returns the bytes freed.
+/// use are freed when their load is done with them. Returns the bytes freed (none in a forked
+/// child, which cannot call the driver: the parent's buffers are forgotten there).
 pub fn release_pinned() -> usize {
     let free = {
-        let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = pool();
         pool.limit = 0;
         pool.cached = 0;
         std::mem::take(&mut pool.free)
     };
-    free.into_iter()
+    free_all(free)
+}
+
+/// Gives cached buffers back to the driver; returns the bytes given back.
+fn free_all(buffers: Vec<Cached>) -> usize {
+    buffers
+        .into_iter()
         .map(|c| {
-            free_pinned(c.addr, &c.gpu);
-            c.cap
+            if free_pinned(c.addr, &c.gpu) {
+                c.cap
+            } else {
+                0
+            }
         })
         .sum()
 }
 
 /// Gives page-locked memory back to the driver, in the context that allocated it (from any
-/// thread). In a child forked after CUDA was initialised the driver cannot be called: the memory
-/// is left as it is.
-fn free_pinned(addr: usize, gpu: &Gpu) {
-    if gpu.pid != std::process::id() {
-        return;
+/// thread); whether it did. In a child forked after CUDA was initialised the driver cannot be
+/// called: the memory is left as it is.
+fn free_pinned(addr: usize, gpu: &Gpu) -> bool {
+    if !gpu.here() {
+        return false;
     }
-    let _ = guarded("cuMemFreeHost", || {
-        gpu.borrow(|| {
-            // SAFETY: allocated by `malloc_host` in this process, no longer referenced.
-            unsafe { result::free_host(addr as *mut c_void) }
-                .map_err(|e| driver_error("cuMemFreeHost", e))
+    let api = gpu.api;
+    gpu.borrow(|| {
+        // SAFETY: allocated by `cuMemHostAlloc` in this process, no longer referenced.
+        check(api, "cuMemFreeHost", unsafe {
+            (api.cuMemFreeHost)(addr as *mut c_void)
         })
-    });
+    })
+    .is_ok()
 }
 
 /// Page-locked host memory from the pool; returns there when dropped.
@@ -243,41 +362,40 @@ pub struct Pinned {
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
-        if pool.cached + self.cap <= pool.limit {
-            pool.cached += self.cap;
-            pool.free.push(Cached {
-                addr: self.addr,
-                cap: self.cap,
-                gpu: self.gpu.clone(),
-            });
-        } else {
-            drop(pool);
+        let (evicted, keep) = {
+            let mut pool = pool();
+            let evicted = pool.evict(self.cap, false);
+            let keep = pool.cached + self.cap <= pool.limit;
+            if keep {
+                pool.cached += self.cap;
+                pool.free.push(Cached {
+                    addr: self.addr,
+                    cap: self.cap,
+                    gpu: self.gpu.clone(),
+                });
+            }
+            (evicted, keep)
+        };
+        free_all(evicted);
+        if !keep {
             free_pinned(self.addr, &self.gpu);
         }
     }
 }
 
-/// Takes the cached buffer that best fits `cap` bytes, wasting at most half: page-locked
-/// buffers cannot be split or moved (the driver registered them as they are), and reusing one
-/// beats allocating another by far.
-fn take_best_fit(free: &mut Vec<Cached>, cap: usize) -> Option<Cached> {
-    let best = free
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.cap >= cap && c.cap - cap <= cap / 2)
-        .min_by_key(|(_, c)| c.cap)
-        .map(|(i, _)| i)?;
-    Some(free.swap_remove(best))
+/// What a staging buffer of `len` bytes really pins: whole pages.
+fn pinned_size(len: usize) -> usize {
+    const PAGE: usize = 4096;
+    len.max(1).div_ceil(PAGE) * PAGE
 }
 
-/// `len` bytes (rounded up) of page-locked memory; `gpu`'s context is bound.
+/// `len` bytes (rounded up to pages) of page-locked memory; `gpu`'s context is bound.
 fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
-    const GRAIN: usize = 64 << 10;
-    let cap = len.max(1).div_ceil(GRAIN) * GRAIN;
-    {
-        let mut pool = PINNED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = take_best_fit(&mut pool.free, cap) {
+    let cap = pinned_size(len);
+    let evicted = {
+        let mut pool = pool();
+        if let Some(i) = pool.free.iter().rposition(|c| c.cap == cap) {
+            let c = pool.free.swap_remove(i);
             pool.cached -= c.cap;
             return Ok(Pinned {
                 addr: c.addr,
@@ -285,10 +403,17 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
                 gpu: c.gpu,
             });
         }
-    }
+        // None of this size: the cached ones are another load's, and would only add to what
+        // this one pins.
+        pool.evict(cap, true)
+    };
+    free_all(evicted);
+    let api = gpu.api;
+    let mut ptr = std::ptr::null_mut();
     // SAFETY: allocates `cap` bytes of page-locked memory, usable from every context.
-    let ptr = unsafe { result::malloc_host(cap, sys::CU_MEMHOSTALLOC_PORTABLE) }
-        .map_err(|e| driver_error("cuMemHostAlloc (page-locked staging memory)", e))?;
+    check(api, "cuMemHostAlloc (page-locked staging memory)", unsafe {
+        (api.cuMemHostAlloc)(&mut ptr, cap, driver::CU_MEMHOSTALLOC_PORTABLE)
+    })?;
     Ok(Pinned {
         addr: ptr as usize,
         cap,
@@ -297,6 +422,9 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
 }
 
 /// Copies into memory of one CUDA device, on a dedicated stream.
+///
+/// Every call binds the engine's context first: the copy thread also runs the allocator (torch,
+/// in the Python bindings), which may leave another context current on it.
 pub struct CudaEngine {
     gpu: Arc<Gpu>,
     stream: usize,
@@ -305,11 +433,13 @@ pub struct CudaEngine {
 impl CudaEngine {
     pub fn new(ordinal: usize) -> Result<CudaEngine> {
         let gpu = Gpu::get(ordinal)?;
+        let api = gpu.api;
+        let mut stream = std::ptr::null_mut();
         // Called on the consumer's thread: its current context stays as it was.
-        let stream = guarded("stream", || {
-            gpu.borrow(|| {
-                result::stream::create(result::stream::StreamKind::NonBlocking)
-                    .map_err(|e| driver_error("cuStreamCreate", e))
+        gpu.borrow(|| {
+            // SAFETY: writes one stream handle.
+            check(api, "cuStreamCreate", unsafe {
+                (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING)
             })
         })?;
         Ok(CudaEngine {
@@ -318,35 +448,41 @@ impl CudaEngine {
         })
     }
 
-    fn stream(&self) -> sys::CUstream {
-        self.stream as sys::CUstream
+    fn stream(&self) -> driver::Stream {
+        self.stream as driver::Stream
     }
 
+    /// A new event of this context, which is bound.
     fn event(&self) -> Result<Event> {
         // Blocking sync: the completion thread sleeps in cuEventSynchronize instead of spinning
         // on a core that the reads need; a wake-up costs microseconds against a block's copy
         // time of hundreds.
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
-            | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
-        let mut event = std::mem::MaybeUninit::uninit();
-        // SAFETY: writes one event handle; checked before use.
-        unsafe {
-            sys::cuEventCreate(event.as_mut_ptr(), flags)
-                .result()
-                .map_err(|e| driver_error("cuEventCreate", e))?;
-            Ok(Event(event.assume_init() as usize))
-        }
+        let flags = driver::CU_EVENT_DISABLE_TIMING | driver::CU_EVENT_BLOCKING_SYNC;
+        let api = self.gpu.api;
+        let mut event = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check(api, "cuEventCreate", unsafe {
+            (api.cuEventCreate)(&mut event, flags)
+        })?;
+        Ok(Event {
+            raw: event as usize,
+            gpu: self.gpu.clone(),
+        })
     }
 }
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
-        let stream = self.stream();
+        if !self.gpu.here() {
+            return;
+        }
+        let (api, stream) = (self.gpu.api, self.stream());
         // The last owner may be the consumer's thread: borrow the context.
         let _ = self.gpu.borrow(|| {
             // SAFETY: our stream; cuStreamDestroy lets queued work finish first.
-            unsafe { result::stream::destroy(stream) }
-                .map_err(|e| driver_error("cuStreamDestroy", e))
+            check(api, "cuStreamDestroy", unsafe {
+                (api.cuStreamDestroy_v2)(stream)
+            })
         });
     }
 }
@@ -366,6 +502,10 @@ impl Engine for CudaEngine {
         })
     }
 
+    fn staging_size(&self, len: usize) -> usize {
+        pinned_size(len)
+    }
+
     fn keep_staging(&self, bytes: u64) {
         set_pinned_limit(bytes as usize);
     }
@@ -375,34 +515,38 @@ impl Engine for CudaEngine {
     }
 
     fn order_after(&self, stream: u64) -> Result<()> {
+        self.gpu.bind()?;
+        let api = self.gpu.api;
         let event = self.event()?;
         // SAFETY: `stream` is a live stream of this context given by the consumer (or 0); the
         // event may be destroyed once the wait is enqueued.
-        unsafe {
-            result::event::record(event.0 as sys::CUevent, stream as sys::CUstream)
-                .map_err(|e| driver_error("cuEventRecord (consumer stream)", e))?;
-            result::stream::wait_event(
-                self.stream(),
-                event.0 as sys::CUevent,
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-            .map_err(|e| driver_error("cuStreamWaitEvent", e))
-        }
+        check(api, "cuEventRecord (consumer stream)", unsafe {
+            (api.cuEventRecord)(event.raw(), stream as driver::Stream)
+        })?;
+        // SAFETY: our stream and a recorded event of its context.
+        check(api, "cuStreamWaitEvent", unsafe {
+            (api.cuStreamWaitEvent)(self.stream(), event.raw(), driver::CU_EVENT_WAIT_DEFAULT)
+        })
     }
 
     unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.gpu.bind()?;
+        let api = self.gpu.api;
         // SAFETY: the caller keeps `src` (page-locked staging) alive until a later fence passed,
         // and `dst` is device memory of this context.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, self.stream()) }
-            .result()
-            .map_err(|e| driver_error("cuMemcpyHtoDAsync", e))
+        check(api, "cuMemcpyHtoDAsync", unsafe {
+            (api.cuMemcpyHtoDAsync_v2)(dst, src as *const c_void, len, self.stream())
+        })
     }
 
     fn record(&self) -> Result<Fence> {
+        self.gpu.bind()?;
+        let api = self.gpu.api;
         let event = self.event()?;
         // SAFETY: both are live objects of this context.
-        unsafe { result::event::record(event.0 as sys::CUevent, self.stream()) }
-            .map_err(|e| driver_error("cuEventRecord", e))?;
+        check(api, "cuEventRecord", unsafe {
+            (api.cuEventRecord)(event.raw(), self.stream())
+        })?;
         Ok(Fence::Event(event))
     }
 
@@ -410,9 +554,12 @@ impl Engine for CudaEngine {
         let Fence::Event(event) = fence else {
             return Err(Error::device("fence from another engine"));
         };
+        self.gpu.bind()?;
+        let api = self.gpu.api;
         // SAFETY: a live event recorded on our stream.
-        unsafe { result::event::synchronize(event.0 as sys::CUevent) }
-            .map_err(|e| driver_error("copy to the device (cuEventSynchronize)", e))
+        check(api, "copy to the device (cuEventSynchronize)", unsafe {
+            (api.cuEventSynchronize)(event.raw())
+        })
     }
 }
 
@@ -424,10 +571,13 @@ struct DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        let ptr = self.ptr;
+        if !self.gpu.here() {
+            return;
+        }
+        let (api, ptr) = (self.gpu.api, self.ptr);
         let _ = self.gpu.borrow(|| {
-            // SAFETY: allocated by `malloc_sync`, freed once.
-            unsafe { result::free_sync(ptr) }.map_err(|e| driver_error("cuMemFree", e))
+            // SAFETY: allocated by `cuMemAlloc`, freed once.
+            check(api, "cuMemFree", unsafe { (api.cuMemFree_v2)(ptr) })
         });
     }
 }
@@ -450,10 +600,13 @@ impl CudaAllocator {
 impl Allocator for CudaAllocator {
     fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
         self.gpu.bind()?;
+        let api = self.gpu.api;
         let total: u64 = tensors.iter().map(|t| t.len.div_ceil(256) * 256).sum();
+        let mut base = 0;
         // SAFETY: allocates `total` bytes of device memory in the bound context.
-        let base = unsafe { result::malloc_sync(total.max(1) as usize) }
-            .map_err(|e| driver_error("cuMemAlloc", e))?;
+        check(api, "cuMemAlloc", unsafe {
+            (api.cuMemAlloc_v2)(&mut base, total.max(1) as usize)
+        })?;
         let memory = Arc::new(DeviceMemory {
             gpu: self.gpu.clone(),
             ptr: base,

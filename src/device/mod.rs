@@ -2,8 +2,8 @@
 //! destination memory that an [`Allocator`] hands out.
 //!
 //! - [`cuda`]: the GPU. Page-locked staging buffers, `cuMemcpyHtoDAsync` on a dedicated stream,
-//!   events as fences. The driver is loaded at run time (cudarc's dynamic loading), probed inside
-//!   `catch_unwind`, and never touched at import: a machine without a driver gets
+//!   events as fences. The driver (`libcuda.so.1`) is opened at run time with every entry point
+//!   resolved at once, and never touched at import: a machine without a driver (or device) gets
 //!   [`Error::Device`], never a panic.
 //! - [`HostEngine`]: the same protocol into host memory, on a worker thread that plays the part of
 //!   a copy stream. It runs the pipeline's staging, ordering and overlap logic on machines without
@@ -40,6 +40,11 @@ pub trait Engine: Send + Sync {
     fn name(&self) -> String;
     /// A staging buffer of at least `len` bytes, ready to be written (page-locked for a GPU).
     fn staging(&self, len: usize) -> Result<Staging>;
+    /// The memory a staging buffer of `len` bytes really takes (page-locked memory is allocated in
+    /// whole pages): what a ring of them counts.
+    fn staging_size(&self, len: usize) -> usize {
+        len
+    }
     /// Staging memory a load may hold at once (its ring); engines that cache staging buffers
     /// between loads (page-locked memory is slow to allocate) keep at least this much.
     fn keep_staging(&self, _bytes: u64) {}
@@ -314,6 +319,33 @@ impl Allocator for HostAllocator {
             destinations,
             stream: None,
         })
+    }
+}
+
+/// One allocation per tensor from `A`, whatever `A` does for a segment: each tensor then owns its
+/// memory alone, so a tensor the consumer keeps holds no other tensor's memory (the Python
+/// bindings' driver-allocated destinations; the CLI drops whole segments and allocates once each).
+pub struct PerTensor<A>(pub A);
+
+impl<A: Allocator> Allocator for PerTensor<A> {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+        let mut destinations = Vec::with_capacity(tensors.len());
+        let mut stream = None;
+        for t in tensors {
+            let one = self.0.allocate(std::slice::from_ref(t))?;
+            stream = stream.or(one.stream);
+            destinations.extend(one.destinations);
+        }
+        Ok(Allocation {
+            destinations,
+            stream,
+        })
+    }
+}
+
+impl Allocator for Box<dyn Allocator> {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+        self.as_mut().allocate(tensors)
     }
 }
 

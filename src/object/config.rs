@@ -18,6 +18,7 @@ use super::gcs::gcs_builder;
 use super::retry::RetrySettings;
 use super::*;
 use crate::error::{Error, Result};
+use crate::options::Size;
 
 /// Parses `uri` and builds its store. `options` are object_store configuration keys for the
 /// scheme (`endpoint`, `region`, `access_key_id`, `skip_signature`, `timeout`, ...) plus
@@ -116,7 +117,7 @@ pub(super) fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result
             format!(
                 "not a {scheme}:// option (see object_store's config keys, e.g. {examples}; \
                  and for every scheme allow_http, timeout, connect_timeout, max_retries, \
-                 retry_timeout, min_rate and stall_window)"
+                 retry_timeout, min_rate and min_rate_window)"
             ),
         )
     })
@@ -139,39 +140,31 @@ pub(super) fn split_retry_options(
                     )
                 })?;
             }
+            "retry_timeout" => retry.retry_timeout = seconds("retry_timeout", v)?,
             "min_rate" => {
-                retry.min_rate = v
-                    .parse::<crate::options::Size>()
-                    .map_err(|_| {
+                let rate = v.trim();
+                let rate = rate
+                    .strip_suffix("/s")
+                    .unwrap_or(rate)
+                    .parse::<Size>()
+                    .map_err(|e| {
                         Error::option(
                             "storage_options[\"min_rate\"]",
-                            format!("{v:?}: expected bytes per second, e.g. \"32KiB\" or 0 (off)"),
-                        )
-                    })?
-                    .0;
-            }
-            "stall_window" => {
-                retry.stall_window = seconds(v).filter(|d| !d.is_zero()).ok_or_else(|| {
-                    Error::option(
-                        "storage_options[\"stall_window\"]",
-                        format!("{v:?}: expected seconds or a duration, e.g. \"20\", \"20s\""),
-                    )
-                })?;
-            }
-            "retry_timeout" => {
-                let secs: f64 = v
-                    .trim()
-                    .trim_end_matches('s')
-                    .parse()
-                    .ok()
-                    .filter(|s: &f64| s.is_finite() && *s >= 0.0)
-                    .ok_or_else(|| {
-                        Error::option(
-                            "storage_options[\"retry_timeout\"]",
-                            "expected seconds, e.g. \"30\"",
+                            format!(
+                                "{e}; expected bytes per second, e.g. \"16KiB\" (0: no minimum)"
+                            ),
                         )
                     })?;
-                retry.retry_timeout = Duration::from_secs_f64(secs);
+                retry.min_rate = rate.0;
+            }
+            "min_rate_window" => {
+                retry.min_rate_window = seconds("min_rate_window", v)?;
+                if retry.min_rate_window.is_zero() {
+                    return Err(Error::option(
+                        "storage_options[\"min_rate_window\"]",
+                        "must be more than 0 seconds",
+                    ));
+                }
             }
             // Durations: bare numbers are seconds (object_store wants a unit: "30s"); anything
             // else must parse as object_store parses it (humantime), checked here so that a typo
@@ -204,13 +197,20 @@ pub(super) fn split_retry_options(
     Ok((retry, rest))
 }
 
-/// Seconds ("20", "2.5") or a duration with a unit ("20s", "500ms").
-fn seconds(v: &str) -> Option<Duration> {
-    match v.trim().parse::<f64>() {
-        Ok(secs) if secs.is_finite() && secs >= 0.0 => Some(Duration::from_secs_f64(secs)),
-        Ok(_) => None,
-        Err(_) => humantime::parse_duration(v.trim()).ok(),
-    }
+/// A duration in seconds, as a number or with an `s`: "30", "2.5s".
+fn seconds(key: &str, v: &str) -> Result<Duration> {
+    v.trim()
+        .trim_end_matches('s')
+        .parse()
+        .ok()
+        .filter(|s: &f64| s.is_finite() && *s >= 0.0 && *s < 1e9)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| {
+            Error::option(
+                format!("storage_options[{key:?}]"),
+                "expected seconds, e.g. \"30\"",
+            )
+        })
 }
 
 pub(super) fn is_true(v: &str) -> bool {

@@ -1,21 +1,21 @@
 //! Ranged reads into caller buffers, resuming cut-off bodies.
 
 use std::io;
-use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use object_store::path::Path;
 use object_store::{GetOptions, GetRange, GetResult, ObjectStore};
 
 use super::errors::*;
-use super::retry::{Decision, RetrySettings};
+use super::retry::{Decision, ResumeState, RetrySettings};
 use crate::error::{Error, Result};
 
 /// Reads `dst.len()` bytes at `offset` with one ranged GET, copying each body chunk into `dst` as
 /// it arrives. A body that breaks off is resumed from the first missing byte (object_store already
-/// retried the request itself) for as long as [`ResumeState`] allows. A body longer than asked
-/// for, an object shorter than the range, or an object that changed (ETag) between resumptions is
-/// an error.
+/// retried the request itself) for as long as [`ResumeState`] allows; so is a body that comes in
+/// below the minimum rate (the stall rule: it is cut, and its connection with it). A body longer
+/// than asked for, an object shorter than the range, or an object that changed (ETag) between
+/// resumptions is an error.
 pub async fn read_range_into(
     store: &dyn ObjectStore,
     path: &Path,
@@ -28,7 +28,6 @@ pub async fn read_range_into(
         .checked_add(dst.len() as u64)
         .ok_or_else(|| Error::option("range", format!("offset {offset} overflows")))?;
     let mut resume = retry.resume_state();
-    let mut slow_seen: Option<(u64, Duration)> = None;
     let mut etag: Option<String> = None;
     let mut done = 0usize;
     while done < dst.len() {
@@ -53,44 +52,30 @@ pub async fn read_range_into(
         }
         check_etag(&mut etag, result.meta.e_tag.as_deref(), uri)?;
         let before = done;
-        let started = Instant::now();
-        let cut = copy_body(result, dst, &mut done, offset, uri, retry).await?;
+        let cut = match copy_body(result, dst, &mut done, &mut resume, offset, uri).await? {
+            Body::Ended(cut) => cut,
+            Body::Slow(Decision::Resume { wait, .. }) => {
+                tokio::time::sleep(wait).await;
+                continue;
+            }
+            Body::Slow(Decision::GiveUp { reason }) => {
+                return Err(io_error(
+                    uri,
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "bytes {offset}..{end} stalled after {done} of {} bytes: {reason} \
+                         (storage_options min_rate and min_rate_window set the rule)",
+                        dst.len()
+                    ),
+                ));
+            }
+        };
         if done == dst.len() {
             break;
         }
-        // A body cut off (or cancelled by the stall rule) after bringing bytes below the minimum
-        // rate made no progress worth resuming for: a trickle would otherwise go on for ever.
-        let elapsed = started.elapsed();
-        let got = (done - before) as u64;
-        let slow = match &cut {
-            Cut::Slow => true,
-            _ => retry.min_rate > 0 && elapsed >= SLOW_AFTER && got < rate_bar(retry, elapsed),
-        };
-        if slow {
-            slow_seen = Some((got, elapsed));
-        }
-        match resume.after_cut(got > 0 && !slow) {
+        match resume.after_cut(done > before) {
             Decision::Resume { wait, .. } => tokio::time::sleep(wait).await,
-            Decision::GiveUp { reason } => {
-                if let Some((got, elapsed)) = slow_seen {
-                    let rate = got as f64 / elapsed.as_secs_f64().max(1e-3);
-                    return Err(io_error(
-                        uri,
-                        io::ErrorKind::TimedOut,
-                        format!(
-                            "bytes {offset}..{end} came too slowly: {rate:.0} bytes/s on the last \
-                             attempt ({got} bytes in {elapsed:.1?}), under the minimum of {} \
-                             bytes/s (storage_options min_rate, stall_window); {done} of {} \
-                             bytes read; gave up: {reason}",
-                            retry.min_rate,
-                            dst.len()
-                        ),
-                    ));
-                }
-                let cut = match cut {
-                    Cut::Broken(e) => Some(e),
-                    _ => None,
-                };
+            Decision::GiveUp { .. } => {
                 return Err(cut.unwrap_or_else(|| {
                     io_error(
                         uri,
@@ -100,7 +85,7 @@ pub async fn read_range_into(
                             dst.len()
                         ),
                     )
-                }));
+                }))
             }
         }
     }
@@ -123,81 +108,57 @@ fn check_etag(first: &mut Option<String>, now: Option<&str>, uri: &str) -> Resul
     }
 }
 
-/// An attempt shorter than this is not judged by its rate (a reset right after the first bytes
-/// says nothing about the link).
-const SLOW_AFTER: Duration = Duration::from_secs(1);
-
-/// Bytes a body must bring in `elapsed` to keep up with the minimum rate.
-fn rate_bar(retry: &RetrySettings, elapsed: Duration) -> u64 {
-    (retry.min_rate as f64 * elapsed.as_secs_f64()) as u64
+/// How a body ended.
+enum Body {
+    /// It ended, complete or early; with the error that broke it off, if one did.
+    Ended(Option<Error>),
+    /// The stall rule cut it: what to do next.
+    Slow(Decision),
 }
 
-/// How a body ended before its last byte.
-enum Cut {
-    /// It ended (or there was no cut: the range is complete).
-    Ended,
-    /// An error broke it off.
-    Broken(Error),
-    /// The stall rule cancelled it: under `min_rate` over a `stall_window`.
-    Slow,
-}
-
-/// Copies the body into `dst[*done..]`, advancing `done`. Says how the body ended early, if it
-/// did: an error, the stall rule (fewer than `min_rate` bytes per second over a `stall_window`:
-/// the body is dropped, which closes its connection), or just an early end. A body longer than
-/// `dst` is an error.
+/// Copies the body into `dst[*done..]`, advancing `done`, until it ends or a window of the stall
+/// rule passes below the minimum rate; a body longer than `dst` is an error.
 async fn copy_body(
     result: GetResult,
     dst: &mut [u8],
     done: &mut usize,
+    resume: &mut ResumeState,
     offset: u64,
     uri: &str,
-    retry: &RetrySettings,
-) -> Result<Cut> {
+) -> Result<Body> {
     let mut body = result.into_stream();
-    let window = retry.stall_window;
-    let (mut window_start, mut window_done) = (Instant::now(), *done);
     loop {
-        let next = if retry.min_rate == 0 {
-            body.next().await
-        } else {
-            // Waits at most until the window closes, so that a body that sends nothing at all
-            // is judged too.
-            let left = window.saturating_sub(window_start.elapsed());
-            match tokio::time::timeout(left, body.next()).await {
-                Ok(next) => next,
-                Err(_) => {
-                    if ((*done - window_done) as u64) < rate_bar(retry, window_start.elapsed()) {
-                        return Ok(Cut::Slow);
-                    }
-                    (window_start, window_done) = (Instant::now(), *done);
-                    continue;
-                }
+        let next = tokio::time::timeout_at(resume.window_end().into(), body.next()).await;
+        let chunk = match next {
+            Err(_) if *done == dst.len() => return Ok(Body::Ended(None)),
+            Err(_) => None,
+            Ok(None) => return Ok(Body::Ended(None)),
+            Ok(Some(Err(e))) => return Ok(Body::Ended(Some(storage_error(uri, e)))),
+            Ok(Some(Ok(chunk))) => Some(chunk),
+        };
+        if let Some(chunk) = chunk {
+            if chunk.len() > dst.len() - *done {
+                return Err(io_error(
+                    uri,
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "server sent more than the {} bytes asked for at offset {offset}",
+                        dst.len()
+                    ),
+                ));
             }
-        };
-        let Some(chunk) = next else { break };
-        let chunk = match chunk {
-            Ok(chunk) => chunk,
-            Err(e) => return Ok(Cut::Broken(storage_error(uri, e))),
-        };
-        if chunk.len() > dst.len() - *done {
-            return Err(io_error(
-                uri,
-                io::ErrorKind::InvalidData,
-                format!(
-                    "server sent more than the {} bytes asked for at offset {offset}",
-                    dst.len()
-                ),
-            ));
+            dst[*done..*done + chunk.len()].copy_from_slice(&chunk);
+            *done += chunk.len();
+            resume.arrived(chunk.len());
+            if *done == dst.len() {
+                // Complete: what is left of the body is its end.
+                continue;
+            }
         }
-        dst[*done..*done + chunk.len()].copy_from_slice(&chunk);
-        *done += chunk.len();
-        if retry.min_rate > 0 && window_start.elapsed() >= window {
-            if ((*done - window_done) as u64) < rate_bar(retry, window_start.elapsed()) {
-                return Ok(Cut::Slow);
+        if std::time::Instant::now() >= resume.window_end() {
+            if let Some(decision) = resume.window_passed() {
+                return Ok(Body::Slow(decision));
             }
-            (window_start, window_done) = (Instant::now(), *done);
         }
     }
-    Ok(Cut::Ended)
 }

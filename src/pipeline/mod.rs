@@ -11,20 +11,30 @@
 //!   [`crate::device::Engine`] into destination memory (a GPU) while later blocks are read.
 //!
 //! Both publish through one `Feed` (the consumer's channel, the cancel flag, the counters).
+//!
+//! Memory fastload allocated for data the consumer has not been handed yet is bounded by
+//! `memory_limit`, counted per segment with a semaphore (the budget): the driver acquires a
+//! segment's share in plan order before its first read, and the consumer gives it back when it
+//! asks for the next segment (so a consumer that keeps every tensor is never limited by it). For
+//! host loads that memory is the segment's host buffer; for staged loads it is the destination
+//! memory (a GPU's), allocated when a segment's first block lands. Taking the budget in plan order
+//! keeps it deadlock-free: every segment holding some was fully started before the next asks.
 
 mod staged;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::device::{Destination, Target};
 use crate::error::{Error, Result};
 use crate::memory::{self, HostBuffer};
 use crate::options::{LoadOptions, Method, Resolved};
 use crate::plan::{self, Plan, TensorSlot};
+use crate::runtime::Abort;
 use crate::source;
 
 /// A segment whose bytes have all landed.
@@ -62,18 +72,97 @@ enum Msg {
 
 /// A running load. Iterate with [`Loader::next_segment`] (blocking; call it outside the runtime).
 pub struct Loader {
+    /// `None` once finished: dropping the receiver drops what is queued, and producers' later
+    /// segments with it.
+    rx: Option<mpsc::Receiver<Msg>>,
+    control: Arc<Control>,
+    /// The budget of the segment handed out last, given back when the consumer asks for the next.
+    held: Option<OwnedSemaphorePermit>,
+}
+
+/// The part of a running load that other threads may use while the consumer waits in
+/// [`Loader::next_segment`]: the counters, the options, and [`Control::close`]. Nothing here
+/// waits for the consumer.
+pub struct Control {
     plan: Arc<Plan>,
-    rx: mpsc::UnboundedReceiver<Msg>,
-    cancel: Arc<AtomicBool>,
-    budget: Arc<Semaphore>,
     stats: Arc<Stats>,
+    cancel: Arc<Abort>,
+    /// Set by [`Control::close`]: the consumer's next wait ends with [`Error::Closed`].
+    closed: AtomicBool,
+    /// Set when every planned segment was handed out.
+    finished: AtomicBool,
+    /// Semaphores producers wait on; closed on cancel so that none waits for ever.
+    budgets: Vec<Arc<Semaphore>>,
     started: Instant,
-    first: Option<Duration>,
-    done: bool,
+    first: OnceLock<Duration>,
     /// The options in force, `method` as chosen (never `Auto`).
     config: Resolved,
     /// The copy engine of a staged load ("cuda:0", "host").
     engine: Option<String>,
+}
+
+impl Control {
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The read strategy in use.
+    pub fn method(&self) -> Method {
+        self.config.method
+    }
+
+    /// The options in force: the caller's, else `FASTLOAD_*` variables, else defaults.
+    pub fn config(&self) -> &Resolved {
+        &self.config
+    }
+
+    /// The engine a staged load copies with ("cuda:0", "host"); `None` for host-memory loads.
+    pub fn engine(&self) -> Option<&str> {
+        self.engine.as_deref()
+    }
+
+    /// Time from the start of reading (after headers were parsed) to the first segment handed out.
+    pub fn first_segment_after(&self) -> Option<Duration> {
+        self.first.get().copied()
+    }
+
+    /// Whether every planned segment was handed out.
+    pub fn finished(&self) -> bool {
+        self.finished.load(Ordering::SeqCst)
+    }
+
+    /// Whether [`Control::close`] was called before the load finished.
+    pub fn closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Stops the load from any thread without waiting for its consumer: nothing new starts, and
+    /// a consumer waiting for a segment gets [`Error::Closed`] (unless everything was delivered).
+    pub fn close(&self) {
+        if !self.finished() {
+            self.closed.store(true, Ordering::SeqCst);
+        }
+        self.stop();
+    }
+
+    fn stop(&self) {
+        self.cancel.trigger();
+        for budget in &self.budgets {
+            budget.close();
+        }
+    }
+
+    /// The error of a load closed before it finished.
+    pub fn closed_error(&self) -> Error {
+        Error::Closed {
+            delivered: self.stats.tensors_delivered.load(Ordering::Relaxed),
+            planned: self.plan.tensor_count as u64,
+        }
+    }
 }
 
 /// Resolves the URIs, validates every header, plans and starts reading into host memory.
@@ -110,19 +199,19 @@ fn kib(bytes: u64) -> u32 {
 /// The producing side of a load, shared by both pipelines: the channel to the consumer, the
 /// cancel flag and the counters.
 struct Feed {
-    tx: mpsc::UnboundedSender<Msg>,
-    cancel: Arc<AtomicBool>,
+    tx: mpsc::Sender<Msg>,
+    cancel: Arc<Abort>,
     stats: Arc<Stats>,
 }
 
 impl Feed {
     fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::SeqCst)
+        self.cancel.is_triggered()
     }
 
     /// Ends the load with `err`: the first failure is reported, later ones are consequences.
     fn fail(&self, err: Error) {
-        if !self.cancel.swap(true, Ordering::SeqCst) {
+        if !self.cancel.trigger() {
             let _ = self.tx.send(Msg::Failed(err));
         }
     }
@@ -272,7 +361,12 @@ impl Driver {
                         if job.feed.cancelled() {
                             return;
                         }
-                        let result = job.read_block(off, len).await;
+                        // Cancelled midway (a failure elsewhere, close, Ctrl-C): the request is
+                        // dropped, not left to end at the storage timeout.
+                        let result = tokio::select! {
+                            result = job.read_block(off, len) => result,
+                            () = job.feed.cancel.triggered() => return,
+                        };
                         drop(slot);
                         job.block_finished(result);
                     }
@@ -283,22 +377,57 @@ impl Driver {
     }
 }
 
+/// What `method="auto"` does for a load into host memory, and why. Local files are mapped:
+/// mapping page-cache pages costs no copy and no zeroing of fresh memory, and the benchmark
+/// (benches/run.py) shows it ahead cold and warm. Everything else is read in blocks into pooled
+/// buffers: objects cannot be mapped, and on network and FUSE filesystems a page fault is a small
+/// synchronous round trip (see `source::fs`).
+fn auto_method(plan: &Plan) -> (Method, String) {
+    for shard in &plan.shards {
+        let Some(path) = shard.source.local_path() else {
+            return (
+                Method::Read,
+                format!(
+                    "{} is not a local file: read into pooled buffers",
+                    shard.name
+                ),
+            );
+        };
+        if let Some(fs) = source::fs::remote_filesystem(path) {
+            return (
+                Method::Read,
+                format!(
+                    "{} is on {fs}, where each page fault of a mapping is a round trip: read in \
+                     blocks instead",
+                    shard.name
+                ),
+            );
+        }
+    }
+    (
+        Method::Mmap,
+        "local filesystem: mapped, no copy".to_string(),
+    )
+}
+
 impl Loader {
     /// Starts reading `plan` on the process runtime.
     pub fn start(plan: Plan, opts: Resolved) -> Loader {
-        let method = match opts.method {
-            // Local files to host memory: mapping page-cache pages costs no copy and no zeroing of
-            // fresh memory, and the benchmark (benches/run.py) shows it ahead cold and warm.
-            Method::Auto => Method::Mmap,
-            m => m,
+        let (method, method_reason) = match opts.method {
+            Method::Auto => auto_method(&plan),
+            m => (m, opts.method_reason.clone()),
         };
         memory::set_pool_limit(opts.memory_limit);
         let budget_kib = kib(opts.memory_limit).min(Semaphore::MAX_PERMITS as u32);
         let budget = Arc::new(Semaphore::new(budget_kib as usize));
-        let opts = Resolved { method, ..opts };
-        let (loader, feed) = Loader::new(plan, budget.clone(), opts.clone(), None);
+        let opts = Resolved {
+            method,
+            method_reason,
+            ..opts
+        };
+        let (loader, feed) = Loader::new(plan, vec![budget.clone()], opts.clone(), None);
         let driver = Driver {
-            plan: loader.plan.clone(),
+            plan: loader.control.plan.clone(),
             opts,
             budget,
             budget_kib,
@@ -308,94 +437,140 @@ impl Loader {
         loader
     }
 
-    /// A loader over `plan` and the feed its producers publish to. `budget` is closed when the
+    /// A loader over `plan` and the feed its producers publish to. `budgets` are closed when the
     /// consumer goes away; `config` is what `stats()` reports; `engine` names a staged load's copy
     /// engine.
     fn new(
         plan: Plan,
-        budget: Arc<Semaphore>,
+        budgets: Vec<Arc<Semaphore>>,
         config: Resolved,
         engine: Option<String>,
     ) -> (Loader, Arc<Feed>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let cancel = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(Abort::default());
         let stats = Arc::new(Stats::default());
         let feed = Arc::new(Feed {
             tx,
             cancel: cancel.clone(),
             stats: stats.clone(),
         });
-        let loader = Loader {
+        let control = Arc::new(Control {
             plan: Arc::new(plan),
-            rx,
-            cancel,
-            budget,
             stats,
+            cancel,
+            closed: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
+            budgets,
             started: Instant::now(),
-            first: None,
-            done: false,
+            first: OnceLock::new(),
             config,
             engine,
+        });
+        let loader = Loader {
+            rx: Some(rx),
+            control,
+            held: None,
         };
         (loader, feed)
     }
 
+    /// The counters, options and close switch, shareable with other threads.
+    pub fn control(&self) -> &Arc<Control> {
+        &self.control
+    }
+
     /// The engine a staged load copies with ("cuda:0", "host"); `None` for host-memory loads.
     pub fn engine(&self) -> Option<&str> {
-        self.engine.as_deref()
+        self.control.engine()
     }
 
     pub fn plan(&self) -> &Plan {
-        &self.plan
+        &self.control.plan
     }
 
     pub fn stats(&self) -> &Stats {
-        &self.stats
+        &self.control.stats
     }
 
     /// The read strategy in use.
     pub fn method(&self) -> Method {
-        self.config.method
+        self.control.method()
     }
 
     /// The options in force: the caller's, else `FASTLOAD_*` variables, else defaults.
     pub fn config(&self) -> &Resolved {
-        &self.config
+        self.control.config()
     }
 
     /// Time from the start of reading (after headers were parsed) to the first segment handed out.
     pub fn first_segment_after(&self) -> Option<Duration> {
-        self.first
+        self.control.first_segment_after()
     }
 
     /// Blocks until the next segment is complete; `None` once everything was delivered.
     pub fn next_segment(&mut self) -> Option<Result<Loaded>> {
-        if self.done {
-            return None;
+        loop {
+            if let Some(next) = self.next_segment_within(Duration::from_millis(100)) {
+                return next;
+            }
         }
-        match self.rx.blocking_recv() {
+    }
+
+    /// Like [`Loader::next_segment`], but waits at most `wait`: `None` when nothing came in that
+    /// time (so that a caller can look at signals between waits), else what `next_segment` gives.
+    pub fn next_segment_within(&mut self, wait: Duration) -> Option<Option<Result<Loaded>>> {
+        // The segment handed out last is the consumer's now: its budget may go to the next.
+        self.held = None;
+        let Some(rx) = &self.rx else {
+            return Some(None);
+        };
+        if self.control.closed() {
+            self.finish();
+            return Some(Some(Err(self.control.closed_error())));
+        }
+        let msg = match rx.try_recv() {
+            Ok(msg) => Some(msg),
+            Err(TryRecvError::Disconnected) => None,
+            Err(TryRecvError::Empty) => match rx.recv_timeout(wait) {
+                Ok(msg) => Some(msg),
+                Err(RecvTimeoutError::Disconnected) => None,
+                Err(RecvTimeoutError::Timeout) => return None,
+            },
+        };
+        if self.control.closed() {
+            self.finish();
+            return Some(Some(Err(self.control.closed_error())));
+        }
+        Some(self.take(msg))
+    }
+
+    fn take(&mut self, msg: Option<Msg>) -> Option<Result<Loaded>> {
+        let stats = &self.control.stats;
+        match msg {
             Some(Msg::Segment(loaded, permit)) => {
-                drop(permit);
+                self.held = permit;
                 // A mapping's pages are the file's own: checked again at hand-out, the last
                 // moment before the consumer touches them (pages of a file cut short since its
                 // blocks were read would read as zeros or fault).
                 if let Memory::Host(buffer) = &loaded.memory {
                     if buffer.is_mapped() {
-                        let source = &self.plan.shards[loaded.shard].source;
+                        let source = &self.control.plan.shards[loaded.shard].source;
                         if let Err(e) = source.check_unchanged() {
                             self.finish();
                             return Some(Err(e));
                         }
                     }
                 }
-                self.first.get_or_insert_with(|| self.started.elapsed());
+                self.control
+                    .first
+                    .get_or_init(|| self.control.started.elapsed());
                 let bytes: u64 = loaded.tensors.iter().map(|t| t.len).sum();
-                self.stats
-                    .bytes_delivered
-                    .fetch_add(bytes, Ordering::Relaxed);
-                self.stats
-                    .tensors_delivered
-                    .fetch_add(loaded.tensors.len() as u64, Ordering::Relaxed);
+                stats.bytes_delivered.fetch_add(bytes, Ordering::Relaxed);
+                let n = loaded.tensors.len() as u64;
+                let delivered = stats.tensors_delivered.fetch_add(n, Ordering::Relaxed) + n;
+                if delivered as usize == self.control.plan.tensor_count {
+                    self.control.finished.store(true, Ordering::SeqCst);
+                }
                 Some(Ok(loaded))
             }
             Some(Msg::Failed(e)) => {
@@ -403,14 +578,15 @@ impl Loader {
                 Some(Err(e))
             }
             None => {
-                self.done = true;
-                let delivered = self.stats.tensors_delivered.load(Ordering::Relaxed);
-                if delivered as usize != self.plan.tensor_count
-                    && !self.cancel.load(Ordering::SeqCst)
-                {
+                let delivered = stats.tensors_delivered.load(Ordering::Relaxed);
+                let cancelled = self.control.cancel.is_triggered();
+                self.finish();
+                if delivered as usize == self.control.plan.tensor_count {
+                    self.control.finished.store(true, Ordering::SeqCst);
+                } else if !cancelled {
                     return Some(Err(Error::Incomplete {
                         delivered,
-                        planned: self.plan.tensor_count as u64,
+                        planned: self.control.plan.tensor_count as u64,
                     }));
                 }
                 None
@@ -424,11 +600,9 @@ impl Loader {
     }
 
     fn finish(&mut self) {
-        self.done = true;
-        self.cancel.store(true, Ordering::SeqCst);
-        self.budget.close();
-        self.rx.close();
-        while self.rx.try_recv().is_ok() {}
+        self.held = None;
+        self.control.stop();
+        self.rx = None;
     }
 }
 

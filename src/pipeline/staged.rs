@@ -1,14 +1,26 @@
 //! Staged loads: storage → ring of staging buffers → copy engine → destination memory.
 //!
 //! Three stages run side by side, so reading block k+1.. overlaps copying block k:
-//! - the driver (a task on the runtime) walks the plan's blocks in order; each takes a ring slot
-//!   (the ring has `memory_limit / block` slots, which is what bounds host memory whatever the
-//!   model size) and a read permit (`concurrency`), then reads into a staging buffer;
+//! - the driver (a task on the runtime) walks the plan's segments in order; each first takes its
+//!   share of the destination budget (`memory_limit`, see below), then each of its blocks takes a
+//!   ring slot (the ring has `memory_limit / block` slots, which is what bounds host memory
+//!   whatever the model size) and a read permit (`concurrency`), then reads into a staging buffer;
 //! - the copy thread takes blocks as their reads finish, asks the allocator for a segment's
 //!   destinations when its first block arrives, enqueues one copy per tensor piece the block
 //!   holds (a tensor larger than a block is copied in pieces) and records a fence;
 //! - the completion thread waits for fences in order, returns each staging buffer to the ring,
 //!   and hands a segment's tensors to the consumer once its last block's fence passed.
+//!
+//! Destination memory (the GPU's) allocated for segments the consumer has not been handed stays
+//! within `memory_limit` too, whatever the consumer's pace: without that bound a consumer slower
+//! than the reads (per-tensor work, a distributed round) would pile the checkpoint up on the
+//! device beside the parameters it is copied into. `memory_limit` rather than a device limit of
+//! its own: it already means "bytes fastload holds for you that you have not received", one knob
+//! is easier to size than two, and a GPU load's host side (the page-locked ring) and device side
+//! are different memories, each held within it. The budget is taken by the driver, in plan order,
+//! before a segment's first read, and given back when the consumer asks for the next segment:
+//! the copy and completion threads never wait for it, so blocks that complete out of order can
+//! never wait behind a segment that cannot start.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
@@ -41,6 +53,8 @@ struct Job {
     remaining: AtomicUsize,
     /// Set by the copy thread when the first block arrives.
     destinations: Mutex<Option<Vec<Destination>>>,
+    /// The segment's share of the destination budget, handed to the consumer with it.
+    budget: Mutex<Option<OwnedSemaphorePermit>>,
 }
 
 /// A block that was read: `len` bytes at `off` within its segment, in `staging`.
@@ -55,21 +69,30 @@ struct Block {
 pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let Target { engine, allocator } = target;
     let block = block_for(&opts);
-    let slots = (opts.memory_limit / block).clamp(2, Semaphore::MAX_PERMITS as u64) as usize;
-    engine.keep_staging(slots as u64 * block);
+    // The ring counts what a staging buffer really takes, so the limit holds for any block size.
+    let slot = (engine.staging_size(block as usize) as u64).max(block);
+    let slots = (opts.memory_limit / slot).clamp(2, Semaphore::MAX_PERMITS as u64) as usize;
+    engine.keep_staging(slots as u64 * slot);
     crate::memory::set_pool_limit(opts.memory_limit);
     let ring = Arc::new(Semaphore::new(slots));
+    let budget_kib = super::kib(opts.memory_limit).min(Semaphore::MAX_PERMITS as u32);
+    let budget = Budget {
+        semaphore: Arc::new(Semaphore::new(budget_kib as usize)),
+        kib: budget_kib,
+    };
     let target_name = engine.name();
     // What runs: staging buffers read whole blocks of `block` bytes.
     let config = Resolved {
         method: Method::Read,
+        method_reason: "staged loads read into page-locked staging buffers".into(),
         block_size: block,
         ..opts
     };
     let concurrency = config.concurrency;
-    let (loader, feed) = Loader::new(plan, ring.clone(), config, Some(target_name));
+    let budgets = vec![ring.clone(), budget.semaphore.clone()];
+    let (loader, feed) = Loader::new(plan, budgets, config, Some(target_name));
     let shared = Arc::new(Shared {
-        plan: loader.plan.clone(),
+        plan: loader.control.plan.clone(),
         engine,
         feed,
     });
@@ -89,26 +112,57 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
             .spawn(move || completer(&shared, done_rx))
             .expect("spawning the copy completion thread");
     }
-    crate::runtime::get().spawn(drive(shared, ring, slots, block, concurrency, copy_tx));
+    let ring = Ring {
+        semaphore: ring,
+        slots,
+        block,
+    };
+    crate::runtime::get().spawn(drive(shared, budget, ring, concurrency, copy_tx));
     loader
+}
+
+/// Destination memory of segments not yet handed to the consumer, in KiB.
+struct Budget {
+    semaphore: Arc<Semaphore>,
+    kib: u32,
+}
+
+/// The staging ring: `slots` buffers of `block` bytes.
+struct Ring {
+    semaphore: Arc<Semaphore>,
+    slots: usize,
+    block: u64,
 }
 
 async fn drive(
     shared: Arc<Shared>,
-    ring: Arc<Semaphore>,
-    slots: usize,
-    block: u64,
+    budget: Budget,
+    ring: Ring,
     concurrency: usize,
     copy_tx: std_mpsc::Sender<Block>,
 ) {
+    let Ring {
+        semaphore: ring,
+        slots,
+        block,
+    } = ring;
     let reads = Arc::new(Semaphore::new(concurrency));
     let plan = shared.plan.clone();
     for (index, seg) in plan.segments.iter().enumerate() {
+        // A segment larger than the whole budget waits until it has the budget to itself.
+        let need = super::kib(seg.len).clamp(1, budget.kib);
+        let Ok(permit) = budget.semaphore.clone().acquire_many_owned(need).await else {
+            return;
+        };
+        if shared.feed.cancelled() {
+            return;
+        }
         let blocks: Vec<(u64, u64)> = plan::blocks(seg.start, seg.len, block).collect();
         let job = Arc::new(Job {
             index,
             remaining: AtomicUsize::new(blocks.len().max(1)),
             destinations: Mutex::new(None),
+            budget: Mutex::new(Some(permit)),
         });
         if blocks.is_empty() {
             // Only empty tensors: they still need destinations, and are published in order.
@@ -142,7 +196,11 @@ async fn drive(
                 if shared.feed.cancelled() {
                     return;
                 }
-                let staging = read_block(&shared, job.index, off, len, block).await;
+                // Cancelled midway: the request is dropped, the staging buffer goes back.
+                let staging = tokio::select! {
+                    staging = read_block(&shared, job.index, off, len, block) => staging,
+                    () = shared.feed.cancel.triggered() => return,
+                };
                 drop(read);
                 match staging {
                     Ok(staging) => {
@@ -294,7 +352,13 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
     }
     for (fence, block, failed) in rx {
         let waited = shared.engine.wait(fence);
-        let Block { job, .. } = block; // drops the staging buffer and its ring slot
+        let Block { job, staging, .. } = block; // drops the ring slot
+        match (&waited, staging) {
+            // The copies may still read the buffer: never reuse it (as the copier does when it
+            // cannot record a fence).
+            (Err(_), Some(staging)) => std::mem::forget(staging),
+            (_, staging) => drop(staging),
+        }
         if let Some(e) = failed.or(waited.err()) {
             shared.feed.fail(e);
             continue;
@@ -309,12 +373,13 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .unwrap_or_default();
+        let budget = job.budget.lock().unwrap_or_else(|e| e.into_inner()).take();
         let loaded = Loaded {
             memory: Memory::Placed(destinations),
             shard: seg.shard,
             tensors: seg.tensors.clone(),
         };
-        shared.feed.deliver(loaded, None);
+        shared.feed.deliver(loaded, budget);
     }
 }
 
@@ -498,6 +563,147 @@ mod tests {
             }
         }
         assert_eq!(failed.as_deref(), Some("out of device memory (test)"));
+    }
+
+    /// Host destinations that count the bytes alive (allocated and not yet dropped).
+    struct Counting {
+        live: Arc<AtomicUsize>,
+        peak: Arc<AtomicUsize>,
+    }
+
+    struct Counted {
+        _buffer: crate::memory::HostBuffer,
+        len: usize,
+        live: Arc<AtomicUsize>,
+    }
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.live.fetch_sub(self.len, Ordering::SeqCst);
+        }
+    }
+
+    impl Allocator for Counting {
+        fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+            let mut destinations = Vec::new();
+            for t in tensors {
+                let len = t.len as usize;
+                let buffer = crate::memory::HostBuffer::alloc_populated(len, "test")?;
+                let now = self.live.fetch_add(len, Ordering::SeqCst) + len;
+                self.peak.fetch_max(now, Ordering::SeqCst);
+                destinations.push(Destination {
+                    addr: buffer.as_ptr() as u64,
+                    owner: Box::new(Counted {
+                        _buffer: buffer,
+                        len,
+                        live: self.live.clone(),
+                    }),
+                });
+            }
+            Ok(Allocation {
+                destinations,
+                stream: None,
+            })
+        }
+    }
+
+    #[test]
+    fn destinations_of_undelivered_segments_stay_within_the_memory_limit() {
+        // 32 tensors of 256 KiB, a 1 MiB limit (segments of 256 KiB), and a consumer much
+        // slower than the reads that drops each segment: destination memory never holds more
+        // than the limit. Before the budget, the whole 8 MiB piled up.
+        let sizes = [256usize << 10; 32];
+        let (file, data) = checkpoint(&sizes);
+        let uris = vec![file.path().to_string_lossy().into_owned()];
+        let (live, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let target = Target {
+            engine: Arc::new(HostEngine::new()),
+            allocator: Box::new(Counting {
+                live: live.clone(),
+                peak: peak.clone(),
+            }),
+        };
+        let limit = 1u64 << 20;
+        let mut loader = super::super::open_staged(&uris, &opts(64 << 10, limit), target).unwrap();
+        let mut got = Vec::new();
+        while let Some(seg) = loader.next_segment() {
+            let seg = seg.unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            let Memory::Placed(dest) = seg.memory else {
+                panic!()
+            };
+            for (t, d) in seg.tensors.iter().zip(&dest) {
+                let Some(c) = d.owner.downcast_ref::<Counted>() else {
+                    panic!()
+                };
+                got.push((t.name.clone(), c._buffer.as_slice().to_vec()));
+            }
+        }
+        got.sort();
+        assert_eq!(got, expected(&sizes, &data));
+        let peak = peak.load(Ordering::SeqCst) as u64;
+        assert!(
+            peak <= limit,
+            "destination peak {peak} over the {limit} limit"
+        );
+        assert_eq!(live.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_consumer_that_keeps_every_segment_is_not_limited() {
+        let sizes = [256usize << 10; 16];
+        let (file, _) = checkpoint(&sizes);
+        let uris = vec![file.path().to_string_lossy().into_owned()];
+        let target = Target {
+            engine: Arc::new(HostEngine::new()),
+            allocator: Box::new(HostAllocator),
+        };
+        let mut loader =
+            super::super::open_staged(&uris, &opts(64 << 10, 1 << 20), target).unwrap();
+        let kept: Vec<Loaded> = std::iter::from_fn(|| loader.next_segment())
+            .map(|s| s.unwrap())
+            .collect();
+        assert_eq!(kept.iter().map(|s| s.tensors.len()).sum::<usize>(), 16);
+    }
+
+    #[test]
+    fn close_from_another_thread_ends_a_waiting_consumer() {
+        // An allocator that never returns until released: the consumer waits in next_segment.
+        struct Gate(Arc<std::sync::Barrier>);
+        impl Allocator for Gate {
+            fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+                self.0.wait();
+                HostAllocator.allocate(tensors)
+            }
+        }
+        let (file, _) = checkpoint(&[4096, 4096]);
+        let uris = vec![file.path().to_string_lossy().into_owned()];
+        let gate = Arc::new(std::sync::Barrier::new(2));
+        let target = Target {
+            engine: Arc::new(HostEngine::new()),
+            allocator: Box::new(Gate(gate.clone())),
+        };
+        let mut loader = super::super::open_staged(&uris, &opts(4096, 1 << 20), target).unwrap();
+        let control = loader.control().clone();
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            control.close();
+        });
+        let got = loader.next_segment();
+        closer.join().unwrap();
+        assert!(
+            matches!(
+                got,
+                Some(Err(Error::Closed {
+                    delivered: 0,
+                    planned: 2
+                }))
+            ),
+            "{:?}",
+            got.map(|r| r.map(|_| ()))
+        );
+        assert!(loader.next_segment().is_none());
+        gate.wait(); // lets the copy thread end
     }
 
     #[test]

@@ -1,9 +1,11 @@
-//! DLPack export: a capsule whose tensor views Rust-owned host memory. The managed tensor keeps
-//! an `Arc` of the buffer; the deleter (called by torch when the tensor dies, or by the capsule
-//! destructor if nobody consumed it) only drops that `Arc`.
+//! DLPack export: a capsule whose tensor views Rust-owned memory: host buffers (kDLCPU) or device
+//! memory the driver allocated (kDLCUDA). The managed tensor keeps the memory's owner (an `Arc`
+//! of the buffer or allocation); the deleter (called by the consumer when the tensor dies, or by
+//! the capsule destructor if nobody consumed it) only drops that owner.
 
 #![allow(unsafe_code)]
 
+use std::any::Any;
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
@@ -15,11 +17,32 @@ use crate::memory::HostBuffer;
 
 const CAPSULE_NAME: &CStr = c"dltensor";
 const K_DL_CPU: i32 = 1;
+const K_DL_CUDA: i32 = 2;
 
+/// Where a capsule's memory is.
 #[repr(C)]
-struct DLDevice {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DLDevice {
     device_type: i32,
     device_id: i32,
+}
+
+impl DLDevice {
+    pub const CPU: DLDevice = DLDevice {
+        device_type: K_DL_CPU,
+        device_id: 0,
+    };
+
+    /// The device of a staged load's destinations, from its engine's name ("host", "cuda:N").
+    pub fn of_engine(name: &str) -> DLDevice {
+        match crate::device::parse_cuda(name) {
+            Ok(n) => DLDevice {
+                device_type: K_DL_CUDA,
+                device_id: n as i32,
+            },
+            Err(_) => DLDevice::CPU,
+        }
+    }
 }
 
 #[repr(C)]
@@ -48,7 +71,7 @@ struct DLManagedTensor {
 }
 
 struct Context {
-    _buffer: Arc<HostBuffer>,
+    _owner: Box<dyn Any + Send>,
     shape: Vec<i64>,
     strides: Vec<i64>,
     managed: DLManagedTensor,
@@ -116,6 +139,27 @@ pub fn capsule(
         offset + len <= buffer.len() as u64,
         "tensor outside its buffer"
     );
+    // SAFETY: offset + len is inside the buffer (asserted above).
+    let data = unsafe { buffer.as_ptr().add(offset as usize) } as u64;
+    let owner = Box::new(buffer.clone());
+    // SAFETY: `data .. data + len` lies in the buffer, which `owner` keeps alive.
+    unsafe { capsule_of(py, data, DLDevice::CPU, owner, len, dtype, shape) }
+}
+
+/// A `dltensor` capsule viewing `len` bytes at address `data` on `device`, kept alive by `owner`
+/// (dropped by the deleter, on whichever thread the consumer frees the tensor).
+///
+/// # Safety
+/// `data .. data + len` must be memory of `device` that stays valid while `owner` lives.
+pub unsafe fn capsule_of(
+    py: Python<'_>,
+    data: u64,
+    device: DLDevice,
+    owner: Box<dyn Any + Send>,
+    len: u64,
+    dtype: Dtype,
+    shape: &[u64],
+) -> PyResult<Py<PyAny>> {
     let (code, bits, shape): (u8, u8, Vec<i64>) = match native(dtype) {
         Some((c, b)) => (c, b, shape.iter().map(|&d| d as i64).collect()),
         None => (1, 8, vec![len as i64]),
@@ -124,19 +168,14 @@ pub fn capsule(
     for i in (0..shape.len().saturating_sub(1)).rev() {
         strides[i] = strides[i + 1] * shape[i + 1].max(1);
     }
-    // SAFETY: offset + len is inside the buffer (asserted above).
-    let data = unsafe { buffer.as_ptr().add(offset as usize) } as *mut c_void;
     let mut ctx = Box::new(Context {
-        _buffer: buffer.clone(),
+        _owner: owner,
         shape,
         strides,
         managed: DLManagedTensor {
             dl_tensor: DLTensor {
-                data,
-                device: DLDevice {
-                    device_type: K_DL_CPU,
-                    device_id: 0,
-                },
+                data: data as *mut c_void,
+                device,
                 ndim: 0,
                 dtype: DLDataType {
                     code,

@@ -55,6 +55,7 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             attrs.set_item("option", option)?;
             "ConfigError"
         }
+        Error::Closed { .. } => "StreamClosedError",
         Error::UnsupportedUri { .. } => {
             attrs.set_item("option", "uri")?;
             "ConfigError"

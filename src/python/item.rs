@@ -6,13 +6,15 @@ use std::sync::atomic::Ordering::Relaxed;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 
-use crate::pipeline::Loader;
+use crate::pipeline::Control;
 
 /// One tensor of a completed segment, or one piece of a tensor when the load reads `parts`.
 ///
 /// `data` is a `dltensor` capsule viewing the loader's host memory: the tensor in its own dtype
 /// when DLPack carries that dtype natively (`DLPACK_DTYPES`), else its bytes as flat uint8. For a
-/// staged load it is the owner object the allocator returned (e.g. a torch uint8 tensor).
+/// staged load it is the owner object the allocator returned (e.g. a torch uint8 tensor), or,
+/// without an allocator, a capsule of the same kind that owns the memory fastload allocated
+/// (kDLCUDA for a GPU).
 /// `begin` is the piece's first byte within its tensor (then `dtype` is `"U8"` and `shape` is
 /// `(len,)`), `None` for a whole tensor.
 #[pyclass(module = "fastload._fastload", frozen, get_all)]
@@ -54,6 +56,8 @@ pub struct Stats {
     /// Milliseconds from the start to the first completed segment.
     pub first_segment_ms: Option<f64>,
     pub method: &'static str,
+    /// Why that method: "local filesystem: mapped, no copy", a network filesystem's name, ...
+    pub method_reason: String,
     pub concurrency: usize,
     pub block_size: u64,
     pub memory_limit: u64,
@@ -64,7 +68,7 @@ pub struct Stats {
 }
 
 impl Stats {
-    pub fn of(l: &Loader) -> Self {
+    pub fn of(l: &Control) -> Self {
         let s = l.stats();
         Stats {
             total_bytes: l.plan().total_bytes,
@@ -75,6 +79,7 @@ impl Stats {
             tensors_delivered: s.tensors_delivered.load(Relaxed),
             first_segment_ms: l.first_segment_after().map(|t| t.as_secs_f64() * 1e3),
             method: l.method().as_str(),
+            method_reason: l.config().method_reason.clone(),
             concurrency: l.config().concurrency,
             block_size: l.config().block_size,
             memory_limit: l.config().memory_limit,
@@ -102,6 +107,7 @@ impl Stats {
             tensors_delivered,
             first_segment_ms,
             method,
+            method_reason,
             concurrency,
             block_size,
             memory_limit,

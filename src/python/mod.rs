@@ -11,6 +11,7 @@ mod item;
 mod options;
 mod ranks;
 mod stream;
+mod wait;
 
 use crate::format::Dtype;
 use crate::options::Size;
@@ -33,8 +34,8 @@ fn is_remote_uri(uri: &str) -> bool {
 
 /// Runs the `fastload` command line with `argv` (program name first); returns the exit code.
 #[pyfunction]
-fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
-    py.detach(|| crate::cli::run(argv))
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
+    wait::off_thread(py, "cli", move || crate::cli::run(argv))
 }
 
 /// The number of CUDA devices; raises `FastloadError` when no driver can be loaded. Loads and

@@ -1,15 +1,17 @@
 //! `_fastload.Stream`: the pipeline as a Python iterator of completed segments.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, TryLockError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::args::{BlockSize, Bytes, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions};
+use super::dlpack::{self, DLDevice};
 use super::item::{Item, Stats};
-use super::{dlpack, options::load_options};
-use crate::device::{self, Allocation, Allocator, Destination, Target};
-use crate::pipeline::{self, Loader, Memory};
+use super::options::load_options;
+use super::wait::{off_thread, SLICE};
+use crate::device::{self, Allocation, Allocator, Destination, PerTensor, Target};
+use crate::pipeline::{self, Control, Loaded, Loader, Memory};
 use crate::plan::{Part, TensorSlot};
 
 /// Destinations from a Python callable, called (with the GIL, from the copy thread) once per
@@ -49,19 +51,31 @@ impl Allocator for PyAllocator {
     }
 }
 
-/// A running load. Each `next()` waits (GIL released) for the next completed segment and returns
-/// its tensors as a list of [`Item`]s. With `parts` (byte ranges `(name, begin, end)` within
-/// tensors) only those ranges are read, and each comes back as a U8 item of shape `(len,)` with
-/// `begin` set.
+/// A running load. Each `next()` waits (GIL released, in slices so that Ctrl-C raises
+/// KeyboardInterrupt within one) for the next completed segment and returns its tensors as a list
+/// of [`Item`]s. With `parts` (byte ranges `(name, begin, end)` within tensors) only those ranges
+/// are read, and each comes back as a U8 item of shape `(len,)` with `begin` set.
 ///
-/// With `target` ("cuda", "cuda:N", or "host" for the same staged pipeline into host memory) and
-/// `allocate` (see `PyAllocator`), blocks go through staging buffers into the memory `allocate`
-/// hands out, and each item's `data` is that owner object (e.g. a torch uint8 tensor).
+/// With `target` ("cuda", "cuda:N", or "host" for the same staged pipeline into host memory),
+/// blocks go through staging buffers into destination memory: with `allocate` (see
+/// `PyAllocator`) the memory it hands out, and each item's `data` is that owner object (e.g. a
+/// torch uint8 tensor); without it, memory fastload allocates itself, one allocation per tensor
+/// (`cuMemAlloc` for a GPU, host buffers for "host"), and each item's `data` is a `dltensor`
+/// capsule (kDLCUDA or kDLCPU) that owns it.
+///
+/// `stats()` and `close()` never wait for a `next()` in progress on another thread: they use the
+/// load's [`Control`], not the loader a `next()` holds. A stream closed before it finished (by
+/// `close()` from another thread, or Ctrl-C) raises `StreamClosedError` from `next()`, never a
+/// plain end.
 #[pyclass(module = "fastload._fastload")]
 pub struct Stream {
+    /// Held by `next()` through its wait; `None` once the load ended or was closed.
     loader: Mutex<Option<Loader>>,
+    control: Arc<Control>,
     /// The counters as `close()` left them.
     closed: Mutex<Option<Stats>>,
+    /// Where fastload-allocated destinations are (a staged load without `allocate`).
+    placed: DLDevice,
 }
 
 #[pymethods]
@@ -92,20 +106,29 @@ impl Stream {
         );
         opts.parts = parts;
         let loader = match (target, allocate) {
-            (None, None) => py.detach(|| pipeline::open(&uris, &opts)),
-            (Some(target), Some(allocate)) => py.detach(|| {
+            (None, None) => off_thread(py, "open", move || pipeline::open(&uris, &opts)),
+            (Some(target), Some(allocate)) => off_thread(py, "open", move || {
                 let engine = device::engine(&target)?;
                 let allocator = Box::new(PyAllocator { allocate });
                 pipeline::open_staged(&uris, &opts, Target { engine, allocator })
             }),
-            _ => Err(crate::Error::option(
-                "target",
-                "target and allocate go together",
-            )),
-        }?;
+            (Some(target), None) => off_thread(py, "open", move || {
+                let Target { engine, allocator } = device::rust_target(&target)?;
+                let allocator = Box::new(PerTensor(allocator));
+                pipeline::open_staged(&uris, &opts, Target { engine, allocator })
+            }),
+            (None, Some(_)) => Err(crate::Error::option(
+                "allocate",
+                "allocate needs a target (\"cuda\", \"cuda:N\" or \"host\")",
+            )
+            .into()),
+        }??;
+        let placed = DLDevice::of_engine(loader.engine().unwrap_or("host"));
         Ok(Stream {
+            control: loader.control().clone(),
             loader: Mutex::new(Some(loader)),
             closed: Mutex::new(None),
+            placed,
         })
     }
 
@@ -114,13 +137,74 @@ impl Stream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyList>>> {
-        let next = py.detach(|| {
-            let mut guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
-            guard.as_mut().and_then(|l| l.next_segment())
-        });
+        let next = loop {
+            let step = py.detach(|| {
+                let mut guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(loader) = guard.as_mut() else {
+                    return Some(None);
+                };
+                let step = loader.next_segment_within(SLICE);
+                if matches!(step, Some(None | Some(Err(_)))) {
+                    // Ended: its buffers go now, not when the stream object does.
+                    *guard = None;
+                }
+                step
+            });
+            match step {
+                Some(next) => break next,
+                None => {
+                    if let Err(interrupt) = py.check_signals() {
+                        // Ctrl-C (or another signal's exception): stop reading, free the
+                        // buffers, and let the exception through.
+                        self.control.close();
+                        let loader = self.loader.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        py.detach(|| drop(loader));
+                        return Err(interrupt);
+                    }
+                }
+            }
+        };
         let Some(loaded) = next.transpose()? else {
+            if self.control.closed() {
+                return Err(self.control.closed_error().into());
+            }
             return Ok(None);
         };
+        Ok(Some(self.items(py, loaded)?))
+    }
+
+    /// Stops reading and frees buffers that no tensor uses; from any thread, without waiting for
+    /// a `next()` in progress (which then raises `StreamClosedError`, unless the load had
+    /// finished).
+    fn close(&self, py: Python<'_>) {
+        {
+            let mut closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+            if closed.is_none() {
+                *closed = Some(Stats::of(&self.control));
+            }
+        }
+        self.control.close();
+        // A `next()` waiting on another thread holds the loader: it sees the close within a
+        // slice and drops the loader itself.
+        let loader = match self.loader.try_lock() {
+            Ok(mut guard) => guard.take(),
+            Err(TryLockError::Poisoned(e)) => e.into_inner().take(),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        py.detach(|| drop(loader));
+    }
+
+    /// The counters so far; once closed, as they were when it closed.
+    fn stats(&self) -> Option<Stats> {
+        let closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        Some(closed.clone().unwrap_or_else(|| Stats::of(&self.control)))
+    }
+}
+
+impl Stream {
+    /// The items of a segment: views of its host buffer, the allocator's owner objects, or
+    /// capsules owning fastload-allocated destinations.
+    fn items(&self, py: Python<'_>, loaded: Loaded) -> PyResult<Py<PyList>> {
         let items = PyList::empty(py);
         let (host, mut placed) = match loaded.memory {
             Memory::Host(buffer) => (Some(buffer), None),
@@ -132,10 +216,24 @@ impl Stream {
                     dlpack::capsule(py, buffer, t.offset, t.len, t.dtype, &t.shape)?
                 }
                 (None, Some(it)) => {
-                    let d = it.next().expect("one destination per tensor");
-                    match d.owner.downcast::<Py<PyAny>>() {
+                    let Destination { addr, owner } =
+                        it.next().expect("one destination per tensor");
+                    match owner.downcast::<Py<PyAny>>() {
                         Ok(owner) => *owner,
-                        Err(_) => py.None(),
+                        // SAFETY: the allocator's memory for this tensor, `t.len` bytes at
+                        // `addr` on the load's device, kept alive by `owner`.
+                        #[allow(unsafe_code)]
+                        Err(owner) => unsafe {
+                            dlpack::capsule_of(
+                                py,
+                                addr,
+                                self.placed,
+                                owner,
+                                t.len,
+                                t.dtype,
+                                &t.shape,
+                            )?
+                        },
                     }
                 }
                 (None, None) => unreachable!("a segment is in host memory or placed"),
@@ -148,29 +246,7 @@ impl Stream {
                 begin: t.piece,
             })?;
         }
-        Ok(Some(items.unbind()))
-    }
-
-    /// Stops reading and frees buffers that no tensor uses.
-    fn close(&self, py: Python<'_>) {
-        let loader = self.loader.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(l) = &loader {
-            *self.closed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Stats::of(l));
-        }
-        py.detach(|| drop(loader));
-    }
-
-    /// The counters so far; once closed, as they were when it closed.
-    fn stats(&self) -> Option<Stats> {
-        let guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
-        match guard.as_ref() {
-            Some(l) => Some(Stats::of(l)),
-            None => self
-                .closed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
-        }
+        Ok(items.unbind())
     }
 }
 
@@ -184,7 +260,9 @@ pub fn inspect<'py>(
     storage_options: Option<StorageOptions>,
 ) -> PyResult<Bound<'py, PyList>> {
     let storage_options = storage_options.unwrap_or_default().0;
-    let shards = py.detach(|| crate::source::open_all(&uris, &storage_options))?;
+    let shards = off_thread(py, "inspect", move || {
+        crate::source::open_all(&uris, &storage_options)
+    })??;
     let out = PyList::empty(py);
     for s in shards {
         let d = PyDict::new(py);

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
 
+pub mod fs;
 pub mod local;
 pub mod object;
 
@@ -149,18 +150,34 @@ pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result
 fn read_headers(sources: Vec<Arc<dyn Source>>) -> Result<Vec<Shard>> {
     use futures_util::stream::{StreamExt, TryStreamExt};
 
-    crate::runtime::get().block_on(async move {
+    crate::runtime::block_on("reading headers", async move {
         futures_util::stream::iter(sources)
             // A task each, so that blocking reads (files) run side by side.
             .map(|source| {
                 let name = source.name().to_string();
                 let task = spawn_read(source.as_ref(), open_shard(source.clone()));
-                async move { joined(task.await, &name) }
+                // Dropped unfinished (an error elsewhere, an interrupted open): its read stops.
+                let guard = AbortOnDrop(task.abort_handle());
+                async move {
+                    let out = joined(task.await, &name);
+                    drop(guard);
+                    out
+                }
             })
             .buffered(HEADER_CONCURRENCY)
             .try_collect()
             .await
     })
+}
+
+/// Aborts a spawned task when dropped (a no-op once it finished): a `JoinHandle` dropped alone
+/// would leave the task running.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Spawns `task`, which reads from `source`, on the process runtime where the source's reads

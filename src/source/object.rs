@@ -66,7 +66,7 @@ impl Source for RemoteObject {
 /// Lists what an object-store URI names (a prefix, an index, one object): one source per object.
 pub fn open(uri: &str, storage_options: &[(String, String)]) -> Result<Vec<Arc<dyn Source>>> {
     let remote = crate::object::open(uri, storage_options)?;
-    let objects = crate::runtime::get().block_on(crate::object::resolve(&remote))?;
+    let objects = crate::runtime::block_on(uri, crate::object::resolve(&remote))?;
     Ok(objects
         .into_iter()
         .map(|(path, size)| {

@@ -1,0 +1,236 @@
+"""The GPU verification kit (scripts/gpu_kit/) run here: its dry mode (no driver: the GPU checks
+are reported as not run, the no-driver checks run) and its driver-level checks against the
+simulated driver, so that the code a GPU machine runs is exercised for real. The runner uses this
+environment's fastload (``--no-install``); `scripts/test.sh` runs the built kit itself, wheels and
+all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNER = REPO / "scripts" / "gpu_kit" / "runner.py"
+sys.path.insert(0, str(RUNNER.parent))
+
+import runner  # noqa: E402
+
+GPU_CHECKS = [c.name for c in runner.CHECKS if c.needs == "gpu"]
+DRIVER_CHECKS = [c.name for c in runner.CHECKS if c.needs == "driver"]
+NO_DRIVER_CHECKS = [c.name for c in runner.CHECKS if c.needs == "no-driver"]
+
+
+def run_kit(out: Path, *args: str, env: dict | None = None) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(RUNNER),
+            "--root",
+            str(REPO),
+            "--no-install",
+            "--out",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    report = json.loads((out / "gpu-kit-report.json").read_text())
+    markdown = (out / "gpu-kit-report.md").read_text()
+    return proc.returncode, report, markdown + proc.stderr
+
+
+def by_name(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_dry_mode_reports_every_check(tmp_path):
+    code, report, text = run_kit(tmp_path)
+    assert code == 0, text
+    assert report["mode"] == "dry" and report["complete"]
+    checks = by_name(report)
+    # Every check of the kit is in the report, in order, each with a status and a reason.
+    assert [c["name"] for c in report["checks"]] == [c.name for c in runner.CHECKS]
+    for c in report["checks"]:
+        assert c["status"] in ("pass", "fail", "not-run"), c
+        assert c["details"] and isinstance(c["numbers"], dict) and c["seconds"] >= 0, c
+    for name in GPU_CHECKS:
+        assert checks[name]["status"] == "not-run", checks[name]
+        assert "no CUDA device" in checks[name]["details"], checks[name]
+    for name in DRIVER_CHECKS:
+        assert checks[name]["status"] == "not-run", checks[name]
+        assert "CUDA driver not found" in checks[name]["details"], checks[name]
+    # What runs without a GPU ran, and passed.
+    for name in [*NO_DRIVER_CHECKS, "import_fastload", "pytest_collect"]:
+        assert checks[name]["status"] == "pass", checks[name]
+    assert checks["pytest_collect"]["numbers"]["collected"] >= 5
+    assert checks["wheels_offline"]["status"] == "not-run"  # --no-install
+    assert report["summary"] == {"pass": 4, "fail": 0, "not-run": len(runner.CHECKS) - 4}
+    assert report["storage_to_gpu"] == []
+    assert "## Storage → GPU" in text and "Not measured in this run" in text
+    for name in checks:
+        assert f"`{name}`" in text
+
+
+def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
+    only = ",".join([*DRIVER_CHECKS, "pytest_gpu"])
+    code, report, text = run_kit(tmp_path, "--sim", str(fake_cuda), "--only", only)
+    assert report["mode"] == "sim"
+    checks = by_name(report)
+    assert sorted(checks) == sorted(only.split(","))
+    # torch has no CUDA here: the torch-level checks say so; the driver-level ones ran.
+    assert checks["pytest_gpu"]["status"] == "not-run"
+    assert "simulated driver" in checks["pytest_gpu"]["details"]
+    for name in DRIVER_CHECKS:
+        assert checks[name]["status"] == "pass", checks[name]
+        sim = checks[name]["numbers"].get("simulator")
+        if name != "no_visible_device":  # that one's processes never initialise a device
+            assert sim is not None and sim["violations"] == 0, checks[name]
+    assert code == 0, text
+    bench = checks["cli_bench_cuda"]["numbers"]
+    assert bench["bytes"] == 8 << 20 and bench["simulator"]["bytes"] == 2 * bench["bytes"]
+    child = checks["fork_child"]["numbers"]["child"]
+    assert child["error"]["fastload"] and "fork" in child["error"]["message"]
+    assert checks["fork_child"]["numbers"]["parent_pinned"] > 0
+    assert child["released"]["pinned"] == 0
+    rows = report["storage_to_gpu"]  # the CLI's row, without a copy rate to compare it with
+    assert [r["cache"] for r in rows] == ["warm"] and rows[0]["of_pinned_copy"] is None
+
+
+def test_a_failing_check_does_not_stop_the_others(fake_cuda, tmp_path):
+    # The simulator fails the first asynchronous copy of every process: the CLI's bench fails,
+    # the checks after it still run and the report says which failed and why.
+    code, report, text = run_kit(
+        tmp_path,
+        "--sim",
+        str(fake_cuda),
+        "--only",
+        "cli_no_driver,cli_bench_cuda,fork_child",
+        env={"FAKE_CUDA_FAIL": "cuMemcpyHtoDAsync:1"},
+    )
+    assert code == 1, text
+    checks = by_name(report)
+    assert checks["cli_bench_cuda"]["status"] == "fail"
+    assert "CUDA_ERROR_UNKNOWN" in checks["cli_bench_cuda"]["details"]
+    assert checks["cli_no_driver"]["status"] == "pass"  # before it: no driver on its path
+    assert checks["fork_child"]["status"] in ("pass", "fail")  # after it: ran
+    assert "fork_child" in checks and report["summary"]["fail"] >= 1
+    assert "**FAIL**" in text
+
+
+def test_every_script_check_exists():
+    # The GPU checks cannot run here: at least each function the runner calls must exist.
+    import checks_driver
+    import checks_gpu
+
+    modules = {"checks_driver.py": checks_driver.CHECKS, "checks_gpu.py": checks_gpu.CHECKS}
+    called = {(c.run.script, c.run.function) for c in runner.CHECKS if hasattr(c.run, "script")}
+    defined = {(script, name) for script, checks in modules.items() for name in checks}
+    # sanitizer_load runs under compute-sanitizer, from the runner's own sanitizer check.
+    assert called == defined - {("checks_gpu.py", "sanitizer_load")}
+
+
+def test_time_budget(tmp_path):
+    # Past --budget no check starts; each says why. (The report is written after every check, so
+    # a run stopped from outside leaves one too.)
+    code, report, _ = run_kit(
+        tmp_path, "--budget", "0.001", "--only", "no_driver_load,cli_no_driver"
+    )
+    assert code == 0
+    for c in report["checks"]:
+        assert c["status"] == "not-run" and "--budget" in c["details"], c
+
+
+def test_a_check_past_its_time_fails_and_the_run_goes_on(tmp_path):
+    # Each check within 0.5 s: both time out (the CLI the second one starts, a grandchild, is
+    # killed with it), each is reported as such, and the run ends with a report.
+    only = "no_driver_load,cli_no_driver"
+    code, report, _ = run_kit(tmp_path, "--timeout", "0.5", "--only", only)
+    assert code == 1
+    assert [c["name"] for c in report["checks"]] == only.split(",")
+    for c in report["checks"]:
+        assert c["status"] == "fail" and c["details"].startswith("timed out after 0.5 s"), c
+        assert c["seconds"] < 30, c
+
+
+def test_pytest_results_are_read_from_junit(tmp_path):
+    # How the kit reads the gpu-marked tests' outcome on the GPU machine: a real pytest run's
+    # JUnit XML, with a pass, a failure (its message kept), an error and a skip.
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n"
+        "    raise RuntimeError('no fixture')\n"
+        "def test_ok():\n"
+        "    print('output')\n"
+        "def test_bad():\n"
+        "    assert 1 == 2, 'bytes differ'\n"
+        "def test_error(broken):\n"
+        "    pass\n"
+        "@pytest.mark.skip(reason='no GPU')\n"
+        "def test_skipped():\n"
+        "    pass\n"
+    )
+    xml = tmp_path / "out.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
+         f"--junitxml={xml}", "-o", "junit_logging=all"],
+        capture_output=True,
+        timeout=120,
+        cwd=tmp_path,
+    )  # fmt: skip
+    counts, failed = runner.junit(xml)
+    assert counts == {"tests": 4, "failures": 1, "errors": 1, "skipped": 1}
+    assert len(failed) == 2
+    assert failed[0].startswith("test_bad: ") and "bytes differ" in failed[0]
+    assert failed[1].startswith("test_error: ")
+
+
+def test_storage_to_gpu_table_from_a_gpu_report(tmp_path):
+    # The table README's is filled from: each throughput as a fraction of the page-locked copy
+    # rate, from the numbers the checks report on a GPU (benches/gpu_bench.py's JSON rows).
+    import kit_report
+
+    def check(name, status, **numbers):
+        return {"name": name, "title": name, "status": status, "details": "d", "seconds": 1.0,
+                "numbers": numbers}  # fmt: skip
+
+    bench_rows = [
+        {"cache": "warm", "row": "fastload", "seconds": 0.1, "gb_per_s": 20.0},
+        {"cache": "cold", "row": "safetensors", "seconds": 0.4, "gb_per_s": 5.0},
+    ]
+    report = {
+        "mode": "gpu",
+        "complete": True,
+        "seconds": 9.0,
+        "started": "now",
+        "kit": None,
+        "environment": {"torch": {"version": "2.11", "devices": ["NVIDIA H100"]}},
+        "checks": [
+            check("pinned_h2d", "pass", gb_per_s=40.0),
+            check("cli_bench_cuda", "pass", best_gb_per_s=30.0, file_bytes=2 << 30),
+            check("gpu_bench", "pass", rows=bench_rows, notes={}),
+            check("fork_child", "fail"),
+        ],
+    }
+    kit_report.write_report(report, tmp_path / "r")
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["summary"] == {"pass": 3, "fail": 1, "not-run": 0}
+    rows = [(r["cache"], r["gb_per_s"], r["of_pinned_copy"]) for r in saved["storage_to_gpu"]]
+    assert rows == [
+        ("-", 40.0, 1.0),
+        ("warm", 30.0, 0.75),
+        ("warm", 20.0, 0.5),
+        ("cold", 5.0, 0.125),
+    ]
+    text = (tmp_path / "r.md").read_text()
+    assert (
+        "| `fastload bench --device cuda` (2.0 GiB, driver memory) | warm | 30.00 | 0.75 |" in text
+    )
+    assert "| fastload `load(device=...)` (benches/gpu_bench.py) | warm | 20.00 | 0.50 |" in text
+    assert "NVIDIA H100" in text and "**FAIL**" in text
