@@ -289,15 +289,16 @@ mod tests {
         assert!(matches!(state.after_cut(false), Decision::GiveUp { .. }));
     }
 
+    /// As if the current window of the stall rule started 20 s ago.
+    fn back(state: &mut ResumeState) {
+        if let Some(then) = Instant::now().checked_sub(Duration::from_secs(20)) {
+            state.window_start = then;
+        }
+    }
+
     #[test]
     fn slow_windows_count_whatever_they_brought() {
         let mut state = settings(3).resume_state();
-        let back = |state: &mut ResumeState| {
-            // As if the window started 20 s ago.
-            if let Some(then) = Instant::now().checked_sub(Duration::from_secs(20)) {
-                state.window_start = then;
-            }
-        };
         // A trickle brings bytes in every window, and cuts with progress do not reset the count.
         back(&mut state);
         state.arrived(40);
@@ -325,11 +326,6 @@ mod tests {
     #[test]
     fn a_window_at_the_minimum_rate_starts_the_count_over() {
         let mut state = settings(2).resume_state();
-        let back = |state: &mut ResumeState| {
-            if let Some(then) = Instant::now().checked_sub(Duration::from_secs(20)) {
-                state.window_start = then;
-            }
-        };
         back(&mut state);
         assert!(matches!(
             state.window_passed(),
