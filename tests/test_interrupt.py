@@ -131,7 +131,11 @@ def trickle(dtypes_file):
 # The probe: prints READY, then runs `CALL`; on KeyboardInterrupt it notes when, then loads a
 # local file in the same process and checks it.
 INTERRUPTED = """
+import signal
 from safetensors.torch import load_file
+# As in a terminal, whatever the test runner inherited: a shell's background job (CI started with
+# `nohup ... &`) starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 uri, local = sys.argv[1], sys.argv[2]
 opts = {"storage_options": {"timeout": "120"}}
 print("READY", flush=True)

@@ -75,6 +75,10 @@ pub struct Loader {
     /// `None` once finished: dropping the receiver drops what is queued, and producers' later
     /// segments with it.
     rx: Option<mpsc::Receiver<Msg>>,
+    /// The plan, and through it the sources (files, object-store clients and their connection
+    /// pools): held by the loader and its producers only, so a closed stream frees them even
+    /// while its counters are still asked for.
+    plan: Arc<Plan>,
     control: Arc<Control>,
     /// The budget of the segment handed out last, given back when the consumer asks for the next.
     held: Option<OwnedSemaphorePermit>,
@@ -84,7 +88,7 @@ pub struct Loader {
 /// [`Loader::next_segment`]: the counters, the options, and [`Control::close`]. Nothing here
 /// waits for the consumer.
 pub struct Control {
-    plan: Arc<Plan>,
+    totals: Totals,
     stats: Arc<Stats>,
     cancel: Arc<Abort>,
     /// Set by [`Control::close`]: the consumer's next wait ends with [`Error::Closed`].
@@ -101,9 +105,17 @@ pub struct Control {
     engine: Option<String>,
 }
 
+/// What a load delivers in all, for its counters.
+#[derive(Clone, Copy, Debug)]
+pub struct Totals {
+    pub total_bytes: u64,
+    pub tensor_count: usize,
+    pub files: usize,
+}
+
 impl Control {
-    pub fn plan(&self) -> &Plan {
-        &self.plan
+    pub fn totals(&self) -> Totals {
+        self.totals
     }
 
     pub fn stats(&self) -> &Stats {
@@ -160,7 +172,7 @@ impl Control {
     pub fn closed_error(&self) -> Error {
         Error::Closed {
             delivered: self.stats.tensors_delivered.load(Ordering::Relaxed),
-            planned: self.plan.tensor_count as u64,
+            planned: self.totals.tensor_count as u64,
         }
     }
 }
@@ -427,7 +439,7 @@ impl Loader {
         };
         let (loader, feed) = Loader::new(plan, vec![budget.clone()], opts.clone(), None);
         let driver = Driver {
-            plan: loader.control.plan.clone(),
+            plan: loader.plan.clone(),
             opts,
             budget,
             budget_kib,
@@ -454,8 +466,13 @@ impl Loader {
             cancel: cancel.clone(),
             stats: stats.clone(),
         });
+        let totals = Totals {
+            total_bytes: plan.total_bytes,
+            tensor_count: plan.tensor_count,
+            files: plan.shards.len(),
+        };
         let control = Arc::new(Control {
-            plan: Arc::new(plan),
+            totals,
             stats,
             cancel,
             closed: AtomicBool::new(false),
@@ -468,6 +485,7 @@ impl Loader {
         });
         let loader = Loader {
             rx: Some(rx),
+            plan: Arc::new(plan),
             control,
             held: None,
         };
@@ -485,7 +503,7 @@ impl Loader {
     }
 
     pub fn plan(&self) -> &Plan {
-        &self.control.plan
+        &self.plan
     }
 
     pub fn stats(&self) -> &Stats {
@@ -554,7 +572,7 @@ impl Loader {
                 // blocks were read would read as zeros or fault).
                 if let Memory::Host(buffer) = &loaded.memory {
                     if buffer.is_mapped() {
-                        let source = &self.control.plan.shards[loaded.shard].source;
+                        let source = &self.plan.shards[loaded.shard].source;
                         if let Err(e) = source.check_unchanged() {
                             self.finish();
                             return Some(Err(e));
@@ -568,7 +586,7 @@ impl Loader {
                 stats.bytes_delivered.fetch_add(bytes, Ordering::Relaxed);
                 let n = loaded.tensors.len() as u64;
                 let delivered = stats.tensors_delivered.fetch_add(n, Ordering::Relaxed) + n;
-                if delivered as usize == self.control.plan.tensor_count {
+                if delivered as usize == self.plan.tensor_count {
                     self.control.finished.store(true, Ordering::SeqCst);
                 }
                 Some(Ok(loaded))
@@ -581,12 +599,12 @@ impl Loader {
                 let delivered = stats.tensors_delivered.load(Ordering::Relaxed);
                 let cancelled = self.control.cancel.is_triggered();
                 self.finish();
-                if delivered as usize == self.control.plan.tensor_count {
+                if delivered as usize == self.plan.tensor_count {
                     self.control.finished.store(true, Ordering::SeqCst);
                 } else if !cancelled {
                     return Some(Err(Error::Incomplete {
                         delivered,
-                        planned: self.control.plan.tensor_count as u64,
+                        planned: self.plan.tensor_count as u64,
                     }));
                 }
                 None

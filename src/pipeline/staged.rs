@@ -92,7 +92,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let budgets = vec![ring.clone(), budget.semaphore.clone()];
     let (loader, feed) = Loader::new(plan, budgets, config, Some(target_name));
     let shared = Arc::new(Shared {
-        plan: loader.control.plan.clone(),
+        plan: loader.plan.clone(),
         engine,
         feed,
     });

@@ -71,9 +71,9 @@ impl Stats {
     pub fn of(l: &Control) -> Self {
         let s = l.stats();
         Stats {
-            total_bytes: l.plan().total_bytes,
-            tensor_count: l.plan().tensor_count,
-            files: l.plan().shards.len(),
+            total_bytes: l.totals().total_bytes,
+            tensor_count: l.totals().tensor_count,
+            files: l.totals().files,
             bytes_read: s.bytes_read.load(Relaxed),
             bytes_delivered: s.bytes_delivered.load(Relaxed),
             tensors_delivered: s.tensors_delivered.load(Relaxed),
