@@ -170,6 +170,24 @@ fn env_value<T: FromStr<Err = String>>(var: &str) -> Result<Option<T>> {
     }
 }
 
+/// The value of `option`: the caller's, else the variable `var` parsed as `T`, else `default`;
+/// with the name of where it came from, so that an error names what the user set.
+fn chosen<N: Copy, T: FromStr<Err = String>>(
+    given: Option<N>,
+    option: &'static str,
+    var: &'static str,
+    default: N,
+    from_env: impl Fn(T) -> N,
+) -> Result<(N, &'static str)> {
+    Ok(match given {
+        Some(v) => (v, option),
+        None => match env_value::<T>(var)? {
+            Some(v) => (from_env(v), var),
+            None => (default, option),
+        },
+    })
+}
+
 struct Count(usize);
 
 impl FromStr for Count {
@@ -193,27 +211,27 @@ impl LoadOptions {
         };
         // Each value with where it came from: a bad one names the option or the variable the
         // user set, not one for the other.
-        let (concurrency, concurrency_from) = match self.concurrency {
-            Some(c) => (c, "concurrency"),
-            None => match env_value::<Count>(ENV_CONCURRENCY)? {
-                Some(c) => (c.0, ENV_CONCURRENCY),
-                None => (default_concurrency, "concurrency"),
-            },
-        };
-        let (block_size, block_size_from) = match self.block_size {
-            Some(b) => (b, "block_size"),
-            None => match env_value::<Size>(ENV_BLOCK_SIZE)? {
-                Some(s) => (s.0, ENV_BLOCK_SIZE),
-                None => (DEFAULT_BLOCK_SIZE, "block_size"),
-            },
-        };
-        let (memory_limit, memory_limit_from) = match self.memory_limit {
-            Some(m) => (m, "memory_limit"),
-            None => match env_value::<Size>(ENV_MEMORY_LIMIT)? {
-                Some(s) => (s.0, ENV_MEMORY_LIMIT),
-                None => (DEFAULT_MEMORY_LIMIT, "memory_limit"),
-            },
-        };
+        let (concurrency, concurrency_from) = chosen(
+            self.concurrency,
+            "concurrency",
+            ENV_CONCURRENCY,
+            default_concurrency,
+            |c: Count| c.0,
+        )?;
+        let (block_size, block_size_from) = chosen(
+            self.block_size,
+            "block_size",
+            ENV_BLOCK_SIZE,
+            DEFAULT_BLOCK_SIZE,
+            |s: Size| s.0,
+        )?;
+        let (memory_limit, memory_limit_from) = chosen(
+            self.memory_limit,
+            "memory_limit",
+            ENV_MEMORY_LIMIT,
+            DEFAULT_MEMORY_LIMIT,
+            |s: Size| s.0,
+        )?;
         let (method, method_reason) = match self.method {
             Method::Auto => match env_value::<Method>(ENV_METHOD)? {
                 Some(m) => (m, format!("{ENV_METHOD}={}", m.as_str())),
