@@ -107,7 +107,7 @@ def test_credential_process(bucket, home, monkeypatch, dtypes_file):
     (home / ".aws" / "config").write_text(
         f"[profile proc]\ncredential_process = {sys.executable} {script}\n\n"
         f"[profile broken]\ncredential_process = {sys.executable} -c "
-        '"import sys; sys.stderr.write(\'sso session gone\'); sys.exit(3)"\n'
+        "\"import sys; sys.stderr.write('sso session gone'); sys.exit(3)\"\n"
     )
     monkeypatch.setenv("AWS_ENDPOINT_URL", bucket.endpoint)
     monkeypatch.setenv("AWS_PROFILE", "proc")
@@ -350,3 +350,56 @@ def test_assume_role_through_moto_sts(recorded_moto, home, monkeypatch, dtypes_f
     assert 'profile "reader"' in text and "role_arn" in text, text
     assert "base-secret-for-fastload" not in text
 
+
+IMDS_SESSION = "imds-v2-session-token-for-fastload"
+IMDS_KEY = "ASIAINSTANCEKEYFORTEST"
+IMDS_ROLE = "fastload-instance-role"
+
+
+def test_instance_metadata_v2(recorded_moto, home, monkeypatch, dtypes_file):
+    """No credentials anywhere and the metadata service on: IMDSv2 at the address
+    AWS_EC2_METADATA_SERVICE_ENDPOINT gives (a server of ours), a session token first."""
+    asked: list[tuple[str, str, str | None]] = []
+    base = "/latest/meta-data/iam/security-credentials"
+
+    def handle(req):
+        session = req.headers.get("x-aws-ec2-metadata-token")
+        asked.append((req.command, req.path, session))
+        path = req.path.rstrip("/")
+        if req.command == "PUT" and path == "/latest/api/token":
+            body = IMDS_SESSION.encode()
+        elif session != IMDS_SESSION:
+            body = None
+            req.send_response(401)
+        elif path == base:
+            body = IMDS_ROLE.encode()
+        elif path == f"{base}/{IMDS_ROLE}":
+            creds = {
+                "Code": "Success",
+                "Type": "AWS-HMAC",
+                "AccessKeyId": IMDS_KEY,
+                "SecretAccessKey": "instance-secret-for-fastload",
+                "Token": "instance-session-for-fastload",
+                "Expiration": iso_in(3600),
+            }
+            body = json.dumps(creds).encode()
+        else:
+            body = None
+            req.send_response(404)
+        if body is not None:
+            req.send_response(200)
+            req.send_header("Content-Type", "text/plain")
+            if req.command == "PUT":
+                req.send_header("x-aws-ec2-metadata-token-ttl-seconds", "21600")
+        req.send_header("Content-Length", str(len(body or b"")))
+        req.end_headers()
+        req.wfile.write(body or b"")
+
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
+    for url in serve(handle):
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", url)
+        assert_same_tensors(fastload.load(URI), reference(dtypes_file))
+    assert asked[0][:2] == ("PUT", "/latest/api/token"), asked
+    assert all(session == IMDS_SESSION for _, _, session in asked[1:]), asked
+    signed = s3_requests(recorded_moto)
+    assert signed and all(r["key"] == IMDS_KEY for r in signed), signed

@@ -36,7 +36,8 @@ pub(super) struct Sources {
     pub profile: Option<String>,
     /// The region our options, environment or profile chose, for STS and the like.
     pub region: Option<String>,
-    /// The instance metadata endpoint from the options (`metadata_endpoint`) or `AWS_METADATA_ENDPOINT`.
+    /// The instance metadata endpoint: the option `metadata_endpoint`, or the variable
+    /// `AWS_METADATA_ENDPOINT` (object_store's) or `AWS_EC2_METADATA_SERVICE_ENDPOINT` (the CLI's).
     pub metadata_endpoint: Option<String>,
     /// The profile's credential flow, when it has one ("credential_process", ...).
     pub flow: Option<&'static str>,
@@ -119,7 +120,7 @@ impl Chain {
                     .sources
                     .metadata_endpoint
                     .as_deref()
-                    .unwrap_or("AWS_EC2_METADATA_SERVICE_ENDPOINT or http://169.254.169.254");
+                    .unwrap_or("http://169.254.169.254");
                 format!(
                     "no AWS credentials found: none in storage_options, in the environment \
                      (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_WEB_IDENTITY_TOKEN_FILE, \

@@ -590,7 +590,10 @@ mod tests {
             ("proc", "credential_process"),
         ] {
             let (b, flow) = flow_of(&env, Some(profile)).unwrap();
-            assert!(flow.is_some_and(|f| f.contains(what)), "{profile}: {flow:?}");
+            assert!(
+                flow.is_some_and(|f| f.contains(what)),
+                "{profile}: {flow:?}"
+            );
             assert_eq!(b.get_config_value(&AmazonS3ConfigKey::AccessKeyId), None);
         }
         let err = applied(&env, Some("half")).unwrap_err().to_string();

@@ -85,7 +85,9 @@ pub(crate) fn s3_builder(
             region: b
                 .get_config_value(&AmazonS3ConfigKey::Region)
                 .or_else(|| b.get_config_value(&AmazonS3ConfigKey::DefaultRegion)),
-            metadata_endpoint: b.get_config_value(&AmazonS3ConfigKey::MetadataEndpoint),
+            metadata_endpoint: b
+                .get_config_value(&AmazonS3ConfigKey::MetadataEndpoint)
+                .or_else(|| var(env, "AWS_EC2_METADATA_SERVICE_ENDPOINT").map(str::to_string)),
             flow,
             container: container_env,
             profile_shown: named.map_or("AWS_PROFILE or default".to_string(), |p| format!("{p:?}")),
@@ -171,4 +173,3 @@ pub(super) fn endpoint_with_bucket(endpoint: &str, bucket: &str) -> String {
         _ => endpoint.to_string(),
     }
 }
-

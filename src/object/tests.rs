@@ -16,8 +16,8 @@ use object_store::path::Path;
 use object_store::{ClientConfigKey, GetOptions, ObjectStore, ObjectStoreExt};
 
 use super::config::*;
-use super::s3::*;
 use super::errors::*;
+use super::s3::*;
 use super::*;
 use crate::error::{Error, Result};
 
