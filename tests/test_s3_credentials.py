@@ -1,7 +1,9 @@
 """S3 credentials found the ways the AWS CLI finds them, through aws-config's chain
 (src/object/aws_credentials.rs): a `credential_process` program, SSO from a cached token and a
-portal of ours, an EKS-style container credential endpoint of ours, and a role assumed through
-moto's STS. Every server is on 127.0.0.1; AWS_EC2_METADATA_DISABLED stays set.
+portal of ours, an EKS-style container credential endpoint of ours, a role assumed through
+moto's STS (from a source profile, and from `credential_source = Ec2InstanceMetadata`), and IMDSv2
+of ours. Every server is on 127.0.0.1: AWS_EC2_METADATA_DISABLED stays set, except where
+AWS_EC2_METADATA_SERVICE_ENDPOINT names our own metadata server.
 
 Each success proves the credentials were used: SeaweedFS (SigV4 enforced) accepts only its own
 keys, which only the flow under test hands out; where the flow adds a session token (SeaweedFS
@@ -356,9 +358,10 @@ IMDS_KEY = "ASIAINSTANCEKEYFORTEST"
 IMDS_ROLE = "fastload-instance-role"
 
 
-def test_instance_metadata_v2(recorded_moto, home, monkeypatch, dtypes_file):
-    """No credentials anywhere and the metadata service on: IMDSv2 at the address
-    AWS_EC2_METADATA_SERVICE_ENDPOINT gives (a server of ours), a session token first."""
+@pytest.fixture
+def imds(home, monkeypatch) -> Iterator[list[tuple[str, str, str | None]]]:
+    """IMDSv2 of ours, which AWS_EC2_METADATA_SERVICE_ENDPOINT names (metadata enabled): a
+    session token first, then the instance role's credentials. Yields the requests it saw."""
     asked: list[tuple[str, str, str | None]] = []
     base = "/latest/meta-data/iam/security-credentials"
 
@@ -398,8 +401,28 @@ def test_instance_metadata_v2(recorded_moto, home, monkeypatch, dtypes_file):
     monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
     for url in serve(handle):
         monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", url)
-        assert_same_tensors(fastload.load(URI), reference(dtypes_file))
-    assert asked[0][:2] == ("PUT", "/latest/api/token"), asked
-    assert all(session == IMDS_SESSION for _, _, session in asked[1:]), asked
+        yield asked
+
+
+def test_instance_metadata_v2(recorded_moto, imds, dtypes_file):
+    """No credentials anywhere and the metadata service on: the instance role's credentials."""
+    assert_same_tensors(fastload.load(URI), reference(dtypes_file))
+    assert imds[0][:2] == ("PUT", "/latest/api/token"), imds
+    assert all(session == IMDS_SESSION for _, _, session in imds[1:]), imds
     signed = s3_requests(recorded_moto)
     assert signed and all(r["key"] == IMDS_KEY for r in signed), signed
+
+
+def test_assume_role_from_instance_metadata(recorded_moto, imds, home, monkeypatch, dtypes_file):
+    """`credential_source = Ec2InstanceMetadata`: the instance role's keys sign AssumeRole."""
+    (home / ".aws" / "config").write_text(
+        f"[profile onec2]\nrole_arn = {ROLE_ARN}\ncredential_source = Ec2InstanceMetadata\n"
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", os.environ["AWS_ENDPOINT_URL"])
+    got = fastload.load(URI, storage_options={"profile": "onec2"})
+    assert_same_tensors(got, reference(dtypes_file))
+    sts = [r for r in recorded_moto.requests if r["method"] == "POST"]
+    assert len(sts) == 1 and sts[0]["key"] == IMDS_KEY, sts
+    issued = re.search(r"<AccessKeyId>([^<]+)</AccessKeyId>", sts[0]["body"]).group(1)
+    signed = s3_requests(recorded_moto)
+    assert signed and all(r["key"] == issued for r in signed), signed
