@@ -97,15 +97,21 @@ def reply(req: http.server.BaseHTTPRequestHandler, status: int, body: dict, **he
 # credential_process
 
 
-def test_credential_process(bucket, home, monkeypatch, dtypes_file):
+def credential_script(home: Path, expires_in: float) -> tuple[Path, Path]:
+    """A credential_process program handing out the SeaweedFS keys, counting its runs."""
     runs = home / "runs"
     script = home / "creds.py"
     script.write_text(
         "import json, sys\n"
         f"open({str(runs)!r}, 'a').write('run\\n')\n"
         f"json.dump({{'Version': 1, 'AccessKeyId': {ACCESS_KEY!r}, "
-        f"'SecretAccessKey': {SECRET_KEY!r}, 'Expiration': {iso_in(3600)!r}}}, sys.stdout)\n"
+        f"'SecretAccessKey': {SECRET_KEY!r}, 'Expiration': {iso_in(expires_in)!r}}}, sys.stdout)\n"
     )
+    return script, runs
+
+
+def test_credential_process(bucket, home, monkeypatch, dtypes_file):
+    script, runs = credential_script(home, 3600)
     (home / ".aws" / "config").write_text(
         f"[profile proc]\ncredential_process = {sys.executable} {script}\n\n"
         f"[profile broken]\ncredential_process = {sys.executable} -c "
@@ -123,6 +129,19 @@ def test_credential_process(bucket, home, monkeypatch, dtypes_file):
     assert text.startswith(URI), text
     assert 'profile "broken"' in text and "credential_process" in text, text
     assert "exit" in text or "3" in text, text
+
+
+def test_credentials_near_expiry_are_fetched_again(bucket, home, monkeypatch, dtypes_file):
+    """Credentials that expire within five minutes are not reused: each request of the load
+    (a HEAD and at least one ranged GET) runs the program again."""
+    script, runs = credential_script(home, 60)
+    (home / ".aws" / "config").write_text(
+        f"[profile proc]\ncredential_process = {sys.executable} {script}\n"
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", bucket.endpoint)
+    monkeypatch.setenv("AWS_PROFILE", "proc")
+    assert_same_tensors(fastload.load(URI), reference(dtypes_file))
+    assert runs.read_text().count("run") >= 2
 
 
 # ---------------------------------------------------------------------------------------------
