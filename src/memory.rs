@@ -205,7 +205,7 @@ fn in_page_cache(file: &File, offset: u64, len: usize) -> bool {
 }
 
 /// Pages sampled per range by [`in_page_cache`].
-const CACHE_SAMPLES: u64 = 64;
+const CACHE_SAMPLES: u64 = 16;
 
 /// How many pages of `len` bytes of `file` at `offset` are in the page cache (`cachestat`).
 fn cached_pages(file: &File, offset: u64, len: u64) -> Option<u64> {

@@ -356,8 +356,14 @@ impl Driver {
                 if let Err(e) = source.check_unchanged() {
                     return self.feed.fail(e);
                 }
-                self.feed.stats.bytes_read.fetch_add(seg.len, Ordering::Relaxed);
-                self.feed.stats.bytes_cached.fetch_add(seg.len, Ordering::Relaxed);
+                self.feed
+                    .stats
+                    .bytes_read
+                    .fetch_add(seg.len, Ordering::Relaxed);
+                self.feed
+                    .stats
+                    .bytes_cached
+                    .fetch_add(seg.len, Ordering::Relaxed);
                 let job = SegmentJob {
                     plan: self.plan.clone(),
                     index,
