@@ -154,7 +154,11 @@ fn bench_json_reports_the_file_totals() {
             (fraction - best / limit["gb_per_s"].as_f64().unwrap()).abs() < 1e-9,
             "{v}"
         );
-        let bound = if fraction >= 0.8 { "page_cache" } else { "fastload" };
+        let bound = if fraction >= 0.8 {
+            "page_cache"
+        } else {
+            "fastload"
+        };
         assert_eq!(warm["bound_by"], bound);
         assert!(v["modes"].get("cold").is_none() && v.get("compare").is_none());
         checksums.push(v["checksum"].as_u64().unwrap());
@@ -228,7 +232,10 @@ fn bench_table_cold_and_sweep() {
     let direct = &v["limits"]["storage_direct"];
     assert!(
         direct["gb_per_s"].as_f64().is_some_and(|r| r > 0.0)
-            || direct["what"].as_str().unwrap().starts_with("not measurable here"),
+            || direct["what"]
+                .as_str()
+                .unwrap()
+                .starts_with("not measurable here"),
         "{v}"
     );
 

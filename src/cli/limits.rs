@@ -36,6 +36,9 @@ const BUFFERED_READERS: usize = 8;
 /// covers every common one.
 const ALIGN: usize = 4096;
 
+/// A read of one file: its index, the offset and the length.
+type Job = (usize, u64, usize);
+
 /// One measured limit.
 #[derive(Serialize, Clone, Debug)]
 pub(super) struct Limit {
@@ -68,7 +71,7 @@ impl Limit {
 
 /// Runs `threads` workers that take (file, offset, len) jobs off one list in order and pass them
 /// to `read`, each with its own buffer; the bytes read.
-fn parallel<F>(jobs: &[(usize, u64, usize)], threads: usize, read: F) -> io::Result<u64>
+fn parallel<F>(jobs: &[Job], threads: usize, read: F) -> io::Result<u64>
 where
     F: Fn(usize, u64, &mut [u8]) -> io::Result<()> + Sync,
 {
@@ -118,7 +121,7 @@ impl AlignedBuf {
 
 /// Jobs of `block` bytes covering every file (the last one of a file rounded up to `ALIGN`, so
 /// that `O_DIRECT` accepts it; a read past the end returns short).
-fn blocks(sizes: &[u64], block: usize) -> Vec<(usize, u64, usize)> {
+fn blocks(sizes: &[u64], block: usize) -> Vec<Job> {
     let mut jobs = Vec::new();
     for (file, &size) in sizes.iter().enumerate() {
         let mut offset = 0;
@@ -190,7 +193,7 @@ pub(super) fn storage_direct(files: &[PathBuf], threads: usize, block: u64) -> L
 /// region of about an equal share, in `block`-sized `pread`s into a reused buffer. Cold when the
 /// files were evicted, a page-cache copy rate when they are resident.
 pub(super) fn buffered(files: &[PathBuf], block: u64, what: &str) -> Limit {
-    let read = || -> io::Result<(u64, Vec<(usize, u64, usize)>, Vec<File>)> {
+    let read = || -> io::Result<(u64, Vec<Job>, Vec<File>)> {
         let sizes = sizes(files)?;
         let opened = files
             .iter()
@@ -206,7 +209,7 @@ pub(super) fn buffered(files: &[PathBuf], block: u64, what: &str) -> Limit {
     };
     let readers = BUFFERED_READERS.min(jobs.len()).max(1);
     let n = jobs.len();
-    let regions: Vec<&[(usize, u64, usize)]> = (0..readers)
+    let regions: Vec<&[Job]> = (0..readers)
         .map(|r| &jobs[r * n / readers..(r + 1) * n / readers])
         .collect();
     let started = Instant::now();

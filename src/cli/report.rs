@@ -147,9 +147,7 @@ fn distinct<T: PartialEq>(values: impl Iterator<Item = T>) -> Vec<T> {
 }
 
 /// The fastest run (the first of equals).
-pub(super) fn best<'a, R: std::borrow::Borrow<RunReport> + 'a>(
-    runs: &'a [R],
-) -> &'a RunReport {
+pub(super) fn best<'a, R: std::borrow::Borrow<RunReport> + 'a>(runs: &'a [R]) -> &'a RunReport {
     runs.iter()
         .map(|r| r.borrow())
         .reduce(|best, r| if r.gb_per_s > best.gb_per_s { r } else { best })
