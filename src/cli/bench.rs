@@ -179,7 +179,12 @@ fn evict_all(files: &[PathBuf], said: &mut bool) -> bool {
 
 /// Reads the files once through the page cache.
 fn warm_up(files: &[PathBuf]) {
-    drop(limits::buffered(files, 8 << 20, "warm-up"));
+    drop(limits::buffered(
+        files,
+        limits::COLD_READERS,
+        8 << 20,
+        "warm-up",
+    ));
 }
 
 /// Reads one byte of every page (and the last byte), as a consumer of the tensors would.
@@ -376,7 +381,12 @@ fn measure_limits(
         evict_all(files, &mut said);
         let direct = limits::storage_direct(files, resolved.concurrency, resolved.block_size);
         evict_all(files, &mut said);
-        let buffered = limits::buffered(files, resolved.block_size, "cold, through the page cache");
+        let buffered = limits::buffered(
+            files,
+            limits::COLD_READERS,
+            resolved.block_size,
+            "cold, through the page cache",
+        );
         limits.insert("storage_direct", direct);
         limits.insert("storage_buffered", buffered);
         // The storage delivers whichever of the two is faster.
@@ -391,6 +401,7 @@ fn measure_limits(
         warm_up(files);
         let l = limits::buffered(
             files,
+            limits::warm_readers(),
             resolved.block_size,
             "page-cache copy of the warm files",
         );

@@ -30,8 +30,14 @@ use crate::options::Size;
 use crate::plan::TensorSlot;
 use crate::source::Shard;
 
-/// Buffered readers for the page-cache limits (more than this does not help a copy).
-const BUFFERED_READERS: usize = 8;
+/// Buffered readers of cold files: enough for readahead to keep the storage busy.
+pub(super) const COLD_READERS: usize = 8;
+
+/// Buffered readers of warm files: a copy out of the page cache is CPU work, so one per core (at
+/// most 8); more contend for the cores and understate the rate.
+pub(super) fn warm_readers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
 /// `O_DIRECT` needs buffers, offsets and lengths aligned to the device's logical block size; 4 KiB
 /// covers every common one.
 const ALIGN: usize = 4096;
@@ -189,10 +195,10 @@ pub(super) fn storage_direct(files: &[PathBuf], threads: usize, block: u64) -> L
     }
 }
 
-/// The files read through the page cache by `BUFFERED_READERS` threads, each on a contiguous
+/// The files read through the page cache by `readers` threads, each on a contiguous
 /// region of about an equal share, in `block`-sized `pread`s into a reused buffer. Cold when the
 /// files were evicted, a page-cache copy rate when they are resident.
-pub(super) fn buffered(files: &[PathBuf], block: u64, what: &str) -> Limit {
+pub(super) fn buffered(files: &[PathBuf], readers: usize, block: u64, what: &str) -> Limit {
     let read = || -> io::Result<(u64, Vec<Job>, Vec<File>)> {
         let sizes = sizes(files)?;
         let opened = files
@@ -207,7 +213,7 @@ pub(super) fn buffered(files: &[PathBuf], block: u64, what: &str) -> Limit {
         Ok(v) => v,
         Err(e) => return Limit::unmeasurable(format!("not measurable here: {e}")),
     };
-    let readers = BUFFERED_READERS.min(jobs.len()).max(1);
+    let readers = readers.min(jobs.len()).max(1);
     let n = jobs.len();
     let regions: Vec<&[Job]> = (0..readers)
         .map(|r| &jobs[r * n / readers..(r + 1) * n / readers])
@@ -395,7 +401,7 @@ mod tests {
         let path = dir.path().join("f");
         std::fs::write(&path, vec![7u8; 3 << 20]).unwrap();
         let files = vec![path.clone()];
-        let warm = buffered(&files, 1 << 20, "warm");
+        let warm = buffered(&files, 8, 1 << 20, "warm");
         assert!(warm.gb_per_s.unwrap() > 0.0, "{warm:?}");
         assert!(warm.what.contains("3 readers"), "{warm:?}");
         // O_DIRECT is refused on some filesystems (tmpfs): then the limit says so.
