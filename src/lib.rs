@@ -14,6 +14,7 @@ pub mod cli;
 pub mod device;
 pub mod error;
 pub mod format;
+pub mod hub;
 pub mod memory;
 pub mod object;
 pub mod options;

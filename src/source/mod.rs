@@ -6,7 +6,8 @@
 //! - [`local`]: files on this machine (plain paths, `file://`, directories of shards, index
 //!   files), read with positioned reads and mapped for zero-copy loads;
 //! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://), read with ranged
-//!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`.
+//!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`;
+//! - [`hub`]: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
 //!
 //! A new kind of source (a hub, a cache that writes remote blocks to disk as they land) is a new
 //! implementation of [`Source`] plus one arm in [`open_all`], which turns URIs into sources.
@@ -22,6 +23,7 @@ use crate::format::{self, Header};
 use crate::memory::HostBuffer;
 
 pub mod fs;
+pub mod hub;
 pub mod local;
 pub mod object;
 
@@ -135,7 +137,10 @@ pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result
     // Local URIs are resolved together so that a file named twice is loaded once; the order of
     // the user's URIs is kept across kinds.
     for uri in uris {
-        if crate::object::is_remote(uri) {
+        if crate::hub::is_hub(uri) {
+            sources.extend(local::open(&std::mem::take(&mut local_uris))?);
+            sources.extend(hub::open(uri, storage_options)?);
+        } else if crate::object::is_remote(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
             sources.extend(object::open(uri, storage_options)?);
         } else {
