@@ -10,6 +10,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod cache;
 pub mod cli;
 pub mod device;
 pub mod error;

@@ -248,7 +248,7 @@ struct Described {
 }
 
 fn describe(uris: &[String]) -> CliResult<Described> {
-    let shards = source::open_all(uris, &[])?;
+    let shards = source::open_all(uris, &[], &crate::cache::CacheSettings::off())?;
     Ok(Described {
         local: shards
             .iter()

