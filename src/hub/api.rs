@@ -176,13 +176,19 @@ impl Hub {
         Err(io_error(name, io::ErrorKind::InvalidData, "too many redirects"))
     }
 
-    /// A whole small file (an index), through `resolve/`.
-    pub async fn fetch(&self, name: &str, repo_id: &str, url: &url::Url) -> Result<Vec<u8>> {
+    /// A whole small file (an index), through `resolve/`, with what `resolve/` said about it.
+    pub async fn fetch(
+        &self,
+        name: &str,
+        repo_id: &str,
+        url: &url::Url,
+    ) -> Result<(FileMeta, Vec<u8>)> {
         let meta = self.file_meta(name, repo_id, url).await?;
         let location = meta.location.url.clone();
         let response = self.send(name, || self.request(Method::GET, &location)).await?;
         let response = self.check(name, repo_id, response).await?;
-        Ok(response.bytes().await.map_err(|e| net_error(name, e))?.to_vec())
+        let bytes = response.bytes().await.map_err(|e| net_error(name, e))?;
+        Ok((meta, bytes.to_vec()))
     }
 
     /// Sends the request `make` builds, again after a 429 (waiting `Retry-After`), a 5xx or a

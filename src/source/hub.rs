@@ -17,6 +17,7 @@ use reqwest::header::{CONTENT_RANGE, RANGE};
 use reqwest::{Method, StatusCode};
 
 use super::{local, Source, INDEX_FILE};
+use crate::cache::{hub_layout, CacheIdentity, CacheSettings, HubLocation};
 use crate::error::{Error, Result};
 use crate::hub::api::{self, io_error, net_error, FileMeta, Hub};
 use crate::hub::location::Location;
@@ -39,6 +40,7 @@ pub struct HubFile {
     size: u64,
     etag: Option<String>,
     location: Mutex<Location>,
+    identity: CacheIdentity,
 }
 
 impl HubFile {
@@ -215,23 +217,54 @@ impl Source for HubFile {
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
         Box::pin(self.read(offset, dst))
     }
+
+    fn cache_identity(&self) -> Option<CacheIdentity> {
+        Some(self.identity.clone())
+    }
+}
+
+/// Who a file is, for the cache: LFS files by their sha256 (`X-Linked-Etag`), others by their
+/// git blob id; both are the blob's name in the Hugging Face cache.
+fn identity(uri: &HubUri, commit: &str, path: &str, meta: &FileMeta) -> Option<CacheIdentity> {
+    let blob_id = meta.etag.clone()?;
+    let revision = uri.revision();
+    Some(CacheIdentity {
+        uri: uri.file_uri(commit, path),
+        size: meta.size,
+        etag: Some(format!("\"{blob_id}\"")),
+        sha256: meta.lfs.then(|| blob_id.to_lowercase()),
+        hub: Some(HubLocation {
+            repo_type: "model".into(),
+            repo_id: uri.repo_id.clone(),
+            commit: commit.to_string(),
+            revision: (!crate::hub::is_commit(revision)).then(|| revision.to_string()),
+            path_in_repo: path.to_string(),
+            blob_id,
+        }),
+    })
 }
 
 /// The files an `hf://` URI names, opened: remote files, or with `HF_HUB_OFFLINE` the cached
 /// snapshot's files.
-pub fn open(uri: &str, storage_options: &[(String, String)]) -> Result<Vec<Arc<dyn Source>>> {
+/// Files are named `hf://org/name@<commit>/<path>`; `cache` says where the index file, read
+/// whole here, is cached (the shards are cached by `crate::cache::wrap`).
+pub fn open(
+    uri: &str,
+    storage_options: &[(String, String)],
+    cache: &CacheSettings,
+) -> Result<Vec<Arc<dyn Source>>> {
     let parsed = HubUri::parse(uri)?;
     let settings = HubSettings::from_env(storage_options)?;
     if settings.offline {
         return local::open(&[offline_path(&parsed)?.display().to_string()]);
     }
     let hub = Hub::new(settings, RetrySettings::default())?;
-    crate::runtime::block_on(uri, open_remote(hub, parsed))
+    crate::runtime::block_on(uri, open_remote(hub, parsed, cache))
 }
 
-async fn open_remote(hub: Hub, uri: HubUri) -> Result<Vec<Arc<dyn Source>>> {
+async fn open_remote(hub: Hub, uri: HubUri, cache: &CacheSettings) -> Result<Vec<Arc<dyn Source>>> {
     let info = hub.repo_info(&uri).await?;
-    let paths = pick_files(&hub, &uri, &info.commit, &info.files).await?;
+    let paths = pick_files(&hub, &uri, &info.commit, &info.files, cache).await?;
     let hub_ref = &hub;
     let commit = info.commit.as_str();
     let uri_ref = &uri;
@@ -239,22 +272,21 @@ async fn open_remote(hub: Hub, uri: HubUri) -> Result<Vec<Arc<dyn Source>>> {
         .map(|path| async move {
             let name = uri_ref.file_uri(commit, &path);
             let resolve_url = hub_ref.resolve_url(&uri_ref.repo_id, commit, &path);
-            let FileMeta {
-                size,
-                etag,
-                location,
-                ..
-            } = hub_ref
+            let meta = hub_ref
                 .file_meta(&name, &uri_ref.repo_id, &resolve_url)
                 .await?;
+            let identity = identity(uri_ref, commit, &path, &meta).ok_or_else(|| {
+                io_error(&name, io::ErrorKind::InvalidData, "the Hub sent no ETag for this file")
+            })?;
             Ok(Arc::new(HubFile {
                 name,
                 repo_id: uri_ref.repo_id.clone(),
                 hub: hub_ref.clone(),
                 resolve_url,
-                size,
-                etag,
-                location: Mutex::new(location),
+                size: meta.size,
+                etag: meta.etag,
+                location: Mutex::new(meta.location),
+                identity,
             }) as Arc<dyn Source>)
         })
         .buffered(META_CONCURRENCY)
@@ -264,11 +296,17 @@ async fn open_remote(hub: Hub, uri: HubUri) -> Result<Vec<Arc<dyn Source>>> {
 
 /// The files to load: the URI's file; else the folder's index's shards; else the folder's
 /// `*.safetensors` (direct children, sorted, as for a local directory).
-async fn pick_files(hub: &Hub, uri: &HubUri, commit: &str, files: &[String]) -> Result<Vec<String>> {
+async fn pick_files(
+    hub: &Hub,
+    uri: &HubUri,
+    commit: &str,
+    files: &[String],
+    cache: &CacheSettings,
+) -> Result<Vec<String>> {
     let name = uri.file_uri(commit, &uri.path);
     if files.iter().any(|f| f == &uri.path) {
         if uri.path.ends_with(".json") {
-            return index_files(hub, uri, commit, &uri.path).await;
+            return index_files(hub, uri, commit, &uri.path, cache).await;
         }
         return Ok(vec![uri.path.clone()]);
     }
@@ -279,7 +317,7 @@ async fn pick_files(hub: &Hub, uri: &HubUri, commit: &str, files: &[String]) -> 
     };
     let index = format!("{folder}{INDEX_FILE}");
     if files.contains(&index) {
-        return index_files(hub, uri, commit, &index).await;
+        return index_files(hub, uri, commit, &index, cache).await;
     }
     let shards: Vec<String> = files
         .iter()
@@ -302,10 +340,21 @@ async fn pick_files(hub: &Hub, uri: &HubUri, commit: &str, files: &[String]) -> 
     Ok(shards)
 }
 
-async fn index_files(hub: &Hub, uri: &HubUri, commit: &str, index: &str) -> Result<Vec<String>> {
+async fn index_files(
+    hub: &Hub,
+    uri: &HubUri,
+    commit: &str,
+    index: &str,
+    cache: &CacheSettings,
+) -> Result<Vec<String>> {
     let name = uri.file_uri(commit, index);
     let url = hub.resolve_url(&uri.repo_id, commit, index);
-    let bytes = hub.fetch(&name, &uri.repo_id, &url).await?;
+    let (meta, bytes) = hub.fetch(&name, &uri.repo_id, &url).await?;
+    if let Some(identity) = identity(uri, commit, index, &meta) {
+        if cache.enabled() && identity.size == bytes.len() as u64 {
+            crate::cache::put_whole(&identity, &bytes, cache);
+        }
+    }
     let dir = index.rsplit_once('/').map(|(d, _)| format!("{d}/")).unwrap_or_default();
     Ok(local::index_shard_names(&bytes, &name)?
         .into_iter()
@@ -316,19 +365,16 @@ async fn index_files(hub: &Hub, uri: &HubUri, commit: &str, index: &str) -> Resu
 /// The cached snapshot path of `uri` (`HF_HUB_OFFLINE`): `refs/<revision>` gives the commit
 /// unless the revision is one.
 fn offline_path(uri: &HubUri) -> Result<PathBuf> {
-    let root = hub_cache_root();
-    let repo = root.join(format!("models--{}", uri.repo_id.replace('/', "--")));
+    let repo = hub_layout::repo_path(&hub_layout::hub_cache_root(), "model", &uri.repo_id);
     let revision = uri.revision();
     let commit = if crate::hub::is_commit(revision) {
         Some(revision.to_lowercase())
     } else {
-        std::fs::read_to_string(repo.join("refs").join(revision))
-            .ok()
-            .map(|c| c.trim().to_string())
+        hub_layout::read_ref(&repo, revision)
     };
-    let snapshot = commit.map(|c| repo.join("snapshots").join(c));
+    let snapshot = commit.map(|c| hub_layout::snapshot_path(&repo, &c, &uri.path));
     match snapshot {
-        Some(dir) if dir.exists() => Ok(if uri.path.is_empty() { dir } else { dir.join(&uri.path) }),
+        Some(path) if path.exists() => Ok(path),
         _ => Err(io_error(
             &format!("hf://{}@{revision}", uri.repo_id),
             io::ErrorKind::NotFound,
@@ -340,13 +386,4 @@ fn offline_path(uri: &HubUri) -> Result<PathBuf> {
             ),
         )),
     }
-}
-
-/// `HF_HUB_CACHE`, else `$HF_HOME/hub` (huggingface_hub's rule).
-fn hub_cache_root() -> PathBuf {
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    env("HF_HUB_CACHE")
-        .or_else(|| env("HUGGINGFACE_HUB_CACHE"))
-        .map(PathBuf::from)
-        .unwrap_or_else(|| crate::hub::hf_home(&env).join("hub"))
 }

@@ -151,7 +151,7 @@ pub fn open_all(
     for uri in uris {
         if crate::hub::is_hub(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
-            sources.extend(hub::open(uri, storage_options)?);
+            sources.extend(hub::open(uri, storage_options, cache)?);
         } else if crate::object::is_remote(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
             sources.extend(object::open(uri, storage_options)?);
