@@ -189,11 +189,7 @@ class Storage(_Server):
     def signature_ok(self, sha: str, query: dict) -> bool:
         expires, sig = query.get("Expires", ""), query.get("Signature", "")
         want = self._sig(sha, expires)
-        return (
-            expires.isdigit()
-            and hmac.compare_digest(sig, want)
-            and time.time() <= int(expires)
-        )
+        return expires.isdigit() and hmac.compare_digest(sig, want) and time.time() <= int(expires)
 
     def throttle(self, n: int) -> None:
         """Blocks until `n` more bytes fit the rate (one schedule shared by all connections)."""
@@ -260,7 +256,9 @@ class _HubHandler(_Base):
         if repo.gated and token not in hub.gated_access.get(repo_id, set()):
             status = 403 if token in hub.tokens else 401
             self._error(
-                status, "GatedRepo", f"Access to model {repo_id} is restricted. You must be authenticated."
+                status,
+                "GatedRepo",
+                f"Access to model {repo_id} is restricted. You must be authenticated.",
             )
             return None
         return repo
@@ -388,3 +386,29 @@ class MockHub(_Server):
 
 def start_hub(rate: int = 0) -> MockHub:
     return MockHub(rate)
+
+
+def main() -> None:
+    """Serves a local directory as one repo until killed (benches/hub_bench.py runs it in its own
+    process, so that the client measured does not share an interpreter with the server)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--repo", default="org/bench")
+    parser.add_argument("--rate", type=float, default=0, help="storage bytes/s (0: unlimited)")
+    args = parser.parse_args()
+    hub = MockHub(rate=int(args.rate))
+    files = {
+        str(p.relative_to(args.dir)): p.read_bytes() for p in args.dir.rglob("*") if p.is_file()
+    }
+    hub.add(args.repo, files)
+    print(hub.url, flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    hub.close()
+
+
+if __name__ == "__main__":
+    main()

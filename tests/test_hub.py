@@ -20,7 +20,9 @@ TOKEN = "hf_secret_token_value"
 
 
 def files_of(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,13 @@ def hub(sharded_dir, dtypes_file):
 @pytest.fixture
 def env(hub, monkeypatch, tmp_path):
     """The environment huggingface_hub would read: the mock as HF_ENDPOINT, an empty HF_HOME."""
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+    for var in (
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_OFFLINE",
+        "HF_HUB_CACHE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
@@ -156,7 +164,12 @@ def test_missing_revisions_and_files(hub, env):
 
 
 def test_429_and_5xx_are_retried(hub, env, sharded_dir):
-    hub.faults += [("api", 429, "1"), ("api", 503, None), ("resolve", 500, None), ("resolve", 429, "0")]
+    hub.faults += [
+        ("api", 429, "1"),
+        ("api", 503, None),
+        ("resolve", 500, None),
+        ("resolve", 429, "0"),
+    ]
     hub.storage.faults += [("storage", 503, None), ("storage", 429, "0")]
     got = fastload.load(f"hf://{REPO}")
     assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
@@ -185,6 +198,7 @@ def test_expiring_locations_are_resolved_again(hub, env, sharded_dir):
 def test_a_refused_location_is_resolved_again(hub, env, sharded_dir):
     """The storage host refuses URLs signed before a key rotation (403): fastload resolves the
     location again and goes on."""
+
     def resolves():
         return len([r for r in hub.requests() if "/resolve/" in r[1]])
 

@@ -6,7 +6,8 @@ torch), always in subprocesses; this file is also the script they run
 tiny random Llama with transformers and starts engine after engine in one process (vLLM
 in-process, so each start takes seconds rather than a minute): vLLM's own safetensors loader gives
 the reference greedy tokens and writes the sharded state; fastload and fastload_sharded must give
-the same tokens. ``s3`` does the same with the weights in S3. ``vllm serve --load-format
+the same tokens. ``s3`` does the same with the weights in S3; ``hub`` with the model on the mock
+Hugging Face Hub (hub_server.py, ``HF_ENDPOINT``), named by its repo id. ``vllm serve --load-format
 fastload`` runs with vLLM's usual processes, where fastload is found through its entry point.
 """
 
@@ -34,6 +35,7 @@ MAX_TOKENS = 12
 LOG_LINE = "Loading weights took"
 ENGINE_TIMEOUT_S = 900
 S3_BUCKET = "models"
+HUB_REPO = "org/tiny-llama"
 AMX_SITE = ROOT / "tests" / "vllm_site"
 # Words of the tiny model's word-level tokenizer (for `vllm serve`, which wants one).
 WORDS = "the a of to and in is it you that he was for on are with as I his they be at one".split()
@@ -238,6 +240,14 @@ import importlib.util, sys
 missing = [m for m in ("vllm", "fastload", "transformers") if importlib.util.find_spec(m) is None]
 sys.exit(", ".join(missing) or None)
 """
+
+
+def run_hub(work: Path, result_path: Path) -> None:
+    """``LLM(model="org/tiny-llama", load_format="fastload")`` with HF_ENDPOINT the mock Hub:
+    vLLM fetches config files from the Hub, fastload streams the weights."""
+    results: dict = {}
+    step = _stepper(results, result_path)
+    step("fastload_hub", HUB_REPO, "fastload")  # type: ignore[arg-type]
 
 
 def _vllm_missing() -> str | None:
@@ -610,10 +620,40 @@ def test_weights_uri_from_s3(offline, seaweed):
     assert results["fastload_cached"] == results["fastload_sharded_cached"] == nothing, results
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_model_from_the_hub(offline, tmp_path):
+    """``LLM(model=ORG/REPO, load_format="fastload")`` against the mock Hub: the same tokens as
+    vLLM's own loader, the weights streamed by fastload (ranged GETs at the storage host) and no
+    ``*.safetensors`` written to disk, config files fetched into the HF cache as vLLM does."""
+    from hub_server import MockHub
+
+    expected, _, work = offline
+    hub = MockHub()
+    try:
+        model = work / "tiny-llama"
+        hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
+        home = tmp_path / "hf_home"
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+        env["HF_HUB_CACHE"] = str(home / "hub")
+        results, output = _run_driver("hub", work, **env)
+        assert results.get("fastload_hub") == expected["safetensors"], _tail(output)
+        assert output.count(LOG_LINE) == 1, _tail(output)
+        on_disk = [p.name for p in home.rglob("*") if p.is_file()]
+        assert "config.json" in on_disk, on_disk
+        assert not [n for n in on_disk if n.endswith(".safetensors")], on_disk
+        storage = hub.requests(hub.storage)
+        fastload_gets = [r for r in storage if r[2].get("user-agent", "").startswith("fastload/")]
+        assert fastload_gets and all("range" in r[2] for r in fastload_gets)
+        assert not any("authorization" in r[2] for r in storage)
+    finally:
+        hub.close()
+
+
 if __name__ == "__mp_main__" and os.environ.get(_SAVE_SHARDED_TO):
     # Some vLLM releases (0.20 for one) run the CPU worker in a spawned process even with the
     # engine in-process; spawning runs this script again there (as __mp_main__): register there.
     _register_saving_loader(Path(os.environ[_SAVE_SHARDED_TO]))
 
 if __name__ == "__main__":
-    {"offline": run_offline, "s3": run_s3}[sys.argv[1]](*map(Path, sys.argv[2:4]))
+    {"offline": run_offline, "s3": run_s3, "hub": run_hub}[sys.argv[1]](*map(Path, sys.argv[2:4]))
