@@ -111,7 +111,11 @@ impl Hub {
             .and_then(|s| s.as_str())
             .filter(|s| super::is_commit(s))
             .ok_or_else(|| {
-                io_error(&name, io::ErrorKind::InvalidData, "no commit sha in the answer")
+                io_error(
+                    &name,
+                    io::ErrorKind::InvalidData,
+                    "no commit sha in the answer",
+                )
             })?;
         let files = value
             .get("siblings")
@@ -139,10 +143,20 @@ impl Hub {
             let location = header(&headers, LOCATION.as_str())
                 .map(|l| url.join(l))
                 .transpose()
-                .map_err(|e| io_error(name, io::ErrorKind::InvalidData, format!("bad Location: {e}")))?;
+                .map_err(|e| {
+                    io_error(
+                        name,
+                        io::ErrorKind::InvalidData,
+                        format!("bad Location: {e}"),
+                    )
+                })?;
             if status.is_redirection() {
                 let Some(to) = location else {
-                    return Err(io_error(name, io::ErrorKind::InvalidData, "redirect without a Location"));
+                    return Err(io_error(
+                        name,
+                        io::ErrorKind::InvalidData,
+                        "redirect without a Location",
+                    ));
                 };
                 // The Hub's own redirect (relative, or to its own origin) is followed with the
                 // token; a redirect elsewhere is the storage location (as huggingface_hub).
@@ -155,7 +169,11 @@ impl Hub {
             self.check(name, repo_id, response).await?;
             return meta(name, &headers, Location::new(url, &self.endpoint));
         }
-        Err(io_error(name, io::ErrorKind::InvalidData, "too many redirects"))
+        Err(io_error(
+            name,
+            io::ErrorKind::InvalidData,
+            "too many redirects",
+        ))
     }
 
     /// A GET that follows the Hub's redirects to its own origin (a renamed repo), with the token.
@@ -173,7 +191,11 @@ impl Hub {
                 _ => return Ok(response),
             }
         }
-        Err(io_error(name, io::ErrorKind::InvalidData, "too many redirects"))
+        Err(io_error(
+            name,
+            io::ErrorKind::InvalidData,
+            "too many redirects",
+        ))
     }
 
     /// A whole small file (an index), through `resolve/`, with what `resolve/` said about it.
@@ -185,7 +207,9 @@ impl Hub {
     ) -> Result<(FileMeta, Vec<u8>)> {
         let meta = self.file_meta(name, repo_id, url).await?;
         let location = meta.location.url.clone();
-        let response = self.send(name, || self.request(Method::GET, &location)).await?;
+        let response = self
+            .send(name, || self.request(Method::GET, &location))
+            .await?;
         let response = self.check(name, repo_id, response).await?;
         let bytes = response.bytes().await.map_err(|e| net_error(name, e))?;
         Ok((meta, bytes.to_vec()))
@@ -225,10 +249,14 @@ impl Hub {
             return Ok(response);
         }
         let headers = response.headers().clone();
-        let code = header(&headers, "x-error-code").unwrap_or_default().to_string();
+        let code = header(&headers, "x-error-code")
+            .unwrap_or_default()
+            .to_string();
         let hub_message = header(&headers, "x-error-message").map(str::to_string);
         let token = self.settings.token_note();
-        let detail = hub_message.map(|m| format!(" The Hub says: {m}")).unwrap_or_default();
+        let detail = hub_message
+            .map(|m| format!(" The Hub says: {m}"))
+            .unwrap_or_default();
         let (kind, text) = match (status.as_u16(), code.as_str()) {
             (_, "GatedRepo") => (
                 io::ErrorKind::PermissionDenied,
@@ -269,7 +297,13 @@ fn meta(name: &str, headers: &HeaderMap, location: Location) -> Result<FileMeta>
     let size = header(headers, "x-linked-size")
         .or_else(|| header(headers, "content-length"))
         .and_then(|s| s.parse::<u64>().ok())
-        .ok_or_else(|| io_error(name, io::ErrorKind::InvalidData, "the Hub sent no file size"))?;
+        .ok_or_else(|| {
+            io_error(
+                name,
+                io::ErrorKind::InvalidData,
+                "the Hub sent no file size",
+            )
+        })?;
     Ok(FileMeta {
         size,
         etag,
@@ -280,7 +314,10 @@ fn meta(name: &str, headers: &HeaderMap, location: Location) -> Result<FileMeta>
 
 /// `"abc"` or `W/"abc"` → `abc`.
 fn clean_etag(etag: &str) -> String {
-    etag.trim().trim_start_matches("W/").trim_matches('"').to_string()
+    etag.trim()
+        .trim_start_matches("W/")
+        .trim_matches('"')
+        .to_string()
 }
 
 pub fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -295,7 +332,11 @@ pub fn retryable(status: StatusCode) -> bool {
 /// `Retry-After` in seconds (the Hub sends seconds; an HTTP date is treated as "soon").
 pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let value = header(headers, RETRY_AFTER.as_str())?;
-    value.trim().parse::<u64>().ok().map(|s| Duration::from_secs(s.min(60)))
+    value
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(|s| Duration::from_secs(s.min(60)))
 }
 
 pub fn io_error(name: &str, kind: io::ErrorKind, message: impl Into<String>) -> Error {
@@ -314,7 +355,11 @@ pub fn status_error(name: &str, status: StatusCode, headers: &HeaderMap, when: &
     let message = header(headers, "x-error-message")
         .map(|m| format!(": {m}"))
         .unwrap_or_default();
-    let when = if when.is_empty() { String::new() } else { format!(" {when}") };
+    let when = if when.is_empty() {
+        String::new()
+    } else {
+        format!(" {when}")
+    };
     io_error(name, kind, format!("HTTP {status}{when}{message}"))
 }
 

@@ -68,7 +68,8 @@ impl HubUri {
         let (name, revision, path) = match rest.split_once('@') {
             Some((name, after)) if !name.contains('/') => {
                 let (rev, path) = split_revision(after);
-                let rev = percent_decode(rev).ok_or_else(|| bad("the revision is not valid UTF-8"))?;
+                let rev =
+                    percent_decode(rev).ok_or_else(|| bad("the revision is not valid UTF-8"))?;
                 if rev.is_empty() {
                     return Err(bad("empty revision after '@'"));
                 }

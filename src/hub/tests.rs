@@ -24,7 +24,10 @@ fn parses_repo_revision_and_path() {
                 "sub/model.safetensors",
             ),
         ),
-        ("hf://org/repo/sub/folder/", uri("org/repo", None, "sub/folder")),
+        (
+            "hf://org/repo/sub/folder/",
+            uri("org/repo", None, "sub/folder"),
+        ),
         (
             "hf://org/repo@refs%2Fpr%2F1/a.safetensors",
             uri("org/repo", Some("refs/pr/1"), "a.safetensors"),
@@ -33,9 +36,15 @@ fn parses_repo_revision_and_path() {
             "hf://org/repo@refs/pr/12/a.safetensors",
             uri("org/repo", Some("refs/pr/12"), "a.safetensors"),
         ),
-        ("hf://org/repo@refs/convert/parquet", uri("org/repo", Some("refs/convert/parquet"), "")),
+        (
+            "hf://org/repo@refs/convert/parquet",
+            uri("org/repo", Some("refs/convert/parquet"), ""),
+        ),
         // An '@' in the path is part of the path.
-        ("hf://org/repo/a@b.safetensors", uri("org/repo", None, "a@b.safetensors")),
+        (
+            "hf://org/repo/a@b.safetensors",
+            uri("org/repo", None, "a@b.safetensors"),
+        ),
     ];
     for (text, expected) in cases {
         assert_eq!(HubUri::parse(text).unwrap(), expected, "{text}");
@@ -60,10 +69,14 @@ fn rejects_what_is_not_a_repo() {
 }
 
 fn settings(vars: &[(&str, &str)], options: &[(&str, &str)]) -> Result<HubSettings> {
-    let vars: HashMap<String, String> =
-        vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    let options: Vec<(String, String)> =
-        options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let vars: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let options: Vec<(String, String)> = options
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     HubSettings::from_lookup(|k| vars.get(k).cloned(), &options)
 }
 
@@ -81,26 +94,54 @@ fn token_order_is_huggingface_hubs() {
     assert!(s.token_note().contains("token"));
     assert!(!s.token_note().contains("hf_file"));
 
-    let s = settings(&[("HF_HOME", home), ("HUGGING_FACE_HUB_TOKEN", "hf_old")], &[]).unwrap();
-    assert_eq!(s.token.unwrap().1, TokenSource::Env("HUGGING_FACE_HUB_TOKEN"));
     let s = settings(
-        &[("HF_HOME", home), ("HUGGING_FACE_HUB_TOKEN", "hf_old"), ("HF_TOKEN", "hf_new")],
+        &[("HF_HOME", home), ("HUGGING_FACE_HUB_TOKEN", "hf_old")],
         &[],
     )
     .unwrap();
-    assert_eq!(s.token.unwrap(), ("hf_new".into(), TokenSource::Env("HF_TOKEN")));
+    assert_eq!(
+        s.token.unwrap().1,
+        TokenSource::Env("HUGGING_FACE_HUB_TOKEN")
+    );
+    let s = settings(
+        &[
+            ("HF_HOME", home),
+            ("HUGGING_FACE_HUB_TOKEN", "hf_old"),
+            ("HF_TOKEN", "hf_new"),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        s.token.unwrap(),
+        ("hf_new".into(), TokenSource::Env("HF_TOKEN"))
+    );
     let s = settings(&[("HF_TOKEN", "hf_new")], &[("token", "hf_opt")]).unwrap();
     assert_eq!(s.token.unwrap(), ("hf_opt".into(), TokenSource::Option));
 
     let other = dir.path().join("elsewhere");
     std::fs::write(&other, "hf_path").unwrap();
-    let s = settings(&[("HF_HOME", home), ("HF_TOKEN_PATH", other.to_str().unwrap())], &[]).unwrap();
-    assert_eq!(s.token.unwrap(), ("hf_path".into(), TokenSource::File(other)));
+    let s = settings(
+        &[
+            ("HF_HOME", home),
+            ("HF_TOKEN_PATH", other.to_str().unwrap()),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        s.token.unwrap(),
+        ("hf_path".into(), TokenSource::File(other))
+    );
 
     let empty = tempfile::tempdir().unwrap();
     let s = settings(&[("HF_HOME", empty.path().to_str().unwrap())], &[]).unwrap();
     assert!(s.token.is_none());
-    assert!(s.token_note().starts_with("without a token"), "{}", s.token_note());
+    assert!(
+        s.token_note().starts_with("without a token"),
+        "{}",
+        s.token_note()
+    );
 }
 
 #[test]
@@ -108,8 +149,14 @@ fn endpoint_and_offline() {
     let s = settings(&[], &[]).unwrap();
     assert_eq!(s.endpoint, DEFAULT_ENDPOINT);
     assert!(!s.offline);
-    let s = settings(&[("HF_ENDPOINT", "http://127.0.0.1:9/hub/"), ("HF_HUB_OFFLINE", "yes")], &[])
-        .unwrap();
+    let s = settings(
+        &[
+            ("HF_ENDPOINT", "http://127.0.0.1:9/hub/"),
+            ("HF_HUB_OFFLINE", "yes"),
+        ],
+        &[],
+    )
+    .unwrap();
     assert_eq!(s.endpoint, "http://127.0.0.1:9/hub");
     assert!(s.offline);
     assert!(!settings(&[("HF_HUB_OFFLINE", "0")], &[]).unwrap().offline);

@@ -71,7 +71,10 @@ impl HubFile {
             return Err(io_error(
                 &self.name,
                 io::ErrorKind::UnexpectedEof,
-                format!("cannot read bytes {offset}..{end} of a {} byte file", self.size),
+                format!(
+                    "cannot read bytes {offset}..{end} of a {} byte file",
+                    self.size
+                ),
             ));
         }
         let mut resume = self.hub.retry.resume_state();
@@ -276,7 +279,11 @@ async fn open_remote(hub: Hub, uri: HubUri, cache: &CacheSettings) -> Result<Vec
                 .file_meta(&name, &uri_ref.repo_id, &resolve_url)
                 .await?;
             let identity = identity(uri_ref, commit, &path, &meta).ok_or_else(|| {
-                io_error(&name, io::ErrorKind::InvalidData, "the Hub sent no ETag for this file")
+                io_error(
+                    &name,
+                    io::ErrorKind::InvalidData,
+                    "the Hub sent no ETag for this file",
+                )
             })?;
             Ok(Arc::new(HubFile {
                 name,
@@ -355,7 +362,10 @@ async fn index_files(
             crate::cache::put_whole(&identity, &bytes, cache);
         }
     }
-    let dir = index.rsplit_once('/').map(|(d, _)| format!("{d}/")).unwrap_or_default();
+    let dir = index
+        .rsplit_once('/')
+        .map(|(d, _)| format!("{d}/"))
+        .unwrap_or_default();
     Ok(local::index_shard_names(&bytes, &name)?
         .into_iter()
         .map(|f| format!("{dir}{f}"))
