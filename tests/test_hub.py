@@ -235,3 +235,40 @@ def test_all_dtypes_roundtrip(hub, env, tmp_path):
     got = fastload.load("hf://org/dtypes")
     assert_same_tensors(got, reference(path))
     assert hashlib.sha256(data).hexdigest() in hub.storage.blobs
+
+
+needs_cache = pytest.mark.skipif(
+    not hasattr(fastload, "cache_stats"), reason="needs the local cache (cache=, branch cache)"
+)
+
+
+@needs_cache
+def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir):
+    """cache= on hf:// writes the standard Hugging Face cache: huggingface_hub finds the files
+    there without the network, bitwise equal; a second load with the Hub stopped and
+    HF_HUB_OFFLINE=1 reads them."""
+    hub_cache = tmp_path / "hf_cache"
+    env.setenv("HF_HUB_CACHE", str(hub_cache))
+    env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    own = MockHub()
+    try:
+        commit = own.add(REPO, files_of(sharded_dir))
+        env.setenv("HF_ENDPOINT", own.url)
+        want = reference(*indexed_files(sharded_dir))
+        assert_same_tensors(fastload.load(f"hf://{REPO}", cache=True), want)
+        names = ["model.safetensors.index.json", *(p.name for p in indexed_files(sharded_dir))]
+        for name in names:
+            path = huggingface_hub.hf_hub_download(
+                REPO, name, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+            )
+            assert Path(path).read_bytes() == (sharded_dir / name).read_bytes(), name
+        folder = huggingface_hub.snapshot_download(
+            REPO, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+        )
+        assert Path(folder).name == commit
+        for name in names:
+            assert (Path(folder) / name).read_bytes() == (sharded_dir / name).read_bytes()
+    finally:
+        own.close()
+    env.setenv("HF_HUB_OFFLINE", "1")
+    assert_same_tensors(fastload.load(f"hf://{REPO}"), want)

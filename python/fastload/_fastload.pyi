@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 __version__: str
-# URI schemes read from object stores (``s3``, ``gs``, ``az``, ``http``, ...), lower case.
+# Remote URI schemes (``s3``, ``gs``, ``az``, ``http``, ..., and ``hf`` for the Hugging Face Hub), lower case.
 SCHEMES: tuple[str, ...]
 # Every safetensors dtype name the parser knows (``"F32"``, ``"BF16"``, ``"F8_E4M3"``, ...).
 DTYPES: tuple[str, ...]
