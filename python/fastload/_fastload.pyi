@@ -44,7 +44,8 @@ __all__ = [
 ]
 
 __version__: str
-# Remote URI schemes (``s3``, ``gs``, ``az``, ``http``, ..., and ``hf`` for the Hugging Face Hub), lower case.
+# Remote URI schemes, lower case: object stores (``s3``, ``gs``, ``az``, ``http``, ...) and
+# ``hf`` (the Hugging Face Hub).
 SCHEMES: tuple[str, ...]
 # Every safetensors dtype name the parser knows (``"F32"``, ``"BF16"``, ``"F8_E4M3"``, ...).
 DTYPES: tuple[str, ...]
