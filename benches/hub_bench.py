@@ -4,7 +4,8 @@ local disk, unlimited and at rate-limited storage links.
 
     python benches/hub_bench.py --size 512MiB --rates 0,1e9,2e8 --reps 2
 
-Each row is the best of `--reps` runs, in a fresh subprocess each (no buffers kept between runs);
+Each row is the best of `--reps` runs, in a fresh subprocess each (no buffers kept between runs),
+every page of every tensor read inside the clock (benches/loaders.touch);
 the snapshot_download rows download into a fresh cache directory every run (they then read the
 files back, warm in the page cache, as a server would right after downloading). Prints a markdown
 table and writes benches/out/hub_bench.json.
@@ -25,6 +26,8 @@ REPO = "org/bench"
 
 _RUN = r"""
 import json, os, sys, time, tempfile, shutil
+sys.path.insert(0, os.environ["BENCH_DIR"])
+from loaders import touch  # every page read inside the clock (mmap-backed tensors are lazy)
 kind, target = sys.argv[1], sys.argv[2]
 start = time.perf_counter()
 if kind == "fastload":
@@ -40,6 +43,7 @@ elif kind == "snapshot":
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(folder, name)))
+touch(tensors.values())
 seconds = time.perf_counter() - start
 nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 if kind == "snapshot":
@@ -100,7 +104,12 @@ def main() -> None:
     if not (ckpt / "model.safetensors.index.json").exists():
         make_checkpoint(ckpt, parse_size(args.size))
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "FASTLOAD_"))}
-    base_env.update(BENCH_TMP=str(tmp), HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HOME=str(tmp / "home"))
+    base_env.update(
+        BENCH_TMP=str(tmp),
+        BENCH_DIR=str(ROOT / "benches"),
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_HOME=str(tmp / "home"),
+    )
     rows = []
 
     def best(label: str, kind: str, target: str, env: dict) -> None:

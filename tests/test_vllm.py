@@ -244,10 +244,16 @@ sys.exit(", ".join(missing) or None)
 
 def run_hub(work: Path, result_path: Path) -> None:
     """``LLM(model="org/tiny-llama", load_format="fastload")`` with HF_ENDPOINT the mock Hub:
-    vLLM fetches config files from the Hub, fastload streams the weights."""
+    vLLM fetches config files from the Hub, fastload streams the weights. Then vLLM's default
+    (download into another directory, then load), for the time to ready beside it."""
     results: dict = {}
     step = _stepper(results, result_path)
     step("fastload_hub", HUB_REPO, "fastload")  # type: ignore[arg-type]
+    results["files_after_fastload"] = sorted(
+        p.name for p in Path(os.environ["HF_HUB_CACHE"]).rglob("*") if p.is_file()
+    )
+    download = work / "vllm-download"
+    step("default_hub", HUB_REPO, "auto", download_dir=str(download))  # type: ignore[arg-type]
 
 
 def _vllm_missing() -> str | None:
@@ -639,13 +645,17 @@ def test_model_from_the_hub(offline, tmp_path):
         results, output = _run_driver("hub", work, **env)
         assert results.get("fastload_hub") == expected["safetensors"], _tail(output)
         assert output.count(LOG_LINE) == 1, _tail(output)
-        on_disk = [p.name for p in home.rglob("*") if p.is_file()]
+        on_disk = results["files_after_fastload"]
         assert "config.json" in on_disk, on_disk
         assert not [n for n in on_disk if n.endswith(".safetensors")], on_disk
         storage = hub.requests(hub.storage)
         fastload_gets = [r for r in storage if r[2].get("user-agent", "").startswith("fastload/")]
         assert fastload_gets and all("range" in r[2] for r in fastload_gets)
         assert not any("authorization" in r[2] for r in storage)
+        # vLLM's own download-then-load reads the same mock to the same tokens.
+        assert results.get("default_hub") == expected["safetensors"], _tail(output)
+        seconds = {k: v for k, v in results.items() if k.endswith("_seconds")}
+        print(f"engine start to first tokens, tiny model from the mock Hub: {seconds}")
     finally:
         hub.close()
 
