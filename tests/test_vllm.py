@@ -660,6 +660,55 @@ def test_model_from_the_hub(offline, tmp_path):
         hub.close()
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_serve_from_the_hub(offline, tmp_path):
+    """``vllm serve ORG/REPO --load-format fastload`` against the mock Hub: vLLM fetches config
+    and tokenizer from the Hub, its worker process streams the weights with fastload, and the
+    server answers with the tokens vLLM's own loader gave."""
+    from hub_server import MockHub
+
+    expected, _, work = offline
+    hub = MockHub()
+    model = work / "tiny-llama"
+    hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
+    home = tmp_path / "hf_home"
+    env = {**_engine_env(), "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+    env["HF_HUB_CACHE"] = str(home / "hub")
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [str(VENV_PYTHON), "-c", _VLLM_CLI, "serve", HUB_REPO, "--load-format", "fastload"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
+    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(server, base + "/health", log)
+        body = {
+            "model": HUB_REPO,
+            "prompt": PROMPTS[0],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        tokens = _post(base + "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
+        assert [int(t.split(":")[1]) for t in tokens] == expected["safetensors"][0]
+    finally:
+        _stop(server)
+        hub.close()
+    output = log.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
+    assert lines and lines[0].startswith("(Worker"), _tail(output)
+    on_disk = [p.name for p in home.rglob("*") if p.is_file()]
+    assert "tokenizer.json" in on_disk and "config.json" in on_disk, on_disk
+    assert not [n for n in on_disk if n.endswith(".safetensors")], on_disk
+
+
 if __name__ == "__mp_main__" and os.environ.get(_SAVE_SHARDED_TO):
     # Some vLLM releases (0.20 for one) run the CPU worker in a spawned process even with the
     # engine in-process; spawning runs this script again there (as __mp_main__): register there.
