@@ -77,11 +77,15 @@ def test_the_real_client_reads_the_mock(hub, env, sharded_dir, tmp_path):
 
 
 def test_loads_a_repo_through_its_index(hub, env, sharded_dir):
-    before = len(hub.requests(hub.storage))
-    got = fastload.load(f"hf://{REPO}")
+    before, before_hub = len(hub.requests(hub.storage)), len(hub.requests())
+    got = fastload.load(f"hf://{REPO}", block_size="64KiB")
     assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
     gets = hub.requests(hub.storage)[before:]
     assert gets and all(r[2].get("range", "").startswith("bytes=") for r in gets)
+    # Each file's location is resolved once and reused by all its reads (header, then data).
+    heads = [r for r in hub.requests()[before_hub:] if r[0] == "HEAD" and "/resolve/" in r[1]]
+    shards = indexed_files(sharded_dir)
+    assert len(heads) == 1 + len(shards) and len(gets) >= 2 * len(shards), (heads, len(gets))
 
 
 @pytest.mark.parametrize(
