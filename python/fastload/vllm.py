@@ -6,6 +6,11 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
     vllm serve MODEL --load-format fastload
     LLM(MODEL, load_format="fastload", model_loader_extra_config={"concurrency": 32})
 
+``model_loader_extra_config`` takes ``concurrency``, ``block_size``, ``memory_limit``,
+``storage_options`` and ``cache`` (a local copy of remote weights, written while they stream:
+``True`` or a directory; see ``fastload.Options``) as ``fastload.load`` does, plus
+``weights_uri`` and ``distributed``.
+
 ``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the
 Hub as ``hf://ORG/REPO@REVISION`` without writing the weights to disk, or an object-store URI
 given as ``weights_uri``) into ``model.load_weights``; vLLM still fetches config and tokenizer
@@ -53,11 +58,19 @@ PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 _PATTERN_FIELDS = frozenset({"rank", "tp_rank", "pp_rank", "part"})
 
 _KEYS = frozenset(
-    {"concurrency", "block_size", "memory_limit", "weights_uri", "storage_options", "distributed"}
+    {
+        "concurrency",
+        "block_size",
+        "memory_limit",
+        "weights_uri",
+        "storage_options",
+        "distributed",
+        "cache",
+    }
 )
 _SHARDED_KEYS = _KEYS | {"pattern"}
 # The keys that are load options, checked and passed on to fastload.stream as given.
-_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options")
+_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache")
 
 # vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
 # never load weights (API server, engine core) would otherwise pay for the plugin alone.

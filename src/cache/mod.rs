@@ -10,10 +10,15 @@
 //! directory ([`default_dir`]).
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::source::Source;
+use entry::Entry;
+use fill::FillingSource;
 
+pub mod entry;
+mod fill;
 pub mod hub_layout;
 
 /// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
@@ -91,16 +96,139 @@ pub fn default_dir() -> PathBuf {
 }
 
 /// Each source with an identity becomes a local source when a verified copy is cached, or a
-/// filling source when caching is on; others are returned as they are.
+/// filling source when caching is on (and no other process is filling that object: then it is
+/// read from the network only); others are returned as they are.
 pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<dyn Source>> {
     if !settings.enabled() {
         return sources;
     }
+    let run = Arc::new(Run::default());
     sources
+        .into_iter()
+        .map(|source| {
+            let Some(entry) = source
+                .cache_identity()
+                .and_then(|id| Entry::new(&id, settings))
+            else {
+                return source;
+            };
+            if entry.is_cached() {
+                if let Ok(local) = crate::source::local::LocalFile::open(&entry.path) {
+                    entry.complete_hub_links();
+                    COUNTERS.hits.fetch_add(1, Ordering::Relaxed);
+                    return Arc::new(local) as Arc<dyn Source>;
+                }
+            }
+            if run.disabled() {
+                return source;
+            }
+            match FillingSource::start(source.clone(), entry, run.clone()) {
+                Some(filling) => Arc::new(filling) as Arc<dyn Source>,
+                None => source,
+            }
+        })
+        .collect()
 }
 
 /// Stores a whole small object read outside the block pipeline (an index file) under the same
 /// rules as filled files. Failures only warn: the load has its bytes already.
 pub fn put_whole(identity: &CacheIdentity, bytes: &[u8], settings: &CacheSettings) {
-    let _ = (identity, bytes, settings);
+    if !settings.enabled() || identity.size != bytes.len() as u64 {
+        return;
+    }
+    let Some(entry) = Entry::new(identity, settings) else {
+        return;
+    };
+    if entry.is_cached() {
+        return;
+    }
+    let run = Run::default();
+    let Some(_lock) = fill::try_lock(&entry.lock) else {
+        return;
+    };
+    let written =
+        std::fs::write(&entry.partial, bytes).and_then(|()| std::fs::File::open(&entry.partial));
+    match written {
+        Ok(file) => match entry.verify_and_publish(&file) {
+            Ok(()) => {
+                COUNTERS.published.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(why) => run.warn(&format!("{}: not cached: {why}", identity.uri)),
+        },
+        Err(e) => {
+            let _ = std::fs::remove_file(&entry.partial);
+            run.disable(&format!("cannot write {}: {e}", entry.partial.display()));
+        }
+    }
+}
+
+/// What one load's caching shares across its sources: once writing fails (a full disk), the
+/// load stops caching, with one warning.
+#[derive(Debug, Default)]
+pub(crate) struct Run {
+    disabled: OnceLock<String>,
+}
+
+impl Run {
+    fn disabled(&self) -> bool {
+        self.disabled.get().is_some()
+    }
+
+    /// Stops caching for this load; the first reason is printed, later ones are not.
+    fn disable(&self, reason: &str) {
+        if self.disabled.set(reason.to_string()).is_ok() {
+            self.warn(&format!("local cache off for this load: {reason}"));
+            *COUNTERS.disabled_reason.lock().unwrap() = Some(reason.to_string());
+        }
+    }
+
+    /// A warning on stderr: caching never fails a load, whose bytes came from the network.
+    fn warn(&self, message: &str) {
+        eprintln!("fastload: warning: {message}");
+    }
+
+    fn add_filled(&self, bytes: u64) {
+        COUNTERS.filled_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn add_published(&self) {
+        COUNTERS.published.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What the cache did in this process, for `fastload.cache_stats()`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Objects read from a cached copy.
+    pub hits: u64,
+    /// Bytes written into copies being filled.
+    pub filled_bytes: u64,
+    /// Copies verified and published.
+    pub published: u64,
+    /// Why caching was last turned off for a load (a full disk), if it was.
+    pub disabled_reason: Option<String>,
+}
+
+struct Counters {
+    hits: AtomicU64,
+    filled_bytes: AtomicU64,
+    published: AtomicU64,
+    disabled_reason: Mutex<Option<String>>,
+}
+
+static COUNTERS: Counters = Counters {
+    hits: AtomicU64::new(0),
+    filled_bytes: AtomicU64::new(0),
+    published: AtomicU64::new(0),
+    disabled_reason: Mutex::new(None),
+};
+
+/// The process's cache counters so far.
+pub fn stats() -> CacheStats {
+    CacheStats {
+        hits: COUNTERS.hits.load(Ordering::Relaxed),
+        filled_bytes: COUNTERS.filled_bytes.load(Ordering::Relaxed),
+        published: COUNTERS.published.load(Ordering::Relaxed),
+        disabled_reason: COUNTERS.disabled_reason.lock().unwrap().clone(),
+    }
 }

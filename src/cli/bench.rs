@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::report::{RunReport, Setup};
 use super::{checkpoint, print_stdout, CliError, CliResult, Device};
-use crate::options::{LoadOptions, Method, Resolved, Size};
+use crate::options::{CacheChoice, LoadOptions, Method, Resolved, Size};
 use crate::source;
 use crate::Memory;
 
@@ -68,6 +68,10 @@ pub(super) struct BenchArgs {
     /// the best; --concurrency or --block-size pins that axis to one value
     #[arg(long)]
     sweep: bool,
+    /// Keep a local copy of remote objects in DIR (1: the default directory, 0: off), written
+    /// while the first run streams; later runs read it [default: $FASTLOAD_CACHE, else off]
+    #[arg(long, value_name = "DIR")]
+    cache: Option<CacheChoice>,
     /// Size of the generated checkpoint used when no URI is given, e.g. 256MiB; it is cached in
     /// $FASTLOAD_CACHE_DIR, else in the user cache directory under fastload/
     #[arg(
@@ -87,6 +91,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         memory_limit: args.memory_limit.map(|s| s.0),
         names: None,
         method: args.method,
+        cache: args.cache.clone(),
         ..Default::default()
     };
     let remote = source::any_remote(&args.uris);

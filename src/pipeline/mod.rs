@@ -191,11 +191,8 @@ pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Re
 
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let resolved = options.resolve(source::any_remote(uris))?;
-    let shards = source::open_all(
-        uris,
-        &options.storage_options,
-        &crate::cache::CacheSettings::off(),
-    )?;
+    let cache = options.cache_settings()?;
+    let shards = source::open_all(uris, &options.storage_options, &cache)?;
     let segment_size = plan::segment_size(resolved.memory_limit, resolved.block_size);
     let plan = match &options.parts {
         None => plan::build(shards, options.names.as_deref(), segment_size)?,
