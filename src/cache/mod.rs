@@ -146,8 +146,11 @@ pub fn put_whole(identity: &CacheIdentity, bytes: &[u8], settings: &CacheSetting
     let Some(_lock) = fill::try_lock(&entry.lock) else {
         return;
     };
-    let written =
-        std::fs::write(&entry.partial, bytes).and_then(|()| std::fs::File::open(&entry.partial));
+    let folder = entry.partial.parent().map(std::fs::create_dir_all);
+    let written = folder
+        .unwrap_or(Ok(()))
+        .and_then(|()| std::fs::write(&entry.partial, bytes))
+        .and_then(|()| std::fs::File::open(&entry.partial));
     match written {
         Ok(file) => match entry.verify_and_publish(&file) {
             Ok(()) => {
