@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -308,8 +309,15 @@ def cache_stats() -> dict[str, Any]:
     """What the local cache (the ``cache=`` option) did in this process so far: ``hits`` (objects
     read from a local copy), ``filled_bytes`` (bytes written while streaming), ``published``
     (copies verified and published), ``disabled_reason`` (why caching was last turned off for a
-    load, e.g. a full disk; ``None`` if never)."""
+    load, e.g. a full disk; ``None`` if never).
+
+    A load returns without waiting for its copies to be flushed to disk (and their sha256
+    checked); this call waits for them first, and so does the interpreter's exit."""
     return dict(_fastload.cache_stats())
+
+
+# Copies filled by loads that returned are published before the process ends.
+atexit.register(_fastload.cache_stats)
 
 
 def cached_memory() -> dict[str, int]:

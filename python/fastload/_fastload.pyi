@@ -256,7 +256,8 @@ def is_remote_uri(uri: str) -> bool:
 def parse_size(value: str) -> int: ...
 def cache_stats() -> _CacheStats:
     """What the local cache did in this process: copies read (``hits``), bytes written while
-    streaming, copies published, and why caching was last turned off for a load (a full disk)."""
+    streaming, copies published, and why caching was last turned off for a load (a full disk);
+    waits for copies still being published first."""
 
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...

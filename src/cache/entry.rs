@@ -250,6 +250,7 @@ mod tests {
         CacheSettings {
             dir: Some(dir.join("fl")),
             hub_root: dir.join("hub"),
+            fill: true,
         }
     }
 

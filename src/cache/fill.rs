@@ -13,7 +13,6 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
 use futures_util::future::BoxFuture;
 
@@ -39,8 +38,6 @@ struct State {
     /// The lock, held until the partial file is published or deleted.
     lock: Option<File>,
     covered: Covered,
-    /// Verification and publishing, on their own thread.
-    publisher: Option<JoinHandle<()>>,
 }
 
 impl FillingSource {
@@ -77,7 +74,6 @@ impl FillingSource {
                 file: Some(Arc::new(file)),
                 lock: Some(lock),
                 covered: Covered::default(),
-                publisher: None,
             }),
             entry,
         })
@@ -105,8 +101,9 @@ impl FillingSource {
         let file = state.file.take().expect("checked above");
         let lock = state.lock.take();
         let (entry, run) = (self.entry.clone(), self.run.clone());
-        // Hashing reads the whole copy back: off the pipeline, on a thread of its own.
-        state.publisher = Some(std::thread::spawn(move || {
+        // Flushing the copy to disk and hashing it back take as long as the load itself: on a
+        // thread of their own, which the load does not wait for (`super::wait_published` does).
+        super::publishing(std::thread::spawn(move || {
             match entry.verify_and_publish(&file) {
                 Ok(()) => run.add_published(),
                 Err(why) => run.warn(&format!("{}: not cached: {why}", entry.identity.uri)),
@@ -127,10 +124,6 @@ impl FillingSource {
 
 impl Drop for FillingSource {
     fn drop(&mut self) {
-        let publisher = self.state.get_mut().unwrap().publisher.take();
-        if let Some(publisher) = publisher {
-            let _ = publisher.join();
-        }
         self.give_up();
     }
 }

@@ -62,6 +62,9 @@ pub struct CacheSettings {
     pub dir: Option<PathBuf>,
     /// The Hugging Face cache ([`hub_layout::hub_cache_root`]) for Hub objects.
     pub hub_root: PathBuf,
+    /// Whether objects without a copy are filled (`false`: copies are read, none written; a
+    /// rank of a distributed load reads a share of each object, never a whole one).
+    pub fill: bool,
 }
 
 impl CacheSettings {
@@ -75,6 +78,7 @@ impl CacheSettings {
         CacheSettings {
             dir: Some(dir),
             hub_root: hub_layout::hub_cache_root(),
+            fill: true,
         }
     }
 
@@ -119,7 +123,7 @@ pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<
                     return Arc::new(local) as Arc<dyn Source>;
                 }
             }
-            if run.disabled() {
+            if run.disabled() || !settings.fill {
                 return source;
             }
             match FillingSource::start(source.clone(), entry, run.clone()) {
@@ -226,8 +230,28 @@ static COUNTERS: Counters = Counters {
     disabled_reason: Mutex::new(None),
 };
 
-/// The process's cache counters so far.
+/// Copies being verified and published, on threads of their own.
+static PUBLISHING: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
+
+fn publishing(thread: std::thread::JoinHandle<()>) {
+    let mut pending = PUBLISHING.lock().unwrap();
+    pending.retain(|t| !t.is_finished());
+    pending.push(thread);
+}
+
+/// Waits until every copy filled so far is verified and published (or dropped). A load does not
+/// wait for its copies' fsync and hash; a process that exits before they finish leaves partial
+/// files that the next load replaces (Python waits at exit: `fastload/__init__.py`).
+pub fn wait_published() {
+    let pending = std::mem::take(&mut *PUBLISHING.lock().unwrap());
+    for thread in pending {
+        let _ = thread.join();
+    }
+}
+
+/// The process's cache counters so far, once the copies being published are published.
 pub fn stats() -> CacheStats {
+    wait_published();
     CacheStats {
         hits: COUNTERS.hits.load(Ordering::Relaxed),
         filled_bytes: COUNTERS.filled_bytes.load(Ordering::Relaxed),

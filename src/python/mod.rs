@@ -33,10 +33,10 @@ fn is_remote_uri(uri: &str) -> bool {
 }
 
 /// What the local cache did in this process: `{"hits", "filled_bytes", "published",
-/// "disabled_reason"}` (see `crate::cache`).
+/// "disabled_reason"}` (see `crate::cache`), once copies being published are published.
 #[pyfunction]
 fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
-    let s = crate::cache::stats();
+    let s = py.detach(crate::cache::stats);
     let out = pyo3::types::PyDict::new(py);
     out.set_item("hits", s.hits)?;
     out.set_item("filled_bytes", s.filled_bytes)?;
