@@ -259,7 +259,10 @@ def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir
         commit = own.add(REPO, files_of(sharded_dir))
         env.setenv("HF_ENDPOINT", own.url)
         want = reference(*indexed_files(sharded_dir))
+        published = fastload.cache_stats()["published"]  # waits for the copies to publish
         assert_same_tensors(fastload.load(f"hf://{REPO}", cache=True), want)
+        shards = indexed_files(sharded_dir)
+        assert fastload.cache_stats()["published"] - published == 1 + len(shards)
         names = ["model.safetensors.index.json", *(p.name for p in indexed_files(sharded_dir))]
         for name in names:
             path = huggingface_hub.hf_hub_download(
