@@ -46,12 +46,18 @@ impl FillingSource {
     pub fn start(inner: Arc<dyn Source>, entry: Entry, run: Arc<Run>) -> Option<FillingSource> {
         let lock = try_lock(&entry.lock)?;
         let size = entry.identity.size;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&entry.partial)
+        // Hub blobs go to `blobs/`, which the lock (under `.locks/`) did not create.
+        let folder = entry.partial.parent().map(std::fs::create_dir_all);
+        let file = folder
+            .unwrap_or(Ok(()))
+            .and_then(|()| {
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&entry.partial)
+            })
             .and_then(|f| f.set_len(size).map(|()| f));
         let file = match file {
             Ok(f) => f,
