@@ -72,7 +72,7 @@ def test_a_filled_copy_serves_the_next_load_without_reading_data_remotely(served
 
 
 def test_without_the_option_nothing_is_cached(served, tmp_path, monkeypatch):
-    server, url, want = served
+    _, url, want = served
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert_same_tensors(fastload.load(url), want)
     assert not (tmp_path / "xdg").exists()
@@ -104,7 +104,7 @@ def test_a_changed_object_is_fetched_again(served, tmp_path, dtypes_file):
 
 
 def test_a_partial_load_publishes_nothing_and_leaves_nothing(served, tmp_path):
-    server, url, want = served
+    _, url, want = served
     cache = tmp_path / "cache"
     got = fastload.load(url, cache=cache, names=["scalar"])
     assert_same_tensors(got, {"scalar": want["scalar"]})

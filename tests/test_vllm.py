@@ -308,6 +308,7 @@ def test_extra_config_keys_are_checked():
             "weights_uri": "s3://bucket/model/",
             "storage_options": {"region": "us-east-1"},
             "distributed": True,
+            "cache": "/nvme/cache",
         }
     )
     assert options.distributed is True
@@ -321,6 +322,7 @@ def test_extra_config_keys_are_checked():
         "block_size": "8MiB",
         "memory_limit": 1 << 30,
         "storage_options": {"region": "us-east-1"},
+        "cache": "/nvme/cache",
     }
     with pytest.raises(ConfigError, match=r"key\(s\) for load format 'fastload': 'bogus'; valid"):
         _parse({"bogus": 1, "concurrency": 2})

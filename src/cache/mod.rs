@@ -259,3 +259,104 @@ pub fn stats() -> CacheStats {
         disabled_reason: COUNTERS.disabled_reason.lock().unwrap().clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::future::BoxFuture;
+
+    /// An in-memory object that says who it is, as remote sources do.
+    #[derive(Debug)]
+    struct Remote {
+        data: Vec<u8>,
+        identity: CacheIdentity,
+    }
+
+    impl Source for Remote {
+        fn name(&self) -> &str {
+            &self.identity.uri
+        }
+        fn size(&self) -> u64 {
+            self.data.len() as u64
+        }
+        fn read_into<'a>(
+            &'a self,
+            offset: u64,
+            dst: &'a mut [u8],
+        ) -> BoxFuture<'a, crate::Result<()>> {
+            Box::pin(async move {
+                let at = offset as usize;
+                dst.copy_from_slice(&self.data[at..at + dst.len()]);
+                Ok(())
+            })
+        }
+        fn cache_identity(&self) -> Option<CacheIdentity> {
+            Some(self.identity.clone())
+        }
+    }
+
+    fn hub_object(data: &[u8], path_in_repo: &str) -> CacheIdentity {
+        let sha = entry::hex(&entry::sha256(data));
+        CacheIdentity {
+            uri: format!("hf://org/name@{}/{path_in_repo}", "c".repeat(40)),
+            size: data.len() as u64,
+            etag: Some(format!("\"{sha}\"")),
+            sha256: Some(sha.clone()),
+            hub: Some(HubLocation {
+                repo_type: "model".into(),
+                repo_id: "org/name".into(),
+                commit: "c".repeat(40),
+                revision: Some("main".into()),
+                path_in_repo: path_in_repo.into(),
+                blob_id: sha,
+            }),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hub_objects_fill_the_hugging_face_cache_and_are_read_from_it_next_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = CacheSettings {
+            dir: Some(dir.path().join("fastload")),
+            hub_root: dir.path().join("hub"),
+            fill: true,
+        };
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let identity = hub_object(&data, "sub/m.safetensors");
+        let remote = Arc::new(Remote {
+            data: data.clone(),
+            identity: identity.clone(),
+        });
+        let wrapped = wrap(vec![remote.clone()], &settings).remove(0);
+        assert!(wrapped.local_path().is_none(), "nothing cached yet");
+        // Out of order, overlapping, as a pipeline's blocks and the header probe arrive.
+        for (at, len) in [(60_000, 40_000), (0, 1000), (500, 30_000), (30_000, 30_000)] {
+            let mut buf = vec![0u8; len];
+            wrapped.read_into(at as u64, &mut buf).await.unwrap();
+            assert_eq!(buf, data[at..at + len]);
+        }
+        drop(wrapped);
+        tokio::task::spawn_blocking(wait_published).await.unwrap();
+        let repo = hub_layout::repo_path(&settings.hub_root, "model", "org/name");
+        let hub = identity.hub.as_ref().unwrap();
+        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        assert_eq!(std::fs::read(&link).unwrap(), data);
+        assert_eq!(
+            hub_layout::read_ref(&repo, "main"),
+            Some(hub.commit.clone())
+        );
+        let again = wrap(vec![remote], &settings);
+        assert_eq!(
+            again[0].local_path(),
+            Some(hub_layout::blob_path(&repo, &hub.blob_id).as_path())
+        );
+
+        // A whole small file (an index) through put_whole, into the same layout.
+        let index = br#"{"weight_map": {}}"#;
+        let index_id = hub_object(index, "model.safetensors.index.json");
+        put_whole(&index_id, index, &settings);
+        let hub = index_id.hub.as_ref().unwrap();
+        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        assert_eq!(std::fs::read(link).unwrap(), index);
+    }
+}
