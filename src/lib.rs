@@ -10,10 +10,12 @@
 
 #![deny(unsafe_code)]
 
+pub mod cache;
 pub mod cli;
 pub mod device;
 pub mod error;
 pub mod format;
+pub mod hub;
 pub mod memory;
 pub mod object;
 pub mod options;

@@ -132,6 +132,47 @@ pub struct LoadOptions {
     /// Byte ranges `(tensor, begin, end)` within tensors to read instead of whole tensors (how a
     /// rank of a distributed load reads only its share); excludes `names`.
     pub parts: Option<Vec<crate::plan::Part>>,
+    /// The local cache of remote objects (`None`: `FASTLOAD_CACHE`, else off).
+    pub cache: Option<CacheChoice>,
+}
+
+/// Whether and where remote objects are cached on local disk (see [`crate::cache`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheChoice {
+    Off,
+    /// The default directory ([`crate::cache::default_dir`]).
+    Default,
+    Dir(std::path::PathBuf),
+}
+
+impl FromStr for CacheChoice {
+    type Err = String;
+
+    /// `FASTLOAD_CACHE`: `0`/`false`/`off`/`no`, `1`/`true`/`on`/`yes`, or a directory.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        Ok(match t.to_ascii_lowercase().as_str() {
+            "" | "0" | "false" | "off" | "no" => CacheChoice::Off,
+            "1" | "true" | "on" | "yes" => CacheChoice::Default,
+            _ => CacheChoice::Dir(t.into()),
+        })
+    }
+}
+
+impl LoadOptions {
+    /// The cache settings of this load: the caller's choice, else `FASTLOAD_CACHE`, else off.
+    pub fn cache_settings(&self) -> Result<crate::cache::CacheSettings> {
+        use crate::cache::{default_dir, CacheSettings};
+        let choice = match &self.cache {
+            Some(c) => c.clone(),
+            None => env_value::<CacheChoice>(ENV_CACHE)?.unwrap_or(CacheChoice::Off),
+        };
+        Ok(match choice {
+            CacheChoice::Off => CacheSettings::off(),
+            CacheChoice::Default => CacheSettings::at(default_dir()),
+            CacheChoice::Dir(dir) => CacheSettings::at(dir),
+        })
+    }
 }
 
 /// Options with every value decided.
@@ -149,6 +190,7 @@ pub const ENV_CONCURRENCY: &str = "FASTLOAD_CONCURRENCY";
 pub const ENV_BLOCK_SIZE: &str = "FASTLOAD_BLOCK_SIZE";
 pub const ENV_MEMORY_LIMIT: &str = "FASTLOAD_MEMORY_LIMIT";
 pub const ENV_METHOD: &str = "FASTLOAD_METHOD";
+pub const ENV_CACHE: &str = "FASTLOAD_CACHE";
 
 /// Defaults: enough reads in flight to keep a virtual disk or NVMe queue busy, blocks big enough
 /// that syscall overhead vanishes, and a host-memory window that still overlaps reads of the next

@@ -268,10 +268,11 @@ async fn reads_and_lists_against_seaweedfs() {
 
     // Ranged reads straight into buffers: 8 MiB blocks, 16 at once, and odd edges.
     let r = open("s3://models/big.bin", ep);
-    assert_eq!(
-        object::resolve(&r).await.unwrap(),
-        vec![(r.path.clone(), big.len() as u64)]
-    );
+    let found = object::resolve(&r).await.unwrap();
+    assert_eq!(found.len(), 1);
+    assert_eq!((&found[0].path, found[0].size), (&r.path, big.len() as u64));
+    // The local cache keeps a copy while this holds.
+    assert!(found[0].etag.is_some(), "no ETag from the listing");
     let block = 8 << 20;
     let started = Instant::now();
     let mut buf = vec![0u8; big.len()];
@@ -351,18 +352,18 @@ async fn reads_and_lists_against_seaweedfs() {
     let got = object::list_safetensors(&idx).await.unwrap();
     let names: Vec<_> = got
         .iter()
-        .map(|(p, s)| (p.as_ref().to_string(), *s))
+        .map(|f| (f.path.as_ref().to_string(), f.size))
         .collect();
     assert_eq!(names[0].0, "idx/s-1.safetensors");
     assert_eq!(names[1].0, "idx/s-2.safetensors");
     assert_eq!(names.len(), 2);
     assert_eq!(names[1].1, safetensors(300_000).len() as u64);
-    let header = header_of(&idx, &got[1].0, got[1].1).await;
+    let header = header_of(&idx, &got[1].path, got[1].size).await;
     assert_eq!(header.tensors.len(), 1);
     let plain = object::resolve(&open("s3://models/plain", ep))
         .await
         .unwrap();
-    let plain: Vec<_> = plain.iter().map(|(p, _)| p.as_ref().to_string()).collect();
+    let plain: Vec<_> = plain.iter().map(|f| f.path.as_ref().to_string()).collect();
     assert_eq!(plain, ["plain/a.safetensors", "plain/b.safetensors"]);
 
     // Errors: a missing object, a missing bucket, bad credentials, a refused connection.
@@ -427,7 +428,7 @@ async fn reads_and_lists_against_seaweedfs() {
     .unwrap();
     let listed = object::list_safetensors(&anon).await.unwrap();
     assert_eq!(listed.len(), 1);
-    let header = header_of(&anon, &listed[0].0, listed[0].1).await;
+    let header = header_of(&anon, &listed[0].path, listed[0].size).await;
     assert_eq!(header.tensors.len(), 1);
     drop(server);
 }

@@ -6,7 +6,8 @@ torch), always in subprocesses; this file is also the script they run
 tiny random Llama with transformers and starts engine after engine in one process (vLLM
 in-process, so each start takes seconds rather than a minute): vLLM's own safetensors loader gives
 the reference greedy tokens and writes the sharded state; fastload and fastload_sharded must give
-the same tokens. ``s3`` does the same with the weights in S3. ``vllm serve --load-format
+the same tokens. ``s3`` does the same with the weights in S3; ``hub`` with the model on the mock
+Hugging Face Hub (hub_server.py, ``HF_ENDPOINT``), named by its repo id. ``vllm serve --load-format
 fastload`` runs with vLLM's usual processes, where fastload is found through its entry point.
 """
 
@@ -34,6 +35,7 @@ MAX_TOKENS = 12
 LOG_LINE = "Loading weights took"
 ENGINE_TIMEOUT_S = 900
 S3_BUCKET = "models"
+HUB_REPO = "org/tiny-llama"
 AMX_SITE = ROOT / "tests" / "vllm_site"
 # Words of the tiny model's word-level tokenizer (for `vllm serve`, which wants one).
 WORDS = "the a of to and in is it you that he was for on are with as I his they be at one".split()
@@ -240,6 +242,23 @@ sys.exit(", ".join(missing) or None)
 """
 
 
+def run_hub(work: Path, result_path: Path) -> None:
+    """``LLM(model="org/tiny-llama", load_format="fastload")`` with HF_ENDPOINT the mock Hub:
+    vLLM fetches config files from the Hub, fastload streams the weights. Then vLLM's default
+    (download into another directory, then load), for the time to ready beside it."""
+    results: dict = {}
+    step = _stepper(results, result_path)
+    download = work / "vllm-download"
+    if os.environ.get("TEST_VLLM_DEFAULT_FIRST"):  # the other order, for timings
+        step("default_hub", HUB_REPO, "auto", download_dir=str(download))  # type: ignore[arg-type]
+    step("fastload_hub", HUB_REPO, "fastload")  # type: ignore[arg-type]
+    results["files_after_fastload"] = sorted(
+        p.name for p in Path(os.environ["HF_HUB_CACHE"]).rglob("*") if p.is_file()
+    )
+    if not os.environ.get("TEST_VLLM_DEFAULT_FIRST"):
+        step("default_hub", HUB_REPO, "auto", download_dir=str(download))  # type: ignore[arg-type]
+
+
 def _vllm_missing() -> str | None:
     if not VENV_PYTHON.exists():
         return f"{VENV_PYTHON.parent.parent} is not set up (bash scripts/setup_vllm.sh)"
@@ -289,6 +308,7 @@ def test_extra_config_keys_are_checked():
             "weights_uri": "s3://bucket/model/",
             "storage_options": {"region": "us-east-1"},
             "distributed": True,
+            "cache": "/nvme/cache",
         }
     )
     assert options.distributed is True
@@ -302,6 +322,7 @@ def test_extra_config_keys_are_checked():
         "block_size": "8MiB",
         "memory_limit": 1 << 30,
         "storage_options": {"region": "us-east-1"},
+        "cache": "/nvme/cache",
     }
     with pytest.raises(ConfigError, match=r"key\(s\) for load format 'fastload': 'bogus'; valid"):
         _parse({"bogus": 1, "concurrency": 2})
@@ -610,10 +631,95 @@ def test_weights_uri_from_s3(offline, seaweed):
     assert results["fastload_cached"] == results["fastload_sharded_cached"] == nothing, results
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_model_from_the_hub(offline, tmp_path):
+    """``LLM(model=ORG/REPO, load_format="fastload")`` against the mock Hub: the same tokens as
+    vLLM's own loader, the weights streamed by fastload (ranged GETs at the storage host) and no
+    ``*.safetensors`` written to disk, config files fetched into the HF cache as vLLM does."""
+    from hub_server import MockHub
+
+    expected, _, work = offline
+    hub = MockHub()
+    try:
+        model = work / "tiny-llama"
+        hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
+        home = tmp_path / "hf_home"
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+        env["HF_HUB_CACHE"] = str(home / "hub")
+        results, output = _run_driver("hub", work, **env)
+        assert results.get("fastload_hub") == expected["safetensors"], _tail(output)
+        # fastload's line (vLLM's own loader logs "Loading weights took" too, without a rate).
+        ours = [line for line in output.splitlines() if LOG_LINE in line and "GB/s)" in line]
+        assert len(ours) == 1, _tail(output)
+        on_disk = results["files_after_fastload"]
+        assert "config.json" in on_disk, on_disk
+        assert not [n for n in on_disk if n.endswith(".safetensors")], on_disk
+        storage = hub.requests(hub.storage)
+        fastload_gets = [r for r in storage if r[2].get("user-agent", "").startswith("fastload/")]
+        assert fastload_gets and all("range" in r[2] for r in fastload_gets)
+        assert not any("authorization" in r[2] for r in storage)
+        # vLLM's own download-then-load reads the same mock to the same tokens.
+        assert results.get("default_hub") == expected["safetensors"], _tail(output)
+        seconds = {k: v for k, v in results.items() if k.endswith("_seconds")}
+        print(f"engine start to first tokens, tiny model from the mock Hub: {seconds}")
+    finally:
+        hub.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_serve_from_the_hub(offline, tmp_path):
+    """``vllm serve ORG/REPO --load-format fastload`` against the mock Hub: vLLM fetches config
+    and tokenizer from the Hub, its worker process streams the weights with fastload, and the
+    server answers with the tokens vLLM's own loader gave."""
+    from hub_server import MockHub
+
+    expected, _, work = offline
+    hub = MockHub()
+    model = work / "tiny-llama"
+    hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
+    home = tmp_path / "hf_home"
+    env = {**_engine_env(), "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+    env["HF_HUB_CACHE"] = str(home / "hub")
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [str(VENV_PYTHON), "-c", _VLLM_CLI, "serve", HUB_REPO, "--load-format", "fastload"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
+    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(server, base + "/health", log)
+        body = {
+            "model": HUB_REPO,
+            "prompt": PROMPTS[0],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        tokens = _post(base + "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
+        assert [int(t.split(":")[1]) for t in tokens] == expected["safetensors"][0]
+    finally:
+        _stop(server)
+        hub.close()
+    output = log.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
+    assert lines and lines[0].startswith("(Worker"), _tail(output)
+    on_disk = [p.name for p in home.rglob("*") if p.is_file()]
+    assert "tokenizer.json" in on_disk and "config.json" in on_disk, on_disk
+    assert not [n for n in on_disk if n.endswith(".safetensors")], on_disk
+
+
 if __name__ == "__mp_main__" and os.environ.get(_SAVE_SHARDED_TO):
     # Some vLLM releases (0.20 for one) run the CPU worker in a spawned process even with the
     # engine in-process; spawning runs this script again there (as __mp_main__): register there.
     _register_saving_loader(Path(os.environ[_SAVE_SHARDED_TO]))
 
 if __name__ == "__main__":
-    {"offline": run_offline, "s3": run_s3}[sys.argv[1]](*map(Path, sys.argv[2:4]))
+    {"offline": run_offline, "s3": run_s3, "hub": run_hub}[sys.argv[1]](*map(Path, sys.argv[2:4]))

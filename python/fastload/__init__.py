@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -45,6 +46,7 @@ __all__ = [
     "StreamClosedError",
     "TensorNotFoundError",
     "__version__",
+    "cache_stats",
     "cached_memory",
     "inspect",
     "load",
@@ -301,6 +303,21 @@ def inspect(
 ) -> list[dict[str, Any]]:
     """Headers of every file ``uri`` names, without reading tensor data."""
     return list(_fastload.inspect(_uris(uri), storage_options=storage_options))
+
+
+def cache_stats() -> dict[str, Any]:
+    """What the local cache (the ``cache=`` option) did in this process so far: ``hits`` (objects
+    read from a local copy), ``filled_bytes`` (bytes written while streaming), ``published``
+    (copies verified and published), ``disabled_reason`` (why caching was last turned off for a
+    load, e.g. a full disk; ``None`` if never).
+
+    A load returns without waiting for its copies to be flushed to disk (and their sha256
+    checked); this call waits for them first, and so does the interpreter's exit."""
+    return dict(_fastload.cache_stats())
+
+
+# Copies filled by loads that returned are published before the process ends.
+atexit.register(_fastload.cache_stats)
 
 
 def cached_memory() -> dict[str, int]:

@@ -14,12 +14,15 @@ Option inputs, as the native module converts them (``src/python/args.rs``); ``No
 - ``method``: ``"auto"`` (default), ``"mmap"``, ``"read"`` (or ``"pread"``), any case.
 - ``storage_options``: a mapping with ``str`` keys; values are converted with ``str()``, ``bool`` as
   ``"true"``/``"false"``. Default: none (the environment configures object stores).
+- ``cache``: ``True`` (the default directory), ``False`` (off), a ``str`` or ``os.PathLike`` (that
+  directory). Default ``FASTLOAD_CACHE`` (``0``/``1`` or a directory), else off.
 
 A value that cannot be used raises ``fastload.ConfigError`` with ``option`` set.
 """
 
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import final
+from typing import TypedDict, final
 
 __all__ = [
     "DLPACK_DTYPES",
@@ -31,6 +34,7 @@ __all__ = [
     "Stats",
     "Stream",
     "__version__",
+    "cache_stats",
     "cached_memory",
     "checkpoint_tensors",
     "cli_main",
@@ -44,7 +48,8 @@ __all__ = [
 ]
 
 __version__: str
-# URI schemes read from object stores (``s3``, ``gs``, ``az``, ``http``, ...), lower case.
+# Remote URI schemes, lower case: object stores (``s3``, ``gs``, ``az``, ``http``, ...) and
+# ``hf`` (the Hugging Face Hub).
 SCHEMES: tuple[str, ...]
 # Every safetensors dtype name the parser knows (``"F32"``, ``"BF16"``, ``"F8_E4M3"``, ...).
 DTYPES: tuple[str, ...]
@@ -52,6 +57,14 @@ DTYPES: tuple[str, ...]
 DLPACK_DTYPES: tuple[str, ...]
 
 _Size = int | str
+_Cache = bool | str | os.PathLike[str]
+
+class _CacheStats(TypedDict):
+    hits: int
+    filled_bytes: int
+    published: int
+    disabled_reason: str | None
+
 # What a staged load's allocator returns: the CUDA stream handle the memory was taken on (or
 # None), and per tensor an object owning the memory and its address.
 _Allocate = Callable[[list[int]], tuple[int | None, Sequence[tuple[object, int]]]]
@@ -199,6 +212,7 @@ class Stream:
         names: Iterable[str] | None = None,
         method: str | None = None,
         storage_options: Mapping[str, object] | None = None,
+        cache: _Cache | None = None,
         parts: list[tuple[str, int, int]] | None = None,
         target: str | None = None,
         allocate: _Allocate | None = None,
@@ -219,6 +233,7 @@ def resolve_options(
     names: Iterable[str] | None = None,
     method: str | None = None,
     storage_options: Mapping[str, object] | None = None,
+    cache: _Cache | None = None,
 ) -> ResolvedOptions:
     """Resolves and checks options as a load of ``uris`` would (``uris`` only say whether an
     object store is read; default: none); raises ``ConfigError``."""
@@ -244,6 +259,11 @@ def is_remote_uri(uri: str) -> bool:
     """Whether ``uri``'s scheme is one of ``SCHEMES`` (read from an object store)."""
 
 def parse_size(value: str) -> int: ...
+def cache_stats() -> _CacheStats:
+    """What the local cache did in this process: copies read (``hits``), bytes written while
+    streaming, copies published, and why caching was last turned off for a load (a full disk);
+    waits for copies still being published first."""
+
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...
 def inspect(

@@ -50,6 +50,11 @@ class Options(TypedDict, total=False):
     ``"read"``; ``stats()["method_reason"]`` says why a method ran.
     ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)
     that override the environment; values are converted with ``str()``.
+    ``cache``: keep a local copy of remote objects, written while they stream: ``True`` (the
+    default directory, ``$XDG_CACHE_HOME/fastload`` or ``~/.cache/fastload``; Hub files go to the
+    Hugging Face cache), a directory (``str`` or ``os.PathLike``), ``False`` (off); default
+    ``FASTLOAD_CACHE`` (``0``/``1`` or a directory), else off. A later load of the same object
+    (same ETag or sha256) reads the copy.
 
     ``None`` for any of them means "not given".
     """
@@ -61,6 +66,7 @@ class Options(TypedDict, total=False):
     names: Iterable[str] | None
     method: str | None
     storage_options: Mapping[str, object] | None
+    cache: bool | str | os.PathLike[str] | None
 
 
 OPTIONS: frozenset[str] = frozenset(Options.__annotations__)

@@ -6,9 +6,15 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
     vllm serve MODEL --load-format fastload
     LLM(MODEL, load_format="fastload", model_loader_extra_config={"concurrency": 32})
 
-``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id fetched through
-vLLM's own download helpers, or an object-store URI given as ``weights_uri``) into
-``model.load_weights``. ``fastload_sharded`` reads the per-rank files vLLM's
+``model_loader_extra_config`` takes ``concurrency``, ``block_size``, ``memory_limit``,
+``storage_options`` and ``cache`` (a local copy of remote weights, written while they stream:
+``True`` or a directory; see ``fastload.Options``) as ``fastload.load`` does, plus
+``weights_uri`` and ``distributed``.
+
+``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the
+Hub as ``hf://ORG/REPO@REVISION`` without writing the weights to disk, or an object-store URI
+given as ``weights_uri``) into ``model.load_weights``; vLLM still fetches config and tokenizer
+files from the Hub as usual. ``fastload_sharded`` reads the per-rank files vLLM's
 ``save_sharded_state`` writes (``model-rank-{rank}-part-{part}.safetensors``), each worker only its
 own, and copies them straight into the model's state dict, as vLLM's ``sharded_state`` does.
 
@@ -27,6 +33,7 @@ import os
 import string
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -51,11 +58,19 @@ PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 _PATTERN_FIELDS = frozenset({"rank", "tp_rank", "pp_rank", "part"})
 
 _KEYS = frozenset(
-    {"concurrency", "block_size", "memory_limit", "weights_uri", "storage_options", "distributed"}
+    {
+        "concurrency",
+        "block_size",
+        "memory_limit",
+        "weights_uri",
+        "storage_options",
+        "distributed",
+        "cache",
+    }
 )
 _SHARDED_KEYS = _KEYS | {"pattern"}
 # The keys that are load options, checked and passed on to fastload.stream as given.
-_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options")
+_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache")
 
 # vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
 # never load weights (API server, engine core) would otherwise pay for the plugin alone.
@@ -208,6 +223,39 @@ def _weights_location(options: _Options, model_config: Any) -> str:
     return options.weights_uri or getattr(model_config, "model_weights", "") or model_config.model
 
 
+# Weight files a Hub download leaves out when fastload streams the safetensors from the Hub.
+_WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth"]
+
+
+def _hub_uri(repo: str, revision: str | None) -> str | None:
+    """``hf://ORG/REPO[@REVISION]`` for a Hugging Face repo id, which fastload streams from the
+    Hub; None where vLLM's download must be used instead (ModelScope, a name without an org)."""
+    if os.environ.get("VLLM_USE_MODELSCOPE", "").strip().lower() in ("1", "true"):
+        return None
+    org, _, name = repo.partition("/")
+    if not org or not name or "/" in name or org in (".", ".."):
+        return None
+    at = f"@{urllib.parse.quote(revision, safe='')}" if revision else ""
+    return f"hf://{repo}{at}"
+
+
+def _download_all_but_weights(load_config: Any, repo: str, revision: str | None) -> str:
+    """A Hub repo's files but the weights (config, tokenizer, ...), into vLLM's download dir."""
+    import huggingface_hub
+
+    ignore = load_config.ignore_patterns or []
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    return str(
+        huggingface_hub.snapshot_download(
+            repo,
+            revision=revision,
+            cache_dir=load_config.download_dir,
+            ignore_patterns=[*ignore, *_WEIGHT_PATTERNS],
+            local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE,
+        )
+    )
+
+
 def _download(load_config: Any, repo: str, revision: str | None, index: bool) -> str:
     """A Hugging Face (or ModelScope) repo's safetensors, fetched with vLLM's own helpers."""
     from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
@@ -337,6 +385,8 @@ def _loader_classes() -> dict[str, type]:
 
     class _Loader(BaseModelLoader):  # type: ignore[misc]
         _allowed = _KEYS
+        # Repo ids become hf:// URIs streamed from the Hub (else: downloaded first).
+        _stream_hub = False
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(load_config)
@@ -357,14 +407,22 @@ def _loader_classes() -> dict[str, type]:
             if _is_url(location) or os.path.exists(location):
                 return location
             revision = model_config.revision if location == model_config.model else None
-            return _download(self.load_config, location, revision, index)
+            hub = _hub_uri(location, revision) if self._stream_hub else None
+            return hub or _download(self.load_config, location, revision, index)
 
     class FastloadModelLoader(_Loader):
         """``load_format="fastload"``: a safetensors checkpoint streamed into
         ``model.load_weights``."""
 
+        _stream_hub = True
+
         def download_model(self, model_config: Any) -> None:
-            self._location(model_config, index=True)
+            location = self._location(model_config, index=True)
+            if location.startswith("hf://"):
+                # Everything but the weights, which load_weights streams from the Hub.
+                repo = _weights_location(self.options, model_config)
+                revision = model_config.revision if repo == model_config.model else None
+                _download_all_but_weights(self.load_config, repo, revision)
 
         def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
             """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""
@@ -373,7 +431,9 @@ def _loader_classes() -> dict[str, type]:
             for extra in getattr(model, "secondary_weights", ()):
                 where = extra.model_or_path
                 if not (_is_url(where) or os.path.exists(where)):
-                    where = _download(self.load_config, where, extra.revision, index=True)
+                    where = _hub_uri(where, extra.revision) or _download(
+                        self.load_config, where, extra.revision, index=True
+                    )
                 if getattr(extra, "subfolder", None):
                     where = where.rstrip("/") + "/" + extra.subfolder
                 sources.append((where, getattr(extra, "prefix", "")))

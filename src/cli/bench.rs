@@ -16,7 +16,7 @@ use super::compare::{self, Compare};
 use super::limits::{self, Limit};
 use super::report::{ModeReport, RunReport, Setup};
 use super::{checkpoint, print_stdout, CliError, CliResult, Device};
-use crate::options::{LoadOptions, Method, Resolved, Size};
+use crate::options::{CacheChoice, LoadOptions, Method, Resolved, Size};
 use crate::source;
 use crate::Memory;
 
@@ -88,6 +88,10 @@ pub(super) struct BenchArgs {
     /// the best; --concurrency or --block-size pins that axis to one value
     #[arg(long)]
     sweep: bool,
+    /// Keep a local copy of remote objects in DIR (1: the default directory, 0: off), written
+    /// while the first run streams; later runs read it [default: $FASTLOAD_CACHE, else off]
+    #[arg(long, value_name = "DIR")]
+    cache: Option<CacheChoice>,
     /// Size of the generated checkpoint used when no URI is given, e.g. 256MiB; it is cached in
     /// $FASTLOAD_CACHE_DIR, else in the user cache directory under fastload/
     #[arg(
@@ -107,6 +111,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         memory_limit: args.memory_limit.map(|s| s.0),
         names: None,
         method: args.method,
+        cache: args.cache.clone(),
         ..Default::default()
     };
     let remote = source::any_remote(&args.uris);
@@ -303,7 +308,7 @@ struct Described {
 }
 
 fn describe(uris: &[String]) -> CliResult<Described> {
-    let shards = source::open_all(uris, &[])?;
+    let shards = source::open_all(uris, &[], &crate::cache::CacheSettings::off())?;
     Ok(Described {
         shard_list: shards.clone(),
         local: shards

@@ -180,7 +180,7 @@ fn seconds(key: &str, v: &str) -> Result<Duration> {
 /// the aws-lc C build out of the crate.
 /// Lock-free (a `Once` being run when the process forks stays locked in the child): two threads
 /// may both try, and the second's `Err` only says a provider is already installed.
-pub(super) fn install_crypto() {
+pub fn install_crypto() {
     static INSTALLED: AtomicBool = AtomicBool::new(false);
     if !INSTALLED.load(Ordering::Acquire) {
         let _ = rustls::crypto::ring::default_provider().install_default();

@@ -12,9 +12,28 @@ use crate::error::{Error, Result};
 use crate::format::{self, FormatError};
 use crate::source::INDEX_FILE;
 
+/// One object found under a URI: where, how large, and its ETag as the store reported it (the
+/// local cache tells a changed object from its copy by it).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Found {
+    pub path: Path,
+    pub size: u64,
+    pub etag: Option<String>,
+}
+
+impl Found {
+    fn of(meta: object_store::ObjectMeta) -> Found {
+        Found {
+            path: meta.location,
+            size: meta.size,
+            etag: meta.e_tag,
+        }
+    }
+}
+
 /// Every `*.safetensors` directly under the remote's prefix, or exactly the files that its
 /// `model.safetensors.index.json` names, in a stable order, with their sizes.
-pub async fn list_safetensors(remote: &Remote) -> Result<Vec<(Path, u64)>> {
+pub async fn list_safetensors(remote: &Remote) -> Result<Vec<Found>> {
     let index = remote.path.clone().join(INDEX_FILE);
     match get_small(remote, &index).await {
         Ok(bytes) => return from_index(remote, &index, &bytes).await,
@@ -22,9 +41,9 @@ pub async fn list_safetensors(remote: &Remote) -> Result<Vec<(Path, u64)>> {
         Err(e) => return Err(e),
     }
     let listing = list_dir(remote, &remote.path).await?;
-    let mut files: Vec<(Path, u64)> = listing
+    let mut files: Vec<Found> = listing
         .into_iter()
-        .filter(|(p, _)| p.extension() == Some("safetensors"))
+        .filter(|f| f.path.extension() == Some("safetensors"))
         .collect();
     if files.is_empty() {
         return Err(Error::NotFound {
@@ -37,7 +56,7 @@ pub async fn list_safetensors(remote: &Remote) -> Result<Vec<(Path, u64)>> {
 
 /// Turns the remote's URI into the objects to load: a prefix is listed, a `.json` is read as an
 /// index, anything else is one object (or, when no such object exists, a prefix without its `/`).
-pub async fn resolve(remote: &Remote) -> Result<Vec<(Path, u64)>> {
+pub async fn resolve(remote: &Remote) -> Result<Vec<Found>> {
     if remote.is_prefix {
         return list_safetensors(remote).await;
     }
@@ -46,7 +65,7 @@ pub async fn resolve(remote: &Remote) -> Result<Vec<(Path, u64)>> {
         return from_index(remote, &remote.path, &bytes).await;
     }
     match head(remote, &remote.path).await {
-        Ok(size) => Ok(vec![(remote.path.clone(), size)]),
+        Ok(found) => Ok(vec![found]),
         // A plain HTTP server cannot list (object_store would try WebDAV): the 404 is the answer.
         Err(Error::NotFound { path }) if !lists(remote) => Err(Error::NotFound { path }),
         Err(Error::NotFound { path }) => match list_safetensors(remote).await {
@@ -64,13 +83,13 @@ fn lists(remote: &Remote) -> bool {
     !remote.uri.starts_with("http")
 }
 
-/// Size of one object.
-pub async fn head(remote: &Remote, path: &Path) -> Result<u64> {
+/// Size and ETag of one object.
+pub async fn head(remote: &Remote, path: &Path) -> Result<Found> {
     remote
         .store
         .head(path)
         .await
-        .map(|m| m.size)
+        .map(Found::of)
         .map_err(|e| storage_error(&remote.uri_of(path), e))
 }
 
@@ -95,27 +114,19 @@ pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
 }
 
 /// Objects directly under `prefix` with their sizes.
-pub(super) async fn list_dir(remote: &Remote, prefix: &Path) -> Result<Vec<(Path, u64)>> {
+pub(super) async fn list_dir(remote: &Remote, prefix: &Path) -> Result<Vec<Found>> {
     let prefix = (!prefix.as_ref().is_empty()).then_some(prefix);
     let listing = remote
         .store
         .list_with_delimiter(prefix)
         .await
         .map_err(|e| storage_error(&remote.uri, e))?;
-    Ok(listing
-        .objects
-        .into_iter()
-        .map(|m| (m.location, m.size))
-        .collect())
+    Ok(listing.objects.into_iter().map(Found::of).collect())
 }
 
 /// The files an index names (relative to the index's folder), sized by one listing of that folder
 /// or, where the store cannot list (plain HTTP), by HEAD requests.
-pub(super) async fn from_index(
-    remote: &Remote,
-    index: &Path,
-    bytes: &[u8],
-) -> Result<Vec<(Path, u64)>> {
+pub(super) async fn from_index(remote: &Remote, index: &Path, bytes: &[u8]) -> Result<Vec<Found>> {
     let name = remote.uri_of(index);
     let dir: Path = {
         let parts: Vec<_> = index.parts().collect();
@@ -131,20 +142,20 @@ pub(super) async fn from_index(
     }
     // A plain HTTP server cannot list: object_store would ask WebDAV's PROPFIND, which such
     // servers refuse (501, 405) and object_store retries as a server error, for seconds.
-    let listed: HashMap<Path, u64> = match lists(remote) {
+    let listed: HashMap<Path, Found> = match lists(remote) {
         false => HashMap::new(),
         true => match list_dir(remote, &dir).await {
-            Ok(objects) => objects.into_iter().collect(),
+            Ok(objects) => objects.into_iter().map(|f| (f.path.clone(), f)).collect(),
             Err(_) => HashMap::new(),
         },
     };
-    let sizes: Vec<Result<(Path, u64)>> = futures_util::stream::iter(files)
+    let sizes: Vec<Result<Found>> = futures_util::stream::iter(files)
         .map(|p| {
-            let known = listed.get(&p).copied();
+            let known = listed.get(&p).cloned();
             async move {
                 match known {
-                    Some(size) => Ok((p, size)),
-                    None => head(remote, &p).await.map(|size| (p, size)),
+                    Some(found) => Ok(found),
+                    None => head(remote, &p).await,
                 }
             }
         })

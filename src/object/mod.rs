@@ -33,15 +33,17 @@ mod tests;
 #[cfg(test)]
 mod tests_cloud;
 
-pub use config::{open, open_with_env};
+pub use config::{install_crypto, open, open_with_env};
 pub use errors::{redact_uri, storage_error};
-pub use list::{head, list_safetensors, resolve};
+pub use list::{head, list_safetensors, resolve, Found};
 pub use read::read_range_into;
 pub use retry::{Decision, ResumeState, RetrySettings};
 
-/// Schemes served by this module (`file://` and plain paths stay on the local fast path).
+/// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::hub`),
+/// which `source::open_all` routes before asking this module (`file://` and plain paths stay on
+/// the local fast path).
 pub const SCHEMES: &[&str] = &[
-    "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https",
+    "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "hf",
 ];
 
 /// HEAD requests in flight when sizes cannot be listed.

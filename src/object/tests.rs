@@ -598,7 +598,7 @@ async fn lists_safetensors_directly_under_a_prefix_sorted() {
     ])
     .await;
     let r = remote(store.clone(), "m", true);
-    let got = list_safetensors(&r).await.unwrap();
+    let got = sized(list_safetensors(&r).await.unwrap());
     assert_eq!(
         got,
         vec![
@@ -608,12 +608,14 @@ async fn lists_safetensors_directly_under_a_prefix_sorted() {
     );
     // Without the trailing slash, a name that is no object is tried as a prefix.
     assert_eq!(
-        resolve(&remote(store.clone(), "m", false)).await.unwrap(),
+        sized(resolve(&remote(store.clone(), "m", false)).await.unwrap()),
         got
     );
-    let one = resolve(&remote(store.clone(), "m/b.safetensors", false))
-        .await
-        .unwrap();
+    let one = sized(
+        resolve(&remote(store.clone(), "m/b.safetensors", false))
+            .await
+            .unwrap(),
+    );
     assert_eq!(one, vec![(Path::from("m/b.safetensors"), 10)]);
     let err = resolve(&remote(store.clone(), "nothing", false))
         .await
@@ -647,13 +649,20 @@ async fn honours_the_index_and_names_missing_shards() {
         (Path::from("m/s-2.safetensors"), 22),
     ];
     assert_eq!(
-        list_safetensors(&remote(store.clone(), "m", true))
-            .await
-            .unwrap(),
+        sized(
+            list_safetensors(&remote(store.clone(), "m", true))
+                .await
+                .unwrap()
+        ),
         want
     );
     let direct = remote(store.clone(), "m/model.safetensors.index.json", false);
-    assert_eq!(resolve(&direct).await.unwrap(), want);
+    let found = resolve(&direct).await.unwrap();
+    assert!(
+        found.iter().all(|f| f.etag.is_some()),
+        "the cache needs ETags"
+    );
+    assert_eq!(sized(found), want);
 
     let idx = index(&[("w1", "s-1.safetensors"), ("w2", "gone.safetensors")]);
     let store = memory(&[
@@ -819,4 +828,9 @@ fn a_404_is_a_missing_bucket_only_by_the_service_error_code() {
             matches!(storage_error("s3://b/k", e), Error::NotFound { ref path } if path == "s3://b/k")
         );
     }
+}
+
+/// Paths and sizes of what a listing found.
+fn sized(found: Vec<Found>) -> Vec<(Path, u64)> {
+    found.into_iter().map(|f| (f.path, f.size)).collect()
 }

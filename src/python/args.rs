@@ -8,7 +8,7 @@ use std::marker::PhantomData;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyMapping, PyString};
 
-use crate::options::{Method, Size};
+use crate::options::{CacheChoice, Method, Size};
 use crate::Error;
 
 /// Names an option in the errors of its conversion.
@@ -114,6 +114,43 @@ impl FromPyObject<'_, '_> for MethodArg {
         method
             .map(MethodArg)
             .map_err(|e| Error::option("method", e).into())
+    }
+}
+
+/// The local cache of remote objects.
+///
+/// Supported Python input: `True` (the default directory), `False` (off), a `str` or
+/// `os.PathLike` (that directory).
+pub struct CacheArg(pub CacheChoice);
+
+impl FromPyObject<'_, '_> for CacheArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        if let Ok(b) = obj.cast::<PyBool>() {
+            return Ok(CacheArg(match b.is_true() {
+                true => CacheChoice::Default,
+                false => CacheChoice::Off,
+            }));
+        }
+        let path = obj
+            .py()
+            .import("os")?
+            .getattr("fspath")?
+            .call1((obj.to_owned(),))
+            .ok()
+            .and_then(|p| p.extract::<String>().ok());
+        match path {
+            Some(p) if !p.is_empty() => Ok(CacheArg(CacheChoice::Dir(p.into()))),
+            _ => Err(Error::option(
+                "cache",
+                format!(
+                    "expected True, False or a directory (str or os.PathLike), got {}",
+                    type_name(&obj)
+                ),
+            )
+            .into()),
+        }
     }
 }
 

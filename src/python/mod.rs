@@ -32,6 +32,19 @@ fn is_remote_uri(uri: &str) -> bool {
     crate::object::is_remote(uri)
 }
 
+/// What the local cache did in this process: `{"hits", "filled_bytes", "published",
+/// "disabled_reason"}` (see `crate::cache`), once copies being published are published.
+#[pyfunction]
+fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let s = py.detach(crate::cache::stats);
+    let out = pyo3::types::PyDict::new(py);
+    out.set_item("hits", s.hits)?;
+    out.set_item("filled_bytes", s.filled_bytes)?;
+    out.set_item("published", s.published)?;
+    out.set_item("disabled_reason", s.disabled_reason)?;
+    Ok(out)
+}
+
 /// Runs the `fastload` command line with `argv` (program name first); returns the exit code.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
@@ -94,6 +107,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(is_remote_uri, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_stats, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;

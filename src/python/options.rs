@@ -5,10 +5,12 @@
 
 use pyo3::prelude::*;
 
-use super::args::{BlockSize, Bytes, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions};
+use super::args::{
+    BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
+};
 use crate::options::{LoadOptions, Method};
 
-/// The six native load options (the public API's seventh, `device`, is torch's and stays in
+/// The seven native load options (the public API's eighth, `device`, is torch's and stays in
 /// Python), each already converted by its `FromPyObject` newtype.
 pub(crate) fn load_options(
     concurrency: Option<Concurrency>,
@@ -17,6 +19,7 @@ pub(crate) fn load_options(
     names: Option<Names>,
     method: Option<MethodArg>,
     storage_options: Option<StorageOptions>,
+    cache: Option<CacheArg>,
 ) -> LoadOptions {
     LoadOptions {
         concurrency: concurrency.map(|c| c.0),
@@ -26,6 +29,7 @@ pub(crate) fn load_options(
         method: method.map_or(Method::Auto, |m| m.0),
         storage_options: storage_options.unwrap_or_default().0,
         parts: None,
+        cache: cache.map(|c| c.0),
     }
 }
 
@@ -55,7 +59,8 @@ impl ResolvedOptions {
 /// Resolves and checks options as a load of `uris` would (without opening anything: `uris` only
 /// say whether an object store is read); raises `ConfigError` for a value that cannot be used.
 #[pyfunction]
-#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None))]
+#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn resolve_options(
     uris: Vec<String>,
     concurrency: Option<Concurrency>,
@@ -64,6 +69,7 @@ pub(crate) fn resolve_options(
     names: Option<Names>,
     method: Option<MethodArg>,
     storage_options: Option<StorageOptions>,
+    cache: Option<CacheArg>,
 ) -> PyResult<ResolvedOptions> {
     let opts = load_options(
         concurrency,
@@ -72,7 +78,9 @@ pub(crate) fn resolve_options(
         names,
         method,
         storage_options,
+        cache,
     );
+    opts.cache_settings()?;
     let r = opts.resolve(crate::source::any_remote(&uris))?;
     Ok(ResolvedOptions {
         concurrency: r.concurrency,

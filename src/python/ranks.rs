@@ -23,7 +23,8 @@ pub(crate) fn checkpoint_tensors<'py>(
     let storage_options = storage_options.unwrap_or_default().0;
     let names = names.map(|n| n.0);
     let entries = py.detach(|| {
-        let shards = crate::source::open_all(&uris, &storage_options)?;
+        let shards =
+            crate::source::open_all(&uris, &storage_options, &crate::cache::CacheSettings::off())?;
         ranks::entries(shards, names.as_deref())
     })?;
     let out = PyList::empty(py);

@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex, TryLockError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use super::args::{BlockSize, Bytes, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions};
+use super::args::{
+    BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
+};
 use super::dlpack::{self, DLDevice};
 use super::item::{Item, Stats};
 use super::options::load_options;
@@ -82,7 +84,7 @@ pub struct Stream {
 impl Stream {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, parts=None, target=None, allocate=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, parts=None, target=None, allocate=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -92,6 +94,7 @@ impl Stream {
         names: Option<Names>,
         method: Option<MethodArg>,
         storage_options: Option<StorageOptions>,
+        cache: Option<CacheArg>,
         parts: Option<Vec<Part>>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
@@ -103,6 +106,7 @@ impl Stream {
             names,
             method,
             storage_options,
+            cache,
         );
         opts.parts = parts;
         let loader = match (target, allocate) {
@@ -261,7 +265,7 @@ pub fn inspect<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let storage_options = storage_options.unwrap_or_default().0;
     let shards = off_thread(py, "inspect", move || {
-        crate::source::open_all(&uris, &storage_options)
+        crate::source::open_all(&uris, &storage_options, &crate::cache::CacheSettings::off())
     })??;
     let out = PyList::empty(py);
     for s in shards {

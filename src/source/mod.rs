@@ -6,7 +6,8 @@
 //! - [`local`]: files on this machine (plain paths, `file://`, directories of shards, index
 //!   files), read with positioned reads and mapped for zero-copy loads;
 //! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://), read with ranged
-//!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`.
+//!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`;
+//! - [`hub`]: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
 //!
 //! A new kind of source (a hub, a cache that writes remote blocks to disk as they land) is a new
 //! implementation of [`Source`] plus one arm in [`open_all`], which turns URIs into sources.
@@ -17,11 +18,13 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
+use crate::cache::{CacheIdentity, CacheSettings};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
 
 pub mod fs;
+pub mod hub;
 pub mod local;
 pub mod object;
 
@@ -66,6 +69,12 @@ pub trait Source: Send + Sync + fmt::Debug {
     /// The file's path, for sources on this machine (the benchmark evicts them from the page
     /// cache for cold runs).
     fn local_path(&self) -> Option<&Path> {
+        None
+    }
+
+    /// Who this object is, for the local cache ([`crate::cache`]): remote sources that can be
+    /// cached return their URI, size and ETag (or sha256); local files return `None`.
+    fn cache_identity(&self) -> Option<CacheIdentity> {
         None
     }
 }
@@ -125,8 +134,13 @@ const HEADER_CONCURRENCY: usize = 16;
 
 /// Resolves the URIs (files, shard directories, index files, object-store prefixes) and opens
 /// every file or object, in a stable order, reading headers concurrently. `storage_options`
-/// configure object stores (see [`crate::object::open`]).
-pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result<Vec<Shard>> {
+/// configure object stores (see [`crate::object::open`]); remote sources are cached locally as
+/// `cache` says ([`crate::cache::wrap`]).
+pub fn open_all(
+    uris: &[String],
+    storage_options: &[(String, String)],
+    cache: &CacheSettings,
+) -> Result<Vec<Shard>> {
     if uris.is_empty() {
         return Err(Error::option("uri", "no file given"));
     }
@@ -135,7 +149,10 @@ pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result
     // Local URIs are resolved together so that a file named twice is loaded once; the order of
     // the user's URIs is kept across kinds.
     for uri in uris {
-        if crate::object::is_remote(uri) {
+        if crate::hub::is_hub(uri) {
+            sources.extend(local::open(&std::mem::take(&mut local_uris))?);
+            sources.extend(hub::open(uri, storage_options, cache)?);
+        } else if crate::object::is_remote(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
             sources.extend(object::open(uri, storage_options)?);
         } else {
@@ -143,7 +160,7 @@ pub fn open_all(uris: &[String], storage_options: &[(String, String)]) -> Result
         }
     }
     sources.extend(local::open(&local_uris)?);
-    read_headers(sources)
+    read_headers(crate::cache::wrap(sources, cache))
 }
 
 /// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time.

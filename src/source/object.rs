@@ -9,6 +9,7 @@ use object_store::path::Path;
 use object_store::ObjectStore;
 
 use super::Source;
+use crate::cache::CacheIdentity;
 use crate::error::Result;
 use crate::object::RetrySettings;
 
@@ -20,6 +21,8 @@ pub struct RemoteObject {
     path: Path,
     size: u64,
     retry: RetrySettings,
+    /// The ETag the listing reported, for the local cache.
+    etag: Option<String>,
 }
 
 impl RemoteObject {
@@ -38,7 +41,14 @@ impl RemoteObject {
             path,
             size,
             retry,
+            etag: None,
         }
+    }
+
+    /// The same object, known by `etag` (the local cache keeps its copy while the ETag holds).
+    pub fn with_etag(mut self, etag: Option<String>) -> RemoteObject {
+        self.etag = etag;
+        self
     }
 }
 
@@ -61,6 +71,18 @@ impl Source for RemoteObject {
             &self.retry,
         ))
     }
+
+    fn cache_identity(&self) -> Option<CacheIdentity> {
+        // A query (a presigned URL's signature) changes between loads of the same object.
+        let uri = self.name.split(['?', '#']).next().unwrap_or(&self.name);
+        Some(CacheIdentity {
+            uri: uri.to_string(),
+            size: self.size,
+            etag: self.etag.clone(),
+            sha256: None,
+            hub: None,
+        })
+    }
 }
 
 /// Lists what an object-store URI names (a prefix, an index, one object): one source per object.
@@ -69,10 +91,11 @@ pub fn open(uri: &str, storage_options: &[(String, String)]) -> Result<Vec<Arc<d
     let objects = crate::runtime::block_on(uri, crate::object::resolve(&remote))?;
     Ok(objects
         .into_iter()
-        .map(|(path, size)| {
-            let name = remote.uri_of(&path);
+        .map(|found| {
+            let name = remote.uri_of(&found.path);
             let (store, retry) = (remote.store.clone(), remote.retry.clone());
-            Arc::new(RemoteObject::new(name, store, path, size, retry)) as Arc<dyn Source>
+            let object = RemoteObject::new(name, store, found.path, found.size, retry);
+            Arc::new(object.with_etag(found.etag)) as Arc<dyn Source>
         })
         .collect())
 }

@@ -1,0 +1,362 @@
+//! A local cache that fills while streaming: each block a remote source reads is also written to
+//! a local file at its offset; once every byte is there (and verified), the file is published
+//! atomically, and a later load of the same object reads the local copy.
+//!
+//! Remote sources say who they are with [`crate::source::Source::cache_identity`]; [`wrap`],
+//! called by [`crate::source::open_all`], replaces each source that has a verified copy with a
+//! local source, or wraps it in a filling source. Objects from the Hugging Face Hub
+//! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`hub_layout`]), so that
+//! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache
+//! directory ([`default_dir`]).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::source::Source;
+use entry::Entry;
+use fill::FillingSource;
+
+pub mod entry;
+mod fill;
+pub mod hub_layout;
+
+/// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheIdentity {
+    /// Canonical URI without credentials or query: `s3://bucket/key`,
+    /// `hf://org/repo@<commit>/path`.
+    pub uri: String,
+    pub size: u64,
+    /// The object's ETag (or version) as the store reported it, quotes included.
+    pub etag: Option<String>,
+    /// Lowercase hex sha256 of the content, when the source knows it (Hub LFS files).
+    pub sha256: Option<String>,
+    /// Where the object lives in a Hugging Face repository; the copy then goes to the HF cache.
+    pub hub: Option<HubLocation>,
+}
+
+/// A file of a Hugging Face repository at one commit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubLocation {
+    /// "model" ("dataset", "space").
+    pub repo_type: String,
+    /// "org/name".
+    pub repo_id: String,
+    /// The 40-hex commit the revision resolved to.
+    pub commit: String,
+    /// The ref asked for (branch or tag): `refs/<revision>` gets `commit`. `None` when a commit
+    /// was asked for.
+    pub revision: Option<String>,
+    /// "sub/model-00001-of-00002.safetensors".
+    pub path_in_repo: String,
+    /// The blob's name in the HF cache: the file's etag without quotes (the sha256 for LFS files,
+    /// the git sha1 otherwise).
+    pub blob_id: String,
+}
+
+/// Whether and where to cache.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheSettings {
+    /// The fastload cache directory; `None`: caching is off.
+    pub dir: Option<PathBuf>,
+    /// The Hugging Face cache ([`hub_layout::hub_cache_root`]) for Hub objects.
+    pub hub_root: PathBuf,
+    /// Whether objects without a copy are filled (`false`: copies are read, none written; a
+    /// rank of a distributed load reads a share of each object, never a whole one).
+    pub fill: bool,
+}
+
+impl CacheSettings {
+    /// No caching.
+    pub fn off() -> CacheSettings {
+        CacheSettings::default()
+    }
+
+    /// Caching into `dir`, Hub objects into the HF cache the environment names.
+    pub fn at(dir: PathBuf) -> CacheSettings {
+        CacheSettings {
+            dir: Some(dir),
+            hub_root: hub_layout::hub_cache_root(),
+            fill: true,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.dir.is_some()
+    }
+}
+
+/// The fastload cache directory when none is named: `$XDG_CACHE_HOME/fastload`, else
+/// `~/.cache/fastload`.
+pub fn default_dir() -> PathBuf {
+    match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join("fastload"),
+        None => dirs::home_dir()
+            .unwrap_or_else(|| PathBuf::from("/"))
+            .join(".cache")
+            .join("fastload"),
+    }
+}
+
+/// Each source with an identity becomes a local source when a verified copy is cached, or a
+/// filling source when caching is on (and no other process is filling that object: then it is
+/// read from the network only); others are returned as they are.
+pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<dyn Source>> {
+    if !settings.enabled() {
+        return sources;
+    }
+    let run = Arc::new(Run::default());
+    sources
+        .into_iter()
+        .map(|source| {
+            let Some(entry) = source
+                .cache_identity()
+                .and_then(|id| Entry::new(&id, settings))
+            else {
+                return source;
+            };
+            if entry.is_cached() {
+                if let Ok(local) = crate::source::local::LocalFile::open(&entry.path) {
+                    entry.complete_hub_links();
+                    COUNTERS.hits.fetch_add(1, Ordering::Relaxed);
+                    return Arc::new(local) as Arc<dyn Source>;
+                }
+            }
+            if run.disabled() || !settings.fill {
+                return source;
+            }
+            match FillingSource::start(source.clone(), entry, run.clone()) {
+                Some(filling) => Arc::new(filling) as Arc<dyn Source>,
+                None => source,
+            }
+        })
+        .collect()
+}
+
+/// Stores a whole small object read outside the block pipeline (an index file) under the same
+/// rules as filled files. Failures only warn: the load has its bytes already.
+pub fn put_whole(identity: &CacheIdentity, bytes: &[u8], settings: &CacheSettings) {
+    if !settings.enabled() || identity.size != bytes.len() as u64 {
+        return;
+    }
+    let Some(entry) = Entry::new(identity, settings) else {
+        return;
+    };
+    if entry.is_cached() {
+        return;
+    }
+    let run = Run::default();
+    let Some(_lock) = fill::try_lock(&entry.lock) else {
+        return;
+    };
+    let folder = entry.partial.parent().map(std::fs::create_dir_all);
+    let written = folder
+        .unwrap_or(Ok(()))
+        .and_then(|()| std::fs::write(&entry.partial, bytes))
+        .and_then(|()| std::fs::File::open(&entry.partial));
+    match written {
+        Ok(file) => match entry.verify_and_publish(&file) {
+            Ok(()) => {
+                COUNTERS.published.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(why) => run.warn(&format!("{}: not cached: {why}", identity.uri)),
+        },
+        Err(e) => {
+            let _ = std::fs::remove_file(&entry.partial);
+            run.disable(&format!("cannot write {}: {e}", entry.partial.display()));
+        }
+    }
+}
+
+/// What one load's caching shares across its sources: once writing fails (a full disk), the
+/// load stops caching, with one warning.
+#[derive(Debug, Default)]
+pub(crate) struct Run {
+    disabled: OnceLock<String>,
+}
+
+impl Run {
+    fn disabled(&self) -> bool {
+        self.disabled.get().is_some()
+    }
+
+    /// Stops caching for this load; the first reason is printed, later ones are not.
+    fn disable(&self, reason: &str) {
+        if self.disabled.set(reason.to_string()).is_ok() {
+            self.warn(&format!("local cache off for this load: {reason}"));
+            *COUNTERS.disabled_reason.lock().unwrap() = Some(reason.to_string());
+        }
+    }
+
+    /// A warning on stderr: caching never fails a load, whose bytes came from the network.
+    fn warn(&self, message: &str) {
+        eprintln!("fastload: warning: {message}");
+    }
+
+    fn add_filled(&self, bytes: u64) {
+        COUNTERS.filled_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn add_published(&self) {
+        COUNTERS.published.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What the cache did in this process, for `fastload.cache_stats()`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Objects read from a cached copy.
+    pub hits: u64,
+    /// Bytes written into copies being filled.
+    pub filled_bytes: u64,
+    /// Copies verified and published.
+    pub published: u64,
+    /// Why caching was last turned off for a load (a full disk), if it was.
+    pub disabled_reason: Option<String>,
+}
+
+struct Counters {
+    hits: AtomicU64,
+    filled_bytes: AtomicU64,
+    published: AtomicU64,
+    disabled_reason: Mutex<Option<String>>,
+}
+
+static COUNTERS: Counters = Counters {
+    hits: AtomicU64::new(0),
+    filled_bytes: AtomicU64::new(0),
+    published: AtomicU64::new(0),
+    disabled_reason: Mutex::new(None),
+};
+
+/// Copies being verified and published, on threads of their own.
+static PUBLISHING: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
+
+fn publishing(thread: std::thread::JoinHandle<()>) {
+    let mut pending = PUBLISHING.lock().unwrap();
+    pending.retain(|t| !t.is_finished());
+    pending.push(thread);
+}
+
+/// Waits until every copy filled so far is verified and published (or dropped). A load does not
+/// wait for its copies' fsync and hash; a process that exits before they finish leaves partial
+/// files that the next load replaces (Python waits at exit: `fastload/__init__.py`).
+pub fn wait_published() {
+    let pending = std::mem::take(&mut *PUBLISHING.lock().unwrap());
+    for thread in pending {
+        let _ = thread.join();
+    }
+}
+
+/// The process's cache counters so far, once the copies being published are published.
+pub fn stats() -> CacheStats {
+    wait_published();
+    CacheStats {
+        hits: COUNTERS.hits.load(Ordering::Relaxed),
+        filled_bytes: COUNTERS.filled_bytes.load(Ordering::Relaxed),
+        published: COUNTERS.published.load(Ordering::Relaxed),
+        disabled_reason: COUNTERS.disabled_reason.lock().unwrap().clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::future::BoxFuture;
+
+    /// An in-memory object that says who it is, as remote sources do.
+    #[derive(Debug)]
+    struct Remote {
+        data: Vec<u8>,
+        identity: CacheIdentity,
+    }
+
+    impl Source for Remote {
+        fn name(&self) -> &str {
+            &self.identity.uri
+        }
+        fn size(&self) -> u64 {
+            self.data.len() as u64
+        }
+        fn read_into<'a>(
+            &'a self,
+            offset: u64,
+            dst: &'a mut [u8],
+        ) -> BoxFuture<'a, crate::Result<()>> {
+            Box::pin(async move {
+                let at = offset as usize;
+                dst.copy_from_slice(&self.data[at..at + dst.len()]);
+                Ok(())
+            })
+        }
+        fn cache_identity(&self) -> Option<CacheIdentity> {
+            Some(self.identity.clone())
+        }
+    }
+
+    fn hub_object(data: &[u8], path_in_repo: &str) -> CacheIdentity {
+        let sha = entry::hex(&entry::sha256(data));
+        CacheIdentity {
+            uri: format!("hf://org/name@{}/{path_in_repo}", "c".repeat(40)),
+            size: data.len() as u64,
+            etag: Some(format!("\"{sha}\"")),
+            sha256: Some(sha.clone()),
+            hub: Some(HubLocation {
+                repo_type: "model".into(),
+                repo_id: "org/name".into(),
+                commit: "c".repeat(40),
+                revision: Some("main".into()),
+                path_in_repo: path_in_repo.into(),
+                blob_id: sha,
+            }),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hub_objects_fill_the_hugging_face_cache_and_are_read_from_it_next_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = CacheSettings {
+            dir: Some(dir.path().join("fastload")),
+            hub_root: dir.path().join("hub"),
+            fill: true,
+        };
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let identity = hub_object(&data, "sub/m.safetensors");
+        let remote = Arc::new(Remote {
+            data: data.clone(),
+            identity: identity.clone(),
+        });
+        let wrapped = wrap(vec![remote.clone()], &settings).remove(0);
+        assert!(wrapped.local_path().is_none(), "nothing cached yet");
+        // Out of order, overlapping, as a pipeline's blocks and the header probe arrive.
+        for (at, len) in [(60_000, 40_000), (0, 1000), (500, 30_000), (30_000, 30_000)] {
+            let mut buf = vec![0u8; len];
+            wrapped.read_into(at as u64, &mut buf).await.unwrap();
+            assert_eq!(buf, data[at..at + len]);
+        }
+        drop(wrapped);
+        tokio::task::spawn_blocking(wait_published).await.unwrap();
+        let repo = hub_layout::repo_path(&settings.hub_root, "model", "org/name");
+        let hub = identity.hub.as_ref().unwrap();
+        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        assert_eq!(std::fs::read(&link).unwrap(), data);
+        assert_eq!(
+            hub_layout::read_ref(&repo, "main"),
+            Some(hub.commit.clone())
+        );
+        let again = wrap(vec![remote], &settings);
+        assert_eq!(
+            again[0].local_path(),
+            Some(hub_layout::blob_path(&repo, &hub.blob_id).as_path())
+        );
+
+        // A whole small file (an index) through put_whole, into the same layout.
+        let index = br#"{"weight_map": {}}"#;
+        let index_id = hub_object(index, "model.safetensors.index.json");
+        put_whole(&index_id, index, &settings);
+        let hub = index_id.hub.as_ref().unwrap();
+        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        assert_eq!(std::fs::read(link).unwrap(), index);
+    }
+}

@@ -1,0 +1,281 @@
+"""hf:// against the mock Hub (hub_server.py): the Hub's URIs, revisions and files, tokens and
+their errors, redirects to a storage host that never sees the token, signed locations that expire
+or are refused, injected 429/5xx, and offline loads from the Hugging Face cache. The real
+`huggingface_hub` client reads the same mock, which shows the mock is faithful.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import fastload
+import huggingface_hub
+import pytest
+from helpers import assert_same_tensors, indexed_files, reference, write_all_dtypes
+from hub_server import MockHub
+
+REPO = "org/model"
+TOKEN = "hf_secret_token_value"
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def hub(sharded_dir, dtypes_file):
+    hub = MockHub()
+    tree = files_of(sharded_dir)
+    tree["sub/dtypes.safetensors"] = dtypes_file.read_bytes()
+    hub.v1 = hub.add(REPO, tree, tags=("v1.0",))
+    hub.add(REPO, {"model.safetensors": dtypes_file.read_bytes()}, branch="refs/pr/1")
+    hub.add("org/private", tree, private=True)
+    hub.add("org/gated", tree, gated=True)
+    hub.tokens.add(TOKEN)
+    hub.renamed["old/name"] = REPO
+    yield hub
+    hub.close()
+
+
+@pytest.fixture
+def env(hub, monkeypatch, tmp_path):
+    """The environment huggingface_hub would read: the mock as HF_ENDPOINT, an empty HF_HOME."""
+    for var in (
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_OFFLINE",
+        "HF_HUB_CACHE",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    hub.faults.clear()
+    hub.storage.faults.clear()
+    return monkeypatch
+
+
+def storage_gets(hub) -> list:
+    return [r for r in hub.requests(hub.storage) if r[0] == "GET"]
+
+
+def test_the_real_client_reads_the_mock(hub, env, sharded_dir, tmp_path):
+    """huggingface_hub's hf_hub_download and snapshot_download work against the mock, bitwise."""
+    cache = tmp_path / "cache"
+    name = "model-00001-of-00003.safetensors"
+    path = huggingface_hub.hf_hub_download(REPO, name, endpoint=hub.url, cache_dir=cache)
+    assert Path(path).read_bytes() == (sharded_dir / name).read_bytes()
+    assert f"snapshots/{hub.v1}/" in path
+    folder = huggingface_hub.snapshot_download(REPO, endpoint=hub.url, cache_dir=cache)
+    for rel, data in files_of(sharded_dir).items():
+        assert (Path(folder) / rel).read_bytes() == data, rel
+    # The client's download went through the signed redirect, without the token.
+    assert storage_gets(hub)
+
+
+def test_loads_a_repo_through_its_index(hub, env, sharded_dir):
+    before, before_hub = len(hub.requests(hub.storage)), len(hub.requests())
+    got = fastload.load(f"hf://{REPO}", block_size="64KiB")
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    gets = hub.requests(hub.storage)[before:]
+    assert gets and all(r[2].get("range", "").startswith("bytes=") for r in gets)
+    # Each file's location is resolved once and reused by all its reads (header, then data).
+    heads = [r for r in hub.requests()[before_hub:] if r[0] == "HEAD" and "/resolve/" in r[1]]
+    shards = indexed_files(sharded_dir)
+    assert len(heads) == 1 + len(shards) and len(gets) >= 2 * len(shards), (heads, len(gets))
+
+
+@pytest.mark.parametrize(
+    "revision", ["", "@main", "@v1.0", "@{commit}", "@refs%2Fpr%2F1", "@refs/pr/1"]
+)
+def test_revisions(hub, env, sharded_dir, dtypes_file, revision):
+    uri = f"hf://{REPO}{revision.format(commit=hub.v1)}"
+    got = fastload.load(uri)
+    if "pr" in revision:
+        assert_same_tensors(got, reference(dtypes_file))
+    else:
+        assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+
+
+def test_folders_single_files_and_inspect(hub, env, sharded_dir, dtypes_file):
+    assert_same_tensors(fastload.load(f"hf://{REPO}/sub"), reference(dtypes_file))
+    assert_same_tensors(
+        fastload.load(f"hf://{REPO}@v1.0/sub/dtypes.safetensors"), reference(dtypes_file)
+    )
+    stray = f"hf://{REPO}/stray.safetensors"
+    assert_same_tensors(fastload.load(stray), reference(sharded_dir / "stray.safetensors"))
+    files = [f["file"] for f in fastload.inspect(f"hf://{REPO}")]
+    # Named at the commit the revision resolved to, once for the whole load.
+    assert files == [f"hf://{REPO}@{hub.v1}/{p.name}" for p in indexed_files(sharded_dir)]
+
+
+def test_the_token_goes_to_the_hub_only(hub, env, sharded_dir):
+    env.setenv("HF_TOKEN", TOKEN)
+    before_hub, before_storage = len(hub.requests()), len(hub.requests(hub.storage))
+    got = fastload.load("hf://org/private")
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    to_hub = hub.requests()[before_hub:]
+    to_storage = hub.requests(hub.storage)[before_storage:]
+    assert to_hub and all(r[2].get("authorization") == f"Bearer {TOKEN}" for r in to_hub)
+    assert to_storage and not any("authorization" in r[2] for r in to_storage)
+
+
+def test_token_file_under_hf_home(hub, env, tmp_path, sharded_dir):
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    (home / "token").write_text(TOKEN + "\n")
+    assert_same_tensors(fastload.load("hf://org/private"), reference(*indexed_files(sharded_dir)))
+
+
+def test_private_repo_errors_name_the_repo_and_the_token_source(hub, env, tmp_path):
+    with pytest.raises(fastload.StorageError) as e:
+        fastload.load("hf://org/private")
+    msg = str(e.value)
+    assert "org/private" in msg and "without a token" in msg and "HF_TOKEN" in msg, msg
+
+    env.setenv("HF_TOKEN", "hf_wrong_value")
+    with pytest.raises(fastload.StorageError) as e:
+        fastload.load("hf://org/private")
+    msg = str(e.value)
+    assert "org/private" in msg and "from HF_TOKEN" in msg and "hf_wrong_value" not in msg, msg
+
+
+def test_gated_repo(hub, env):
+    env.setenv("HF_TOKEN", TOKEN)
+    with pytest.raises(fastload.StorageError) as e:
+        fastload.load("hf://org/gated")
+    msg = str(e.value)
+    assert "org/gated is a gated repo" in msg and "from HF_TOKEN" in msg and TOKEN not in msg, msg
+    hub.gated_access["org/gated"] = {TOKEN}
+    try:
+        assert fastload.load("hf://org/gated")
+    finally:
+        hub.gated_access.clear()
+
+
+def test_missing_revisions_and_files(hub, env):
+    with pytest.raises(fastload.StorageError, match="no such revision"):
+        fastload.load(f"hf://{REPO}@nope")
+    with pytest.raises(FileNotFoundError):
+        fastload.load(f"hf://{REPO}/nope.safetensors")
+    with pytest.raises(fastload.StorageError, match="org/absent was not found"):
+        fastload.load("hf://org/absent")
+    with pytest.raises(fastload.ConfigError):
+        fastload.load("hf://org")
+
+
+def test_429_and_5xx_are_retried(hub, env, sharded_dir):
+    hub.faults += [
+        ("api", 429, "1"),
+        ("api", 503, None),
+        ("resolve", 500, None),
+        ("resolve", 429, "0"),
+    ]
+    hub.storage.faults += [("storage", 503, None), ("storage", 429, "0")]
+    got = fastload.load(f"hf://{REPO}")
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    assert not hub.faults and not hub.storage.faults  # every fault was met, and got over
+
+
+def test_a_renamed_repo_redirects(hub, env, sharded_dir):
+    got = fastload.load("hf://old/name")
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+
+
+def test_expiring_locations_are_resolved_again(hub, env, sharded_dir):
+    """A signed URL about to expire is not used: resolve/ is asked again before reading."""
+    hub.storage.ttl = 5  # less than the 30 s margin: every read resolves first
+    try:
+        before = len([r for r in hub.requests() if "/resolve/" in r[1]])
+        got = fastload.load(f"hf://{REPO}", block_size="64KiB")
+    finally:
+        hub.storage.ttl = 3600
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    resolves = len([r for r in hub.requests() if "/resolve/" in r[1]]) - before
+    # One resolve per shard (+ the index) at open, then again for reads.
+    assert resolves > 4 + len(indexed_files(sharded_dir)), resolves
+
+
+def test_a_refused_location_is_resolved_again(hub, env, sharded_dir):
+    """The storage host refuses URLs signed before a key rotation (403): fastload resolves the
+    location again and goes on."""
+
+    def resolves():
+        return len([r for r in hub.requests() if "/resolve/" in r[1]])
+
+    with fastload.stream(f"hf://{REPO}") as tensors:
+        hub.storage.secret_epoch += 1  # every URL handed out so far is now refused
+        opened = resolves()
+        got = dict(tensors)
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    assert resolves() > opened
+
+
+def test_offline_reads_the_hf_cache(hub, env, tmp_path, sharded_dir):
+    cache = tmp_path / "hf_home" / "hub"
+    huggingface_hub.snapshot_download(REPO, endpoint=hub.url, cache_dir=cache)
+    env.setenv("HF_HUB_OFFLINE", "1")
+    env.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: must not be asked
+    want = reference(*indexed_files(sharded_dir))
+    assert_same_tensors(fastload.load(f"hf://{REPO}"), want)
+    assert_same_tensors(fastload.load(f"hf://{REPO}@{hub.v1}"), want)
+    with pytest.raises(fastload.StorageError, match="HF_HUB_OFFLINE is set") as e:
+        fastload.load("hf://org/other")
+    assert "org/other" in str(e.value)
+
+
+def test_schemes_come_from_rust():
+    assert "hf" in fastload._fastload.SCHEMES
+    assert fastload._fastload.is_remote_uri("hf://org/repo")
+
+
+def test_all_dtypes_roundtrip(hub, env, tmp_path):
+    path = write_all_dtypes(tmp_path / "all.safetensors")
+    data = path.read_bytes()
+    hub.add("org/dtypes", {"model.safetensors": data})
+    got = fastload.load("hf://org/dtypes")
+    assert_same_tensors(got, reference(path))
+    assert hashlib.sha256(data).hexdigest() in hub.storage.blobs
+
+
+needs_cache = pytest.mark.skipif(
+    not hasattr(fastload, "cache_stats"), reason="needs the local cache (cache=, branch cache)"
+)
+
+
+@needs_cache
+def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir):
+    """cache= on hf:// writes the standard Hugging Face cache: huggingface_hub finds the files
+    there without the network, bitwise equal; a second load with the Hub stopped and
+    HF_HUB_OFFLINE=1 reads them."""
+    hub_cache = tmp_path / "hf_cache"
+    env.setenv("HF_HUB_CACHE", str(hub_cache))
+    env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    own = MockHub()
+    try:
+        commit = own.add(REPO, files_of(sharded_dir))
+        env.setenv("HF_ENDPOINT", own.url)
+        want = reference(*indexed_files(sharded_dir))
+        published = fastload.cache_stats()["published"]  # waits for the copies to publish
+        assert_same_tensors(fastload.load(f"hf://{REPO}", cache=True), want)
+        shards = indexed_files(sharded_dir)
+        assert fastload.cache_stats()["published"] - published == 1 + len(shards)
+        names = ["model.safetensors.index.json", *(p.name for p in indexed_files(sharded_dir))]
+        for name in names:
+            path = huggingface_hub.hf_hub_download(
+                REPO, name, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+            )
+            assert Path(path).read_bytes() == (sharded_dir / name).read_bytes(), name
+        folder = huggingface_hub.snapshot_download(
+            REPO, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+        )
+        assert Path(folder).name == commit
+        for name in names:
+            assert (Path(folder) / name).read_bytes() == (sharded_dir / name).read_bytes()
+    finally:
+        own.close()
+    env.setenv("HF_HUB_OFFLINE", "1")
+    assert_same_tensors(fastload.load(f"hf://{REPO}"), want)
