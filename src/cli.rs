@@ -12,7 +12,9 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod checkpoint;
+mod compare;
 mod inspect;
+mod limits;
 mod report;
 
 /// Runs the CLI with `args` (including the program name) and returns the exit code.

@@ -141,6 +141,26 @@ fn bench_json_reports_the_file_totals() {
             .map(|r| r["gb_per_s"].as_f64().unwrap())
             .fold(0.0, f64::max);
         assert_eq!(v["best_gb_per_s"].as_f64().unwrap(), best);
+        // With a URI: warm runs only, beside the page-cache copy rate of the same files.
+        assert!(runs.iter().all(|r| r["cache"] == "warm"), "{v}");
+        let warm = &v["modes"]["warm"];
+        assert_eq!(warm["best_gb_per_s"], v["best_gb_per_s"]);
+        assert_eq!(warm["limit"], "page_cache");
+        let limit = &v["limits"]["page_cache"];
+        assert!(limit["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+        assert!(limit["bytes"].as_u64().unwrap() >= bytes, "{v}");
+        let fraction = warm["fraction_of_limit"].as_f64().unwrap();
+        assert!(
+            (fraction - best / limit["gb_per_s"].as_f64().unwrap()).abs() < 1e-9,
+            "{v}"
+        );
+        let bound = if fraction >= 0.8 {
+            "page_cache"
+        } else {
+            "fastload"
+        };
+        assert_eq!(warm["bound_by"], bound);
+        assert!(v["modes"].get("cold").is_none() && v.get("compare").is_none());
         checksums.push(v["checksum"].as_u64().unwrap());
     }
     // The staged pipeline of the GPU path, into host memory: the same bytes arrive.
@@ -185,6 +205,39 @@ fn bench_table_cold_and_sweep() {
     );
     assert!(text.contains(&bytes.to_string()), "{text}");
     assert!(text.contains("cold page cache") && text.contains("best: run 1"));
+    // The cold limits of the storage, measured on the same file, and which one binds.
+    assert!(text.contains("storage_direct") && text.contains("storage_buffered"));
+    assert!(text.contains("bound by"), "{text}");
+
+    // Both: cold runs, then warm runs, each labelled, each beside its own limit.
+    let v = json_of(&fastload(
+        &["bench", p, "--cold", "--warm", "--repeat", "2", "--json"],
+        None,
+    ));
+    let caches: Vec<&str> = v["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["cache"].as_str().unwrap())
+        .collect();
+    assert_eq!(caches, ["cold", "cold", "warm", "warm"]);
+    assert_eq!(v["cold"], true);
+    assert_eq!(v["best_run"], v["modes"]["cold"]["best_run"]);
+    assert!(v["modes"]["cold"]["best_run"].as_u64().unwrap() <= 2);
+    assert!(v["modes"]["warm"]["best_run"].as_u64().unwrap() >= 3);
+    let cold_limit = v["modes"]["cold"]["limit"].as_str().unwrap();
+    assert!(cold_limit.starts_with("storage_"), "{v}");
+    assert_eq!(v["modes"]["warm"]["limit"], "page_cache");
+    // O_DIRECT: a rate, or why it could not be measured here (tmpfs refuses it).
+    let direct = &v["limits"]["storage_direct"];
+    assert!(
+        direct["gb_per_s"].as_f64().is_some_and(|r| r > 0.0)
+            || direct["what"]
+                .as_str()
+                .unwrap()
+                .starts_with("not measurable here"),
+        "{v}"
+    );
 
     let v = json_of(&fastload(
         &["bench", p, "--sweep", "--block-size", "1MiB", "--json"],
@@ -312,6 +365,22 @@ fn bench_without_uri_generates_once_and_reuses() {
 
     let first = fastload(&args, Some(&cache));
     let v = json_of(&first);
+    // No URI: cold runs and warm runs, told apart; the headline is the cold one.
+    let caches: Vec<&str> = v["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["cache"].as_str().unwrap())
+        .collect();
+    assert_eq!(caches, ["cold", "warm"]);
+    assert_eq!(v["cold"], true);
+    assert_eq!(v["best_run"], 1);
+    assert_eq!(v["best_gb_per_s"], v["runs"][0]["gb_per_s"]);
+    for mode in ["cold", "warm"] {
+        let m = &v["modes"][mode];
+        assert!(m["bound_by"].is_string(), "{v}");
+    }
+    assert!(v["modes"]["cold"]["evicted"].is_boolean(), "{v}");
     let files: Vec<PathBuf> = fs::read_dir(&cache)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -342,4 +411,19 @@ fn bench_without_uri_generates_once_and_reuses() {
     ));
     assert_eq!(listing["total"]["bytes"], bytes);
     assert_eq!(listing["total"]["tensors"], v["tensors"]);
+
+    // The table says which runs are cold and which warm, and gives each its own best.
+    let out = fastload(&["bench", "--size", "8MiB", "--repeat", "1"], Some(&cache));
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    for want in [
+        "cold, then warm page cache",
+        "   1   cold ",
+        "   2   warm ",
+        "best cold: run 1",
+        "best warm: run 2",
+        "page_cache",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text}");
+    }
 }

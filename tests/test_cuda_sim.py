@@ -634,9 +634,42 @@ def test_cli_bench_on_another_device(fake_cuda, dtypes_file, tmp_path, devices, 
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     counters = cuda_sim.log(log)
-    assert counters["bytes"] == report["bytes"] * len(report["runs"]), (counters, report)
+    # Every run's bytes, plus the host-to-device limit's copies.
+    h2d = report["limits"]["host_to_device"]["bytes"]
+    assert counters["bytes"] == report["bytes"] * len(report["runs"]) + h2d, (counters, report)
     assert counters["violations"] == 0 and counters["device_now"] == 0, counters
     assert 0 < counters["device_peak"] and counters["pinned_peak"] <= 1 << 20
+
+
+@pytest.mark.parametrize("rate_mib", [16, 64])
+def test_cli_bench_measures_the_host_to_device_limit(fake_cuda, dtypes_file, tmp_path, rate_mib):
+    # issue 16: `--device cuda` reports the page-locked host-to-device copy rate beside the
+    # end-to-end rate; the simulator's copies run at FAKE_CUDA_COPY_RATE, which it must follow
+    # (a wide factor: this is a shared machine).
+    log = tmp_path / "log"
+    rate = rate_mib << 20
+    env = cuda_sim.env(fake_cuda, log, FAKE_CUDA_COPY_RATE=str(rate))
+    options = ["--device", "cuda", "--block-size", "1MiB", "--repeat", "1", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    limit = report["limits"]["host_to_device"]
+    assert "page-locked host to cuda:0" in limit["what"], limit
+    assert rate / 4 <= limit["gb_per_s"] * 1e9 <= rate * 4, (limit, rate)
+    warm = report["modes"]["warm"]
+    # The lower of the two limits that apply (page-cache copy, host-to-device) is the one named.
+    limits = {k: report["limits"][k]["gb_per_s"] for k in ("page_cache", "host_to_device")}
+    assert warm["limit"] == min(limits, key=lambda k: limits[k]), report
+    assert warm["fraction_of_limit"] == pytest.approx(
+        warm["best_gb_per_s"] / warm["limit_gb_per_s"]
+    )
+    assert cuda_sim.log(log)["violations"] == 0
 
 
 FORK_AFTER_GPU_LOAD = """

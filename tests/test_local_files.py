@@ -164,3 +164,61 @@ def test_directory_named_like_a_shard_is_still_skipped(tmp_path):
     save_file({"a": torch.ones(2)}, tmp_path / "a.safetensors")
     (tmp_path / "sub.safetensors").mkdir()
     assert fastload.load(tmp_path)["a"].equal(torch.ones(2))
+
+
+def _mapped_rss(path) -> int:
+    """Bytes of this process's mappings of `path` that are in memory (/proc/self/smaps `Rss`)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                inside = head[-1] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def _evict(path) -> bool:
+    """Drops `path` from the page cache; whether fincore then counts no page of it."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    try:
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+            capture_output=True,
+            text=True,
+        )
+    except FileNotFoundError:
+        return False
+    return out.returncode == 0 and out.stdout.strip() == "0"
+
+
+def test_cached_files_are_mapped_lazily_and_others_populated(tmp_path):
+    # Pages already in the page cache are mapped, not populated: each faults in on first access
+    # (as safetensors' own mapping does), so the mapping holds no pages until the tensors are
+    # read. Pages that are not cached are read in parallel before the tensor is handed out.
+    path = tmp_path / "m.safetensors"
+    want = {f"t{i}": torch.arange(i * MiB, (i + 1) * MiB, dtype=torch.int32) for i in range(6)}
+    save_file(want, path)
+    total = 24 * MiB
+    for cached in (True, False):
+        if not cached and not _evict(path):
+            pytest.skip("cannot drop the file from the page cache here")
+        with fastload.stream(path, method="mmap", memory_limit="16MiB") as s:
+            got = dict(s)
+            stats = s.stats()
+        assert stats["bytes_read"] == stats["total_bytes"] == total
+        if cached:
+            assert stats["bytes_cached"] == total
+            assert _mapped_rss(path) < total // 2
+        else:
+            # Populating a segment reads ahead into the next ones, which then are cached.
+            assert stats["bytes_cached"] < total
+            assert _mapped_rss(path) >= total - stats["bytes_cached"]
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            assert got[name].equal(t), name
+        assert _mapped_rss(path) >= total
+        del got

@@ -186,6 +186,13 @@ def test_cli_bench_reads_a_prefix(store, monkeypatch, sharded_dir):
     for key in ("files", "bytes", "tensors", "checksum"):
         assert remote[key] == local[key], key
     assert remote["runs"][0]["gb_per_s"] > 0
+    # issue 16: beside fastload, the raw ranged-GET rate of the same objects through the same
+    # client, concurrency and block size; local files get the storage's limits instead.
+    limit = remote["limits"]["ranged_get"]
+    assert limit["gb_per_s"] > 0 and "64 in flight x 8MiB" in limit["what"], limit
+    assert limit["bytes"] > remote["bytes"], limit  # whole objects, headers included
+    assert remote["modes"]["cold"]["limit"] == "ranged_get", remote["modes"]
+    assert "ranged_get" not in local["limits"] and "storage_buffered" in local["limits"]
 
 
 # ---------------------------------------------------------------------------------------------

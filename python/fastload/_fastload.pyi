@@ -132,6 +132,11 @@ class Stats:
     @property
     def staging_peak_bytes(self) -> int:
         """Staged loads: the most staging memory held at once."""
+    @property
+    def bytes_cached(self) -> int:
+        """mmap loads: bytes whose pages were all in the page cache already, so they were mapped
+        and left to fault in on first access instead of being populated (counted in
+        ``bytes_read`` too)."""
     def as_dict(self) -> dict[str, int | float | str | None]:
         """Every counter above, by name."""
 

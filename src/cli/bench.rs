@@ -1,6 +1,9 @@
 //! `fastload bench`: load checkpoints the way a server would, time it, and report throughput and
-//! time to first tensor per run (optionally over a grid of concurrency and block sizes).
+//! time to first tensor per run (optionally over a grid of concurrency and block sizes), cold
+//! and/or warm, beside the limits of the hardware measured on the same files (see
+//! [`super::limits`]), and optionally beside the peer loaders ([`super::compare`]).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -9,7 +12,9 @@ use std::time::Instant;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::report::{RunReport, Setup};
+use super::compare::{self, Compare};
+use super::limits::{self, Limit};
+use super::report::{ModeReport, RunReport, Setup};
 use super::{checkpoint, print_stdout, CliError, CliResult, Device};
 use crate::options::{CacheChoice, LoadOptions, Method, Resolved, Size};
 use crate::source;
@@ -56,12 +61,27 @@ pub(super) struct BenchArgs {
     /// Runs per configuration [default: 3, or 1 with --sweep]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
     repeat: Option<u32>,
-    /// Evict the files from the page cache before each run (posix_fadvise DONTNEED), so runs
-    /// read from storage
+    /// Cold runs: evict the files from the page cache before each run (posix_fadvise
+    /// DONTNEED), so runs read from storage. Without a URI, cold runs then warm runs are made
+    /// unless --cold or --warm picks one; with a URI, warm runs unless --cold (both: cold then
+    /// warm)
     #[arg(long)]
     cold: bool,
-    /// Print one JSON object on stdout (bytes, tensors, files, runs, best_gb_per_s, checksum and
-    /// the options used) instead of the table
+    /// Warm runs: the files are read once first, so runs read the page cache (see --cold)
+    #[arg(long)]
+    warm: bool,
+    /// Also load the same files with each installed peer (safetensors, runai-model-streamer,
+    /// fastsafetensors, tensorizer) and fastload, each load in a fresh Python process, cold and
+    /// warm as the runs; print them side by side and name those that could not run
+    #[arg(long)]
+    compare: bool,
+    /// The Python that --compare runs (it needs fastload installed) [default: $FASTLOAD_PYTHON,
+    /// else python3]
+    #[arg(long, value_name = "PATH")]
+    python: Option<String>,
+    /// Print one JSON object on stdout (bytes, tensors, files, runs, best_gb_per_s, checksum,
+    /// the options used, limits, per-mode fractions of them and the comparison) instead of the
+    /// table
     #[arg(long)]
     json: bool,
     /// Try every concurrency in 4,8,16,32,64 with every block size in 1,4,8,16,32 MiB and report
@@ -140,6 +160,38 @@ fn evict(path: &Path) -> CliResult {
     Ok(())
 }
 
+/// Evicts every file; true when that took effect (at most a tenth of their pages still
+/// resident). On failure (or on e.g. tmpfs, where eviction does nothing) it says so on stderr
+/// once per `said`.
+fn evict_all(files: &[PathBuf], said: &mut bool) -> bool {
+    let mut ok = true;
+    for f in files {
+        if let Err(e) = evict(f) {
+            if !*said {
+                eprintln!("fastload: note: cannot evict from the page cache: {e}");
+            }
+            ok = false;
+        } else if let Some((resident, pages)) = limits::resident(f) {
+            ok &= resident * 10 <= pages;
+        }
+    }
+    if !ok && !*said {
+        eprintln!("fastload: note: eviction did not take effect here: the cold runs read memory");
+    }
+    *said |= !ok;
+    ok
+}
+
+/// Reads the files once through the page cache.
+fn warm_up(files: &[PathBuf]) {
+    drop(limits::buffered(
+        files,
+        limits::COLD_READERS,
+        8 << 20,
+        "warm-up",
+    ));
+}
+
 /// Reads one byte of every page (and the last byte), as a consumer of the tensors would.
 fn touch_pages(bytes: &[u8]) -> u64 {
     let bytes = std::hint::black_box(bytes);
@@ -189,6 +241,7 @@ fn checksum(segment: &crate::Loaded) -> u64 {
 }
 
 fn load_once(
+    cache: &'static str,
     uris: &[String],
     opts: &LoadOptions,
     device: &Device,
@@ -226,6 +279,7 @@ fn load_once(
     let checksum = checksum_sum;
     Ok(RunReport {
         run,
+        cache,
         concurrency: resolved.concurrency,
         block_size: resolved.block_size,
         method: loader.method().as_str(),
@@ -244,6 +298,7 @@ fn load_once(
 
 /// What one load covers, from the headers alone (so a bad file fails before the first run).
 struct Described {
+    shard_list: Vec<source::Shard>,
     /// Local files, to evict with `--cold`.
     local: Vec<PathBuf>,
     /// Files and objects.
@@ -255,6 +310,7 @@ struct Described {
 fn describe(uris: &[String]) -> CliResult<Described> {
     let shards = source::open_all(uris, &[], &crate::cache::CacheSettings::off())?;
     Ok(Described {
+        shard_list: shards.clone(),
         local: shards
             .iter()
             .filter_map(|s| s.local_path().map(|p| p.to_path_buf()))
@@ -265,22 +321,29 @@ fn describe(uris: &[String]) -> CliResult<Described> {
     })
 }
 
-/// Every configuration `repeat` times, each row printed as its run ends.
+/// Every configuration `repeat` times in `cache` mode, each row printed as its run ends;
+/// cold: whether eviction took effect.
 fn execute(
     args: &BenchArgs,
     setup: &Setup<'_>,
     configs: &[LoadOptions],
     files: &[PathBuf],
-) -> CliResult<Vec<RunReport>> {
-    let total = configs.len() * setup.repeat as usize;
-    let mut runs = Vec::with_capacity(total);
+    cache: &'static str,
+    runs: &mut Vec<RunReport>,
+) -> CliResult<bool> {
+    let total = configs.len() * setup.repeat as usize * setup.modes.len();
+    let mut evicted = true;
+    let mut said = false;
+    if cache == "warm" {
+        warm_up(files);
+    }
     for (opts, resolved) in configs.iter().zip(&setup.configs) {
         for _ in 0..setup.repeat {
-            if args.cold {
-                files.iter().try_for_each(|f| evict(f))?;
+            if cache == "cold" {
+                evicted &= evict_all(files, &mut said);
             }
             let n = runs.len() + 1;
-            let mut label = format!("run {n}/{total}");
+            let mut label = format!("run {n}/{total} {cache}");
             if args.sweep {
                 label.push_str(&format!(
                     " c{} {}",
@@ -288,7 +351,7 @@ fn execute(
                     Size(resolved.block_size)
                 ));
             }
-            let run = load_once(setup.uris, opts, &args.device, n, label)?;
+            let run = load_once(cache, setup.uris, opts, &args.device, n, label)?;
             // With --cache, the next run reads the copy this one filled, once it is published
             // (outside the clock).
             crate::cache::wait_published();
@@ -298,7 +361,83 @@ fn execute(
             runs.push(run);
         }
     }
-    Ok(runs)
+    Ok(evicted)
+}
+
+/// Measures the limits that apply to `cache` runs (adding them to `limits`); returns their names.
+fn measure_limits(
+    args: &BenchArgs,
+    described: &Described,
+    resolved: &Resolved,
+    cache: &'static str,
+    limits: &mut BTreeMap<&'static str, Limit>,
+) -> CliResult<Vec<&'static str>> {
+    let files = &described.local;
+    let mut names = Vec::new();
+    if described.local.len() < described.shards {
+        if !limits.contains_key("ranged_get") {
+            let l = limits::ranged_get(
+                &described.shard_list,
+                resolved.concurrency,
+                resolved.block_size,
+            );
+            limits.insert("ranged_get", l);
+        }
+        names.push("ranged_get");
+    } else if cache == "cold" {
+        let mut said = true;
+        evict_all(files, &mut said);
+        let direct = limits::storage_direct(files, resolved.concurrency, resolved.block_size);
+        evict_all(files, &mut said);
+        let buffered = limits::buffered(
+            files,
+            limits::COLD_READERS,
+            resolved.block_size,
+            "cold, through the page cache",
+        );
+        limits.insert("storage_direct", direct);
+        limits.insert("storage_buffered", buffered);
+        // The storage delivers whichever of the two is faster.
+        let direct = limits["storage_direct"].gb_per_s.unwrap_or(0.0);
+        let buffered = limits["storage_buffered"].gb_per_s.unwrap_or(0.0);
+        names.push(if direct >= buffered {
+            "storage_direct"
+        } else {
+            "storage_buffered"
+        });
+    } else {
+        warm_up(files);
+        let l = limits::buffered(
+            files,
+            limits::warm_readers(),
+            resolved.block_size,
+            "page-cache copy of the warm files",
+        );
+        limits.insert("page_cache", l);
+        names.push("page_cache");
+    }
+    if matches!(args.device, Device::Cuda(_)) {
+        if !limits.contains_key("host_to_device") {
+            let target = args.device.target()?;
+            // No more page-locked memory than the loader may hold.
+            let block = resolved.block_size.min(resolved.memory_limit);
+            let l = limits::host_to_device(target, described.bytes, block);
+            limits.insert("host_to_device", l);
+        }
+        names.push("host_to_device");
+    }
+    Ok(names)
+}
+
+/// The cache modes to run, in order.
+fn modes(args: &BenchArgs) -> Vec<&'static str> {
+    match (args.cold, args.warm) {
+        (true, true) => vec!["cold", "warm"],
+        (true, false) => vec!["cold"],
+        (false, true) => vec!["warm"],
+        (false, false) if args.uris.is_empty() => vec!["cold", "warm"],
+        (false, false) => vec!["warm"],
+    }
 }
 
 pub(super) fn run(args: BenchArgs) -> CliResult {
@@ -317,12 +456,13 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
         args.uris.clone()
     };
     let described = describe(&uris)?;
-    if args.cold && described.local.len() < described.shards {
+    if modes(&args).contains(&"cold") && described.local.len() < described.shards {
         eprintln!(
             "fastload: note: --cold evicts local files only; objects are read over the network \
              every run"
         );
     }
+    let modes = modes(&args);
     let setup = Setup {
         uris: &uris,
         files: described.shards,
@@ -331,23 +471,95 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
         device: &args.device,
         configs: resolved,
         repeat: args.repeat.unwrap_or(if args.sweep { 1 } else { 3 }),
-        cold: args.cold,
+        modes: modes.clone(),
         sweep: args.sweep,
     };
     if !args.json {
         print_stdout(&setup.intro())?;
     }
-    let runs = execute(&args, &setup, &configs, &described.local)?;
+    let mut runs = Vec::new();
+    let mut limits = BTreeMap::new();
+    let mut reports = BTreeMap::new();
+    for &cache in &modes {
+        let applicable = measure_limits(&args, &described, &setup.configs[0], cache, &mut limits)?;
+        let start = runs.len();
+        let evicted = execute(&args, &setup, &configs, &described.local, cache, &mut runs)?;
+        let mine: Vec<&RunReport> = runs[start..].iter().collect();
+        let evicted = (cache == "cold" && !described.local.is_empty()).then_some(evicted);
+        reports.insert(cache, ModeReport::new(&mine, evicted, &limits, &applicable));
+    }
     if runs.iter().any(|r| r.checksum != runs[0].checksum) {
         eprintln!(
             "fastload: warning: runs read different bytes (checksums differ); did a file change?"
         );
     }
-    if args.json {
-        print_stdout(&setup.json(&runs))
-    } else {
-        print_stdout(&setup.summary(&runs))
+    if !args.json {
+        print_stdout(&setup.summary(&runs, &limits, &reports))?;
     }
+    let compared = if args.compare {
+        Some(run_compare(&args, &uris, &described, &setup, &modes)?)
+    } else {
+        None
+    };
+    if let (Some(c), false) = (&compared, args.json) {
+        print_stdout(&c.table(&modes))?;
+    }
+    if args.json {
+        print_stdout(&setup.json(&runs, &limits, &reports, compared.as_ref()))
+    } else {
+        Ok(())
+    }
+}
+
+fn run_compare(
+    args: &BenchArgs,
+    uris: &[String],
+    described: &Described,
+    setup: &Setup<'_>,
+    modes: &[&'static str],
+) -> CliResult<Compare> {
+    let mut options = serde_json::Map::new();
+    if let Some(c) = args.concurrency {
+        options.insert("concurrency".into(), c.into());
+    }
+    if let Some(b) = args.block_size {
+        options.insert("block_size".into(), b.0.into());
+    }
+    if let Some(m) = args.memory_limit {
+        options.insert("memory_limit".into(), m.0.into());
+    }
+    if args.method != Method::Auto {
+        options.insert("method".into(), args.method.as_str().into());
+    }
+    let job = compare::Job {
+        python: compare::python(args.python.as_deref()),
+        uris,
+        files: &described.local,
+        remote: described.local.len() < described.shards,
+        options,
+        modes,
+        repeat: setup.repeat,
+        print: !args.json,
+    };
+    if !args.json {
+        print_stdout(&format!(
+            "\ncomparing, each load in a fresh process of {}:\n",
+            job.python
+        ))?;
+    }
+    let files = &described.local;
+    let evict = || {
+        let mut said = true;
+        evict_all(files, &mut said)
+    };
+    let warm = || warm_up(files);
+    compare::run(
+        &job,
+        &compare::Hooks {
+            evict: &evict,
+            warm: &warm,
+        },
+    )
 }
 
 #[cfg(test)]

@@ -1,8 +1,12 @@
 //! What `fastload bench` prints: the human table (rows printed as runs end) and the one JSON
 //! object of `--json`.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
+use super::compare::Compare;
+use super::limits::Limit;
 use super::{decimal_bytes, Device};
 use crate::options::{Resolved, Size};
 
@@ -11,6 +15,8 @@ use crate::options::{Resolved, Size};
 pub(super) struct RunReport {
     /// 1-based, in the order the runs happened.
     pub run: usize,
+    /// "cold" (files evicted from the page cache before the run) or "warm".
+    pub cache: &'static str,
     pub concurrency: usize,
     pub block_size: u64,
     /// The read strategy the loader used.
@@ -37,8 +43,58 @@ pub(super) struct Setup<'a> {
     /// Every configuration run (one unless sweeping), resolved.
     pub configs: Vec<Resolved>,
     pub repeat: u32,
-    pub cold: bool,
+    /// "cold", "warm" or both, in the order they run.
+    pub modes: Vec<&'static str>,
     pub sweep: bool,
+}
+
+/// One cache mode's best run beside the limit that applies to it.
+#[derive(Serialize, Clone, Debug, Default)]
+pub(super) struct ModeReport {
+    pub best_run: usize,
+    pub best_gb_per_s: f64,
+    /// Cold only: whether eviction took effect (false on e.g. tmpfs: the runs read memory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evicted: Option<bool>,
+    /// The name of the lowest measurable limit that applies (a key of `limits`), if any.
+    pub limit: Option<&'static str>,
+    pub limit_gb_per_s: Option<f64>,
+    /// best_gb_per_s / limit_gb_per_s.
+    pub fraction_of_limit: Option<f64>,
+    /// The limit's name when fastload reaches at least [`BOUND`] of it, else "fastload".
+    pub bound_by: &'static str,
+}
+
+/// The fraction of a limit from which that limit is said to bind.
+pub(super) const BOUND: f64 = 0.8;
+
+impl ModeReport {
+    /// `applicable`: the limits that apply to this mode (measured or not).
+    pub fn new(
+        runs: &[&RunReport],
+        evicted: Option<bool>,
+        limits: &BTreeMap<&'static str, Limit>,
+        applicable: &[&'static str],
+    ) -> ModeReport {
+        let best = best(runs);
+        let binding = applicable
+            .iter()
+            .filter_map(|&name| Some((name, limits.get(name)?.gb_per_s?)))
+            .reduce(|a, b| if b.1 < a.1 { b } else { a });
+        let fraction = binding.map(|(_, rate)| best.gb_per_s / rate.max(1e-12));
+        ModeReport {
+            best_run: best.run,
+            best_gb_per_s: best.gb_per_s,
+            evicted,
+            limit: binding.map(|b| b.0),
+            limit_gb_per_s: binding.map(|b| b.1),
+            fraction_of_limit: fraction,
+            bound_by: match (binding, fraction) {
+                (Some((name, _)), Some(f)) if f >= BOUND => name,
+                _ => "fastload",
+            },
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -61,6 +117,7 @@ struct Report<'a> {
     concurrency: usize,
     block_size: u64,
     memory_limit: u64,
+    /// True when cold runs were made (the headline `best_*` is then the cold one).
     cold: bool,
     repeat: u32,
     sweep: Option<Grid>,
@@ -68,6 +125,10 @@ struct Report<'a> {
     best_run: usize,
     best_gb_per_s: f64,
     checksum: u64,
+    limits: &'a BTreeMap<&'static str, Limit>,
+    modes: &'a BTreeMap<&'static str, ModeReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    compare: Option<&'a Compare>,
 }
 
 fn plural(n: usize, what: &str) -> String {
@@ -86,8 +147,9 @@ fn distinct<T: PartialEq>(values: impl Iterator<Item = T>) -> Vec<T> {
 }
 
 /// The fastest run (the first of equals).
-pub(super) fn best(runs: &[RunReport]) -> &RunReport {
+pub(super) fn best<'a, R: std::borrow::Borrow<RunReport> + 'a>(runs: &'a [R]) -> &'a RunReport {
     runs.iter()
+        .map(|r| r.borrow())
         .reduce(|best, r| if r.gb_per_s > best.gb_per_s { r } else { best })
         .expect("at least one run")
 }
@@ -119,7 +181,7 @@ impl Setup<'_> {
             self.device,
             first.method.as_str(),
             Size(first.memory_limit),
-            if self.cold { "cold" } else { "warm" },
+            self.modes.join(", then "),
             plural(self.runs(), "run"),
             self.header_row()
         )
@@ -135,8 +197,9 @@ impl Setup<'_> {
 
     fn header_row(&self) -> String {
         format!(
-            "{:>4}  {}{:>14}  {:>8}  {:>8}  {:>7}  {:>12}\n",
+            "{:>4}  {:>5}  {}{:>14}  {:>8}  {:>8}  {:>7}  {:>12}\n",
             "run",
+            "cache",
             self.config_cells("concurrency", "block size"),
             "bytes",
             "tensors",
@@ -153,14 +216,57 @@ impl Setup<'_> {
             .map_or_else(|| "-".into(), |ms| format!("{ms:.2} ms"));
         let config = self.config_cells(&r.concurrency.to_string(), &Size(r.block_size).to_string());
         format!(
-            "{:>4}  {config}{:>14}  {:>8}  {:>8.4}  {:>7.3}  {first:>12}\n",
-            r.run, r.bytes, r.tensors, r.seconds, r.gb_per_s
+            "{:>4}  {:>5}  {config}{:>14}  {:>8}  {:>8.4}  {:>7.3}  {first:>12}\n",
+            r.run, r.cache, r.bytes, r.tensors, r.seconds, r.gb_per_s
         )
     }
 
-    /// The line under the table.
-    pub fn summary(&self, runs: &[RunReport]) -> String {
-        let best = best(runs);
+    /// The limits measured, then each mode's best run beside its limit.
+    pub fn summary(
+        &self,
+        runs: &[RunReport],
+        limits: &BTreeMap<&'static str, Limit>,
+        modes: &BTreeMap<&'static str, ModeReport>,
+    ) -> String {
+        let mut out = String::new();
+        if !limits.is_empty() {
+            out.push_str("\nlimits, measured just now on the same files:\n");
+            for (name, limit) in limits {
+                let rate = limit
+                    .gb_per_s
+                    .map_or_else(|| "-".into(), |r| format!("{r:.3} GB/s"));
+                out.push_str(&format!("  {name:<17} {rate:>12}  {}\n", limit.what));
+            }
+        }
+        out.push('\n');
+        for mode in &self.modes {
+            let Some(m) = modes.get(mode) else { continue };
+            let run = &runs[m.best_run - 1];
+            let label = if self.modes.len() == 1 {
+                "best".to_string()
+            } else {
+                format!("best {mode}")
+            };
+            out.push_str(&self.best_line(&label, run));
+            if m.evicted == Some(false) {
+                out.push_str(
+                    "  (eviction did not take effect here, e.g. tmpfs: these runs read memory)\n",
+                );
+            }
+            match (m.limit, m.fraction_of_limit) {
+                (Some(limit), Some(f)) => out.push_str(&format!(
+                    "  {:.0}% of {limit} ({:.3} GB/s): bound by {}\n",
+                    f * 100.0,
+                    m.limit_gb_per_s.unwrap_or(0.0),
+                    m.bound_by
+                )),
+                _ => out.push_str("  no limit measurable here to compare with\n"),
+            }
+        }
+        out
+    }
+
+    fn best_line(&self, label: &str, best: &RunReport) -> String {
         let first = best
             .first_tensor_ms
             .map_or_else(String::new, |ms| format!(", first tensor {ms:.2} ms"));
@@ -174,14 +280,20 @@ impl Setup<'_> {
             String::new()
         };
         format!(
-            "\nbest: run {} (method {}{config}): {:.3} GB/s, {:.3} s{first}\n",
+            "{label}: run {} (method {}{config}): {:.3} GB/s, {:.3} s{first}\n",
             best.run, best.method, best.gb_per_s, best.seconds
         )
     }
 
     /// The `--json` object, on one line.
-    pub fn json(&self, runs: &[RunReport]) -> String {
-        let best = best(runs);
+    pub fn json(
+        &self,
+        runs: &[RunReport],
+        limits: &BTreeMap<&'static str, Limit>,
+        modes: &BTreeMap<&'static str, ModeReport>,
+        compare: Option<&Compare>,
+    ) -> String {
+        let best = &runs[modes[self.modes[0]].best_run - 1];
         let first = &self.configs[0];
         let report = Report {
             uris: self.uris,
@@ -194,7 +306,7 @@ impl Setup<'_> {
             concurrency: best.concurrency,
             block_size: best.block_size,
             memory_limit: first.memory_limit,
-            cold: self.cold,
+            cold: self.modes.contains(&"cold"),
             repeat: self.repeat,
             sweep: self.sweep.then(|| Grid {
                 concurrency: distinct(self.configs.iter().map(|c| c.concurrency)),
@@ -204,6 +316,9 @@ impl Setup<'_> {
             best_run: best.run,
             best_gb_per_s: best.gb_per_s,
             checksum: best.checksum,
+            limits,
+            modes,
+            compare,
         };
         let mut text = serde_json::to_string(&report).expect("the report serializes");
         text.push('\n');
@@ -218,6 +333,7 @@ mod tests {
     fn run(n: usize, gb_per_s: f64) -> RunReport {
         RunReport {
             run: n,
+            cache: "warm",
             concurrency: 16,
             block_size: 8 << 20,
             method: "mmap",
@@ -237,6 +353,34 @@ mod tests {
     }
 
     #[test]
+    fn the_lowest_measured_limit_binds_from_80_percent() {
+        let mut limits = BTreeMap::new();
+        let limit = |r: Option<f64>| Limit {
+            gb_per_s: r,
+            what: String::new(),
+            bytes: 0,
+        };
+        limits.insert("page_cache", limit(Some(2.0)));
+        limits.insert("host_to_device", limit(Some(4.0)));
+        limits.insert("storage_direct", limit(None));
+        let runs = [run(1, 1.0), run(2, 1.7)];
+        let refs: Vec<&RunReport> = runs.iter().collect();
+        let m = ModeReport::new(&refs, None, &limits, &["page_cache", "host_to_device"]);
+        assert_eq!(
+            (m.best_run, m.limit, m.bound_by),
+            (2, Some("page_cache"), "page_cache")
+        );
+        assert!((m.fraction_of_limit.unwrap() - 0.85).abs() < 1e-9);
+        let m = ModeReport::new(&refs[..1], None, &limits, &["host_to_device"]);
+        assert_eq!((m.limit, m.bound_by), (Some("host_to_device"), "fastload"));
+        let m = ModeReport::new(&refs, None, &limits, &["storage_direct"]);
+        assert_eq!(
+            (m.limit, m.fraction_of_limit, m.bound_by),
+            (None, None, "fastload")
+        );
+    }
+
+    #[test]
     fn rows_line_up_with_the_header() {
         let setup = Setup {
             uris: &["m.safetensors".to_string()],
@@ -246,7 +390,7 @@ mod tests {
             device: &Device::Cpu,
             configs: vec![],
             repeat: 1,
-            cold: false,
+            modes: vec!["warm"],
             sweep: true,
         };
         let header = setup.header_row();

@@ -4,11 +4,12 @@
 //!
 //! A profile fills only what the options and the environment left unset, as in boto3:
 //! - credentials: static keys (the credentials file before the config file), or a web-identity
-//!   token file with a role ARN. Profiles that need a program run (`credential_process`), a role
-//!   assumed from another profile (`role_arn` + `source_profile`) or SSO get a clear error that
-//!   says how to export their credentials instead: fastload does not run those flows;
+//!   token file with a role ARN, set on the builder here. Profiles whose credentials come from a
+//!   flow (`role_arn` with `source_profile` or `credential_source`, SSO, `credential_process`)
+//!   are only recognised here: aws_credentials.rs runs them through aws-config, as the AWS CLI
+//!   would;
 //! - `region`, `endpoint_url` (the `[services ...]` section's `s3` one first), and the `s3`
-//!   sub-section's `addressing_style`.
+//!   sub-section's `addressing_style`, which aws-config does not give in this form.
 //!
 //! A profile named explicitly must exist; the implicit "default" may be absent.
 
@@ -17,8 +18,8 @@ use std::path::{Path, PathBuf};
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 
-use super::config::is_true;
 use super::errors::remember_secret;
+use super::keys::is_true;
 use crate::error::{Error, Result};
 
 /// One value of an INI section: a plain string, or a sub-section (`s3 =` followed by indented
@@ -218,13 +219,15 @@ fn expand_home(path: &str, home: Option<&str>) -> PathBuf {
 
 /// Applies the profile's settings that `b` does not have yet. `has_credentials` says whether the
 /// options or environment already chose credentials; `explicit` holds the keys they set.
+/// Also returns, when the profile's credentials come from a flow that aws-config runs, how
+/// (for messages), e.g. "credential_process".
 pub(super) fn apply(
     mut b: AmazonS3Builder,
     env: &[(String, String)],
     profile_option: Option<&str>,
     has_credentials: bool,
     explicit: &mut HashSet<AmazonS3ConfigKey>,
-) -> Result<AmazonS3Builder> {
+) -> Result<(AmazonS3Builder, Option<&'static str>)> {
     let files = Files::load(env, profile_option)?;
     let creds = files.credentials_section();
     let config = files.config_section();
@@ -242,16 +245,23 @@ pub(super) fn apply(
                 ),
             ));
         }
-        return Ok(b);
+        return Ok((b, None));
     }
     let profile = &files.profile;
+    let mut flow = None;
     if !has_credentials {
-        for (key, value) in profile_credentials(profile, creds, config)? {
-            b = b.with_config(key, value);
+        match profile_credentials(profile, creds, config)? {
+            Credentials::Keys(keys) => {
+                for (key, value) in keys {
+                    b = b.with_config(key, value);
+                }
+            }
+            Credentials::Flow(how) => flow = Some(how),
+            Credentials::None => {}
         }
     }
     let Some(config) = config else {
-        return Ok(b);
+        return Ok((b, flow));
     };
     let unset = |b: &AmazonS3Builder, key: AmazonS3ConfigKey| b.get_config_value(&key).is_none();
     if unset(&b, AmazonS3ConfigKey::Region) && unset(&b, AmazonS3ConfigKey::DefaultRegion) {
@@ -290,27 +300,26 @@ pub(super) fn apply(
             explicit.insert(virtual_key);
         }
     }
-    Ok(b)
+    Ok((b, flow))
 }
 
-/// The profile's credentials, in botocore's order: a web identity, then the flows fastload does
-/// not run (an error naming the way out), then static keys from the credentials file, then from
-/// the config file.
+/// What a profile says about credentials.
+enum Credentials {
+    /// Keys (or a web identity) to set on the builder.
+    Keys(Vec<(AmazonS3ConfigKey, String)>),
+    /// A flow for aws-config to run, named for messages.
+    Flow(&'static str),
+    None,
+}
+
+/// The profile's credentials, in botocore's order: a web identity, then an assumed role, SSO,
+/// then static keys from the credentials file, then from the config file, then
+/// `credential_process`.
 fn profile_credentials(
     profile: &str,
     creds: Option<&Section>,
     config: Option<&Section>,
-) -> Result<Vec<(AmazonS3ConfigKey, String)>> {
-    let unsupported = |how: &str| {
-        Error::option(
-            "AWS profile",
-            format!(
-                "profile {profile:?} gets its credentials through {how}, which fastload does not \
-                 run; export them into the environment first, e.g. \
-                 eval \"$(aws configure export-credentials --profile {profile} --format env)\""
-            ),
-        )
-    };
+) -> Result<Credentials> {
     if let Some(config) = config {
         if let (Some(token_file), Some(role)) = (
             config.get("web_identity_token_file"),
@@ -323,18 +332,18 @@ fn profile_credentials(
             if let Some(name) = config.get("role_session_name") {
                 out.push((AmazonS3ConfigKey::RoleSessionName, name.into()));
             }
-            return Ok(out);
+            return Ok(Credentials::Keys(out));
         }
         if config.get("role_arn").is_some() {
-            return Err(unsupported("an assumed role (role_arn)"));
+            return Ok(Credentials::Flow("an assumed role (role_arn)"));
         }
         if config.get("sso_session").is_some() || config.get("sso_start_url").is_some() {
-            return Err(unsupported("AWS IAM Identity Center (SSO)"));
+            return Ok(Credentials::Flow("AWS IAM Identity Center (SSO)"));
         }
     }
     for section in [creds, config].into_iter().flatten() {
         if let Some(keys) = static_keys(profile, section)? {
-            return Ok(keys);
+            return Ok(Credentials::Keys(keys));
         }
     }
     if [creds, config]
@@ -342,9 +351,9 @@ fn profile_credentials(
         .flatten()
         .any(|s| s.get("credential_process").is_some())
     {
-        return Err(unsupported("credential_process"));
+        return Ok(Credentials::Flow("credential_process"));
     }
-    Ok(Vec::new())
+    Ok(Credentials::None)
 }
 
 fn static_keys(
@@ -440,6 +449,13 @@ mod tests {
     }
 
     fn applied(env: &[(String, String)], option: Option<&str>) -> Result<AmazonS3Builder> {
+        flow_of(env, option).map(|(b, _)| b)
+    }
+
+    fn flow_of(
+        env: &[(String, String)],
+        option: Option<&str>,
+    ) -> Result<(AmazonS3Builder, Option<&'static str>)> {
         apply(
             AmazonS3Builder::new(),
             env,
@@ -515,7 +531,7 @@ mod tests {
         let preset = AmazonS3Builder::new()
             .with_region("ap-south-1")
             .with_endpoint("http://mine:3");
-        let b = apply(
+        let (b, _) = apply(
             preset,
             &env_for(dir.path(), &[("AWS_PROFILE", "dev")]),
             None,
@@ -553,7 +569,7 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_flows_and_partial_keys_are_clear_errors() {
+    fn flows_are_recognised_and_partial_keys_are_clear_errors() {
         let dir = tempfile::tempdir().unwrap();
         write(
             dir.path(),
@@ -567,18 +583,25 @@ mod tests {
              aws_secret_access_key = secretsecret\n",
         );
         let env = env_for(dir.path(), &[]);
+        // Flows are left to aws-config (aws_credentials.rs): no keys set, the flow named.
         for (profile, what) in [
             ("role", "assumed role"),
             ("sso", "SSO"),
             ("proc", "credential_process"),
-            (
-                "half",
-                "sets aws_access_key_id but not aws_secret_access_key",
-            ),
         ] {
-            let err = applied(&env, Some(profile)).unwrap_err().to_string();
-            assert!(err.contains(what), "{profile}: {err}");
+            let (b, flow) = flow_of(&env, Some(profile)).unwrap();
+            assert!(
+                flow.is_some_and(|f| f.contains(what)),
+                "{profile}: {flow:?}"
+            );
+            assert_eq!(b.get_config_value(&AmazonS3ConfigKey::AccessKeyId), None);
         }
+        let err = applied(&env, Some("half")).unwrap_err().to_string();
+        assert!(
+            err.contains("sets aws_access_key_id but not aws_secret_access_key"),
+            "{err}"
+        );
+        assert_eq!(flow_of(&env, Some("both")).unwrap().1, None);
         let b = applied(&env, Some("web")).unwrap();
         assert_eq!(
             b.get_config_value(&AmazonS3ConfigKey::WebIdentityTokenFile)
@@ -603,7 +626,7 @@ mod tests {
             "[default]\ns3 =\n  addressing_style = virtual\n",
         );
         let mut explicit = HashSet::new();
-        let b = apply(
+        let (b, _) = apply(
             AmazonS3Builder::new(),
             &env_for(dir.path(), &[]),
             None,

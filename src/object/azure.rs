@@ -3,9 +3,8 @@
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::ClientConfigKey;
 
-use super::config::{env_pairs, parse_key};
 use super::errors::remember_secret;
-use super::CLIENT_DEFAULTS;
+use super::keys::{env_pairs, parse_key, var, CLIENT_DEFAULTS};
 use crate::error::{Error, Result};
 
 /// The Azure CLI's and SDKs' variable for a whole connection string.
@@ -29,7 +28,7 @@ pub(crate) fn azure_builder(
     for (k, v) in CLIENT_DEFAULTS {
         b = b.with_config(AzureConfigKey::Client(*k), *v);
     }
-    let var = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    let var = |name: &str| var(env, name);
     if let Some(cs) = var(CONNECTION_STRING_VAR) {
         for (key, v) in connection_string(cs, CONNECTION_STRING_VAR)? {
             b = b.with_config(key, v);

@@ -1,21 +1,21 @@
-//! Building a store from a URI, options and the environment (boto3-like for S3).
+//! Building a store from a URI, options and the environment: the top of src/object/'s one-way
+//! flow. Parses the URI, takes our own retry options out, and hands the rest to the scheme's
+//! builder (s3.rs, gcs.rs, azure.rs; plain HTTP here).
 
-use std::collections::HashSet;
-use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 use url::Url;
 
-use super::aws_profile;
 use super::azure::azure_builder;
 use super::errors::*;
 use super::gcs::gcs_builder;
+use super::keys::{parse_key, CLIENT_DEFAULTS};
 use super::retry::RetrySettings;
+use super::s3::s3_builder;
 use super::*;
 use crate::error::{Error, Result};
 use crate::options::Size;
@@ -83,43 +83,6 @@ pub fn open_with_env(
         uri: shown,
         is_prefix,
         retry,
-    })
-}
-
-pub(super) fn env_pairs<'a>(
-    env: &'a [(String, String)],
-    prefix: &'a str,
-) -> impl Iterator<Item = (String, &'a str)> + 'a {
-    env.iter()
-        .filter(move |(k, _)| k.starts_with(prefix))
-        .map(|(k, v)| (k.to_ascii_lowercase(), v.as_str()))
-}
-
-pub(super) fn parse_key<K: std::str::FromStr>(scheme: &str, key: &str) -> Result<K> {
-    let examples = match scheme {
-        "gs" => {
-            "endpoint (alias of base_url), service_account, service_account_key, \
-             application_credentials, bearer_token, skip_signature"
-        }
-        "az" => {
-            "account_name, access_key, endpoint, sas_token, bearer_token, use_emulator, \
-             skip_signature, connection_string"
-        }
-        "http" => "allow_http, allow_invalid_certificates",
-        _ => {
-            "endpoint, region, access_key_id, secret_access_key, session_token, \
-             skip_signature, virtual_hosted_style_request"
-        }
-    };
-    key.to_ascii_lowercase().parse::<K>().map_err(|_| {
-        Error::option(
-            format!("storage_options[{key:?}]"),
-            format!(
-                "not a {scheme}:// option (see object_store's config keys, e.g. {examples}; \
-                 and for every scheme allow_http, timeout, connect_timeout, max_retries, \
-                 retry_timeout, min_rate and min_rate_window)"
-            ),
-        )
     })
 }
 
@@ -211,118 +174,6 @@ fn seconds(key: &str, v: &str) -> Result<Duration> {
                 "expected seconds, e.g. \"30\"",
             )
         })
-}
-
-pub(super) fn is_true(v: &str) -> bool {
-    matches!(
-        v.trim().to_ascii_lowercase().as_str(),
-        "1" | "true" | "yes" | "on"
-    )
-}
-
-/// The S3 builder: our client defaults, `AWS_*` variables as boto3 reads them, then `options`.
-/// - `AWS_ENDPOINT_URL` (or `_S3`) set: path-style requests, plain http allowed when it is http://;
-///   `virtual_hosted_style_request=true` puts the bucket in the endpoint's host instead.
-/// - no endpoint: virtual-hosted requests to AWS unless the bucket name has dots (as boto3 does).
-/// - no credentials and `AWS_EC2_METADATA_DISABLED=true`: an error now, instead of a request to
-///   the instance-metadata address.
-pub(crate) fn s3_builder(
-    uri: &str,
-    options: &[(String, String)],
-    env: &[(String, String)],
-) -> Result<AmazonS3Builder> {
-    let mut b = AmazonS3Builder::new().with_url(uri);
-    for (k, v) in CLIENT_DEFAULTS {
-        b = b.with_config(AmazonS3ConfigKey::Client(*k), *v);
-    }
-    let mut explicit = HashSet::new();
-    let mut metadata_disabled = false;
-    for (k, v) in env_pairs(env, "AWS_") {
-        if k == "aws_ec2_metadata_disabled" {
-            metadata_disabled = is_true(v);
-        } else if let Ok(key) = k.parse::<AmazonS3ConfigKey>() {
-            explicit.insert(key);
-            b = b.with_config(key, v);
-        }
-    }
-    let mut profile = None;
-    for (k, v) in options {
-        if k.eq_ignore_ascii_case("profile") {
-            profile = Some(v.as_str());
-            continue;
-        }
-        let key = parse_key::<AmazonS3ConfigKey>("s3", k)?;
-        explicit.insert(key);
-        b = b.with_config(key, v);
-    }
-    let has_credentials = |b: &AmazonS3Builder| {
-        let has = |key: AmazonS3ConfigKey| b.get_config_value(&key).is_some();
-        has(AmazonS3ConfigKey::AccessKeyId)
-            || has(AmazonS3ConfigKey::SecretAccessKey)
-            || has(AmazonS3ConfigKey::WebIdentityTokenFile)
-            || has(AmazonS3ConfigKey::ContainerCredentialsRelativeUri)
-            || has(AmazonS3ConfigKey::ContainerCredentialsFullUri)
-    };
-    let from_env = has_credentials(&b);
-    b = aws_profile::apply(b, env, profile, from_env, &mut explicit)?;
-    let has_credentials = has_credentials(&b);
-    let unsigned = b
-        .get_config_value(&AmazonS3ConfigKey::SkipSignature)
-        .is_some_and(|v| is_true(&v));
-    if !has_credentials && !unsigned && metadata_disabled {
-        return Err(Error::Io {
-            path: redact_uri(uri),
-            source: io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the instance \
-                 metadata service is disabled by AWS_EC2_METADATA_DISABLED), or pass \
-                 storage_options={\"skip_signature\": \"true\"} for a public bucket",
-            ),
-        });
-    }
-    // Only s3:// URLs get these defaults; https://...amazonaws.com URLs carry their own style.
-    let bucket = match Url::parse(uri) {
-        Ok(url) if matches!(url.scheme(), "s3" | "s3a") => url.host_str().unwrap_or("").to_string(),
-        _ => return Ok(b),
-    };
-    let endpoint = b
-        .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
-        .or_else(|| b.get_config_value(&AmazonS3ConfigKey::Endpoint));
-    let virtual_key = AmazonS3ConfigKey::VirtualHostedStyleRequest;
-    let http_key = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
-    match &endpoint {
-        Some(endpoint) => {
-            if endpoint.starts_with("http://") && !explicit.contains(&http_key) {
-                b = b.with_allow_http(true);
-            }
-            let virtual_hosted = b
-                .get_config_value(&virtual_key)
-                .is_some_and(|v| is_true(&v));
-            if virtual_hosted {
-                let with_bucket = endpoint_with_bucket(endpoint, &bucket);
-                // Both keys, so that AWS_ENDPOINT_URL_S3 (which wins in object_store) agrees.
-                b = b
-                    .with_config(AmazonS3ConfigKey::Endpoint, &with_bucket)
-                    .with_config(AmazonS3ConfigKey::S3Endpoint, with_bucket);
-            }
-        }
-        None => {
-            if !explicit.contains(&virtual_key) {
-                b = b.with_virtual_hosted_style_request(!bucket.contains('.'));
-            }
-        }
-    }
-    Ok(b)
-}
-
-/// `http://host:port` + bucket → `http://bucket.host:port`, unless the host already starts with it.
-pub(super) fn endpoint_with_bucket(endpoint: &str, bucket: &str) -> String {
-    match endpoint.split_once("://") {
-        Some((scheme, rest)) if !bucket.is_empty() && !rest.starts_with(&format!("{bucket}.")) => {
-            format!("{scheme}://{bucket}.{rest}")
-        }
-        _ => endpoint.to_string(),
-    }
 }
 
 /// reqwest runs rustls without a built-in provider (the `ring` one is installed here), which keeps

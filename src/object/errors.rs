@@ -34,11 +34,14 @@ pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
 /// or container, and every other failure, is [`Error::Io`] whose `io::ErrorKind` says what failed
 /// (from the error's types, see `failure_kind`).
 pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
+    if let Some(found) = credentials_unavailable(&e) {
+        return Error::Io {
+            path: uri.to_string(),
+            source: io::Error::new(io::ErrorKind::PermissionDenied, scrub(&found.message)),
+        };
+    }
     let text = chain(&e);
     let detail = clean_message(&text);
-    if let Some(endpoint) = instance_metadata_endpoint(&text) {
-        return no_credentials(uri, endpoint, &detail);
-    }
     let kind = failure_kind(&e);
     let message = match kind {
         io::ErrorKind::NotFound if !names_missing_container(&text) => {
@@ -59,32 +62,31 @@ pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
     }
 }
 
-/// The instance-metadata endpoint a failed credential request went to: object_store asks it for
-/// S3 credentials when none were configured (`AWS_EC2_METADATA_DISABLED` unset).
-fn instance_metadata_endpoint(text: &str) -> Option<&str> {
-    let at = text
-        .find("/latest/api/token")
-        .or_else(|| text.find("/latest/meta-data/iam/security-credentials"))?;
-    let start = text[..at].rfind("http")?;
-    Some(&text[start..at])
+/// The AWS credential chain (aws_credentials.rs) could not give credentials: its message says
+/// where it looked, or which flow failed and how.
+#[derive(Debug)]
+pub(super) struct CredentialsUnavailable {
+    pub message: String,
 }
 
-/// S3 with no credentials anywhere: say so, where we looked, and how out, instead of the
-/// metadata service's own refusal (off EC2 that is all a user would see).
-fn no_credentials(uri: &str, endpoint: &str, detail: &str) -> Error {
-    let message = format!(
-        "no AWS credentials found: none in storage_options, in the environment \
-         (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_WEB_IDENTITY_TOKEN_FILE, \
-         AWS_CONTAINER_CREDENTIALS_*), or in the shared files (AWS_SHARED_CREDENTIALS_FILE or \
-         ~/.aws/credentials, AWS_CONFIG_FILE or ~/.aws/config, profile AWS_PROFILE or default); \
-         the EC2 instance metadata service at {endpoint} gave none ({detail}). Set credentials, \
-         pass storage_options={{\"skip_signature\": \"true\"}} for a public bucket, or set \
-         AWS_EC2_METADATA_DISABLED=true off EC2 to fail at once"
-    );
-    Error::Io {
-        path: uri.to_string(),
-        source: io::Error::new(io::ErrorKind::PermissionDenied, scrub(&message)),
+impl std::fmt::Display for CredentialsUnavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
     }
+}
+
+impl std::error::Error for CredentialsUnavailable {}
+
+/// The credential chain's failure inside an object_store error, if that is what it is.
+fn credentials_unavailable(e: &object_store::Error) -> Option<&CredentialsUnavailable> {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = next {
+        if let Some(found) = err.downcast_ref::<CredentialsUnavailable>() {
+            return Some(found);
+        }
+        next = err.source();
+    }
+    None
 }
 
 /// What kind of failure `e` is, from its variant and the types in its source chain:

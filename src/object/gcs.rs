@@ -4,9 +4,8 @@ use std::io;
 
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 
-use super::config::{env_pairs, is_true, parse_key};
 use super::errors::redact_uri;
-use super::CLIENT_DEFAULTS;
+use super::keys::{env_pairs, is_true, parse_key, var, CLIENT_DEFAULTS};
 use crate::error::{Error, Result};
 
 /// The emulator variable of Google's own client libraries (Go, Python, Java).
@@ -33,7 +32,7 @@ pub(crate) fn gcs_builder(
     for (k, v) in CLIENT_DEFAULTS {
         b = b.with_config(GoogleConfigKey::Client(*k), *v);
     }
-    let var = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    let var = |name: &str| var(env, name);
     let emulator = var(EMULATOR_VAR).filter(|v| !v.trim().is_empty());
     if let Some(host) = emulator {
         b = b.with_base_url(&emulator_url(host));

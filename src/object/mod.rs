@@ -1,6 +1,8 @@
-//! Object storage (s3://, gs://, az://, http(s)://) over the `object_store` crate: URI and option
-//! parsing with boto3-like `AWS_*` environment handling (config.rs), Google's and Azure's own
-//! variables, emulators and connection strings (gcs.rs, azure.rs), shard discovery under a prefix
+//! Object storage (s3://, gs://, az://, http(s)://) over the `object_store` crate. Building a
+//! store flows one way: config.rs (URI, options, dispatch) → one builder per cloud (s3.rs with
+//! the shared AWS files in aws_profile.rs and the AWS CLI's credential chain in
+//! aws_credentials.rs; gcs.rs; azure.rs) → keys.rs (client defaults, environment and option-key
+//! helpers), with errors.rs beside them all. Then shard discovery under a prefix
 //! (index file first), and ranged reads streamed straight into a caller's buffer, resuming cut-off
 //! bodies (read.rs) as one [`RetrySettings`] allows (retry.rs; object_store's request retries are
 //! built from the same settings).
@@ -13,16 +15,19 @@
 use std::sync::Arc;
 
 use object_store::path::Path;
-use object_store::{ClientConfigKey, ObjectStore};
+use object_store::ObjectStore;
 
+mod aws_credentials;
 mod aws_profile;
 mod azure;
 mod config;
 mod errors;
 mod gcs;
+mod keys;
 mod list;
 mod read;
 mod retry;
+mod s3;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -39,16 +44,6 @@ pub const SCHEMES: &[&str] = &[
     "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https",
 ];
 
-/// HTTP client defaults, applied before the environment and the options (which can override them):
-/// - `timeout` covers a whole request, body included (object_store's default is 30 s): sized for
-///   8 MiB blocks on slow, shared links (about 70 KB/s per stream);
-/// - `read_timeout`: no byte for this long means a stalled connection, and the read is resumed;
-/// - `connect_timeout`: a dead or filtered endpoint fails fast.
-const CLIENT_DEFAULTS: &[(ClientConfigKey, &str)] = &[
-    (ClientConfigKey::Timeout, "120s"),
-    (ClientConfigKey::ReadTimeout, "30s"),
-    (ClientConfigKey::ConnectTimeout, "5s"),
-];
 /// HEAD requests in flight when sizes cannot be listed.
 const HEAD_CONCURRENCY: usize = 16;
 

@@ -13,10 +13,11 @@ use object_store::{
 use futures_util::StreamExt;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path;
-use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
+use object_store::{ClientConfigKey, GetOptions, ObjectStore, ObjectStoreExt};
 
 use super::config::*;
 use super::errors::*;
+use super::s3::*;
 use super::*;
 use crate::error::{Error, Result};
 

@@ -65,6 +65,8 @@ pub struct Stats {
     pub target: Option<String>,
     pub bytes_copied: u64,
     pub staging_peak_bytes: u64,
+    /// Bytes mapped from the page cache without populating (every page was cached already).
+    pub bytes_cached: u64,
 }
 
 impl Stats {
@@ -86,6 +88,7 @@ impl Stats {
             target: l.engine().map(str::to_owned),
             bytes_copied: s.bytes_copied.load(Relaxed),
             staging_peak_bytes: s.staging_peak.load(Relaxed),
+            bytes_cached: s.bytes_cached.load(Relaxed),
         }
     }
 }
@@ -113,7 +116,8 @@ impl Stats {
             memory_limit,
             target,
             bytes_copied,
-            staging_peak_bytes
+            staging_peak_bytes,
+            bytes_cached
         );
         Ok(d)
     }
