@@ -284,3 +284,14 @@ def test_s3_objects_are_cached_by_their_etag(s3_store, sharded_dir, tmp_path, mo
     hits = fastload.cache_stats()["hits"]
     assert_same_tensors(fastload.load(uri, cache=cache), want)
     assert fastload.cache_stats()["hits"] == hits + len(copies)
+
+
+def test_bench_with_cache_fills_on_the_first_run_and_reads_the_copy_after(served, tmp_path, capfd):
+    _, url, _ = served
+    argv = ["fastload", "bench", url, "--cache", str(tmp_path / "c"), "--repeat", "3", "--json"]
+    assert fastload._fastload.cli_main(argv) == 0
+    report = json.loads(capfd.readouterr().out)
+    # The first run streams (read into buffers) and fills; the others map the local copy.
+    assert [r["method"] for r in report["runs"]] == ["read", "mmap", "mmap"]
+    assert len({r["checksum"] for r in report["runs"]}) == 1
+    assert len(published(tmp_path / "c")) == 1

@@ -352,6 +352,9 @@ fn execute(
                 ));
             }
             let run = load_once(cache, setup.uris, opts, &args.device, n, label)?;
+            // With --cache, the next run reads the copy this one filled, once it is published
+            // (outside the clock).
+            crate::cache::wait_published();
             if !args.json {
                 print_stdout(&setup.row(&run))?;
             }
