@@ -11,7 +11,7 @@ its own) and times, each ``--reps`` times (the best and median reported):
   writes of every block; the flush (fsync), check and rename of the copy happen after the load
   returned and are reported apart.
 
-Every run reads every page of every tensor inside the clock (``loaders.touch``).
+Every run reads every page of every tensor inside the clock (``fastload._peers.touch``).
 
     python benches/cache_bench.py --size 512MiB --reps 3
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import fastload
 import torch
-from loaders import touch
+from fastload._peers import touch
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def evict(*paths: Path) -> None:
 
 
 def timed(fn, reps: int, after=None, before=None) -> dict:
-    """Each run: `fn()` (a load), then every page of every tensor read (`loaders.touch`, as
+    """Each run: `fn()` (a load), then every page of every tensor read (`fastload._peers.touch`, as
     benches/run.py's `load` workload does), inside the clock; `after()` outside it."""
     runs = []
     for _ in range(reps):

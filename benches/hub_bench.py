@@ -5,7 +5,7 @@ local disk, unlimited and at rate-limited storage links.
     python benches/hub_bench.py --size 512MiB --rates 0,1e9,2e8 --reps 2
 
 Each row is the best of `--reps` runs, in a fresh subprocess each (no buffers kept between runs),
-every page of every tensor read inside the clock (benches/loaders.touch);
+every page of every tensor read inside the clock (fastload._peers.touch);
 the snapshot_download rows download into a fresh cache directory every run (they then read the
 files back, warm in the page cache, as a server would right after downloading). Prints a markdown
 table and writes benches/out/hub_bench.json.
@@ -27,7 +27,7 @@ REPO = "org/bench"
 _RUN = r"""
 import json, os, sys, time, tempfile, shutil
 sys.path.insert(0, os.environ["BENCH_DIR"])
-from loaders import touch  # every page read inside the clock (mmap-backed tensors are lazy)
+from fastload._peers import touch  # every page read inside the clock (mmap-backed tensors are lazy)
 kind, target = sys.argv[1], sys.argv[2]
 start = time.perf_counter()
 if kind == "fastload":

@@ -60,7 +60,7 @@ KEY = "bench/model.safetensors"
 def touch(tensors) -> int:
     """The suite's page touch and checksum (benches/loaders.py), imported when needed: it pulls in
     torch, which the parent process does not otherwise load."""
-    from loaders import touch as touch_pages
+    from fastload._peers import touch as touch_pages
 
     return touch_pages(tensors)
 

@@ -155,6 +155,7 @@ class _StorageHandler(_Base):
         parts = urllib.parse.urlsplit(self.path)
         sha = parts.path.strip("/")
         query = dict(urllib.parse.parse_qsl(parts.query))
+        self.server.rotate_if_armed()
         if not self.server.signature_ok(sha, query):
             self._reply(403, b"<Error>AccessDenied: bad or expired signature</Error>")
             return
@@ -173,6 +174,7 @@ class Storage(_Server):
         self.rate = rate  # bytes/s for all connections together, 0: unlimited
         self.ttl = 3600.0  # how long a signed URL is valid
         self.secret_epoch = 0  # bump to refuse every URL signed so far (a key rotation)
+        self.rotate_on_next_get = False  # bump secret_epoch when the next request arrives
         self._next_send = time.monotonic()
         self._rate_lock = threading.Lock()
         super().__init__(_StorageHandler)
@@ -185,6 +187,13 @@ class Storage(_Server):
     def _sig(self, sha: str, expires: str) -> str:
         key = SECRET + str(self.secret_epoch).encode()
         return hmac.new(key, f"{sha}:{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def rotate_if_armed(self) -> None:
+        """A key rotation between handing out URLs and their first use, when armed."""
+        with self._rate_lock:
+            if self.rotate_on_next_get:
+                self.rotate_on_next_get = False
+                self.secret_epoch += 1
 
     def signature_ok(self, sha: str, query: dict) -> bool:
         expires, sig = query.get("Expires", ""), query.get("Signature", "")

@@ -206,12 +206,14 @@ def test_a_refused_location_is_resolved_again(hub, env, sharded_dir):
     def resolves():
         return len([r for r in hub.requests() if "/resolve/" in r[1]])
 
-    with fastload.stream(f"hf://{REPO}") as tensors:
-        hub.storage.secret_epoch += 1  # every URL handed out so far is now refused
-        opened = resolves()
-        got = dict(tensors)
+    before = resolves()
+    # Every URL handed out before the first read arrives is refused from then on.
+    hub.storage.rotate_on_next_get = True
+    got = fastload.load(f"hf://{REPO}")
+    assert not hub.storage.rotate_on_next_get
     assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
-    assert resolves() > opened
+    files = 1 + len(indexed_files(sharded_dir))  # the index and the shards, resolved at open
+    assert resolves() - before > files
 
 
 def test_offline_reads_the_hf_cache(hub, env, tmp_path, sharded_dir):
@@ -275,6 +277,12 @@ def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir
         assert Path(folder).name == commit
         for name in names:
             assert (Path(folder) / name).read_bytes() == (sharded_dir / name).read_bytes()
+        # Without cache=, files already in the HF cache are read from it, as huggingface_hub
+        # does: the Hub is asked for the commit and the files' etags, the storage host for nothing.
+        before = len(storage_gets(own))
+        assert_same_tensors(fastload.load(f"hf://{REPO}"), want)
+        assert len(storage_gets(own)) == before
+        assert fastload.cache_stats()["published"] - published == 1 + len(shards)
     finally:
         own.close()
     env.setenv("HF_HUB_OFFLINE", "1")

@@ -537,6 +537,21 @@ def _wait_ready(server: subprocess.Popen, url: str, log: Path) -> None:
         time.sleep(2)
 
 
+def _greedy_tokens(base: str, model: str) -> list[int]:
+    """The server's greedy completion of the first prompt, as token ids."""
+    body = {
+        "model": model,
+        "prompt": PROMPTS[0],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+    tokens = _post(base + "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
+    return [int(t.split(":")[1]) for t in tokens]
+
+
 def _stop(server: subprocess.Popen) -> None:
     """The API server and the engine processes it started (its own process group)."""
     if server.poll() is None:
@@ -579,17 +594,7 @@ def test_openai_server(offline):
         body = {"model": str(model_dir), "prompt": "the cat is", "max_tokens": 8, "temperature": 0}
         completion = _post(base + "/v1/completions", body)
         assert completion["choices"][0]["text"].strip(), completion
-        body = {
-            "model": str(model_dir),
-            "prompt": PROMPTS[0],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-        }
-        tokens = _post(base + "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
-        assert [int(t.split(":")[1]) for t in tokens] == expected["safetensors"][0]
+        assert _greedy_tokens(base, str(model_dir)) == expected["safetensors"][0]
     finally:
         _stop(server)
     # Loaded in vLLM's worker process, which found fastload through its entry point.
@@ -694,17 +699,7 @@ def test_serve_from_the_hub(offline, tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(server, base + "/health", log)
-        body = {
-            "model": HUB_REPO,
-            "prompt": PROMPTS[0],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-        }
-        tokens = _post(base + "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
-        assert [int(t.split(":")[1]) for t in tokens] == expected["safetensors"][0]
+        assert _greedy_tokens(base, HUB_REPO) == expected["safetensors"][0]
     finally:
         _stop(server)
         hub.close()

@@ -68,9 +68,14 @@ pub struct CacheSettings {
 }
 
 impl CacheSettings {
-    /// No caching.
+    /// No caching: nothing is written, and only Hub files already in the Hugging Face cache
+    /// (downloaded by huggingface_hub or an earlier load) are read from it, as huggingface_hub
+    /// reads them.
     pub fn off() -> CacheSettings {
-        CacheSettings::default()
+        CacheSettings {
+            hub_root: hub_layout::hub_cache_root(),
+            ..CacheSettings::default()
+        }
     }
 
     /// Caching into `dir`, Hub objects into the HF cache the environment names.
@@ -101,17 +106,16 @@ pub fn default_dir() -> PathBuf {
 
 /// Each source with an identity becomes a local source when a verified copy is cached, or a
 /// filling source when caching is on (and no other process is filling that object: then it is
-/// read from the network only); others are returned as they are.
+/// read from the network only); others are returned as they are. With caching off, only Hub
+/// files are looked up (in the Hugging Face cache), and nothing is filled.
 pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<dyn Source>> {
-    if !settings.enabled() {
-        return sources;
-    }
     let run = Arc::new(Run::default());
     sources
         .into_iter()
         .map(|source| {
             let Some(entry) = source
                 .cache_identity()
+                .filter(|id| settings.enabled() || id.hub.is_some())
                 .and_then(|id| Entry::new(&id, settings))
             else {
                 return source;
@@ -123,7 +127,7 @@ pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<
                     return Arc::new(local) as Arc<dyn Source>;
                 }
             }
-            if run.disabled() || !settings.fill {
+            if !settings.enabled() || run.disabled() || !settings.fill {
                 return source;
             }
             match FillingSource::start(source.clone(), entry, run.clone()) {
