@@ -255,6 +255,9 @@ def local_scenarios(ck: dict, world: int) -> list[dict]:
     return scenarios
 
 
+HUB_REPO = "org/dist"
+
+
 def s3_scenarios(server, ck: dict) -> list[dict]:
     from s3_server import BUCKET, upload, upload_dir
 
@@ -277,7 +280,9 @@ def group(request, local, tmp_path_factory):
     """One launch per group size runs every scenario; the 4-rank one adds the S3 scenarios
     (when SeaweedFS is installed), with credentials reaching the ranks through their env."""
     world = request.param
-    scenarios, env, server = local_scenarios(local, world), None, None
+    scenarios, env, server = local_scenarios(local, world), {}, None
+    tmp = tmp_path_factory.mktemp("group")
+    hub = None
     if world == 4:
         try:
             server = request.getfixturevalue("seaweed")
@@ -285,8 +290,22 @@ def group(request, local, tmp_path_factory):
             server = None
         if server is not None:
             scenarios += s3_scenarios(server, local)
-            env = server.env()
-    results = run_group(world, scenarios, tmp_path_factory.mktemp("group"), env=env)
+            env.update(server.env())
+        # The sharded checkpoint on a mock Hugging Face Hub, as hf://.
+        from hub_server import MockHub
+
+        hub = MockHub()
+        folder = Path(local["sharded"][0])
+        hub.add(HUB_REPO, {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp / "hf_home"), HF_HUB_CACHE=str(tmp / "hf"))
+        scenarios.append(
+            {"id": "hf-sharded", "uri": f"hf://{HUB_REPO}", "ref": local["sharded"][1]}
+        )
+    try:
+        results = run_group(world, scenarios, tmp, env=env)
+    finally:
+        if hub is not None:
+            hub.close()
     return world, local, results, server
 
 
@@ -355,6 +374,14 @@ def test_s3_group_reads_each_byte_once(group, scenario):
     res = results[scenario]
     uri = res[0]["uri"]
     check_parity(res, tensor_bytes(uri, storage_options=server.storage_options()), world)
+
+
+def test_hub_group_reads_each_byte_once(group):
+    """hf:// in a distributed load: every rank gets every tensor, each byte read once."""
+    world, local, results, _ = group
+    if world != 4:
+        pytest.skip("the hf:// scenario runs in the 4-rank group")
+    check_parity(results["hf-sharded"], tensor_bytes(local["sharded"][0]), world)
 
 
 # ---------------------------------------------------------------------------------------------
