@@ -93,7 +93,9 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
             assert sim is not None and sim["violations"] == 0, checks[name]
     assert code == 0, text
     bench = checks["cli_bench_cuda"]["numbers"]
-    assert bench["bytes"] == 8 << 20 and bench["simulator"]["bytes"] == 2 * bench["bytes"]
+    # Two runs' bytes, plus the copies that measured the host-to-device rate.
+    assert bench["bytes"] == 8 << 20 and bench["host_to_device_gb_per_s"] > 0
+    assert bench["simulator"]["bytes"] == 2 * bench["bytes"] + bench["host_to_device_bytes"]
     child = checks["fork_child"]["numbers"]["child"]
     assert child["error"]["fastload"] and "fork" in child["error"]["message"]
     assert checks["fork_child"]["numbers"]["parent_pinned"] > 0

@@ -487,7 +487,7 @@ def test_unknown_extra_config_key(offline):
     assert "unknown model_loader_extra_config key(s) for load format 'fastload': 'concurency'" in (
         error
     ), _tail(output)
-    assert "valid keys: block_size, concurrency" in error
+    assert "valid keys: block_size, cache, concurrency" in error
 
 
 # `vllm serve`, as the `vllm` script runs it. vLLM's CLI asks for the version of a distribution

@@ -101,6 +101,8 @@ def cli_bench_cuda(work: Path) -> dict:
     report = json.loads(proc.stdout)
     tensor_bytes = sum(t.nbytes for t in reference(path).values())
     ok = report["bytes"] == tensor_bytes and len(report["runs"]) == int(repeat)
+    # The device's page-locked copy rate, measured by the same bench before its runs.
+    h2d = report.get("limits", {}).get("host_to_device", {})
     return verdict(
         ok,
         f"{report['bytes']} bytes to {report['device']}, best {report['best_gb_per_s']:.2f} GB/s",
@@ -112,6 +114,8 @@ def cli_bench_cuda(work: Path) -> dict:
         runs_gb_per_s=[r.get("gb_per_s") for r in report["runs"]],
         block_size=report.get("block_size"),
         memory_limit=report.get("memory_limit"),
+        host_to_device_gb_per_s=h2d.get("gb_per_s"),
+        host_to_device_bytes=h2d.get("bytes", 0),
     )
 
 

@@ -421,7 +421,7 @@ fn measure_limits(
             let target = args.device.target()?;
             // No more page-locked memory than the loader may hold.
             let block = resolved.block_size.min(resolved.memory_limit);
-            let l = limits::host_to_device(target, described.bytes, block);
+            let l = limits::host_to_device(target, described.bytes, block)?;
             limits.insert("host_to_device", l);
         }
         names.push("host_to_device");

@@ -282,9 +282,16 @@ pub(super) fn ranged_get(shards: &[Shard], concurrency: usize, block: u64) -> Li
 /// one device buffer through the engine, enough of them to move about `bytes` (at least 8, at
 /// most 256), timed on the host clock from the first enqueue until a fence after the last one
 /// passed (one untimed copy first).
-pub(super) fn host_to_device(target: Option<Target>, bytes: u64, block: u64) -> Limit {
+///
+/// A driver call that fails is the bench's error, as it would be in a run: the device, not the
+/// measurement, is what is broken.
+pub(super) fn host_to_device(
+    target: Option<Target>,
+    bytes: u64,
+    block: u64,
+) -> crate::Result<Limit> {
     let Some(mut target) = target else {
-        return Limit::unmeasurable("no device".into());
+        return Ok(Limit::unmeasurable("no device".into()));
     };
     let block = block.clamp(64 << 10, 64 << 20) as usize;
     let copies = (bytes / block as u64).clamp(8, 256) as usize;
@@ -327,14 +334,12 @@ pub(super) fn host_to_device(target: Option<Target>, bytes: u64, block: u64) -> 
             Ok((block * copies) as f64 / s.max(1e-9) / 1e9)
         }
     };
-    match measure() {
-        Ok(rate) => Limit {
-            gb_per_s: Some(rate),
-            what,
-            bytes: (block * (copies + 1)) as u64,
-        },
-        Err(e) => Limit::unmeasurable(format!("not measurable here: {e}")),
-    }
+    let rate = measure()?;
+    Ok(Limit {
+        gb_per_s: Some(rate),
+        what,
+        bytes: (block * (copies + 1)) as u64,
+    })
 }
 
 /// Pages of `path` in the page cache and pages in all (`mincore` over a read-only mapping);
