@@ -214,12 +214,7 @@ fn bench_table_cold_and_sweep() {
         &["bench", p, "--cold", "--warm", "--repeat", "2", "--json"],
         None,
     ));
-    let caches: Vec<&str> = v["runs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["cache"].as_str().unwrap())
-        .collect();
+    let caches = run_caches(&v);
     assert_eq!(caches, ["cold", "cold", "warm", "warm"]);
     assert_eq!(v["cold"], true);
     assert_eq!(v["best_run"], v["modes"]["cold"]["best_run"]);
@@ -366,12 +361,7 @@ fn bench_without_uri_generates_once_and_reuses() {
     let first = fastload(&args, Some(&cache));
     let v = json_of(&first);
     // No URI: cold runs and warm runs, told apart; the headline is the cold one.
-    let caches: Vec<&str> = v["runs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["cache"].as_str().unwrap())
-        .collect();
+    let caches = run_caches(&v);
     assert_eq!(caches, ["cold", "warm"]);
     assert_eq!(v["cold"], true);
     assert_eq!(v["best_run"], 1);
@@ -426,4 +416,14 @@ fn bench_without_uri_generates_once_and_reuses() {
     ] {
         assert!(text.contains(want), "{want:?} not in {text}");
     }
+}
+
+/// The `cache` mode ("cold" or "warm") of each run in a bench report, in order.
+fn run_caches(report: &serde_json::Value) -> Vec<&str> {
+    report["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["cache"].as_str().unwrap())
+        .collect()
 }
