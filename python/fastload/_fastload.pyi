@@ -269,5 +269,16 @@ def cuda_device_count() -> int: ...
 def inspect(
     uris: list[str], *, storage_options: Mapping[str, object] | None = None
 ) -> list[dict[str, object]]: ...
+def list_objects(
+    uri: str, *, storage_options: Mapping[str, object] | None = None
+) -> list[tuple[str, int]]:
+    """``(uri, size)`` of every object directly under ``uri`` taken as a folder, in name order
+    (an empty list where there is none); the stores, credentials and endpoint rules of a load."""
+
+def read_object(
+    uri: str, max_bytes: int, *, storage_options: Mapping[str, object] | None = None
+) -> bytes:
+    """One object's bytes, whole; over ``max_bytes`` raises ``StorageError`` without reading it."""
+
 def cached_memory() -> dict[str, int]: ...
 def release_memory() -> dict[str, int]: ...

@@ -25,16 +25,20 @@ imports neither vllm nor torch, and ``register()`` may run any number of times i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
+import hashlib
 import importlib.abc
 import importlib.util
 import logging
 import os
 import string
 import sys
+import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -75,23 +79,37 @@ _LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "c
 # vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
 # never load weights (API server, engine core) would otherwise pay for the plugin alone.
 _LOADER_MODULE = "vllm.model_executor.model_loader"
-_state = {"registered": False, "hooked": False}
+_state: dict[str, Any] = {
+    "registered": False,
+    "hooked": False,
+    "args_hooked": False,
+    # "installed" or "missing" once vLLM's EngineArgs module has been seen.
+    "object_store_hook": None,
+}
 
 
 def register() -> None:
-    """Registers the ``fastload`` and ``fastload_sharded`` load formats with vLLM.
+    """Registers the ``fastload`` and ``fastload_sharded`` load formats with vLLM, and lets them
+    take object-store model paths (``s3://``, ``gs://``, ``az://``: see :func:`_hook_engine_args`).
 
     vLLM calls this through the ``vllm.general_plugins`` entry point in every process it starts.
-    Idempotent and cheap: when vLLM's loader registry is not imported yet, the registration waits
-    until vLLM imports it (the processes that load weights do, before they look a format up).
+    Idempotent and cheap: when vLLM's loader registry (or its ``EngineArgs`` module) is not
+    imported yet, the work waits until vLLM imports it (the processes that load weights import
+    the registry before they look a format up; those that build the config, ``EngineArgs``).
     """
+    if not _state["args_hooked"]:
+        _state["args_hooked"] = True
+        if _ARGS_MODULE in sys.modules:
+            _hook_engine_args(sys.modules[_ARGS_MODULE])
+        else:
+            sys.meta_path.insert(0, _RunOnImport(_ARGS_MODULE, _hook_engine_args))
     if _state["registered"] or _state["hooked"]:
         return
     if _LOADER_MODULE in sys.modules:
         _register_now()
     else:
         _state["hooked"] = True
-        sys.meta_path.insert(0, _RegisterOnImport())
+        sys.meta_path.insert(0, _RunOnImport(_LOADER_MODULE, lambda _: _register_now()))
 
 
 def _register_now() -> None:
@@ -107,24 +125,222 @@ def _register_now() -> None:
     _state["registered"] = True
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """One-shot import hook: registers right after vLLM's loader registry module has run."""
+class _RunOnImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: calls ``then(module)`` right after the module ``name`` has run."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name = name
+        self.then = then
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _LOADER_MODULE:
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)  # the real one, from the other finders
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
+        then = self.then
 
-        def exec_then_register(module: Any) -> None:
+        def exec_then_run(module: Any) -> None:
             exec_module(module)
-            _register_now()
+            then(module)
 
-        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_then_run  # type: ignore[method-assign]
         return spec
+
+
+# ---------------------------------------------------------------- object-store model paths
+#
+# vLLM (0.32, 0.33) takes `s3://`, `gs://` and `az://` model paths for its allow-listed load
+# formats only: ModelConfig.__post_init__ pulls config and tokenizer files with
+# runai-model-streamer (vllm.transformers_utils.runai_utils.ObjectStorageModel) into a local
+# folder and sets `model_weights` to the URI; VllmConfig.__post_init__ then refuses any load
+# format but 'runai_streamer', 'runai_streamer_sharded' and 'modelexpress'. Both run inside
+# EngineArgs.create_engine_config, which LLM() and `vllm serve` call in the process that builds
+# the config. Wrapped, it pulls those files with fastload's own object-store client into a local
+# folder first, so vLLM never sees the URI as its model path, and sets `model_weights` to the URI
+# once the config is built: the loaders stream the weights from there (`_weights_location`).
+
+_ARGS_MODULE = "vllm.engine.arg_utils"
+_HOOK_NAME = "EngineArgs.create_engine_config"
+_FORMATS = (LOAD_FORMAT, SHARDED_LOAD_FORMAT)
+# What stays in the object store: weights, which the loaders stream. Everything else directly
+# under the prefix (config, tokenizer, chat template, generation config, code) is pulled.
+_WEIGHT_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".ckpt", ".h5", ".msgpack",
+    ".onnx", ".pkl", ".npz",
+)  # fmt: skip
+# A tokenizer.json of a 256k vocabulary is about 35 MB; nothing pulled should come near this.
+SMALL_FILE_LIMIT = 256 << 20
+_WEIGHTS_URI_ATTR = "_fastload_model_weights"
+
+
+def _is_object_store(path: Any) -> bool:
+    """A model path fastload pulls config files from: an object-store URI it can list (not the
+    Hub's hf://, which vLLM's Hub code handles, nor plain http(s)://, which cannot list)."""
+    from . import _fastload
+
+    if not isinstance(path, str) or not _fastload.is_remote_uri(path):
+        return False
+    return path.split("://", 1)[0].lower() not in ("hf", "http", "https")
+
+
+def _hook_engine_args(module: Any) -> None:
+    """Wraps ``EngineArgs.create_engine_config`` (see the comment above); where this vLLM has
+    none, object-store model paths with our formats get one clear error instead."""
+    engine_args = getattr(module, "EngineArgs", None)
+    original = getattr(engine_args, "create_engine_config", None)
+    if not callable(original):
+        _state["object_store_hook"] = "missing"
+        _refuse_without_hook(engine_args)
+        return
+    if getattr(original, "_fastload_hook", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        uri = _pull_object_store_model(self)
+        config = original(self, *args, **kwargs)
+        if uri:
+            # After VllmConfig checked its allow-list: the loaders read the weights from here.
+            config.model_config.model_weights = uri
+        return config
+
+    create_engine_config._fastload_hook = True  # type: ignore[attr-defined]
+    assert engine_args is not None
+    engine_args.create_engine_config = create_engine_config
+    _state["object_store_hook"] = "installed"
+
+
+def _no_hook_error(path: str) -> Exception:
+    from . import ConfigError
+
+    return ConfigError(
+        f"model {path!r}: this vLLM has no {_HOOK_NAME} (in {_ARGS_MODULE}), through which "
+        f"fastload takes object-store model paths, so load formats {LOAD_FORMAT!r} and "
+        f"{SHARDED_LOAD_FORMAT!r} cannot read config and tokenizer from there. Keep them in a "
+        f"local folder (or a Hugging Face repo) given as the model, and name the weights "
+        f"with model_loader_extra_config={{'weights_uri': {path!r}}}",
+        option="model",
+    )
+
+
+def _refuse(args: Any) -> None:
+    if getattr(args, "load_format", None) not in _FORMATS:
+        return
+    for path in (getattr(args, "model", None), getattr(args, "tokenizer", None)):
+        if _is_object_store(path):
+            raise _no_hook_error(path)
+
+
+def _refuse_without_hook(engine_args: Any) -> None:
+    """The error for a vLLM without the hook: for the EngineArgs being built now (register() runs
+    inside its __post_init__ when LLM() starts) and every later one."""
+    if engine_args is None:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, engine_args):
+            _refuse(candidate)
+        frame = frame.f_back  # type: ignore[assignment]
+    post_init = getattr(engine_args, "__post_init__", None)
+    if callable(post_init):
+
+        @functools.wraps(post_init)
+        def checked_post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _refuse(self)
+            return post_init(self, *args, **kwargs)
+
+        engine_args.__post_init__ = checked_post_init
+
+
+def _pull_object_store_model(args: Any) -> str | None:
+    """For our load formats: pulls the model's (and tokenizer's) small files from the object
+    store to local folders and points ``args`` there. Returns the model's URI (the weights), or
+    None where there is nothing to do."""
+    if args.load_format not in _FORMATS:
+        return None
+    model, tokenizer = args.model, args.tokenizer
+    if not _is_object_store(model):
+        # A second create_engine_config of the same args: model is the local folder by now.
+        uri = getattr(args, _WEIGHTS_URI_ATTR, None)
+        if _is_object_store(tokenizer):
+            args.tokenizer = _pull_small_files(tokenizer, _storage_options(args), config=False)
+        return uri
+    storage_options = _storage_options(args)
+    local = _pull_small_files(model, storage_options, config=True)
+    if not args.served_model_name:
+        args.served_model_name = model  # the API answers to the URI, as with runai_streamer
+    args.model = local
+    if tokenizer is None or tokenizer == model:
+        args.tokenizer = local
+    elif _is_object_store(tokenizer):
+        args.tokenizer = _pull_small_files(tokenizer, storage_options, config=False)
+    setattr(args, _WEIGHTS_URI_ATTR, model)
+    return str(model)
+
+
+def _storage_options(args: Any) -> Any:
+    """``storage_options`` of the extra config, the whole extra config checked first."""
+    allowed = _SHARDED_KEYS if args.load_format == SHARDED_LOAD_FORMAT else _KEYS
+    options = _Options.parse(args.load_format, args.model_loader_extra_config, allowed)
+    return options.stream_kwargs.get("storage_options")
+
+
+def _pull_small_files(uri: str, storage_options: Any, config: bool) -> str:
+    """Every object directly under ``uri`` but the weights, into a local folder named by the
+    URI (under vLLM's assets cache, as vLLM does for runai_streamer); returns the folder."""
+    from . import NotFoundError, _fastload
+
+    started = time.perf_counter()
+    prefix = uri.rstrip("/") + "/"
+    listed = _fastload.list_objects(prefix, storage_options=storage_options)
+    names = {found[len(prefix) :]: size for found, size in listed if found.startswith(prefix)}
+    small = sorted(n for n in names if n and not n.lower().endswith(_WEIGHT_SUFFIXES))
+    if not listed:
+        raise NotFoundError(f"{prefix}: no objects under this prefix (no model there)")
+    if config and "config.json" not in names:
+        raise NotFoundError(
+            f"{prefix}config.json: no such object; vLLM needs the model's config.json beside "
+            f"its weights (found: {', '.join(sorted(names)[:20]) or 'nothing'}). Where config "
+            f"and weights are kept apart, give the config's local folder as the model and the "
+            f"weights as model_loader_extra_config={{'weights_uri': {uri!r}}}"
+        )
+    folder = _local_folder(uri)
+    for name in small:
+        data = _fastload.read_object(
+            prefix + name, SMALL_FILE_LIMIT, storage_options=storage_options
+        )
+        # Written whole, then renamed: a process reading the folder never sees half a file.
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(folder, name))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    logger.info(
+        "fastload pulled %d files (%s) from %s to %s in %.2f s; the weights stream from there",
+        len(small),
+        ", ".join(small[:8]) + (", ..." if len(small) > 8 else ""),
+        prefix,
+        folder,
+        time.perf_counter() - started,
+    )
+    return folder
+
+
+def _local_folder(uri: str) -> str:
+    from vllm.assets.base import get_cache_dir  # type: ignore[import-not-found]
+
+    digest = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    folder = os.path.join(get_cache_dir(), "fastload_models", digest)
+    os.makedirs(folder, exist_ok=True)
+    return folder
 
 
 def __getattr__(name: str) -> Any:

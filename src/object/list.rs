@@ -95,15 +95,47 @@ pub async fn head(remote: &Remote, path: &Path) -> Result<Found> {
 
 /// GET of a small object (an index file) into memory.
 pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
+    get_capped(remote, path, format::MAX_HEADER_LEN, |name, size| {
+        Error::format(name, FormatError::IndexTooLarge { size })
+    })
+    .await
+}
+
+/// One whole object (a config or tokenizer file) into memory; an object over `max_bytes` is an
+/// error naming it, read no further.
+pub async fn read_small(remote: &Remote, path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
+    get_capped(remote, path, max_bytes, |name, size| Error::Io {
+        path: name.to_string(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("object is {size} bytes, over the {max_bytes}-byte limit for a whole read"),
+        ),
+    })
+    .await
+}
+
+/// Every object directly under the remote's key taken as a folder (`s3://bucket/model` and
+/// `s3://bucket/model/` list the same), with sizes, in name order; none is an empty list.
+pub async fn list_folder(remote: &Remote) -> Result<Vec<Found>> {
+    let mut found = list_dir(remote, &remote.path).await?;
+    found.sort();
+    Ok(found)
+}
+
+async fn get_capped(
+    remote: &Remote,
+    path: &Path,
+    max_bytes: u64,
+    too_large: impl FnOnce(&str, u64) -> Error,
+) -> Result<Vec<u8>> {
     let name = remote.uri_of(path);
     let result = remote
         .store
         .get_opts(path, GetOptions::default())
         .await
         .map_err(|e| storage_error(&name, e))?;
-    if result.meta.size > format::MAX_HEADER_LEN {
-        let size = result.meta.size;
-        return Err(Error::format(&name, FormatError::IndexTooLarge { size }));
+    if result.meta.size > max_bytes {
+        return Err(too_large(&name, result.meta.size));
     }
     let mut out = Vec::with_capacity(result.meta.size as usize);
     let mut body = result.into_stream();

@@ -8,6 +8,7 @@ mod args;
 mod dlpack;
 mod errors;
 mod item;
+mod objects;
 mod options;
 mod ranks;
 mod stream;
@@ -111,6 +112,8 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
+    m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(cached_memory, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     Ok(())
