@@ -1,0 +1,70 @@
+"""``_fastload.list_objects`` and ``_fastload.read_object``: the folder listing and whole small
+reads that bring a model's config and tokenizer files from an object store (fastload.vllm pulls
+them for ``vllm serve s3://... --load-format fastload``), on SeaweedFS, fake-gcs-server and the
+Azure server of stores.py, with the stores' own credentials and endpoint rules."""
+
+from __future__ import annotations
+
+import pytest
+import stores
+
+import fastload
+from fastload import _fastload
+
+# Plain HTTP cannot list (stores.Http.no_listing): not an object store a model path can name.
+BACKENDS = ["s3", "gcs", "azure"]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, monkeypatch) -> stores.Store:
+    backend: stores.Store = request.getfixturevalue(f"{request.param}_store")
+    for var in [v for v in __import__("os").environ if v.startswith(("AWS_", "GOOGLE_", "AZURE"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for var, value in backend.env().items():
+        monkeypatch.setenv(var, value)
+    return backend
+
+
+def test_list_folder_with_sizes(store, store_files, sharded_dir):
+    """Objects directly under the prefix, with or without its `/`, in name order: what the
+    sharded folder holds, not `plain/sub/` one level down."""
+    expected = sorted(
+        (store.uri(f"sharded/{p.name}"), p.stat().st_size) for p in sharded_dir.iterdir()
+    )
+    assert _fastload.list_objects(store.uri("sharded/")) == expected
+    assert _fastload.list_objects(store.uri("sharded")) == expected
+    plain = [uri for uri, _ in _fastload.list_objects(store.uri("plain"))]
+    assert plain and not [u for u in plain if "/sub/" in u], plain
+    assert _fastload.list_objects(store.uri("nothing-here/")) == []
+
+
+def test_read_whole_object(store, sharded_dir):
+    index = sharded_dir / "model.safetensors.index.json"
+    data = _fastload.read_object(store.uri(f"sharded/{index.name}"), 1 << 20)
+    assert data == index.read_bytes()
+    # Exactly at the limit is fine; one byte under it is refused unread, naming the object.
+    size = index.stat().st_size
+    assert _fastload.read_object(store.uri(f"sharded/{index.name}"), size) == data
+    with pytest.raises(fastload.StorageError, match=f"over the {size - 1}-byte limit") as info:
+        _fastload.read_object(store.uri(f"sharded/{index.name}"), size - 1)
+    assert store.uri(f"sharded/{index.name}") in str(info.value)
+
+
+def test_missing_object_and_bucket(store):
+    with pytest.raises(fastload.NotFoundError, match="no-such.json"):
+        _fastload.read_object(store.uri("sharded/no-such.json"), 1 << 20)
+    missing = store.missing_bucket().rsplit("/", 1)[0]
+    with pytest.raises(fastload.StorageError, match=missing.split("://")[1].split("/")[0]):
+        _fastload.list_objects(missing + "/")
+
+
+def test_storage_options_override_the_environment(store):
+    """storage_options win over the environment (the vLLM extra config's `storage_options`)."""
+    spoiled, fixes = store.spoiled()
+    with pytest.MonkeyPatch.context() as mp:
+        for var, value in spoiled.items():
+            mp.setenv(var, value)
+        with pytest.raises(fastload.StorageError):
+            _fastload.list_objects(store.uri("sharded/"))
+        assert _fastload.list_objects(store.uri("sharded/"), storage_options=fixes)
