@@ -6,6 +6,7 @@ Azure server of stores.py, with the stores' own credentials and endpoint rules."
 from __future__ import annotations
 
 import os
+
 import fastload
 import pytest
 import stores
