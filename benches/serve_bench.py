@@ -55,9 +55,7 @@ def worker(job: dict) -> dict:
 
     imported = time.perf_counter() - t0
     uri = f"s3://{job['bucket']}/{PREFIX}"
-    kwargs = dict(
-        dtype="bfloat16", max_model_len=256, max_num_seqs=2, enforce_eager=True, seed=0
-    )
+    kwargs = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=2, enforce_eager=True, seed=0)
     start = time.perf_counter()
     downloaded = None
     if job["loader"] == "download":
@@ -98,8 +96,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=32000, hidden_size={hidden}, intermediate_size={hidden * 11 // 4},
-    num_hidden_layers={layers}, num_attention_heads={hidden // 64}, num_key_value_heads={hidden // 256},
+config = LlamaConfig(vocab_size=32000, hidden_size={hidden},
+    intermediate_size={hidden * 11 // 4}, num_hidden_layers={layers},
+    num_attention_heads={hidden // 64}, num_key_value_heads={hidden // 256},
     head_dim=64, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
     eos_token_id=2, torch_dtype="bfloat16")
 model = LlamaForCausalLM(config).to(torch.bfloat16)
