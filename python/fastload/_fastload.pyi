@@ -41,8 +41,10 @@ __all__ = [
     "cuda_device_count",
     "inspect",
     "is_remote_uri",
+    "list_objects",
     "parse_size",
     "plan_ranks",
+    "read_object",
     "release_memory",
     "resolve_options",
 ]

@@ -231,7 +231,7 @@ def _refuse(args: Any) -> None:
         return
     for path in (getattr(args, "model", None), getattr(args, "tokenizer", None)):
         if _is_object_store(path):
-            raise _no_hook_error(path)
+            raise _no_hook_error(str(path))
 
 
 def _refuse_without_hook(engine_args: Any) -> None:
