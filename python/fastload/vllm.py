@@ -12,9 +12,11 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
 ``weights_uri`` and ``distributed``.
 
 ``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the
-Hub as ``hf://ORG/REPO@REVISION`` without writing the weights to disk, or an object-store URI
-given as ``weights_uri``) into ``model.load_weights``; vLLM still fetches config and tokenizer
-files from the Hub as usual. ``fastload_sharded`` reads the per-rank files vLLM's
+Hub as ``hf://ORG/REPO@REVISION`` without writing the weights to disk, an object-store model path
+``s3://``/``gs://``/``az://``, or an object-store URI given as ``weights_uri``) into
+``model.load_weights``; vLLM still fetches config and tokenizer files from the Hub as usual, and
+for an object-store model path the plugin pulls them with fastload's own client first (see
+``_hook_engine_args``). ``fastload_sharded`` reads the per-rank files vLLM's
 ``save_sharded_state`` writes (``model-rank-{rank}-part-{part}.safetensors``), each worker only its
 own, and copies them straight into the model's state dict, as vLLM's ``sharded_state`` does.
 
