@@ -54,6 +54,7 @@ def storage(paths: list[str], cache: str, repeat: int = 1) -> dict[str, dict]:
             out[label] = {
                 "gb_per_s": limit["gb_per_s"],
                 "bytes": limit["bytes"],
+                "seconds": limit["bytes"] / limit["gb_per_s"] / 1e9,
                 "tool": limit["what"],
             }
     return out
