@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import fastload
 import torch
+from fastload._pagecache import evict
 from fastload._peers import touch
 from safetensors.torch import save_file
 
@@ -55,16 +55,6 @@ def checkpoint(path: Path, size: int) -> Path:
     }
     save_file(tensors, str(path))
     return path
-
-
-def evict(*paths: Path) -> None:
-    """Drops the files' pages from the page cache (clean pages only: the copy was flushed)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def timed(fn, reps: int, after=None, before=None) -> dict:

@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
                 if row in notes:
                     continue
                 if cache == "cold":
-                    limits.evict(files)
+                    limits.evict(*files)
                 else:
-                    limits.warm(files)
+                    limits.warm(*files)
                 job = {"row": row, "files": files, "device": args.device}
                 res = measure(sys.executable, job, args.timeout)
                 if "seconds" not in res:

@@ -8,11 +8,12 @@ from collections import defaultdict
 from pathlib import Path
 
 RAW_NOTES = {
-    "disk O_DIRECT": "fio io_uring, O_DIRECT, 8 MiB requests, queue depth 32 (cold by nature)",
-    "disk buffered x8": "fio psync, 8 readers on 8 regions, 8 MiB reads through the page cache"
-    " (readahead), after eviction",
-    "disk buffered x1": "the same with 1 reader; once per case",
-    "page-cache read": "read() of 8 MiB into one reused buffer, 1 thread, files cached",
+    "disk O_DIRECT": "fastload bench --limits-only: O_DIRECT reads, `concurrency` x 8 MiB in flight"
+    " (cold by nature)",
+    "disk buffered x8": "fastload bench --limits-only: 8 readers on 8 regions, 8 MiB preads through"
+    " the page cache (readahead), after eviction",
+    "page-cache read": "fastload bench --limits-only: 8 MiB preads of the cached files, one reader"
+    " per core",
 }
 # The cold limit is the faster of these two, per case (see limits.py for why both).
 COLD_LIMITS = ["disk O_DIRECT", "disk buffered x8"]

@@ -138,18 +138,6 @@ class Runner:
             return {"error": f"exit {r.returncode}, no result: {tail[-500:]}"}
         return json.loads(lines[-1])
 
-    def raw(self, kind: str, paths: list[str]) -> dict:
-        try:
-            if kind == "disk O_DIRECT":
-                return limits.disk_direct(paths)
-            if kind == "disk buffered x8":
-                return limits.buffered_read(paths, 8)
-            if kind == "disk buffered x1":
-                return limits.buffered_read(paths, 1)
-            return limits.buffered_read(paths, 1, prefer_fio=False)  # page-cache read
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}"}
-
     def case(self, name: str, stamp: dict, rows: list[Row]) -> None:
         files = [os.path.join(stamp["dir"], f) for f in sorted(stamp["files"])]
         uri = files[0] if len(files) == 1 else stamp["dir"]
@@ -170,21 +158,13 @@ class Runner:
         for cache in self.args.cache:
             jobs = [(r, w) for r in rows for w in r.workloads if cache in r.caches]
             if cache == "warm":
-                limits.warm(everything)  # the untimed warm-up read
+                limits.warm(*everything)  # the untimed warm-up read
             for rep in range(self.args.reps):
                 k = rep % max(1, len(jobs))
                 order = jobs[k:] + jobs[:k]
-                # The single-reader buffered rate is slow to measure (~8 s at 2 GiB): once per case.
-                raws = (
-                    ["disk O_DIRECT", "disk buffered x8"]
-                    + (["disk buffered x1"] if rep == 0 else [])
-                    if cache == "cold"
-                    else ["page-cache read"]
-                )
-                for kind in raws:
-                    if cache == "cold":
-                        limits.evict(files)
-                    res = self.raw(kind, files)
+                # The limits of the same files, by `fastload bench --limits-only` (it evicts for
+                # the cold ones itself).
+                for kind, res in limits.storage(files, cache).items():
                     self._record(name, cache, rep, kind, "raw", res, reference, stamp)
                 for row, workload in order:
                     if row.loader == "fastload" and row.note:  # not importable: one note, no runs
@@ -220,15 +200,15 @@ class Runner:
 
     def _prepare_cache(self, cache: str, paths: list[str]) -> None:
         if cache == "cold":
-            limits.evict(paths)
-            left = limits.resident_bytes(paths)
+            limits.evict(*paths)
+            left = limits.resident_bytes(*paths)
             if left:
                 self.log.write(f"warning: {left} bytes still cached after eviction\n")
         else:
             total = sum(os.path.getsize(p) for p in paths)
-            resident = limits.resident_bytes(paths)
+            resident = limits.resident_bytes(*paths)
             if resident is not None and resident < total:
-                limits.warm(paths)
+                limits.warm(*paths)
 
     def _record(self, case, cache, rep, label, workload, res, reference, stamp):
         rec = {

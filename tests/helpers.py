@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fastload import _pagecache
 from safetensors.torch import load_file, save_file
 
 MiB = 1 << 20
@@ -229,13 +230,8 @@ def write_one_tensor(path: Path) -> Path:
 
 
 def evict(path) -> None:
-    """Drops the file's pages from the page cache (fsync first: dirty pages cannot be dropped)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Drops the file's pages from the page cache (fastload's one helper: fsync, then fadvise)."""
+    _pagecache.evict(path)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

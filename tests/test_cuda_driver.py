@@ -1,5 +1,7 @@
 """The CUDA engine against the simulated driver (tests/cuda_sim.py): how it opens the driver, binds
-contexts, pools page-locked memory, fails, and behaves after fork or with no visible device.
+contexts, pools page-locked memory, orders its copies, bounds device memory, fails, and behaves
+after fork or with no visible device. The one home of the engine's tests; test_cuda_sim.py checks
+the simulator itself.
 
 Each process runs on the simulator through `cuda_sim.env`; destinations are host tensors handed
 out by an `allocate` callable (the simulator's "device memory" is host memory), so no CUDA build of
@@ -8,6 +10,7 @@ torch is needed.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -17,6 +20,11 @@ import pytest
 import torch
 from helpers import run_probe
 from safetensors.torch import save_file
+
+# A 4 MiB copy takes 500 ms at 8 MiB/s: a stream busy with one runs its later work late.
+SLOW = {"FAKE_CUDA_LAG_US": "1000", "FAKE_CUDA_COPY_RATE": str(8 << 20)}
+
+VARIANTS = pytest.mark.parametrize("broken", [False, True], ids=["correct", "broken"])
 
 # A load through the native module into host tensors standing in for device memory.
 LOAD = """
@@ -122,36 +130,6 @@ emit(ok=ok, cached=fastload.cached_memory())
     assert counters["host_frees"] <= 4, counters
     assert counters["pinned_peak"] <= 4 << 20, counters
     assert counters["violations"] == 0, counters
-
-
-# ---------------------------------------------------------------------------------------------
-# Contexts (item 5)
-
-
-def test_copies_rebind_the_context_after_the_allocator_ran(fake_cuda, dtypes_file, tmp_path):
-    # torch runs on the copy thread (the allocator) and may leave another context current there:
-    # here it leaves device 1's. The copies, events and waits must still go to cuda:0's context.
-    code = (
-        LOAD
-        + """
-driver = ctypes.CDLL("libcuda.so.1")
-assert driver.cuInit(0) == 0
-dev, ctx1 = ctypes.c_int(), ctypes.c_void_p()
-assert driver.cuDeviceGet(ctypes.byref(dev), 1) == 0
-assert driver.cuDevicePrimaryCtxRetain(ctypes.byref(ctx1), dev) == 0
-
-def allocate_on_device_1(sizes):
-    assert driver.cuCtxSetCurrent(ctx1) == 0
-    return host_allocate(sizes)
-
-got, stats = load(sys.argv[1], allocate_on_device_1, block_size="4KiB", memory_limit="1MiB")
-emit(ok=got == expected(sys.argv[1]), target=stats["target"])
-"""
-    )
-    log = tmp_path / "log"
-    out = run_probe(code, dtypes_file, env=cuda_sim.env(fake_cuda, log, devices=2))
-    assert out == {"ok": True, "target": "cuda:0"}
-    assert cuda_sim.log(log)["violations"] == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +304,16 @@ emit(ok=got == expected(sys.argv[1]), target=stats["target"])
     env["LD_LIBRARY_PATH"] = f"{stub_cuda}:{env['LD_LIBRARY_PATH']}"
     out = run_probe(code, dtypes_file, env=env)
     assert out == {"ok": True, "target": "cuda:0"}
+    # The Rust CLI opens the driver the same way.
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert cuda_sim.log(tmp_path / "log")["violations"] == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,3 +351,212 @@ emit(**out)
     assert proc.returncode != 0
     assert "no CUDA device is visible" in proc.stderr, proc.stderr
     assert "panicked" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline against the simulator's ordering rules: streams, contexts, device memory
+
+PIPELINE = """
+import ctypes
+from fastload import _fastload
+from safetensors.torch import load_file
+from cuda_sim import Driver
+path, mode, broken = sys.argv[1], sys.argv[2], sys.argv[3] == "broken"
+cu = Driver()
+cu.init()
+ctx0 = cu.context(0)
+
+def view(addr, n):  # the simulator's device memory, seen from the host
+    return torch.frombuffer((ctypes.c_uint8 * max(n, 1)).from_address(addr), dtype=torch.uint8)[:n]
+
+if mode == "consumer-stream":
+    # The consumer's stream 0 still has work on the destination memory (a slow memset, as a
+    # kernel using memory that the caching allocator hands out again): the allocator returns
+    # the stream, and the copies must be ordered after it. The broken consumer says None.
+    target = "cuda:0"
+    size = max(4 << 20, 2 * os.path.getsize(path))
+    cu.bind(ctx0)
+    pool = cu.alloc(size)
+    cu.bind(None)
+    at = [0]
+    def allocate(sizes):  # on the copy thread, with the engine's context bound
+        if at[0] == 0:
+            cu.ok("cuMemsetD8_v2", pool, 0xEE, size)
+        out = []
+        for n in sizes:
+            addr = pool + at[0]
+            at[0] += (n + 255) // 256 * 256
+            out.append((view(addr, n), addr))
+        return (None if broken else 0), out
+else:
+    # Loading to cuda:1 while the allocator leaves device 0's context current on the calling
+    # (copy) thread, as torch's device guard does on a thread whose current device is 0.
+    target = "cuda:1"
+    def allocate(sizes):
+        if broken:
+            cu.bind(ctx0)
+        ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        return None, [(t, t.data_ptr()) for t in ts]
+
+got, error = {}, None
+try:
+    s = _fastload.Stream([path], target=target, allocate=allocate, block_size="64KiB",
+                         memory_limit="1MiB")
+    for batch in s:
+        for item in batch:
+            got[item.name] = item.data
+except Exception as e:
+    error = str(e)
+cu.bind(ctx0)
+cu.ok("cuCtxSynchronize")  # the consumer's later work sees what stream 0 left behind
+got = {k: bytes(v.numpy()) for k, v in got.items()}
+want = {k: bytes(v.reshape(-1).view(torch.uint8).numpy()) for k, v in load_file(path).items()}
+emit(error=error, bad=sorted(k for k in want if got.get(k) != want[k]), n=len(got))
+"""
+
+
+@VARIANTS
+def test_pipeline_orders_copies_after_the_consumers_stream(
+    fake_cuda, dtypes_file, tmp_path, broken
+):
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, **SLOW)
+    mode = "broken" if broken else "correct"
+    out = run_probe(PIPELINE, dtypes_file, "consumer-stream", mode, env=env)
+    assert out["error"] is None
+    if broken:
+        assert out["bad"], "copies landed before the consumer's stream was done"
+    else:
+        assert out["bad"] == [] and out["n"] > 0
+    assert cuda_sim.log(log)["violations"] == 0
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [False, True],
+    ids=["allocator-keeps-context", "allocator-switches-context"],
+)
+def test_pipeline_rebinds_its_context_after_the_allocator(fake_cuda, dtypes_file, tmp_path, broken):
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, devices=2)
+    mode = "broken" if broken else "correct"
+    out = run_probe(PIPELINE, dtypes_file, "switch-context", mode, env=env)
+    assert out["error"] is None and out["bad"] == [] and out["n"] > 0, out
+    assert cuda_sim.log(log)["violations"] == 0
+
+
+@pytest.mark.parametrize(
+    ("devices", "visible", "device"),
+    [(2, None, "cuda:1"), (2, "1", "cuda:0"), (3, "2,0", "cuda:1")],
+)
+def test_cli_bench_on_another_device(fake_cuda, dtypes_file, tmp_path, devices, visible, device):
+    # The Rust-only path (driver-allocated destinations) on a device other than the first.
+    log = tmp_path / "log"
+    options = ["--device", device, "--block-size", "64KiB", "--memory-limit", "1MiB", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cuda_sim.env(fake_cuda, log, devices=devices, visible=visible),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    counters = cuda_sim.log(log)
+    # Every run's bytes, plus the host-to-device limit's copies.
+    h2d = report["limits"]["host_to_device"]["bytes"]
+    assert counters["bytes"] == report["bytes"] * len(report["runs"]) + h2d, (counters, report)
+    assert counters["violations"] == 0 and counters["device_now"] == 0, counters
+    assert 0 < counters["device_peak"] and counters["pinned_peak"] <= 1 << 20
+
+
+@pytest.mark.parametrize("rate_mib", [16, 64])
+def test_cli_bench_measures_the_host_to_device_limit(fake_cuda, dtypes_file, tmp_path, rate_mib):
+    # issue 16: `--device cuda` reports the page-locked host-to-device copy rate beside the
+    # end-to-end rate; the simulator's copies run at FAKE_CUDA_COPY_RATE, which it must follow
+    # (a wide factor: this is a shared machine).
+    log = tmp_path / "log"
+    rate = rate_mib << 20
+    env = cuda_sim.env(fake_cuda, log, FAKE_CUDA_COPY_RATE=str(rate))
+    options = ["--device", "cuda", "--block-size", "1MiB", "--repeat", "1", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    limit = report["limits"]["host_to_device"]
+    assert "page-locked host to cuda:0" in limit["what"], limit
+    assert rate / 4 <= limit["gb_per_s"] * 1e9 <= rate * 4, (limit, rate)
+    warm = report["modes"]["warm"]
+    # The lower of the two limits that apply (page-cache copy, host-to-device) is the one named.
+    limits = {k: report["limits"][k]["gb_per_s"] for k in ("page_cache", "host_to_device")}
+    assert warm["limit"] == min(limits, key=lambda k: limits[k]), report
+    assert warm["fraction_of_limit"] == pytest.approx(
+        warm["best_gb_per_s"] / warm["limit_gb_per_s"]
+    )
+    assert cuda_sim.log(log)["violations"] == 0
+
+
+RUN_AHEAD = """
+import gc
+from fastload import _fastload
+from cuda_sim import Driver
+from safetensors.torch import load_file
+path, keep, sleep = sys.argv[1], sys.argv[2] == "keep", float(sys.argv[3])
+cu = Driver()
+cu.init()
+stream = _fastload.Stream([path], target="cuda:0", allocate=cu.allocator(0),
+                          block_size="64KiB", memory_limit="1MiB")
+want = load_file(path)
+kept, bad, n = [], [], 0
+for batch in stream:
+    for item in batch:
+        n += 1
+        if not torch.equal(item.data, want[item.name].reshape(-1).view(torch.uint8)):
+            bad.append(item.name)
+        if keep:
+            kept.append(item.data)
+        time.sleep(sleep)
+    del batch, item  # reference counting frees a dropped tensor's device memory at once
+del stream, kept
+gc.collect()
+emit(n=n, bad=bad)
+"""
+
+
+@pytest.fixture(scope="module")
+def quarter_mib_tensors(tmp_path_factory):
+    """16 MiB: 64 int32 tensors of 256 KiB."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("run_ahead") / "w.safetensors"
+    save_file({f"w{i:02}": torch.full((64 << 10,), i, dtype=torch.int32) for i in range(64)}, path)
+    return path
+
+
+def test_device_memory_of_a_load_that_keeps_everything(fake_cuda, quarter_mib_tensors, tmp_path):
+    # The real pipeline into simulated device memory (cuda_sim.Driver.allocator): the log counts
+    # every destination byte, and a consumer that keeps every tensor holds all of them at once.
+    log = tmp_path / "log"
+    out = run_probe(RUN_AHEAD, quarter_mib_tensors, "keep", 0, env=cuda_sim.env(fake_cuda, log))
+    assert out == {"n": 64, "bad": []}
+    counters = cuda_sim.log(log)
+    assert counters["device_peak"] >= 16 << 20
+    assert counters["device_now"] == 0 and counters["violations"] == 0, counters
+
+
+def test_device_memory_run_ahead_is_bounded(fake_cuda, quarter_mib_tensors, tmp_path):
+    # A consumer that takes 20 ms a tensor and drops it: fastload's device memory for tensors
+    # not yet handed out stays within memory_limit (1 MiB), plus the tensor being consumed.
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log)
+    out = run_probe(RUN_AHEAD, quarter_mib_tensors, "drop", 0.02, env=env)
+    assert out == {"n": 64, "bad": []}
+    counters = cuda_sim.log(log)
+    assert counters["device_now"] == 0 and counters["violations"] == 0, counters
+    assert counters["device_peak"] <= (1 << 20) + (256 << 10), counters

@@ -16,6 +16,7 @@ import textwrap
 import fastload
 import pytest
 import torch
+from fastload._pagecache import evict, resident_bytes
 from safetensors.torch import save_file
 
 MiB = 1 << 20
@@ -182,18 +183,8 @@ def _mapped_rss(path) -> int:
 
 def _evict(path) -> bool:
     """Drops `path` from the page cache; whether fincore then counts no page of it."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    try:
-        out = subprocess.run(
-            ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-            capture_output=True,
-            text=True,
-        )
-    except FileNotFoundError:
-        return False
-    return out.returncode == 0 and out.stdout.strip() == "0"
+    evict(path)
+    return resident_bytes(path) == 0
 
 
 def _kernel_has_cachestat(path) -> bool:

@@ -385,3 +385,20 @@ def test_empty_directory_names_the_directory_once(tmp_path):
         fastload.load(tmp_path)
     assert info.value.filename == str(tmp_path)
     assert str(info.value).count("no .safetensors files in this directory") == 1
+
+
+def test_options_type_hints_resolve_without_importing_torch_first():
+    # typing.get_type_hints evaluates the annotations; torch is imported only then, not by
+    # `import fastload` (checked in a fresh interpreter).
+    code = (
+        "import sys, typing, fastload\n"
+        "assert 'torch' not in sys.modules\n"
+        "hints = typing.get_type_hints(fastload.Options)\n"
+        "import torch\n"
+        "assert hints['device'] == typing.Union[str, torch.device], hints['device']\n"
+        "assert hints['concurrency'] == typing.Optional[int], hints['concurrency']\n"
+        "print(sorted(hints))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "memory_limit" in out.stdout

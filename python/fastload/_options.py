@@ -28,6 +28,21 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Union
 
 if TYPE_CHECKING:
     import torch
+else:
+
+    class _Torch:
+        """Stands for the ``torch`` module in this module's annotations at run time, importing it
+        only when something resolves them (``typing.get_type_hints(fastload.Options)``), so that
+        ``import fastload`` never imports torch; ``Any`` where torch is not installed."""
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                import torch
+            except ImportError:
+                return Any
+            return getattr(torch, name)
+
+    torch = _Torch()
 
 Device = Union[str, "torch.device"]
 Size = Union[int, str]

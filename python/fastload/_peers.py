@@ -33,6 +33,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ._torch import DTYPES
+
 PAGE = 4096
 
 
@@ -184,7 +186,7 @@ def _destination(files: list[str], shm_path: str | None) -> dict[str, torch.Tens
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
                 sl = st.get_slice(name)
-                dtype, shape = _DTYPES[sl.get_dtype()], list(sl.get_shape())
+                dtype, shape = DTYPES.get(sl.get_dtype()), list(sl.get_shape())
                 nbytes = torch.empty((), dtype=dtype).element_size()
                 for d in shape:
                     nbytes *= d
@@ -210,22 +212,6 @@ def _destination(files: list[str], shm_path: str | None) -> dict[str, torch.Tens
             assert dtype is not None, name
             dst[name] = buf[off : off + nbytes].view(dtype).view(shape)
     return dst
-
-
-_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "BOOL": torch.bool,
-    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
-    "F8_E5M2": getattr(torch, "float8_e5m2", None),
-}
 
 
 def measure(job: dict) -> dict:

@@ -40,8 +40,9 @@ pub(super) struct BenchArgs {
     /// Bytes per read request, e.g. 8MiB or 1048576 [default: $FASTLOAD_BLOCK_SIZE, else 8MiB]
     #[arg(long, value_name = "SIZE")]
     block_size: Option<Size>,
-    /// Bytes of host buffers the loader may hold at once, e.g. 1GiB [default:
-    /// $FASTLOAD_MEMORY_LIMIT, else 1GiB]
+    /// Memory the loader may hold at once for tensors not yet handed out (host buffers; for a
+    /// GPU load also the page-locked ring and device memory of tensors not yet yielded), e.g.
+    /// 1GiB [default: $FASTLOAD_MEMORY_LIMIT, else 1GiB]
     #[arg(long, value_name = "SIZE")]
     memory_limit: Option<Size>,
     /// How local files are read: auto (the loader picks), mmap (map the file and fault pages in
@@ -88,6 +89,11 @@ pub(super) struct BenchArgs {
     /// the best; --concurrency or --block-size pins that axis to one value
     #[arg(long)]
     sweep: bool,
+    /// Measure the limits that apply (storage, page cache, ranged GETs, host-to-device; each the
+    /// best of --repeat passes) and print them, without timing any load; with --json, one object
+    /// `{"uris", "bytes", "limits": {name: {gb_per_s, what, bytes}}}`
+    #[arg(long, conflicts_with_all = ["compare", "sweep"])]
+    limits_only: bool,
     /// Keep a local copy of remote objects in DIR (1: the default directory, 0: off), written
     /// while the first run streams; later runs read it [default: $FASTLOAD_CACHE, else off]
     #[arg(long, value_name = "DIR")]
@@ -370,31 +376,38 @@ fn measure_limits(
     described: &Described,
     resolved: &Resolved,
     cache: &'static str,
+    times: u32,
     limits: &mut BTreeMap<&'static str, Limit>,
 ) -> CliResult<Vec<&'static str>> {
     let files = &described.local;
     let mut names = Vec::new();
     if described.local.len() < described.shards {
         if !limits.contains_key("ranged_get") {
-            let l = limits::ranged_get(
-                &described.shard_list,
-                resolved.concurrency,
-                resolved.block_size,
-            );
+            let l = Limit::best_of(times, || {
+                limits::ranged_get(
+                    &described.shard_list,
+                    resolved.concurrency,
+                    resolved.block_size,
+                )
+            });
             limits.insert("ranged_get", l);
         }
         names.push("ranged_get");
     } else if cache == "cold" {
         let mut said = true;
-        evict_all(files, &mut said);
-        let direct = limits::storage_direct(files, resolved.concurrency, resolved.block_size);
-        evict_all(files, &mut said);
-        let buffered = limits::buffered(
-            files,
-            limits::COLD_READERS,
-            resolved.block_size,
-            "cold, through the page cache",
-        );
+        let direct = Limit::best_of(times, || {
+            evict_all(files, &mut said);
+            limits::storage_direct(files, resolved.concurrency, resolved.block_size)
+        });
+        let buffered = Limit::best_of(times, || {
+            evict_all(files, &mut said);
+            limits::buffered(
+                files,
+                limits::COLD_READERS,
+                resolved.block_size,
+                "cold, through the page cache",
+            )
+        });
         limits.insert("storage_direct", direct);
         limits.insert("storage_buffered", buffered);
         // The storage delivers whichever of the two is faster.
@@ -407,12 +420,14 @@ fn measure_limits(
         });
     } else {
         warm_up(files);
-        let l = limits::buffered(
-            files,
-            limits::warm_readers(),
-            resolved.block_size,
-            "page-cache copy of the warm files",
-        );
+        let l = Limit::best_of(times, || {
+            limits::buffered(
+                files,
+                limits::warm_readers(),
+                resolved.block_size,
+                "page-cache copy of the warm files",
+            )
+        });
         limits.insert("page_cache", l);
         names.push("page_cache");
     }
@@ -421,7 +436,7 @@ fn measure_limits(
             let target = args.device.target()?;
             // No more page-locked memory than the loader may hold.
             let block = resolved.block_size.min(resolved.memory_limit);
-            let l = limits::host_to_device(target, described.bytes, block)?;
+            let l = limits::host_to_device(target, described.bytes, block, times)?;
             limits.insert("host_to_device", l);
         }
         names.push("host_to_device");
@@ -474,14 +489,38 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
         modes: modes.clone(),
         sweep: args.sweep,
     };
-    if !args.json {
+    if !args.json && !args.limits_only {
         print_stdout(&setup.intro())?;
     }
     let mut runs = Vec::new();
     let mut limits = BTreeMap::new();
     let mut reports = BTreeMap::new();
+    if args.limits_only {
+        for &cache in &modes {
+            measure_limits(
+                &args,
+                &described,
+                &setup.configs[0],
+                cache,
+                setup.repeat,
+                &mut limits,
+            )?;
+        }
+        return print_stdout(&if args.json {
+            setup.limits_json(&limits)
+        } else {
+            setup.limits_table(&limits)
+        });
+    }
     for &cache in &modes {
-        let applicable = measure_limits(&args, &described, &setup.configs[0], cache, &mut limits)?;
+        let applicable = measure_limits(
+            &args,
+            &described,
+            &setup.configs[0],
+            cache,
+            setup.repeat,
+            &mut limits,
+        )?;
         let start = runs.len();
         let evicted = execute(&args, &setup, &configs, &described.local, cache, &mut runs)?;
         let mine: Vec<&RunReport> = runs[start..].iter().collect();

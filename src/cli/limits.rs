@@ -66,6 +66,40 @@ impl Limit {
         }
     }
 
+    /// The best of `times` measurements (at least one): a single pass on a shared machine reads
+    /// low as often as not, so a limit is measured as many times as the runs it is compared with.
+    /// `bytes` counts every measurement's bytes; a measurement that cannot be made ends it.
+    pub(super) fn try_best_of<E>(
+        times: u32,
+        mut measure: impl FnMut() -> std::result::Result<Limit, E>,
+    ) -> std::result::Result<Limit, E> {
+        let mut best = measure()?;
+        let mut bytes = best.bytes;
+        for _ in 1..times {
+            if best.gb_per_s.is_none() {
+                break;
+            }
+            let next = measure()?;
+            bytes += next.bytes;
+            if next.gb_per_s > best.gb_per_s {
+                best = next;
+            }
+        }
+        best.bytes = bytes;
+        if times > 1 && best.gb_per_s.is_some() {
+            best.what = format!("{}; best of {times}", best.what);
+        }
+        Ok(best)
+    }
+
+    /// [`Limit::try_best_of`] for measurements that report failure in the limit itself.
+    pub(super) fn best_of(times: u32, mut measure: impl FnMut() -> Limit) -> Limit {
+        match Limit::try_best_of(times, || Ok::<_, std::convert::Infallible>(measure())) {
+            Ok(limit) => limit,
+            Err(never) => match never {},
+        }
+    }
+
     fn unmeasurable(what: String) -> Limit {
         Limit {
             gb_per_s: None,
@@ -289,6 +323,7 @@ pub(super) fn host_to_device(
     target: Option<Target>,
     bytes: u64,
     block: u64,
+    times: u32,
 ) -> crate::Result<Limit> {
     let Some(mut target) = target else {
         return Ok(Limit::unmeasurable("no device".into()));
@@ -334,11 +369,12 @@ pub(super) fn host_to_device(
             Ok((block * copies) as f64 / s.max(1e-9) / 1e9)
         }
     };
-    let rate = measure()?;
-    Ok(Limit {
-        gb_per_s: Some(rate),
-        what,
-        bytes: (block * (copies + 1)) as u64,
+    Limit::try_best_of(times, || {
+        Ok(Limit {
+            gb_per_s: Some(measure()?),
+            what: what.clone(),
+            bytes: (block * (copies + 1)) as u64,
+        })
     })
 }
 
@@ -381,6 +417,32 @@ pub(super) fn resident(path: &std::path::Path) -> Option<(usize, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_limit_is_the_best_of_its_passes() {
+        let rates = [Some(1.0), Some(3.0), Some(2.0)];
+        let mut i = 0;
+        let best = Limit::best_of(3, || {
+            i += 1;
+            Limit {
+                gb_per_s: rates[i - 1],
+                what: "pass".into(),
+                bytes: 10,
+            }
+        });
+        assert_eq!((best.gb_per_s, best.bytes, i), (Some(3.0), 30, 3));
+        assert_eq!(best.what, "pass; best of 3");
+        // One that cannot be measured is not tried again.
+        let mut tries = 0;
+        let none = Limit::best_of(3, || {
+            tries += 1;
+            Limit::unmeasurable("not here".into())
+        });
+        assert_eq!(
+            (none.gb_per_s, tries, none.what.as_str()),
+            (None, 1, "not here")
+        );
+    }
 
     #[test]
     fn blocks_cover_every_file_aligned() {

@@ -61,12 +61,17 @@ pub(super) struct ModeReport {
     pub limit_gb_per_s: Option<f64>,
     /// best_gb_per_s / limit_gb_per_s.
     pub fraction_of_limit: Option<f64>,
-    /// The limit's name when fastload reaches at least [`BOUND`] of it, else "fastload".
+    /// The limit's name when fastload reaches at least [`BOUND`] of it, [`AT_LIMIT`] when the
+    /// best run is above the limit (the limit is the best of as many passes as there were runs,
+    /// so that is the measurements' noise, not fastload beating the storage), else "fastload".
     pub bound_by: &'static str,
 }
 
 /// The fraction of a limit from which that limit is said to bind.
 pub(super) const BOUND: f64 = 0.8;
+
+/// `bound_by` of a best run above its limit.
+pub(super) const AT_LIMIT: &str = "at the limit (noise)";
 
 impl ModeReport {
     /// `applicable`: the limits that apply to this mode (measured or not).
@@ -90,10 +95,23 @@ impl ModeReport {
             limit_gb_per_s: binding.map(|b| b.1),
             fraction_of_limit: fraction,
             bound_by: match (binding, fraction) {
+                (Some(_), Some(f)) if f > 1.0 => AT_LIMIT,
                 (Some((name, _)), Some(f)) if f >= BOUND => name,
                 _ => "fastload",
             },
         }
+    }
+}
+
+/// Seconds as a person reads them: "1.234 s", "12.3 ms", "0.042 ms" (a tiny file loads in far
+/// less than a millisecond, which "0.000 s" hid).
+fn duration(seconds: f64) -> String {
+    if seconds >= 1.0 {
+        format!("{seconds:.3} s")
+    } else if seconds >= 0.01 {
+        format!("{:.1} ms", seconds * 1e3)
+    } else {
+        format!("{:.3} ms", seconds * 1e3)
     }
 }
 
@@ -228,16 +246,7 @@ impl Setup<'_> {
         limits: &BTreeMap<&'static str, Limit>,
         modes: &BTreeMap<&'static str, ModeReport>,
     ) -> String {
-        let mut out = String::new();
-        if !limits.is_empty() {
-            out.push_str("\nlimits, measured just now on the same files:\n");
-            for (name, limit) in limits {
-                let rate = limit
-                    .gb_per_s
-                    .map_or_else(|| "-".into(), |r| format!("{r:.3} GB/s"));
-                out.push_str(&format!("  {name:<17} {rate:>12}  {}\n", limit.what));
-            }
-        }
+        let mut out = self.limits_table(limits);
         out.push('\n');
         for mode in &self.modes {
             let Some(m) = modes.get(mode) else { continue };
@@ -255,15 +264,54 @@ impl Setup<'_> {
             }
             match (m.limit, m.fraction_of_limit) {
                 (Some(limit), Some(f)) => out.push_str(&format!(
-                    "  {:.0}% of {limit} ({:.3} GB/s): bound by {}\n",
+                    "  {:.0}% of {limit} ({:.3} GB/s): {}\n",
                     f * 100.0,
                     m.limit_gb_per_s.unwrap_or(0.0),
-                    m.bound_by
+                    if m.bound_by == AT_LIMIT {
+                        AT_LIMIT.to_string()
+                    } else {
+                        format!("bound by {}", m.bound_by)
+                    }
                 )),
                 _ => out.push_str("  no limit measurable here to compare with\n"),
             }
         }
         out
+    }
+
+    /// The limits measured, one per line (nothing when there are none).
+    pub fn limits_table(&self, limits: &BTreeMap<&'static str, Limit>) -> String {
+        let mut out = String::new();
+        if !limits.is_empty() {
+            out.push_str("\nlimits, measured just now on the same files:\n");
+            for (name, limit) in limits {
+                let rate = limit
+                    .gb_per_s
+                    .map_or_else(|| "-".into(), |r| format!("{r:.3} GB/s"));
+                out.push_str(&format!("  {name:<17} {rate:>12}  {}\n", limit.what));
+            }
+        }
+        out
+    }
+
+    /// `--limits-only --json`: the files and their limits, on one line.
+    pub fn limits_json(&self, limits: &BTreeMap<&'static str, Limit>) -> String {
+        #[derive(Serialize)]
+        struct Limits<'a> {
+            uris: &'a [String],
+            files: usize,
+            bytes: u64,
+            limits: &'a BTreeMap<&'static str, Limit>,
+        }
+        let report = Limits {
+            uris: self.uris,
+            files: self.files,
+            bytes: self.bytes,
+            limits,
+        };
+        let mut text = serde_json::to_string(&report).expect("the limits serialize");
+        text.push('\n');
+        text
     }
 
     fn best_line(&self, label: &str, best: &RunReport) -> String {
@@ -280,8 +328,11 @@ impl Setup<'_> {
             String::new()
         };
         format!(
-            "{label}: run {} (method {}{config}): {:.3} GB/s, {:.3} s{first}\n",
-            best.run, best.method, best.gb_per_s, best.seconds
+            "{label}: run {} (method {}{config}): {:.3} GB/s, {}{first}\n",
+            best.run,
+            best.method,
+            best.gb_per_s,
+            duration(best.seconds)
         )
     }
 
@@ -378,6 +429,18 @@ mod tests {
             (m.limit, m.fraction_of_limit, m.bound_by),
             (None, None, "fastload")
         );
+        // Above the limit: noise in the measurements, never "bound by" it.
+        let fast = [run(1, 2.4)];
+        let refs: Vec<&RunReport> = fast.iter().collect();
+        let m = ModeReport::new(&refs, None, &limits, &["page_cache"]);
+        assert_eq!((m.limit, m.bound_by), (Some("page_cache"), AT_LIMIT));
+    }
+
+    #[test]
+    fn durations_never_read_zero() {
+        assert_eq!(duration(2.5), "2.500 s");
+        assert_eq!(duration(0.0425), "42.5 ms");
+        assert_eq!(duration(0.000042), "0.042 ms");
     }
 
     #[test]
