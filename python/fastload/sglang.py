@@ -76,10 +76,10 @@ def register() -> None:
         import importlib
 
         choices = importlib.import_module(CHOICES_MODULE)
-        from sglang.srt.arg_groups.resolution_hooks import (  # type: ignore[import-not-found]
+        from sglang.srt.arg_groups.resolution_hooks import (
             register_resolution_hook,
         )
-        from sglang.srt.plugins.hook_registry import (  # type: ignore[import-not-found]
+        from sglang.srt.plugins.hook_registry import (
             HookRegistry,
             HookType,
         )
@@ -101,8 +101,12 @@ def register() -> None:
 def _verify_load_format(original: Any, load_config: Any, *args: Any, **kwargs: Any) -> Any:
     """Around ``LoadConfig._verify_load_format``, which turns a string into SGLang's
     ``LoadFormat`` enum (and refuses one it lacks): "fastload" becomes our loader class, which
-    ``get_model_loader`` instantiates."""
+    ``get_model_loader`` instantiates. The extra config is checked here, when the config is
+    built (a bad key raises ``ConfigError`` naming it)."""
     if _is_ours(load_config.load_format):
+        _integration.Options.parse(
+            LOAD_FORMAT, load_config.model_loader_extra_config, _integration.KEYS
+        )
         load_config.load_format = _loader_class()
         return None
     return original(load_config, *args, **kwargs)
@@ -121,7 +125,7 @@ def _is_object_store(path: Any) -> bool:
 def _model_source_paths(server_args: Any, previous: Any) -> None:
     """SGLang's ``handle_model_source_paths`` step pulls the config of an object-store model
     with runai-model-streamer; with our load format, fastload's object-store client does it."""
-    from sglang.srt.arg_groups.overrides import (  # type: ignore[import-not-found]
+    from sglang.srt.arg_groups.overrides import (
         resolving_view,
     )
 
@@ -145,7 +149,7 @@ def _model_source_paths(server_args: Any, previous: Any) -> None:
 def _keep_load_format(server_args: Any, previous: Any) -> None:
     """SGLang's ``handle_load_format`` step sets ``runai_streamer`` for every object-store model
     path; a fastload load format stays as the user gave it."""
-    from sglang.srt.arg_groups.overrides import (  # type: ignore[import-not-found]
+    from sglang.srt.arg_groups.overrides import (
         declare_resolution,
         resolving_view,
     )
@@ -167,7 +171,7 @@ def _extra_config(extra: Any) -> Any:
 def _pull_config(uri: str, storage_options: Any, config: bool) -> str:
     """The small files of an object-store model into the folder SGLang reads its config from
     (``ObjectStorageModel.get_path``)."""
-    from sglang.srt.utils.runai_utils import (  # type: ignore[import-not-found]
+    from sglang.srt.utils.runai_utils import (
         ObjectStorageModel,
     )
 
@@ -191,12 +195,12 @@ def _weights_location(options: _integration.Options, model_config: Any) -> str:
 @cache
 def _loader_class() -> type:
     import torch
-    from sglang.srt.distributed import get_tp_group  # type: ignore[import-not-found]
-    from sglang.srt.model_loader import loader  # type: ignore[import-not-found]
-    from sglang.srt.model_loader.utils import (  # type: ignore[import-not-found]
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.utils import (
         set_default_torch_dtype,
     )
-    from sglang.srt.model_loader.weight_utils import (  # type: ignore[import-not-found]
+    from sglang.srt.model_loader.weight_utils import (
         download_safetensors_index_file_from_hf,
         download_weights_from_hf,
     )
@@ -205,7 +209,7 @@ def _loader_class() -> type:
 
     default = loader.DefaultModelLoader
 
-    class FastloadModelLoader(loader.BaseModelLoader):  # type: ignore[misc]
+    class FastloadModelLoader(loader.BaseModelLoader):
         """SGLang loader: a safetensors checkpoint streamed by fastload into
         ``model.load_weights``, then SGLang's own post-processing (quantization methods'
         ``process_weights_after_loading``), as ``DefaultModelLoader`` does."""
@@ -297,7 +301,10 @@ def _loader_class() -> type:
             ``DefaultModelLoader.load_weights_and_postprocess`` does."""
             device = _integration.target_device(target, model)
             sources = self._sources(model, model_config)
-            group = _integration.group_for(get_tp_group(), device) if self.options.distributed else None
+            group = None
+            if self.options.distributed:
+                # SGLang's tensor-parallel group: its workers load the same checkpoint.
+                group = _integration.group_for(get_tp_group(), device)
             draft = self.load_config.draft_model_idx
             meter = _integration.Meter(logger)
 
