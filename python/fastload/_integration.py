@@ -202,7 +202,10 @@ class Meter:
     def log(self) -> None:
         seconds = time.perf_counter() - self.start
         rate = self.bytes / seconds / 1e9 if seconds > 0 else float("inf")
-        self.logger.info("Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate)
+        # Attributed to the caller (the engine's loader module), as engines' log lines name it.
+        self.logger.info(
+            "Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate, stacklevel=2
+        )
 
 
 @contextmanager
