@@ -10,6 +10,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -r requirements-test.txt
+# SGLang for tests/test_sglang.py: the package alone (--no-deps: its pins are CUDA-only builds and
+# another torch), then the pure-Python packages its loader imports, with torch held where it is.
+.venv/bin/python -m pip install -q --no-deps -r requirements-sglang.txt
+.venv/bin/python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' \
+    >.venv/torch-constraint.txt
+.venv/bin/python -m pip install -q -r requirements-sglang-deps.txt -c .venv/torch-constraint.txt
 
 echo "== rust: fmt, clippy, tests"
 cargo fmt --all --check

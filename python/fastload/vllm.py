@@ -27,7 +27,6 @@ imports neither vllm nor torch, and ``register()`` may run any number of times i
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import glob
 import hashlib
@@ -37,17 +36,15 @@ import logging
 import os
 import string
 import sys
-import tempfile
-import time
-import urllib.parse
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import replace
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
-if TYPE_CHECKING:
-    import torch
+from . import _integration
+from ._integration import KEYS as _KEYS
+from ._integration import is_url as _is_url
 
 __all__ = ["LOAD_FORMAT", "SHARDED_LOAD_FORMAT", "register"]
 
@@ -63,20 +60,7 @@ TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 _PATTERN_FIELDS = frozenset({"rank", "tp_rank", "pp_rank", "part"})
 
-_KEYS = frozenset(
-    {
-        "concurrency",
-        "block_size",
-        "memory_limit",
-        "weights_uri",
-        "storage_options",
-        "distributed",
-        "cache",
-    }
-)
 _SHARDED_KEYS = _KEYS | {"pattern"}
-# The keys that are load options, checked and passed on to fastload.stream as given.
-_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache")
 
 # vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
 # never load weights (API server, engine core) would otherwise pay for the plugin alone.
@@ -167,14 +151,6 @@ class _RunOnImport(importlib.abc.MetaPathFinder):
 _ARGS_MODULE = "vllm.engine.arg_utils"
 _HOOK_NAME = "EngineArgs.create_engine_config"
 _FORMATS = (LOAD_FORMAT, SHARDED_LOAD_FORMAT)
-# What stays in the object store: weights, which the loaders stream. Everything else directly
-# under the prefix (config, tokenizer, chat template, generation config, code) is pulled.
-_WEIGHT_SUFFIXES = (
-    ".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".ckpt", ".h5", ".msgpack",
-    ".onnx", ".pkl", ".npz",
-)  # fmt: skip
-# A tokenizer.json of a 256k vocabulary is about 35 MB; nothing pulled should come near this.
-SMALL_FILE_LIMIT = 256 << 20
 _WEIGHTS_URI_ATTR = "_fastload_model_weights"
 
 
@@ -294,46 +270,9 @@ def _storage_options(args: Any) -> Any:
 def _pull_small_files(uri: str, storage_options: Any, config: bool) -> str:
     """Every object directly under ``uri`` but the weights, into a local folder named by the
     URI (under vLLM's assets cache, as vLLM does for runai_streamer); returns the folder."""
-    from . import NotFoundError, _fastload
-
-    started = time.perf_counter()
-    prefix = uri.rstrip("/") + "/"
-    listed = _fastload.list_objects(prefix, storage_options=storage_options)
-    names = {found[len(prefix) :]: size for found, size in listed if found.startswith(prefix)}
-    small = sorted(n for n in names if n and not n.lower().endswith(_WEIGHT_SUFFIXES))
-    if not listed:
-        raise NotFoundError(f"{prefix}: no objects under this prefix (no model there)")
-    if config and "config.json" not in names:
-        raise NotFoundError(
-            f"{prefix}config.json: no such object; vLLM needs the model's config.json beside "
-            f"its weights (found: {', '.join(sorted(names)[:20]) or 'nothing'}). Where config "
-            f"and weights are kept apart, give the config's local folder as the model and the "
-            f"weights as model_loader_extra_config={{'weights_uri': {uri!r}}}"
-        )
-    folder = _local_folder(uri)
-    for name in small:
-        data = _fastload.read_object(
-            prefix + name, SMALL_FILE_LIMIT, storage_options=storage_options
-        )
-        # Written whole, then renamed: a process reading the folder never sees half a file.
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, os.path.join(folder, name))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    logger.info(
-        "fastload pulled %d files (%s) from %s to %s in %.2f s; the weights stream from there",
-        len(small),
-        ", ".join(small[:8]) + (", ..." if len(small) > 8 else ""),
-        prefix,
-        folder,
-        time.perf_counter() - started,
+    return _integration.pull_small_files(
+        uri, storage_options, _local_folder(uri), config=config, logger=logger
     )
-    return folder
 
 
 def _local_folder(uri: str) -> str:
@@ -352,59 +291,23 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass(frozen=True)
-class _Options:
-    """``model_loader_extra_config``, checked."""
-
-    load_format: str
-    weights_uri: str | None = None
-    pattern: str | None = None
-    stream_kwargs: dict[str, Any] = field(default_factory=dict)
-    distributed: bool = False
+class _Options(_integration.Options):
+    """``model_loader_extra_config``, checked (``pattern`` too, for ``fastload_sharded``)."""
 
     @classmethod
-    def parse(cls, load_format: str, extra: Any, allowed: frozenset[str]) -> _Options:
-        from . import ConfigError, _fastload
-
-        if extra is None:
-            extra = {}
-        if not isinstance(extra, dict):
-            raise ConfigError(
-                f"model_loader_extra_config for load format {load_format!r} must be a dict, "
-                f"not {type(extra).__name__}"
-            )
-        unknown = sorted(set(extra) - allowed, key=str)
-        if unknown:
-            hint = ""
-            if "pattern" in unknown and load_format == LOAD_FORMAT:
-                hint = f" ('pattern' belongs to load format {SHARDED_LOAD_FORMAT!r})"
-            raise ConfigError(
-                f"unknown model_loader_extra_config key(s) for load format {load_format!r}: "
-                f"{', '.join(map(repr, unknown))}{hint}; "
-                f"valid keys: {', '.join(sorted(allowed))}"
-            )
-        distributed = extra.get("distributed", False)
-        if not isinstance(distributed, bool):
-            raise ConfigError(
-                f"distributed must be true or false, got {distributed!r}", option="distributed"
-            )
-
-        stream_kwargs = {k: extra[k] for k in _LOAD_KEYS if extra.get(k) is not None}
-        # Checked now, at engine start, by the same code that reads them at load time (a bad
-        # value raises ConfigError naming the key).
-        _fastload.resolve_options(**stream_kwargs)
-
-        weights_uri = extra.get("weights_uri")
-        if weights_uri is not None:
-            if not isinstance(weights_uri, (str, os.PathLike)) or not os.fspath(weights_uri):
-                raise ConfigError(
-                    "weights_uri must be a non-empty path or URI", option="weights_uri"
-                )
-            weights_uri = os.fspath(weights_uri)
-        pattern = extra.get("pattern")
-        if pattern is not None:
-            _check_pattern(pattern)
-        return cls(load_format, weights_uri, pattern, stream_kwargs, distributed)
+    def parse(
+        cls,
+        load_format: str,
+        extra: Any,
+        allowed: frozenset[str],
+        hints: Mapping[str, str] | None = None,
+    ) -> _Options:
+        if hints is None and load_format == LOAD_FORMAT:
+            hints = {"pattern": f"'pattern' belongs to load format {SHARDED_LOAD_FORMAT!r}"}
+        options = super().parse(load_format, extra, allowed, hints)
+        if options.pattern is not None:
+            _check_pattern(options.pattern)
+        return cast(_Options, options)
 
 
 def _check_pattern(pattern: Any) -> None:
@@ -426,51 +329,21 @@ def _check_pattern(pattern: Any) -> None:
         )
 
 
-def _is_url(uri: str) -> bool:
-    """Whether fastload reads ``uri`` itself (no download): a ``file:`` URL, which fastload's
-    local path resolution takes, or an object-store URI, whose schemes the native module owns
-    (``_fastload.SCHEMES``)."""
-    from . import _fastload
-
-    return uri.startswith("file:") or _fastload.is_remote_uri(uri)
-
-
 def _weights_location(options: _Options, model_config: Any) -> str:
     """Where the weights are: ``weights_uri``, else ``model_weights`` (the original object-store
     URI when vLLM pulled config files to a local directory), else ``model``."""
     return options.weights_uri or getattr(model_config, "model_weights", "") or model_config.model
 
 
-# Weight files a Hub download leaves out when fastload streams the safetensors from the Hub.
-_WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth"]
-
-
 def _hub_uri(repo: str, revision: str | None) -> str | None:
-    """``hf://ORG/REPO[@REVISION]`` for a Hugging Face repo id, which fastload streams from the
-    Hub; None where vLLM's download must be used instead (ModelScope, a name without an org)."""
-    if os.environ.get("VLLM_USE_MODELSCOPE", "").strip().lower() in ("1", "true"):
-        return None
-    org, _, name = repo.partition("/")
-    if not org or not name or "/" in name or org in (".", ".."):
-        return None
-    at = f"@{urllib.parse.quote(revision, safe='')}" if revision else ""
-    return f"hf://{repo}{at}"
+    """``hf://ORG/REPO[@REVISION]`` for a Hugging Face repo id (None: vLLM's download)."""
+    return _integration.hub_uri(repo, revision, "VLLM_USE_MODELSCOPE")
 
 
 def _download_all_but_weights(load_config: Any, repo: str, revision: str | None) -> str:
     """A Hub repo's files but the weights (config, tokenizer, ...), into vLLM's download dir."""
-    import huggingface_hub
-
-    ignore = load_config.ignore_patterns or []
-    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
-    return str(
-        huggingface_hub.snapshot_download(
-            repo,
-            revision=revision,
-            cache_dir=load_config.download_dir,
-            ignore_patterns=[*ignore, *_WEIGHT_PATTERNS],
-            local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE,
-        )
+    return _integration.download_all_but_weights(
+        repo, revision, load_config.download_dir, load_config.ignore_patterns
     )
 
 
@@ -500,83 +373,20 @@ def _download(load_config: Any, repo: str, revision: str | None, index: bool) ->
     return str(folder)
 
 
-def _device(recorded: Any, model: Any) -> torch.device:
-    """The device fastload streams to: the worker's load device when fastload can write there."""
-    import torch
-
-    import fastload
-
-    device = recorded
-    if device is None:
-        # load_weights called on its own (weight reloads): the model already sits on its device.
-        devices = (p.device for p in model.parameters() if p.device.type != "meta")
-        device = next(devices, "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and getattr(torch.version, "hip", None):
-        device = torch.device("cpu")  # ROCm: stream to host, the weight loaders copy over.
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in fastload.DEVICE_TYPES:
-        # A device fastload does not write to (XPU, TPU, ...): stream to host memory, as vLLM's
-        # own loaders do; the weight loaders copy into the parameters on the device.
-        device = torch.device("cpu")
-    return device
-
-
-class _Meter:
-    """Bytes delivered, and the log line vLLM users look for."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.start = time.perf_counter()
-
-    def count(self, items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
-        for name, tensor in items:
-            self.bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
-
-    def log(self) -> None:
-        seconds = time.perf_counter() - self.start
-        rate = self.bytes / seconds / 1e9 if seconds > 0 else float("inf")
-        logger.info("Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate)
-
-
 def _world_group(device: Any) -> Any:
     """vLLM's world group for a shared read (fastload.distributed), or None for a lone worker."""
     from vllm.distributed import get_world_group  # type: ignore[import-not-found]
 
-    world = get_world_group()
-    if world.world_size <= 1:
-        return None
-    # Host tensors travel over the gloo group; device tensors over the device (NCCL) group.
-    return world.cpu_group if str(device).startswith("cpu") else world.device_group
+    return _integration.group_for(get_world_group(), device)
 
 
 def _stream(uri: Any, device: Any, options: _Options, prefix: str = "") -> Iterator[Any]:
-    import fastload
-
     group = _world_group(device) if options.distributed else None
-    kwargs = dict(options.stream_kwargs)
-    if group is not None:
-        # Every worker of the model reads 1/N of the bytes and gets the rest from the others.
-        kwargs["process_group"] = group
-    with fastload.stream(uri, device=device, **kwargs) as tensors:
-        for name, tensor in tensors:
-            yield prefix + name, tensor
+    return _integration.stream(uri, device, options, group, prefix)
 
 
-@contextmanager
-def _released() -> Iterator[None]:
-    """Runs a load, then gives back the host memory fastload keeps for a next load (the pinned
-    staging ring of GPU loads, freed host buffers): a vLLM worker loads its weights once, and
-    that memory would otherwise stay with it while it serves."""
-    import fastload
-
-    try:
-        yield
-    finally:
-        freed = fastload.release_memory()
-        logger.debug("fastload gave back %s bytes of cached host memory", freed)
+def _released() -> AbstractContextManager[None]:
+    return _integration.released(logger)
 
 
 def _check_all_loaded(model: Any, model_config: Any, loaded: Any) -> None:
@@ -670,9 +480,9 @@ def _loader_classes() -> dict[str, type]:
             return root
 
         def load_weights(self, model: Any, model_config: Any) -> None:
-            device = _device(self._load_device, model)
+            device = _integration.target_device(self._load_device, model)
             sources = self._sources(model, model_config)
-            meter = _Meter()
+            meter = _integration.Meter(logger)
 
             def weights() -> Iterator[tuple[str, Any]]:
                 for uri, prefix in sources:
@@ -730,11 +540,11 @@ def _loader_classes() -> dict[str, type]:
                 sharded_state_loader,
             )
 
-            device = _device(self._load_device, model)
+            device = _integration.target_device(self._load_device, model)
             files = self._files(self._location(model_config, index=False))
             filter_subtensors = sharded_state_loader.ShardedStateLoader._filter_subtensors
             state_dict = filter_subtensors(model.state_dict())
-            meter = _Meter()
+            meter = _integration.Meter(logger)
             # Each rank reads its own files: nothing to share over the group.
             own = replace(self.options, distributed=False)
             with _released():

@@ -1,0 +1,281 @@
+"""What the serving-engine loaders (``fastload.vllm``, ``fastload.sglang``) share: the options of
+``model_loader_extra_config``, where the weights are (local path, URL, ``hf://`` for a Hub repo
+id), the device to stream to, the stream itself (shared over a process group with
+``distributed``), the load's log line and the memory given back after it.
+
+Imports neither engine nor torch at module level: the engine modules import this one at their
+own import, which must stay cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# The keys every loader takes, and those passed on to fastload.stream as given.
+KEYS = frozenset(
+    {
+        "concurrency",
+        "block_size",
+        "memory_limit",
+        "weights_uri",
+        "storage_options",
+        "distributed",
+        "cache",
+    }
+)
+LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache")
+
+# Weight files a Hub download leaves out when fastload streams the safetensors from the Hub.
+WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """``model_loader_extra_config``, checked."""
+
+    load_format: str
+    weights_uri: str | None = None
+    pattern: str | None = None
+    stream_kwargs: dict[str, Any] = field(default_factory=dict)
+    distributed: bool = False
+
+    @classmethod
+    def parse(
+        cls,
+        load_format: str,
+        extra: Any,
+        allowed: frozenset[str],
+        hints: Mapping[str, str] | None = None,
+    ) -> Options:
+        """``hints``: a note to add when a key of it is unknown (where it belongs instead)."""
+        from . import ConfigError, _fastload
+
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ConfigError(
+                f"model_loader_extra_config for load format {load_format!r} must be a dict, "
+                f"not {type(extra).__name__}"
+            )
+        unknown = sorted(set(extra) - allowed, key=str)
+        if unknown:
+            hint = "".join(f" ({(hints or {})[k]})" for k in unknown if k in (hints or {}))
+            raise ConfigError(
+                f"unknown model_loader_extra_config key(s) for load format {load_format!r}: "
+                f"{', '.join(map(repr, unknown))}{hint}; "
+                f"valid keys: {', '.join(sorted(allowed))}"
+            )
+        distributed = extra.get("distributed", False)
+        if not isinstance(distributed, bool):
+            raise ConfigError(
+                f"distributed must be true or false, got {distributed!r}", option="distributed"
+            )
+
+        stream_kwargs = {k: extra[k] for k in LOAD_KEYS if extra.get(k) is not None}
+        # Checked now, at engine start, by the same code that reads them at load time (a bad
+        # value raises ConfigError naming the key).
+        _fastload.resolve_options(**stream_kwargs)
+
+        weights_uri = extra.get("weights_uri")
+        if weights_uri is not None:
+            if not isinstance(weights_uri, (str, os.PathLike)) or not os.fspath(weights_uri):
+                raise ConfigError(
+                    "weights_uri must be a non-empty path or URI", option="weights_uri"
+                )
+            weights_uri = os.fspath(weights_uri)
+        pattern = extra.get("pattern")
+        return cls(load_format, weights_uri, pattern, stream_kwargs, distributed)
+
+
+def is_url(uri: str) -> bool:
+    """Whether fastload reads ``uri`` itself (no download): a ``file:`` URL, which fastload's
+    local path resolution takes, or an object-store URI, whose schemes the native module owns
+    (``_fastload.SCHEMES``)."""
+    from . import _fastload
+
+    return uri.startswith("file:") or _fastload.is_remote_uri(uri)
+
+
+def hub_uri(repo: str, revision: str | None, modelscope_env: str) -> str | None:
+    """``hf://ORG/REPO[@REVISION]`` for a Hugging Face repo id, which fastload streams from the
+    Hub; None where the engine's download must be used instead (ModelScope, selected by the
+    engine's ``modelscope_env`` variable, or a name without an org)."""
+    if os.environ.get(modelscope_env, "").strip().lower() in ("1", "true"):
+        return None
+    org, _, name = repo.partition("/")
+    if not org or not name or "/" in name or org in (".", ".."):
+        return None
+    at = f"@{urllib.parse.quote(revision, safe='')}" if revision else ""
+    return f"hf://{repo}{at}"
+
+
+def download_all_but_weights(
+    repo: str, revision: str | None, cache_dir: str | None, ignore_patterns: Any
+) -> str:
+    """A Hub repo's files but the weights (config, tokenizer, ...), into ``cache_dir`` (None: the
+    Hugging Face cache)."""
+    import huggingface_hub
+
+    ignore = ignore_patterns or []
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    return str(
+        huggingface_hub.snapshot_download(
+            repo,
+            revision=revision,
+            cache_dir=cache_dir,
+            ignore_patterns=[*ignore, *WEIGHT_PATTERNS],
+            local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE,
+        )
+    )
+
+
+def target_device(recorded: Any, model: Any) -> torch.device:
+    """The device fastload streams to: the worker's load device when fastload can write there."""
+    import torch
+
+    import fastload
+
+    device = recorded
+    if device is None:
+        # load_weights called on its own (weight reloads): the model already sits on its device.
+        devices = (p.device for p in model.parameters() if p.device.type != "meta")
+        device = next(devices, "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and getattr(torch.version, "hip", None):
+        device = torch.device("cpu")  # ROCm: stream to host, the weight loaders copy over.
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in fastload.DEVICE_TYPES:
+        # A device fastload does not write to (XPU, TPU, ...): stream to host memory, as the
+        # engines' own loaders do; the weight loaders copy into the parameters on the device.
+        device = torch.device("cpu")
+    return device
+
+
+def group_for(coordinator: Any, device: Any) -> Any:
+    """The torch process group of an engine's group coordinator (vLLM's and SGLang's have the
+    same shape) for a shared read, or None for a lone worker: host tensors travel over its gloo
+    group, device tensors over its device (NCCL) group."""
+    if coordinator.world_size <= 1:
+        return None
+    return coordinator.cpu_group if str(device).startswith("cpu") else coordinator.device_group
+
+
+def stream(
+    uri: Any, device: Any, options: Options, group: Any = None, prefix: str = ""
+) -> Iterator[Any]:
+    """``(prefix + name, tensor)`` for each tensor of ``uri``; with a ``group``, every worker of
+    it reads 1/N of the bytes and gets the rest from the others (``fastload.distributed``)."""
+    import fastload
+
+    kwargs = dict(options.stream_kwargs)
+    if group is not None:
+        kwargs["process_group"] = group
+    with fastload.stream(uri, device=device, **kwargs) as tensors:
+        for name, tensor in tensors:
+            yield prefix + name, tensor
+
+
+class Meter:
+    """Bytes delivered, and the log line engine users look for."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.bytes = 0
+        self.start = time.perf_counter()
+
+    def count(self, items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in items:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def log(self) -> None:
+        seconds = time.perf_counter() - self.start
+        rate = self.bytes / seconds / 1e9 if seconds > 0 else float("inf")
+        # Attributed to the caller (the engine's loader module), as engines' log lines name it.
+        self.logger.info(
+            "Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate, stacklevel=2
+        )
+
+
+@contextmanager
+def released(logger: logging.Logger) -> Iterator[None]:
+    """Runs a load, then gives back the host memory fastload keeps for a next load (the pinned
+    staging ring of GPU loads, freed host buffers): an engine worker loads its weights once, and
+    that memory would otherwise stay with it while it serves."""
+    import fastload
+
+    try:
+        yield
+    finally:
+        freed = fastload.release_memory()
+        logger.debug("fastload gave back %s bytes of cached host memory", freed)
+
+
+# Object names that are weights, which stream: everything else under a model's prefix is a small
+# file (config, tokenizer, generation config, chat template, code) that engines read from disk.
+WEIGHT_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".ckpt", ".h5", ".msgpack",
+    ".onnx", ".pkl", ".npz",
+)  # fmt: skip
+SMALL_FILE_LIMIT = 256 << 20
+
+
+def pull_small_files(
+    uri: str, storage_options: Any, folder: str, config: bool, logger: logging.Logger
+) -> str:
+    """Every object directly under ``uri`` but the weights, into ``folder``, through fastload's
+    object-store client (its credentials and endpoint rules, ``storage_options`` first); with
+    ``config``, a missing ``config.json`` is an error. Returns ``folder``."""
+    import contextlib
+    import tempfile
+
+    from . import NotFoundError, _fastload
+
+    list_objects, read_object = _fastload.list_objects, _fastload.read_object
+    started = time.perf_counter()
+    prefix = uri.rstrip("/") + "/"
+    listed = list_objects(prefix, storage_options=storage_options)
+    names = {found[len(prefix) :]: size for found, size in listed if found.startswith(prefix)}
+    if not names:
+        raise NotFoundError(f"{prefix}: no objects under this prefix (no model there)")
+    if config and "config.json" not in names:
+        raise NotFoundError(
+            f"{prefix}config.json: no such object; the engine needs the model's config.json "
+            f"beside its weights (found: {', '.join(sorted(names)[:20])}). Where config and "
+            "weights are kept apart, give the config's local folder as the model and the "
+            f"weights as model_loader_extra_config={{'weights_uri': {uri!r}}}"
+        )
+    small = sorted(n for n in names if n and not n.lower().endswith(WEIGHT_SUFFIXES))
+    os.makedirs(folder, exist_ok=True)
+    for name in small:
+        data = read_object(prefix + name, SMALL_FILE_LIMIT, storage_options=storage_options)
+        # Written whole, then renamed: a process reading the folder never sees half a file.
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(folder, name))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    logger.info(
+        "fastload pulled %d files (%s) from %s to %s in %.2f s; the weights stream from there",
+        len(small),
+        ", ".join(small[:8]) + (", ..." if len(small) > 8 else ""),
+        prefix,
+        folder,
+        time.perf_counter() - started,
+    )
+    return folder

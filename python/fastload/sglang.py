@@ -1,0 +1,326 @@
+"""SGLang integration: ``load_format=FastloadModelLoader`` and ``--load-format fastload``.
+
+The loader class needs no plugin::
+
+    import sglang as sgl
+    from fastload.sglang import FastloadModelLoader
+
+    engine = sgl.Engine(model_path=MODEL, load_format=FastloadModelLoader)
+
+(SGLang's ``get_model_loader`` instantiates a ``load_format`` that is a class.) The string form,
+``python -m sglang.launch_server --model-path MODEL --load-format fastload``, goes through
+fastload's ``sglang.srt.plugins`` entry point (:func:`register`, which SGLang's
+``load_plugins()`` runs in every process; ``SGLANG_PLUGINS``, when set, must name ``fastload``).
+
+``MODEL`` is a local folder, a Hugging Face repo id (config and tokenizer come through SGLang's
+usual Hub download, the weights stream from the Hub as ``hf://ORG/REPO@REVISION`` without being
+written to disk) or an object-store URI (``s3://``, ``gs://``, ``az://``: config, tokenizer and the
+other small files come through fastload's object-store client into SGLang's cache folder for
+object-store models, the weights stream). ``--model-loader-extra-config`` takes ``concurrency``,
+``block_size``, ``memory_limit``, ``storage_options`` and ``cache`` as ``fastload.load`` does,
+plus ``weights_uri`` (weights kept apart from the config) and ``distributed`` (every worker of
+SGLang's tensor-parallel group reads 1/N of the bytes and gets the rest from the others).
+
+Importing this module imports neither sglang nor torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+from . import _integration
+
+__all__ = ["LOAD_FORMAT", "register"]
+
+LOAD_FORMAT = "fastload"
+
+# A child of SGLang's "sglang" logger, so the lines come out through SGLang's handler.
+logger = logging.getLogger("sglang.fastload")
+
+# What the plugin hooks, by the names SGLang 0.5.23 gives them (tests/test_sglang.py pins them).
+VERIFY_TARGET = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
+CHOICES_MODULE = "sglang.srt.arg_groups.choices"
+RESOLUTION_STEPS = ("handle_model_source_paths", "handle_load_format")
+# SGLang's object-store schemes (sglang.srt.utils.runai_utils.SUPPORTED_SCHEMES): a model path
+# with one of them gets its config from SGLang's cache folder for object-store models.
+OBJECT_STORE_SCHEMES = ("s3://", "gs://", "az://")
+
+_state = {"registered": False}
+
+
+def __getattr__(name: str) -> Any:
+    """``FastloadModelLoader``, built on first use (it subclasses SGLang's ``BaseModelLoader``)."""
+    if name == "FastloadModelLoader":
+        return _loader_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------------- the plugin
+
+
+def register() -> None:
+    """Makes ``load_format="fastload"`` (and ``--load-format fastload``) mean
+    :class:`FastloadModelLoader`, and lets it take object-store model paths.
+
+    SGLang calls this through the ``sglang.srt.plugins`` entry point; its ``load_plugins()`` then
+    applies the hook registered here. Idempotent. Where this SGLang lacks a hook point, raises one
+    ``RuntimeError`` that says so and names the class form, which needs no plugin.
+    """
+    if _state["registered"]:
+        return
+    try:
+        import importlib
+
+        choices = importlib.import_module(CHOICES_MODULE)
+        from sglang.srt.arg_groups.resolution_hooks import (
+            register_resolution_hook,
+        )
+        from sglang.srt.plugins.hook_registry import (
+            HookRegistry,
+            HookType,
+        )
+
+        if LOAD_FORMAT not in choices.LOAD_FORMAT_CHOICES:
+            choices.add_load_format_choices([LOAD_FORMAT])
+        register_resolution_hook("handle_model_source_paths")(_model_source_paths)
+        register_resolution_hook("handle_load_format")(_keep_load_format)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise RuntimeError(
+            f"fastload cannot register load format {LOAD_FORMAT!r} with this SGLang: {e}. "
+            "Pass the loader class instead, which needs no plugin: "
+            "sgl.Engine(..., load_format=fastload.sglang.FastloadModelLoader)"
+        ) from e
+    HookRegistry.register(VERIFY_TARGET, _verify_load_format, HookType.AROUND)
+    _state["registered"] = True
+
+
+def _verify_load_format(original: Any, load_config: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around ``LoadConfig._verify_load_format``, which turns a string into SGLang's
+    ``LoadFormat`` enum (and refuses one it lacks): "fastload" becomes our loader class, which
+    ``get_model_loader`` instantiates. The extra config is checked here, when the config is
+    built (a bad key raises ``ConfigError`` naming it)."""
+    if _is_ours(load_config.load_format):
+        _integration.Options.parse(
+            LOAD_FORMAT, load_config.model_loader_extra_config, _integration.KEYS
+        )
+        load_config.load_format = _loader_class()
+        return None
+    return original(load_config, *args, **kwargs)
+
+
+def _is_ours(load_format: Any) -> bool:
+    if isinstance(load_format, type):
+        return load_format is _loader_class() or issubclass(load_format, _loader_class())
+    return isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT
+
+
+def _is_object_store(path: Any) -> bool:
+    return isinstance(path, str) and path.lower().startswith(OBJECT_STORE_SCHEMES)
+
+
+def _model_source_paths(server_args: Any, previous: Any) -> None:
+    """SGLang's ``handle_model_source_paths`` step pulls the config of an object-store model
+    with runai-model-streamer; with our load format, fastload's object-store client does it."""
+    from sglang.srt.arg_groups.overrides import (
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
+    if not _is_ours(cfg.load_format):
+        previous(server_args)
+        return
+    paths = (cfg.model_path, cfg.tokenizer_path, cfg.speculative_draft_model_path)
+    remote = [p for p in dict.fromkeys(paths) if _is_object_store(p)]
+    if not remote:
+        previous(server_args)
+        return
+    options = _integration.Options.parse(
+        LOAD_FORMAT, _extra_config(cfg.model_loader_extra_config), _integration.KEYS
+    )
+    storage_options = options.stream_kwargs.get("storage_options")
+    for path in remote:
+        _pull_config(path, storage_options, config=path == cfg.model_path)
+
+
+def _keep_load_format(server_args: Any, previous: Any) -> None:
+    """SGLang's ``handle_load_format`` step sets ``runai_streamer`` for every object-store model
+    path; a fastload load format stays as the user gave it."""
+    from sglang.srt.arg_groups.overrides import (
+        declare_resolution,
+        resolving_view,
+    )
+
+    asked = resolving_view(server_args).load_format
+    previous(server_args)
+    if _is_ours(asked) and resolving_view(server_args).load_format is not asked:
+        declare_resolution(server_args, "fastload", load_format=asked)
+
+
+def _extra_config(extra: Any) -> Any:
+    if isinstance(extra, str):
+        import json
+
+        return json.loads(extra) if extra.strip() else {}
+    return extra
+
+
+def _pull_config(uri: str, storage_options: Any, config: bool) -> str:
+    """The small files of an object-store model into the folder SGLang reads its config from
+    (``ObjectStorageModel.get_path``)."""
+    from sglang.srt.utils.runai_utils import (
+        ObjectStorageModel,
+    )
+
+    folder = str(ObjectStorageModel.get_path(uri))
+    return _integration.pull_small_files(uri, storage_options, folder, config, logger)
+
+
+# ---------------------------------------------------------------------------------- the loader
+
+
+def _weights_location(options: _integration.Options, model_config: Any) -> str:
+    """``weights_uri``, else ``model_weights`` (the object-store URI when SGLang reads the config
+    from a local copy), else ``model_path``."""
+    return str(
+        options.weights_uri
+        or getattr(model_config, "model_weights", None)
+        or model_config.model_path
+    )
+
+
+@cache
+def _loader_class() -> type:
+    import torch
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.utils import (
+        set_default_torch_dtype,
+    )
+    from sglang.srt.model_loader.weight_utils import (
+        download_safetensors_index_file_from_hf,
+        download_weights_from_hf,
+    )
+
+    from . import ConfigError
+
+    default = loader.DefaultModelLoader
+
+    class FastloadModelLoader(loader.BaseModelLoader):
+        """SGLang loader: a safetensors checkpoint streamed by fastload into
+        ``model.load_weights``, then SGLang's own post-processing (quantization methods'
+        ``process_weights_after_loading``), as ``DefaultModelLoader`` does."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.options = _integration.Options.parse(
+                LOAD_FORMAT, load_config.model_loader_extra_config, _integration.KEYS
+            )
+
+        def _resolve(self, where: str, revision: str | None) -> str:
+            """A path or URL fastload reads: repo ids stream from the Hub (``hf://``), or are
+            downloaded with SGLang's helper where they cannot (ModelScope)."""
+            if _integration.is_url(where) or os.path.exists(where):
+                return where
+            hub = _integration.hub_uri(where, revision, "SGLANG_USE_MODELSCOPE")
+            if hub is not None:
+                return hub
+            folder = download_weights_from_hf(
+                where,
+                self.load_config.download_dir,
+                ["*.safetensors"],
+                revision,
+                ignore_patterns=self.load_config.ignore_patterns,
+            )
+            download_safetensors_index_file_from_hf(
+                where, "model.safetensors.index.json", self.load_config.download_dir, revision
+            )
+            return str(folder)
+
+        def _location(self, model_config: Any) -> str:
+            where = _weights_location(self.options, model_config)
+            revision = model_config.revision if where == model_config.model_path else None
+            return self._resolve(where, revision)
+
+        def download_model(self, model_config: Any) -> None:
+            location = self._location(model_config)
+            if location.startswith("hf://"):
+                # Everything but the weights, which load_model streams from the Hub.
+                where = _weights_location(self.options, model_config)
+                revision = model_config.revision if where == model_config.model_path else None
+                _integration.download_all_but_weights(
+                    where, revision, self.load_config.download_dir, self.load_config.ignore_patterns
+                )
+
+        def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
+            """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""
+            sources: list[tuple[Any, str]] = [
+                (self._apply_overrides(model, self._location(model_config)), "")
+            ]
+            for extra in getattr(model, "secondary_weights", ()):
+                where = self._resolve(extra.model_or_path, extra.revision)
+                patterns = getattr(extra, "allow_patterns_overrides", None)
+                sources.append((self._apply_overrides(patterns, where), extra.prefix))
+            return sources
+
+        @staticmethod
+        def _apply_overrides(model_or_patterns: Any, root: str) -> Any:
+            # A model may name its weight files itself (allow_patterns_overrides).
+            patterns = model_or_patterns
+            if not isinstance(patterns, (list, tuple)):
+                patterns = getattr(model_or_patterns, "allow_patterns_overrides", None)
+            if not patterns or not os.path.isdir(root):
+                return root
+            import glob
+
+            for pattern in patterns:
+                files = sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
+                if files:
+                    return files
+            raise FileNotFoundError(f"no weight files {list(patterns)} in {root!r}")
+
+        def load_model(self, *, model_config: Any, device_config: Any) -> Any:
+            if getattr(model_config, "modelopt_quant", None):
+                raise ConfigError(
+                    f"load format {LOAD_FORMAT!r} does not run ModelOpt quantization "
+                    "(modelopt_quant); use SGLang's own load format for it"
+                )
+            target = torch.device(device_config.device)
+            quant_config = loader._get_quantization_config(model_config, self.load_config)
+            with set_default_torch_dtype(model_config.dtype):
+                with target:
+                    model = loader._initialize_model(model_config, self.load_config, quant_config)
+                self.load_weights(model, model_config, target)
+            return model.eval()
+
+        def load_weights(self, model: Any, model_config: Any, target: Any) -> None:
+            """Streams the weights into ``model.load_weights`` and post-processes them as
+            ``DefaultModelLoader.load_weights_and_postprocess`` does."""
+            device = _integration.target_device(target, model)
+            sources = self._sources(model, model_config)
+            group = None
+            if self.options.distributed:
+                # SGLang's tensor-parallel group: its workers load the same checkpoint.
+                group = _integration.group_for(get_tp_group(), device)
+            draft = self.load_config.draft_model_idx
+            meter = _integration.Meter(logger)
+
+            def weights() -> Iterator[tuple[str, Any]]:
+                for uri, prefix in sources:
+                    items = _integration.stream(uri, device, self.options, group)
+                    if draft is not None:
+                        # Multi-layer MTP drafts: only this draft's layer, renamed to layer 0.
+                        yield from default._filter_mtp_weights(items, prefix, draft)
+                    else:
+                        yield from ((prefix + name, tensor) for name, tensor in items)
+
+            with _integration.released(logger):
+                default.load_weights_and_postprocess(model, meter.count(weights()), target)
+            meter.log()
+
+    FastloadModelLoader.__module__ = __name__
+    FastloadModelLoader.__qualname__ = FastloadModelLoader.__name__
+    return FastloadModelLoader
