@@ -7,8 +7,8 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
     LLM(MODEL, load_format="fastload", model_loader_extra_config={"concurrency": 32})
 
 ``model_loader_extra_config`` takes ``concurrency``, ``block_size``, ``memory_limit``,
-``storage_options`` and ``cache`` (a local copy of remote weights, written while they stream:
-``True`` or a directory; see ``fastload.Options``) as ``fastload.load`` does, plus
+``storage_options``, ``cache`` (a local copy of remote weights, written while they stream:
+``True`` or a directory; see ``fastload.Options``) and ``verify`` as ``fastload.load`` does, plus
 ``weights_uri`` and ``distributed``.
 
 ``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the
@@ -66,11 +66,12 @@ _KEYS = frozenset(
         "storage_options",
         "distributed",
         "cache",
+        "verify",
     }
 )
 _SHARDED_KEYS = _KEYS | {"pattern"}
 # The keys that are load options, checked and passed on to fastload.stream as given.
-_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache")
+_LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache", "verify")
 
 # vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
 # never load weights (API server, engine core) would otherwise pay for the plugin alone.

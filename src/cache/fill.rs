@@ -290,6 +290,6 @@ mod tests {
         let file = dir.path().join("f");
         std::fs::write(&file, b"").unwrap();
         let err = try_lock(&file.join("x.lock")).unwrap_err().to_string();
-        assert!(err.contains("Not a directory") && err.contains("/f"), "{err}");
+        assert!(err.contains("File exists") && err.contains("/f"), "{err}");
     }
 }
