@@ -19,8 +19,10 @@ from pathlib import Path
 
 import fastload
 import pytest
+import torch
 from helpers import assert_same_tensors, indexed_files, reference
 from http_server import Behaviour, start_server
+from safetensors.torch import save_file
 
 TESTS = Path(__file__).parent
 
@@ -361,9 +363,6 @@ def test_a_400_character_etag_is_cached(served, tmp_path):
 def test_a_weak_etag_is_no_identity(tmp_path):
     """W/"x" says "equivalent", not "the same bytes": an object that changed under the same weak
     ETag is read again, never served from a copy."""
-    from safetensors.torch import save_file
-    import torch
-
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file({"w": torch.zeros(1000)}, str(a))
     save_file({"w": torch.ones(1000)}, str(b))

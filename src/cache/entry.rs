@@ -102,7 +102,10 @@ impl Entry {
     /// Why this entry's cache directory cannot be used (`disabled_reason`): the directory and
     /// the OS error.
     pub fn unusable(&self, e: &std::io::Error) -> String {
-        format!("cannot use the cache directory {}: {e}", self.root.display())
+        format!(
+            "cannot use the cache directory {}: {e}",
+            self.root.display()
+        )
     }
 
     /// Whether a published copy of this very object is there: right size, and for non-Hub

@@ -114,7 +114,8 @@ impl FillingSource {
         let now = self.inner.cache_identity();
         let same = now.as_ref().is_some_and(|now| {
             let was = &self.entry.identity;
-            (&now.uri, now.size, &now.etag, &now.sha256) == (&was.uri, was.size, &was.etag, &was.sha256)
+            (&now.uri, now.size, &now.etag, &now.sha256)
+                == (&was.uri, was.size, &was.etag, &was.sha256)
         });
         if !same {
             drop(state);
@@ -195,8 +196,9 @@ impl Source for FillingSource {
 /// `/dev/null`, on a read-only filesystem) is the error, for the caller to report.
 pub(crate) fn try_lock(path: &Path) -> std::io::Result<Option<File>> {
     if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot create {}: {e}", parent.display())))?;
+        std::fs::create_dir_all(parent).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot create {}: {e}", parent.display()))
+        })?;
     }
     let file = OpenOptions::new()
         .read(true)
@@ -204,7 +206,9 @@ pub(crate) fn try_lock(path: &Path) -> std::io::Result<Option<File>> {
         .create(true)
         .truncate(false)
         .open(path)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))?;
+        .map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display()))
+        })?;
     loop {
         #[allow(unsafe_code)]
         // SAFETY: flock on a descriptor this function owns; no memory is passed.

@@ -97,11 +97,7 @@ impl VerifyingSource {
                 );
                 let got = hex(ctx.finish().as_ref());
                 s.ahead.clear();
-                s.outcome = Some(if got == self.want {
-                    Ok(())
-                } else {
-                    Err(got)
-                });
+                s.outcome = Some(if got == self.want { Ok(()) } else { Err(got) });
             } else {
                 return Ok(());
             }
