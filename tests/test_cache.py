@@ -378,3 +378,11 @@ def test_a_weak_etag_is_no_identity(tmp_path):
         assert published(cache) == [] and leftovers(cache) == []
     finally:
         server.close()
+
+
+def test_a_bad_verify_value_is_a_config_error(served):
+    _, url, _ = served
+    for bad in (3, "yes", None.__class__):
+        with pytest.raises(fastload.ConfigError) as info:
+            fastload.load(url, verify=bad)
+        assert info.value.option == "verify"
