@@ -134,6 +134,9 @@ pub struct LoadOptions {
     pub parts: Option<Vec<crate::plan::Part>>,
     /// The local cache of remote objects (`None`: `FASTLOAD_CACHE`, else off).
     pub cache: Option<CacheChoice>,
+    /// Check every object's sha256 where its store gives one (Hub LFS files), wherever its bytes
+    /// come from (`None`: `FASTLOAD_VERIFY`, else off).
+    pub verify: Option<bool>,
 }
 
 /// Whether and where remote objects are cached on local disk (see [`crate::cache`]).
@@ -167,11 +170,16 @@ impl LoadOptions {
             Some(c) => c.clone(),
             None => env_value::<CacheChoice>(ENV_CACHE)?.unwrap_or(CacheChoice::Off),
         };
-        Ok(match choice {
+        let mut settings = match choice {
             CacheChoice::Off => CacheSettings::off(),
             CacheChoice::Default => CacheSettings::at(default_dir()),
             CacheChoice::Dir(dir) => CacheSettings::at(dir),
-        })
+        };
+        settings.verify = match self.verify {
+            Some(v) => v,
+            None => env_value::<Flag>(ENV_VERIFY)?.is_some_and(|f| f.0),
+        };
+        Ok(settings)
     }
 }
 
@@ -191,6 +199,23 @@ pub const ENV_BLOCK_SIZE: &str = "FASTLOAD_BLOCK_SIZE";
 pub const ENV_MEMORY_LIMIT: &str = "FASTLOAD_MEMORY_LIMIT";
 pub const ENV_METHOD: &str = "FASTLOAD_METHOD";
 pub const ENV_CACHE: &str = "FASTLOAD_CACHE";
+pub const ENV_VERIFY: &str = "FASTLOAD_VERIFY";
+
+/// A yes/no environment value: `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no` (or empty).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flag(pub bool);
+
+impl FromStr for Flag {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "0" | "false" | "off" | "no" => Ok(Flag(false)),
+            "1" | "true" | "on" | "yes" => Ok(Flag(true)),
+            _ => Err(format!("{s:?} is not a yes/no value (use 1 or 0)")),
+        }
+    }
+}
 
 /// Defaults: enough reads in flight to keep a virtual disk or NVMe queue busy, blocks big enough
 /// that syscall overhead vanishes, and a host-memory window that still overlaps reads of the next

@@ -159,7 +159,7 @@ class _StorageHandler(_Base):
         if not self.server.signature_ok(sha, query):
             self._reply(403, b"<Error>AccessDenied: bad or expired signature</Error>")
             return
-        data = self.server.blobs.get(sha)
+        data = self.server.poison.get(sha, self.server.blobs.get(sha))
         if data is None:
             self._reply(404, b"no such blob")
             return
@@ -171,6 +171,7 @@ class Storage(_Server):
 
     def __init__(self, rate: int = 0):
         self.blobs: dict[str, bytes] = {}
+        self.poison: dict[str, bytes] = {}  # sha -> other bytes served in its place
         self.rate = rate  # bytes/s for all connections together, 0: unlimited
         self.ttl = 3600.0  # how long a signed URL is valid
         self.secret_epoch = 0  # bump to refuse every URL signed so far (a key rotation)
@@ -314,7 +315,7 @@ class _HubHandler(_Base):
                     continue
                 data = files[p]
                 entry = {"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": p}
-                if is_lfs(p, data):
+                if is_lfs(p, data) and p not in hub.plain:
                     sha = hashlib.sha256(data).hexdigest()
                     entry["lfs"] = {"oid": sha, "size": len(data), "pointerSize": 134}
                 body.append(entry)
@@ -334,7 +335,7 @@ class _HubHandler(_Base):
         if data is None:
             self._error(404, "EntryNotFound", f"{path} does not exist at {rev}")
             return
-        if is_lfs(path, data):
+        if is_lfs(path, data) and path not in hub.plain:
             sha = hashlib.sha256(data).hexdigest()
             hub.storage.blobs[sha] = data
             headers = [
@@ -346,8 +347,8 @@ class _HubHandler(_Base):
             ]
             self._reply(302, b"", headers)
             return
-        headers = [("X-Repo-Commit", commit), ("ETag", f'"{git_blob_sha1(data)}"')]
-        self._send_range(data, headers)
+        etag = (hub.plain_etag or '"{oid}"').format(oid=git_blob_sha1(data))
+        self._send_range(data, [("X-Repo-Commit", commit), ("ETag", etag)])
 
 
 class MockHub(_Server):
@@ -359,6 +360,9 @@ class MockHub(_Server):
         self.tokens: set[str] = set()  # valid tokens
         self.gated_access: dict[str, set[str]] = {}  # gated repo -> tokens that accepted
         self.storage = Storage(rate)
+        self.plain: set[str] = set()  # paths served outside LFS whatever their name
+        # The ETag header of files outside LFS ("{oid}": the git blob id); default '"{oid}"'.
+        self.plain_etag: str | None = None
         super().__init__(_HubHandler, port)
 
     def add(

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import fastload
 import pytest
+import torch
 from helpers import assert_same_tensors, indexed_files, reference
 from http_server import Behaviour, start_server
+from safetensors.torch import save_file
 
 TESTS = Path(__file__).parent
 
@@ -295,3 +297,92 @@ def test_bench_with_cache_fills_on_the_first_run_and_reads_the_copy_after(served
     assert [r["method"] for r in report["runs"]] == ["read", "mmap", "mmap"]
     assert len({r["checksum"] for r in report["runs"]}) == 1
     assert len(published(tmp_path / "c")) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A cache directory that cannot be used: one warning that names it and the OS error, and the
+# load succeeds from the network.
+
+
+def one_warning_naming(err: str, cache: Path, *os_errors: str) -> str:
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, err
+    reason = fastload.cache_stats()["disabled_reason"]
+    assert reason is not None and str(cache) in reason, reason
+    assert any(e in reason for e in os_errors), reason
+    assert reason in warnings[0]
+    return reason
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file", "/dev/null"])
+def test_an_unusable_cache_directory_warns_once_and_says_why(served, tmp_path, capfd, kind):
+    _, url, want = served
+    (tmp_path / "f").write_bytes(b"")
+    cache = {"a file": tmp_path / "f", "under a file": tmp_path / "f" / "sub"}.get(
+        kind, Path("/dev/null")
+    )
+    capfd.readouterr()
+    assert_same_tensors(fastload.load(url, cache=cache, block_size="64KiB"), want)
+    one_warning_naming(capfd.readouterr().err, cache, "Not a directory", "File exists")
+    assert (tmp_path / "f").read_bytes() == b""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_read_only_cache_directory_warns_once_and_says_why(served, tmp_path, capfd):
+    _, url, want = served
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)],
+            check=True,
+            capture_output=True,
+        )
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        capfd.readouterr()
+        assert_same_tensors(fastload.load(url, cache=disk), want)
+        one_warning_naming(capfd.readouterr().err, disk, "Read-only file system")
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_400_character_etag_is_cached(served, tmp_path):
+    server, url, want = served
+    server.etags["/m/big.safetensors"] = '"' + "e" * 398 + '"'
+    cache = tmp_path / "cache"
+    assert_same_tensors(fastload.load(url, cache=cache, block_size="64KiB"), want)
+    (copy,) = published(cache)
+    assert json.loads(copy.with_suffix(".json").read_text())["etag"] == '"' + "e" * 398 + '"'
+    server.behaviour.log.clear()
+    assert_same_tensors(fastload.load(url, cache=cache), want)
+    assert data_gets(server) == []
+
+
+def test_a_weak_etag_is_no_identity(tmp_path):
+    """W/"x" says "equivalent", not "the same bytes": an object that changed under the same weak
+    ETag is read again, never served from a copy."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": torch.zeros(1000)}, str(a))
+    save_file({"w": torch.ones(1000)}, str(b))
+    assert a.stat().st_size == b.stat().st_size
+    server = start_server({"m.safetensors": a})
+    try:
+        url, cache = server.url("m.safetensors"), tmp_path / "cache"
+        server.etags["/m.safetensors"] = 'W/"same"'
+        assert_same_tensors(fastload.load(url, cache=cache), reference(a))
+        server.put({"m.safetensors": b})
+        server.etags["/m.safetensors"] = 'W/"same"'
+        assert_same_tensors(fastload.load(url, cache=cache), reference(b))
+        assert published(cache) == [] and leftovers(cache) == []
+    finally:
+        server.close()
+
+
+def test_a_bad_verify_value_is_a_config_error(served):
+    _, url, _ = served
+    for bad in (3, "yes", None.__class__):
+        with pytest.raises(fastload.ConfigError) as info:
+            fastload.load(url, verify=bad)
+        assert info.value.option == "verify"

@@ -287,3 +287,112 @@ def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir
         own.close()
     env.setenv("HF_HUB_OFFLINE", "1")
     assert_same_tensors(fastload.load(f"hf://{REPO}"), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trusting what can be checked: refs offline, weak and long ETags, verify=
+
+
+def test_an_offline_ref_that_is_not_a_commit_is_an_error(env, tmp_path, dtypes_file):
+    """refs/main holding ../../x must not lead a load to a checkpoint outside the snapshots."""
+    cache = tmp_path / "hf_home" / "hub"
+    repo = cache / "models--org--model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("../../x")
+    outside = repo / "snapshots" / ".." / ".." / "x"
+    outside.mkdir(parents=True)
+    (outside / "model.safetensors").write_bytes(dtypes_file.read_bytes())
+    env.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(fastload.StorageError, match="not a 40-hex commit") as e:
+        fastload.load(f"hf://{REPO}")
+    assert "refs/main" in str(e.value) and "../../x" in str(e.value)
+
+
+def safetensors_bytes(value: float) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"w": torch.full((1000,), value)})
+
+
+@needs_cache
+@pytest.mark.parametrize("etag", ['W/"same"', '"{oid}' + "e" * 360 + '"'])
+def test_files_outside_lfs_with_weak_or_long_etags(env, tmp_path, etag):
+    """Two files with one weak ETag never share a blob (a weak ETag is no identity: such files
+    are not cached); a 400-character ETag is cached (its blob named by its hash)."""
+    from safetensors.torch import load
+
+    env.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    own = MockHub()
+    try:
+        files = {"a.safetensors": safetensors_bytes(0.0), "b.safetensors": safetensors_bytes(1.0)}
+        own.add("org/plain", files)
+        own.plain |= set(files)
+        own.plain_etag = etag
+        env.setenv("HF_ENDPOINT", own.url)
+        before = fastload.cache_stats()
+        for name, data in files.items():
+            for _ in range(2):
+                got = fastload.load(f"hf://org/plain/{name}", cache=tmp_path / "c")
+                assert_same_tensors(got, load(data))
+        after = fastload.cache_stats()
+        blobs = sorted((tmp_path / "hf_cache" / "models--org--plain" / "blobs").glob("*"))
+        if etag.startswith("W/"):
+            assert blobs == [] and after["hits"] == before["hits"]
+        else:
+            assert sorted(b.read_bytes() for b in blobs) == sorted(files.values())
+            assert after["hits"] - before["hits"] == 2  # each second load read the copy
+    finally:
+        own.close()
+
+
+@needs_cache
+def test_verify_checks_lfs_files_wherever_their_bytes_come_from(env, tmp_path, dtypes_file, capfd):
+    """verify=True: a same-size poisoned blob in the HF cache is removed and the file read from
+    the Hub; wrong bytes from the network are a StorageError naming the file, the expected and
+    the actual sha256; a fill of wrong bytes is that error too (verify or not) and publishes
+    nothing."""
+    env.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    own = MockHub()
+    try:
+        data = dtypes_file.read_bytes()
+        own.add("org/v", {"model.safetensors": data})
+        env.setenv("HF_ENDPOINT", own.url)
+        want = reference(dtypes_file)
+        sha = hashlib.sha256(data).hexdigest()
+        blob = tmp_path / "hf_cache" / "models--org--v" / "blobs" / sha
+        assert_same_tensors(fastload.load("hf://org/v", cache=True), want)
+        fastload.cache_stats()
+        assert blob.read_bytes() == data
+        bad = bytearray(data)
+        bad[-1] ^= 0xFF
+        bad_sha = hashlib.sha256(bad).hexdigest()
+
+        # A poisoned copy in the HF cache, cache off: removed, the file read from the Hub.
+        blob.write_bytes(bytes(bad))
+        capfd.readouterr()
+        assert_same_tensors(fastload.load("hf://org/v", verify=True), want)
+        assert not blob.exists()
+        assert bad_sha in capfd.readouterr().err
+        # Cache on: read from the Hub and filled again.
+        blob.write_bytes(bytes(bad))
+        assert_same_tensors(fastload.load("hf://org/v", cache=True, verify=True), want)
+        fastload.cache_stats()
+        assert blob.read_bytes() == data
+
+        # The storage host serving wrong bytes of the same size.
+        own.storage.poison[sha] = bytes(bad)
+        blob.unlink()
+        with pytest.raises(fastload.StorageError, match=sha) as e:
+            fastload.load("hf://org/v", verify=True)
+        assert "model.safetensors" in str(e.value) and bad_sha in str(e.value)
+        with pytest.raises(fastload.StorageError, match=bad_sha):
+            for _ in fastload.stream("hf://org/v", verify=True):
+                pass
+        # A fill checks what it writes: the same error, nothing published, nothing left.
+        with pytest.raises(fastload.StorageError, match=bad_sha):
+            fastload.load("hf://org/v", cache=True)
+        fastload.cache_stats()
+        assert sorted(blob.parent.iterdir()) == []
+    finally:
+        own.close()

@@ -16,6 +16,8 @@ Option inputs, as the native module converts them (``src/python/args.rs``); ``No
   ``"true"``/``"false"``. Default: none (the environment configures object stores).
 - ``cache``: ``True`` (the default directory), ``False`` (off), a ``str`` or ``os.PathLike`` (that
   directory). Default ``FASTLOAD_CACHE`` (``0``/``1`` or a directory), else off.
+- ``verify``: ``True`` or ``False``: check sha256s where the store gives them (Hub LFS files).
+  Default ``FASTLOAD_VERIFY`` (``0``/``1``), else off.
 
 A value that cannot be used raises ``fastload.ConfigError`` with ``option`` set.
 """
@@ -215,6 +217,7 @@ class Stream:
         method: str | None = None,
         storage_options: Mapping[str, object] | None = None,
         cache: _Cache | None = None,
+        verify: bool | None = None,
         parts: list[tuple[str, int, int]] | None = None,
         target: str | None = None,
         allocate: _Allocate | None = None,
@@ -236,6 +239,7 @@ def resolve_options(
     method: str | None = None,
     storage_options: Mapping[str, object] | None = None,
     cache: _Cache | None = None,
+    verify: bool | None = None,
 ) -> ResolvedOptions:
     """Resolves and checks options as a load of ``uris`` would (``uris`` only say whether an
     object store is read; default: none); raises ``ConfigError``."""

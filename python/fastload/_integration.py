@@ -31,9 +31,10 @@ KEYS = frozenset(
         "storage_options",
         "distributed",
         "cache",
+        "verify",
     }
 )
-LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache")
+LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache", "verify")
 
 # Weight files a Hub download leaves out when fastload streams the safetensors from the Hub.
 WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth"]

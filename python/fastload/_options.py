@@ -70,6 +70,10 @@ class Options(TypedDict, total=False):
     Hugging Face cache), a directory (``str`` or ``os.PathLike``), ``False`` (off); default
     ``FASTLOAD_CACHE`` (``0``/``1`` or a directory), else off. A later load of the same object
     (same ETag or sha256) reads the copy.
+    ``verify``: ``True`` checks the sha256 of every object whose store gives one (Hugging Face
+    Hub LFS files) wherever its bytes come from (the network, the Hugging Face cache, a cached
+    copy); a mismatch raises ``StorageError`` (a bad cached copy is removed and read again from
+    the network); default ``FASTLOAD_VERIFY`` (``0``/``1``), else off.
 
     ``None`` for any of them means "not given".
     """
@@ -82,6 +86,7 @@ class Options(TypedDict, total=False):
     method: str | None
     storage_options: Mapping[str, object] | None
     cache: bool | str | os.PathLike[str] | None
+    verify: bool | None
 
 
 OPTIONS: frozenset[str] = frozenset(Options.__annotations__)

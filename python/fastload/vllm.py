@@ -7,8 +7,8 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
     LLM(MODEL, load_format="fastload", model_loader_extra_config={"concurrency": 32})
 
 ``model_loader_extra_config`` takes ``concurrency``, ``block_size``, ``memory_limit``,
-``storage_options`` and ``cache`` (a local copy of remote weights, written while they stream:
-``True`` or a directory; see ``fastload.Options``) as ``fastload.load`` does, plus
+``storage_options``, ``cache`` (a local copy of remote weights, written while they stream:
+``True`` or a directory; see ``fastload.Options``) and ``verify`` as ``fastload.load`` does, plus
 ``weights_uri`` and ``distributed``.
 
 ``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the

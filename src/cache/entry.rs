@@ -33,7 +33,13 @@ pub struct Entry {
     pub lock: PathBuf,
     /// The identity record (non-Hub entries only).
     pub sidecar: Option<PathBuf>,
+    /// The cache directory the entry lies under (the HF cache for Hub objects), for messages.
+    pub root: PathBuf,
 }
+
+/// Blob ids longer than this (a 400-character ETag), or not plain file names, name their blob
+/// by their sha256 instead: file names are limited to 255 bytes.
+const MAX_BLOB_NAME: usize = 128;
 
 /// What a non-Hub entry records about the object it copies.
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -45,16 +51,22 @@ struct Sidecar {
 }
 
 impl Entry {
-    /// The entry for `identity`, or `None` when it cannot be cached: no ETag nor sha256 to tell
-    /// a changed object from the copy, or a Hub path that is not a plain relative path.
+    /// The entry for `identity`, or `None` when it cannot be cached: no strong ETag nor sha256
+    /// to tell a changed object from the copy (a weak `W/` ETag says "equivalent", not "the same
+    /// bytes", so it is no identity), or a Hub path that is not a plain relative path.
     pub fn new(identity: &CacheIdentity, settings: &CacheSettings) -> Option<Entry> {
-        let identity = identity.clone();
-        if let Some(hub) = &identity.hub {
-            let safe = hub_layout::is_safe_path_in_repo(&hub.path_in_repo)
+        let mut identity = identity.clone();
+        if let Some(hub) = &mut identity.hub {
+            if !hub_layout::is_safe_path_in_repo(&hub.path_in_repo) {
+                return None;
+            }
+            let plain = hub.blob_id.len() <= MAX_BLOB_NAME
                 && hub_layout::is_safe_path_in_repo(&hub.blob_id)
                 && !hub.blob_id.contains('/');
-            if !safe {
-                return None;
+            if !plain {
+                // Too long for a file name, or not one: named by its hash (the snapshot link
+                // points at that name, so huggingface_hub still finds the file).
+                hub.blob_id = format!("fastload-{}", hex(&sha256(hub.blob_id.as_bytes())));
             }
             let root = &settings.hub_root;
             let repo = hub_layout::repo_path(root, &hub.repo_type, &hub.repo_id);
@@ -65,13 +77,16 @@ impl Entry {
                 path,
                 lock,
                 sidecar: None,
+                root: root.clone(),
                 identity,
             });
         }
-        if identity.etag.is_none() && identity.sha256.is_none() {
+        let strong = identity.etag.as_deref().is_some_and(|e| !is_weak(e));
+        if !strong && identity.sha256.is_none() {
             return None;
         }
-        let dir = settings.dir.as_ref()?.join("objects");
+        let root = settings.dir.clone()?;
+        let dir = root.join("objects");
         let key = hex(&sha256(identity.uri.as_bytes()))[..32].to_string();
         let path = dir.join(format!("{key}.safetensors"));
         Some(Entry {
@@ -79,8 +94,18 @@ impl Entry {
             lock: dir.join(format!("{key}.lock")),
             sidecar: Some(dir.join(format!("{key}.json"))),
             path,
+            root,
             identity,
         })
+    }
+
+    /// Why this entry's cache directory cannot be used (`disabled_reason`): the directory and
+    /// the OS error.
+    pub fn unusable(&self, e: &std::io::Error) -> String {
+        format!(
+            "cannot use the cache directory {}: {e}",
+            self.root.display()
+        )
     }
 
     /// Whether a published copy of this very object is there: right size, and for non-Hub
@@ -103,12 +128,52 @@ impl Entry {
         }
     }
 
+    /// `verify=True` on a published copy: whether its sha256 (where the object's is known) is
+    /// the object's. A copy that is not is removed (with a warning), so that the object is read
+    /// from the network, and filled again.
+    pub(crate) fn copy_matches(&self, run: &super::Run) -> bool {
+        let Some(want) = &self.identity.sha256 else {
+            return true;
+        };
+        match hash_file(&self.path) {
+            Ok(got) if got.eq_ignore_ascii_case(want) => true,
+            Ok(got) => {
+                let _ = fs::remove_file(&self.path);
+                if let Some(sidecar) = &self.sidecar {
+                    let _ = fs::remove_file(sidecar);
+                }
+                run.warn(&format!(
+                    "{}: the cached copy {} has sha256 {got}, not {want}: removed, read from \
+                     the network",
+                    self.identity.uri,
+                    self.path.display()
+                ));
+                false
+            }
+            Err(e) => {
+                run.warn(&format!(
+                    "{}: cannot read the cached copy {}: {e}; read from the network",
+                    self.identity.uri,
+                    self.path.display()
+                ));
+                false
+            }
+        }
+    }
+
     /// For Hub entries found in the cache: adds the snapshot link and ref when missing (another
     /// revision's load may have published the blob). Failures are ignored: the blob serves.
     pub fn complete_hub_links(&self) {
         if let Some(hub) = &self.identity.hub {
             let _ = link_snapshot(&self.path, hub);
         }
+    }
+
+    /// The git blob id (sha1) a Hub file outside LFS is known by, where it looks like one.
+    fn git_blob_id(&self) -> Option<&str> {
+        let hub = self.identity.hub.as_ref()?;
+        let id = hub.blob_id.as_str();
+        (id.len() == 40 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
     }
 
     fn record(&self) -> Sidecar {
@@ -140,6 +205,15 @@ impl Entry {
             if !got.eq_ignore_ascii_case(want) {
                 return failed(format!(
                     "sha256 {got} of the copy is not the object's {want}"
+                ));
+            }
+        } else if let Some(want) = self.git_blob_id() {
+            // A Hub file outside LFS is named by its git blob id: that can be checked too.
+            let got = git_blob_sha1(&self.partial, len)
+                .map_err(|e| format!("cannot read {}: {e}", self.partial.display()))?;
+            if !got.eq_ignore_ascii_case(want) {
+                return failed(format!(
+                    "git blob id {got} of the copy is not the file's {want}"
                 ));
             }
         }
@@ -200,6 +274,11 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     fs::rename(&tmp, path)
 }
 
+/// Whether an ETag is weak (`W/"..."`): the same weak ETag may name different bytes.
+pub fn is_weak(etag: &str) -> bool {
+    etag.trim_start().starts_with("W/")
+}
+
 pub fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(suffix);
@@ -218,8 +297,27 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// The lowercase hex sha256 of a file, read in 8 MiB pieces.
 fn hash_file(path: &Path) -> std::io::Result<String> {
+    hash_with(path, &ring::digest::SHA256, b"")
+}
+
+/// A file's git blob id: sha1 of `blob <len>\0` and the bytes.
+fn git_blob_sha1(path: &Path, len: u64) -> std::io::Result<String> {
+    let prefix = format!("blob {len}\0");
+    hash_with(
+        path,
+        &ring::digest::SHA1_FOR_LEGACY_USE_ONLY,
+        prefix.as_bytes(),
+    )
+}
+
+fn hash_with(
+    path: &Path,
+    algorithm: &'static ring::digest::Algorithm,
+    prefix: &[u8],
+) -> std::io::Result<String> {
     let mut file = File::open(path)?;
-    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut ctx = ring::digest::Context::new(algorithm);
+    ctx.update(prefix);
     let mut buf = vec![0u8; 8 << 20];
     loop {
         match file.read(&mut buf) {
@@ -251,6 +349,7 @@ mod tests {
             dir: Some(dir.join("fl")),
             hub_root: dir.join("hub"),
             fill: true,
+            verify: false,
         }
     }
 

@@ -44,7 +44,14 @@ impl FillingSource {
     /// Takes the entry's lock and creates its partial file, sized to the object; `None` when
     /// another process holds the lock (or the file cannot be made: then `run` warns once).
     pub fn start(inner: Arc<dyn Source>, entry: Entry, run: Arc<Run>) -> Option<FillingSource> {
-        let lock = try_lock(&entry.lock)?;
+        let lock = match try_lock(&entry.lock) {
+            Ok(Some(lock)) => lock,
+            Ok(None) => return None,
+            Err(e) => {
+                run.disable(&entry.unusable(&e));
+                return None;
+            }
+        };
         let size = entry.identity.size;
         // Hub blobs go to `blobs/`, which the lock (under `.locks/`) did not create.
         let folder = entry.partial.parent().map(std::fs::create_dir_all);
@@ -62,7 +69,11 @@ impl FillingSource {
         let file = match file {
             Ok(f) => f,
             Err(e) => {
-                run.disable(&format!("cannot create {}: {e}", entry.partial.display()));
+                let e = std::io::Error::new(
+                    e.kind(),
+                    format!("cannot create {}: {e}", entry.partial.display()),
+                );
+                run.disable(&entry.unusable(&e));
                 let _ = std::fs::remove_file(&entry.partial);
                 return None;
             }
@@ -97,6 +108,22 @@ impl FillingSource {
         state.covered.add(offset, offset + bytes.len() as u64);
         if state.file.is_none() || state.covered.len() < self.entry.identity.size {
             return;
+        }
+        // The source's version now must be the one the entry was opened for: a source that
+        // saw the object change (another ETag, size) while reading publishes nothing.
+        let now = self.inner.cache_identity();
+        let same = now.as_ref().is_some_and(|now| {
+            let was = &self.entry.identity;
+            (&now.uri, now.size, &now.etag, &now.sha256)
+                == (&was.uri, was.size, &was.etag, &was.sha256)
+        });
+        if !same {
+            drop(state);
+            self.run.warn(&format!(
+                "{}: not cached: the object changed while it was read",
+                self.entry.identity.uri
+            ));
+            return self.give_up();
         }
         let file = state.file.take().expect("checked above");
         let lock = state.lock.take();
@@ -164,20 +191,43 @@ impl Source for FillingSource {
 }
 
 /// `flock(LOCK_EX | LOCK_NB)` on `path` (created with its folders): the same lock
-/// huggingface_hub's `filelock` takes on its `.lock` files. `None` when another process holds it.
-pub(crate) fn try_lock(path: &Path) -> Option<File> {
-    std::fs::create_dir_all(path.parent()?).ok()?;
+/// huggingface_hub's `filelock` takes on its `.lock` files. `Ok(None)` when another process holds
+/// it (`EWOULDBLOCK`); any other failure (a cache directory that is a file, under a file,
+/// `/dev/null`, on a read-only filesystem) is the error, for the caller to report.
+pub(crate) fn try_lock(path: &Path) -> std::io::Result<Option<File>> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot create {}: {e}", parent.display()))
+        })?;
+    }
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(path)
-        .ok()?;
-    #[allow(unsafe_code)]
-    // SAFETY: flock on a descriptor this function owns; no memory is passed.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    (rc == 0).then_some(file)
+        .map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display()))
+        })?;
+    loop {
+        #[allow(unsafe_code)]
+        // SAFETY: flock on a descriptor this function owns; no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(Some(file));
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => return Ok(None),
+            Some(libc::EINTR) => continue,
+            _ => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("cannot lock {}: {e}", path.display()),
+                ))
+            }
+        }
+    }
 }
 
 /// The byte ranges written so far, merged.
@@ -236,9 +286,14 @@ mod tests {
     fn a_held_lock_is_refused_to_a_second_holder_until_released() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("a/b.lock");
-        let first = try_lock(&path).unwrap();
-        assert!(try_lock(&path).is_none());
+        let first = try_lock(&path).unwrap().unwrap();
+        assert!(try_lock(&path).unwrap().is_none());
         drop(first);
-        assert!(try_lock(&path).is_some());
+        assert!(try_lock(&path).unwrap().is_some());
+        // Anything but "held by another" is an error naming the path and the OS error.
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"").unwrap();
+        let err = try_lock(&file.join("x.lock")).unwrap_err().to_string();
+        assert!(err.contains("File exists") && err.contains("/f"), "{err}");
     }
 }

@@ -20,6 +20,7 @@ use fill::FillingSource;
 pub mod entry;
 mod fill;
 pub mod hub_layout;
+pub mod verify;
 
 /// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,6 +66,9 @@ pub struct CacheSettings {
     /// Whether objects without a copy are filled (`false`: copies are read, none written; a
     /// rank of a distributed load reads a share of each object, never a whole one).
     pub fill: bool,
+    /// `verify=True`: the sha256 of every object whose store gives one (Hub LFS files) is
+    /// checked, wherever its bytes come from (the network, the HF cache, a cached copy).
+    pub verify: bool,
 }
 
 impl CacheSettings {
@@ -84,6 +88,7 @@ impl CacheSettings {
             dir: Some(dir),
             hub_root: hub_layout::hub_cache_root(),
             fill: true,
+            verify: false,
         }
     }
 
@@ -108,19 +113,33 @@ pub fn default_dir() -> PathBuf {
 /// filling source when caching is on (and no other process is filling that object: then it is
 /// read from the network only); others are returned as they are. With caching off, only Hub
 /// files are looked up (in the Hugging Face cache), and nothing is filled.
+///
+/// Objects with a known sha256 are hashed while they stream when they fill a copy (a mismatch
+/// fails the read and nothing is published) or when `settings.verify` is on; with `verify`, a
+/// cached copy is hashed before it is used, and one that does not match is removed and the
+/// object read from the network.
 pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<dyn Source>> {
     let run = Arc::new(Run::default());
     sources
         .into_iter()
         .map(|source| {
-            let Some(entry) = source
-                .cache_identity()
-                .filter(|id| settings.enabled() || id.hub.is_some())
-                .and_then(|id| Entry::new(&id, settings))
-            else {
-                return source;
+            let identity = source.cache_identity();
+            let checked = |source: Arc<dyn Source>, always: bool| -> Arc<dyn Source> {
+                match identity.as_ref().and_then(|id| id.sha256.as_deref()) {
+                    Some(want) if always || settings.verify => {
+                        Arc::new(verify::VerifyingSource::new(source, want))
+                    }
+                    _ => source,
+                }
             };
-            if entry.is_cached() {
+            let Some(entry) = identity
+                .as_ref()
+                .filter(|id| settings.enabled() || id.hub.is_some())
+                .and_then(|id| Entry::new(id, settings))
+            else {
+                return checked(source, false);
+            };
+            if entry.is_cached() && (!settings.verify || entry.copy_matches(&run)) {
                 if let Ok(local) = crate::source::local::LocalFile::open(&entry.path) {
                     entry.complete_hub_links();
                     COUNTERS.hits.fetch_add(1, Ordering::Relaxed);
@@ -128,11 +147,13 @@ pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<
                 }
             }
             if !settings.enabled() || run.disabled() || !settings.fill {
-                return source;
+                return checked(source, false);
             }
-            match FillingSource::start(source.clone(), entry, run.clone()) {
+            // The fill's bytes are checked as they stream: a mismatch is an error of the read,
+            // before the copy could be published.
+            match FillingSource::start(checked(source.clone(), true), entry, run.clone()) {
                 Some(filling) => Arc::new(filling) as Arc<dyn Source>,
-                None => source,
+                None => checked(source, false),
             }
         })
         .collect()
@@ -151,8 +172,10 @@ pub fn put_whole(identity: &CacheIdentity, bytes: &[u8], settings: &CacheSetting
         return;
     }
     let run = Run::default();
-    let Some(_lock) = fill::try_lock(&entry.lock) else {
-        return;
+    let _lock = match fill::try_lock(&entry.lock) {
+        Ok(Some(lock)) => lock,
+        Ok(None) => return,
+        Err(e) => return run.disable(&entry.unusable(&e)),
     };
     let folder = entry.partial.parent().map(std::fs::create_dir_all);
     let written = folder
@@ -168,7 +191,11 @@ pub fn put_whole(identity: &CacheIdentity, bytes: &[u8], settings: &CacheSetting
         },
         Err(e) => {
             let _ = std::fs::remove_file(&entry.partial);
-            run.disable(&format!("cannot write {}: {e}", entry.partial.display()));
+            let e = std::io::Error::new(
+                e.kind(),
+                format!("cannot write {}: {e}", entry.partial.display()),
+            );
+            run.disable(&entry.unusable(&e));
         }
     }
 }
@@ -194,7 +221,7 @@ impl Run {
     }
 
     /// A warning on stderr: caching never fails a load, whose bytes came from the network.
-    fn warn(&self, message: &str) {
+    pub(crate) fn warn(&self, message: &str) {
         eprintln!("fastload: warning: {message}");
     }
 
@@ -324,6 +351,7 @@ mod tests {
             dir: Some(dir.path().join("fastload")),
             hub_root: dir.path().join("hub"),
             fill: true,
+            verify: false,
         };
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         let identity = hub_object(&data, "sub/m.safetensors");

@@ -42,6 +42,8 @@ pub struct FileMeta {
     pub etag: Option<String>,
     /// Whether `etag` is an LFS sha256 (`X-Linked-Etag` was sent).
     pub lfs: bool,
+    /// Whether the ETag was weak (`W/"..."`, from a proxy or mirror): no identity of the bytes.
+    pub weak: bool,
     pub location: Location,
 }
 
@@ -293,7 +295,8 @@ impl Hub {
 
 fn meta(name: &str, headers: &HeaderMap, location: Location) -> Result<FileMeta> {
     let linked = header(headers, "x-linked-etag");
-    let etag = linked.or_else(|| header(headers, "etag")).map(clean_etag);
+    let raw = linked.or_else(|| header(headers, "etag"));
+    let etag = raw.map(clean_etag);
     let size = header(headers, "x-linked-size")
         .or_else(|| header(headers, "content-length"))
         .and_then(|s| s.parse::<u64>().ok())
@@ -308,6 +311,7 @@ fn meta(name: &str, headers: &HeaderMap, location: Location) -> Result<FileMeta>
         size,
         etag,
         lfs: linked.is_some(),
+        weak: raw.is_some_and(|e| e.trim_start().starts_with("W/")),
         location,
     })
 }

@@ -154,6 +154,26 @@ impl FromPyObject<'_, '_> for CacheArg {
     }
 }
 
+/// Whether sha256s are checked (`verify=`).
+///
+/// Supported Python input: `True` or `False`.
+pub struct VerifyArg(pub bool);
+
+impl FromPyObject<'_, '_> for VerifyArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        match obj.cast::<PyBool>() {
+            Ok(b) => Ok(VerifyArg(b.is_true())),
+            Err(_) => Err(Error::option(
+                "verify",
+                format!("expected True or False, got {}", type_name(&obj)),
+            )
+            .into()),
+        }
+    }
+}
+
 /// Object-store settings (`endpoint`, `region`, `access_key_id`, ...).
 ///
 /// Supported Python input: a `dict` (or any `collections.abc.Mapping`) with `str` keys; values

@@ -7,11 +7,13 @@ use pyo3::prelude::*;
 
 use super::args::{
     BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
+    VerifyArg,
 };
 use crate::options::{LoadOptions, Method};
 
-/// The seven native load options (the public API's eighth, `device`, is torch's and stays in
+/// The eight native load options (the public API's ninth, `device`, is torch's and stays in
 /// Python), each already converted by its `FromPyObject` newtype.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn load_options(
     concurrency: Option<Concurrency>,
     block_size: Option<Bytes<BlockSize>>,
@@ -20,6 +22,7 @@ pub(crate) fn load_options(
     method: Option<MethodArg>,
     storage_options: Option<StorageOptions>,
     cache: Option<CacheArg>,
+    verify: Option<VerifyArg>,
 ) -> LoadOptions {
     LoadOptions {
         concurrency: concurrency.map(|c| c.0),
@@ -30,6 +33,7 @@ pub(crate) fn load_options(
         storage_options: storage_options.unwrap_or_default().0,
         parts: None,
         cache: cache.map(|c| c.0),
+        verify: verify.map(|v| v.0),
     }
 }
 
@@ -59,7 +63,7 @@ impl ResolvedOptions {
 /// Resolves and checks options as a load of `uris` would (without opening anything: `uris` only
 /// say whether an object store is read); raises `ConfigError` for a value that cannot be used.
 #[pyfunction]
-#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None))]
+#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn resolve_options(
     uris: Vec<String>,
@@ -70,6 +74,7 @@ pub(crate) fn resolve_options(
     method: Option<MethodArg>,
     storage_options: Option<StorageOptions>,
     cache: Option<CacheArg>,
+    verify: Option<VerifyArg>,
 ) -> PyResult<ResolvedOptions> {
     let opts = load_options(
         concurrency,
@@ -79,6 +84,7 @@ pub(crate) fn resolve_options(
         method,
         storage_options,
         cache,
+        verify,
     );
     opts.cache_settings()?;
     let r = opts.resolve(crate::source::any_remote(&uris))?;

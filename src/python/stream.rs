@@ -7,6 +7,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::args::{
     BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
+    VerifyArg,
 };
 use super::dlpack::{self, DLDevice};
 use super::item::{Item, Stats};
@@ -84,7 +85,7 @@ pub struct Stream {
 impl Stream {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, parts=None, target=None, allocate=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, parts=None, target=None, allocate=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -95,6 +96,7 @@ impl Stream {
         method: Option<MethodArg>,
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
+        verify: Option<VerifyArg>,
         parts: Option<Vec<Part>>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
@@ -107,6 +109,7 @@ impl Stream {
             method,
             storage_options,
             cache,
+            verify,
         );
         opts.parts = parts;
         let loader = match (target, allocate) {

@@ -227,9 +227,19 @@ impl Source for HubFile {
 }
 
 /// Who a file is, for the cache: LFS files by their sha256 (`X-Linked-Etag`), others by their
-/// git blob id; both are the blob's name in the Hugging Face cache.
+/// git blob id; both are the blob's name in the Hugging Face cache. A weak ETag (a proxy's) names
+/// no blob: such a file is not cached.
 fn identity(uri: &HubUri, commit: &str, path: &str, meta: &FileMeta) -> Option<CacheIdentity> {
     let blob_id = meta.etag.clone()?;
+    if meta.weak && !meta.lfs {
+        return Some(CacheIdentity {
+            uri: uri.file_uri(commit, path),
+            size: meta.size,
+            etag: Some(format!("W/\"{blob_id}\"")),
+            sha256: None,
+            hub: None,
+        });
+    }
     let revision = uri.revision();
     Some(CacheIdentity {
         uri: uri.file_uri(commit, path),
@@ -380,7 +390,20 @@ fn offline_path(uri: &HubUri) -> Result<PathBuf> {
     let commit = if crate::hub::is_commit(revision) {
         Some(revision.to_lowercase())
     } else {
-        hub_layout::read_ref(&repo, revision)
+        match hub_layout::read_ref(&repo, revision) {
+            // Checked as online: anything else (`../../x`) would name a folder outside the cache.
+            Some(commit) if !crate::hub::is_commit(&commit) => {
+                return Err(io_error(
+                    &format!("hf://{}@{revision}", uri.repo_id),
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "HF_HUB_OFFLINE is set and {} holds {commit:?}, not a 40-hex commit",
+                        hub_layout::ref_path(&repo, revision).display()
+                    ),
+                ))
+            }
+            other => other.map(|c| c.to_lowercase()),
+        }
     };
     let snapshot = commit.map(|c| hub_layout::snapshot_path(&repo, &c, &uri.path));
     match snapshot {

@@ -1,0 +1,206 @@
+//! Checking a file's bytes against the sha256 its store gives (a Hub LFS file's `X-Linked-Etag`)
+//! while they stream: [`VerifyingSource`] hashes each contiguous prefix as its blocks complete
+//! (blocks land out of order; a block ahead of the prefix waits as a copy until the gap before
+//! it is filled, so what is held is at most the reads in flight ahead of the slowest one, never
+//! the file). The read that completes the file fails when the digest is not the expected one, so
+//! a whole load fails before it returns, and a filling copy is never published.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use futures_util::future::BoxFuture;
+
+use super::entry::hex;
+use super::CacheIdentity;
+use crate::error::{Error, Result};
+use crate::source::Source;
+
+/// A source whose bytes are hashed as they are read and checked against `want` once every byte
+/// of the file has been read.
+#[derive(Debug)]
+pub struct VerifyingSource {
+    inner: Arc<dyn Source>,
+    /// The expected sha256, lowercase hex.
+    want: String,
+    state: Mutex<Hashing>,
+}
+
+struct Hashing {
+    ctx: ring::digest::Context,
+    /// `[0, hashed)` went into `ctx`.
+    hashed: u64,
+    /// Pieces read beyond `hashed`, by offset.
+    ahead: BTreeMap<u64, Vec<u8>>,
+    /// The outcome, once every byte was hashed (`Err`: the mismatch, repeated to later reads).
+    outcome: Option<std::result::Result<(), String>>,
+}
+
+impl std::fmt::Debug for Hashing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hashing")
+            .field("hashed", &self.hashed)
+            .field("ahead", &self.ahead.len())
+            .field("outcome", &self.outcome)
+            .finish()
+    }
+}
+
+impl VerifyingSource {
+    pub fn new(inner: Arc<dyn Source>, want: &str) -> VerifyingSource {
+        VerifyingSource {
+            inner,
+            want: want.to_ascii_lowercase(),
+            state: Mutex::new(Hashing {
+                ctx: ring::digest::Context::new(&ring::digest::SHA256),
+                hashed: 0,
+                ahead: BTreeMap::new(),
+                outcome: None,
+            }),
+        }
+    }
+
+    /// Adds the bytes just read at `offset` to the hash; the read that completes the file gets
+    /// the verdict.
+    fn take(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+        let size = self.inner.size();
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &mut *guard;
+        if s.outcome.is_none() {
+            let end = offset + bytes.len() as u64;
+            if offset <= s.hashed {
+                if end > s.hashed {
+                    let from = (s.hashed - offset) as usize;
+                    s.ctx.update(&bytes[from..]);
+                    s.hashed = end;
+                }
+                // Pieces that waited for this one.
+                while let Some(entry) = s.ahead.first_entry() {
+                    if *entry.key() > s.hashed {
+                        break;
+                    }
+                    let (at, piece) = entry.remove_entry();
+                    let piece_end = at + piece.len() as u64;
+                    if piece_end > s.hashed {
+                        let from = (s.hashed - at) as usize;
+                        s.ctx.update(&piece[from..]);
+                        s.hashed = piece_end;
+                    }
+                }
+            } else if s.ahead.get(&offset).is_none_or(|p| p.len() < bytes.len()) {
+                s.ahead.insert(offset, bytes.to_vec());
+            }
+            if s.hashed >= size {
+                let ctx = std::mem::replace(
+                    &mut s.ctx,
+                    ring::digest::Context::new(&ring::digest::SHA256),
+                );
+                let got = hex(ctx.finish().as_ref());
+                s.ahead.clear();
+                s.outcome = Some(if got == self.want { Ok(()) } else { Err(got) });
+            } else {
+                return Ok(());
+            }
+        }
+        match &s.outcome {
+            Some(Err(got)) => Err(mismatch(self.inner.name(), &self.want, got)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The error for bytes whose sha256 is not the one their store gives.
+pub fn mismatch(name: &str, want: &str, got: &str) -> Error {
+    Error::io(
+        name,
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("sha256 mismatch: expected {want}, the bytes read have {got}"),
+        ),
+    )
+}
+
+impl Source for VerifyingSource {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+
+    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.inner.read_into(offset, dst).await?;
+            // Hashing an 8 MiB block takes a few ms: the worker's other tasks move meanwhile.
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                    tokio::task::block_in_place(|| self.take(offset, dst))
+                }
+                _ => self.take(offset, dst),
+            }
+        })
+    }
+
+    fn reads_block(&self) -> bool {
+        self.inner.reads_block()
+    }
+
+    fn cache_identity(&self) -> Option<CacheIdentity> {
+        self.inner.cache_identity()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Bytes(Vec<u8>);
+
+    impl Source for Bytes {
+        fn name(&self) -> &str {
+            "mem://x"
+        }
+        fn size(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+            Box::pin(async move {
+                let at = offset as usize;
+                dst.copy_from_slice(&self.0[at..at + dst.len()]);
+                Ok(())
+            })
+        }
+    }
+
+    async fn read_all(source: &VerifyingSource, pieces: &[(usize, usize)]) -> Result<()> {
+        for &(at, len) in pieces {
+            let mut buf = vec![0u8; len];
+            source.read_into(at as u64, &mut buf).await?;
+        }
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn out_of_order_overlapping_reads_hash_the_file_once_in_order() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let want = hex(&super::super::entry::sha256(&data));
+        let order = [(0, 1000), (6000, 4000), (500, 2000), (2500, 3500)];
+        let good = VerifyingSource::new(Arc::new(Bytes(data.clone())), &want);
+        read_all(&good, &order).await.unwrap();
+        assert!(good.state.lock().unwrap().ahead.is_empty());
+
+        let mut bad = data.clone();
+        bad[7000] ^= 1;
+        let bad = VerifyingSource::new(Arc::new(Bytes(bad)), &want);
+        let err = read_all(&bad, &order).await.unwrap_err().to_string();
+        assert!(err.contains("mem://x") && err.contains(&want), "{err}");
+        // Every later read says so too.
+        assert!(read_all(&bad, &[(0, 10)]).await.is_err());
+
+        // A file read in part is never judged.
+        let part = VerifyingSource::new(Arc::new(Bytes(data)), &"0".repeat(64));
+        read_all(&part, &[(0, 1000), (2000, 1000)]).await.unwrap();
+    }
+}
