@@ -10,6 +10,7 @@ mod errors;
 mod item;
 mod options;
 mod ranks;
+mod reader;
 mod stream;
 mod wait;
 
@@ -102,6 +103,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<item::Stats>()?;
     m.add_class::<options::ResolvedOptions>()?;
     m.add_class::<ranks::RankPlan>()?;
+    m.add_class::<reader::Reader>()?;
     m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::checkpoint_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;
