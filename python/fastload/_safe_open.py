@@ -161,6 +161,14 @@ def plan(
     return Plan(ranges, size, tuple(stride), tuple(view))
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ConfigError(
+            f"invalid option backend: {backend!r} (safetensors takes 'mmap' or 'pread')",
+            option="backend",
+        )
+
+
 def _device(device: Any) -> Any:
     """safetensors' device spellings: an int is a CUDA ordinal, ``None`` the CPU."""
     if device is None:
@@ -200,11 +208,7 @@ class safe_open:  # noqa: N801 (safetensors' name)
                 "tensors (framework='pt')",
                 option="framework",
             )
-        if backend not in _BACKENDS:
-            raise ConfigError(
-                f"invalid option backend: {backend!r} (safetensors takes 'mmap' or 'pread')",
-                option="backend",
-            )
+        _check_backend(backend)
         self._glue = _torch_glue()
         if not _CARRIERS:
             t = self._glue.torch
@@ -232,6 +236,7 @@ class safe_open:  # noqa: N801 (safetensors' name)
         self._metadata: dict[str, str] = dict(header["metadata"])
         self._remote = _fastload.is_remote_uri(self._uri[0]) or self._file.startswith("hf://")
         self._reader: Any = reader
+        self._bytes_read = 0
 
     # -- the file ------------------------------------------------------------------------------
 
@@ -266,8 +271,8 @@ class safe_open:  # noqa: N801 (safetensors' name)
 
     @property
     def bytes_read(self) -> int:
-        """Tensor bytes read so far (headers not counted)."""
-        return int(self._open().bytes_read)
+        """Tensor bytes read so far (headers not counted); after close, as they were then."""
+        return self._bytes_read if self._reader is None else int(self._reader.bytes_read)
 
     # -- tensors -------------------------------------------------------------------------------
 
@@ -322,6 +327,9 @@ class safe_open:  # noqa: N801 (safetensors' name)
         return SafeSlice(self, name, dtype, shape)
 
     def close(self) -> None:
+        """Closes the file (``__exit__`` does); tensors already returned stay valid."""
+        if self._reader is not None:
+            self._bytes_read = int(self._reader.bytes_read)
         self._reader = None
 
     def __enter__(self) -> safe_open:
@@ -379,9 +387,13 @@ class SafeSlice:
         return f"SafeSlice({self._name!r}, dtype={self._dtype}, shape={list(self._shape)})"
 
 
-def load_file(filename: str | os.PathLike[str], device: Any = "cpu") -> dict[str, torch.Tensor]:
+def load_file(
+    filename: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "mmap"
+) -> dict[str, torch.Tensor]:
     """``safetensors.torch.load_file``: every tensor of ``filename`` (any URI fastload reads) in a
-    dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal)."""
+    dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal). ``backend`` is
+    accepted for safetensors' signature; fastload picks how to read (see ``method``)."""
     from . import load
 
+    _check_backend(backend)
     return load(filename, device=_device(device))
