@@ -64,11 +64,15 @@ def tensors(draw):
     return dtype, shape
 
 
-def _outcome(fn):
+def _outcome(fn, *args):
     try:
-        return "ok", fn()
-    except Exception as e:  # noqa: BLE001 (the same exception is the point)
+        return "ok", fn(*args)
+    except Exception as e:
         return "error", e
+
+
+def _sliced(file, name, index):
+    return file.get_slice(name)[index]
 
 
 def assert_same_outcome(got, want, what) -> None:
@@ -120,9 +124,7 @@ def test_keys_metadata_and_every_tensor_match_safetensors(dtypes_file):
         assert f.offset_keys() == ref.offset_keys()
         assert f.metadata() == ref.metadata()
         for name in ref.keys():
-            assert_same_outcome(
-                _outcome(lambda: f.get_tensor(name)), _outcome(lambda: ref.get_tensor(name)), name
-            )
+            assert_same_outcome(_outcome(f.get_tensor, name), _outcome(ref.get_tensor, name), name)
             s, r = f.get_slice(name), ref.get_slice(name)
             assert s.get_shape() == r.get_shape(), name
             assert s.get_dtype() == r.get_dtype(), name
@@ -160,7 +162,7 @@ def test_errors(tmp_path, dtypes_file):
     with pytest.raises(TypeError, match="bogus"):
         fastload.safe_open(dtypes_file, "pt", bogus=1)
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(fastload.FormatError, match="bad.safetensors"):
+    with pytest.raises(fastload.FormatError, match=r"bad\.safetensors"):
         fastload.safe_open(tmp_path / "bad.safetensors", "pt")
 
 
@@ -213,10 +215,10 @@ def test_f4_and_indices_torch_indexes_itself(tmp_path):
             for index in [(1, slice(1, 3)), (slice(None), -1), [0, 2], torch.tensor([2, 0])]:
                 what = f"{name}[{index!r}]"
                 if name == "f4":
-                    want = _outcome(lambda: ref.get_tensor(name)[index])
+                    want = _outcome(lambda t, i: t[i], ref.get_tensor(name), index)
                 else:
-                    want = _outcome(lambda: ref.get_slice(name)[index])
-                assert_same_outcome(_outcome(lambda: f.get_slice(name)[index]), want, what)
+                    want = _outcome(_sliced, ref, name, index)
+                assert_same_outcome(_outcome(_sliced, f, name, index), want, what)
 
 
 def test_plan_reads_rows_of_a_dim0_slice_and_coalesces_inner_ones():
@@ -313,7 +315,9 @@ def test_a_row_slice_over_http_reads_those_rows_only(range_server, tmp_path):
 
 
 def test_s3_slices_and_tensors_read_only_their_bytes(s3_store, remote_file):
-    s3_server.upload(s3_store.server.client(), s3_server.BUCKET, {"slices/s.safetensors": remote_file})
+    s3_server.upload(
+        s3_store.server.client(), s3_server.BUCKET, {"slices/s.safetensors": remote_file}
+    )
     uri = s3_store.uri("slices/s.safetensors")
     ref = safetensors.safe_open(str(remote_file), "pt")
     with fastload.safe_open(uri, "pt", storage_options=s3_store.options()) as f:
@@ -370,7 +374,10 @@ def test_load_file_matches_safetensors(dtypes_file, http_store):
     theirs = inspect.signature(safetensors.torch.load_file).parameters
     assert list(ours) == list(theirs)
     assert all(ours[k].default == theirs[k].default for k in ours)
-    for got in (fastload.load_file(dtypes_file), fastload.load_file(http_store.uri("all.safetensors"))):
+    for got in (
+        fastload.load_file(dtypes_file),
+        fastload.load_file(http_store.uri("all.safetensors")),
+    ):
         assert list(got) == list(want) or sorted(got) == sorted(want)
         for name, t in want.items():
             assert got[name].dtype == t.dtype and got[name].shape == t.shape, name

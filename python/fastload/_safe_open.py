@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from . import _fastload
 from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
-    from ._options import Options, PathLike
+    from ._options import PathLike, Size
 
 # What one more read costs, in bytes one could read instead: a slice spans the gap between
 # two runs it needs when reading the gap is cheaper than another request. For object stores a
@@ -45,19 +45,31 @@ _BACKENDS = frozenset({"mmap", "pread"})
 _READER_OPTIONS = ("concurrency", "block_size", "storage_options", "cache")
 
 
+class SafeOpenOptions(TypedDict, total=False):
+    """fastload's options (:class:`fastload.Options`) a :class:`safe_open` takes: all but
+    ``device`` (its own parameter) and ``names``."""
+
+    concurrency: int | None
+    block_size: Size | None
+    memory_limit: Size | None
+    method: str | None
+    storage_options: Mapping[str, object] | None
+    cache: bool | str | os.PathLike[str] | None
+
+
 # The integer dtype each width of element is moved as (torch.uint8, ...), set on first use.
 _CARRIERS: dict[int, Any] = {}
 
 
 class Plan(NamedTuple):
     """How a slice is read: ``ranges`` (``(offset, len)`` in bytes from the tensor's start) land
-    one after the other in a buffer whose elements ``size`` / ``stride`` / ``offset`` (in
-    elements) view as the selected box; ``index`` then drops int dims and adds ``None`` ones."""
+    one after the other in a buffer that ``size`` and ``stride`` (in elements) view as the
+    selected box; indexing that with ``view`` drops int dims and adds ``None`` ones."""
 
     ranges: list[tuple[int, int]]
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    index: tuple[Any, ...]
+    view: tuple[Any, ...]
 
 
 def _is_int(x: object) -> bool:
@@ -178,7 +190,7 @@ def _device(device: Any) -> Any:
     return device
 
 
-class safe_open:  # noqa: N801 (safetensors' name)
+class safe_open:
     """Opens a safetensors file (a path, ``s3://``, ``gs://``, ``az://``, ``http(s)://`` or
     ``hf://ORG/REPO[@rev]/FILE``) and reads tensors, or slices of them, as asked: a drop-in for
     ``safetensors.safe_open(filename, framework="pt", device=...)``.
@@ -195,7 +207,7 @@ class safe_open:  # noqa: N801 (safetensors' name)
         device: Any = "cpu",
         *,
         backend: str = "mmap",
-        **options: Unpack[Options],
+        **options: Unpack[SafeOpenOptions],
     ) -> None:
         from . import _options, _target_for, _torch_glue, _uris
 
@@ -375,7 +387,7 @@ class SafeSlice:
                 # Strided views and copies of plain integers of the same width: every dtype
                 # (fp8, fp4, bool) moves as its bits.
                 raw = f._read(begin, p.ranges).view(_CARRIERS[tdtype.itemsize])
-                out = raw.as_strided(p.size, p.stride)[p.index]
+                out = raw.as_strided(p.size, p.stride)[p.view]
                 if not (out.is_contiguous() and out.numel() == raw.numel()):
                     out = out.clone(memory_format=torch.contiguous_format)
                 out = out.view(tdtype)
