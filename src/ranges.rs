@@ -161,9 +161,21 @@ mod tests {
         assert_eq!(
             r,
             vec![
-                Read { src: 10, dst: 0, len: 6 },
-                Read { src: 16, dst: 6, len: 4 },
-                Read { src: 30, dst: 10, len: 2 },
+                Read {
+                    src: 10,
+                    dst: 0,
+                    len: 6
+                },
+                Read {
+                    src: 16,
+                    dst: 6,
+                    len: 4
+                },
+                Read {
+                    src: 30,
+                    dst: 10,
+                    len: 2
+                },
             ]
         );
     }
