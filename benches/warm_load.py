@@ -39,6 +39,10 @@ def child(loader: str, path: str) -> dict:
         import fastload
 
         load = fastload.load
+    elif loader == "load_file":
+        import fastload
+
+        load = fastload.load_file
     else:
         from safetensors.torch import load_file
 
@@ -54,7 +58,7 @@ def child(loader: str, path: str) -> dict:
     t4 = time.perf_counter()
     out = {"import": t1 - t0, "load": t2 - t1, "touch": t4 - t3, "tensors": len(tensors)}
     del tensors
-    if loader == "fastload":
+    if loader != "safetensors":
         t5 = time.perf_counter()
         load(path)
         out["second"] = time.perf_counter() - t5
@@ -90,6 +94,11 @@ def main() -> None:
     ap.add_argument("--file", help="a .safetensors file (default: the generated 2 GiB one)")
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--json", action="store_true", help="print every run and the medians as JSON")
+    ap.add_argument(
+        "--load-file",
+        action="store_true",
+        help="also time fastload.load_file (the drop-in for load_file) as a third loader",
+    )
     ap.add_argument("--child", nargs=2, metavar=("LOADER", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -97,12 +106,14 @@ def main() -> None:
         return
     path = args.file or default_file()
     warm(path)
-    for loader in ("fastload", "safetensors"):  # untimed: bytecode written, libraries cached
+    loaders = ["fastload", "safetensors"] + (["load_file"] if args.load_file else [])
+    for loader in loaders:  # untimed: bytecode written, libraries cached
         run_child(loader, path)
-    runs: dict[str, list[dict]] = {"fastload": [], "safetensors": []}
+    runs: dict[str, list[dict]] = {loader: [] for loader in loaders}
     for i in range(args.pairs):
-        order = ["fastload", "safetensors"] if i % 2 == 0 else ["safetensors", "fastload"]
-        for loader in order:
+        # Every loader goes first as often as the others (a rotation), so drift hits all.
+        k = i % len(loaders)
+        for loader in loaders[k:] + loaders[:k]:
             runs[loader].append(run_child(loader, path))
 
     def med(loader: str, *keys: str) -> float:
@@ -117,6 +128,9 @@ def main() -> None:
     for label, keys in rows:
         f, s = med("fastload", *keys), med("safetensors", *keys)
         summary[label] = {"fastload_ms": f * 1e3, "safetensors_ms": s * 1e3, "ratio": s / f}
+        if args.load_file:
+            lf = med("load_file", *keys)
+            summary[label].update(load_file_ms=lf * 1e3, load_file_ratio=s / lf)
     summary["fastload_second_load_ms"] = med("fastload", "second") * 1e3
     if args.json:
         print(json.dumps({"file": path, "pairs": args.pairs, "runs": runs, "median": summary}))
@@ -131,6 +145,11 @@ def main() -> None:
         r = summary[label]
         print(
             f"{label:<14}{r['fastload_ms']:>12.1f}{r['safetensors_ms']:>16.1f}{r['ratio']:>7.2f}x"
+            + (
+                f"   load_file {r['load_file_ms']:.1f} ms ({r['load_file_ratio']:.2f}x)"
+                if args.load_file
+                else ""
+            )
         )
     print(f"fastload second load in the same process: {summary['fastload_second_load_ms']:.1f} ms")
 

@@ -22,6 +22,7 @@ pub mod options;
 pub mod per_process;
 pub mod pipeline;
 pub mod plan;
+pub mod ranges;
 pub mod ranks;
 pub mod runtime;
 pub mod source;

@@ -25,6 +25,7 @@ from ._errors import (
     TensorNotFoundError,
 )
 from ._options import Options, Uri
+from ._safe_open import SafeSlice, load_file, safe_open
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +42,7 @@ __all__ = [
     "FormatError",
     "NotFoundError",
     "Options",
+    "SafeSlice",
     "StorageError",
     "Stream",
     "StreamClosedError",
@@ -50,7 +52,9 @@ __all__ = [
     "cached_memory",
     "inspect",
     "load",
+    "load_file",
     "release_memory",
+    "safe_open",
     "stream",
 ]
 

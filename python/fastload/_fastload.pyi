@@ -32,6 +32,7 @@ __all__ = [
     "SCHEMES",
     "Item",
     "RankPlan",
+    "Reader",
     "ResolvedOptions",
     "Stats",
     "Stream",
@@ -228,6 +229,43 @@ class Stream:
         """Stops reading and frees buffers that no tensor uses (from any thread)."""
     def stats(self) -> Stats:
         """The counters so far; once closed, as they were when it closed."""
+
+class _Header(TypedDict):
+    file: str
+    size: int
+    data_start: int
+    tensors: list[tuple[str, str, tuple[int, ...], int, int]]
+    metadata: dict[str, str]
+
+@final
+class Reader:
+    """Files opened once (sources and validated headers); ``read`` reads chosen byte ranges of
+    one of them into a new buffer, in parallel blocks, nothing outside the ranges."""
+
+    def __new__(
+        cls,
+        uris: list[str],
+        *,
+        concurrency: int | None = None,
+        block_size: _Size | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        cache: _Cache | None = None,
+    ) -> Reader: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read by every ``read`` so far."""
+    @property
+    def reads(self) -> int:
+        """Reads issued (requests, for object stores) by every ``read`` so far."""
+    def headers(self) -> list[_Header]:
+        """Each file's header, as ``inspect`` gives it, plus ``data_start``."""
+    def read(self, shard: int, ranges: list[tuple[int, int]]) -> object:
+        """``ranges`` (``(file offset, len)``) of file ``shard``, one after the other, as a flat
+        uint8 ``dltensor`` capsule."""
 
 def resolve_options(
     uris: list[str] = ...,

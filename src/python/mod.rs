@@ -11,6 +11,7 @@ mod item;
 mod objects;
 mod options;
 mod ranks;
+mod reader;
 mod stream;
 mod wait;
 
@@ -103,6 +104,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<item::Stats>()?;
     m.add_class::<options::ResolvedOptions>()?;
     m.add_class::<ranks::RankPlan>()?;
+    m.add_class::<reader::Reader>()?;
     m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::checkpoint_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;

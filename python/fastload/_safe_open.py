@@ -1,0 +1,411 @@
+"""``fastload.safe_open`` and ``fastload.load_file``: ``safetensors.safe_open`` and
+``safetensors.torch.load_file`` for every URI fastload reads.
+
+A :class:`safe_open` opens its file once (the source and its validated header, through
+``_fastload.Reader``) and reads each tensor, or the part of it a slice selects, when asked. A
+slice reads only the byte ranges it needs: :func:`plan` picks them, the native reader reads them
+in parallel blocks into one buffer, and the slice is a strided view of that buffer (copied out
+when it does not cover the buffer).
+
+Indexing follows ``safetensors.safe_open(..., framework="pt")``, which indexes a torch tensor of
+the whole file: an int drops its dimension, slices take positive steps, ``...`` and ``None``
+work as in torch, and every error is torch's (checked on a ``meta`` tensor before anything is
+read). Indices other than ints, slices, ``...`` and ``None`` (lists, tensors, booleans) read the
+whole tensor and let torch index it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
+
+from . import _fastload
+from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Unpack
+
+    from ._options import PathLike, Size
+
+# What one more read costs, in bytes one could read instead: a slice spans the gap between
+# two runs it needs when reading the gap is cheaper than another request. For object stores a
+# request's round trip, shared by the reads in flight (about 20 ms x 1.5 GB/s / 64); for files
+# a task and a pread.
+REMOTE_READ_COST = 512 * 1024
+LOCAL_READ_COST = 16 * 1024
+
+# The frameworks safetensors calls PyTorch.
+_TORCH = frozenset({"pt", "torch", "pytorch"})
+_BACKENDS = frozenset({"mmap", "pread"})
+# Options a safe_open reads with (the rest, except names, are for the load behind a GPU
+# get_tensor).
+_READER_OPTIONS = ("concurrency", "block_size", "storage_options", "cache")
+
+
+class SafeOpenOptions(TypedDict, total=False):
+    """fastload's options (:class:`fastload.Options`) a :class:`safe_open` takes: all but
+    ``device`` (its own parameter) and ``names``."""
+
+    concurrency: int | None
+    block_size: Size | None
+    memory_limit: Size | None
+    method: str | None
+    storage_options: Mapping[str, object] | None
+    cache: bool | str | os.PathLike[str] | None
+
+
+# The integer dtype each width of element is moved as (torch.uint8, ...), set on first use.
+_CARRIERS: dict[int, Any] = {}
+
+
+class Plan(NamedTuple):
+    """How a slice is read: ``ranges`` (``(offset, len)`` in bytes from the tensor's start) land
+    one after the other in a buffer that ``size`` and ``stride`` (in elements) view as the
+    selected box; indexing that with ``view`` drops int dims and adds ``None`` ones."""
+
+    ranges: list[tuple[int, int]]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    view: tuple[Any, ...]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _basic(index: Any, ndim: int) -> tuple[Any, ...] | None:
+    """``index`` as a tuple with one entry per dim (ints, slices of ints with positive steps)
+    plus ``None``s, Ellipsis expanded; ``None`` when it is anything else (torch indexes it)."""
+    items = index if isinstance(index, tuple) else (index,)
+    out: list[Any] = []
+    ellipses = 0
+    for it in items:
+        if it is None or it is Ellipsis or _is_int(it):
+            ellipses += it is Ellipsis
+        elif isinstance(it, slice):
+            if not all(v is None or _is_int(v) for v in (it.start, it.stop, it.step)):
+                return None
+            if it.step is not None and it.step <= 0:
+                return None
+        else:
+            return None
+        out.append(it)
+    if ellipses > 1:
+        return None
+    used = sum(1 for it in out if it is not None and it is not Ellipsis)
+    if used > ndim:
+        return None
+    fill = (slice(None),) * (ndim - used)
+    if ellipses:
+        at = out.index(Ellipsis)
+        return (*out[:at], *fill, *out[at + 1 :])
+    return (*out, *fill)
+
+
+def plan(
+    shape: Sequence[int], itemsize: int, index: Any, read_cost: int = LOCAL_READ_COST
+) -> Plan | None:
+    """The byte ranges of a C-contiguous tensor of ``shape`` that ``tensor[index]`` needs, and how
+    to view them; ``None`` for an index that is not basic (see :func:`_basic`) or selects nothing.
+
+    Dims before a "run" dim ``r`` are walked index by index (only the selected ones); from ``r``
+    inwards each run is read whole, from the first selected element to the last (the elements
+    between them at steps or in other rows are read too). ``r`` is the one that reads the fewest
+    bytes plus ``read_cost`` per run; a dim-0 slice is one run, ``[:, a:b]`` either a run per row
+    or one run across the rows it spans."""
+    ndim = len(shape)
+    basic = _basic(index, ndim)
+    if basic is None:
+        return None
+    starts: list[int] = []
+    steps: list[int] = []
+    counts: list[int] = []
+    view: list[Any] = []
+    dim = 0
+    for it in basic:
+        if it is None:
+            view.append(None)
+            continue
+        n = shape[dim]
+        if isinstance(it, slice):
+            start, stop, step = it.indices(n)
+            count = len(range(start, stop, step))
+            view.append(slice(None))
+        else:
+            start, step, count = (it + n if it < 0 else it), 1, 1
+            view.append(0)
+        starts.append(start)
+        steps.append(step)
+        counts.append(count)
+        dim += 1
+    if any(c == 0 for c in counts):
+        return None
+    strides = [math.prod(shape[d + 1 :]) for d in range(ndim)]
+    # Element offset of the first selected element, from dim d inwards, and the span to the last.
+    best: tuple[int, int, int] | None = None  # (cost, runs, r)
+    for r in range(ndim - 1, -1, -1) if ndim else [0]:
+        runs = math.prod(counts[:r])
+        span = sum((c - 1) * s * st for c, s, st in zip(counts[r:], steps[r:], strides[r:])) + 1
+        cost = runs * (span * itemsize + read_cost)
+        if best is None or cost <= best[0]:
+            best = (cost, runs, r)
+    assert best is not None
+    _, runs, r = best
+    span = sum((c - 1) * s * st for c, s, st in zip(counts[r:], steps[r:], strides[r:])) + 1
+    first = sum(a * st for a, st in zip(starts[r:], strides[r:]))
+    # The runs' starts: every selected index tuple of the dims before r, in C order.
+    offsets = [first]
+    for d in range(r):
+        picks = [(starts[d] + k * steps[d]) * strides[d] for k in range(counts[d])]
+        offsets = [o + p for o in offsets for p in picks]
+    ranges = [(o * itemsize, span * itemsize) for o in offsets]
+    size = tuple(counts)
+    stride = [0] * ndim
+    inner = span
+    for d in range(r - 1, -1, -1):
+        stride[d] = inner
+        inner *= counts[d]
+    for d in range(r, ndim):
+        stride[d] = steps[d] * strides[d]
+    return Plan(ranges, size, tuple(stride), tuple(view))
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ConfigError(
+            f"invalid option backend: {backend!r} (safetensors takes 'mmap' or 'pread')",
+            option="backend",
+        )
+
+
+def _device(device: Any) -> Any:
+    """safetensors' device spellings: an int is a CUDA ordinal, ``None`` the CPU."""
+    if device is None:
+        return "cpu"
+    if _is_int(device):
+        return f"cuda:{device}"
+    return device
+
+
+class safe_open:
+    """Opens a safetensors file (a path, ``s3://``, ``gs://``, ``az://``, ``http(s)://`` or
+    ``hf://ORG/REPO[@rev]/FILE``) and reads tensors, or slices of them, as asked: a drop-in for
+    ``safetensors.safe_open(filename, framework="pt", device=...)``.
+
+    ``options`` are fastload's (:class:`fastload.Options`): ``concurrency``, ``block_size``,
+    ``storage_options``, ``cache`` for the reads; the others apply to a GPU ``get_tensor``, which
+    is a staged load. ``backend`` is accepted for safetensors' signature and changes nothing.
+    """
+
+    def __init__(
+        self,
+        filename: PathLike,
+        framework: str = "pt",
+        device: Any = "cpu",
+        *,
+        backend: str = "mmap",
+        **options: Unpack[SafeOpenOptions],
+    ) -> None:
+        from . import _options, _target_for, _torch_glue, _uris
+
+        _options.check("safe_open", options)
+        if "names" in options:
+            raise TypeError("safe_open() got an unexpected keyword argument 'names'")
+        if str(framework).lower() not in _TORCH:
+            raise ConfigError(
+                f"invalid option framework: {framework!r}: fastload.safe_open returns torch "
+                "tensors (framework='pt')",
+                option="framework",
+            )
+        _check_backend(backend)
+        self._glue = _torch_glue()
+        if not _CARRIERS:
+            t = self._glue.torch
+            _CARRIERS.update({1: t.uint8, 2: t.int16, 4: t.int32, 8: t.int64})
+        self._device, self._target = _target_for(_device(device), options.get("method"))
+        self._uri = _uris(filename)
+        self._options = options
+        native = {k: options[k] for k in _READER_OPTIONS if k in options}  # type: ignore[literal-required]
+        reader = _fastload.Reader(self._uri, **native)
+        headers = reader.headers()
+        if len(headers) != 1:
+            raise ConfigError(
+                f"invalid option uri: safe_open reads one file, {self._uri[0]!r} names "
+                f"{len(headers)}",
+                option="uri",
+            )
+        header = headers[0]
+        self._file: str = header["file"]
+        self._data_start: int = header["data_start"]
+        self._tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {
+            name: (dtype, tuple(shape), begin, end)
+            for name, dtype, shape, begin, end in header["tensors"]
+        }
+        self._offset_keys = [t[0] for t in header["tensors"]]
+        self._metadata: dict[str, str] = dict(header["metadata"])
+        self._remote = _fastload.is_remote_uri(self._uri[0]) or self._file.startswith("hf://")
+        self._reader: Any = reader
+        self._bytes_read = 0
+
+    # -- the file ------------------------------------------------------------------------------
+
+    def _open(self) -> Any:
+        if self._reader is None:
+            raise FastloadError(f"{self._file}: the file is closed")
+        return self._reader
+
+    def _info(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
+        self._open()
+        info = self._tensors.get(name)
+        if info is None:
+            raise TensorNotFoundError(
+                f"{self._file}: file does not contain tensor {name!r}", names=[name], uri=self._file
+            )
+        return info
+
+    def keys(self) -> list[str]:
+        """The names of the tensors, sorted."""
+        self._open()
+        return sorted(self._tensors)
+
+    def offset_keys(self) -> list[str]:
+        """The names of the tensors in the order of their data in the file."""
+        self._open()
+        return list(self._offset_keys)
+
+    def metadata(self) -> dict[str, str] | None:
+        """The header's ``__metadata__`` (``None`` when it has none)."""
+        self._open()
+        return dict(self._metadata) or None
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read so far (headers not counted); after close, as they were then."""
+        return self._bytes_read if self._reader is None else int(self._reader.bytes_read)
+
+    # -- tensors -------------------------------------------------------------------------------
+
+    def _read(self, begin: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The bytes of ``ranges`` (from a tensor's start at ``begin``) as one uint8 tensor."""
+        at = self._data_start + begin
+        capsule = self._open().read(0, [(at + o, n) for o, n in ranges])
+        return self._glue.torch.from_dlpack(capsule)
+
+    def _torch_dtype(self, name: str, dtype: str) -> Any:
+        """The torch dtype of a tensor; a dtype this torch has no name for is a format error
+        naming the file and tensor, as a load raises it."""
+        tdtype = self._glue.DTYPES.get(dtype)
+        if tdtype is None:
+            e = self._glue.UnsupportedDtype(dtype, name)
+            raise FormatError(e.describe(self._file), path=self._file)
+        return tdtype
+
+    @staticmethod
+    def _torch_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape torch gives the tensor: F4 packs two values a byte in the last dim."""
+        if dtype == "F4" and shape:
+            return (*shape[:-1], shape[-1] // 2)
+        return shape
+
+    def _load(self, **extra: Any) -> dict[str, torch.Tensor]:
+        from . import load
+
+        opts: dict[str, Any] = dict(self._options)
+        opts.update(extra, device=self._device)
+        return load(self._uri, **opts)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor, on this safe_open's device: read in parallel blocks for the CPU, a
+        staged load of this tensor for a GPU."""
+        dtype, shape, begin, end = self._info(name)
+        if self._target is not None:
+            return self._load(names=[name])[name]
+        raw = self._read(begin, [(0, end - begin)])
+        return self._glue.from_bytes(dtype, shape, raw, self._file)
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, in file order (one load of the whole file)."""
+        self._open()
+        tensors = self._load()
+        return {k: tensors[k] for k in self._offset_keys}
+
+    def get_slice(self, name: str) -> SafeSlice:
+        """A view of the tensor to index: ``f.get_slice("w")[:, 1024:2048]`` reads only those
+        columns' bytes (or the rows they span, when one read is cheaper than many)."""
+        dtype, shape, _, _ = self._info(name)
+        return SafeSlice(self, name, dtype, shape)
+
+    def close(self) -> None:
+        """Closes the file (``__exit__`` does); tensors already returned stay valid."""
+        if self._reader is not None:
+            self._bytes_read = int(self._reader.bytes_read)
+        self._reader = None
+
+    def __enter__(self) -> safe_open:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SafeSlice:
+    """A tensor of a :class:`safe_open` not read yet; indexing it reads what the index selects.
+    safetensors' ``PySafeSlice``: ``get_shape()``, ``get_dtype()`` and ``[...]``."""
+
+    def __init__(self, file: safe_open, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        self._file, self._name, self._dtype, self._shape = file, name, dtype, shape
+
+    def get_shape(self) -> list[int]:
+        """The shape of the whole tensor."""
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        """The tensor's safetensors dtype ("F32", "BF16", "F8_E4M3", ...)."""
+        return self._dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        f = self._file
+        _, _, begin, end = f._info(self._name)
+        torch = f._glue.torch
+        tdtype = f._torch_dtype(self._name, self._dtype)
+        tshape = f._torch_shape(self._dtype, self._shape)
+        if _basic(index, len(tshape)) is None:
+            # Lists, tensors, booleans: torch indexes the whole tensor.
+            whole = f._read(begin, [(0, end - begin)]).view(tdtype).reshape(tshape)
+            out = whole[index]
+        else:
+            # torch's own errors, and the result's shape, before anything is read.
+            want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
+            cost = REMOTE_READ_COST if f._remote else LOCAL_READ_COST
+            p = plan(tshape, tdtype.itemsize, index, cost)
+            if p is None:
+                out = torch.empty(want, dtype=tdtype)
+            else:
+                # Strided views and copies of plain integers of the same width: every dtype
+                # (fp8, fp4, bool) moves as its bits.
+                raw = f._read(begin, p.ranges).view(_CARRIERS[tdtype.itemsize])
+                out = raw.as_strided(p.size, p.stride)[p.view]
+                if not (out.is_contiguous() and out.numel() == raw.numel()):
+                    out = out.clone(memory_format=torch.contiguous_format)
+                out = out.view(tdtype)
+        if f._target is not None:
+            out = out.to(f._device)
+        return out
+
+    def __repr__(self) -> str:
+        return f"SafeSlice({self._name!r}, dtype={self._dtype}, shape={list(self._shape)})"
+
+
+def load_file(
+    filename: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "mmap"
+) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file``: every tensor of ``filename`` (any URI fastload reads) in a
+    dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal). ``backend`` is
+    accepted for safetensors' signature; fastload picks how to read (see ``method``)."""
+    from . import load
+
+    _check_backend(backend)
+    return load(filename, device=_device(device))

@@ -1,0 +1,125 @@
+//! `_fastload.Reader`: files opened once (sources and validated headers), then reads of chosen
+//! byte ranges of them into fresh host buffers (`crate::ranges`). `fastload.safe_open` keeps one
+//! for its life and reads each tensor, or the rows of a slice, through it.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions};
+use super::dlpack;
+use super::options::load_options;
+use super::wait::off_thread;
+use crate::format::Dtype;
+use crate::source::Shard;
+
+#[pyclass(module = "fastload._fastload", frozen)]
+pub struct Reader {
+    shards: Vec<Shard>,
+    /// Reads in flight and bytes per read, resolved as a load of the same URIs resolves them.
+    #[pyo3(get)]
+    concurrency: usize,
+    #[pyo3(get)]
+    block_size: u64,
+    /// Bytes read and reads issued by every `read` so far.
+    bytes: AtomicU64,
+    reads: AtomicU64,
+}
+
+#[pymethods]
+impl Reader {
+    #[new]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None))]
+    fn new(
+        py: Python<'_>,
+        uris: Vec<String>,
+        concurrency: Option<Concurrency>,
+        block_size: Option<Bytes<BlockSize>>,
+        storage_options: Option<StorageOptions>,
+        cache: Option<CacheArg>,
+    ) -> PyResult<Self> {
+        let opts = load_options(
+            concurrency,
+            block_size,
+            None,
+            None,
+            None,
+            storage_options,
+            cache,
+        );
+        let resolved = opts.resolve(crate::source::any_remote(&uris))?;
+        let mut cache = opts.cache_settings()?;
+        // Ranges of an object are read, never the whole: copies are read, none is written.
+        cache.fill = false;
+        let shards = off_thread(py, "open", move || {
+            crate::source::open_all(&uris, &opts.storage_options, &cache)
+        })??;
+        Ok(Reader {
+            shards,
+            concurrency: resolved.concurrency,
+            block_size: resolved.block_size,
+            bytes: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
+        })
+    }
+
+    /// Each file's header, as `inspect` gives it, plus `data_start` (the file offset tensor
+    /// offsets count from).
+    fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for s in &self.shards {
+            let d = PyDict::new(py);
+            d.set_item("file", &s.name)?;
+            d.set_item("size", s.size)?;
+            d.set_item("data_start", s.header.data_start)?;
+            let tensors = PyList::empty(py);
+            for t in &s.header.tensors {
+                tensors.append((
+                    t.name.as_str(),
+                    t.dtype.as_str(),
+                    PyTuple::new(py, &t.shape)?,
+                    t.begin,
+                    t.end,
+                ))?;
+            }
+            d.set_item("tensors", tensors)?;
+            d.set_item("metadata", s.header.metadata.clone())?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Reads `ranges` (`(file offset, len)`) of file `shard` one after the other into a new
+    /// buffer; returns it as a flat uint8 `dltensor` capsule. Reads nothing outside the ranges.
+    fn read(&self, py: Python<'_>, shard: usize, ranges: Vec<(u64, u64)>) -> PyResult<Py<PyAny>> {
+        let Some(s) = self.shards.get(shard) else {
+            return Err(crate::Error::option(
+                "shard",
+                format!("no file {shard}: {} are open", self.shards.len()),
+            )
+            .into());
+        };
+        let (source, block, concurrency) = (s.source.clone(), self.block_size, self.concurrency);
+        let (buffer, done) = off_thread(py, "read", move || {
+            crate::ranges::read(source, &ranges, block, concurrency)
+        })??;
+        self.bytes.fetch_add(done.bytes, Relaxed);
+        self.reads.fetch_add(done.reads, Relaxed);
+        let len = buffer.len() as u64;
+        dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len])
+    }
+
+    /// Bytes read by every `read` so far.
+    #[getter]
+    fn bytes_read(&self) -> u64 {
+        self.bytes.load(Relaxed)
+    }
+
+    /// Reads issued (requests, for object stores) by every `read` so far.
+    #[getter]
+    fn reads(&self) -> u64 {
+        self.reads.load(Relaxed)
+    }
+}

@@ -1,0 +1,214 @@
+//! Reads of chosen byte ranges of one source into one host buffer, in parallel blocks: what a
+//! slice of a tensor needs (`fastload.safe_open(...).get_slice(name)[...]`), where a load reads
+//! whole tensors through the pipeline.
+//!
+//! The caller says which ranges (file offsets) it needs; they land one after the other in the
+//! buffer, in the order given. Ranges that touch in the file are read as one; every read is cut
+//! into blocks of at most `block_size` bytes ([`crate::plan::blocks`]), `concurrency` in flight.
+//! Nothing outside the ranges is read.
+
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
+
+use crate::error::{Error, Result};
+use crate::memory::HostBuffer;
+use crate::source::{self, Source};
+
+/// One read: `len` bytes at file offset `src` into the buffer at `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Read {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+/// The reads that fill a buffer with `ranges` (`(file offset, len)`) one after the other: ranges
+/// that follow each other in the file become one read, each read is cut at multiples of `block`
+/// (empty ranges read nothing). Checks every range against `size`.
+pub fn reads(ranges: &[(u64, u64)], size: u64, block: u64, name: &str) -> Result<Vec<Read>> {
+    let mut merged: Vec<Read> = Vec::new();
+    let mut dst = 0u64;
+    for &(src, len) in ranges {
+        if src.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::option(
+                "ranges",
+                format!("{name}: range of {len} bytes at {src} is outside the file ({size} bytes)"),
+            ));
+        }
+        if len == 0 {
+            continue;
+        }
+        match merged.last_mut() {
+            Some(last) if last.src + last.len == src && last.dst + last.len == dst => {
+                last.len += len;
+            }
+            _ => merged.push(Read { src, dst, len }),
+        }
+        dst += len;
+    }
+    Ok(merged
+        .into_iter()
+        .flat_map(|r| {
+            crate::plan::blocks(r.src, r.len, block).map(move |(off, len)| Read {
+                src: r.src + off,
+                dst: r.dst + off,
+                len,
+            })
+        })
+        .collect())
+}
+
+/// Counters of one [`read`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Done {
+    /// Bytes read from the source.
+    pub bytes: u64,
+    /// Reads issued (requests, for object stores).
+    pub reads: u64,
+}
+
+/// Reads `ranges` of `source` into a new buffer of their total length, `concurrency` reads of at
+/// most `block` bytes in flight. Call it from outside the runtime (it waits).
+pub fn read(
+    source: Arc<dyn Source>,
+    ranges: &[(u64, u64)],
+    block: u64,
+    concurrency: usize,
+) -> Result<(HostBuffer, Done)> {
+    let total: u64 = ranges.iter().map(|r| r.1).sum();
+    let plan = reads(ranges, source.size(), block, source.name())?;
+    let buffer = Arc::new(HostBuffer::alloc(total as usize)?);
+    let done = Done {
+        bytes: plan.iter().map(|r| r.len).sum(),
+        reads: plan.len() as u64,
+    };
+    if !plan.is_empty() {
+        let filled = buffer.clone();
+        crate::runtime::block_on("reading ranges", async move {
+            fill(source, filled, plan, concurrency).await
+        })?;
+    }
+    let buffer = Arc::try_unwrap(buffer).map_err(|_| Error::Internal {
+        message: "a range read outlived its load".into(),
+    })?;
+    buffer.mark_populated();
+    Ok((buffer, done))
+}
+
+/// Runs `plan`'s reads into `buffer`, at most `concurrency` at once, each a task of its own where
+/// the source's reads belong ([`source::spawn_read`]); the first error ends the wait.
+async fn fill(
+    source: Arc<dyn Source>,
+    buffer: Arc<HostBuffer>,
+    plan: Vec<Read>,
+    concurrency: usize,
+) -> Result<()> {
+    let slots = Arc::new(Semaphore::new(concurrency.max(1)));
+    let mut tasks = Vec::with_capacity(plan.len());
+    let name = source.name().to_string();
+    for r in plan {
+        let slot = slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Error::Internal {
+                message: "read slots closed".into(),
+            })?;
+        let (src, buf) = (source.clone(), buffer.clone());
+        let task = async move {
+            // SAFETY: the reads' destinations are disjoint (each range has its own place in the
+            // buffer) and the buffer is handed out only after every task ended.
+            #[allow(unsafe_code)]
+            let dst = unsafe { buf.slice_mut(r.dst as usize, r.len as usize) };
+            let out = src.read_into(r.src, dst).await;
+            drop(slot);
+            out
+        };
+        tasks.push(AbortOnDrop(source::spawn_read(source.as_ref(), task)));
+    }
+    for t in &mut tasks {
+        source::joined((&mut t.0).await, &name)?;
+    }
+    Ok(())
+}
+
+/// Aborts the task when dropped (an error elsewhere, an interrupted wait), so that no read keeps
+/// writing into a buffer nobody waits for; the buffer itself is kept alive by the task.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::testing::Bytes;
+
+    fn src(n: usize) -> Arc<dyn Source> {
+        Arc::new(Bytes {
+            name: "mem".into(),
+            data: (0..n).map(|i| (i * 7 % 251) as u8).collect(),
+        })
+    }
+
+    #[test]
+    fn touching_ranges_merge_and_blocks_cut_at_multiples() {
+        let r = reads(&[(10, 5), (15, 5), (30, 2), (0, 0)], 100, 16, "f").unwrap();
+        assert_eq!(
+            r,
+            vec![
+                Read {
+                    src: 10,
+                    dst: 0,
+                    len: 6
+                },
+                Read {
+                    src: 16,
+                    dst: 6,
+                    len: 4
+                },
+                Read {
+                    src: 30,
+                    dst: 10,
+                    len: 2
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn out_of_file_range_is_an_option_error_naming_the_file() {
+        let e = reads(&[(90, 11)], 100, 16, "f.safetensors").unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { .. }), "{e}");
+        assert!(e.to_string().contains("f.safetensors"), "{e}");
+        assert!(reads(&[(u64::MAX, 2)], 100, 16, "f").is_err());
+    }
+
+    #[test]
+    fn read_lands_ranges_in_order_and_counts_only_them() {
+        let s = src(1000);
+        let ranges = [(900, 50), (3, 10), (13, 7), (500, 0), (999, 1)];
+        let (buf, done) = read(s.clone(), &ranges, 8, 3).unwrap();
+        let data: Vec<u8> = (0..1000).map(|i| (i * 7 % 251) as u8).collect();
+        let mut want = Vec::new();
+        for (o, l) in ranges {
+            want.extend_from_slice(&data[o as usize..(o + l) as usize]);
+        }
+        assert_eq!(buf.as_slice(), &want[..]);
+        assert_eq!(done.bytes, 68);
+        // 900..950 in 8-byte-aligned blocks: 900..904, five of 8, 944..950; 3..20 merged:
+        // 3..8, 8..16, 16..20; and 999..1000.
+        assert_eq!(done.reads, 7 + 3 + 1);
+    }
+
+    #[test]
+    fn nothing_to_read_is_an_empty_buffer() {
+        let (buf, done) = read(src(10), &[], 8, 1).unwrap();
+        assert!(buf.is_empty());
+        assert_eq!(done, Done::default());
+    }
+}

@@ -1,0 +1,384 @@
+"""fastload.safe_open and fastload.load_file against safetensors' own, bitwise: the methods, the
+dtypes, random slices (hypothesis) of local files and of objects behind the HTTP test server,
+SeaweedFS and the mock Hub; and what a remote slice reads (only the ranges it needs)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import fastload
+import pytest
+import s3_server
+import safetensors
+import safetensors.torch
+import torch
+from fastload._safe_open import plan
+from helpers import DTYPES, pattern, raw_bytes, reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+# -- index strategies ------------------------------------------------------------------------
+
+
+def _slice_part(n: int):
+    return st.one_of(st.none(), st.integers(-n - 2, n + 2))
+
+
+def _dim_index(n: int):
+    return st.one_of(
+        st.integers(-n - 1, n),
+        st.builds(
+            slice,
+            _slice_part(n),
+            _slice_part(n),
+            st.one_of(st.none(), st.integers(1, 3), st.sampled_from([0, -1])),
+        ),
+    )
+
+
+@st.composite
+def indices(draw, shape: tuple[int, ...]):
+    """An index as users write them: ints (some out of range), slices with steps (some
+    invalid), fewer indices than dims, an Ellipsis, a None."""
+    k = draw(st.integers(0, len(shape) + (1 if draw(st.booleans()) and shape else 0)))
+    items = [draw(_dim_index(shape[i] if i < len(shape) else 2)) for i in range(k)]
+    if draw(st.booleans()):
+        items.insert(draw(st.integers(0, len(items))), Ellipsis)
+    if draw(st.integers(0, 4)) == 0:
+        items.insert(draw(st.integers(0, len(items))), None)
+    if len(items) == 1 and draw(st.booleans()):
+        return items[0]  # a bare int or slice, not a tuple
+    return tuple(items)
+
+
+# Every dtype torch and safetensors share (F4 needs an even last dim: its own test below).
+SLICE_DTYPES = sorted(k for k in DTYPES if k != "F4")
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(SLICE_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=4)))
+    return dtype, shape
+
+
+def _outcome(fn, *args):
+    try:
+        return "ok", fn(*args)
+    except Exception as e:
+        return "error", e
+
+
+def _sliced(file, name, index):
+    return file.get_slice(name)[index]
+
+
+def assert_same_outcome(got, want, what) -> None:
+    """Both returned the same tensor (dtype, shape, bytes) or raised the same exception."""
+    if want[0] == "error":
+        assert got[0] == "error", f"{what}: safetensors raised {want[1]!r}, fastload returned"
+        assert type(got[1]) is type(want[1]), f"{what}: {got[1]!r} != {want[1]!r}"
+        assert str(got[1]) == str(want[1]), what
+        return
+    assert got[0] == "ok", f"{what}: fastload raised {got[1]!r}"
+    t, ref = got[1], want[1]
+    assert t.dtype == ref.dtype, what
+    assert tuple(t.shape) == tuple(ref.shape), what
+    assert torch.equal(_bits(t), _bits(ref)), what
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, whatever its strides (a size-1 or empty dim may have any)."""
+    fresh = torch.empty(tuple(t.shape), dtype=t.dtype).copy_(t.detach().cpu())
+    return raw_bytes(fresh)
+
+
+def write(path, tensors: dict, metadata=None):
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+# -- the methods -----------------------------------------------------------------------------
+
+
+def test_every_method_of_safetensors_safe_open_is_there(dtypes_file):
+    ref = safetensors.safe_open(str(dtypes_file), framework="pt")
+    public = {m for m in dir(ref) if not m.startswith("_")} | {"__enter__", "__exit__"}
+    assert public <= set(dir(fastload.safe_open)), public - set(dir(fastload.safe_open))
+    sl = ref.get_slice(ref.keys()[0])
+    ours = {m for m in dir(fastload.SafeSlice) if not m.startswith("_")}
+    assert {m for m in dir(sl) if not m.startswith("_")} <= ours
+    # safetensors' positional parameters, in order, with its default device.
+    params = list(inspect.signature(fastload.safe_open).parameters.values())
+    assert [p.name for p in params[:3]] == ["filename", "framework", "device"]
+    assert params[2].default == "cpu"
+    assert "backend" in inspect.signature(fastload.safe_open).parameters
+
+
+def test_keys_metadata_and_every_tensor_match_safetensors(dtypes_file):
+    ref = safetensors.safe_open(str(dtypes_file), framework="pt")
+    with fastload.safe_open(dtypes_file, framework="pt") as f:
+        assert f.keys() == ref.keys()
+        assert f.offset_keys() == ref.offset_keys()
+        assert f.metadata() == ref.metadata()
+        for name in ref.keys():
+            assert_same_outcome(_outcome(f.get_tensor, name), _outcome(ref.get_tensor, name), name)
+            s, r = f.get_slice(name), ref.get_slice(name)
+            assert s.get_shape() == r.get_shape(), name
+            assert s.get_dtype() == r.get_dtype(), name
+        everything = f.get_tensors()
+        assert list(everything) == ref.offset_keys()
+    want = reference(dtypes_file)
+    for name, t in everything.items():
+        assert torch.equal(raw_bytes(t), raw_bytes(want[name])), name
+
+
+def test_metadata_and_use_without_with(tmp_path):
+    path = write(tmp_path / "m.safetensors", {"w": torch.ones(2)}, metadata={"format": "pt"})
+    f = fastload.safe_open(str(path), "pt")  # no `with`, as safetensors allows
+    assert f.metadata() == {"format": "pt"} == safetensors.safe_open(str(path), "pt").metadata()
+    assert torch.equal(f.get_slice("w")[1:], torch.ones(1))
+    f.__exit__(None, None, None)
+    with pytest.raises(fastload.FastloadError, match="closed"):
+        f.keys()
+    bare = write(tmp_path / "bare.safetensors", {"w": torch.ones(2)})
+    assert fastload.safe_open(bare, "pt").metadata() is None
+
+
+def test_errors(tmp_path, dtypes_file):
+    with fastload.safe_open(dtypes_file, "pt") as f:
+        with pytest.raises(fastload.TensorNotFoundError, match="nope") as e:
+            f.get_tensor("nope")
+        assert isinstance(e.value, KeyError) and e.value.names == ["nope"]
+        with pytest.raises(KeyError):
+            f.get_slice("nope")
+    with pytest.raises(fastload.ConfigError) as c:
+        fastload.safe_open(dtypes_file, framework="tf")
+    assert c.value.option == "framework"
+    with pytest.raises(fastload.NotFoundError):
+        fastload.safe_open(tmp_path / "missing.safetensors", "pt")
+    with pytest.raises(TypeError, match="bogus"):
+        fastload.safe_open(dtypes_file, "pt", bogus=1)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(fastload.FormatError, match=r"bad\.safetensors"):
+        fastload.safe_open(tmp_path / "bad.safetensors", "pt")
+
+
+def test_a_gpu_device_without_a_driver_fails_cleanly(dtypes_file, monkeypatch, tmp_path):
+    # No libcuda on the search path: the device is checked at open, as a fastload error.
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    if _driver_present():
+        pytest.skip("a CUDA driver is installed here")
+    for device in ("cuda:0", 0, torch.device("cuda", 0)):
+        with pytest.raises(fastload.FastloadError):
+            fastload.safe_open(dtypes_file, "pt", device=device)
+
+
+def _driver_present() -> bool:
+    try:
+        return fastload._fastload.cuda_device_count() > 0
+    except fastload.FastloadError:
+        return False
+
+
+# -- slices ----------------------------------------------------------------------------------
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data(), spec=tensors())
+def test_random_slices_of_a_local_file_match_safetensors(tmp_path, data, spec):
+    dtype, shape = spec
+    path = write(tmp_path / "r.safetensors", {"t": pattern(shape, DTYPES[dtype], seed=3)})
+    index = data.draw(indices(shape), label="index")
+    ref = safetensors.safe_open(str(path), "pt").get_slice("t")
+    with fastload.safe_open(path, "pt") as f:
+        got = _outcome(lambda: f.get_slice("t")[index])
+    assert_same_outcome(got, _outcome(lambda: ref[index]), f"{dtype}{shape}[{index!r}]")
+
+
+def test_f4_and_indices_torch_indexes_itself(tmp_path):
+    """Lists and tensors as indices; and F4, which safetensors 0.8 cannot slice (its get_slice
+    keeps the header's shape, twice torch's): there the reference is its whole tensor, indexed."""
+    tensors = {"x": pattern((3, 8), torch.float32)}
+    if "F4" in DTYPES:
+        tensors["f4"] = pattern((3, 4), DTYPES["F4"])
+    path = write(tmp_path / "f.safetensors", tensors)
+    ref = safetensors.safe_open(str(path), "pt")
+    with fastload.safe_open(path, "pt") as f:
+        for name in tensors:
+            for index in [(1, slice(1, 3)), (slice(None), -1), [0, 2], torch.tensor([2, 0])]:
+                what = f"{name}[{index!r}]"
+                if name == "f4":
+                    want = _outcome(lambda t, i: t[i], ref.get_tensor(name), index)
+                else:
+                    want = _outcome(_sliced, ref, name, index)
+                assert_same_outcome(_outcome(_sliced, f, name, index), want, what)
+
+
+def test_plan_reads_rows_of_a_dim0_slice_and_coalesces_inner_ones():
+    shape, item = (8, 16), 4
+    # A dim-0 slice: one range, exactly those rows.
+    p = plan(shape, item, slice(2, 5))
+    assert p is not None and p.ranges == [(2 * 64, 3 * 64)]
+    # An inner slice with free reads: one range per row, just the columns.
+    p = plan(shape, item, (slice(1, 3), slice(4, 8)), read_cost=0)
+    assert p is not None and p.ranges == [(64 + 16, 16), (128 + 16, 16)]
+    # ... and with costly reads, one range across the rows it spans.
+    p = plan(shape, item, (slice(1, 3), slice(4, 8)), read_cost=1 << 20)
+    assert p is not None and p.ranges == [(64 + 16, 64 + 16)]
+    # Steps on outer dims pick rows; nothing selected reads nothing.
+    p = plan(shape, item, slice(0, 8, 3), read_cost=0)
+    assert p is not None and [r[0] for r in p.ranges] == [0, 3 * 64, 6 * 64]
+    assert plan(shape, item, slice(3, 3)) is None
+    assert plan(shape, item, [0, 1]) is None  # a list: torch indexes the whole tensor
+
+
+# -- remote ----------------------------------------------------------------------------------
+
+
+def _served_ranges(log, path, since):
+    """The (offset, len) of every ranged GET of `path` after `since`."""
+    out = []
+    for method, p, rng, status in log[since:]:
+        if method == "GET" and p == path:
+            assert rng and status == 206, (rng, status)
+            a, b = rng.removeprefix("bytes=").split("-")
+            out.append((int(a), int(b) - int(a) + 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def remote_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("remote")
+    tensors = {
+        "w": pattern((64, 96), torch.bfloat16, seed=1),
+        "b": pattern((5, 7, 6), torch.float32, seed=2),
+        "e": pattern((40, 3), DTYPES["F8_E4M3"], seed=4),
+        "m": pattern((9, 11), torch.bool, seed=5),
+    }
+    return write(d / "slices.safetensors", tensors)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_random_slices_over_http_read_only_what_they_need(range_server, remote_file, data):
+    range_server.put({"slices.safetensors": remote_file})
+    url = range_server.url("slices.safetensors")
+    ref = safetensors.safe_open(str(remote_file), "pt")
+    name = data.draw(st.sampled_from(ref.keys()), label="name")
+    shape = tuple(ref.get_slice(name).get_shape())
+    index = data.draw(indices(shape), label="index")
+    log = range_server.behaviour.log
+    with fastload.safe_open(url, "pt") as f:
+        since = len(log)
+        got = _outcome(lambda: f.get_slice(name)[index])
+        read = _served_ranges(log, "/slices.safetensors", since)
+        assert_same_outcome(got, _outcome(lambda: ref.get_slice(name)[index]), f"{name}[{index}]")
+        assert sum(n for _, n in read) == f.bytes_read
+        # Every byte requested lies in the tensor, and a plan says which.
+        header = fastload.inspect(url)[0]
+        start = header["size"] - sum(t[4] - t[3] for t in header["tensors"])
+        (_, dtype, _, begin, end) = next(t for t in header["tensors"] if t[0] == name)
+        for off, n in read:
+            assert start + begin <= off and off + n <= start + end, (off, n)
+        if got[0] == "ok":
+            item = DTYPES[dtype].itemsize
+            p = plan(shape, item, index, fastload._safe_open.REMOTE_READ_COST)
+            planned = sum(n for _, n in p.ranges) if p else 0 if got[1].numel() == 0 else None
+            if planned is not None:
+                assert f.bytes_read == planned
+
+
+def test_a_row_slice_over_http_reads_those_rows_only(range_server, tmp_path):
+    w = pattern((1024, 256), torch.float16, seed=9)  # 512 KiB rows of 512 bytes
+    path = write(tmp_path / "big.safetensors", {"w": w, "z": torch.zeros(3)})
+    range_server.put({"rows.safetensors": path})
+    log = range_server.behaviour.log
+    with fastload.safe_open(range_server.url("rows.safetensors"), "pt", block_size="4KiB") as f:
+        since = len(log)
+        part = f.get_slice("w")[256:512]
+        read = _served_ranges(log, "/rows.safetensors", since)
+    assert torch.equal(raw_bytes(part), raw_bytes(w[256:512]))
+    assert sum(n for _, n in read) == 256 * 512 == f.bytes_read
+    # In 4 KiB blocks cut at multiples of 4 KiB in the file (the first and last are short).
+    assert len(read) in (32, 33), read
+
+
+def test_s3_slices_and_tensors_read_only_their_bytes(s3_store, remote_file):
+    s3_server.upload(
+        s3_store.server.client(), s3_server.BUCKET, {"slices/s.safetensors": remote_file}
+    )
+    uri = s3_store.uri("slices/s.safetensors")
+    ref = safetensors.safe_open(str(remote_file), "pt")
+    with fastload.safe_open(uri, "pt", storage_options=s3_store.options()) as f:
+        assert f.keys() == ref.keys() and f.bytes_read == 0
+        w = f.get_tensor("w")
+        assert torch.equal(raw_bytes(w), raw_bytes(ref.get_tensor("w")))
+        assert f.bytes_read == w.numel() * 2
+        cases = [
+            ("w", slice(16, 32)),
+            ("w", (slice(None), slice(0, 24))),
+            ("b", (Ellipsis, 2)),
+            ("e", -1),
+            ("m", (slice(None, None, 2), 3)),
+        ]
+        for name, index in cases:
+            before = f.bytes_read
+            got = f.get_slice(name)[index]
+            want = ref.get_slice(name)[index]
+            assert_same_outcome(("ok", got), ("ok", want), f"{name}{index}")
+            shape = ref.get_slice(name).get_shape()
+            item = ref.get_tensor(name).element_size()
+            p = plan(shape, item, index, fastload._safe_open.REMOTE_READ_COST)
+            assert f.bytes_read - before == sum(n for _, n in p.ranges), (name, index)
+            assert f.bytes_read - before <= math.prod(shape) * item
+        # A dim-0 slice reads exactly its rows.
+        assert plan((64, 96), 2, slice(16, 32)).ranges == [(16 * 96 * 2, 16 * 96 * 2)]
+
+
+def test_hub_slice(monkeypatch, tmp_path, remote_file):
+    from hub_server import MockHub
+
+    hub = MockHub()
+    try:
+        hub.add("org/m", {"model.safetensors": remote_file.read_bytes()})
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+        for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+            monkeypatch.delenv(var, raising=False)
+        ref = safetensors.safe_open(str(remote_file), "pt")
+        with fastload.safe_open("hf://org/m/model.safetensors", "pt") as f:
+            got = f.get_slice("w")[48:]
+            assert f.bytes_read == 16 * 96 * 2
+        assert torch.equal(raw_bytes(got), raw_bytes(ref.get_slice("w")[48:]))
+    finally:
+        hub.close()
+
+
+# -- load_file -------------------------------------------------------------------------------
+
+
+def test_load_file_matches_safetensors(dtypes_file, http_store):
+    want = safetensors.torch.load_file(str(dtypes_file))
+    ours = inspect.signature(fastload.load_file).parameters
+    theirs = inspect.signature(safetensors.torch.load_file).parameters
+    assert list(ours) == list(theirs)
+    assert all(ours[k].default == theirs[k].default for k in ours)
+    for got in (
+        fastload.load_file(dtypes_file),
+        fastload.load_file(http_store.uri("all.safetensors")),
+    ):
+        assert list(got) == list(want) or sorted(got) == sorted(want)
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+            assert torch.equal(raw_bytes(got[name]), raw_bytes(t)), name
