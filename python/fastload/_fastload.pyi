@@ -43,6 +43,7 @@ __all__ = [
     "is_remote_uri",
     "parse_size",
     "plan_ranks",
+    "read_small_object",
     "release_memory",
     "resolve_options",
 ]
@@ -270,4 +271,10 @@ def inspect(
     uris: list[str], *, storage_options: Mapping[str, object] | None = None
 ) -> list[dict[str, object]]: ...
 def cached_memory() -> dict[str, int]: ...
+def read_small_object(
+    uri: str, *, storage_options: Mapping[str, object] | None = None, max_size: int = ...
+) -> bytes:
+    """The whole object an object-store URI names, at most ``max_size`` bytes (default 64 MiB;
+    ``OSError`` over it); a missing object raises ``NotFoundError``."""
+
 def release_memory() -> dict[str, int]: ...

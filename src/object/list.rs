@@ -96,19 +96,52 @@ pub async fn head(remote: &Remote, path: &Path) -> Result<Found> {
 /// GET of a small object (an index file) into memory.
 pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
     let name = remote.uri_of(path);
+    get_capped(remote, path, format::MAX_HEADER_LEN, |size| {
+        Error::format(&name, FormatError::IndexTooLarge { size })
+    })
+    .await
+}
+
+/// The whole object the remote's URI names (a config, tokenizer or code file beside the
+/// weights), when it is at most `max` bytes; a larger one is an `InvalidData` I/O error naming
+/// its size, read no further.
+pub async fn read_whole(remote: &Remote, max: u64) -> Result<Vec<u8>> {
+    let name = remote.uri.clone();
+    get_capped(remote, &remote.path, max, |size| Error::Io {
+        path: name.clone(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("object is {size} bytes, over the {max}-byte limit for a small file"),
+        ),
+    })
+    .await
+}
+
+/// GET of an object into memory, refused (by `too_large`, with the size) over `max` bytes.
+async fn get_capped(
+    remote: &Remote,
+    path: &Path,
+    max: u64,
+    too_large: impl FnOnce(u64) -> Error,
+) -> Result<Vec<u8>> {
+    let name = remote.uri_of(path);
     let result = remote
         .store
         .get_opts(path, GetOptions::default())
         .await
         .map_err(|e| storage_error(&name, e))?;
-    if result.meta.size > format::MAX_HEADER_LEN {
-        let size = result.meta.size;
-        return Err(Error::format(&name, FormatError::IndexTooLarge { size }));
+    if result.meta.size > max {
+        return Err(too_large(result.meta.size));
     }
-    let mut out = Vec::with_capacity(result.meta.size as usize);
+    let size = result.meta.size;
+    let mut out = Vec::with_capacity(size as usize);
     let mut body = result.into_stream();
     while let Some(chunk) = body.next().await {
         out.extend_from_slice(&chunk.map_err(|e| storage_error(&name, e))?);
+        // A body longer than the size announced is cut at the cap, not held in memory.
+        if out.len() as u64 > max {
+            return Err(too_large(out.len() as u64));
+        }
     }
     Ok(out)
 }

@@ -35,7 +35,7 @@ mod tests_cloud;
 
 pub use config::{install_crypto, open, open_with_env};
 pub use errors::{redact_uri, storage_error};
-pub use list::{head, list_safetensors, resolve, Found};
+pub use list::{head, list_safetensors, read_whole, resolve, Found};
 pub use read::read_range_into;
 pub use retry::{Decision, ResumeState, RetrySettings};
 

@@ -66,6 +66,25 @@ fn cuda_device_count(py: Python<'_>) -> PyResult<usize> {
     }
 }
 
+/// The whole object an object-store URI names (s3://, gs://, az://, http(s)://), for small files
+/// beside the weights (configs, tokenizers, code): at most `max_size` bytes, else `OSError`; a
+/// missing object raises `NotFoundError`. The store is configured as a load's would be.
+#[pyfunction]
+#[pyo3(signature = (uri, *, storage_options=None, max_size=64 << 20))]
+fn read_small_object(
+    py: Python<'_>,
+    uri: String,
+    storage_options: Option<args::StorageOptions>,
+    max_size: u64,
+) -> PyResult<Py<pyo3::types::PyBytes>> {
+    let storage_options = storage_options.unwrap_or_default().0;
+    let bytes = wait::off_thread(py, "read_small_object", move || {
+        let remote = crate::object::open(&uri, &storage_options)?;
+        crate::runtime::block_on(&uri, crate::object::read_whole(&remote, max_size))
+    })??;
+    Ok(pyo3::types::PyBytes::new(py, &bytes).unbind())
+}
+
 /// `{"host": bytes, "pinned": bytes}`, the shape both memory functions return.
 fn by_kind(c: crate::device::CachedMemory) -> std::collections::HashMap<&'static str, u64> {
     [("host", c.host), ("pinned", c.pinned)].into()
@@ -113,5 +132,6 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
     m.add_function(wrap_pyfunction!(cached_memory, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(read_small_object, m)?)?;
     Ok(())
 }
