@@ -38,6 +38,19 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
+# What PreTrainedModel.from_pretrained takes for itself (its named parameters and the kwargs it
+# pops); the rest of kwargs it hands to adjust_generation_fn, as this module then does.
+_OWN_KWARGS = frozenset(
+    """state_dict proxies tqdm_class output_loading_info _from_pipeline _from_auto dtype
+    torch_dtype device_map max_memory offload_folder offload_buffers quantization_config
+    subfolder _commit_hash variant adapter_kwargs adapter_name generation_config gguf_file
+    distributed_config device_mesh tp_plan tp_size trust_remote_code allow_all_kernels
+    use_kernels kernel_config key_mapping mirror _fast_init low_cpu_mem_usage from_tf from_flax
+    offload_state_dict attn_implementation experts_implementation config cache_dir
+    ignore_mismatched_sizes force_download local_files_only token revision use_safetensors
+    weights_only fusion_config disable_mmap""".split()
+)
+
 # Hub arguments of from_pretrained: used to find the checkpoint, then dropped (transformers reads
 # the local folder fastload hands it).
 _HUB_KWARGS = ("force_download", "proxies", "resume_download", "_commit_hash", "code_revision")
@@ -273,6 +286,7 @@ def from_pretrained(
         )
         del state_dict
         model.config.name_or_path = os.fspath(uri)
+        rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
         if kwargs.get("generation_config") is None and hasattr(model, "adjust_generation_fn"):
             # from_pretrained(None, ...) has no folder to read the generation config from: read
             # it as a load from the folder does.
@@ -289,6 +303,7 @@ def from_pretrained(
                 revision=None,
                 subfolder="",
                 trust_remote_code=kwargs.get("trust_remote_code"),
+                **rest,
             )
     return model
 
