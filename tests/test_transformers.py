@@ -36,8 +36,10 @@ def models(tmp_path_factory):
     }
 
 
-def check(model_class, uri, reference_dir, **kwargs):
-    got = fastload.transformers.from_pretrained(model_class, uri, **kwargs)
+def check(model_class, uri, reference_dir, *, hub_kwargs=None, **kwargs):
+    """Loads ``uri`` with fastload (``kwargs`` and ``hub_kwargs``: where in the repo) and
+    ``reference_dir`` (the same checkpoint) with transformers (``kwargs``), and compares."""
+    got = fastload.transformers.from_pretrained(model_class, uri, **kwargs, **(hub_kwargs or {}))
     want = model_class.from_pretrained(reference_dir, **kwargs)
     assert type(got) is type(want)
     assert_same_state(got, want)
@@ -211,7 +213,8 @@ def test_from_the_hub(models, hub, hub_env, name, form):
 
 def test_hub_subfolder_and_revision(models, hub, hub_env):
     hub.add("org/nested", {f"ckpt/{k}": v for k, v in tree(models["sharded"]).items()})
-    check(LlamaForCausalLM, "org/nested", models["sharded"], subfolder="ckpt", revision="main")
+    where = {"subfolder": "ckpt", "revision": "main"}
+    check(LlamaForCausalLM, "org/nested", models["sharded"], hub_kwargs=where)
     check(LlamaForCausalLM, "hf://org/nested@main/ckpt", models["sharded"])
     assert not safetensors_under(hub_env / "hf_home", hub_env / "tmp")
 
@@ -235,7 +238,8 @@ def bucket(seaweed, models):
 def test_from_s3(models, bucket, name, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     uri = f"s3://{s3_server.BUCKET}/tf/{name}/"
-    check(AutoModelForCausalLM, uri, models[name], storage_options=bucket.storage_options())
+    where = {"storage_options": bucket.storage_options()}
+    check(AutoModelForCausalLM, uri, models[name], hub_kwargs=where)
     # The small files went to a temporary folder, removed afterwards; no weights on disk.
     assert not list(tmp_path.iterdir())
 

@@ -207,9 +207,16 @@ def open_checkpoint(
         options: dict[str, Any] = dict(storage_options or {})
         if isinstance(token, str):
             options.setdefault("token", token)
+        # The environment as it is now (huggingface_hub read it at its import), as fastload's
+        # hf:// reads it for the weights: the same endpoint and cache for both.
+        if cache_dir is None and os.environ.get("HF_HUB_CACHE"):
+            cache_dir = os.environ["HF_HUB_CACHE"]
+        elif cache_dir is None and os.environ.get("HF_HOME"):
+            cache_dir = os.path.join(os.environ["HF_HOME"], "hub")
         folder = huggingface_hub.snapshot_download(
             repo_id,
             revision=revision,
+            endpoint=os.environ.get("HF_ENDPOINT") or None,
             cache_dir=cache_dir,
             token=token,
             local_files_only=local_files_only,
