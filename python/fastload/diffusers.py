@@ -220,17 +220,11 @@ def _load_pipeline(
         component_cls = getattr(transformers, class_name, None)
         if not (isinstance(component_cls, type) and issubclass(component_cls, PreTrainedModel)):
             continue
-        extra: dict[str, Any] = {}
-        if variant is not None:
-            extra["variant"] = variant
-        kwargs[name] = _transformers.from_pretrained(
-            component_cls,
-            str(ckpt.local / name),
-            dtype=_component_dtype(dtype, name),
-            load_options=dict(load_options or {}),  # type: ignore[typeddict-item]
-            storage_options=ckpt.storage_options,
-            **extra,
+        component_kwargs: dict[str, Any] = {"dtype": _component_dtype(dtype, name)}
+        kwargs[name] = _transformers._from_checkpoint(
+            component_cls, ckpt, name, variant, (), dict(load_options or {}), component_kwargs
         )
+        kwargs[name].config.name_or_path = str(ckpt.local / name)
     with _streaming(ckpt, options):
         return cls.from_pretrained(str(ckpt.local), **kwargs)
 

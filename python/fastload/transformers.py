@@ -234,8 +234,6 @@ def from_pretrained(
     ``memory_limit``, ``cache``, ...; see :class:`fastload.Options`). A ``device_map`` naming one
     CUDA device streams the weights straight to it.
     """
-    import fastload
-
     if "state_dict" in kwargs:
         raise ConfigError("state_dict: fastload reads the weights; do not pass them", option="uri")
     if kwargs.get("use_safetensors") is False:
@@ -261,49 +259,64 @@ def from_pretrained(
         local_files_only=local_files_only,
         storage_options=storage_options,
     ) as ckpt:
-        ckpt.fetch(
-            [CONFIG_NAME, GENERATION_CONFIG_NAME, _variant(WEIGHTS_INDEX_NAME, variant)], subfolder
-        )
-        folder = ckpt.folder(subfolder)
-        if kwargs.get("trust_remote_code"):
-            ckpt.fetch(_remote_code_files(folder), subfolder)
-        config = kwargs.pop("config", None)
-        if _is_auto_class(model_class):
-            cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
-            kwargs["_from_auto"] = True
-        else:
-            cls = model_class
-            if config is None:
-                config = str(folder)
-        files = weight_files(folder, variant)
-        uris = [ckpt.weight_uri(f"{subfolder}/{f}" if subfolder else f) for f in files]
-        device = options.pop("device", None) or _single_device(kwargs.get("device_map"))
-        if ckpt.storage_options is not None:
-            options.setdefault("storage_options", ckpt.storage_options)
-        state_dict = fastload.load(uris, device=device or "cpu", **options)
-        model = cls.from_pretrained(
-            None, *model_args, config=config, state_dict=state_dict, **kwargs
-        )
-        del state_dict
-        model.config.name_or_path = os.fspath(uri)
-        rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
-        if kwargs.get("generation_config") is None and hasattr(model, "adjust_generation_fn"):
-            # from_pretrained(None, ...) has no folder to read the generation config from: read
-            # it as a load from the folder does.
-            model.adjust_generation_fn(
-                None,
-                bool(kwargs.get("_from_auto")),
-                None,
-                str(folder),
-                cache_dir=None,
-                force_download=False,
-                proxies=None,
-                local_files_only=True,
-                token=None,
-                revision=None,
-                subfolder="",
-                trust_remote_code=kwargs.get("trust_remote_code"),
-                **rest,
-            )
+        model = _from_checkpoint(model_class, ckpt, subfolder, variant, model_args, options, kwargs)
+    model.config.name_or_path = os.fspath(uri)
     return model
 
+
+def _from_checkpoint(
+    model_class: Any,
+    ckpt: _remote_files.Checkpoint,
+    subfolder: str,
+    variant: str | None,
+    model_args: tuple[Any, ...],
+    options: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The model in ``subfolder`` of ``ckpt``: see :func:`from_pretrained`."""
+    import fastload
+
+    ckpt.fetch(
+        [CONFIG_NAME, GENERATION_CONFIG_NAME, _variant(WEIGHTS_INDEX_NAME, variant)], subfolder
+    )
+    folder = ckpt.folder(subfolder)
+    if kwargs.get("trust_remote_code"):
+        ckpt.fetch(_remote_code_files(folder), subfolder)
+    config = kwargs.pop("config", None)
+    if _is_auto_class(model_class):
+        cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
+        kwargs["_from_auto"] = True
+    else:
+        cls = model_class
+        if config is None:
+            config = str(folder)
+    files = weight_files(folder, variant)
+    uris = [ckpt.weight_uri(f"{subfolder}/{f}" if subfolder else f) for f in files]
+    device = options.pop("device", None) or _single_device(kwargs.get("device_map"))
+    if ckpt.storage_options is not None:
+        options.setdefault("storage_options", ckpt.storage_options)
+    state_dict = fastload.load(uris, device=device or "cpu", **options)
+    model = cls.from_pretrained(
+        None, *model_args, config=config, state_dict=state_dict, **kwargs
+    )
+    del state_dict
+    rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
+    if kwargs.get("generation_config") is None and hasattr(model, "adjust_generation_fn"):
+        # from_pretrained(None, ...) has no folder to read the generation config from: read
+        # it as a load from the folder does.
+        model.adjust_generation_fn(
+            None,
+            bool(kwargs.get("_from_auto")),
+            None,
+            str(folder),
+            cache_dir=None,
+            force_download=False,
+            proxies=None,
+            local_files_only=True,
+            token=None,
+            revision=None,
+            subfolder="",
+            trust_remote_code=kwargs.get("trust_remote_code"),
+            **rest,
+        )
+    return model
