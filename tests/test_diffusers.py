@@ -58,9 +58,7 @@ def check_model(cls, uri, reference, subfolder, *, where=None, **kwargs):
     want = cls.from_pretrained(reference, subfolder=subfolder, **kwargs)
     assert type(got) is type(want)
     assert_same_state(got, want)
-    assert dict(got.config) | {"_name_or_path": None} == dict(want.config) | {
-        "_name_or_path": None
-    }
+    assert dict(got.config) | {"_name_or_path": None} == dict(want.config) | {"_name_or_path": None}
 
 
 def check_pipeline(uri, reference, *, where=None, **kwargs):

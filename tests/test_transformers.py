@@ -137,14 +137,14 @@ def test_pinned_transformers_apis():
     ]
 
 
-REMOTE_CONFIG = '''
+REMOTE_CONFIG = """
 from transformers import LlamaConfig
 
 
 class TinyRemoteConfig(LlamaConfig):
     model_type = "tiny_remote"
-'''
-REMOTE_MODEL = '''
+"""
+REMOTE_MODEL = """
 from transformers import LlamaForCausalLM
 
 from .configuration_tiny import TinyRemoteConfig
@@ -152,7 +152,7 @@ from .configuration_tiny import TinyRemoteConfig
 
 class TinyRemoteModel(LlamaForCausalLM):
     config_class = TinyRemoteConfig
-'''
+"""
 
 
 def test_trust_remote_code(models, tmp_path):

@@ -217,7 +217,7 @@ def open_checkpoint(
             repo_id,
             revision=revision,
             endpoint=os.environ.get("HF_ENDPOINT") or None,
-            cache_dir=cache_dir,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             token=token,
             local_files_only=local_files_only,
             ignore_patterns=list(WEIGHT_PATTERNS),

@@ -201,9 +201,7 @@ def _load_pipeline(
     }
     variant = kwargs.get("variant")
     for name in components:
-        ckpt.fetch(
-            [*COMPONENT_FILES, _variant(WEIGHTS_INDEX_NAME, variant), "config.json"], name
-        )
+        ckpt.fetch([*COMPONENT_FILES, _variant(WEIGHTS_INDEX_NAME, variant), "config.json"], name)
     dtype = kwargs.get("dtype")
     if dtype is None:
         dtype = kwargs.get("torch_dtype")

@@ -105,9 +105,7 @@ def small_files(
     remote code, and tokenizer files when ``tokenizer``), for ``AutoTokenizer.from_pretrained``
     and friends. Hub repos: the Hugging Face cache's snapshot folder; object stores: ``dest``
     (a new temporary folder by default, which the caller owns); local folders: themselves."""
-    ckpt = _remote_files.open_checkpoint(
-        uri, revision=revision, storage_options=storage_options
-    )
+    ckpt = _remote_files.open_checkpoint(uri, revision=revision, storage_options=storage_options)
     if dest is not None and ckpt._remote_prefix is not None:
         ckpt.close()
         Path(dest).mkdir(parents=True, exist_ok=True)
@@ -164,7 +162,7 @@ def _resolve_auto(
     has_local_code = type(config) in mapping
     kwargs["trust_remote_code"] = trust_remote_code
     if has_remote_code and trust_remote_code:
-        cls = get_class_from_dynamic_module(config.auto_map[name], str(folder))
+        cls: Any = get_class_from_dynamic_module(config.auto_map[name], str(folder))
         if not has_local_code:
             model_class.register(config.__class__, cls, exist_ok=True)
         cls.register_for_auto_class(auto_class=model_class)
@@ -296,9 +294,7 @@ def _from_checkpoint(
     if ckpt.storage_options is not None:
         options.setdefault("storage_options", ckpt.storage_options)
     state_dict = fastload.load(uris, device=device or "cpu", **options)
-    model = cls.from_pretrained(
-        None, *model_args, config=config, state_dict=state_dict, **kwargs
-    )
+    model = cls.from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
     del state_dict
     rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
     if kwargs.get("generation_config") is None and hasattr(model, "adjust_generation_fn"):
