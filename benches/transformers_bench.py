@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REPO = "org/llama-bench"
 
 _RUN = r"""
-import json, os, resource, shutil, sys, tempfile, time
+import json, os, shutil, sys, tempfile, time
 import torch
 from transformers import AutoModelForCausalLM
 from fastload._peers import touch
@@ -38,7 +38,8 @@ else:
 touch(list(model.state_dict().values()))
 seconds = time.perf_counter() - start
 nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak (ru_maxrss counts the parent's at fork).
+rss = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({"seconds": seconds, "bytes": nbytes, "peak_rss": rss}))
 """
 
