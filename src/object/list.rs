@@ -141,6 +141,10 @@ async fn get_capped(
     let mut body = result.into_stream();
     while let Some(chunk) = body.next().await {
         out.extend_from_slice(&chunk.map_err(|e| storage_error(&name, e))?);
+        // A body longer than the size announced is cut at the cap, not held in memory.
+        if out.len() as u64 > max_bytes {
+            return Err(too_large(&name, out.len() as u64));
+        }
     }
     Ok(out)
 }

@@ -48,6 +48,8 @@ impl Reader {
             None,
             storage_options,
             cache,
+            // Slices read parts of a file: there is no whole-file digest to check.
+            None,
         );
         let resolved = opts.resolve(crate::source::any_remote(&uris))?;
         let mut cache = opts.cache_settings()?;

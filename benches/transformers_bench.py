@@ -1,0 +1,131 @@
+"""transformers `from_pretrained` of a generated Llama (about 1 GB of bf16 weights by default):
+`fastload.transformers.from_pretrained` against plain transformers, from a local folder and from
+the mock Hub (tests/hub_server.py, its own process) behind a bandwidth limit, where plain
+transformers downloads into a fresh Hugging Face cache and then loads.
+
+    python benches/transformers_bench.py --layers 8 --rates 0,2e8 --reps 2
+
+Each run is a fresh process: the clock runs from before the call to a usable model (every
+parameter's pages read: fastload._peers.touch), and the process's peak RSS is recorded. Prints a
+markdown table and writes benches/out/transformers_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = "org/llama-bench"
+
+_RUN = r"""
+import json, os, shutil, sys, tempfile, time
+import torch
+from transformers import AutoModelForCausalLM
+from fastload._peers import touch
+kind, target = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+if kind == "fastload":
+    import fastload.transformers
+    model = fastload.transformers.from_pretrained(AutoModelForCausalLM, target)
+else:
+    model = AutoModelForCausalLM.from_pretrained(target)
+touch(list(model.state_dict().values()))
+seconds = time.perf_counter() - start
+nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+# VmHWM: this process's own peak (ru_maxrss counts the parent's at fork).
+rss = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "bytes": nbytes, "peak_rss": rss}))
+"""
+
+
+def make_model(directory: Path, layers: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, max_shard_size="500MB")
+
+
+def run(kind: str, target: str, env: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _RUN, kind, target], env=env, capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=8, help="8: about 1.07 GB of bf16")
+    parser.add_argument("--rates", default="0,2e8", help="storage bytes/s; 0: unlimited")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "benches" / "out")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=args.out, prefix="tf_"))
+    ckpt = args.out / f"llama_{args.layers}_layers"
+    if not (ckpt / "config.json").exists():
+        make_model(ckpt, args.layers)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "FASTLOAD_"))}
+    base_env.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+    rows = []
+
+    def best(label: str, kind: str, target: str, env: dict, fresh_cache: bool) -> None:
+        runs = []
+        for i in range(args.reps):
+            run_env = dict(env)
+            if fresh_cache:
+                run_env["HF_HOME"] = str(tmp / f"home_{len(rows)}_{i}")
+            runs.append(run(kind, target, run_env))
+        top = min(runs, key=lambda r: r["seconds"])
+        peak = max(r["peak_rss"] for r in runs)
+        rows.append({"row": label, **top, "peak_rss": peak})
+        print(f"{label}: {top['seconds']:.2f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
+
+    run("fastload", str(ckpt), base_env)  # page cache warm for the local rows
+    best("fastload, local folder", "fastload", str(ckpt), base_env, False)
+    best("transformers, local folder", "plain", str(ckpt), base_env, False)
+    for rate in (float(r) for r in args.rates.split(",")):
+        server = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "hub_server.py"), "--dir", str(ckpt),
+             "--repo", REPO, "--rate", str(rate)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            url = server.stdout.readline().strip()
+            env = {**base_env, "HF_ENDPOINT": url}
+            link = "unlimited" if rate == 0 else f"{rate / 1e6:.0f} MB/s"
+            best(f"fastload, mock Hub ({link})", "fastload", REPO, env, True)
+            best(f"transformers download + load, mock Hub ({link})", "plain", REPO, env, True)
+        finally:
+            server.stdin.close()
+            server.wait(timeout=30)
+    size = rows[0]["bytes"]
+    print(f"\nLlama, {args.layers} layers, {size / 1e9:.2f} GB bf16, best of {args.reps}\n")
+    print("| row | seconds | peak RSS (GiB) |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['row']} | {r['seconds']:.2f} | {r['peak_rss'] / 2**30:.2f} |")
+    (args.out / "transformers_bench.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

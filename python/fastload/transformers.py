@@ -1,0 +1,318 @@
+"""transformers models whose weights fastload streams: from a local folder, the Hugging Face Hub
+or an object store, never written to disk.
+
+>>> from transformers import AutoModelForCausalLM
+>>> import fastload.transformers
+>>> model = fastload.transformers.from_pretrained(AutoModelForCausalLM, "s3://bucket/llama/",
+...                                                dtype="auto")
+
+The model is built by transformers itself: ``model_class.from_pretrained(None, config=...,
+state_dict=...)`` (its public way to load given weights), which applies ``dtype``, tied weights,
+``device_map``, key renaming and missing-weight initialisation as a load from files does, so the
+result is the model ``model_class.from_pretrained(uri)`` gives. fastload supplies the config
+folder (see ``fastload._remote_files``) and the state dict, read from every shard the index names
+at once. Auto classes (``AutoModel...``) are resolved to the concrete class from the config as
+transformers does, remote code included when ``trust_remote_code=True``.
+
+This module imports transformers when called, never at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import _remote_files
+from ._errors import ConfigError
+
+if TYPE_CHECKING:
+    from ._options import Options
+
+__all__ = ["from_pretrained", "small_files"]
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+# What PreTrainedModel.from_pretrained takes for itself (its named parameters and the kwargs it
+# pops); the rest of kwargs it hands to adjust_generation_fn, as this module then does.
+_OWN_KWARGS = frozenset(
+    """state_dict proxies tqdm_class output_loading_info _from_pipeline _from_auto dtype
+    torch_dtype device_map max_memory offload_folder offload_buffers quantization_config
+    subfolder _commit_hash variant adapter_kwargs adapter_name generation_config gguf_file
+    distributed_config device_mesh tp_plan tp_size trust_remote_code allow_all_kernels
+    use_kernels kernel_config key_mapping mirror _fast_init low_cpu_mem_usage from_tf from_flax
+    offload_state_dict attn_implementation experts_implementation config cache_dir
+    ignore_mismatched_sizes force_download local_files_only token revision use_safetensors
+    weights_only fusion_config disable_mmap""".split()
+)
+
+# Hub arguments of from_pretrained: used to find the checkpoint, then dropped (transformers reads
+# the local folder fastload hands it).
+_HUB_KWARGS = ("force_download", "proxies", "resume_download", "_commit_hash", "code_revision")
+
+
+def _variant(name: str, variant: str | None) -> str:
+    """transformers' ``_add_variant``: ``model.safetensors`` -> ``model.<variant>.safetensors``."""
+    if not variant:
+        return name
+    parts = name.split(".")
+    return ".".join([*parts[:-1], variant, parts[-1]])
+
+
+def weight_files(folder: Path, variant: str | None = None) -> list[str]:
+    """The weight files transformers would read from ``folder``: those its index names, else
+    ``model.safetensors`` (with ``variant``)."""
+    index = folder / _variant(WEIGHTS_INDEX_NAME, variant)
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index}: no weight_map", option="uri")
+        return sorted(set(weight_map.values()))
+    return [_variant(WEIGHTS_NAME, variant)]
+
+
+def _remote_code_files(folder: Path) -> list[str]:
+    """The modules ``config.json``'s ``auto_map`` names (``"modeling_x.MyModel"`` ->
+    ``modeling_x.py``), fetched for ``trust_remote_code``."""
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return []
+    auto_map = config.get("auto_map") or {}
+    refs: list[str] = []
+    for value in auto_map.values():
+        refs.extend(value if isinstance(value, list) else [value])
+    return sorted(
+        {f"{ref.split('--')[-1].rsplit('.', 1)[0]}.py" for ref in refs if isinstance(ref, str)}
+    )
+
+
+def small_files(
+    uri: str | os.PathLike[str],
+    *,
+    tokenizer: bool = True,
+    revision: str | None = None,
+    subfolder: str = "",
+    storage_options: Mapping[str, object] | None = None,
+    dest: str | os.PathLike[str] | None = None,
+) -> Path:
+    """A local folder with the checkpoint's small files (config, generation config, index,
+    remote code, and tokenizer files when ``tokenizer``), for ``AutoTokenizer.from_pretrained``
+    and friends. Hub repos: the Hugging Face cache's snapshot folder; object stores: ``dest``
+    (a new temporary folder by default, which the caller owns); local folders: themselves."""
+    ckpt = _remote_files.open_checkpoint(uri, revision=revision, storage_options=storage_options)
+    if dest is not None and ckpt._remote_prefix is not None:
+        ckpt.close()
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        ckpt = _remote_files.Checkpoint(
+            ckpt.uri,
+            Path(dest),
+            ckpt.weights_base,
+            storage_options=storage_options,
+            remote_prefix=ckpt._remote_prefix,
+        )
+    names = [CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_INDEX_NAME]
+    if tokenizer:
+        names += list(_remote_files.TOKENIZER_FILES)
+    ckpt.fetch(names, subfolder)
+    ckpt.fetch(_remote_code_files(ckpt.folder(subfolder)), subfolder)
+    return ckpt.folder(subfolder)
+
+
+def _is_auto_class(model_class: Any) -> bool:
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    return isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass)
+
+
+def _resolve_auto(
+    model_class: Any, folder: Path, config: Any, kwargs: dict[str, Any]
+) -> tuple[Any, Any, dict[str, Any]]:
+    """What ``AutoModel....from_pretrained`` does before it calls the concrete class: the config
+    (with ``kwargs`` that are config attributes applied), the class, the rest of ``kwargs``."""
+    from transformers import AutoConfig, PreTrainedConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    from transformers.models.auto import auto_factory
+
+    trust_remote_code = kwargs.get("trust_remote_code")
+    if not isinstance(config, PreTrainedConfig):
+        given = dict(kwargs)
+        for key in ("torch_dtype", "dtype"):
+            if kwargs.get(key) == "auto":
+                kwargs.pop(key)
+        if kwargs.get("quantization_config") is not None:
+            kwargs.pop("quantization_config")
+        config, kwargs = AutoConfig.from_pretrained(
+            str(config) if config is not None else str(folder),
+            return_unused_kwargs=True,
+            **kwargs,
+        )
+        # As transformers does: a concrete dtype the config absorbed is passed on explicitly.
+        for key in ("torch_dtype", "dtype", "quantization_config"):
+            if given.get(key) is not None:
+                kwargs[key] = given[key]
+    name = model_class.__name__
+    mapping = model_class._model_mapping
+    has_remote_code = hasattr(config, "auto_map") and name in config.auto_map
+    has_local_code = type(config) in mapping
+    kwargs["trust_remote_code"] = trust_remote_code
+    if has_remote_code and trust_remote_code:
+        cls: Any = get_class_from_dynamic_module(config.auto_map[name], str(folder))
+        if not has_local_code:
+            model_class.register(config.__class__, cls, exist_ok=True)
+        cls.register_for_auto_class(auto_class=model_class)
+        cls = auto_factory.add_generation_mixin_to_remote_model(cls)
+        return cls, config, kwargs
+    if has_remote_code and not has_local_code:
+        raise ValueError(
+            f"{folder}: the model's code is in the repo (auto_map); pass trust_remote_code=True "
+            "to run it"
+        )
+    if has_local_code:
+        cls = auto_factory._get_model_class(config, mapping)
+        text_config_class = config.sub_configs.get("text_config", None)
+        if text_config_class is not None and getattr(cls, "config_class", None) == (
+            text_config_class
+        ):
+            parent_quant = getattr(config, "quantization_config", None)
+            config = config.get_text_config()
+            if parent_quant is not None:
+                config.quantization_config = parent_quant
+        return cls, config, kwargs
+    raise ValueError(
+        f"Unrecognized configuration class {config.__class__} for this kind of AutoModel: {name}."
+    )
+
+
+def _single_device(device_map: Any) -> str | None:
+    """The device a ``device_map`` puts the whole model on, when it names one CUDA device (the
+    weights then stream straight there); else ``None`` (loaded to the CPU, placed by
+    transformers)."""
+    import torch
+
+    target = device_map
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        target = device_map[""]
+    if isinstance(target, int) and not isinstance(target, bool):
+        target = f"cuda:{target}"
+    if isinstance(target, (str, torch.device)):
+        try:
+            dev = torch.device(target)
+        except (RuntimeError, TypeError):
+            return None
+        if dev.type == "cuda":
+            return str(dev)
+    return None
+
+
+def from_pretrained(
+    model_class: Any,
+    uri: str | os.PathLike[str],
+    *model_args: Any,
+    storage_options: Mapping[str, object] | None = None,
+    load_options: Options | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``model_class.from_pretrained(uri, *model_args, **kwargs)`` with the weights streamed by
+    fastload.
+
+    ``uri``: a local folder, a Hub repo id ``ORG/REPO`` (``revision=`` as usual) or
+    ``hf://ORG/REPO[@REVISION][/FOLDER]``, or an object-store prefix (``s3://bucket/model/``,
+    ``gs://``, ``az://``, ``http(s)://``; configured by the environment or ``storage_options``).
+    Only safetensors checkpoints (``model.safetensors`` or an index and its shards).
+
+    ``kwargs`` are transformers' (``dtype``/``torch_dtype``, ``device_map``, ``config``,
+    ``trust_remote_code``, ``subfolder``, ``variant``, ``revision``, ``token``, config
+    overrides, ...). ``load_options``: fastload's (``concurrency``, ``block_size``,
+    ``memory_limit``, ``cache``, ...; see :class:`fastload.Options`). A ``device_map`` naming one
+    CUDA device streams the weights straight to it.
+    """
+    if "state_dict" in kwargs:
+        raise ConfigError("state_dict: fastload reads the weights; do not pass them", option="uri")
+    if kwargs.get("use_safetensors") is False:
+        raise ConfigError("use_safetensors=False: fastload reads safetensors only", option="uri")
+    kwargs.pop("use_safetensors", None)
+    if kwargs.get("gguf_file") is not None:
+        raise ConfigError("gguf_file: fastload reads safetensors only", option="uri")
+    subfolder = kwargs.pop("subfolder", "") or ""
+    variant = kwargs.pop("variant", None)
+    revision = kwargs.pop("revision", None)
+    token = kwargs.pop("token", None)
+    cache_dir = kwargs.pop("cache_dir", None)
+    local_files_only = bool(kwargs.pop("local_files_only", False))
+    for key in _HUB_KWARGS:
+        kwargs.pop(key, None)
+    options: dict[str, Any] = dict(load_options or {})
+
+    with _remote_files.open_checkpoint(
+        uri,
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        storage_options=storage_options,
+    ) as ckpt:
+        model = _from_checkpoint(model_class, ckpt, subfolder, variant, model_args, options, kwargs)
+    model.config.name_or_path = os.fspath(uri)
+    return model
+
+
+def _from_checkpoint(
+    model_class: Any,
+    ckpt: _remote_files.Checkpoint,
+    subfolder: str,
+    variant: str | None,
+    model_args: tuple[Any, ...],
+    options: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The model in ``subfolder`` of ``ckpt``: see :func:`from_pretrained`."""
+    import fastload
+
+    ckpt.fetch(
+        [CONFIG_NAME, GENERATION_CONFIG_NAME, _variant(WEIGHTS_INDEX_NAME, variant)], subfolder
+    )
+    folder = ckpt.folder(subfolder)
+    if kwargs.get("trust_remote_code"):
+        ckpt.fetch(_remote_code_files(folder), subfolder)
+    config = kwargs.pop("config", None)
+    if _is_auto_class(model_class):
+        cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
+        kwargs["_from_auto"] = True
+    else:
+        cls = model_class
+        if config is None:
+            config = str(folder)
+    files = weight_files(folder, variant)
+    uris = [ckpt.weight_uri(f"{subfolder}/{f}" if subfolder else f) for f in files]
+    device = options.pop("device", None) or _single_device(kwargs.get("device_map"))
+    if ckpt.storage_options is not None:
+        options.setdefault("storage_options", ckpt.storage_options)
+    state_dict = fastload.load(uris, device=device or "cpu", **options)
+    model = cls.from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
+    del state_dict
+    rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
+    if kwargs.get("generation_config") is None and hasattr(model, "adjust_generation_fn"):
+        # from_pretrained(None, ...) has no folder to read the generation config from: read
+        # it as a load from the folder does.
+        model.adjust_generation_fn(
+            None,
+            bool(kwargs.get("_from_auto")),
+            None,
+            str(folder),
+            cache_dir=None,
+            force_download=False,
+            proxies=None,
+            local_files_only=True,
+            token=None,
+            revision=None,
+            subfolder="",
+            trust_remote_code=kwargs.get("trust_remote_code"),
+            **rest,
+        )
+    return model

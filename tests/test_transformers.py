@@ -1,0 +1,254 @@
+"""fastload.transformers.from_pretrained against transformers' own from_pretrained: tiny models
+written by save_pretrained (safetensors, one file or shards with an index, tied embeddings), read
+from a local folder, the mock Hub (tests/hub_server.py, through the real huggingface_hub) and
+SeaweedFS (S3). The state dicts must be bitwise equal, and no weight file may reach the disk."""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+
+import fastload
+import fastload.transformers
+import pytest
+import s3_server
+import torch
+from hf_models import (
+    assert_same_state,
+    safetensors_under,
+    tree,
+    write_gpt2_tied,
+    write_llama,
+)
+from hub_server import MockHub
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tf_models")
+    return {
+        "llama": write_llama(root / "llama"),
+        "sharded": write_llama(root / "sharded", max_shard_size="20KB"),
+        "tied": write_gpt2_tied(root / "tied"),
+    }
+
+
+def check(model_class, uri, reference_dir, *, hub_kwargs=None, **kwargs):
+    """Loads ``uri`` with fastload (``kwargs`` and ``hub_kwargs``: where in the repo) and
+    ``reference_dir`` (the same checkpoint) with transformers (``kwargs``), and compares."""
+    got = fastload.transformers.from_pretrained(model_class, uri, **kwargs, **(hub_kwargs or {}))
+    want = model_class.from_pretrained(reference_dir, **kwargs)
+    assert type(got) is type(want)
+    assert_same_state(got, want)
+    assert got.config.to_diff_dict() | {"_name_or_path": None} == (
+        want.config.to_diff_dict() | {"_name_or_path": None}
+    )
+    assert got.generation_config.to_dict() == want.generation_config.to_dict()
+    return got
+
+
+def test_the_fixtures_are_what_the_tests_need(models):
+    assert (models["sharded"] / "model.safetensors.index.json").is_file()
+    assert len(list(models["sharded"].glob("*.safetensors"))) > 2
+    assert (models["llama"] / "model.safetensors").is_file()
+    assert (models["llama"] / "generation_config.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["llama", "sharded"])
+@pytest.mark.parametrize("model_class", [LlamaForCausalLM, AutoModelForCausalLM])
+@pytest.mark.parametrize("dtype", [None, "auto", torch.float32, torch.float16])
+def test_local_folder(models, name, model_class, dtype):
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    got = check(model_class, models[name], models[name], **kwargs)
+    assert got.config.name_or_path == str(models[name])
+
+
+def test_tied_embeddings_stay_tied(models):
+    got = check(GPT2LMHeadModel, models["tied"], models["tied"])
+    assert got.lm_head.weight is got.transformer.wte.weight
+    check(AutoModelForCausalLM, models["tied"], models["tied"], torch_dtype=torch.bfloat16)
+
+
+def test_config_overrides_and_device_map(models):
+    got = check(LlamaForCausalLM, models["llama"], models["llama"], output_attentions=True)
+    assert got.config.output_attentions
+    check(AutoModelForCausalLM, models["sharded"], models["sharded"], device_map="cpu")
+
+
+def test_fastload_options_reach_the_loader(models, monkeypatch):
+    seen = []
+    real = fastload.load
+
+    def spy(uris, **options):
+        seen.append((list(uris), options))
+        return real(uris, **options)
+
+    monkeypatch.setattr(fastload, "load", spy)
+    fastload.transformers.from_pretrained(
+        LlamaForCausalLM, models["sharded"], load_options={"concurrency": 3, "block_size": "64KiB"}
+    )
+    [(uris, options)] = seen
+    assert sorted(uris) == sorted(str(p) for p in models["sharded"].glob("*.safetensors"))
+    assert options["concurrency"] == 3 and options["block_size"] == "64KiB"
+
+
+def test_bad_arguments_are_refused(models):
+    with pytest.raises(fastload.ConfigError, match="use_safetensors"):
+        fastload.transformers.from_pretrained(
+            LlamaForCausalLM, models["llama"], use_safetensors=False
+        )
+    with pytest.raises(fastload.NotFoundError):
+        fastload.transformers.from_pretrained(LlamaForCausalLM, "/no/such/folder/")
+
+
+def test_pinned_transformers_apis():
+    """The transformers APIs the integration relies on. If this fails, transformers changed them
+    and fastload/transformers.py must follow."""
+    from transformers import PreTrainedModel
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    from transformers.generation.utils import GenerationMixin
+    from transformers.models.auto import auto_factory
+
+    # from_pretrained(None, config=..., state_dict=...): transformers' public way in.
+    source = inspect.getsource(PreTrainedModel.from_pretrained)
+    assert 'kwargs.pop("state_dict", None)' in source
+    # Private: the auto class's choice of concrete class, and remote code's generation mixin.
+    assert callable(auto_factory._get_model_class)
+    assert callable(auto_factory.add_generation_mixin_to_remote_model)
+    assert callable(get_class_from_dynamic_module)
+    params = list(inspect.signature(GenerationMixin.adjust_generation_fn).parameters)
+    assert params[:13] == [
+        "self",
+        "generation_config",
+        "from_auto_class",
+        "from_pipeline",
+        "pretrained_model_name_or_path",
+        "cache_dir",
+        "force_download",
+        "proxies",
+        "local_files_only",
+        "token",
+        "revision",
+        "subfolder",
+        "trust_remote_code",
+    ]
+
+
+REMOTE_CONFIG = """
+from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+"""
+REMOTE_MODEL = """
+from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyRemoteConfig
+
+
+class TinyRemoteModel(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+"""
+
+
+def test_trust_remote_code(models, tmp_path):
+    """A model whose code is in the checkpoint (auto_map): run when trust_remote_code=True."""
+    import json
+    import shutil
+
+    folder = tmp_path / "remote"
+    shutil.copytree(models["llama"], folder)
+    (folder / "configuration_tiny.py").write_text(REMOTE_CONFIG)
+    (folder / "modeling_tiny.py").write_text(REMOTE_MODEL)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "tiny_remote"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_tiny.TinyRemoteConfig",
+        "AutoModelForCausalLM": "modeling_tiny.TinyRemoteModel",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    got = check(AutoModelForCausalLM, folder, folder, trust_remote_code=True)
+    assert type(got).__name__ == "TinyRemoteModel"
+
+
+# ---------------------------------------------------------------------------------------------
+# The mock Hub
+
+
+@pytest.fixture(scope="module")
+def hub(models):
+    hub = MockHub()
+    for name, folder in models.items():
+        hub.add(f"org/{name}", tree(folder))
+    yield hub
+    hub.close()
+
+
+@pytest.fixture
+def hub_env(hub, monkeypatch, tmp_path):
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["llama", "sharded", "tied"])
+@pytest.mark.parametrize("form", ["org/{name}", "hf://org/{name}", "hf://org/{name}@main"])
+def test_from_the_hub(models, hub, hub_env, name, form):
+    check(AutoModelForCausalLM, form.format(name=name), models[name])
+    # The HF cache holds the small files only; nothing else was written.
+    assert not safetensors_under(hub_env / "hf_home", hub_env / "tmp")
+    cached = {p.name for p in (hub_env / "hf_home").rglob("*") if p.is_file()}
+    assert "config.json" in cached
+    # The weights went through fastload's ranged reads of the storage host.
+    assert any(r[0] == "GET" and "range" in r[2] for r in hub.requests(hub.storage))
+
+
+def test_hub_subfolder_and_revision(models, hub, hub_env):
+    hub.add("org/nested", {f"ckpt/{k}": v for k, v in tree(models["sharded"]).items()})
+    where = {"subfolder": "ckpt", "revision": "main"}
+    check(LlamaForCausalLM, "org/nested", models["sharded"], hub_kwargs=where)
+    check(LlamaForCausalLM, "hf://org/nested@main/ckpt", models["sharded"])
+    assert not safetensors_under(hub_env / "hf_home", hub_env / "tmp")
+
+
+# ---------------------------------------------------------------------------------------------
+# S3 (SeaweedFS)
+
+
+@pytest.fixture(scope="module")
+def bucket(seaweed, models):
+    client = seaweed.client()
+    files = {}
+    for name, folder in models.items():
+        for rel, data in tree(folder).items():
+            files[f"tf/{name}/{rel}"] = data
+    s3_server.upload(client, s3_server.BUCKET, files)
+    return seaweed
+
+
+@pytest.mark.parametrize("name", ["llama", "sharded", "tied"])
+def test_from_s3(models, bucket, name, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    uri = f"s3://{s3_server.BUCKET}/tf/{name}/"
+    where = {"storage_options": bucket.storage_options()}
+    check(AutoModelForCausalLM, uri, models[name], hub_kwargs=where)
+    # The small files went to a temporary folder, removed afterwards; no weights on disk.
+    assert not list(tmp_path.iterdir())
+
+
+def test_small_files_for_a_tokenizer(bucket, tmp_path):
+    folder = fastload.transformers.small_files(
+        f"s3://{s3_server.BUCKET}/tf/llama",
+        storage_options=bucket.storage_options(),
+        dest=tmp_path / "small",
+    )
+    assert (folder / "config.json").is_file() and (folder / "generation_config.json").is_file()
+    assert not safetensors_under(tmp_path)
