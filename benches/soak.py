@@ -1,7 +1,7 @@
 """Soak: hundreds of loads against a fault-injecting server of ours and a local file that changes
 under load; counts what each load ended as.
 
-    python benches/soak.py                       # 300 remote + 100 local + 100 shared loads
+    python benches/soak.py                       # 300 remote, 100 local, 2 x 100 shared loads
     python benches/soak.py --remote 60 --local 40 --shared 40 --json out.json
 
 Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/http_server.py`'s server on
@@ -11,9 +11,9 @@ thread shrinks and restores, or replaces by rename, while they run (`method` mma
 turn). Loads run in a worker process, one JSON line each; a watchdog counts a load that does not
 end within `--deadline` as a hang and a worker that dies as a crash.
 
-Shared loads are streams from the same server, each drained by two threads at once: each tensor
-must reach exactly one of them, and a load that fails must raise in both (a plain end for one of
-them counts as an unclear error).
+Shared loads are streams from the same server, and of the same changing file, each drained by two
+threads at once: each tensor must reach exactly one of them, and a load that fails must raise in
+both (a plain end for one of them counts as an unclear error).
 
 Each load ends as one of:
 - equal: every tensor bitwise equal to the reference (safetensors' own reader);
@@ -79,7 +79,7 @@ def mutate():
                     f.write(data)
                 os.replace(tmp, target)
 
-if kind == "local":
+if kind in ("local", "shared_local"):
     threading.Thread(target=mutate, daemon=True).start()
 
 def is_clear(e):
@@ -129,11 +129,11 @@ def shared(method, kw):
     return out
 
 for i in range(count):
-    method = ("mmap", "read")[i % 2] if kind == "local" else "auto"
+    method = ("mmap", "read")[i % 2] if kind in ("local", "shared_local") else "auto"
     start = time.monotonic()
     try:
-        kw = {"storage_options": options} if kind != "local" else {}
-        if kind == "shared":
+        kw = {"storage_options": options} if kind in ("remote", "shared") else {}
+        if kind.startswith("shared"):
             out = shared(method, kw)
             out.update(i=i, took=round(time.monotonic() - start, 3), method=method)
             print(json.dumps(out), flush=True)
@@ -229,6 +229,7 @@ def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline
             ("remote", server.url("model.safetensors"), reference, remote),
             ("local", str(target), local_reference, local),
             ("shared", server.url("model.safetensors"), reference, shared),
+            ("shared_local", str(target), local_reference, shared),
         ]
         for kind, where, ref, count in runs:
             started = time.monotonic()
@@ -241,7 +242,7 @@ def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline
     finally:
         server.close()
     summary: dict = {}
-    for kind in ("remote", "local", "shared"):
+    for kind in ("remote", "local", "shared", "shared_local"):
         mine = [r for r in records if r["kind"] == kind]
         counts: dict[str, int] = {}
         for r in mine:
@@ -266,7 +267,10 @@ def main() -> int:
     ap.add_argument("--remote", type=int, default=300, help="loads from the chaotic server")
     ap.add_argument("--local", type=int, default=100, help="loads of the changing local file")
     ap.add_argument(
-        "--shared", type=int, default=100, help="streams from the server drained by two threads"
+        "--shared",
+        type=int,
+        default=100,
+        help="streams drained by two threads, from the server and of the changing file (each)",
     )
     ap.add_argument("--chaos", type=float, default=0.3, help="share of GETs that misbehave")
     ap.add_argument("--seed", type=int, default=1)

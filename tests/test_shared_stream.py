@@ -79,3 +79,21 @@ def test_close_ends_every_consumer_with_an_error(many_small):
     assert all(isinstance(e, fastload.StreamClosedError) for e in raised), raised
     names = [first[0]] + [name for per in got for name in per]
     assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("method", ["mmap", "read"])
+def test_a_failed_load_fails_for_every_consumer(many_small, tmp_path, method):
+    """The file is cut short while the stream still has segments to read: every consumer raises
+    the load's error (a StorageError naming the file); none sees a plain end of iteration."""
+    path = tmp_path / "cut.safetensors"
+    data = many_small.read_bytes()
+    path.write_bytes(data)
+    stream = fastload.stream(path, method=method, memory_limit="1MiB", block_size="4KiB")
+    first = next(stream)
+    with open(path, "r+b") as f:
+        f.truncate(len(data) // 2)
+    got, _, raised = drain(stream, 4)
+    assert all(isinstance(e, fastload.StorageError) for e in raised), raised
+    assert all(str(path) in str(e) for e in raised), raised
+    names = [first[0]] + [name for per in got for name in per]
+    assert len(names) == len(set(names)) < COUNT

@@ -23,7 +23,7 @@ def test_soak_has_no_hangs_crashes_or_wrong_data(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["bad"] == [], summary["bad"]
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for kind, loads in (("remote", 40), ("local", 40), ("shared", 20)):
+    for kind, loads in (("remote", 40), ("local", 40), ("shared", 20), ("shared_local", 20)):
         assert summary[kind]["loads"] == loads, summary
         assert summary[kind]["outcomes"].get("equal", 0) > 0, summary
     # Every kind of fault was injected at least once, and the loads still came back right.

@@ -140,6 +140,8 @@ class Stream:
     """Iterator of ``(name, tensor)`` pairs in completion order; see :func:`stream`.
 
     Usable as a context manager; leaving it (or ``close()``) cancels the reads still pending.
+    Threads may share it like a queue: each tensor goes to exactly one caller of ``next()``.
+    A process forked after it was opened cannot iterate it (:class:`FastloadError`).
     """
 
     @_options.spelled_out
