@@ -1,8 +1,8 @@
 """Soak: hundreds of loads against a fault-injecting server of ours and a local file that changes
 under load; counts what each load ended as.
 
-    python benches/soak.py                       # 300 remote + 100 local loads
-    python benches/soak.py --remote 60 --local 40 --json out.json
+    python benches/soak.py                       # 300 remote, 100 local, 2 x 100 shared loads
+    python benches/soak.py --remote 60 --local 40 --shared 40 --json out.json
 
 Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/http_server.py`'s server on
 127.0.0.1 with chaos on: a share of GETs (`--chaos`) answer 503, reset the connection midway, end
@@ -10,6 +10,10 @@ the body early, stall for seconds, or trickle, at random (seeded). Local loads r
 thread shrinks and restores, or replaces by rename, while they run (`method` mmap and read in
 turn). Loads run in a worker process, one JSON line each; a watchdog counts a load that does not
 end within `--deadline` as a hang and a worker that dies as a crash.
+
+Shared loads are streams from the same server, and of the same changing file, each drained by two
+threads at once: each tensor must reach exactly one of them, and a load that fails must raise in
+both (a plain end for one of them counts as an unclear error).
 
 Each load ends as one of:
 - equal: every tensor bitwise equal to the reference (safetensors' own reader);
@@ -75,14 +79,65 @@ def mutate():
                     f.write(data)
                 os.replace(tmp, target)
 
-if kind == "local":
+if kind in ("local", "shared_local"):
     threading.Thread(target=mutate, daemon=True).start()
 
+def is_clear(e):
+    # Clear: ours, naming the URL or file, and saying what happened in words (not errno text).
+    text = str(e)
+    return (isinstance(e, fastload.FastloadError) and os.path.basename(target) in text
+            and "os error" not in text)
+
+def shared(method, kw):
+    # Two threads drain one stream (several segments: memory_limit 1 MiB); each tensor must come
+    # to exactly one of them, and a failed load must fail for both (neither sees a plain end).
+    s = fastload.stream(target, method=method, block_size="256KiB", memory_limit="1MiB", **kw)
+    names, wrong, raised = [], [], [None, None]
+
+    def consume(k):
+        try:
+            for name, t in s:
+                names.append(name)
+                with lock:
+                    ok = (name in want and t.dtype == want[name].dtype
+                          and t.shape == want[name].shape
+                          and torch.equal(flat(t), flat(want[name])))
+                if not ok:
+                    wrong.append(name)
+        except Exception as e:
+            raised[k] = e
+
+    threads = [threading.Thread(target=consume, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # a hang is the watchdog's to count
+    errors = [e for e in raised if e is not None]
+    if not errors:
+        same = not wrong and sorted(names) == sorted(want)
+        return {"outcome": "equal" if same else "wrong",
+                "lost": len(want) - len(set(names)), "twice": len(names) - len(set(names))}
+    e = errors[0]
+    out = {"type": type(e).__name__, "message": str(e)[:300]}
+    if len(errors) < 2:
+        out["outcome"] = "unclear error"
+        out["message"] = "one consumer saw a plain end of a failed load: " + out["message"]
+    elif wrong or len(names) != len(set(names)):
+        out["outcome"] = "wrong"
+    else:
+        out["outcome"] = "clear error" if all(map(is_clear, errors)) else "unclear error"
+    return out
+
 for i in range(count):
-    method = ("mmap", "read")[i % 2] if kind == "local" else "auto"
+    method = ("mmap", "read")[i % 2] if kind in ("local", "shared_local") else "auto"
     start = time.monotonic()
     try:
-        kw = {"storage_options": options} if kind == "remote" else {}
+        kw = {"storage_options": options} if kind in ("remote", "shared") else {}
+        if kind.startswith("shared"):
+            out = shared(method, kw)
+            out.update(i=i, took=round(time.monotonic() - start, 3), method=method)
+            print(json.dumps(out), flush=True)
+            continue
         got = fastload.load(target, method=method, block_size="256KiB", **kw)
         took = time.monotonic() - start
         with lock:
@@ -93,11 +148,7 @@ for i in range(count):
         out = {"outcome": "equal" if same else "wrong"}
     except Exception as e:
         took = time.monotonic() - start
-        text = str(e)
-        # Clear: ours, naming the URL or file, and saying what happened in words (not errno text).
-        clear = (isinstance(e, fastload.FastloadError) and os.path.basename(target) in text
-                 and "os error" not in text)
-        out = {"outcome": "clear error" if clear else "unclear error",
+        out = {"outcome": "clear error" if is_clear(e) else "unclear error",
                "type": type(e).__name__, "message": str(e)[:300]}
     out.update(i=i, took=round(took, 3), method=method)
     print(json.dumps(out), flush=True)
@@ -161,7 +212,7 @@ def run_worker(kind: str, target: str, reference: Path, count: int, seed: int, d
             proc.wait(timeout=30)
 
 
-def soak(remote: int, local: int, chaos: float, seed: int, deadline: float) -> dict:
+def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline: float) -> dict:
     from http_server import Behaviour, start_server
 
     work = Path(tempfile.mkdtemp(prefix="fastload-soak-"))
@@ -177,6 +228,8 @@ def soak(remote: int, local: int, chaos: float, seed: int, deadline: float) -> d
         runs = [
             ("remote", server.url("model.safetensors"), reference, remote),
             ("local", str(target), local_reference, local),
+            ("shared", server.url("model.safetensors"), reference, shared),
+            ("shared_local", str(target), local_reference, shared),
         ]
         for kind, where, ref, count in runs:
             started = time.monotonic()
@@ -189,7 +242,7 @@ def soak(remote: int, local: int, chaos: float, seed: int, deadline: float) -> d
     finally:
         server.close()
     summary: dict = {}
-    for kind in ("remote", "local"):
+    for kind in ("remote", "local", "shared", "shared_local"):
         mine = [r for r in records if r["kind"] == kind]
         counts: dict[str, int] = {}
         for r in mine:
@@ -213,12 +266,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--remote", type=int, default=300, help="loads from the chaotic server")
     ap.add_argument("--local", type=int, default=100, help="loads of the changing local file")
+    ap.add_argument(
+        "--shared",
+        type=int,
+        default=100,
+        help="streams drained by two threads, from the server and of the changing file (each)",
+    )
     ap.add_argument("--chaos", type=float, default=0.3, help="share of GETs that misbehave")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--deadline", type=float, default=30.0, help="seconds a load may take")
     ap.add_argument("--json", type=Path, help="write the summary here")
     args = ap.parse_args()
-    summary = soak(args.remote, args.local, args.chaos, args.seed, args.deadline)
+    summary = soak(args.remote, args.local, args.shared, args.chaos, args.seed, args.deadline)
     text = json.dumps(summary, indent=2)
     if args.json:
         args.json.write_text(text)

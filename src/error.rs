@@ -73,6 +73,14 @@ pub enum Error {
     #[error("{what}: cancelled")]
     Cancelled { what: String },
 
+    /// A stream used in a process forked after it was opened: its reads run on threads of the
+    /// process that opened it, which the child does not have.
+    #[error(
+        "this stream was opened in process {opened_in}; a forked child cannot iterate it: \
+         open it again in the child"
+    )]
+    Forked { opened_in: u32 },
+
     /// A bug in fastload, such as a worker task that panicked.
     #[error("internal error: {message}")]
     Internal { message: String },

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -86,3 +87,79 @@ def test_fork_hammer_beside_loading_threads(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "hung=0 failed=0" in proc.stdout
+
+
+CHILD_OF_STREAM = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, threading, time
+    import fastload
+
+    path, how = sys.argv[1], sys.argv[2]
+    want = fastload.load(path)
+    # memory_limit: several segments, so that the parent's producers are still at work.
+    s = fastload.stream(path, memory_limit="1MiB", block_size="4KiB")
+    got = dict([next(s)])
+
+    def child():
+        try:
+            for _ in s:
+                pass
+        except fastload.FastloadError as e:
+            print("child:", e, flush=True)
+            ok = f"process {os.getppid()}" in str(e) and "fork" in str(e)
+            s.close()  # closing (and dropping) the parent's stream must not hang either
+            return 0 if ok else 3
+        except BaseException as e:
+            print("child: unexpected", repr(e), flush=True)
+            return 4
+        print("child: the stream ended", flush=True)
+        return 5
+
+    if how == "os.fork":
+        pid = os.fork()
+        if pid == 0:
+            # A normal exit: the interpreter's finalisation drops the stream in the child.
+            sys.exit(child())
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                code = "hung"
+                break
+            time.sleep(0.05)
+    else:
+        ctx = multiprocessing.get_context("fork")
+        p = ctx.Process(target=lambda: sys.exit(child()))
+        p.start()
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            code = "hung"
+        else:
+            code = p.exitcode
+    # The parent's stream is untouched by the child.
+    got.update(s)
+    same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+    print(f"child_exit={code} parent_same={same}", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
+def test_forked_child_iterating_its_parents_stream_raises(tmp_path, how):
+    path = tmp_path / "model.safetensors"
+    save_file({f"t{i}": torch.arange(100 + i % 500, dtype=torch.int32) for i in range(2000)}, path)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD_OF_STREAM, str(path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "child_exit=0 parent_same=True" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr

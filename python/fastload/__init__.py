@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections import deque
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,8 @@ class Stream:
     """Iterator of ``(name, tensor)`` pairs in completion order; see :func:`stream`.
 
     Usable as a context manager; leaving it (or ``close()``) cancels the reads still pending.
+    Threads may share it like a queue: each tensor goes to exactly one caller of ``next()``.
+    A process forked after it was opened cannot iterate it (:class:`FastloadError`).
     """
 
     @_options.spelled_out
@@ -167,39 +170,64 @@ class Stream:
             target=target,
             allocate=None if target is None else _torch.allocator(dev),
         )
-        # The current segment's items, last first: each is dropped as it is handed out, so that
-        # the tensor alone keeps the memory alive.
-        self._batch: list[_fastload.Item] = []
-        # Set when close() dropped items of a delivered segment before they were yielded: the
-        # native loader finished, the consumer did not.
-        self._cut, self._cut_items = False, 0
+        self._pid = os.getpid()
+        # Items of delivered segments not yet handed out, in order. Threads may share the stream
+        # (like a queue): each item is popped by exactly one caller (deque's popleft and extend
+        # are atomic), and dropped as it is handed out, so that the tensor alone keeps the memory
+        # alive.
+        self._pending: deque[_fastload.Item] = deque()
+        self._closed = False
+        # Items of delivered segments that close() dropped before they were handed out: the
+        # native loader finished, the consumers did not.
+        self._cut_items = 0
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        batch = self._batch  # close() on another thread may replace it meanwhile
-        while not batch:
-            try:
-                batch = next(self._native)  # StopIteration ends the stream
-            except StopIteration:
-                if self._cut:
-                    stats = self._native.stats()
-                    raise StreamClosedError(
-                        "the stream was closed before it finished: "
-                        f"{stats.tensors_delivered - self._cut_items} of {stats.tensor_count} "
-                        "tensors delivered"
-                    ) from None
-                raise
-            batch.reverse()
-            self._batch = batch
-        item = batch.pop()
+        if self._pid != os.getpid():
+            next(self._native)  # raises FastloadError: a forked child cannot use it
+        try:
+            item = self._pending.popleft()
+        except IndexError:
+            item = self._next_item()
         try:
             return item.name, self._to_tensor(item.dtype, item.shape, item.data, item.name)
         except _torch_glue().UnsupportedDtype as e:
             self.close()
             message, file = self._in_file(e)
             raise FormatError(message, path=file) from None
+
+    def _next_item(self) -> _fastload.Item:
+        """The first item of the next segment (the rest queued for whoever asks next)."""
+        while True:
+            try:
+                batch = next(self._native)
+            except StopIteration:
+                # Another thread may have queued the last segment's items meanwhile: they are
+                # handed out before the end.
+                try:
+                    return self._pending.popleft()
+                except IndexError:
+                    pass
+                if self._cut_items:
+                    raise self._closed_error() from None
+                raise
+            if self._closed:
+                # Delivered as close() ran on another thread: dropped, as close() drops the queue.
+                self._cut_items += len(batch)
+                raise self._closed_error()
+            if batch:
+                self._pending.extend(batch[1:])
+                return batch[0]
+
+    def _closed_error(self) -> StreamClosedError:
+        stats = self._native.stats()
+        return StreamClosedError(
+            "the stream was closed before it finished: "
+            f"{stats.tensors_delivered - self._cut_items} of {stats.tensor_count} "
+            "tensors delivered"
+        )
 
     def _in_file(self, e: Any) -> tuple[str, str | None]:
         """The message and file of an unsupported dtype: the file is looked up from the headers
@@ -225,9 +253,13 @@ class Stream:
         """Cancels outstanding reads and frees buffers no tensor uses. Safe from any thread: it
         never waits for a ``next()`` in progress, which then raises :class:`StreamClosedError`
         (as does any later ``next()``) unless every tensor had been delivered."""
-        if self._batch:
-            self._cut, self._cut_items = True, len(self._batch)
-        self._batch = []
+        self._closed = True
+        while True:
+            try:
+                self._pending.popleft()
+            except IndexError:
+                break
+            self._cut_items += 1
         self._native.close()
 
     def __enter__(self) -> Stream:

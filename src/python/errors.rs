@@ -24,6 +24,17 @@ impl From<Error> for PyErr {
     }
 }
 
+/// The exception for an error that stays where it is (a stream's failure, raised again to every
+/// later caller): what `From<Error>` gives, a Python exception from an allocator included.
+pub fn raised(py: Python<'_>, err: &Error) -> PyErr {
+    if let Error::Allocation { source } = err {
+        if let Some(e) = source.downcast_ref::<PyErr>() {
+            return e.clone_ref(py);
+        }
+    }
+    exception(py, err)
+}
+
 fn exception(py: Python<'_>, err: &Error) -> PyErr {
     build(py, err).unwrap_or_else(|e| e)
 }

@@ -7,6 +7,7 @@ use pyo3::types::PyTuple;
 mod args;
 mod dlpack;
 mod errors;
+mod gil;
 mod item;
 mod objects;
 mod options;
@@ -38,7 +39,7 @@ fn is_remote_uri(uri: &str) -> bool {
 /// "disabled_reason"}` (see `crate::cache`), once copies being published are published.
 #[pyfunction]
 fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
-    let s = py.detach(crate::cache::stats);
+    let s = gil::detach(py, crate::cache::stats);
     let out = pyo3::types::PyDict::new(py);
     out.set_item("hits", s.hits)?;
     out.set_item("filled_bytes", s.filled_bytes)?;
@@ -59,7 +60,7 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
 fn cuda_device_count(py: Python<'_>) -> PyResult<usize> {
     #[cfg(feature = "cuda")]
     {
-        Ok(py.detach(crate::device::cuda::device_count)?)
+        Ok(gil::detach(py, crate::device::cuda::device_count)?)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -83,7 +84,7 @@ fn cached_memory() -> std::collections::HashMap<&'static str, u64> {
 /// `cached_memory`.
 #[pyfunction]
 fn release_memory(py: Python<'_>) -> std::collections::HashMap<&'static str, u64> {
-    by_kind(py.detach(crate::device::release_cached_memory))
+    by_kind(gil::detach(py, crate::device::release_cached_memory))
 }
 
 #[pymodule]
@@ -118,5 +119,9 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(cached_memory, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
+    // A daemon thread coming back from a wait of ours after the interpreter began to exit parks
+    // (see `gil`): closed by the last atexit handler of ours to run, registered first.
+    py.import("atexit")?
+        .call_method1("register", (wrap_pyfunction!(gil::close, m)?,))?;
     Ok(())
 }

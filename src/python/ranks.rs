@@ -22,7 +22,7 @@ pub(crate) fn checkpoint_tensors<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let storage_options = storage_options.unwrap_or_default().0;
     let names = names.map(|n| n.0);
-    let entries = py.detach(|| {
+    let entries = super::gil::detach(py, || {
         let shards =
             crate::source::open_all(&uris, &storage_options, &crate::cache::CacheSettings::off())?;
         ranks::entries(shards, names.as_deref())
@@ -108,7 +108,7 @@ pub(crate) fn plan_ranks(
         .map(|&m| ranks::chunk_for(m))
         .min()
         .unwrap_or(ranks::MAX_CHUNK);
-    let plan = py.detach(|| ranks::RankPlan::new(&table, &needs, chunk));
+    let plan = super::gil::detach(py, || ranks::RankPlan::new(&table, &needs, chunk));
     let piece = |p: &ranks::Piece| (p.tensor, p.begin, p.end);
     let pieces = plan
         .pieces

@@ -1,6 +1,6 @@
 //! `_fastload.Stream`: the pipeline as a Python iterator of completed segments.
 
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
@@ -10,6 +10,8 @@ use super::args::{
     VerifyArg,
 };
 use super::dlpack::{self, DLDevice};
+use super::errors::raised;
+use super::gil;
 use super::item::{Item, Stats};
 use super::options::load_options;
 use super::wait::{off_thread, SLICE};
@@ -33,7 +35,7 @@ struct PyAllocator {
 
 impl Allocator for PyAllocator {
     fn allocate(&mut self, tensors: &[TensorSlot]) -> crate::Result<Allocation> {
-        Python::attach(|py| -> PyResult<Allocation> {
+        gil::attach(|py| -> PyResult<Allocation> {
             let sizes: Vec<u64> = tensors.iter().map(|t| t.len).collect();
             let out = self.allocate.bind(py).call1((sizes,))?;
             let (stream, items): (Option<u64>, Vec<(Py<PyAny>, u64)>) = out.extract()?;
@@ -70,16 +72,36 @@ impl Allocator for PyAllocator {
 /// load's [`Control`], not the loader a `next()` holds. A stream closed before it finished (by
 /// `close()` from another thread, or Ctrl-C) raises `StreamClosedError` from `next()`, never a
 /// plain end.
+///
+/// Threads may share a stream: `next()` calls take turns at the loader, and each segment goes to
+/// exactly one of them. A load that failed raises its error to every later `next()`, on any
+/// thread, so that no consumer mistakes it for the end. A process forked after the stream was
+/// opened cannot use it (its reads run on the parent's threads): `next()` there raises
+/// [`crate::Error::Forked`], and the parent's load is left alone (never dropped there).
 #[pyclass(module = "fastload._fastload")]
 pub struct Stream {
-    /// Held by `next()` through its wait; `None` once the load ended or was closed.
-    loader: Mutex<Option<Loader>>,
+    /// Held by `next()` through its wait.
+    feed: Mutex<Feed>,
     control: Arc<Control>,
     /// The counters as `close()` left them.
     closed: Mutex<Option<Stats>>,
     /// Where fastload-allocated destinations are (a staged load without `allocate`).
     placed: DLDevice,
+    /// The process that opened it.
+    opened_in: u32,
 }
+
+/// Where `next()` takes segments from.
+enum Feed {
+    Open(Loader),
+    /// Every tensor delivered, or closed (then `Control::closed`); its buffers are gone.
+    Ended,
+    /// The load failed: raised again to every later `next()`.
+    Failed(Arc<crate::Error>),
+}
+
+/// One turn at the feed: `None` when nothing came within a slice.
+type Step = Option<Result<Option<Loaded>, Arc<crate::Error>>>;
 
 #[pymethods]
 impl Stream {
@@ -133,9 +155,10 @@ impl Stream {
         let placed = DLDevice::of_engine(loader.engine().unwrap_or("host"));
         Ok(Stream {
             control: loader.control().clone(),
-            loader: Mutex::new(Some(loader)),
+            feed: Mutex::new(Feed::Open(loader)),
             closed: Mutex::new(None),
             placed,
+            opened_in: std::process::id(),
         })
     }
 
@@ -144,61 +167,43 @@ impl Stream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyList>>> {
+        self.in_its_process()?;
         let next = loop {
-            let step = py.detach(|| {
-                let mut guard = self.loader.lock().unwrap_or_else(|e| e.into_inner());
-                let Some(loader) = guard.as_mut() else {
-                    return Some(None);
-                };
-                let step = loader.next_segment_within(SLICE);
-                if matches!(step, Some(None | Some(Err(_)))) {
-                    // Ended: its buffers go now, not when the stream object does.
-                    *guard = None;
-                }
-                step
-            });
+            let step = gil::detach(py, || self.step());
             match step {
                 Some(next) => break next,
                 None => {
                     if let Err(interrupt) = py.check_signals() {
                         // Ctrl-C (or another signal's exception): stop reading, free the
                         // buffers, and let the exception through.
-                        self.control.close();
-                        let loader = self.loader.lock().unwrap_or_else(|e| e.into_inner()).take();
-                        py.detach(|| drop(loader));
+                        self.stop(py);
                         return Err(interrupt);
                     }
                 }
             }
         };
-        let Some(loaded) = next.transpose()? else {
-            if self.control.closed() {
-                return Err(self.control.closed_error().into());
-            }
-            return Ok(None);
-        };
-        Ok(Some(self.items(py, loaded)?))
+        match next {
+            Err(failed) => Err(raised(py, &failed)),
+            Ok(None) if self.control.closed() => Err(self.control.closed_error().into()),
+            Ok(None) => Ok(None),
+            Ok(Some(loaded)) => Ok(Some(self.items(py, loaded)?)),
+        }
     }
 
     /// Stops reading and frees buffers that no tensor uses; from any thread, without waiting for
     /// a `next()` in progress (which then raises `StreamClosedError`, unless the load had
-    /// finished).
+    /// finished). In a forked child it does nothing: the load is the parent's.
     fn close(&self, py: Python<'_>) {
+        if self.in_its_process().is_err() {
+            return;
+        }
         {
             let mut closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
             if closed.is_none() {
                 *closed = Some(Stats::of(&self.control));
             }
         }
-        self.control.close();
-        // A `next()` waiting on another thread holds the loader: it sees the close within a
-        // slice and drops the loader itself.
-        let loader = match self.loader.try_lock() {
-            Ok(mut guard) => guard.take(),
-            Err(TryLockError::Poisoned(e)) => e.into_inner().take(),
-            Err(TryLockError::WouldBlock) => None,
-        };
-        py.detach(|| drop(loader));
+        self.stop(py);
     }
 
     /// The counters so far; once closed, as they were when it closed.
@@ -209,6 +214,51 @@ impl Stream {
 }
 
 impl Stream {
+    fn in_its_process(&self) -> crate::Result<()> {
+        if std::process::id() == self.opened_in {
+            Ok(())
+        } else {
+            Err(crate::Error::Forked {
+                opened_in: self.opened_in,
+            })
+        }
+    }
+
+    /// One wait of at most a slice for the next segment (GIL released; threads take turns).
+    fn step(&self) -> Step {
+        let mut feed = self.feed.lock().unwrap_or_else(|e| e.into_inner());
+        let loader = match &mut *feed {
+            Feed::Open(loader) => loader,
+            Feed::Ended => return Some(Ok(None)),
+            Feed::Failed(e) => return Some(Err(e.clone())),
+        };
+        match loader.next_segment_within(SLICE)? {
+            Some(Ok(loaded)) => Some(Ok(Some(loaded))),
+            // Ended: its buffers go now, not when the stream object does.
+            None => {
+                *feed = Feed::Ended;
+                Some(Ok(None))
+            }
+            Some(Err(e)) => {
+                let e = Arc::new(e);
+                *feed = Feed::Failed(e.clone());
+                Some(Err(e))
+            }
+        }
+    }
+
+    /// Closes the load and frees its buffers, unless a `next()` on another thread holds the
+    /// loader: that one sees the close within a slice and ends the load itself.
+    fn stop(&self, py: Python<'_>) {
+        self.control.close();
+        let open = match self.feed.try_lock() {
+            Ok(mut feed) => take_open(&mut feed),
+            Err(TryLockError::Poisoned(e)) => take_open(&mut e.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        gil::detach(py, || drop(open));
+    }
+
     /// The items of a segment: views of its host buffer, the allocator's owner objects, or
     /// capsules owning fastload-allocated destinations.
     fn items(&self, py: Python<'_>, loaded: Loaded) -> PyResult<Py<PyList>> {
@@ -254,6 +304,28 @@ impl Stream {
             })?;
         }
         Ok(items.unbind())
+    }
+}
+
+/// The loader of an open feed, which is then ended.
+fn take_open(feed: &mut MutexGuard<'_, Feed>) -> Option<Loader> {
+    match std::mem::replace(&mut **feed, Feed::Ended) {
+        Feed::Open(loader) => Some(loader),
+        other => {
+            **feed = other;
+            None
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.in_its_process().is_err() {
+            // A forked child: the load's threads are the parent's, and dropping it could wait on
+            // them or on locks they held at the fork. Leaked, once per stream and child.
+            let feed = self.feed.get_mut().unwrap_or_else(|e| e.into_inner());
+            std::mem::forget(std::mem::replace(feed, Feed::Ended));
+        }
     }
 }
 

@@ -40,7 +40,7 @@ pub fn off_thread<T: Send + 'static>(
     let mut rx = rx;
     loop {
         // The receiver travels into the wait and back (it cannot be shared across threads).
-        let (waited, back) = py.detach(move || (rx.recv_timeout(SLICE), rx));
+        let (waited, back) = super::gil::detach(py, move || (rx.recv_timeout(SLICE), rx));
         rx = back;
         match waited {
             Ok(out) => return Ok(out),
