@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU verification kit (README.md, "Checking on a real GPU").
+# The GPU verification kit (docs/development.md, "Checking on a real GPU").
 #
 #   bash scripts/gpu_kit.sh build   # here: the abi3 wheel, the kit's scripts and gpu tests, and the
 #                                   # wheels they need offline, into gpu-kit/ (git-ignored)
@@ -67,13 +67,13 @@ PY
     cp -r "$REPO/tests/fake_cuda" "$KIT/tests/"
     cp "$REPO"/benches/{gpu_bench.py,limits.py,make_checkpoint.py} "$KIT/benches/"
     cat >"$KIT/README.txt" <<'TXT'
-fastload GPU verification kit (built by scripts/gpu_kit.sh build; see README.md, "Checking on a
-real GPU"). On a GPU machine (Python with a CUDA torch, an NVIDIA driver; no Rust, no network):
+fastload GPU verification kit (built by scripts/gpu_kit.sh build; see docs/development.md,
+"Checking on a real GPU"). On a GPU machine (Python with a CUDA torch, an NVIDIA driver; no Rust, no network):
 
     bash run.sh                 # every check; report in $OUT if set, else here
     bash run.sh --only a,b      # some checks; --skip a,b; --budget SECONDS; --help
 
-Writes gpu-kit-report.json, gpu-kit-report.md (its "Storage -> GPU" table fills README.md's)
+Writes gpu-kit-report.json, gpu-kit-report.md (its "Storage -> GPU" table fills docs/benchmarks.md's)
 and gpu-kit.log. Exit status 1 if a check failed.
 TXT
     cat >"$KIT/pytest.ini" <<'INI'

@@ -32,6 +32,12 @@ PIP_QUIET=1 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
 .venv/bin/python -m mypy.stubtest fastload._fastload
 .venv/bin/mypy python/fastload
 
+echo "== docs: the site builds with every link and anchor resolved; every path, API and flag named exists"
+DOCS_SITE=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet -d "$DOCS_SITE"
+rm -rf "$DOCS_SITE"
+.venv/bin/python scripts/check_docs.py
+
 echo "== GPU kit: built (its wheel reuses the release build above), then run dry: no GPU here, so"
 echo "   its GPU checks report 'not run'; every check that can run must pass, and the report exist"
 bash scripts/gpu_kit.sh build

@@ -194,8 +194,9 @@ def test_pytest_results_are_read_from_junit(tmp_path):
 
 
 def test_storage_to_gpu_table_from_a_gpu_report(tmp_path):
-    # The table README's is filled from: each throughput as a fraction of the page-locked copy
-    # rate, from the numbers the checks report on a GPU (benches/gpu_bench.py's JSON rows).
+    # The table docs/benchmarks.md's is filled from: each throughput as a fraction of the
+    # page-locked copy rate, from the numbers the checks report on a GPU (benches/gpu_bench.py's
+    # JSON rows).
     import kit_report
 
     def check(name, status, **numbers):

@@ -1,5 +1,5 @@
 """The kit's report: JSON (everything) and Markdown (a summary, a table of checks, and the
-"Storage → GPU" table README.md's table is filled from)."""
+"Storage → GPU" table docs/benchmarks.md's table is filled from)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 STATUSES = ("pass", "fail", "not-run")
 
-# The rows of the Storage → GPU table, as README.md's table lists them.
+# The rows of the Storage → GPU table, as docs/benchmarks.md's table lists them.
 _BENCH_ROWS = {
     "fastload": "fastload `load(device=...)` (benches/gpu_bench.py)",
     "safetensors": "safetensors `load_file(device=...)`",
