@@ -36,7 +36,8 @@ pub fn run(args: Vec<String>) -> i32 {
         // The reader went away (`fastload inspect m.safetensors | head`): not an error.
         Err(CliError::Stdout(e)) if e.kind() == io::ErrorKind::BrokenPipe => 0,
         Err(e) => {
-            let line = e.to_string().replace(['\n', '\r'], " ");
+            // Scrubbed of known credentials, as every message that leaves fastload.
+            let line = crate::error::scrub(&e.to_string()).replace(['\n', '\r'], " ");
             eprintln!("fastload: error: {line}");
             1
         }

@@ -148,13 +148,18 @@ impl Files {
                 return Ok((String::new(), Vec::new()));
             };
             let shown = p.display().to_string();
-            match std::fs::read_to_string(&p) {
-                Ok(text) => {
+            // Capped, and refused unless a regular file (one pointed at /dev/zero never ends).
+            match crate::bounded::read_file(&p, &shown, crate::bounded::Whole::Body) {
+                Ok(bytes) => {
+                    let text = String::from_utf8(bytes).map_err(|e| {
+                        let e = std::io::Error::new(std::io::ErrorKind::InvalidData, e);
+                        Error::io(&shown, e)
+                    })?;
                     let sections = parse(&text, &shown)?;
                     Ok((shown, sections))
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((shown, Vec::new())),
-                Err(e) => Err(Error::io(shown, e)),
+                Err(Error::NotFound { .. }) => Ok((shown, Vec::new())),
+                Err(e) => Err(e),
             }
         };
         Ok(Files {

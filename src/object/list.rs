@@ -8,8 +8,9 @@ use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
 
 use super::errors::*;
 use super::*;
+use crate::bounded::{Capped, Whole};
 use crate::error::{Error, Result};
-use crate::format::{self, FormatError};
+use crate::format::FormatError;
 use crate::source::INDEX_FILE;
 
 /// One object found under a URI: where, how large, and its ETag as the store reported it (the
@@ -93,7 +94,7 @@ pub async fn head(remote: &Remote, path: &Path) -> Result<Found> {
         .map_err(|e| storage_error(&remote.uri_of(path), e))
 }
 
-/// GET of a small object (an index file) into memory.
+/// GET of a small object (an index file) into memory, up to the cap on bodies read whole.
 pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
     let name = remote.uri_of(path);
     let result = remote
@@ -101,16 +102,13 @@ pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
         .get_opts(path, GetOptions::default())
         .await
         .map_err(|e| storage_error(&name, e))?;
-    if result.meta.size > format::MAX_HEADER_LEN {
-        let size = result.meta.size;
-        return Err(Error::format(&name, FormatError::IndexTooLarge { size }));
-    }
-    let mut out = Vec::with_capacity(result.meta.size as usize);
+    // Capped by the listed size, and again while the body streams (it may send more).
+    let mut out = Capped::new(&name, Whole::Index, Some(result.meta.size))?;
     let mut body = result.into_stream();
     while let Some(chunk) = body.next().await {
-        out.extend_from_slice(&chunk.map_err(|e| storage_error(&name, e))?);
+        out.push(&chunk.map_err(|e| storage_error(&name, e))?)?;
     }
-    Ok(out)
+    Ok(out.finish())
 }
 
 /// Objects directly under `prefix` with their sizes.
