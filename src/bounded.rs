@@ -84,8 +84,8 @@ impl Capped {
 }
 
 /// A small file read whole: opened without blocking (a FIFO put at the path does not wait for a
-/// writer), refused unless it is a regular file, and never read past [`MAX_WHOLE_READ`]. `name`
-/// is the file as messages show it.
+/// writer), an index refused unless it is a regular file, and never read past
+/// [`MAX_WHOLE_READ`]. `name` is the file as messages show it.
 pub fn read_file(path: &Path, name: &str, what: Whole) -> Result<Vec<u8>> {
     read_file_limited(path, name, what, MAX_WHOLE_READ)
 }
@@ -97,10 +97,14 @@ pub fn read_file_limited(path: &Path, name: &str, what: Whole, limit: u64) -> Re
         .open(path)
         .map_err(|e| Error::io(name, e))?;
     let meta = file.metadata().map_err(|e| Error::io(name, e))?;
-    if !meta.is_file() {
+    // An index must be a regular file. A config file may also be a device (`/dev/null` is a
+    // common "no config"; `/dev/zero` stops at the cap) or a FIFO (opened without blocking, a
+    // read with no data waiting fails rather than waits), never a directory.
+    if !meta.is_file() && (what == Whole::Index || meta.is_dir()) {
         return Err(not_regular(name, what, &meta));
     }
-    let mut out = Capped::with_limit(name, what, Some(meta.len()), limit)?;
+    let claimed = meta.is_file().then(|| meta.len());
+    let mut out = Capped::with_limit(name, what, claimed, limit)?;
     let mut buf = vec![0u8; 1 << 16];
     let mut file = file;
     loop {
@@ -173,9 +177,14 @@ mod tests {
         std::fs::write(&big, vec![b' '; 11]).unwrap();
         let err = read_file_limited(&big, "big", Whole::Body, 10).unwrap_err();
         assert!(err.to_string().contains("more than 10 bytes"), "{err}");
-        // A character device: refused before a byte is read (reading /dev/zero never ends).
+        // A character device: an index is refused before a byte is read (reading /dev/zero
+        // never ends); a config file is read up to its cap (/dev/null is "no config").
         let err = read_file(Path::new("/dev/zero"), "zero", Whole::Index).unwrap_err();
         assert!(err.to_string().contains("character device"), "{err}");
+        let err = read_file_limited(Path::new("/dev/zero"), "zero", Whole::Body, 1000);
+        assert!(err.unwrap_err().to_string().contains("more than 1000 bytes"));
+        let null = read_file(Path::new("/dev/null"), "null", Whole::Body).unwrap();
+        assert!(null.is_empty());
         // A FIFO without a writer: refused at once, not waited on.
         let fifo = dir.path().join("fifo");
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();

@@ -341,11 +341,19 @@ def test_non_utf8_paths_load(tmp_path):
     os.rename(plain, raw + b"/w\xff.safetensors")
     for uri in (raw, os.fsdecode(raw), raw + b"/w\xff.safetensors", Path(os.fsdecode(raw))):
         assert_same_tensors(fastload.load(uri), want)
-    headers = fastload.inspect(raw)
-    assert [h["name"] for h in headers] == list(want)
+    (header,) = fastload.inspect(raw)
+    assert [t[0] for t in header["tensors"]] == list(want)
     with pytest.raises(fastload.NotFoundError) as e:
         fastload.load(raw + b"/missing\xff.safetensors")
     assert "missing" in str(e.value)
+    # The command line too (its arguments are bytes on Linux).
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "inspect", raw, "--json"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert b'"w"' in proc.stdout
 
 
 def test_a_tensor_too_big_to_map_names_the_file_and_tensor(tmp_path):

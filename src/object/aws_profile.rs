@@ -20,7 +20,11 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 
 use super::errors::remember_secret;
 use super::keys::is_true;
+use crate::bounded::Whole;
 use crate::error::{Error, Result};
+
+/// The most bytes of an AWS config or credentials file read (they are a few KB).
+const MAX_FILE: u64 = 16 << 20;
 
 /// One value of an INI section: a plain string, or a sub-section (`s3 =` followed by indented
 /// `key = value` lines).
@@ -148,8 +152,8 @@ impl Files {
                 return Ok((String::new(), Vec::new()));
             };
             let shown = p.display().to_string();
-            // Capped, and refused unless a regular file (one pointed at /dev/zero never ends).
-            match crate::bounded::read_file(&p, &shown, crate::bounded::Whole::Body) {
+            // Capped (a file pointed at /dev/zero would never end; /dev/null is no config).
+            match crate::bounded::read_file_limited(&p, &shown, Whole::Body, MAX_FILE) {
                 Ok(bytes) => {
                     let text = String::from_utf8(bytes).map_err(|e| {
                         let e = std::io::Error::new(std::io::ErrorKind::InvalidData, e);
