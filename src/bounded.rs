@@ -103,7 +103,7 @@ pub fn read_file_limited(path: &Path, name: &str, what: Whole, limit: u64) -> Re
     if !meta.is_file() && (what == Whole::Index || meta.is_dir()) {
         return Err(not_regular(name, what, &meta));
     }
-    let claimed = meta.is_file().then(|| meta.len());
+    let claimed = meta.is_file().then_some(meta.len());
     let mut out = Capped::with_limit(name, what, claimed, limit)?;
     let mut buf = vec![0u8; 1 << 16];
     let mut file = file;
@@ -156,7 +156,10 @@ mod tests {
         body.push(b"12345").unwrap();
         body.push(b"67890").unwrap();
         let err = body.push(b"x").unwrap_err().to_string();
-        assert_eq!(err, "b: more than 10 bytes, the limit for a body read whole");
+        assert_eq!(
+            err,
+            "b: more than 10 bytes, the limit for a body read whole"
+        );
         let err = Capped::with_limit("i", Whole::Index, Some(11), 10).unwrap_err();
         assert!(matches!(
             err,
@@ -182,7 +185,10 @@ mod tests {
         let err = read_file(Path::new("/dev/zero"), "zero", Whole::Index).unwrap_err();
         assert!(err.to_string().contains("character device"), "{err}");
         let err = read_file_limited(Path::new("/dev/zero"), "zero", Whole::Body, 1000);
-        assert!(err.unwrap_err().to_string().contains("more than 1000 bytes"));
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("more than 1000 bytes"));
         let null = read_file(Path::new("/dev/null"), "null", Whole::Body).unwrap();
         assert!(null.is_empty());
         // A FIFO without a writer: refused at once, not waited on.

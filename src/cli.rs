@@ -235,7 +235,10 @@ mod tests {
         let uri = arg_from_os(raw);
         assert_eq!(uri, "file:///tmp/caf%E9/w.safetensors");
         let back = url::Url::parse(&uri).unwrap().to_file_path().unwrap();
-        assert_eq!(back.into_os_string().into_vec(), b"/tmp/caf\xe9/w.safetensors");
+        assert_eq!(
+            back.into_os_string().into_vec(),
+            b"/tmp/caf\xe9/w.safetensors"
+        );
     }
 
     #[test]

@@ -178,9 +178,8 @@ pub fn remember_secret(value: &str) {
     if value.len() < MIN_SECRET_LEN {
         return;
     }
-    let encoded =
-        percent_encoding::utf8_percent_encode(value, percent_encoding::NON_ALPHANUMERIC)
-            .to_string();
+    let encoded = percent_encoding::utf8_percent_encode(value, percent_encoding::NON_ALPHANUMERIC)
+        .to_string();
     let mut secrets = SECRETS.lock();
     for v in [value.to_string(), encoded] {
         if !secrets.contains(&v) {

@@ -54,7 +54,11 @@ impl Plan {
     pub fn describe(&self, index: usize) -> String {
         let seg = &self.segments[index];
         let file = &self.shards[seg.shard].name;
-        let names: Vec<String> = seg.tensors.iter().map(|t| format!("{:?}", t.name)).collect();
+        let names: Vec<String> = seg
+            .tensors
+            .iter()
+            .map(|t| format!("{:?}", t.name))
+            .collect();
         match names.as_slice() {
             [one] => format!(" for tensor {one} of {file}"),
             many if many.len() <= 3 => format!(" for tensors {} of {file}", many.join(", ")),

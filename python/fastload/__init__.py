@@ -90,7 +90,7 @@ def _uris(uri: Uri) -> list[str]:
     if isinstance(uri, (str, bytes, os.PathLike)):
         return [_uri(uri)]
     try:
-        items = list(uri)
+        items: list[object] = list(uri)
     except TypeError:
         items = [uri]  # not iterable: refused by _uri, naming its type
     out = [_uri(u) for u in items]

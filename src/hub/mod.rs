@@ -218,9 +218,9 @@ impl HubSettings {
             )
             .ok()
             .and_then(|t| String::from_utf8(t).ok())
-                .map(|t| t.trim().to_string())
-                .filter(|t| !t.is_empty())
-                .map(|t| (t, TokenSource::File(token_file.clone())));
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .map(|t| (t, TokenSource::File(token_file.clone())));
         }
         if let Some((value, _)) = &token {
             crate::error::remember_secret(value);

@@ -62,7 +62,13 @@ pub fn open_with_env(
             let b = gcs_builder(uri, &store_options, &env)?;
             let key = GoogleConfigKey::BaseUrl;
             let from = || {
-                endpoint_source(&key, &store_options, &env, &["GOOGLE_"], "STORAGE_EMULATOR_HOST")
+                endpoint_source(
+                    &key,
+                    &store_options,
+                    &env,
+                    &["GOOGLE_"],
+                    "STORAGE_EMULATOR_HOST",
+                )
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
@@ -73,7 +79,13 @@ pub fn open_with_env(
             let b = azure_builder(uri, &store_options, &env)?;
             let key = AzureConfigKey::Endpoint;
             let from = || {
-                endpoint_source(&key, &store_options, &env, &["AZURE_"], "the connection string")
+                endpoint_source(
+                    &key,
+                    &store_options,
+                    &env,
+                    &["AZURE_"],
+                    "the connection string",
+                )
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
@@ -117,10 +129,12 @@ fn check_store_endpoint(value: Option<String>, from: impl FnOnce() -> String) ->
         return Ok(());
     };
     crate::error::remember_url_credentials(&value);
-    crate::options::check_endpoint(&value).map(|_| ()).map_err(|e| {
-        let shown = redact_uri(&value);
-        Error::option(from(), format!("{shown:?} is not a usable endpoint: {e}"))
-    })
+    crate::options::check_endpoint(&value)
+        .map(|_| ())
+        .map_err(|e| {
+            let shown = redact_uri(&value);
+            Error::option(from(), format!("{shown:?} is not a usable endpoint: {e}"))
+        })
 }
 
 /// Which option or variable set a store's `key` (options win over the environment, the last

@@ -240,13 +240,14 @@ pub fn index_shard_names(bytes: &[u8], name: &str) -> Result<Vec<String>> {
 /// device is refused, a FIFO without blocking) and read up to the cap on files read whole.
 fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
     let name = index.display().to_string();
-    let bytes = crate::bounded::read_file(index, &name, crate::bounded::Whole::Index)
-        .map_err(|e| match e {
+    let bytes = crate::bounded::read_file(index, &name, crate::bounded::Whole::Index).map_err(
+        |e| match e {
             // A dangling symbolic link: say so (its name is listed, so "no such file" would
             // puzzle).
             Error::NotFound { path } => dangling(index).unwrap_or(Error::NotFound { path }),
             e => e,
-        })?;
+        },
+    )?;
     let dir = index.parent().unwrap_or(Path::new("."));
     Ok(index_shard_names(&bytes, &name)?
         .into_iter()
