@@ -36,11 +36,24 @@ pub fn run(args: Vec<String>) -> i32 {
         // The reader went away (`fastload inspect m.safetensors | head`): not an error.
         Err(CliError::Stdout(e)) if e.kind() == io::ErrorKind::BrokenPipe => 0,
         Err(e) => {
-            let line = e.to_string().replace(['\n', '\r'], " ");
+            // Scrubbed of known credentials, as every message that leaves fastload.
+            let line = crate::error::scrub(&e.to_string()).replace(['\n', '\r'], " ");
             eprintln!("fastload: error: {line}");
             1
         }
     }
+}
+
+/// A command-line argument as [`run`] takes it. One that is not UTF-8 can only be a local path
+/// (Linux paths are bytes; options and URIs are text): it becomes a `file://` URI, absolute and
+/// percent-encoded byte for byte, which every command reads as that path.
+pub fn arg_from_os(arg: std::ffi::OsString) -> String {
+    arg.into_string().unwrap_or_else(|arg| {
+        let path = std::path::absolute(&arg).unwrap_or_else(|_| arg.clone().into());
+        url::Url::from_file_path(&path)
+            .map(String::from)
+            .unwrap_or_else(|()| arg.to_string_lossy().into_owned())
+    })
 }
 
 const UNITS_HELP: &str = "Sizes take a number of bytes or a unit: 4096, 64KiB, 8MiB, 1GiB, 500MB \
@@ -213,6 +226,20 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_argument_that_is_not_utf8_becomes_a_file_uri() {
+        use std::os::unix::ffi::OsStringExt;
+        assert_eq!(arg_from_os("--json".into()), "--json");
+        let raw = std::ffi::OsString::from_vec(b"/tmp/caf\xe9/w.safetensors".to_vec());
+        let uri = arg_from_os(raw);
+        assert_eq!(uri, "file:///tmp/caf%E9/w.safetensors");
+        let back = url::Url::parse(&uri).unwrap().to_file_path().unwrap();
+        assert_eq!(
+            back.into_os_string().into_vec(),
+            b"/tmp/caf\xe9/w.safetensors"
+        );
+    }
 
     #[test]
     fn parses_devices() {

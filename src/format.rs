@@ -569,8 +569,8 @@ mod tests {
                 "tensor \"w\" is also in a.safetensors (tensor names must be unique across shards)",
             ),
             (
-                FormatError::IndexTooLarge { size: 1 << 30 },
-                "index file is over 100 MB",
+                FormatError::IndexTooLarge { limit: 100 },
+                "index file has more than 100 bytes, the limit for a file read whole",
             ),
             (
                 FormatError::IndexNoWeightMap,

@@ -5,11 +5,13 @@
 //! files and objects behind one [`source::Source`] trait; [`object`] is the object-store half) →
 //! [`plan`] (shards + options → segments) → [`memory`] / [`device`] (where bytes land) →
 //! [`pipeline`] (reads every block through `Source`, hands tensors out) → the Python bindings and
-//! the [`cli`]. [`options`], [`error`], [`runtime`] and [`per_process`] (state a forked child rebuilds)
+//! the [`cli`]. [`options`], [`error`], [`bounded`] (reads of whole files and bodies, capped),
+//! [`runtime`] and [`per_process`] (state a forked child rebuilds)
 //! serve every stage.
 
 #![deny(unsafe_code)]
 
+pub mod bounded;
 pub mod cache;
 pub mod cli;
 pub mod device;

@@ -159,6 +159,7 @@ fn map_anonymous(cap: usize) -> Result<usize> {
     if addr == libc::MAP_FAILED {
         return Err(Error::Memory {
             bytes: cap,
+            what: String::new(),
             source: std::io::Error::last_os_error(),
         });
     }
@@ -341,7 +342,15 @@ impl HostBuffer {
             )
         };
         if base == libc::MAP_FAILED {
-            return Err(Error::io(name, std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENOMEM) {
+                return Err(Error::Memory {
+                    bytes: map_len,
+                    what: format!(" of {name}"),
+                    source: e,
+                });
+            }
+            return Err(Error::io(name, e));
         }
         Ok(HostBuffer {
             // SAFETY: delta < page <= map_len, inside the mapping.

@@ -334,6 +334,28 @@ impl LoadOptions {
     }
 }
 
+/// Why `endpoint` cannot be the base of a service's URLs (the Hub's `HF_ENDPOINT`, an object
+/// store's `endpoint`), if it cannot: it must be an `http(s)://` URL with a host (`data:,x`,
+/// `mailto:...` or `ftp://...` are not), without a query or fragment. Checked when options are
+/// read, so that a bad one is a `ConfigError` naming its option rather than a failure (or an
+/// HTTP library's panic) at the first request.
+pub fn check_endpoint(endpoint: &str) -> std::result::Result<url::Url, String> {
+    let url = url::Url::parse(endpoint.trim()).map_err(|e| e.to_string())?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!(
+            "the scheme must be http:// or https://, not {}:",
+            url.scheme()
+        ));
+    }
+    if url.cannot_be_a_base() || url.host_str().is_none_or(str::is_empty) {
+        return Err("not an http(s) URL with a host".into());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err("an endpoint has no query or fragment".into());
+    }
+    Ok(url)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

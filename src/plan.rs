@@ -48,6 +48,29 @@ pub struct Plan {
 /// A byte range `begin..end` within the data of tensor `name`.
 pub type Part = (String, u64, u64);
 
+impl Plan {
+    /// What segment `index` holds, for messages: ` for tensor "a" of FILE`, or ` for tensors "a",
+    /// "b", ... (N in all) of FILE`.
+    pub fn describe(&self, index: usize) -> String {
+        let seg = &self.segments[index];
+        let file = &self.shards[seg.shard].name;
+        let names: Vec<String> = seg
+            .tensors
+            .iter()
+            .map(|t| format!("{:?}", t.name))
+            .collect();
+        match names.as_slice() {
+            [one] => format!(" for tensor {one} of {file}"),
+            many if many.len() <= 3 => format!(" for tensors {} of {file}", many.join(", ")),
+            many => format!(
+                " for tensors {}, ... ({} in all) of {file}",
+                many[..3].join(", "),
+                many.len()
+            ),
+        }
+    }
+}
+
 /// Segment size for a memory limit: small enough that several segments are in flight at once
 /// (reads of the next overlap the consumer's work on the current one), large enough that per
 /// segment costs vanish.

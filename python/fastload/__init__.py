@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -60,12 +61,44 @@ __all__ = [
 ]
 
 
+def _uri(u: object) -> str:
+    """One path or URI as the native loader takes it: a ``str`` that is valid UTF-8."""
+    if isinstance(u, os.PathLike):
+        u = os.fspath(u)
+    if isinstance(u, bytes):
+        u = os.fsdecode(u)
+    if not isinstance(u, str):
+        raise ConfigError(
+            "invalid option uri: expected a path or URI (str, bytes or os.PathLike) or a list "
+            f"of them, got {type(u).__name__}",
+            option="uri",
+        )
+    if not u.strip():
+        raise ConfigError(
+            f"invalid option uri: {u!r} is empty: name a file, a directory or a URI", option="uri"
+        )
+    try:
+        u.encode("utf-8")
+    except UnicodeEncodeError:
+        # A Linux path is bytes: one that is not UTF-8 (a bytes path, or os.fsdecode's
+        # surrogates) travels as a file:// URI, percent-encoded byte for byte.
+        if "://" in u:
+            raise ConfigError(
+                f"invalid option uri: {u!r} is not valid UTF-8 (only local paths may be)",
+                option="uri",
+            ) from None
+        return "file://" + urllib.parse.quote_from_bytes(os.fsencode(os.path.abspath(u)))
+    return u
+
+
 def _uris(uri: Uri) -> list[str]:
-    if isinstance(uri, (str, os.PathLike)):
-        return [os.fspath(uri)]
-    if isinstance(uri, bytes):
-        raise ConfigError("invalid option uri: pass a str or os.PathLike, not bytes", option="uri")
-    out = [os.fspath(u) for u in uri]
+    if isinstance(uri, (str, bytes, os.PathLike)):
+        return [_uri(uri)]
+    try:
+        items: list[object] = list(uri)
+    except TypeError:
+        items = [uri]  # not iterable: refused by _uri, naming its type
+    out = [_uri(u) for u in items]
     if not out:
         raise ConfigError("invalid option uri: the list of files is empty", option="uri")
     return out

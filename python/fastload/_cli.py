@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import os
 import sys
+import urllib.parse
 
 from . import _fastload
+
+
+def _arg(arg: str) -> str:
+    """An argument that is not UTF-8 (os.fsdecode's surrogates) can only be a local path: it
+    goes to the native CLI as a file:// URI, percent-encoded byte for byte (as the binary does)."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:
+        return "file://" + urllib.parse.quote_from_bytes(os.fsencode(os.path.abspath(arg)))
+    return arg
 
 
 def main() -> None:
     # `fastload bench --compare` runs the peer drivers with this interpreter (where fastload is).
     os.environ.setdefault("FASTLOAD_PYTHON", sys.executable)
-    sys.exit(_fastload.cli_main(["fastload", *sys.argv[1:]]))
+    sys.exit(_fastload.cli_main(["fastload", *map(_arg, sys.argv[1:])]))
 
 
 if __name__ == "__main__":

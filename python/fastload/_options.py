@@ -104,7 +104,8 @@ def native(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k != "device"}
 
 
-PathLike = Union[str, "os.PathLike[str]"]
+# bytes: a Linux path that need not be UTF-8.
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 Uri = Union[PathLike, Iterable[PathLike]]
 
 

@@ -14,6 +14,8 @@
 
 use std::path::{Component, Path, PathBuf};
 
+use crate::bounded::Whole;
+
 /// The Hub cache directory: `HF_HUB_CACHE`, else the legacy `HUGGINGFACE_HUB_CACHE`, else
 /// `HF_HOME/hub`, where `HF_HOME` defaults to `$XDG_CACHE_HOME/huggingface`, else
 /// `~/.cache/huggingface`. A leading `~` is expanded as `os.path.expanduser` does.
@@ -105,7 +107,11 @@ pub fn blob_link_target(path_in_repo: &str, blob_id: &str) -> PathBuf {
 
 /// The commit `refs/<revision>` holds, if that file exists and holds one.
 pub fn read_ref(repo: &Path, revision: &str) -> Option<String> {
-    let text = std::fs::read_to_string(ref_path(repo, revision)).ok()?;
+    // A ref is 40 characters: never read more than a little (a ref pointed at /dev/zero).
+    let path = ref_path(repo, revision);
+    let name = path.display().to_string();
+    let bytes = crate::bounded::read_file_limited(&path, &name, Whole::Body, 4096).ok()?;
+    let text = String::from_utf8(bytes).ok()?;
     let commit = text.trim();
     (!commit.is_empty()).then(|| commit.to_string())
 }

@@ -222,7 +222,8 @@ impl Run {
 
     /// A warning on stderr: caching never fails a load, whose bytes came from the network.
     pub(crate) fn warn(&self, message: &str) {
-        eprintln!("fastload: warning: {message}");
+        // Scrubbed of known credentials, as every message that leaves fastload.
+        eprintln!("fastload: warning: {}", crate::error::scrub(message));
     }
 
     fn add_filled(&self, bytes: u64) {

@@ -100,8 +100,10 @@ pub enum FormatError {
     /// Two shards of one checkpoint hold a tensor of the same name.
     #[error("tensor {name:?} is also in {other} (tensor names must be unique across shards)")]
     DuplicateAcrossShards { name: String, other: String },
-    #[error("index file is over 100 MB")]
-    IndexTooLarge { size: u64 },
+    /// An index over the cap on files read whole (`crate::bounded::MAX_WHOLE_READ`), found by its
+    /// size or while it streamed in (never read past the cap).
+    #[error("index file has more than {limit} bytes, the limit for a file read whole")]
+    IndexTooLarge { limit: u64 },
     #[error("index is not valid JSON: {reason}")]
     IndexInvalidJson { reason: String },
     #[error("index has no \"weight_map\" object")]

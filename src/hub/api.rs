@@ -12,6 +12,7 @@ use reqwest::{Method, RequestBuilder, Response, StatusCode};
 
 use super::location::Location;
 use super::{HubSettings, HubUri};
+use crate::bounded::{Capped, Whole};
 use crate::error::{Error, Result};
 use crate::object::RetrySettings;
 
@@ -50,8 +51,8 @@ pub struct FileMeta {
 impl Hub {
     pub fn new(settings: HubSettings, retry: RetrySettings) -> Result<Hub> {
         crate::object::install_crypto();
-        let endpoint = url::Url::parse(&settings.endpoint)
-            .map_err(|e| Error::option("HF_ENDPOINT", e.to_string()))?;
+        let endpoint = crate::options::check_endpoint(&settings.endpoint)
+            .map_err(|e| Error::option("HF_ENDPOINT", e))?;
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(5))
@@ -67,13 +68,14 @@ impl Hub {
         })
     }
 
-    /// `{endpoint}/{segments...}`, each segment percent-encoded (a `/` inside one too).
+    /// `{endpoint}/{segments...}`, each segment percent-encoded (a `/` inside one too). The
+    /// endpoint was checked to be an http(s) URL with a host ([`crate::options::check_endpoint`]), which
+    /// always has a path; were it not, the segments would be left off and the request fail.
     fn url<'a>(&self, segments: impl IntoIterator<Item = &'a str>) -> url::Url {
         let mut url = self.endpoint.clone();
-        url.path_segments_mut()
-            .expect("an http(s) endpoint has a path")
-            .pop_if_empty()
-            .extend(segments);
+        if let Ok(mut path) = url.path_segments_mut() {
+            path.pop_if_empty().extend(segments);
+        }
         url
     }
 
@@ -105,7 +107,7 @@ impl Hub {
         let name = format!("hf://{}@{}", uri.repo_id, uri.revision());
         let response = self.get_on_hub(&name, url).await?;
         let response = self.check(&name, &uri.repo_id, response).await?;
-        let body = response.bytes().await.map_err(|e| net_error(&name, e))?;
+        let body = read_whole(&name, Whole::Body, response).await?;
         let value: serde_json::Value = serde_json::from_slice(&body)
             .map_err(|e| io_error(&name, io::ErrorKind::InvalidData, format!("bad JSON: {e}")))?;
         let commit = value
@@ -200,7 +202,8 @@ impl Hub {
         ))
     }
 
-    /// A whole small file (an index), through `resolve/`, with what `resolve/` said about it.
+    /// A whole small file (an index), through `resolve/`, with what `resolve/` said about it;
+    /// never more than the cap on bodies read whole.
     pub async fn fetch(
         &self,
         name: &str,
@@ -213,8 +216,8 @@ impl Hub {
             .send(name, || self.request(Method::GET, &location))
             .await?;
         let response = self.check(name, repo_id, response).await?;
-        let bytes = response.bytes().await.map_err(|e| net_error(name, e))?;
-        Ok((meta, bytes.to_vec()))
+        let bytes = read_whole(name, Whole::Index, response).await?;
+        Ok((meta, bytes))
     }
 
     /// Sends the request `make` builds, again after a 429 (waiting `Retry-After`), a 5xx or a
@@ -226,10 +229,13 @@ impl Hub {
         loop {
             let outcome = make().send().await;
             let wait = match &outcome {
-                Ok(r) if !retryable(r.status()) => return Ok(outcome.expect("checked Ok")),
-                Ok(r) => retry_after(r.headers()).unwrap_or_else(|| state.backoff()),
-                Err(e) if e.is_builder() => return Err(net_error(name, outcome.unwrap_err())),
-                Err(_) => state.backoff(),
+                Ok(r) if !retryable(r.status()) => None,
+                Ok(r) => Some(retry_after(r.headers()).unwrap_or_else(|| state.backoff())),
+                Err(e) if e.is_builder() => None,
+                Err(_) => Some(state.backoff()),
+            };
+            let Some(wait) = wait else {
+                return outcome.map_err(|e| net_error(name, e));
             };
             attempt += 1;
             if attempt > self.retry.max_retries || start.elapsed() + wait > self.retry.retry_timeout
@@ -291,6 +297,16 @@ impl Hub {
         };
         Err(io_error(name, kind, text))
     }
+}
+
+/// A whole body, refused once it passes the cap on bodies read whole (`crate::bounded`): by its
+/// `Content-Length` before a byte is read, else while it streams (a chunked body claims nothing).
+async fn read_whole(name: &str, what: Whole, mut response: Response) -> Result<Vec<u8>> {
+    let mut out = Capped::new(name, what, response.content_length())?;
+    while let Some(chunk) = response.chunk().await.map_err(|e| net_error(name, e))? {
+        out.push(&chunk)?;
+    }
+    Ok(out.finish())
 }
 
 fn meta(name: &str, headers: &HeaderMap, location: Location) -> Result<FileMeta> {

@@ -26,6 +26,8 @@ pub mod location;
 pub const SCHEME: &str = "hf";
 /// The Hub, when `HF_ENDPOINT` does not name another.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+/// The most bytes of a token file read (a token is about 40).
+const MAX_TOKEN_FILE: u64 = 64 * 1024;
 /// The revision of a URI without `@`.
 pub const DEFAULT_REVISION: &str = "main";
 
@@ -173,10 +175,14 @@ impl HubSettings {
     ) -> Result<HubSettings> {
         let env = |k: &str| env(k).filter(|v| !v.trim().is_empty());
         let mut endpoint = env("HF_ENDPOINT").unwrap_or_else(|| DEFAULT_ENDPOINT.into());
+        let mut endpoint_from = "HF_ENDPOINT".to_string();
         let mut token = None;
         for (key, value) in storage_options {
             match key.to_ascii_lowercase().as_str() {
-                "endpoint" | "hf_endpoint" => endpoint = value.clone(),
+                "endpoint" | "hf_endpoint" => {
+                    endpoint = value.clone();
+                    endpoint_from = format!("storage_options[{key:?}]");
+                }
                 "token" | "hf_token" => token = Some((value.clone(), TokenSource::Option)),
                 _ => {
                     return Err(Error::option(
@@ -187,8 +193,11 @@ impl HubSettings {
             }
         }
         let endpoint = endpoint.trim().trim_end_matches('/').to_string();
-        url::Url::parse(&endpoint)
-            .map_err(|e| Error::option("HF_ENDPOINT", format!("{endpoint:?}: {e}")))?;
+        crate::error::remember_url_credentials(&endpoint);
+        crate::options::check_endpoint(&endpoint).map_err(|e| {
+            let shown = crate::object::redact_uri(&endpoint);
+            Error::option(endpoint_from, format!("{shown:?}: {e}"))
+        })?;
         let hf_home = hf_home(&env);
         let token_file = env("HF_TOKEN_PATH")
             .map(PathBuf::from)
@@ -199,11 +208,22 @@ impl HubSettings {
                 .find_map(|name| env(name).map(|t| (t.trim().to_string(), TokenSource::Env(name))));
         }
         if token.is_none() {
-            token = std::fs::read_to_string(&token_file)
-                .ok()
-                .map(|t| t.trim().to_string())
-                .filter(|t| !t.is_empty())
-                .map(|t| (t, TokenSource::File(token_file.clone())));
+            // Read as huggingface_hub reads it, but never past a small cap (a token file
+            // pointed at /dev/zero or a FIFO is no token).
+            token = crate::bounded::read_file_limited(
+                &token_file,
+                &token_file.display().to_string(),
+                crate::bounded::Whole::Body,
+                MAX_TOKEN_FILE,
+            )
+            .ok()
+            .and_then(|t| String::from_utf8(t).ok())
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .map(|t| (t, TokenSource::File(token_file.clone())));
+        }
+        if let Some((value, _)) = &token {
+            crate::error::remember_secret(value);
         }
         Ok(HubSettings {
             endpoint,

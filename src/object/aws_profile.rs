@@ -20,7 +20,11 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 
 use super::errors::remember_secret;
 use super::keys::is_true;
+use crate::bounded::Whole;
 use crate::error::{Error, Result};
+
+/// The most bytes of an AWS config or credentials file read (they are a few KB).
+const MAX_FILE: u64 = 16 << 20;
 
 /// One value of an INI section: a plain string, or a sub-section (`s3 =` followed by indented
 /// `key = value` lines).
@@ -148,13 +152,18 @@ impl Files {
                 return Ok((String::new(), Vec::new()));
             };
             let shown = p.display().to_string();
-            match std::fs::read_to_string(&p) {
-                Ok(text) => {
+            // Capped (a file pointed at /dev/zero would never end; /dev/null is no config).
+            match crate::bounded::read_file_limited(&p, &shown, Whole::Body, MAX_FILE) {
+                Ok(bytes) => {
+                    let text = String::from_utf8(bytes).map_err(|e| {
+                        let e = std::io::Error::new(std::io::ErrorKind::InvalidData, e);
+                        Error::io(&shown, e)
+                    })?;
                     let sections = parse(&text, &shown)?;
                     Ok((shown, sections))
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((shown, Vec::new())),
-                Err(e) => Err(Error::io(shown, e)),
+                Err(Error::NotFound { .. }) => Ok((shown, Vec::new())),
+                Err(e) => Err(e),
             }
         };
         Ok(Files {

@@ -6,6 +6,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use object_store::aws::AmazonS3ConfigKey;
+use object_store::azure::AzureConfigKey;
+use object_store::gcp::GoogleConfigKey;
 use object_store::http::HttpBuilder;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 use url::Url;
@@ -42,21 +45,53 @@ pub fn open_with_env(
     let (scheme, path) = ObjectStoreScheme::parse(&url)
         .map_err(|e| unsupported(&shown, clean_message(&e.to_string())))?;
     remember_secrets(options, &env);
+    crate::error::remember_url_credentials(uri);
     install_crypto();
     let (retry, store_options) = split_retry_options(options)?;
     let built = match scheme {
-        ObjectStoreScheme::AmazonS3 => s3_builder(uri, &store_options, &env)?
-            .with_retry(retry.request_config())
-            .build()
-            .map(|s| Arc::new(s) as Arc<dyn ObjectStore>),
-        ObjectStoreScheme::GoogleCloudStorage => gcs_builder(uri, &store_options, &env)?
-            .with_retry(retry.request_config())
-            .build()
-            .map(|s| Arc::new(s) as _),
-        ObjectStoreScheme::MicrosoftAzure => azure_builder(uri, &store_options, &env)?
-            .with_retry(retry.request_config())
-            .build()
-            .map(|s| Arc::new(s) as _),
+        ObjectStoreScheme::AmazonS3 => {
+            let b = s3_builder(uri, &store_options, &env)?;
+            let key = AmazonS3ConfigKey::Endpoint;
+            let from = || endpoint_source(&key, &store_options, &env, &["AWS_"], "endpoint_url");
+            check_store_endpoint(b.get_config_value(&key), from)?;
+            b.with_retry(retry.request_config())
+                .build()
+                .map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
+        }
+        ObjectStoreScheme::GoogleCloudStorage => {
+            let b = gcs_builder(uri, &store_options, &env)?;
+            let key = GoogleConfigKey::BaseUrl;
+            let from = || {
+                endpoint_source(
+                    &key,
+                    &store_options,
+                    &env,
+                    &["GOOGLE_"],
+                    "STORAGE_EMULATOR_HOST",
+                )
+            };
+            check_store_endpoint(b.get_config_value(&key), from)?;
+            b.with_retry(retry.request_config())
+                .build()
+                .map(|s| Arc::new(s) as _)
+        }
+        ObjectStoreScheme::MicrosoftAzure => {
+            let b = azure_builder(uri, &store_options, &env)?;
+            let key = AzureConfigKey::Endpoint;
+            let from = || {
+                endpoint_source(
+                    &key,
+                    &store_options,
+                    &env,
+                    &["AZURE_"],
+                    "the connection string",
+                )
+            };
+            check_store_endpoint(b.get_config_value(&key), from)?;
+            b.with_retry(retry.request_config())
+                .build()
+                .map(|s| Arc::new(s) as _)
+        }
         ObjectStoreScheme::Http => {
             let base = &url[..url::Position::BeforePath];
             let mut b = HttpBuilder::new().with_url(base);
@@ -84,6 +119,45 @@ pub fn open_with_env(
         is_prefix,
         retry,
     })
+}
+
+/// Checks the endpoint a builder ended up with, wherever it came from (`from` names that): a value
+/// that is no http(s) URL with a host is a `ConfigError` now, where object_store would panic
+/// building its first request ("request must be valid").
+fn check_store_endpoint(value: Option<String>, from: impl FnOnce() -> String) -> Result<()> {
+    let Some(value) = value else {
+        return Ok(());
+    };
+    crate::error::remember_url_credentials(&value);
+    crate::options::check_endpoint(&value)
+        .map(|_| ())
+        .map_err(|e| {
+            let shown = redact_uri(&value);
+            Error::option(from(), format!("{shown:?} is not a usable endpoint: {e}"))
+        })
+}
+
+/// Which option or variable set a store's `key` (options win over the environment, the last
+/// one over earlier ones); `otherwise` when neither did (a config file, a connection string).
+fn endpoint_source<K: std::str::FromStr + PartialEq>(
+    key: &K,
+    options: &[(String, String)],
+    env: &[(String, String)],
+    prefixes: &[&str],
+    otherwise: &str,
+) -> String {
+    let is_key = |k: &str| {
+        let k = k.to_ascii_lowercase();
+        k.parse::<K>().is_ok_and(|p| &p == key) || k == "endpoint"
+    };
+    if let Some((k, _)) = options.iter().rev().find(|(k, _)| is_key(k)) {
+        return format!("storage_options[{k:?}]");
+    }
+    env.iter()
+        .rev()
+        .find(|(k, _)| prefixes.iter().any(|p| k.starts_with(p)) && is_key(k))
+        .map(|(k, _)| k.clone())
+        .unwrap_or_else(|| otherwise.to_string())
 }
 
 /// Pulls our own retry keys out of the options and gives bare-number timeouts a unit; the rest

@@ -6,7 +6,6 @@ use object_store::client::{HttpError, HttpErrorKind};
 use url::Url;
 
 use crate::error::Error;
-use crate::per_process::PerProcess;
 
 pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
     Error::UnsupportedUri {
@@ -193,10 +192,9 @@ pub(super) fn clean_message(text: &str) -> String {
     out
 }
 
-/// Values of credential-like options and variables seen by [`open`], scrubbed from messages. Per
-/// process: a forked child starts empty and remembers what its own opens see (every open
-/// remembers its options and environment again).
-pub(super) static SECRETS: PerProcess<Vec<String>> = PerProcess::new(Vec::new);
+/// The crate's one registry of credentials (src/error.rs): what is remembered here is scrubbed
+/// from every message that leaves fastload, whichever error carries it.
+pub(super) use crate::error::{remember_secret, scrub};
 
 pub(super) fn is_secret_key(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
@@ -226,26 +224,6 @@ pub(super) fn remember_secrets(options: &[(String, String)], env: &[(String, Str
             remember_secret(v);
         }
     }
-}
-
-/// Remembers a value to scrub from messages (also one found inside a larger value, such as an
-/// Azure connection string's key).
-pub(super) fn remember_secret(value: &str) {
-    // Short values would scrub ordinary words (and "true" is no secret).
-    if value.len() < 8 {
-        return;
-    }
-    let mut secrets = SECRETS.lock();
-    if !secrets.iter().any(|s| s == value) {
-        secrets.push(value.to_string());
-    }
-}
-
-pub(super) fn scrub(text: &str) -> String {
-    let secrets = SECRETS.lock();
-    secrets
-        .iter()
-        .fold(text.to_string(), |t, s| t.replace(s.as_str(), "***"))
 }
 
 /// The URI without user info, query or fragment (a presigned query holds credentials).

@@ -8,8 +8,9 @@ use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
 
 use super::errors::*;
 use super::*;
+use crate::bounded::{Capped, Whole, MAX_WHOLE_READ};
 use crate::error::{Error, Result};
-use crate::format::{self, FormatError};
+use crate::format::FormatError;
 use crate::source::INDEX_FILE;
 
 /// One object found under a URI: where, how large, and its ETag as the store reported it (the
@@ -93,25 +94,15 @@ pub async fn head(remote: &Remote, path: &Path) -> Result<Found> {
         .map_err(|e| storage_error(&remote.uri_of(path), e))
 }
 
-/// GET of a small object (an index file) into memory.
+/// GET of a small object (an index file) into memory, up to the cap on bodies read whole.
 pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
-    get_capped(remote, path, format::MAX_HEADER_LEN, |name, size| {
-        Error::format(name, FormatError::IndexTooLarge { size })
-    })
-    .await
+    get_capped(remote, path, Whole::Index, MAX_WHOLE_READ).await
 }
 
 /// One whole object (a config or tokenizer file) into memory; an object over `max_bytes` is an
 /// error naming it, read no further.
 pub async fn read_small(remote: &Remote, path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
-    get_capped(remote, path, max_bytes, |name, size| Error::Io {
-        path: name.to_string(),
-        source: std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("object is {size} bytes, over the {max_bytes}-byte limit for a whole read"),
-        ),
-    })
-    .await
+    get_capped(remote, path, Whole::Body, max_bytes).await
 }
 
 /// Every object directly under the remote's key taken as a folder (`s3://bucket/model` and
@@ -122,31 +113,20 @@ pub async fn list_folder(remote: &Remote) -> Result<Vec<Found>> {
     Ok(found)
 }
 
-async fn get_capped(
-    remote: &Remote,
-    path: &Path,
-    max_bytes: u64,
-    too_large: impl FnOnce(&str, u64) -> Error,
-) -> Result<Vec<u8>> {
+async fn get_capped(remote: &Remote, path: &Path, what: Whole, limit: u64) -> Result<Vec<u8>> {
     let name = remote.uri_of(path);
     let result = remote
         .store
         .get_opts(path, GetOptions::default())
         .await
         .map_err(|e| storage_error(&name, e))?;
-    if result.meta.size > max_bytes {
-        return Err(too_large(&name, result.meta.size));
-    }
-    let mut out = Vec::with_capacity(result.meta.size as usize);
+    // Capped by the listed size, and again while the body streams (it may send more).
+    let mut out = Capped::with_limit(&name, what, Some(result.meta.size), limit)?;
     let mut body = result.into_stream();
     while let Some(chunk) = body.next().await {
-        out.extend_from_slice(&chunk.map_err(|e| storage_error(&name, e))?);
-        // A body longer than the size announced is cut at the cap, not held in memory.
-        if out.len() as u64 > max_bytes {
-            return Err(too_large(&name, out.len() as u64));
-        }
+        out.push(&chunk.map_err(|e| storage_error(&name, e))?)?;
     }
-    Ok(out)
+    Ok(out.finish())
 }
 
 /// Objects directly under `prefix` with their sizes.

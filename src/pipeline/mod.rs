@@ -350,7 +350,7 @@ impl Driver {
             };
             let buffer = match mapped.unwrap_or_else(|| HostBuffer::alloc(seg.len as usize)) {
                 Ok(b) => Arc::new(b),
-                Err(e) => return self.feed.fail(e),
+                Err(e) => return self.feed.fail(e.memory_for(|| self.plan.describe(index))),
             };
             if buffer.is_mapped() && !buffer.is_fresh() {
                 // Every page is in the page cache: nothing to read, no block tasks (in a warm

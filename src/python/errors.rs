@@ -3,11 +3,13 @@
 //! `fastload/_errors.py` so that they can inherit from both `FastloadError` and the matching
 //! builtin (`ValueError`, `OSError`, `FileNotFoundError`, `KeyError`); what a caller may want to
 //! act on travels as attributes (`ConfigError.option`, `TensorNotFoundError.names`,
-//! `FormatError.path`, `filename` on `NotFoundError`), never only inside the message.
+//! `FormatError.path`, `filename` on `NotFoundError`), never only inside the message. The message
+//! and every attribute are scrubbed of known credentials (`crate::error::scrub`).
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::error::scrub;
 use crate::Error;
 
 impl From<Error> for PyErr {
@@ -40,11 +42,11 @@ fn exception(py: Python<'_>, err: &Error) -> PyErr {
 }
 
 fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
-    let message = err.to_string();
+    let message = err.message();
     let attrs = PyDict::new(py);
     let name = match err {
         Error::Format { path, .. } => {
-            attrs.set_item("path", path)?;
+            attrs.set_item("path", scrub(path))?;
             "FormatError"
         }
         Error::NotFound { path } | Error::NoShards { path } => {
@@ -53,13 +55,13 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             return Ok(PyErr::from_value(cls.call1((
                 libc::ENOENT,
                 message,
-                path,
+                scrub(path),
             ))?));
         }
         Error::Io { .. } | Error::Memory { .. } => "StorageError",
         Error::MissingTensors { uri, names } => {
             attrs.set_item("names", names)?;
-            attrs.set_item("uri", uri)?;
+            attrs.set_item("uri", scrub(uri))?;
             "TensorNotFoundError"
         }
         Error::InvalidOption { option, .. } => {

@@ -405,9 +405,19 @@ fn offline_path(uri: &HubUri) -> Result<PathBuf> {
             other => other.map(|c| c.to_lowercase()),
         }
     };
-    let snapshot = commit.map(|c| hub_layout::snapshot_path(&repo, &c, &uri.path));
+    let snapshot = commit.map(|c| repo.join("snapshots").join(c));
     match snapshot {
-        Some(path) if path.exists() => Ok(path),
+        Some(root) if root.is_dir() => {
+            // The revision is cached: a path missing from it is a missing file, not revision.
+            let path = root.join(&uri.path);
+            if std::fs::symlink_metadata(&path).is_ok() {
+                Ok(path)
+            } else {
+                Err(Error::NotFound {
+                    path: format!("hf://{}@{revision}/{}", uri.repo_id, uri.path),
+                })
+            }
+        }
         _ => Err(io_error(
             &format!("hf://{}@{revision}", uri.repo_id),
             io::ErrorKind::NotFound,

@@ -236,18 +236,18 @@ pub fn index_shard_names(bytes: &[u8], name: &str) -> Result<Vec<String>> {
     Ok(files.into_iter().collect())
 }
 
+/// The files an index names. The index is checked before a byte is read (a directory, FIFO or
+/// device is refused, a FIFO without blocking) and read up to the cap on files read whole.
 fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
     let name = index.display().to_string();
-    let meta = std::fs::metadata(index).map_err(|e| Error::io(&name, e))?;
-    if !meta.is_file() {
-        let kind = if meta.is_dir() {
-            "directory"
-        } else {
-            kind(&meta)
-        };
-        return Err(Error::format(&name, FormatError::NotARegularFile { kind }));
-    }
-    let bytes = std::fs::read(index).map_err(|e| Error::io(&name, e))?;
+    let bytes = crate::bounded::read_file(index, &name, crate::bounded::Whole::Index).map_err(
+        |e| match e {
+            // A dangling symbolic link: say so (its name is listed, so "no such file" would
+            // puzzle).
+            Error::NotFound { path } => dangling(index).unwrap_or(Error::NotFound { path }),
+            e => e,
+        },
+    )?;
     let dir = index.parent().unwrap_or(Path::new("."));
     Ok(index_shard_names(&bytes, &name)?
         .into_iter()
@@ -255,12 +255,29 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
         .collect())
 }
 
+/// The error for `path` when it is a symbolic link to nothing.
+fn dangling(path: &Path) -> Option<Error> {
+    let target = std::fs::read_link(path).ok()?;
+    Some(Error::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!(
+                "a symbolic link to {}, which does not exist",
+                target.display()
+            ),
+        ),
+    })
+}
+
 fn expand(uri: &str) -> Result<Vec<PathBuf>> {
     let path = local_path(uri)?;
     let meta = std::fs::metadata(&path).map_err(|e| Error::io(uri, e))?;
     if meta.is_dir() {
+        // An index that is there in any form is used, or is the error: a dangling link, a
+        // FIFO or a device named like the index is never skipped for the folder's other files.
         let index = path.join(INDEX_FILE);
-        if index.is_file() {
+        if std::fs::symlink_metadata(&index).is_ok() {
             return index_files(&index);
         }
         let mut files: Vec<PathBuf> = std::fs::read_dir(&path)

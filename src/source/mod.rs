@@ -149,6 +149,12 @@ pub fn open_all(
     // Local URIs are resolved together so that a file named twice is loaded once; the order of
     // the user's URIs is kept across kinds.
     for uri in uris {
+        if uri.trim().is_empty() {
+            return Err(Error::option(
+                "uri",
+                format!("{uri:?} is empty: name a file, a directory or a URI"),
+            ));
+        }
         if crate::hub::is_hub(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
             sources.extend(hub::open(uri, storage_options, cache)?);
