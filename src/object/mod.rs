@@ -34,9 +34,9 @@ mod tests;
 mod tests_cloud;
 
 pub use config::{install_crypto, open, open_with_env};
-pub use errors::{redact_uri, storage_error};
+pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_safetensors, resolve, Found};
-pub use read::read_range_into;
+pub use read::{read_pinned, read_range_into};
 pub use retry::{Decision, ResumeState, RetrySettings};
 
 /// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::hub`),

@@ -12,6 +12,7 @@ use super::Source;
 use crate::cache::CacheIdentity;
 use crate::error::Result;
 use crate::object::RetrySettings;
+use crate::source::remote::{is_strong, Pin, Version};
 
 /// One object of a store.
 #[derive(Debug)]
@@ -21,8 +22,9 @@ pub struct RemoteObject {
     path: Path,
     size: u64,
     retry: RetrySettings,
-    /// The ETag the listing reported, for the local cache.
-    etag: Option<String>,
+    /// The version every read is pinned to: the strong ETag the listing reported (which also
+    /// names the local cache's copy), else the one the first response brings.
+    pin: Pin,
 }
 
 impl RemoteObject {
@@ -41,13 +43,18 @@ impl RemoteObject {
             path,
             size,
             retry,
-            etag: None,
+            pin: Pin::new(Some(size), None),
         }
     }
 
-    /// The same object, known by `etag` (the local cache keeps its copy while the ETag holds).
+    /// The same object, known by `etag` (the local cache keeps its copy while the ETag holds),
+    /// and every read pinned to it.
     pub fn with_etag(mut self, etag: Option<String>) -> RemoteObject {
-        self.etag = etag;
+        let known = Version {
+            etag,
+            ..Version::default()
+        };
+        self.pin = Pin::new(Some(self.size), Some(known));
         self
     }
 }
@@ -62,13 +69,14 @@ impl Source for RemoteObject {
     }
 
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-        Box::pin(crate::object::read_range_into(
+        Box::pin(crate::object::read_pinned(
             self.store.as_ref(),
             &self.path,
             offset,
             dst,
             &self.name,
             &self.retry,
+            &self.pin,
         ))
     }
 
@@ -78,7 +86,9 @@ impl Source for RemoteObject {
         Some(CacheIdentity {
             uri: uri.to_string(),
             size: self.size,
-            etag: self.etag.clone(),
+            // Only a strong ETag names one content, and only the pinned one names the bytes
+            // every read brings; without one the object is not cached.
+            etag: self.pin.etag().filter(|e| is_strong(e)),
             sha256: None,
             hub: None,
         })
