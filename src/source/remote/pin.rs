@@ -80,6 +80,12 @@ impl Pin {
             .unwrap_or_default()
     }
 
+    /// Forgets the version (not the size): the next response pins it again. For a source whose
+    /// requests moved to another server, whose ETags are its own.
+    pub fn reset(&self) {
+        *self.seen.lock().expect("pin lock") = None;
+    }
+
     /// The pinned strong ETag, if any: the cache names its copy by it.
     pub fn etag(&self) -> Option<String> {
         self.current().etag.filter(|e| is_strong(e))
