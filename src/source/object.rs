@@ -22,8 +22,10 @@ pub struct RemoteObject {
     path: Path,
     size: u64,
     retry: RetrySettings,
-    /// The version every read is pinned to: the strong ETag the listing reported (which also
-    /// names the local cache's copy), else the one the first response brings.
+    /// The strong ETag the listing reported: it names the local cache's copy, and every read
+    /// must find it (else the object changed since it was listed).
+    etag: Option<String>,
+    /// The version every read is pinned to: that ETag, else the one the first response brings.
     pin: Pin,
 }
 
@@ -43,6 +45,7 @@ impl RemoteObject {
             path,
             size,
             retry,
+            etag: None,
             pin: Pin::new(Some(size), None),
         }
     }
@@ -50,8 +53,9 @@ impl RemoteObject {
     /// The same object, known by `etag` (the local cache keeps its copy while the ETag holds),
     /// and every read pinned to it.
     pub fn with_etag(mut self, etag: Option<String>) -> RemoteObject {
+        self.etag = etag.filter(|e| is_strong(e));
         let known = Version {
-            etag,
+            etag: self.etag.clone(),
             ..Version::default()
         };
         self.pin = Pin::new(Some(self.size), Some(known));
@@ -88,7 +92,7 @@ impl Source for RemoteObject {
             size: self.size,
             // Only a strong ETag names one content, and only the pinned one names the bytes
             // every read brings; without one the object is not cached.
-            etag: self.pin.etag().filter(|e| is_strong(e)),
+            etag: self.etag.clone(),
             sha256: None,
             hub: None,
         })

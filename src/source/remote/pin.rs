@@ -55,6 +55,9 @@ pub struct Pin {
     /// The object's size, once known.
     size: Mutex<Option<u64>>,
     seen: Mutex<Option<Version>>,
+    /// The pinned ETag is in the form the server sends with its bytes (a listing may give it in
+    /// another: GCS's JSON listing without quotes), so `If-Match` may carry it.
+    confirmed: Mutex<bool>,
 }
 
 impl Pin {
@@ -68,11 +71,20 @@ impl Pin {
         Pin {
             size: Mutex::new(size),
             seen: Mutex::new(known),
+            confirmed: Mutex::new(false),
         }
     }
 
     /// The version to request: what is pinned so far (nothing before the first response).
     pub fn current(&self) -> Version {
+        let mut version = self.pinned();
+        if !*self.confirmed.lock().expect("pin lock") {
+            version.etag = None;
+        }
+        version
+    }
+
+    fn pinned(&self) -> Version {
         self.seen
             .lock()
             .expect("pin lock")
@@ -84,11 +96,12 @@ impl Pin {
     /// requests moved to another server, whose ETags are its own.
     pub fn reset(&self) {
         *self.seen.lock().expect("pin lock") = None;
+        *self.confirmed.lock().expect("pin lock") = false;
     }
 
     /// The pinned strong ETag, if any: the cache names its copy by it.
     pub fn etag(&self) -> Option<String> {
-        self.current().etag.filter(|e| is_strong(e))
+        self.pinned().etag.filter(|e| is_strong(e))
     }
 
     /// Checks what a response says against the pin, and pins what is not pinned yet: an object
@@ -110,10 +123,12 @@ impl Pin {
         let mut seen = self.seen.lock().expect("pin lock");
         let Some(pinned) = seen.as_mut() else {
             *seen = Some(got.clone());
+            *self.confirmed.lock().expect("pin lock") = true;
             return Ok(());
         };
         let differs = |a: &Option<String>, b: &Option<String>| matches!((a, b), (Some(a), Some(b)) if a != b);
-        if differs(&pinned.etag, &got.etag) {
+        let tag = |e: &Option<String>| e.as_deref().map(|e| e.trim().trim_matches('"').to_string());
+        if differs(&tag(&pinned.etag), &tag(&got.etag)) {
             let (was, now) = (pinned.etag.as_deref(), got.etag.as_deref());
             let (was, now) = (was.unwrap_or_default(), now.unwrap_or_default());
             return Err(changed(name, format!("its ETag is {now}, was {was}")));
@@ -128,8 +143,12 @@ impl Pin {
             let (was, now) = (was.unwrap_or_default(), now.unwrap_or_default());
             return Err(changed(name, format!("it was modified at {now}, {was} before")));
         }
-        // What the pin did not know yet (a listing gives no version id or Last-Modified).
-        pinned.etag = pinned.etag.take().or_else(|| got.etag.clone());
+        // What the pin did not know yet (a listing gives no version id or Last-Modified), and
+        // its ETag in the form the server sends it.
+        if got.etag.is_some() {
+            pinned.etag = got.etag.clone();
+            *self.confirmed.lock().expect("pin lock") = true;
+        }
         pinned.version = pinned.version.take().or_else(|| got.version.clone());
         pinned.last_modified = pinned.last_modified.take().or_else(|| got.last_modified.clone());
         Ok(())

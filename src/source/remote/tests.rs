@@ -2,7 +2,7 @@ use std::io;
 
 use object_store::memory::InMemory;
 use object_store::path::Path;
-use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{ObjectStoreExt, PutPayload};
 
 use super::*;
 use crate::object::read_pinned;
