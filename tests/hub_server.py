@@ -210,12 +210,13 @@ class Storage(_Server):
         self.rotate_on_next_get = False  # bump secret_epoch when the next request arrives
         self._next_send = time.monotonic()
         self._rate_lock = threading.Lock()
+        self.public_url: str | None = None  # the address signed URLs name (a relay), if not ours
         super().__init__(_StorageHandler)
 
     def sign(self, sha: str) -> str:
         expires = str(int(time.time() + self.ttl))
         sig = self._sig(sha, expires)
-        return f"{self.url}/{sha}?Expires={expires}&Signature={sig}"
+        return f"{self.public_url or self.url}/{sha}?Expires={expires}&Signature={sig}"
 
     def _sig(self, sha: str, expires: str) -> str:
         key = SECRET + str(self.secret_epoch).encode()

@@ -33,7 +33,7 @@ mod tests;
 #[cfg(test)]
 mod tests_cloud;
 
-pub use config::{install_crypto, open, open_with_env};
+pub use config::{install_crypto, open, open_with_env, split_retry_options};
 pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_safetensors, resolve, Found};
 pub use read::{read_pinned, read_range_into};

@@ -23,7 +23,6 @@ use crate::error::{Error, Result};
 use crate::hub::api::{self, net_error, FileMeta, Hub};
 use crate::hub::location::Location;
 use crate::hub::{HubSettings, HubUri};
-use crate::object::RetrySettings;
 
 /// `resolve/` requests in flight while opening.
 const META_CONCURRENCY: usize = 16;
@@ -268,11 +267,14 @@ pub fn open(
     cache: &CacheSettings,
 ) -> Result<Vec<Arc<dyn Source>>> {
     let parsed = HubUri::parse(uri)?;
-    let settings = HubSettings::from_env(storage_options)?;
+    // The retry and stall-rule keys of object stores (max_retries, retry_timeout, min_rate,
+    // min_rate_window) drive the Hub's requests and reads too.
+    let (retry, rest) = crate::object::split_retry_options(storage_options)?;
+    let settings = HubSettings::from_env(&rest)?;
     if settings.offline {
         return local::open(&[offline_path(&parsed)?.display().to_string()]);
     }
-    let hub = Hub::new(settings, RetrySettings::default())?;
+    let hub = Hub::new(settings, retry)?;
     crate::runtime::block_on(uri, open_remote(hub, parsed, cache))
 }
 
