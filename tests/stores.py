@@ -83,12 +83,14 @@ class Store:
     # Why the store takes no access settings from the environment, or None when it does.
     no_env_settings: ClassVar[str | None] = None
 
-    # Why error messages name something other than the URI loaded, or None when they name it.
-    names_other: ClassVar[str | None] = None
 
     def at(self, endpoint: str) -> Store:
         """The same store, reached at another address."""
         return dataclasses.replace(self, endpoint=endpoint)
+
+    def names(self, uri: str, message: str) -> bool:
+        """Whether an error message names the object or prefix `uri` loaded."""
+        return uri in message
 
     def data_port(self) -> int:
         """The port of the server that sends objects' bytes."""
@@ -296,7 +298,6 @@ class Hub(Store):
         "HF_ENDPOINT is the Hub's only address setting, and storage_options' endpoint overrides "
         "it (test_hub.py); nothing else to spoil"
     )
-    names_other = "a failure to reach the Hub names the repo and revision asked for"
 
     def uri(self, key: str) -> str:
         return f"hf://{HUB_REPO}/{key}"
@@ -310,6 +311,12 @@ class Hub(Store):
     def public(self) -> tuple[str, dict[str, str] | None]:
         # The repo is public: no token is sent or needed.
         return self.uri(PUBLIC_KEY), self.options()
+
+    def names(self, uri: str, message: str) -> bool:
+        # Files are named at the commit the revision resolved to (hf://org/name@<commit>/path),
+        # and a failure before one is known names the repo at the revision asked for.
+        path = uri.removeprefix(f"hf://{HUB_REPO}/").rstrip("/")
+        return f"hf://{HUB_REPO}@" in message and (path in message or "@main" in message)
 
     def data_port(self) -> int:
         return self.server.storage.server_address[1]
