@@ -108,7 +108,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         if send_body:
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # a client that gave up (a 412)
+                self.close_connection = True
 
     def _serve(self, send_body: bool) -> None:
         b: Behaviour = self.server.behaviour
