@@ -104,7 +104,8 @@ for i in range(count):
         clear = (isinstance(e, fastload.FastloadError) and os.path.basename(target) in text
                  and "os error" not in text)
         if kind == "swap":
-            clear = clear and isinstance(e, fastload.StorageError) and "changed while loading" in text
+            clear = (clear and isinstance(e, fastload.StorageError)
+                     and "changed while loading" in text)
         out = {"outcome": "clear error" if clear else "unclear error",
                "type": type(e).__name__, "message": str(e)[:300]}
     out.update(i=i, took=round(took, 3), method=method)

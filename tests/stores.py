@@ -83,7 +83,6 @@ class Store:
     # Why the store takes no access settings from the environment, or None when it does.
     no_env_settings: ClassVar[str | None] = None
 
-
     def at(self, endpoint: str) -> Store:
         """The same store, reached at another address."""
         return dataclasses.replace(self, endpoint=endpoint)

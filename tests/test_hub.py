@@ -237,9 +237,7 @@ def swapping_hub(env, multi_block_file, tmp_path):
 
 
 @pytest.mark.parametrize("lfs", [True, False], ids=["lfs", "plain"])
-def test_a_file_overwritten_while_loading_is_an_error_not_torn(
-    swapping_hub, env, tmp_path, lfs
-):
+def test_a_file_overwritten_while_loading_is_an_error_not_torn(swapping_hub, env, tmp_path, lfs):
     """The storage host's ETag seen first pins every later GET (If-Match); a file whose bytes
     change under the same URL midway is a clear error. With cache=, nothing torn is published:
     the next load reads the new bytes whole."""

@@ -1,13 +1,14 @@
 """One conformance suite, every remote store: S3 (SeaweedFS), GCS (fake-gcs-server), Azure
 (azure_server.py), plain HTTP (http_server.py) and the Hugging Face Hub (hub_server.py), all on
-127.0.0.1 and holding the same objects (stores.py). Each test runs once per store and asserts the same behaviour: bitwise parity with
-`safetensors.torch.load_file`, prefixes and indexes, names, streaming, the same clean, bounded
-failures, and the one resumable read's behaviour under faults injected between fastload and the
-server that sends the bytes (bodies cut, stalled or trickling; 429 and 5xx). Where a store cannot do something (plain HTTP has no listing), the store says why and
-the test asserts what happens instead.
+127.0.0.1 and holding the same objects (stores.py). Each test runs once per store and asserts the
+same behaviour: bitwise parity with `safetensors.torch.load_file`, prefixes and indexes, names,
+streaming, the same clean, bounded failures, and the one resumable read's behaviour under faults
+injected between fastload and the server that sends the bytes (bodies cut, stalled or trickling;
+429 and 5xx). Where a store cannot do something (plain HTTP has no listing), the store says why
+and the test asserts what happens instead.
 
 What only one store has (credentials, profiles, emulators, signatures, faults, odd servers) stays
-in test_s3.py, test_gcs.py, test_azure.py and test_http.py.
+in test_s3.py, test_gcs.py, test_azure.py, test_http.py and test_hub.py.
 """
 
 from __future__ import annotations
@@ -318,9 +319,7 @@ def through_faults(store, monkeypatch, key: str, plan=(), then=None, **kw):
 @pytest.mark.parametrize("kind", ["cut", "reset"])
 def test_cut_bodies_resume_from_the_first_missing_byte(store, monkeypatch, multi_block_file, kind):
     plan = [Fault(kind, after=a) for a in (10_000, 70_000, 0)]
-    got, served = through_faults(
-        store, monkeypatch, "big.safetensors", plan, block_size="256KiB"
-    )
+    got, served = through_faults(store, monkeypatch, "big.safetensors", plan, block_size="256KiB")
     assert_same_tensors(got, reference(multi_block_file))
     assert served[kind] == 3
 

@@ -16,9 +16,9 @@ use futures_util::stream::{StreamExt, TryStreamExt};
 use reqwest::header::{CONTENT_RANGE, ETAG, IF_MATCH, LAST_MODIFIED, RANGE};
 use reqwest::{Method, StatusCode};
 
+use super::remote::{self, io_error, Pin, RangedGet, Response, Version};
 use super::{local, Source, INDEX_FILE};
 use crate::cache::{hub_layout, CacheIdentity, CacheSettings, HubLocation};
-use super::remote::{self, io_error, Pin, RangedGet, Response, Version};
 use crate::error::{Error, Result};
 use crate::hub::api::{self, net_error, FileMeta, Hub};
 use crate::hub::location::Location;
@@ -145,7 +145,9 @@ impl HubGet<'_> {
                 let etag = if_match.unwrap_or_default();
                 return Err(remote::changed(
                     name,
-                    format!("the storage host refused If-Match: {etag} with 412 Precondition Failed"),
+                    format!(
+                        "the storage host refused If-Match: {etag} with 412 Precondition Failed"
+                    ),
                 ));
             }
             if matches!(status.as_u16(), 401 | 403) && !location.same_host {

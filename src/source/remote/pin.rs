@@ -126,7 +126,8 @@ impl Pin {
             *self.confirmed.lock().expect("pin lock") = true;
             return Ok(());
         };
-        let differs = |a: &Option<String>, b: &Option<String>| matches!((a, b), (Some(a), Some(b)) if a != b);
+        let differs =
+            |a: &Option<String>, b: &Option<String>| matches!((a, b), (Some(a), Some(b)) if a != b);
         let tag = |e: &Option<String>| e.as_deref().map(|e| e.trim().trim_matches('"').to_string());
         if differs(&tag(&pinned.etag), &tag(&got.etag)) {
             let (was, now) = (pinned.etag.as_deref(), got.etag.as_deref());
@@ -139,9 +140,15 @@ impl Pin {
             return Err(changed(name, format!("its version is {now}, was {was}")));
         }
         if pinned.strong_etag().is_none() && differs(&pinned.last_modified, &got.last_modified) {
-            let (was, now) = (pinned.last_modified.as_deref(), got.last_modified.as_deref());
+            let (was, now) = (
+                pinned.last_modified.as_deref(),
+                got.last_modified.as_deref(),
+            );
             let (was, now) = (was.unwrap_or_default(), now.unwrap_or_default());
-            return Err(changed(name, format!("it was modified at {now}, {was} before")));
+            return Err(changed(
+                name,
+                format!("it was modified at {now}, {was} before"),
+            ));
         }
         // What the pin did not know yet (a listing gives no version id or Last-Modified), and
         // its ETag in the form the server sends it.
@@ -150,7 +157,10 @@ impl Pin {
             *self.confirmed.lock().expect("pin lock") = true;
         }
         pinned.version = pinned.version.take().or_else(|| got.version.clone());
-        pinned.last_modified = pinned.last_modified.take().or_else(|| got.last_modified.clone());
+        pinned.last_modified = pinned
+            .last_modified
+            .take()
+            .or_else(|| got.last_modified.clone());
         Ok(())
     }
 }

@@ -8,7 +8,9 @@ use super::*;
 use crate::object::read_pinned;
 
 fn data(n: usize, seed: u8) -> Vec<u8> {
-    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 async fn put(store: &InMemory, bytes: Vec<u8>) -> Option<String> {
@@ -79,8 +81,12 @@ fn responses_are_checked_against_the_pin_whatever_the_server_honours() {
     pin.check("x", &v("\"a\"", "t1"), Some(100)).unwrap();
     // A strong ETag is the identity: Last-Modified may differ between replicas.
     pin.check("x", &v("\"a\"", "t2"), Some(100)).unwrap();
-    assert!(is_changed(&pin.check("x", &v("\"b\"", "t1"), Some(100)).unwrap_err()));
-    assert!(is_changed(&pin.check("x", &v("\"a\"", "t1"), Some(101)).unwrap_err()));
+    assert!(is_changed(
+        &pin.check("x", &v("\"b\"", "t1"), Some(100)).unwrap_err()
+    ));
+    assert!(is_changed(
+        &pin.check("x", &v("\"a\"", "t1"), Some(101)).unwrap_err()
+    ));
     assert_eq!(pin.current().strong_etag(), Some("\"a\""));
 
     // A weak ETag is never sent as If-Match; Last-Modified and size are compared instead.
@@ -89,12 +95,20 @@ fn responses_are_checked_against_the_pin_whatever_the_server_honours() {
         ..Version::default()
     };
     let weak = Pin::new(Some(100), Some(listed));
-    assert_eq!(weak.current(), Version::default(), "a weak listing ETag pins nothing");
+    assert_eq!(
+        weak.current(),
+        Version::default(),
+        "a weak listing ETag pins nothing"
+    );
     weak.check("x", &v("W/\"w\"", "t1"), Some(100)).unwrap();
     assert_eq!(weak.current().strong_etag(), None);
     assert!(weak.etag().is_none());
-    assert!(is_changed(&weak.check("x", &v("W/\"w\"", "t2"), Some(100)).unwrap_err()));
-    assert!(is_changed(&weak.check("x", &v("W/\"v\"", "t1"), Some(100)).unwrap_err()));
+    assert!(is_changed(
+        &weak.check("x", &v("W/\"w\"", "t2"), Some(100)).unwrap_err()
+    ));
+    assert!(is_changed(
+        &weak.check("x", &v("W/\"v\"", "t1"), Some(100)).unwrap_err()
+    ));
 
     // A version id pins too; S3's "null" (no versioning) does not.
     let versioned = Pin::new(None, None);
@@ -103,6 +117,8 @@ fn responses_are_checked_against_the_pin_whatever_the_server_honours() {
         ..Version::default()
     };
     versioned.check("x", &with("v1"), Some(5)).unwrap();
-    assert!(is_changed(&versioned.check("x", &with("v2"), Some(5)).unwrap_err()));
+    assert!(is_changed(
+        &versioned.check("x", &with("v2"), Some(5)).unwrap_err()
+    ));
     assert_eq!(Version::identifying(with("null")).version, None);
 }
