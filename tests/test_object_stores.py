@@ -339,19 +339,26 @@ def test_stalled_bodies_are_cut_by_the_stall_rule_and_resumed(store, monkeypatch
 
 
 def test_a_trickle_fails_within_the_stall_rule(store, monkeypatch):
-    uri = store.uri("big.safetensors")
-    err = timed_error(
-        fastload.StorageError,
-        lambda: through_faults(
-            store,
-            monkeypatch,
-            "big.safetensors",
-            then=Fault("trickle", after=1000, rate=200),
-            block_size="256KiB",
-            storage_options=QUICK_STALL_RULE,
-        ),
-    )
-    assert store.names(uri, str(err)) and "below the minimum rate of 64.0 KiB/s" in str(err), err
+    trickle = Fault("trickle", after=1000, rate=200)
+    proxy = HttpFaultProxy(("127.0.0.1", store.data_port()), then=trickle)
+    try:
+        with store.data_via(proxy.endpoint) as via:
+            via = configure(via, monkeypatch)
+            uri = via.uri("big.safetensors")
+            err = timed_error(
+                fastload.StorageError,
+                lambda: load(
+                    via,
+                    "big.safetensors",
+                    block_size="256KiB",
+                    storage_options=QUICK_STALL_RULE,
+                ),
+            )
+    finally:
+        proxy.close()
+    assert store.names(uri, str(err)), err
+    assert "below the minimum rate of 64.0 KiB/s" in str(err), err
+    assert proxy.served["trickle"] > 0
 
 
 @pytest.mark.parametrize("status", [429, 500, 503])
