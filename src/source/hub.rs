@@ -1,8 +1,9 @@
 //! Files of a Hugging Face Hub repo (`hf://`) as sources. Opening resolves the revision to a
 //! commit once, picks the files (the index's shards, else the folder's `*.safetensors`), and asks
 //! `resolve/` for each file's size and storage location, concurrently. A read is one ranged GET of
-//! that location (the token only goes to the Hub's own host), resumed when the body breaks off;
-//! the location is resolved again when its signature expires or the storage host refuses it.
+//! that location (the token only goes to the Hub's own host) through [`super::remote`]'s one
+//! resumable read, pinned to the storage host's ETag (`If-Match`); the location is resolved again
+//! when its signature expires or the storage host refuses it.
 //!
 //! With `HF_HUB_OFFLINE` set, nothing is asked of the network: the files come from the Hugging
 //! Face cache (`refs/<revision>` → `snapshots/<commit>/`) as local files.
