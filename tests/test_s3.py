@@ -173,6 +173,28 @@ def test_an_object_overwritten_while_streaming_is_an_error_not_torn(
         assert_same_tensors(fastload.load(uri, cache=cache), want)
 
 
+def test_a_versioned_object_overwritten_while_streaming_reads_the_pinned_version(
+    bucket, aws_env, multi_block_file, tmp_path
+):
+    """With versioning on, the first response's version id pins every later GET (versionId=):
+    the load reads the version it started with to its end, whatever was written meanwhile."""
+    aws_env(bucket)
+    client, name = bucket.client(), "versioned-models"
+    client.create_bucket(Bucket=name)
+    client.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+    new = helpers.write_multi_block(tmp_path / "new.safetensors", seed=100)
+    upload(client, name, {"big.safetensors": multi_block_file})
+    uri, old = f"s3://{name}/big.safetensors", reference(multi_block_file)
+    got = {}
+    for name_, tensor in fastload.stream(uri, block_size="64KiB", memory_limit="1MiB"):
+        if not got:
+            upload(client, name, {"big.safetensors": new})
+        got[name_] = tensor
+    assert_same_tensors(got, old)
+    # The object is the new version now.
+    assert_same_tensors(fastload.load(uri), reference(new))
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors: the right exception, naming the URI, within a bounded time, without secrets
 
