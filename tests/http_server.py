@@ -182,8 +182,12 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None:
             self._misbehave(fault, view[start:end])
             return
-        for at in range(start, end, 1 << 20):
-            self.wfile.write(view[at : min(end, at + (1 << 20))])
+        try:
+            for at in range(start, end, 1 << 20):
+                self.wfile.write(view[at : min(end, at + (1 << 20))])
+        except (BrokenPipeError, ConnectionResetError):
+            # A client that stopped reading: one that saw the object change, above all.
+            self.close_connection = True
 
     def _draw_fault(self, b: Behaviour) -> str | None:
         if not b.chaos:
