@@ -1,14 +1,17 @@
-"""Soak: hundreds of loads against a fault-injecting server of ours and a local file that changes
-under load; counts what each load ended as.
+"""Soak: hundreds of loads against a fault-injecting server of ours, a local file that changes
+under load, and a remote object overwritten under load; counts what each load ended as.
 
-    python benches/soak.py                       # 300 remote, 100 local, 2 x 100 shared loads
-    python benches/soak.py --remote 60 --local 40 --shared 40 --json out.json
+    python benches/soak.py                       # 300 remote, 100 local, 100 swap, 2 x 100 shared
+    python benches/soak.py --remote 60 --local 40 --swap 40 --shared 40 --json out.json
 
 Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/http_server.py`'s server on
 127.0.0.1 with chaos on: a share of GETs (`--chaos`) answer 503, reset the connection midway, end
 the body early, stall for seconds, or trickle, at random (seeded). Local loads read a file that a
 thread shrinks and restores, or replaces by rename, while they run (`method` mmap and read in
-turn). Loads run in a worker process, one JSON line each; a watchdog counts a load that does not
+turn). Swap loads read an object that a thread overwrites every few tens of milliseconds with
+the other of two versions of the same size and header (the server honours If-Match, as real ones
+do): each such load must return one version whole, or fail saying the object "changed while
+loading". Loads run in a worker process, one JSON line each; a watchdog counts a load that does not
 end within `--deadline` as a hang and a worker that dies as a crash.
 
 Shared loads are streams from the same server, and of the same changing file, each drained by two
@@ -16,9 +19,10 @@ threads at once: each tensor must reach exactly one of them, and a load that fai
 both (a plain end for one of them counts as an unclear error).
 
 Each load ends as one of:
-- equal: every tensor bitwise equal to the reference (safetensors' own reader);
+- equal: every tensor bitwise equal to the reference (safetensors' own reader; for swap loads,
+  to one of the two versions, all tensors the same one);
 - clear error: a fastload exception naming the URL or file, in words (no bare "os error N"),
-  within `--deadline`;
+  within `--deadline` (for swap loads: a StorageError saying "changed while loading");
 - wrong data, unclear error, hang, crash: each must be zero.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import subprocess
 import sys
@@ -55,7 +60,8 @@ from safetensors.torch import load_file
 kind, target, reference = sys.argv[1:4]
 count, seed = int(sys.argv[4]), int(sys.argv[5])
 options = json.loads(sys.argv[6])
-want = load_file(reference)
+versions = [load_file(r) for r in reference.split(os.pathsep)]
+want = versions[0]
 flat = lambda t: t.reshape(-1).view(torch.uint8)
 lock = threading.Lock()  # held while a local file is changed; verification takes it too
 stop = False
@@ -83,10 +89,15 @@ if kind in ("local", "shared_local"):
     threading.Thread(target=mutate, daemon=True).start()
 
 def is_clear(e):
-    # Clear: ours, naming the URL or file, and saying what happened in words (not errno text).
+    # Clear: ours, naming the URL or file, and saying what happened in words (not errno text);
+    # for an object overwritten midway, a StorageError that says it "changed while loading".
     text = str(e)
-    return (isinstance(e, fastload.FastloadError) and os.path.basename(target) in text
-            and "os error" not in text)
+    clear = (isinstance(e, fastload.FastloadError) and os.path.basename(target) in text
+             and "os error" not in text)
+    if kind == "swap":
+        clear = (clear and isinstance(e, fastload.StorageError)
+                 and "changed while loading" in text)
+    return clear
 
 def shared(method, kw):
     # Two threads drain one stream (several segments: memory_limit 1 MiB); each tensor must come
@@ -132,7 +143,7 @@ for i in range(count):
     method = ("mmap", "read")[i % 2] if kind in ("local", "shared_local") else "auto"
     start = time.monotonic()
     try:
-        kw = {"storage_options": options} if kind in ("remote", "shared") else {}
+        kw = {"storage_options": options} if kind in ("remote", "shared", "swap") else {}
         if kind.startswith("shared"):
             out = shared(method, kw)
             out.update(i=i, took=round(time.monotonic() - start, 3), method=method)
@@ -141,9 +152,9 @@ for i in range(count):
         got = fastload.load(target, method=method, block_size="256KiB", **kw)
         took = time.monotonic() - start
         with lock:
-            same = sorted(got) == sorted(want) and all(
+            same = any(sorted(got) == sorted(want) and all(
                 got[n].dtype == want[n].dtype and got[n].shape == want[n].shape
-                and torch.equal(flat(got[n]), flat(want[n])) for n in want)
+                and torch.equal(flat(got[n]), flat(want[n])) for n in want) for want in versions)
         del got
         out = {"outcome": "equal" if same else "wrong"}
     except Exception as e:
@@ -156,11 +167,11 @@ stop = True
 """
 
 
-def write_checkpoint(path: Path, layers: int = 4, width: int = 512) -> Path:
+def write_checkpoint(path: Path, layers: int = 4, width: int = 512, seed: int = 7) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     tensors = {
         f"layer.{i}.{k}": torch.randn(shape, generator=g).to(dtype)
         for i in range(layers)
@@ -174,7 +185,9 @@ def write_checkpoint(path: Path, layers: int = 4, width: int = 512) -> Path:
     return path
 
 
-def run_worker(kind: str, target: str, reference: Path, count: int, seed: int, deadline: float):
+def run_worker(
+    kind: str, target: str, reference: Path | str, count: int, seed: int, deadline: float
+):
     """Runs `count` loads in worker processes; yields one record per load, restarting the worker
     after a hang or a crash."""
     done = 0
@@ -212,7 +225,30 @@ def run_worker(kind: str, target: str, reference: Path, count: int, seed: int, d
             proc.wait(timeout=30)
 
 
-def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline: float) -> dict:
+def swapper(server, path: str, versions: list[bytes], seed: int, stop) -> list[int]:
+    """Overwrites `path` on `server` with the other version every 5 to 50 ms until `stop` is
+    set; the returned list counts the swaps as they happen."""
+    import random
+    import threading
+
+    swaps = [0]
+
+    def run() -> None:
+        rng = random.Random(seed)
+        while not stop.wait(rng.uniform(0.005, 0.05)):
+            swaps[0] += 1
+            with server.behaviour.lock:  # the ETag and the bytes change together
+                server.put({path: versions[swaps[0] % 2]})
+
+    threading.Thread(target=run, daemon=True).start()
+    return swaps
+
+
+def soak(
+    remote: int, local: int, shared: int, swap: int, chaos: float, seed: int, deadline: float
+) -> dict:
+    import threading
+
     from http_server import Behaviour, start_server
 
     work = Path(tempfile.mkdtemp(prefix="fastload-soak-"))
@@ -223,6 +259,14 @@ def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline
     target.write_bytes(local_reference.read_bytes())
     behaviour = Behaviour(chaos=chaos, seed=seed)
     server = start_server({"/model.safetensors": reference.read_bytes()}, behaviour)
+    # The same checkpoint with other values: same size, same header.
+    other = write_checkpoint(work / "other.safetensors", seed=8)
+    assert other.stat().st_size == reference.stat().st_size
+    versions = [reference.read_bytes(), other.read_bytes()]
+    swapping = start_server({"/swapped.safetensors": versions[0]})
+    stop = threading.Event()
+    swaps = swapper(swapping, "/swapped.safetensors", versions, seed, stop)
+    both = f"{reference}{os.pathsep}{other}"
     records = []
     try:
         runs = [
@@ -230,6 +274,7 @@ def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline
             ("local", str(target), local_reference, local),
             ("shared", server.url("model.safetensors"), reference, shared),
             ("shared_local", str(target), local_reference, shared),
+            ("swap", swapping.url("swapped.safetensors"), both, swap),
         ]
         for kind, where, ref, count in runs:
             started = time.monotonic()
@@ -240,9 +285,11 @@ def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline
                 records.append(rec)
             print(f"{kind}: {count} loads in {time.monotonic() - started:.0f} s", file=sys.stderr)
     finally:
+        stop.set()
         server.close()
+        swapping.close()
     summary: dict = {}
-    for kind in ("remote", "local", "shared", "shared_local"):
+    for kind in ("remote", "local", "shared", "shared_local", "swap"):
         mine = [r for r in records if r["kind"] == kind]
         counts: dict[str, int] = {}
         for r in mine:
@@ -255,6 +302,8 @@ def soak(remote: int, local: int, shared: int, chaos: float, seed: int, deadline
             "median_s": took[len(took) // 2] if took else None,
         }
     summary["faults_injected"] = dict(behaviour.faults)
+    summary["swaps"] = swaps[0]
+    summary["swap_refused_if_match"] = swapping.behaviour.refused_if_match
     summary["bad"] = [r for r in records if r["outcome"] not in ("equal", "clear error")]
     summary["errors_seen"] = sorted(
         {r.get("message", "")[:160] for r in records if r["outcome"] == "clear error"}
@@ -272,12 +321,15 @@ def main() -> int:
         default=100,
         help="streams drained by two threads, from the server and of the changing file (each)",
     )
+    ap.add_argument("--swap", type=int, default=100, help="loads of an object overwritten midway")
     ap.add_argument("--chaos", type=float, default=0.3, help="share of GETs that misbehave")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--deadline", type=float, default=30.0, help="seconds a load may take")
     ap.add_argument("--json", type=Path, help="write the summary here")
     args = ap.parse_args()
-    summary = soak(args.remote, args.local, args.shared, args.chaos, args.seed, args.deadline)
+    summary = soak(
+        args.remote, args.local, args.shared, args.swap, args.chaos, args.seed, args.deadline
+    )
     text = json.dumps(summary, indent=2)
     if args.json:
         args.json.write_text(text)

@@ -7,6 +7,7 @@ import cuda_sim
 import gcs_server
 import helpers
 import http_server
+import hub_server
 import pytest
 import s3_server
 import stores
@@ -107,6 +108,13 @@ def range_server():
 @pytest.fixture(scope="session")
 def store_files(dtypes_file, tiny_file, sharded_dir, multi_block_file):
     return stores.objects(dtypes_file, tiny_file, sharded_dir, multi_block_file)
+
+
+@pytest.fixture(scope="session")
+def hub_store(store_files):
+    hub = hub_server.MockHub()
+    yield stores.filled(stores.Hub(hub.url, hub), store_files)
+    hub.close()
 
 
 @pytest.fixture(scope="session")

@@ -183,17 +183,19 @@ def indexed_files(directory: Path) -> list[Path]:
     return sorted({directory / f for f in index["weight_map"].values()})
 
 
-def write_multi_block(path: Path) -> Path:
-    """About 3 MiB in several dtypes, so that 64 KiB blocks split tensors many times over."""
+def write_multi_block(path: Path, seed: int = 0) -> Path:
+    """About 3 MiB in several dtypes, so that 64 KiB blocks split tensors many times over.
+    Another `seed` gives another version of the same file: the same size and header, other
+    values (an object overwritten with it can only be told apart by its ETag)."""
     tensors = {
-        "embed.weight": pattern((512, 640), torch.float32, seed=1),
-        "layer.0.q": pattern((640, 640), torch.bfloat16, seed=2),
-        "layer.0.k": pattern((333, 641), torch.float16, seed=3),
-        "layer.0.norm": pattern((641,), torch.float32, seed=4),
-        "layer.0.ids": pattern((70_001,), torch.int64, seed=5),
-        "layer.0.mask": pattern((99_999,), torch.bool, seed=6),
-        "scalar": pattern((), torch.float64, seed=7),
-        "empty": pattern((0, 4), torch.float32, seed=8),
+        "embed.weight": pattern((512, 640), torch.float32, seed=seed + 1),
+        "layer.0.q": pattern((640, 640), torch.bfloat16, seed=seed + 2),
+        "layer.0.k": pattern((333, 641), torch.float16, seed=seed + 3),
+        "layer.0.norm": pattern((641,), torch.float32, seed=seed + 4),
+        "layer.0.ids": pattern((70_001,), torch.int64, seed=seed + 5),
+        "layer.0.mask": pattern((99_999,), torch.bool, seed=seed + 6),
+        "scalar": pattern((), torch.float64, seed=seed + 7),
+        "empty": pattern((0, 4), torch.float32, seed=seed + 8),
     }
     save_file(tensors, str(path), metadata={"format": "pt"})
     return path

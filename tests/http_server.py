@@ -2,10 +2,12 @@
 
 `RangeServer` is `http.server` based and serves files from memory: 206 Partial Content with
 Content-Range, HEAD with Content-Length, 416 for ranges past the end, ETag and Last-Modified, and
-no listing (PROPFIND gets 501, as `http.server` answers, or 405, as nginx does). A `Behaviour`
-makes it misbehave the way some servers do: ignore Range (200 with the whole body, as some static
-servers and CDNs do), answer the first requests with an error status, forbid everything, or send
-bodies at a trickle.
+no listing (PROPFIND gets 501, as `http.server` answers, or 405, as nginx does). `If-Match` is
+honoured as real servers do (412 Precondition Failed when no tag matches the current ETag,
+strongly compared). A `Behaviour` makes it misbehave the way some servers do: ignore Range (200
+with the whole body, as some static servers and CDNs do), answer the first requests with an error
+status, forbid everything, send bodies at a trickle, or have an object overwritten after a number
+of GETs of it (optionally ignoring `If-Match`, as some servers do).
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ class Behaviour:
     chaos: float = 0.0
     seed: int = 0
     faults: dict = field(default_factory=dict)  # fault name -> times injected
+    # An overwrite during a load: after `swap_after` GETs of `swap_path`, it holds `swap_data`
+    # (and its ETag changes with it). `ignore_if_match`: serve whatever If-Match says.
+    swap_path: str | None = None
+    swap_data: bytes = b""
+    swap_after: int = 0
+    ignore_if_match: bool = False
+    gets: int = 0  # GETs of swap_path so far
+    refused_if_match: int = 0  # 412s answered
     rng: random.Random | None = None
     failed: int = 0
     log: list = field(default_factory=list)  # (method, path, Range header, status)
@@ -98,7 +108,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         if send_body:
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # a client that gave up (a 412)
+                self.close_connection = True
 
     def _serve(self, send_body: bool) -> None:
         b: Behaviour = self.server.behaviour
@@ -126,7 +139,18 @@ class _Handler(BaseHTTPRequestHandler):
             b.log.append((self.command, path, rng, status))
             self._reply(status, f"{status} for {path}\n".encode(), send_body)
             return
-        data = files[path]
+        with b.lock:
+            if self.command == "GET" and path == b.swap_path:
+                b.gets += 1
+                if b.gets == b.swap_after + 1:
+                    self.server.put({path: b.swap_data})
+            data, etag = files[path], self.server.etags[path]
+        if not b.ignore_if_match and not _if_match(self.headers.get("If-Match"), etag):
+            with b.lock:
+                b.refused_if_match += 1
+            b.log.append((self.command, path, rng, 412))
+            self._reply(412, b"precondition failed\n", send_body)
+            return
         size = len(data)
         start, end = 0, size
         got = None if (rng is None or b.ignore_range) else parse_range(rng, size)
@@ -142,7 +166,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Length", str(end - start))
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("ETag", self.server.etags[path])
+        self.send_header("ETag", etag)
         self.send_header("Last-Modified", self.server.modified)
         if not b.ignore_range:
             self.send_header("Accept-Ranges", "bytes")
@@ -158,8 +182,12 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None:
             self._misbehave(fault, view[start:end])
             return
-        for at in range(start, end, 1 << 20):
-            self.wfile.write(view[at : min(end, at + (1 << 20))])
+        try:
+            for at in range(start, end, 1 << 20):
+                self.wfile.write(view[at : min(end, at + (1 << 20))])
+        except (BrokenPipeError, ConnectionResetError):
+            # A client that stopped reading: one that saw the object change, above all.
+            self.close_connection = True
 
     def _draw_fault(self, b: Behaviour) -> str | None:
         if not b.chaos:
@@ -203,6 +231,15 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(step / rate)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+
+
+def _if_match(header: str | None, etag: str) -> bool:
+    """Whether `If-Match` lets the request through (RFC 9110 13.1.1: absent, `*`, or one of its
+    tags strongly equal to the current ETag; a weak tag never matches)."""
+    if header is None or header.strip() == "*":
+        return True
+    tags = [t.strip() for t in header.split(",")]
+    return not etag.startswith("W/") and etag in tags
 
 
 class RangeServer(ThreadingHTTPServer):

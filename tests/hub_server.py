@@ -17,6 +17,11 @@ RepoNotFound`; gated repos 401/403 `GatedRepo`; unknown revisions 404 `RevisionN
 files 404 `EntryNotFound`; a renamed repo answers 307 with a relative `Location`. Faults can be
 injected (`fail(kind, status, count, retry_after)`: kind "api", "resolve" or "storage"), and the
 storage server can be rate limited (bytes per second for all its connections together).
+
+Both servers send an `ETag` with their bytes (the storage host its own, an MD5 of the bytes, as
+S3 does; the Hub the git blob id) and honour `If-Match` (412 when it does not match). `swap(key,
+data, after)` has the bytes behind a key (a blob's sha256 on the storage host, a file's path on
+the Hub) overwritten after `after` GETs of it: a file that changes under the same URL mid-load.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class _Server(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", port), handler)
         self.log: list[tuple[str, str, dict]] = []  # (method, path, lower-case headers)
         self.faults: list[tuple[str, int, str | None]] = []  # (kind, status, retry_after)
+        self.swaps: dict[str, list] = {}  # key -> [GETs left before the swap, new bytes]
+        self.refused_if_match = 0
         self.lock = threading.Lock()
         self._thread = threading.Thread(
             target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -77,6 +84,22 @@ class _Server(ThreadingHTTPServer):
                     del self.faults[i]
                     return status, retry_after
         return None
+
+    def swap(self, key: str, data: bytes, after: int) -> None:
+        """The bytes behind `key` are `data` from the GET after the `after`th on."""
+        with self.lock:
+            self.swaps[key] = [after, data]
+
+    def current(self, key: str, data: bytes, get: bool) -> bytes:
+        """`data`, or what replaced it (`get`: this request is one of the GETs counted)."""
+        with self.lock:
+            swap = self.swaps.get(key)
+            if swap is None:
+                return data
+            if swap[0] > 0:
+                swap[0] -= int(get)
+                return data
+            return swap[1]
 
     def close(self) -> None:
         self.shutdown()
@@ -116,6 +139,14 @@ class _Base(BaseHTTPRequestHandler):
 
     def _send_range(self, data: bytes, headers, rate: int = 0) -> None:
         size = len(data)
+        etag = dict(headers).get("ETag", "")
+        if_match = self.headers.get("If-Match")
+        if if_match is not None and if_match.strip() != "*":
+            if etag.startswith("W/") or etag not in [t.strip() for t in if_match.split(",")]:
+                with self.server.lock:
+                    self.server.refused_if_match += 1
+                self._reply(412, b"precondition failed")
+                return
         rng = self.headers.get("Range")
         got = parse_range(rng, size) if rng else None
         if got == "unsatisfiable":
@@ -163,7 +194,9 @@ class _StorageHandler(_Base):
         if data is None:
             self._reply(404, b"no such blob")
             return
-        self._send_range(data, [("ETag", f'"{sha}"')], rate=self.server.rate)
+        data = self.server.current(sha, data, self.command == "GET")
+        etag = f'"{hashlib.md5(data).hexdigest()}"'
+        self._send_range(data, [("ETag", etag)], rate=self.server.rate)
 
 
 class Storage(_Server):
@@ -178,12 +211,13 @@ class Storage(_Server):
         self.rotate_on_next_get = False  # bump secret_epoch when the next request arrives
         self._next_send = time.monotonic()
         self._rate_lock = threading.Lock()
+        self.public_url: str | None = None  # the address signed URLs name (a relay), if not ours
         super().__init__(_StorageHandler)
 
     def sign(self, sha: str) -> str:
         expires = str(int(time.time() + self.ttl))
         sig = self._sig(sha, expires)
-        return f"{self.url}/{sha}?Expires={expires}&Signature={sig}"
+        return f"{self.public_url or self.url}/{sha}?Expires={expires}&Signature={sig}"
 
     def _sig(self, sha: str, expires: str) -> str:
         key = SECRET + str(self.secret_epoch).encode()
@@ -335,6 +369,7 @@ class _HubHandler(_Base):
         if data is None:
             self._error(404, "EntryNotFound", f"{path} does not exist at {rev}")
             return
+        data = hub.current(path, data, self.command == "GET")
         if is_lfs(path, data) and path not in hub.plain:
             sha = hashlib.sha256(data).hexdigest()
             hub.storage.blobs[sha] = data
@@ -359,6 +394,7 @@ class MockHub(_Server):
         self.renamed: dict[str, str] = {}  # old repo id -> new
         self.tokens: set[str] = set()  # valid tokens
         self.gated_access: dict[str, set[str]] = {}  # gated repo -> tokens that accepted
+        self.plain: set[str] = set()  # paths kept out of LFS whatever their name or size
         self.storage = Storage(rate)
         self.plain: set[str] = set()  # paths served outside LFS whatever their name
         # The ETag header of files outside LFS ("{oid}": the git blob id); default '"{oid}"'.

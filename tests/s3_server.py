@@ -410,7 +410,8 @@ class Fault:
     - "reset": the same, then reset the connection (RST);
     - "stall": relay the head and `after` body bytes, then send nothing for `seconds` (the
       connection stays open), then close;
-    - "stall_head": send nothing at all for `seconds` (not even the response head), then close.
+    - "stall_head": send nothing at all for `seconds` (not even the response head), then close;
+    - "trickle": relay the head and `after` body bytes, then the rest at `rate` bytes a second.
     """
 
     kind: str
@@ -418,6 +419,7 @@ class Fault:
     status: int = 500
     code: str = "InternalError"
     seconds: float = 30.0
+    rate: int = 20
 
 
 def _ranged_get(method: str, headers: dict[str, str]) -> bool:
@@ -539,6 +541,23 @@ class HttpFaultProxy:
     def _hold(self, seconds: float) -> None:
         self._stop.wait(timeout=max(0.0, seconds))
 
+    def _trickle(self, upstream, conn, pending: bytes, fault: Fault) -> None:
+        """Relays `fault.after` bytes of the body, then the rest at `fault.rate` bytes a second
+        (a twentieth of a second's worth at a time) until the client hangs up or `close()`."""
+        sent, step = 0, max(1, fault.rate // 20)
+        while not self._stop.is_set():
+            if not pending:
+                pending = upstream.recv(1 << 20)
+                if not pending:
+                    return
+            n = len(pending) if sent + len(pending) <= fault.after else max(fault.after - sent, 0)
+            n = n or step
+            conn.sendall(pending[:n])
+            sent += n
+            pending = pending[n:]
+            if sent > fault.after:
+                self._hold(step / fault.rate)
+
     def _serve(self, conn: socket.socket) -> None:
         upstream = None
         try:
@@ -573,6 +592,9 @@ class HttpFaultProxy:
             upstream.sendall(self._with_close(head) + body)
             resp_head, resp_rest = self._read_head(upstream)
             conn.sendall(self._with_close(resp_head))
+            if fault is not None and fault.kind == "trickle":
+                self._trickle(upstream, conn, resp_rest, fault)
+                return
             budget = None if fault is None else fault.after
             sent = 0
             pending = resp_rest

@@ -1,10 +1,12 @@
-"""The four object stores of the conformance suite (test_object_stores.py), behind one interface.
+"""The five remote stores of the conformance suite (test_object_stores.py), behind one interface:
+four object stores and the Hugging Face Hub (hf://, the mock Hub of hub_server.py).
 
 Each `Store` is a server on 127.0.0.1 (servers in s3_server.py, gcs_server.py, azure_server.py,
-http_server.py) holding the same objects under the same keys, plus what fastload needs to reach
-it: the URI of a key or prefix, the environment variables or storage options that configure
-access on their own, and what the store cannot do, with the reason. `at(endpoint)` gives the same
-store seen through another address (a relay, or a closed port).
+http_server.py, hub_server.py) holding the same objects under the same keys, plus what fastload
+needs to reach it: the URI of a key or prefix, the environment variables or storage options that
+configure access on their own, and what the store cannot do, with the reason. `at(endpoint)` gives
+the same store seen through another address (a relay, or a closed port); `data_via(endpoint)` has
+the bytes of objects go through a relay (the Hub's come from its storage host, not the Hub).
 
 Credentials are always explicit, and `isolate()` removes every cloud setting of the caller and
 points the cloud metadata services at a closed local port, so that nothing leaves 127.0.0.1.
@@ -13,6 +15,7 @@ points the cloud metadata services at a closed local port, so that nothing leave
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +27,7 @@ from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer
 from gcs_server import BUCKET as GCS_BUCKET
 from gcs_server import FakeGcs
 from http_server import RangeServer
+from hub_server import MockHub
 from s3_server import BUCKET as S3_BUCKET
 from s3_server import PUBLIC_BUCKET, SECRET_KEY, Server, closed_port
 
@@ -82,6 +86,20 @@ class Store:
     def at(self, endpoint: str) -> Store:
         """The same store, reached at another address."""
         return dataclasses.replace(self, endpoint=endpoint)
+
+    def names(self, uri: str, message: str) -> bool:
+        """Whether an error message names the object or prefix `uri` loaded."""
+        return uri in message
+
+    def data_port(self) -> int:
+        """The port of the server that sends objects' bytes."""
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    @contextlib.contextmanager
+    def data_via(self, endpoint: str):
+        """The same store, with objects' bytes read through `endpoint` (a relay to
+        `data_port()`)."""
+        yield self.at(endpoint)
 
     def refused(self) -> Store:
         """The same store at a port where nothing listens."""
@@ -264,11 +282,64 @@ class Http(Store):
         self.server.put(files)
 
 
+HUB_REPO = "org/models"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hub(Store):
+    """The Hugging Face Hub (hub_server.py's MockHub): a repo is the bucket, its files the
+    objects; `*.safetensors` files are in LFS, so their bytes come from the storage host."""
+
+    server: MockHub
+
+    no_buckets = "a Hub repo is not a bucket: a missing repo is test_hub.py's (401 RepoNotFound)"
+    no_env_settings = (
+        "HF_ENDPOINT is the Hub's only address setting, and storage_options' endpoint overrides "
+        "it (test_hub.py); nothing else to spoil"
+    )
+
+    def uri(self, key: str) -> str:
+        return f"hf://{HUB_REPO}/{key}"
+
+    def env(self) -> dict[str, str]:
+        return {"HF_ENDPOINT": self.endpoint}
+
+    def options(self) -> dict[str, str]:
+        return {"endpoint": self.endpoint}
+
+    def public(self) -> tuple[str, dict[str, str] | None]:
+        # The repo is public: no token is sent or needed.
+        return self.uri(PUBLIC_KEY), self.options()
+
+    def names(self, uri: str, message: str) -> bool:
+        # Files are named at the commit the revision resolved to (hf://org/name@<commit>/path),
+        # and a failure before one is known names the repo at the revision asked for.
+        path = uri.removeprefix(f"hf://{HUB_REPO}/").rstrip("/")
+        return f"hf://{HUB_REPO}@" in message and (path in message or "@main" in message)
+
+    def data_port(self) -> int:
+        return self.server.storage.server_address[1]
+
+    @contextlib.contextmanager
+    def data_via(self, endpoint: str):
+        # The Hub hands out storage URLs on the relay's address; the Hub itself stays direct.
+        self.server.storage.public_url = endpoint
+        try:
+            yield self
+        finally:
+            self.server.storage.public_url = None
+
+    def put(self, files: dict[str, Path | bytes]) -> None:
+        tree = {k: v if isinstance(v, bytes) else Path(v).read_bytes() for k, v in files.items()}
+        tree[PUBLIC_KEY] = tree["all.safetensors"]
+        self.server.add(HUB_REPO, tree)
+
+
 def isolate(monkeypatch, home: Path) -> None:
     """No cloud settings of the caller's, no credentials in HOME, and every metadata service
     (EC2, GCE, Azure managed identity) at a closed local port, should anything ask it."""
     for var in list(os.environ):
-        if var.startswith(("AWS_", "GOOGLE_", "GCE_", "AZURE_", "AZURITE_")) or var in (
+        if var.startswith(("AWS_", "GOOGLE_", "GCE_", "AZURE_", "AZURITE_", "HF_")) or var in (
             "STORAGE_EMULATOR_HOST",
             "SERVICE_ACCOUNT",
             "NO_GCE_CHECK",
@@ -277,6 +348,7 @@ def isolate(monkeypatch, home: Path) -> None:
         ):
             monkeypatch.delenv(var)
     monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HF_HOME", str(home / "hf_home"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)

@@ -248,6 +248,74 @@ def test_stall_rule_options_are_checked(http_server, key, value):
 
 
 # ---------------------------------------------------------------------------------------------
+# One version per load: every ranged GET carries If-Match with the ETag seen first, so an object
+# overwritten midway is a clear error, never tensors that mix two versions
+
+
+@pytest.fixture
+def new_version(tmp_path, multi_block_file):
+    """big.safetensors as someone overwrites it: the same size and header, other values."""
+    path = helpers.write_multi_block(tmp_path / "new.safetensors", seed=100)
+    assert path.stat().st_size == multi_block_file.stat().st_size
+    assert path.read_bytes() != multi_block_file.read_bytes()
+    return path
+
+
+@pytest.mark.parametrize("ignore_if_match", [False, True], ids=["412", "ignores-if-match"])
+def test_an_object_overwritten_while_loading_is_an_error_not_torn(
+    make_server, new_version, ignore_if_match
+):
+    server = make_server(
+        swap_path="/big.safetensors",
+        swap_data=new_version.read_bytes(),
+        swap_after=3,
+        ignore_if_match=ignore_if_match,
+    )
+    url = server.url("big.safetensors")
+    load = lambda: fastload.load(url, block_size="64KiB")  # noqa: E731
+    err = timed_error(fastload.StorageError, load)
+    assert "changed while loading" in str(err) and url in str(err), err
+    # A server that honours If-Match refuses the stale version; one that ignores it is caught by
+    # the ETag of its answer.
+    assert (server.behaviour.refused_if_match > 0) == (not ignore_if_match)
+    # The object holds one version again: a new load reads it whole.
+    assert_same_tensors(fastload.load(url, block_size="64KiB"), reference(new_version))
+
+
+def test_a_stream_over_an_overwritten_object_ends_in_the_error(
+    make_server, new_version, multi_block_file
+):
+    server = make_server(
+        swap_path="/big.safetensors", swap_data=new_version.read_bytes(), swap_after=4
+    )
+    old = reference(multi_block_file)
+    with pytest.raises(fastload.StorageError, match="changed while loading"):
+        for name, tensor in fastload.stream(
+            server.url("big.safetensors"), block_size="64KiB", memory_limit="1MiB"
+        ):
+            # What was handed out before the error is of the first version, whole.
+            helpers.assert_same_tensor(tensor, old[name], name)
+
+
+def test_a_torn_load_publishes_nothing_in_the_cache(make_server, new_version, tmp_path):
+    server = make_server(
+        swap_path="/big.safetensors", swap_data=new_version.read_bytes(), swap_after=3
+    )
+    url, cache = server.url("big.safetensors"), tmp_path / "cache"
+    load = lambda: fastload.load(url, block_size="64KiB", cache=cache)  # noqa: E731
+    timed_error(fastload.StorageError, load)
+    fastload.cache_stats()  # waits for copies being published
+    assert sorted((cache / "objects").glob("*.safetensors")) == []
+    assert sorted((cache / "objects").glob("*.fastload-partial")) == []
+    # The next load fills the copy with the new version, and the one after reads that copy.
+    want = reference(new_version)
+    assert_same_tensors(load(), want)
+    gets = server.behaviour.gets
+    assert_same_tensors(load(), want)
+    assert server.behaviour.gets == gets, "the second load read the published copy"
+
+
+# ---------------------------------------------------------------------------------------------
 # https with a certificate from a throwaway CA
 
 

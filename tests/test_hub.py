@@ -12,7 +12,13 @@ from pathlib import Path
 import fastload
 import huggingface_hub
 import pytest
-from helpers import assert_same_tensors, indexed_files, reference, write_all_dtypes
+from helpers import (
+    assert_same_tensors,
+    indexed_files,
+    reference,
+    write_all_dtypes,
+    write_multi_block,
+)
 from hub_server import MockHub
 
 REPO = "org/model"
@@ -214,6 +220,49 @@ def test_a_refused_location_is_resolved_again(hub, env, sharded_dir):
     assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
     files = 1 + len(indexed_files(sharded_dir))  # the index and the shards, resolved at open
     assert resolves() - before > files
+
+
+@pytest.fixture
+def swapping_hub(env, multi_block_file, tmp_path):
+    """A Hub of its own holding big.safetensors, in LFS or (`plain`) served by the Hub itself,
+    and the version someone overwrites it with: the same size and header, other values."""
+    own = MockHub()
+    own.plain.add("plain/big.safetensors")
+    data = multi_block_file.read_bytes()
+    own.add(REPO, {"big.safetensors": data, "plain/big.safetensors": data})
+    env.setenv("HF_ENDPOINT", own.url)
+    new = write_multi_block(tmp_path / "new.safetensors", seed=100)
+    yield own, new
+    own.close()
+
+
+@pytest.mark.parametrize("lfs", [True, False], ids=["lfs", "plain"])
+def test_a_file_overwritten_while_loading_is_an_error_not_torn(swapping_hub, env, tmp_path, lfs):
+    """The storage host's ETag seen first pins every later GET (If-Match); a file whose bytes
+    change under the same URL midway is a clear error. With cache=, nothing torn is published:
+    the next load reads the new bytes whole."""
+    hub, new = swapping_hub
+    path = "big.safetensors" if lfs else "plain/big.safetensors"
+    old_bytes = hub.repos[REPO].commits[next(iter(hub.repos[REPO].commits))][path]
+    if lfs:
+        hub.storage.swap(hashlib.sha256(old_bytes).hexdigest(), new.read_bytes(), after=3)
+    else:
+        hub.swap(path, new.read_bytes(), after=3)
+    env.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    uri = f"hf://{REPO}/{path}"
+    with pytest.raises(fastload.StorageError, match="changed while loading") as info:
+        fastload.load(uri, block_size="64KiB", cache=True)
+    assert REPO in str(info.value)
+    server = hub.storage if lfs else hub
+    assert server.refused_if_match > 0
+    fastload.cache_stats()  # waits for copies being published
+    blobs = list((tmp_path / "hf_cache").rglob("blobs/*"))
+    assert [b for b in blobs if not b.name.endswith(".incomplete")] == []
+    if not lfs:
+        # The Hub says the new bytes' blob id from now on: the next load reads them whole.
+        want = reference(new)
+        assert_same_tensors(fastload.load(uri, block_size="64KiB", cache=True), want)
+        assert_same_tensors(fastload.load(uri, cache=True), want)
 
 
 def test_offline_reads_the_hf_cache(hub, env, tmp_path, sharded_dir):

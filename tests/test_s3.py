@@ -139,6 +139,63 @@ def test_slowdowns_and_cut_bodies_are_retried(bucket, aws_env, monkeypatch, shar
 
 
 # ---------------------------------------------------------------------------------------------
+# One version per load: an object overwritten midway is a clear error, never torn tensors
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "cache"])
+def test_an_object_overwritten_while_streaming_is_an_error_not_torn(
+    bucket, aws_env, multi_block_file, tmp_path, cached
+):
+    aws_env(bucket)
+    new = helpers.write_multi_block(tmp_path / "new.safetensors", seed=100)
+    key = f"swapped-{'cache' if cached else 'plain'}.safetensors"
+    upload(bucket.client(), BUCKET, {key: multi_block_file})
+    uri, cache = f"s3://{BUCKET}/{key}", (tmp_path / "cache" if cached else None)
+    old = reference(multi_block_file)
+    got = {}
+    with pytest.raises(fastload.StorageError) as info:
+        # 64 KiB blocks within 1 MiB: most of the 3 MiB object is still to be read when the first
+        # tensor arrives and the object is overwritten.
+        stream = fastload.stream(uri, block_size="64KiB", memory_limit="1MiB", cache=cache)
+        for name, tensor in stream:
+            if not got:
+                upload(bucket.client(), BUCKET, {key: new})
+            got[name] = tensor
+            helpers.assert_same_tensor(tensor, old[name], name)
+    assert "changed while loading" in str(info.value) and uri in str(info.value), info.value
+    assert len(got) < len(old)
+    # The next load reads the new version whole (a copy of the torn load was not published).
+    want = reference(new)
+    assert_same_tensors(fastload.load(uri, cache=cache), want)
+    if cached:
+        fastload.cache_stats()
+        assert len(list((tmp_path / "cache" / "objects").glob("*.safetensors"))) == 1
+        assert_same_tensors(fastload.load(uri, cache=cache), want)
+
+
+def test_a_versioned_object_overwritten_while_streaming_reads_the_pinned_version(
+    bucket, aws_env, multi_block_file, tmp_path
+):
+    """With versioning on, the first response's version id pins every later GET (versionId=):
+    the load reads the version it started with to its end, whatever was written meanwhile."""
+    aws_env(bucket)
+    client, name = bucket.client(), "versioned-models"
+    client.create_bucket(Bucket=name)
+    client.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+    new = helpers.write_multi_block(tmp_path / "new.safetensors", seed=100)
+    upload(client, name, {"big.safetensors": multi_block_file})
+    uri, old = f"s3://{name}/big.safetensors", reference(multi_block_file)
+    got = {}
+    for name_, tensor in fastload.stream(uri, block_size="64KiB", memory_limit="1MiB"):
+        if not got:
+            upload(client, name, {"big.safetensors": new})
+        got[name_] = tensor
+    assert_same_tensors(got, old)
+    # The object is the new version now.
+    assert_same_tensors(fastload.load(uri), reference(new))
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors: the right exception, naming the URI, within a bounded time, without secrets
 
 

@@ -18,13 +18,22 @@ REPO = Path(__file__).resolve().parent.parent
 def test_soak_has_no_hangs_crashes_or_wrong_data(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(REPO / "benches" / "soak.py"), "--remote", "40", "--local", "40"]
-    cmd += ["--shared", "20"]
+    cmd += ["--shared", "20", "--swap", "40"]
     proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=480)
     summary = json.loads(out.read_text())
     assert summary["bad"] == [], summary["bad"]
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for kind, loads in (("remote", 40), ("local", 40), ("shared", 20), ("shared_local", 20)):
+    for kind, loads in (
+        ("remote", 40),
+        ("local", 40),
+        ("shared", 20),
+        ("shared_local", 20),
+        ("swap", 40),
+    ):
         assert summary[kind]["loads"] == loads, summary
         assert summary[kind]["outcomes"].get("equal", 0) > 0, summary
     # Every kind of fault was injected at least once, and the loads still came back right.
     assert set(summary["faults_injected"]) == {"503", "reset", "truncate", "stall", "trickle"}
+    # The object was overwritten under the swap loads: each came back one version whole, or
+    # failed saying it changed (a clear error), never a mix.
+    assert summary["swaps"] > 0, summary

@@ -166,7 +166,12 @@ impl Source for FillingSource {
 
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            self.inner.read_into(offset, dst).await?;
+            if let Err(e) = self.inner.read_into(offset, dst).await {
+                // A block that failed (an object that changed while loading above all: its
+                // other blocks may be of either version) abandons the copy: nothing published.
+                self.give_up();
+                return Err(e);
+            }
             // The write blocks this thread for a few ms per 8 MiB block (fresh page-cache
             // pages): the worker's other tasks (reads waiting on the network) move to another
             // thread meanwhile. benches/cache_bench.py on a busy 2-core VM: a filling load took

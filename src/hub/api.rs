@@ -5,7 +5,7 @@
 
 use std::io;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::header::{HeaderMap, AUTHORIZATION, LOCATION, RETRY_AFTER};
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
@@ -14,7 +14,9 @@ use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::bounded::{Capped, Whole};
 use crate::error::{Error, Result};
+pub use crate::object::io_error;
 use crate::object::RetrySettings;
+use crate::source::remote::{self, Attempt};
 
 /// Redirects to follow within the Hub (a renamed repo answers 307 with a relative location).
 const MAX_HUB_REDIRECTS: usize = 5;
@@ -45,6 +47,9 @@ pub struct FileMeta {
     pub lfs: bool,
     /// Whether the ETag was weak (`W/"..."`, from a proxy or mirror): no identity of the bytes.
     pub weak: bool,
+    /// The `ETag` header as sent (quotes, `W/`): what a GET of a file the Hub serves itself
+    /// answers, and the version such a read is pinned to.
+    pub etag_header: Option<String>,
     pub location: Location,
 }
 
@@ -223,30 +228,25 @@ impl Hub {
     /// Sends the request `make` builds, again after a 429 (waiting `Retry-After`), a 5xx or a
     /// connection error, as the retry settings allow. Other answers come back as they are.
     pub async fn send(&self, name: &str, make: impl Fn() -> RequestBuilder) -> Result<Response> {
-        let start = Instant::now();
-        let mut state = self.retry.resume_state();
-        let mut attempt = 0;
-        loop {
-            let outcome = make().send().await;
-            let wait = match &outcome {
-                Ok(r) if !retryable(r.status()) => None,
-                Ok(r) => Some(retry_after(r.headers()).unwrap_or_else(|| state.backoff())),
-                Err(e) if e.is_builder() => None,
-                Err(_) => Some(state.backoff()),
-            };
-            let Some(wait) = wait else {
-                return outcome.map_err(|e| net_error(name, e));
-            };
-            attempt += 1;
-            if attempt > self.retry.max_retries || start.elapsed() + wait > self.retry.retry_timeout
-            {
-                return match outcome {
-                    Ok(r) => Err(status_error(name, r.status(), r.headers(), "after retries")),
-                    Err(e) => Err(net_error(name, e)),
-                };
-            }
-            tokio::time::sleep(wait).await;
-        }
+        let attempt = || async {
+            Ok(match make().send().await {
+                Ok(r) if !retryable(r.status()) => Attempt::Done(r),
+                Ok(r) => Attempt::Again {
+                    wait: retry_after(r.headers()),
+                    last: Ok(r),
+                },
+                Err(e) if e.is_builder() => return Err(net_error(name, e)),
+                Err(e) => Attempt::Again {
+                    wait: None,
+                    last: Err(e),
+                },
+            })
+        };
+        remote::send(&self.retry, attempt, |last| match last {
+            Ok(r) => Err(status_error(name, r.status(), r.headers(), "after retries")),
+            Err(e) => Err(net_error(name, e)),
+        })
+        .await
     }
 
     /// The response when it succeeded; else the error it means, naming the repo and where the
@@ -328,6 +328,7 @@ fn meta(name: &str, headers: &HeaderMap, location: Location) -> Result<FileMeta>
         etag,
         lfs: linked.is_some(),
         weak: raw.is_some_and(|e| e.trim_start().starts_with("W/")),
+        etag_header: header(headers, "etag").map(str::to_string),
         location,
     })
 }
@@ -357,13 +358,6 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
         .parse::<u64>()
         .ok()
         .map(|s| Duration::from_secs(s.min(60)))
-}
-
-pub fn io_error(name: &str, kind: io::ErrorKind, message: impl Into<String>) -> Error {
-    Error::Io {
-        path: name.to_string(),
-        source: io::Error::new(kind, message.into()),
-    }
 }
 
 pub fn status_error(name: &str, status: StatusCode, headers: &HeaderMap, when: &str) -> Error {

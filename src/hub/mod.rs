@@ -187,7 +187,10 @@ impl HubSettings {
                 _ => {
                     return Err(Error::option(
                         "storage_options",
-                        format!("{key:?} is not an hf:// option (valid: endpoint, token)"),
+                        format!(
+                            "{key:?} is not an hf:// option (valid: endpoint, token, \
+                             max_retries, retry_timeout, min_rate, min_rate_window)"
+                        ),
                     ))
                 }
             }

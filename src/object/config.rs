@@ -162,7 +162,7 @@ fn endpoint_source<K: std::str::FromStr + PartialEq>(
 
 /// Pulls our own retry keys out of the options and gives bare-number timeouts a unit; the rest
 /// go to object_store as they are.
-pub(super) fn split_retry_options(
+pub fn split_retry_options(
     options: &[(String, String)],
 ) -> Result<(RetrySettings, Vec<(String, String)>)> {
     let mut retry = RetrySettings::default();

@@ -3,9 +3,10 @@
 //! the shared AWS files in aws_profile.rs and the AWS CLI's credential chain in
 //! aws_credentials.rs; gcs.rs; azure.rs) → keys.rs (client defaults, environment and option-key
 //! helpers), with errors.rs beside them all. Then shard discovery under a prefix
-//! (index file first), and ranged reads streamed straight into a caller's buffer, resuming cut-off
-//! bodies (read.rs) as one [`RetrySettings`] allows (retry.rs; object_store's request retries are
-//! built from the same settings).
+//! (index file first), and ranged reads streamed straight into a caller's buffer (read.rs: each
+//! request of [`crate::source::remote`]'s one resumable read, pinned to one version of the object),
+//! resuming cut-off bodies as one [`RetrySettings`] allows (retry.rs; object_store's request
+//! retries are built from the same settings).
 //!
 //! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
 //! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
@@ -33,10 +34,10 @@ mod tests;
 #[cfg(test)]
 mod tests_cloud;
 
-pub use config::{install_crypto, open, open_with_env};
-pub use errors::{redact_uri, storage_error};
+pub use config::{install_crypto, open, open_with_env, split_retry_options};
+pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_folder, list_safetensors, read_small, resolve, Found};
-pub use read::read_range_into;
+pub use read::{read_pinned, read_range_into};
 pub use retry::{Decision, ResumeState, RetrySettings};
 
 /// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::hub`),

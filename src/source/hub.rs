@@ -1,8 +1,9 @@
 //! Files of a Hugging Face Hub repo (`hf://`) as sources. Opening resolves the revision to a
 //! commit once, picks the files (the index's shards, else the folder's `*.safetensors`), and asks
 //! `resolve/` for each file's size and storage location, concurrently. A read is one ranged GET of
-//! that location (the token only goes to the Hub's own host), resumed when the body breaks off;
-//! the location is resolved again when its signature expires or the storage host refuses it.
+//! that location (the token only goes to the Hub's own host) through [`super::remote`]'s one
+//! resumable read, pinned to the storage host's ETag (`If-Match`); the location is resolved again
+//! when its signature expires or the storage host refuses it.
 //!
 //! With `HF_HUB_OFFLINE` set, nothing is asked of the network: the files come from the Hugging
 //! Face cache (`refs/<revision>` → `snapshots/<commit>/`) as local files.
@@ -13,16 +14,16 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::{StreamExt, TryStreamExt};
-use reqwest::header::{CONTENT_RANGE, RANGE};
+use reqwest::header::{CONTENT_RANGE, ETAG, IF_MATCH, LAST_MODIFIED, RANGE};
 use reqwest::{Method, StatusCode};
 
+use super::remote::{self, io_error, Pin, RangedGet, Response, Version};
 use super::{local, Source, INDEX_FILE};
 use crate::cache::{hub_layout, CacheIdentity, CacheSettings, HubLocation};
 use crate::error::{Error, Result};
-use crate::hub::api::{self, io_error, net_error, FileMeta, Hub};
+use crate::hub::api::{self, net_error, FileMeta, Hub};
 use crate::hub::location::Location;
 use crate::hub::{HubSettings, HubUri};
-use crate::object::{Decision, RetrySettings};
 
 /// `resolve/` requests in flight while opening.
 const META_CONCURRENCY: usize = 16;
@@ -41,6 +42,10 @@ pub struct HubFile {
     etag: Option<String>,
     location: Mutex<Location>,
     identity: CacheIdentity,
+    /// The version every read is pinned to: the storage host's ETag (for a file the Hub serves
+    /// itself, the one `resolve/` sent; else the first response's), for the host in `pin_host`.
+    pin: Pin,
+    pin_host: Mutex<Option<String>>,
 }
 
 impl HubFile {
@@ -55,10 +60,9 @@ impl HubFile {
             .file_meta(&self.name, &self.repo_id, &self.resolve_url)
             .await?;
         if meta.size != self.size || (self.etag.is_some() && meta.etag != self.etag) {
-            return Err(io_error(
+            return Err(remote::changed(
                 &self.name,
-                io::ErrorKind::InvalidData,
-                "the file changed on the Hub while it was being read (size or ETag differs)",
+                "its size or ETag on the Hub differs from when loading began",
             ));
         }
         *self.location.lock().expect("location lock") = meta.location.clone();
@@ -77,30 +81,82 @@ impl HubFile {
                 ),
             ));
         }
-        let mut resume = self.hub.retry.resume_state();
-        let mut done = 0usize;
+        let get = HubGet { file: self };
+        remote::read_range(&get, &self.pin, &self.name, offset, dst, &self.hub.retry).await
+    }
+}
+
+/// The ranged requests of one Hub file: a GET of its storage location, resolved again when its
+/// signature expired or the storage host refuses it, with `If-Match` once the storage host's
+/// ETag is pinned.
+struct HubGet<'f> {
+    file: &'f HubFile,
+}
+
+impl RangedGet for HubGet<'_> {
+    fn get<'a>(
+        &'a self,
+        range: std::ops::Range<u64>,
+        pinned: &'a Version,
+    ) -> BoxFuture<'a, Result<Response>> {
+        Box::pin(self.request(range, pinned))
+    }
+}
+
+impl HubGet<'_> {
+    async fn request(&self, range: std::ops::Range<u64>, pinned: &Version) -> Result<Response> {
+        let file = self.file;
+        let name = file.name.as_str();
+        let (start, end) = (range.start, range.end);
         let mut refresh = false;
         let mut refused = 0;
-        while done < dst.len() {
-            let location = self.location(refresh).await?;
-            refresh = false;
-            let start = offset + done as u64;
-            let range = format!("bytes={start}-{}", end - 1);
-            let response = self
+        loop {
+            let location = file.location(refresh).await?;
+            // The pin is the storage host's ETag: another host (a location resolved again
+            // elsewhere) has its own, and the file's metadata was checked on resolving.
+            let host = location.url.origin().ascii_serialization();
+            let if_match = {
+                let mut pin_host = file.pin_host.lock().expect("pin lock");
+                if pin_host.as_deref() != Some(host.as_str()) {
+                    if pin_host.is_some() {
+                        file.pin.reset();
+                    }
+                    *pin_host = Some(host);
+                    None
+                } else {
+                    pinned.strong_etag().map(str::to_string)
+                }
+            };
+            let range_header = format!("bytes={start}-{}", end - 1);
+            let response = file
                 .hub
-                .send(&self.name, || {
-                    self.hub
+                .send(name, || {
+                    let request = file
+                        .hub
                         .request(Method::GET, &location.url)
-                        .header(RANGE, range.as_str())
+                        .header(RANGE, range_header.as_str());
+                    match &if_match {
+                        Some(etag) => request.header(IF_MATCH, etag.as_str()),
+                        None => request,
+                    }
                 })
                 .await?;
             let status = response.status();
+            if status == StatusCode::PRECONDITION_FAILED {
+                let etag = if_match.unwrap_or_default();
+                return Err(remote::changed(
+                    name,
+                    format!(
+                        "the storage host refused If-Match: {etag} with 412 Precondition Failed"
+                    ),
+                ));
+            }
             if matches!(status.as_u16(), 401 | 403) && !location.same_host {
                 // An expired or revoked signature: resolve again, a few times at most.
                 refused += 1;
                 if refused > MAX_REFUSED {
                     return Err(api::status_error(
-                        &self.name,
+                        name,
                         status,
                         response.headers(),
                         "from the storage host, even with a freshly resolved location",
@@ -109,103 +165,60 @@ impl HubFile {
                 refresh = true;
                 continue;
             }
-            let response = self.hub.check(&self.name, &self.repo_id, response).await?;
-            let whole = status == StatusCode::OK && start == 0 && end == self.size;
-            if status != StatusCode::PARTIAL_CONTENT && !whole {
-                return Err(io_error(
-                    &self.name,
-                    io::ErrorKind::InvalidData,
-                    format!("the storage host answered {status} to a range request"),
-                ));
-            }
-            if status == StatusCode::PARTIAL_CONTENT {
-                check_content_range(&self.name, &response, start, end)?;
-            }
-            refused = 0;
-            let before = done;
-            let cut = match self.copy(response, dst, &mut done, &mut resume).await? {
-                Ok(cut) => cut,
-                Err(Decision::Resume { wait, .. }) => {
-                    tokio::time::sleep(wait).await;
-                    continue;
-                }
-                Err(Decision::GiveUp { reason }) => {
+            let response = file.hub.check(name, &file.repo_id, response).await?;
+            let headers = response.headers();
+            let (served, size) = match status {
+                StatusCode::PARTIAL_CONTENT => content_range(name, headers, start, end)?,
+                StatusCode::OK if start == 0 && end == file.size => (0..file.size, None),
+                _ => {
                     return Err(io_error(
-                        &self.name,
-                        io::ErrorKind::TimedOut,
-                        format!("bytes {offset}..{end} stalled after {done} bytes: {reason}"),
+                        name,
+                        io::ErrorKind::InvalidData,
+                        format!("the storage host answered {status} to a range request"),
                     ))
                 }
             };
-            if done == dst.len() {
-                break;
-            }
-            match resume.after_cut(done > before) {
-                Decision::Resume { wait, .. } => tokio::time::sleep(wait).await,
-                Decision::GiveUp { reason } => {
-                    return Err(cut.unwrap_or_else(|| {
-                        io_error(
-                            &self.name,
-                            io::ErrorKind::UnexpectedEof,
-                            format!("body ended after {done} of {} bytes: {reason}", dst.len()),
-                        )
-                    }))
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Copies a body into `dst[*done..]` until it ends (`Ok`, with the error that cut it, if
-    /// any) or a window of the stall rule comes in below the minimum rate (`Err`: what next).
-    async fn copy(
-        &self,
-        mut response: reqwest::Response,
-        dst: &mut [u8],
-        done: &mut usize,
-        resume: &mut crate::object::ResumeState,
-    ) -> Result<std::result::Result<Option<Error>, Decision>> {
-        loop {
-            let next = tokio::time::timeout_at(resume.window_end().into(), response.chunk()).await;
-            match next {
-                Ok(Ok(None)) => return Ok(Ok(None)),
-                Ok(Err(e)) => return Ok(Ok(Some(net_error(&self.name, e)))),
-                Ok(Ok(Some(chunk))) => {
-                    if chunk.len() > dst.len() - *done {
-                        return Err(io_error(
-                            &self.name,
-                            io::ErrorKind::InvalidData,
-                            "the storage host sent more bytes than asked for",
-                        ));
-                    }
-                    dst[*done..*done + chunk.len()].copy_from_slice(&chunk);
-                    *done += chunk.len();
-                    resume.arrived(chunk.len());
-                }
-                Err(_) if *done == dst.len() => return Ok(Ok(None)),
-                Err(_) => {}
-            }
-            if std::time::Instant::now() >= resume.window_end() {
-                if let Some(decision) = resume.window_passed() {
-                    return Ok(Err(decision));
-                }
-            }
+            let version = Version {
+                etag: api::header(headers, ETAG.as_str()).map(str::to_string),
+                version: None,
+                last_modified: api::header(headers, LAST_MODIFIED.as_str()).map(str::to_string),
+            };
+            let owned = name.to_string();
+            let body = response
+                .bytes_stream()
+                .map_err(move |e| net_error(&owned, e))
+                .boxed();
+            return Ok(Response {
+                range: served,
+                size,
+                version,
+                body,
+            });
         }
     }
 }
 
-fn check_content_range(name: &str, r: &reqwest::Response, start: u64, end: u64) -> Result<()> {
-    let got = api::header(r.headers(), CONTENT_RANGE.as_str()).unwrap_or_default();
-    let expected = format!("bytes {start}-{}/", end - 1);
-    if got.starts_with(&expected) {
-        Ok(())
-    } else {
-        Err(io_error(
+/// The range and object size a 206's `Content-Range` (`bytes a-b/size`) names.
+fn content_range(
+    name: &str,
+    headers: &reqwest::header::HeaderMap,
+    start: u64,
+    end: u64,
+) -> Result<(std::ops::Range<u64>, Option<u64>)> {
+    let got = api::header(headers, CONTENT_RANGE.as_str()).unwrap_or_default();
+    let parsed = got.strip_prefix("bytes ").and_then(|rest| {
+        let (span, size) = rest.split_once('/')?;
+        let (a, b) = span.split_once('-')?;
+        let (a, b) = (a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?);
+        Some((a..b.checked_add(1)?, size.trim().parse::<u64>().ok()))
+    });
+    parsed.ok_or_else(|| {
+        io_error(
             name,
             io::ErrorKind::InvalidData,
             format!("asked for bytes {start}..{end}, got Content-Range {got:?}"),
-        ))
-    }
+        )
+    })
 }
 
 impl Source for HubFile {
@@ -267,11 +280,14 @@ pub fn open(
     cache: &CacheSettings,
 ) -> Result<Vec<Arc<dyn Source>>> {
     let parsed = HubUri::parse(uri)?;
-    let settings = HubSettings::from_env(storage_options)?;
+    // The retry and stall-rule keys of object stores (max_retries, retry_timeout, min_rate,
+    // min_rate_window) drive the Hub's requests and reads too.
+    let (retry, rest) = crate::object::split_retry_options(storage_options)?;
+    let settings = HubSettings::from_env(&rest)?;
     if settings.offline {
         return local::open(&[offline_path(&parsed)?.display().to_string()]);
     }
-    let hub = Hub::new(settings, RetrySettings::default())?;
+    let hub = Hub::new(settings, retry)?;
     crate::runtime::block_on(uri, open_remote(hub, parsed, cache))
 }
 
@@ -295,6 +311,13 @@ async fn open_remote(hub: Hub, uri: HubUri, cache: &CacheSettings) -> Result<Vec
                     "the Hub sent no ETag for this file",
                 )
             })?;
+            // A file the Hub serves itself is pinned to the ETag `resolve/` sent.
+            let same_host = meta.location.same_host;
+            let pin_host = same_host.then(|| meta.location.url.origin().ascii_serialization());
+            let pinned = same_host.then(|| Version {
+                etag: meta.etag_header.clone(),
+                ..Version::default()
+            });
             Ok(Arc::new(HubFile {
                 name,
                 repo_id: uri_ref.repo_id.clone(),
@@ -302,6 +325,8 @@ async fn open_remote(hub: Hub, uri: HubUri, cache: &CacheSettings) -> Result<Vec
                 resolve_url,
                 size: meta.size,
                 etag: meta.etag,
+                pin: Pin::new(Some(meta.size), pinned),
+                pin_host: Mutex::new(pin_host),
                 location: Mutex::new(meta.location),
                 identity,
             }) as Arc<dyn Source>)

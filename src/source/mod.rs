@@ -9,6 +9,9 @@
 //!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`;
 //! - [`hub`]: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
 //!
+//! Both remote kinds read through [`remote`], the one resumable ranged read (resumption, the
+//! stall rule, version pinning, give-up messages); they supply only the request.
+//!
 //! A new kind of source (a hub, a cache that writes remote blocks to disk as they land) is a new
 //! implementation of [`Source`] plus one arm in [`open_all`], which turns URIs into sources.
 
@@ -27,6 +30,7 @@ pub mod fs;
 pub mod hub;
 pub mod local;
 pub mod object;
+pub mod remote;
 
 pub use local::{index_shard_names, INDEX_FILE};
 

@@ -12,6 +12,7 @@ use super::Source;
 use crate::cache::CacheIdentity;
 use crate::error::Result;
 use crate::object::RetrySettings;
+use crate::source::remote::{is_strong, Pin, Version};
 
 /// One object of a store.
 #[derive(Debug)]
@@ -21,8 +22,11 @@ pub struct RemoteObject {
     path: Path,
     size: u64,
     retry: RetrySettings,
-    /// The ETag the listing reported, for the local cache.
+    /// The strong ETag the listing reported: it names the local cache's copy, and every read
+    /// must find it (else the object changed since it was listed).
     etag: Option<String>,
+    /// The version every read is pinned to: that ETag, else the one the first response brings.
+    pin: Pin,
 }
 
 impl RemoteObject {
@@ -42,12 +46,19 @@ impl RemoteObject {
             size,
             retry,
             etag: None,
+            pin: Pin::new(Some(size), None),
         }
     }
 
-    /// The same object, known by `etag` (the local cache keeps its copy while the ETag holds).
+    /// The same object, known by `etag` (the local cache keeps its copy while the ETag holds),
+    /// and every read pinned to it.
     pub fn with_etag(mut self, etag: Option<String>) -> RemoteObject {
-        self.etag = etag;
+        self.etag = etag.filter(|e| is_strong(e));
+        let known = Version {
+            etag: self.etag.clone(),
+            ..Version::default()
+        };
+        self.pin = Pin::new(Some(self.size), Some(known));
         self
     }
 }
@@ -62,13 +73,14 @@ impl Source for RemoteObject {
     }
 
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-        Box::pin(crate::object::read_range_into(
+        Box::pin(crate::object::read_pinned(
             self.store.as_ref(),
             &self.path,
             offset,
             dst,
             &self.name,
             &self.retry,
+            &self.pin,
         ))
     }
 
@@ -78,6 +90,8 @@ impl Source for RemoteObject {
         Some(CacheIdentity {
             uri: uri.to_string(),
             size: self.size,
+            // Only a strong ETag names one content, and only the pinned one names the bytes
+            // every read brings; without one the object is not cached.
             etag: self.etag.clone(),
             sha256: None,
             hub: None,

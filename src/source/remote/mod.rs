@@ -1,0 +1,214 @@
+//! One resumable ranged read, for every remote source (object stores and the Hub): the loop
+//! that fills a caller's buffer from a ranged request, resumes a body cut off midway from its
+//! first missing byte, cuts and resumes a body that goes too slowly (the stall rule of
+//! [`ResumeState`]), refuses a body longer than asked or an object shorter than the range, and
+//! pins every request to one version of the object ([`Pin`]), so that an object changed while
+//! loading is an error that says so, never a mix of two versions.
+//!
+//! A source supplies only [`RangedGet`]: "issue this ranged request, pinned to this version, and
+//! give me what the response says about the object and its body". Requests are retried (429,
+//! 5xx, connection errors) by the supplier (object_store's retries, [`send`] for the Hub); this
+//! loop handles what happens once a body has started.
+
+use std::future::Future;
+use std::io;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use futures_util::stream::{BoxStream, StreamExt};
+
+use crate::error::{Error, Result};
+use crate::object::{Decision, ResumeState, RetrySettings};
+
+mod pin;
+
+pub use crate::object::io_error;
+pub use pin::{changed, is_strong, Pin, Version};
+
+/// What one ranged request answered.
+pub struct Response {
+    /// The bytes of the object the body carries (`start..end` when the server did as asked).
+    pub range: Range<u64>,
+    /// The object's whole size, when the response says it.
+    pub size: Option<u64>,
+    /// What the response says about the object's version.
+    pub version: Version,
+    /// The body, chunk by chunk; an error ends it (a cut).
+    pub body: BoxStream<'static, Result<Bytes>>,
+}
+
+/// Issues ranged requests for one object.
+pub trait RangedGet: Send + Sync {
+    /// Requests bytes `range` of the object, sending `pin`'s version as a precondition
+    /// (`If-Match` with its strong ETag, the store's version id). A precondition that failed
+    /// (412) is [`changed`]; a request that failed for good is its error.
+    fn get<'a>(&'a self, range: Range<u64>, pin: &'a Version) -> BoxFuture<'a, Result<Response>>;
+}
+
+/// Reads `dst.len()` bytes at `offset` of the object `get` requests (`name` in messages), each
+/// request pinned to `pin`, resuming as `retry` allows.
+pub async fn read_range(
+    get: &dyn RangedGet,
+    pin: &Pin,
+    name: &str,
+    offset: u64,
+    dst: &mut [u8],
+    retry: &RetrySettings,
+) -> Result<()> {
+    let len = dst.len();
+    let end = offset
+        .checked_add(len as u64)
+        .ok_or_else(|| Error::option("range", format!("offset {offset} overflows")))?;
+    let mut resume = retry.resume_state();
+    let mut done = 0usize;
+    while done < len {
+        let start = offset + done as u64;
+        let want = pin.current();
+        let response = get.get(start..end, &want).await?;
+        pin.check(name, &response.version, response.size)?;
+        if response.range != (start..end) {
+            let what = match response.size {
+                Some(size) if size < end => format!("object is {size} bytes"),
+                _ => format!("the server sent bytes {:?}", response.range),
+            };
+            return Err(io_error(
+                name,
+                io::ErrorKind::UnexpectedEof,
+                format!("{what}, cannot read bytes {offset}..{end} (did it change while loading?)"),
+            ));
+        }
+        let before = done;
+        let cut = match copy_body(response.body, dst, &mut done, &mut resume, offset, name).await? {
+            Body::Ended(cut) => cut,
+            Body::Slow(Decision::Resume { wait, .. }) => {
+                tokio::time::sleep(wait).await;
+                continue;
+            }
+            Body::Slow(Decision::GiveUp { reason }) => {
+                return Err(io_error(
+                    name,
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "bytes {offset}..{end} stalled after {done} of {len} bytes: {reason} \
+                         (storage_options min_rate and min_rate_window set the rule)"
+                    ),
+                ));
+            }
+        };
+        if done == len {
+            break;
+        }
+        match resume.after_cut(done > before) {
+            Decision::Resume { wait, .. } => tokio::time::sleep(wait).await,
+            Decision::GiveUp { reason } => {
+                return Err(cut.unwrap_or_else(|| {
+                    io_error(
+                        name,
+                        io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "body ended after {done} of {len} bytes at offset {offset}: {reason}"
+                        ),
+                    )
+                }))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How a body ended.
+enum Body {
+    /// It ended, complete or early; with the error that broke it off, if one did.
+    Ended(Option<Error>),
+    /// The stall rule cut it: what to do next.
+    Slow(Decision),
+}
+
+/// Copies `body` into `dst[*done..]`, advancing `done`, until it ends or a window of the stall
+/// rule passes below the minimum rate; a body longer than `dst` is an error.
+async fn copy_body(
+    mut body: BoxStream<'static, Result<Bytes>>,
+    dst: &mut [u8],
+    done: &mut usize,
+    resume: &mut ResumeState,
+    offset: u64,
+    name: &str,
+) -> Result<Body> {
+    loop {
+        let next = tokio::time::timeout_at(resume.window_end().into(), body.next()).await;
+        let chunk = match next {
+            Err(_) if *done == dst.len() => return Ok(Body::Ended(None)),
+            Err(_) => None,
+            Ok(None) => return Ok(Body::Ended(None)),
+            Ok(Some(Err(e))) => return Ok(Body::Ended(Some(e))),
+            Ok(Some(Ok(chunk))) => Some(chunk),
+        };
+        if let Some(chunk) = chunk {
+            if chunk.len() > dst.len() - *done {
+                return Err(io_error(
+                    name,
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "server sent more than the {} bytes asked for at offset {offset}",
+                        dst.len()
+                    ),
+                ));
+            }
+            dst[*done..*done + chunk.len()].copy_from_slice(&chunk);
+            *done += chunk.len();
+            resume.arrived(chunk.len());
+            if *done == dst.len() {
+                // Complete: what is left of the body is its end.
+                continue;
+            }
+        }
+        if Instant::now() >= resume.window_end() {
+            if let Some(decision) = resume.window_passed() {
+                return Ok(Body::Slow(decision));
+            }
+        }
+    }
+}
+
+/// What one attempt of a request came to, for [`send`].
+pub enum Attempt<T, E> {
+    /// Done: an answer to hand back as it is.
+    Done(T),
+    /// Worth asking again (429, 5xx, a connection error): after `wait` when the server said how
+    /// long (`Retry-After`), else after the backoff; `last` is what to report when retries run
+    /// out.
+    Again { wait: Option<Duration>, last: E },
+}
+
+/// The one request-retry loop of requests that object_store does not make (the Hub's API,
+/// `resolve/` and storage requests): `attempt` is made again while it says so, as `retry`'s
+/// `max_retries`, `retry_timeout` and backoff allow; the last failure is `give_up`'s.
+pub async fn send<T, E, F, Fut>(
+    retry: &RetrySettings,
+    mut attempt: F,
+    give_up: impl FnOnce(E) -> Result<T>,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = std::result::Result<Attempt<T, E>, Error>>,
+{
+    let start = Instant::now();
+    let mut state = retry.resume_state();
+    let mut tries = 0;
+    loop {
+        let (wait, last) = match attempt().await? {
+            Attempt::Done(answer) => return Ok(answer),
+            Attempt::Again { wait, last } => (wait.unwrap_or_else(|| state.backoff()), last),
+        };
+        tries += 1;
+        if tries > retry.max_retries || start.elapsed() + wait > retry.retry_timeout {
+            return give_up(last);
+        }
+        tokio::time::sleep(wait).await;
+    }
+}
+
+#[cfg(test)]
+mod tests;
