@@ -29,6 +29,7 @@ from typing import TypedDict, final
 __all__ = [
     "DLPACK_DTYPES",
     "DTYPES",
+    "OPTIONS",
     "SCHEMES",
     "Item",
     "RankPlan",
@@ -63,6 +64,23 @@ DLPACK_DTYPES: tuple[str, ...]
 
 _Size = int | str
 _Cache = bool | str | os.PathLike[str]
+
+class _OptionDef(TypedDict):
+    name: str
+    type: str
+    signature_default: str | None
+    default: str
+    env: str | None
+    help: str
+    takes: tuple[str, ...]
+
+# The load options, in signature order: the one list of them (``OPTIONS`` in src/options.rs).
+# ``type``: the annotation in ``fastload.Options``; ``signature_default``: the default a Python
+# signature shows (None: not given); ``default``, ``help``: README's words; ``env``: the
+# ``FASTLOAD_*`` variable read when not given; ``takes``: ``"native"`` (``Stream``,
+# ``resolve_options``), ``"reader"`` (``Reader``), ``"safe_open"``, ``"extra_config"`` (the vLLM
+# and SGLang loaders' ``model_loader_extra_config``).
+OPTIONS: tuple[_OptionDef, ...]
 
 class _CacheStats(TypedDict):
     hits: int

@@ -99,6 +99,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .map(Dtype::as_str)
         .collect();
     m.add("DLPACK_DTYPES", PyTuple::new(py, dlpack)?)?;
+    m.add("OPTIONS", options::option_table(py)?)?;
     m.add_class::<stream::Stream>()?;
     m.add_class::<item::Item>()?;
     m.add_class::<item::Stats>()?;

@@ -4,15 +4,37 @@
 //! `crate::options`; nothing of them is copied into Python.
 
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
 
 use super::args::{
     BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
     VerifyArg,
 };
-use crate::options::{LoadOptions, Method};
+use crate::options::{LoadOptions, Method, Taker, OPTIONS};
 
-/// The eight native load options (the public API's ninth, `device`, is torch's and stays in
-/// Python), each already converted by its `FromPyObject` newtype.
+/// `_fastload.OPTIONS`: [`crate::options::OPTIONS`], one dict per option (`name`, `type`,
+/// `signature_default`, `default`, `env`, `help`, `takes`: the [`Taker`]s' names), from which
+/// `fastload._options` builds the signatures and the engines' extra-config keys.
+pub(crate) fn option_table(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+    let rows = OPTIONS.iter().map(|o| {
+        let d = PyDict::new(py);
+        d.set_item("name", o.name)?;
+        d.set_item("type", o.python_type)?;
+        d.set_item("signature_default", o.signature_default)?;
+        d.set_item("default", o.default)?;
+        d.set_item("env", o.env)?;
+        d.set_item("help", o.help)?;
+        let takes: Vec<&str> = o.takers.iter().map(|t| Taker::as_str(*t)).collect();
+        d.set_item("takes", PyTuple::new(py, takes)?)?;
+        Ok(d)
+    });
+    PyTuple::new(py, rows.collect::<PyResult<Vec<_>>>()?)
+}
+
+/// The native load options (`Taker::Native` in [`OPTIONS`]; `device` is torch's and stays in
+/// Python), each already converted by its `FromPyObject` newtype. A new one is a parameter here,
+/// in the `#[pyo3(signature)]`s of `resolve_options` and `Stream::new` (and `Reader::new` where
+/// it takes it), and a `LoadOptions` field: `tests/test_options.py` checks each signature.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn load_options(
     concurrency: Option<Concurrency>,
