@@ -586,10 +586,22 @@ mod tests {
                 assert!(OPTIONS[..i].iter().all(|p| p.env != o.env), "{env} twice");
             }
             // What safe_open reads with, it takes; what the engines pass on, the load takes.
-            assert!(!o.takes(Taker::Reader) || o.takes(Taker::SafeOpen), "{}", o.name);
-            assert!(!o.takes(Taker::ExtraConfig) || o.takes(Taker::Native), "{}", o.name);
+            assert!(
+                !o.takes(Taker::Reader) || o.takes(Taker::SafeOpen),
+                "{}",
+                o.name
+            );
+            assert!(
+                !o.takes(Taker::ExtraConfig) || o.takes(Taker::Native),
+                "{}",
+                o.name
+            );
             assert!(!o.help.is_empty() && !o.default.is_empty(), "{}", o.name);
-            assert!(!o.help.contains('|') && !o.default.contains('|'), "{}", o.name);
+            assert!(
+                !o.help.contains('|') && !o.default.contains('|'),
+                "{}",
+                o.name
+            );
         }
     }
 

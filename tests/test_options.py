@@ -177,7 +177,7 @@ explicit = {option: int(good) if option == "concurrency" else good}
 emit(default=attempt(), explicit=attempt(**explicit))
 """
 
-ENV_VARS = {o["name"]: o["env"] for o in fastload._fastload.OPTIONS if o["env"]}
+ENV_VARS = {o.name: o.env for o in fastload._fastload.OPTIONS if o.env}
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +311,7 @@ def test_signatures_spell_out_every_option():
 # must stay written out (for type checkers, stubtest and readers) is checked against it here,
 # and each failure names the file to change. Adding an option: a row in OPTIONS, then these.
 
-TABLE = {o["name"]: o for o in fastload._fastload.OPTIONS}
+TABLE = {o.name: o for o in fastload._fastload.OPTIONS}
 ROOT = Path(__file__).resolve().parent.parent
 # The keyword-only parameters of _fastload.Stream that are not load options.
 STREAM_ONLY = ["parts", "target", "allocate"]
@@ -327,7 +327,7 @@ def _written(typed_dict: type, name: str) -> str:
 
 
 def _taken_by(taker: str) -> list[str]:
-    return [o["name"] for o in fastload._fastload.OPTIONS if taker in o["takes"]]
+    return [o.name for o in fastload._fastload.OPTIONS if taker in o.takes]
 
 
 def _aliases(module: ast.Module) -> dict[str, ast.expr]:
@@ -369,9 +369,7 @@ OPTIONS_ALIASES = _aliases(_parse("python/fastload/_options.py"))
 
 def _keyword_only(fn: ast.FunctionDef) -> dict[str, tuple[ast.expr | None, ast.expr | None]]:
     """A stub function's keyword-only parameters: name -> (annotation, default)."""
-    return {
-        a.arg: (a.annotation, d) for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults)
-    }
+    return {a.arg: (a.annotation, d) for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults)}
 
 
 def test_option_list_in_the_table():
@@ -379,9 +377,9 @@ def test_option_list_in_the_table():
     the Rust sources beside its name (a typo in a row would otherwise only show in docs)."""
     rust = (ROOT / "src/options.rs").read_text()
     for name, o in TABLE.items():
-        assert _members(o["type"], OPTIONS_ALIASES), name
-        if o["env"]:
-            assert f'"{o["env"]}"' in rust, (name, o["env"])
+        assert _members(o.type, OPTIONS_ALIASES), name
+        if o.env:
+            assert f'"{o.env}"' in rust, (name, o.env)
     assert set(TABLE) >= {"device", "concurrency", "block_size", "cache"}, TABLE
 
 
@@ -407,7 +405,7 @@ def test_option_list_typed_dict():
     assert list(hints) == list(TABLE), f"{where}: keys {list(hints)} != OPTIONS {list(TABLE)}"
     for name, o in TABLE.items():
         hint = _written(fastload.Options, name)
-        assert hint == o["type"], f"{where}: {name}: {hint!r} != {o['type']!r}"
+        assert hint == o.type, f"{where}: {name}: {hint!r} != {o.type!r}"
         assert f"``{name}``:" in (fastload.Options.__doc__ or ""), f"{where} docstring: {name}"
 
 
@@ -421,7 +419,7 @@ def test_option_list_safe_open():
     assert list(hints) == _taken_by("safe_open"), f"{where}: {list(hints)}"
     for name in hints:
         hint = _written(SafeOpenOptions, name)
-        assert hint == TABLE[name]["type"], f"{where}: {name}: {hint!r}"
+        assert hint == TABLE[name].type, f"{where}: {name}: {hint!r}"
     assert set(_taken_by("reader")) <= set(hints)
 
 
@@ -429,7 +427,9 @@ def test_safe_open_refuses_options_it_does_not_take(dtypes_file):
     refused = sorted(set(TABLE) - set(_taken_by("safe_open")) - {"device"})
     assert refused == ["names"], refused
     for key in (*refused, "chunk_size"):
-        with pytest.raises(TypeError, match=f"safe_open\\(\\) got an unexpected keyword argument '{key}'"):
+        with pytest.raises(
+            TypeError, match=f"safe_open\\(\\) got an unexpected keyword argument '{key}'"
+        ):
             fastload.safe_open(dtypes_file, **{key: None})
     with fastload.safe_open(dtypes_file, verify=False, cache=False, concurrency=2) as f:
         assert f.keys()
@@ -482,7 +482,7 @@ def test_option_list_stub():
             assert isinstance(default, ast.Constant) and default.value is None, (where, name)
             if name in TABLE:
                 got = _members(annotation, aliases)
-                typed = _members(TABLE[name]["type"], OPTIONS_ALIASES)
+                typed = _members(TABLE[name].type, OPTIONS_ALIASES)
                 assert got == typed, f"{where}: {name}: {sorted(got)} != {sorted(typed)}"
     doc = ast.get_docstring(stub) or ""
     for name in native:
@@ -506,9 +506,9 @@ def test_option_list_readme():
     words (an option's help and default are written in src/options.rs)."""
     rows = _readme_table("| option | meaning | default | environment |")
     for row, o in zip(rows, TABLE.values()):
-        want = [f"`{o['name']}`", o["help"], o["default"], f"`{o['env']}`" if o["env"] else ""]
+        want = [f"`{o.name}`", o.help, o.default, f"`{o.env}`" if o.env else ""]
         line = "| " + " | ".join(want) + " |"
-        assert row == want, f"README.md options table: row for {o['name']} should be\n{line}"
+        assert row == want, f"README.md options table: row for {o.name} should be\n{line}"
     names = [r[0] for r in rows]
     assert names == [f"`{n}`" for n in TABLE], f"README.md options table: rows {names}"
 

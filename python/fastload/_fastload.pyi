@@ -32,6 +32,7 @@ __all__ = [
     "OPTIONS",
     "SCHEMES",
     "Item",
+    "OptionDef",
     "RankPlan",
     "Reader",
     "ResolvedOptions",
@@ -65,22 +66,36 @@ DLPACK_DTYPES: tuple[str, ...]
 _Size = int | str
 _Cache = bool | str | os.PathLike[str]
 
-class _OptionDef(TypedDict):
-    name: str
-    type: str
-    signature_default: str | None
-    default: str
-    env: str | None
-    help: str
-    takes: tuple[str, ...]
+@final
+class OptionDef:
+    """One load option, as ``OPTIONS`` in src/options.rs (the one list of them) defines it."""
 
-# The load options, in signature order: the one list of them (``OPTIONS`` in src/options.rs).
-# ``type``: the annotation in ``fastload.Options``; ``signature_default``: the default a Python
-# signature shows (None: not given); ``default``, ``help``: README's words; ``env``: the
-# ``FASTLOAD_*`` variable read when not given; ``takes``: ``"native"`` (``Stream``,
-# ``resolve_options``), ``"reader"`` (``Reader``), ``"safe_open"``, ``"extra_config"`` (the vLLM
-# and SGLang loaders' ``model_loader_extra_config``).
-OPTIONS: tuple[_OptionDef, ...]
+    @property
+    def name(self) -> str: ...
+    @property
+    def type(self) -> str:
+        """Its annotation in ``fastload.Options``, as written there."""
+    @property
+    def signature_default(self) -> str | None:
+        """The default a Python signature shows; ``None``: not given."""
+    @property
+    def default(self) -> str:
+        """What applies when it is neither given nor set in ``env``, in README's words."""
+    @property
+    def env(self) -> str | None:
+        """The ``FASTLOAD_*`` variable read when it is not given."""
+    @property
+    def help(self) -> str:
+        """What it does, in README's words."""
+    @property
+    def takes(self) -> tuple[str, ...]:
+        """``"native"`` (``Stream``, ``resolve_options``), ``"reader"`` (``Reader``),
+        ``"safe_open"``, ``"extra_config"`` (the vLLM and SGLang loaders'
+        ``model_loader_extra_config``); every option is taken by ``fastload.load``, ``stream``,
+        ``Stream`` and ``fastload.distributed``."""
+
+# The load options, in signature order.
+OPTIONS: tuple[OptionDef, ...]
 
 class _CacheStats(TypedDict):
     hits: int

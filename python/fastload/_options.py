@@ -99,22 +99,20 @@ class Options(TypedDict, total=False):
     verify: bool | None
 
 
-OPTIONS: frozenset[str] = frozenset(o["name"] for o in _fastload.OPTIONS)
+OPTIONS: frozenset[str] = frozenset(o.name for o in _fastload.OPTIONS)
 
 
 def taken_by(taker: str) -> tuple[str, ...]:
     """The options ``taker`` takes, in table order: ``"native"`` (``_fastload.Stream`` and
     ``resolve_options``), ``"reader"`` (``_fastload.Reader``), ``"safe_open"`` or
     ``"extra_config"`` (the vLLM and SGLang loaders' ``model_loader_extra_config``)."""
-    return tuple(o["name"] for o in _fastload.OPTIONS if taker in o["takes"])
+    return tuple(o.name for o in _fastload.OPTIONS if taker in o.takes)
 
 
 _NATIVE = frozenset(taken_by("native"))
 
 
-def check(
-    function: str, options: Mapping[str, Any], allowed: Iterable[str] | None = None
-) -> None:
+def check(function: str, options: Mapping[str, Any], allowed: Iterable[str] | None = None) -> None:
     """Raises the ``TypeError`` a signature with exactly these keywords (``allowed``, default
     every option) would raise."""
     allowed = OPTIONS if allowed is None else frozenset(allowed)
@@ -145,11 +143,11 @@ def spelled_out(function: F) -> F:
     kept = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
     added = [
         inspect.Parameter(
-            o["name"],
+            o.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=o["signature_default"],
+            default=o.signature_default,
             # A string, as the function's own (postponed) annotations are.
-            annotation=o["type"],
+            annotation=o.type,
         )
         for o in _fastload.OPTIONS
     ]

@@ -104,6 +104,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<item::Item>()?;
     m.add_class::<item::Stats>()?;
     m.add_class::<options::ResolvedOptions>()?;
+    m.add_class::<options::PyOptionDef>()?;
     m.add_class::<ranks::RankPlan>()?;
     m.add_class::<reader::Reader>()?;
     m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;

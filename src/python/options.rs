@@ -4,31 +4,63 @@
 //! `crate::options`; nothing of them is copied into Python.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::PyTuple;
 
 use super::args::{
     BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
     VerifyArg,
 };
-use crate::options::{LoadOptions, Method, Taker, OPTIONS};
+use crate::options::{LoadOptions, Method, OptionDef, OPTIONS};
 
-/// `_fastload.OPTIONS`: [`crate::options::OPTIONS`], one dict per option (`name`, `type`,
-/// `signature_default`, `default`, `env`, `help`, `takes`: the [`Taker`]s' names), from which
-/// `fastload._options` builds the signatures and the engines' extra-config keys.
+/// One row of `_fastload.OPTIONS` ([`crate::options::OPTIONS`]), from which `fastload._options`
+/// builds the signatures and the engines' extra-config keys.
+#[pyclass(module = "fastload._fastload", name = "OptionDef", frozen)]
+pub struct PyOptionDef(&'static OptionDef);
+
+#[pymethods]
+impl PyOptionDef {
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.0.name
+    }
+    #[getter]
+    #[pyo3(name = "type")]
+    fn python_type(&self) -> &'static str {
+        self.0.python_type
+    }
+    #[getter]
+    fn signature_default(&self) -> Option<&'static str> {
+        self.0.signature_default
+    }
+    #[getter]
+    fn default(&self) -> &'static str {
+        self.0.default
+    }
+    #[getter]
+    fn env(&self) -> Option<&'static str> {
+        self.0.env
+    }
+    #[getter]
+    fn help(&self) -> &'static str {
+        self.0.help
+    }
+    /// The names of the [`crate::options::Taker`]s that take it.
+    #[getter]
+    fn takes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.0.takers.iter().map(|t| t.as_str()))
+    }
+    fn __repr__(&self) -> String {
+        format!("OptionDef(name={:?})", self.0.name)
+    }
+}
+
+/// `_fastload.OPTIONS`: every row of [`OPTIONS`], in order.
 pub(crate) fn option_table(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
-    let rows = OPTIONS.iter().map(|o| {
-        let d = PyDict::new(py);
-        d.set_item("name", o.name)?;
-        d.set_item("type", o.python_type)?;
-        d.set_item("signature_default", o.signature_default)?;
-        d.set_item("default", o.default)?;
-        d.set_item("env", o.env)?;
-        d.set_item("help", o.help)?;
-        let takes: Vec<&str> = o.takers.iter().map(|t| Taker::as_str(*t)).collect();
-        d.set_item("takes", PyTuple::new(py, takes)?)?;
-        Ok(d)
-    });
-    PyTuple::new(py, rows.collect::<PyResult<Vec<_>>>()?)
+    let rows = OPTIONS
+        .iter()
+        .map(|o| Bound::new(py, PyOptionDef(o)))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, rows)
 }
 
 /// The native load options (`Taker::Native` in [`OPTIONS`]; `device` is torch's and stays in
