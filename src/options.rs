@@ -210,8 +210,8 @@ pub enum Taker {
     Native,
     /// `_fastload.Reader` (`src/python/reader.rs`), the reads of `fastload.safe_open`.
     Reader,
-    /// `fastload.safe_open`'s keywords: the reader's, and those of the load behind a GPU
-    /// `get_tensor`.
+    /// `fastload.safe_open`'s keywords: the reader's, and those of the loads behind a GPU
+    /// `get_tensor` and behind `get_tensors`.
     SafeOpen,
     /// A key of the vLLM and SGLang loaders' `model_loader_extra_config`, passed on to the load.
     ExtraConfig,

@@ -50,7 +50,7 @@ impl PyOptionDef {
         PyTuple::new(py, self.0.takers.iter().map(|t| t.as_str()))
     }
     fn __repr__(&self) -> String {
-        format!("OptionDef(name={:?})", self.0.name)
+        format!("OptionDef(name='{}')", self.0.name)
     }
 }
 
