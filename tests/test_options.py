@@ -476,6 +476,21 @@ def test_option_list_native_signatures():
         assert all(params[n].default is None for n in kw), place
 
 
+def test_option_list_conversion_errors_name_the_option():
+    """A value of no accepted type is refused by the option's converter (src/python/args.rs),
+    naming the option as the table spells it, for every option the native module takes."""
+    from fastload import _fastload
+
+    for name in _taken_by("native"):
+        with pytest.raises(fastload.ConfigError) as info:
+            _fastload.resolve_options(**{name: object()})
+        assert info.value.option == name, f"src/python/args.rs: {name} -> {info.value.option}"
+    for name in _taken_by("reader"):
+        with pytest.raises(fastload.ConfigError) as info:
+            _fastload.Reader(["model.safetensors"], **{name: object()})
+        assert info.value.option == name, f"src/python/args.rs: {name} -> {info.value.option}"
+
+
 def test_option_list_stub():
     """python/fastload/_fastload.pyi: ``Stream.__new__``, ``resolve_options`` and
     ``Reader.__new__`` list the options the table says each takes (stubtest checks the stub
