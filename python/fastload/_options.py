@@ -122,7 +122,8 @@ def check(function: str, options: Mapping[str, Any], allowed: Iterable[str] | No
 
 
 def native(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options the native loader takes (all but ``device``, which torch resolves)."""
+    """The options the native loader takes (``taken_by("native")``: all but ``device``, which
+    torch resolves)."""
     return {k: v for k, v in options.items() if k in _NATIVE}
 
 
