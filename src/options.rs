@@ -201,6 +201,167 @@ pub const ENV_METHOD: &str = "FASTLOAD_METHOD";
 pub const ENV_CACHE: &str = "FASTLOAD_CACHE";
 pub const ENV_VERIFY: &str = "FASTLOAD_VERIFY";
 
+/// A place that takes an option, besides `fastload.load`, `stream`, `Stream` and
+/// `fastload.distributed`'s `load` and `stream`, which take every option.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Taker {
+    /// The native load: a field of [`LoadOptions`], a keyword of `_fastload.Stream` and
+    /// `_fastload.resolve_options` (`src/python/stream.rs`, `src/python/options.rs`).
+    Native,
+    /// `_fastload.Reader` (`src/python/reader.rs`), the reads of `fastload.safe_open`.
+    Reader,
+    /// `fastload.safe_open`'s keywords: the reader's, and those of the loads behind a GPU
+    /// `get_tensor` and behind `get_tensors`.
+    SafeOpen,
+    /// A key of the vLLM and SGLang loaders' `model_loader_extra_config`, passed on to the load.
+    ExtraConfig,
+}
+
+impl Taker {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Taker::Native => "native",
+            Taker::Reader => "reader",
+            Taker::SafeOpen => "safe_open",
+            Taker::ExtraConfig => "extra_config",
+        }
+    }
+}
+
+/// One load option, as every list of the options shows it. [`OPTIONS`] is the only list:
+/// Python's signatures (`help()`, `inspect.signature`) and the engines' extra-config keys are
+/// built from it (`_fastload.OPTIONS`), and `tests/test_options.py` checks the lists that must
+/// stay written out for type checkers and readers against it (the `.pyi`, `fastload.Options`,
+/// README's table, [`LoadOptions`]' fields) and names the place that differs.
+#[derive(Clone, Copy, Debug)]
+pub struct OptionDef {
+    pub name: &'static str,
+    /// Its annotation in `fastload.Options`, as written there.
+    pub python_type: &'static str,
+    /// Its default in a Python signature; `None` means "not given" (then `env`, then `default`).
+    pub signature_default: Option<&'static str>,
+    /// What applies when it is neither given nor set in `env`, in README's words.
+    pub default: &'static str,
+    /// The environment variable read when it is not given.
+    pub env: Option<&'static str>,
+    /// What it does, in README's words (its options table).
+    pub help: &'static str,
+    pub takers: &'static [Taker],
+}
+
+impl OptionDef {
+    pub fn takes(&self, taker: Taker) -> bool {
+        self.takers.contains(&taker)
+    }
+}
+
+use Taker::{ExtraConfig, Native, Reader, SafeOpen};
+
+pub const DEVICE: OptionDef = OptionDef {
+    name: "device",
+    python_type: "Device",
+    signature_default: Some("cpu"),
+    default: r#"`"cpu"`"#,
+    env: None,
+    help: r#"`"cpu"`, `"cuda"`, `"cuda:N"` or a `torch.device`"#,
+    // torch's, resolved in Python.
+    takers: &[],
+};
+pub const CONCURRENCY: OptionDef = OptionDef {
+    name: "concurrency",
+    python_type: "int | None",
+    signature_default: None,
+    default: "16; 64 for object stores",
+    env: Some(ENV_CONCURRENCY),
+    help: "reads in flight",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
+pub const BLOCK_SIZE: OptionDef = OptionDef {
+    name: "block_size",
+    python_type: "Size | None",
+    signature_default: None,
+    default: "8 MiB",
+    env: Some(ENV_BLOCK_SIZE),
+    help: r#"bytes per read: int or `"8MiB"`, `"4MB"`, ..."#,
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
+pub const MEMORY_LIMIT: OptionDef = OptionDef {
+    name: "memory_limit",
+    python_type: "Size | None",
+    signature_default: None,
+    default: "1 GiB",
+    env: Some(ENV_MEMORY_LIMIT),
+    help: "memory the loader may hold at once for tensors it has not handed you yet: host \
+           buffers, and for a GPU load both the page-locked ring and the device memory of \
+           tensors not yet yielded, each within it (tensors you keep are yours)",
+    takers: &[Native, SafeOpen, ExtraConfig],
+};
+pub const NAMES: OptionDef = OptionDef {
+    name: "names",
+    python_type: "Iterable[str] | None",
+    signature_default: None,
+    default: "all",
+    env: None,
+    help: "load only these tensors (an iterable of names, or one name as a str); nothing else \
+           is read",
+    takers: &[Native],
+};
+pub const METHOD: OptionDef = OptionDef {
+    name: "method",
+    python_type: "str | None",
+    signature_default: None,
+    default: "`auto` (`mmap` for local files on a local filesystem, else `read`)",
+    env: Some(ENV_METHOD),
+    help: "local read strategy: `auto`, `mmap` (map the file's pages, no copy), `read` (pread \
+           into pooled, pre-faulted buffers)",
+    takers: &[Native, SafeOpen],
+};
+pub const STORAGE_OPTIONS: OptionDef = OptionDef {
+    name: "storage_options",
+    python_type: "Mapping[str, object] | None",
+    signature_default: None,
+    default: "none (the environment)",
+    env: None,
+    help: "object-store and Hub settings (`endpoint`, `region`, keys, `token`, ...) that \
+           override the environment; values are converted with `str()`; see \"Object storage\" \
+           and \"Hugging Face Hub\"",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
+pub const CACHE: OptionDef = OptionDef {
+    name: "cache",
+    python_type: "bool | str | os.PathLike[str] | None",
+    signature_default: None,
+    default: "off",
+    env: Some(ENV_CACHE),
+    help: "keep a local copy of remote objects, written while they stream: `True` (the default \
+           directory), a directory, or `False`; see \"Local cache\"",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
+pub const VERIFY: OptionDef = OptionDef {
+    name: "verify",
+    python_type: "bool | None",
+    signature_default: None,
+    default: "`False`",
+    env: Some(ENV_VERIFY),
+    help: "`True`: check the sha256 of Hub LFS files wherever their bytes come from (network, \
+           Hugging Face cache, local cache); see \"Checking content\"",
+    takers: &[Native, SafeOpen, ExtraConfig],
+};
+
+/// Every load option, in the order signatures list them. Adding one: a row here, then what
+/// `tests/test_options.py` (`test_option_list_*`) and `cargo test options` name.
+pub const OPTIONS: &[OptionDef] = &[
+    DEVICE,
+    CONCURRENCY,
+    BLOCK_SIZE,
+    MEMORY_LIMIT,
+    NAMES,
+    METHOD,
+    STORAGE_OPTIONS,
+    CACHE,
+    VERIFY,
+];
+
 /// A yes/no environment value: `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no` (or empty).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Flag(pub bool);
@@ -280,21 +441,21 @@ impl LoadOptions {
         // user set, not one for the other.
         let (concurrency, concurrency_from) = chosen(
             self.concurrency,
-            "concurrency",
+            CONCURRENCY.name,
             ENV_CONCURRENCY,
             default_concurrency,
             |c: Count| c.0,
         )?;
         let (block_size, block_size_from) = chosen(
             self.block_size,
-            "block_size",
+            BLOCK_SIZE.name,
             ENV_BLOCK_SIZE,
             DEFAULT_BLOCK_SIZE,
             |s: Size| s.0,
         )?;
         let (memory_limit, memory_limit_from) = chosen(
             self.memory_limit,
-            "memory_limit",
+            MEMORY_LIMIT.name,
             ENV_MEMORY_LIMIT,
             DEFAULT_MEMORY_LIMIT,
             |s: Size| s.0,
@@ -395,6 +556,76 @@ mod tests {
             o.resolve(false),
             Err(Error::InvalidOption { ref option, .. }) if option == "block_size"
         ));
+    }
+
+    /// `LoadOptions` holds the native options of [`OPTIONS`] (and `parts`, which
+    /// `fastload.distributed` sets from its plan and no caller gives).
+    #[test]
+    fn load_options_fields_are_the_native_options() {
+        // Written without `..`: a field added to LoadOptions fails to compile here until it is
+        // listed, and then this test until OPTIONS has its row (and the row its row here).
+        let LoadOptions {
+            concurrency: _,
+            block_size: _,
+            memory_limit: _,
+            names: _,
+            method: _,
+            storage_options: _,
+            cache: _,
+            verify: _,
+            parts: _,
+        } = LoadOptions::default();
+        let fields = [
+            "concurrency",
+            "block_size",
+            "memory_limit",
+            "names",
+            "method",
+            "storage_options",
+            "cache",
+            "verify",
+        ];
+        let native: Vec<&str> = OPTIONS
+            .iter()
+            .filter(|o| o.takes(Taker::Native))
+            .map(|o| o.name)
+            .collect();
+        assert_eq!(
+            native, fields,
+            "src/options.rs: LoadOptions' fields and OPTIONS' rows taken by Taker::Native differ"
+        );
+    }
+
+    #[test]
+    fn option_table_is_consistent() {
+        for (i, o) in OPTIONS.iter().enumerate() {
+            assert!(
+                OPTIONS[..i].iter().all(|p| p.name != o.name),
+                "{} twice in OPTIONS",
+                o.name
+            );
+            if let Some(env) = o.env {
+                assert!(env.starts_with("FASTLOAD_"), "{}: {env}", o.name);
+                assert!(OPTIONS[..i].iter().all(|p| p.env != o.env), "{env} twice");
+            }
+            // What safe_open reads with, it takes; what the engines pass on, the load takes.
+            assert!(
+                !o.takes(Taker::Reader) || o.takes(Taker::SafeOpen),
+                "{}",
+                o.name
+            );
+            assert!(
+                !o.takes(Taker::ExtraConfig) || o.takes(Taker::Native),
+                "{}",
+                o.name
+            );
+            assert!(!o.help.is_empty() && !o.default.is_empty(), "{}", o.name);
+            assert!(
+                !o.help.contains('|') && !o.default.contains('|'),
+                "{}",
+                o.name
+            );
+        }
     }
 
     #[test]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import fastload
 import pytest
@@ -175,11 +178,7 @@ explicit = {option: int(good) if option == "concurrency" else good}
 emit(default=attempt(), explicit=attempt(**explicit))
 """
 
-ENV_VARS = {
-    "concurrency": "FASTLOAD_CONCURRENCY",
-    "block_size": "FASTLOAD_BLOCK_SIZE",
-    "memory_limit": "FASTLOAD_MEMORY_LIMIT",
-}
+ENV_VARS = {o.name: o.env for o in fastload._fastload.OPTIONS if o.env}
 
 
 @pytest.fixture(scope="module")
@@ -281,12 +280,14 @@ def test_index_naming_a_missing_shard(tmp_path):
 
 def test_signatures_spell_out_every_option():
     """help() and inspect.signature show the options as keyword-only parameters, the same ones
-    with the same defaults on every entry point (they are defined once, in fastload.Options)."""
+    with the same defaults and annotations on every entry point (they are defined once, in
+    src/options.rs's OPTIONS, and typed once, in fastload.Options)."""
     import inspect
 
     import fastload.distributed
 
     options = list(fastload.Options.__annotations__)
+    assert options == list(TABLE), "fastload.Options and src/options.rs's OPTIONS differ"
     for fn in (
         fastload.load,
         fastload.stream,
@@ -300,7 +301,277 @@ def test_signatures_spell_out_every_option():
             p = params[name]
             assert p.kind is inspect.Parameter.KEYWORD_ONLY, (fn, name)
             assert p.default == ("cpu" if name == "device" else None), (fn, name)
+            assert p.annotation == _written(fastload.Options, name), (fn, name)
         assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn
+    assert "memory_limit: 'Size | None' = None" in str(inspect.signature(fastload.load))
+
+
+# ---------------------------------------------------------------------------------------------
+# The option list, defined once: OPTIONS in src/options.rs (exported as _fastload.OPTIONS).
+# What Python builds from it is checked above and in test_option_list_built_from_the_table; what
+# must stay written out (for type checkers, stubtest and readers) is checked against it here,
+# and each failure names the file to change. Adding an option: a row in OPTIONS, then these.
+
+TABLE = {o.name: o for o in fastload._fastload.OPTIONS}
+ROOT = Path(__file__).resolve().parent.parent
+# The keyword-only parameters of _fastload.Stream that are not load options.
+STREAM_ONLY = ["parts", "target", "allocate"]
+# The extra-config keys of the engine loaders that are not load options.
+ENGINE_ONLY = {"weights_uri", "distributed"}
+
+
+def _written(typed_dict: type, name: str) -> str:
+    """A TypedDict key's annotation as written in the source (TypedDict keeps postponed
+    annotations as ForwardRefs)."""
+    hint = typed_dict.__annotations__[name]
+    return getattr(hint, "__forward_arg__", hint)
+
+
+def _taken_by(taker: str) -> list[str]:
+    return [o.name for o in fastload._fastload.OPTIONS if taker in o.takes]
+
+
+def _aliases(module: ast.Module) -> dict[str, ast.expr]:
+    """A module's top-level type aliases (``Size = Union[int, str]``, ``_Size = int | str``)."""
+    return {
+        node.targets[0].id: node.value
+        for node in module.body
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, (ast.BinOp, ast.Subscript))
+    }
+
+
+def _members(node: ast.expr | str, aliases: dict[str, ast.expr]) -> frozenset[str]:
+    """The members of an annotation's union, aliases expanded, ``Union[a, b]`` and ``a | b``
+    alike, so that the stub's ``_Size | None`` equals ``Size | None`` of fastload.Options."""
+    if isinstance(node, str):
+        node = ast.parse(node, mode="eval").body
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _members(node.left, aliases) | _members(node.right, aliases)
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) in ("Union", "Optional"):
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        extra = {"None"} if ast.unparse(node.value) == "Optional" else set()
+        return frozenset(extra).union(*(_members(e, aliases) for e in elts))
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return _members(node.value, aliases)
+    if isinstance(node, ast.Name) and node.id in aliases:
+        return _members(aliases[node.id], aliases)
+    return frozenset({ast.unparse(node)})
+
+
+def _parse(relative: str) -> ast.Module:
+    return ast.parse((ROOT / relative).read_text(), relative)
+
+
+OPTIONS_ALIASES = _aliases(_parse("python/fastload/_options.py"))
+
+
+def _keyword_only(fn: ast.FunctionDef) -> dict[str, tuple[ast.expr | None, ast.expr | None]]:
+    """A stub function's keyword-only parameters: name -> (annotation, default)."""
+    return {a.arg: (a.annotation, d) for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults)}
+
+
+# Environment variables for which every value is valid (FASTLOAD_CACHE: any other is a directory).
+ENV_ANY_VALUE = {"FASTLOAD_CACHE"}
+
+
+def test_option_list_environment_variables(monkeypatch):
+    """Each variable the table names is the one the native module reads for that option: a bad
+    value of it is refused, naming the variable (README's table shows the same names)."""
+    from fastload import _fastload
+
+    envs = {o.name: o.env for o in TABLE.values() if o.env}
+    assert {"concurrency", "block_size", "memory_limit", "method", "cache", "verify"} <= set(envs)
+    for env in envs.values():
+        monkeypatch.delenv(env, raising=False)
+    for name, env in envs.items():
+        assert _members(TABLE[name].type, OPTIONS_ALIASES), name
+        if env in ENV_ANY_VALUE:
+            continue
+        monkeypatch.setenv(env, "not a valid value")
+        with pytest.raises(fastload.ConfigError) as info:
+            _fastload.resolve_options()
+        assert info.value.option == env, f"src/options.rs: {name} reads {info.value.option}"
+        monkeypatch.delenv(env)
+    _fastload.resolve_options()
+
+
+def _differ(got: list[str], want: list[str]) -> str:
+    missing = [n for n in want if n not in got]
+    extra = [n for n in got if n not in want]
+    if missing or extra:
+        return f"missing {missing}, not in OPTIONS {extra}"
+    return f"order {got}, OPTIONS' order {want}"
+
+
+def test_option_list_built_from_the_table():
+    """What Python builds from the table at import: the option set, the native subset, the
+    engines' keys and safe_open's reader options."""
+    from fastload import _integration, _options, _safe_open
+
+    assert _options.OPTIONS == set(TABLE)
+    assert _options.native(dict.fromkeys(TABLE)) == dict.fromkeys(_taken_by("native"))
+    assert "device" not in _taken_by("native")
+    assert list(_integration.LOAD_KEYS) == _taken_by("extra_config")
+    assert _integration.KEYS == set(_taken_by("extra_config")) | ENGINE_ONLY
+    assert list(_safe_open._READER_OPTIONS) == _taken_by("reader")
+
+
+def test_option_list_typed_dict():
+    """python/fastload/_options.py: ``Options`` (what mypy and pyright check calls against) has
+    one key per option, in table order, annotated as the table says, each described in its
+    docstring."""
+    hints = fastload.Options.__annotations__
+    where = "python/fastload/_options.py: class Options"
+    assert list(hints) == list(TABLE), f"{where}: {_differ(list(hints), list(TABLE))}"
+    for name, o in TABLE.items():
+        hint = _written(fastload.Options, name)
+        assert hint == o.type, f"{where}: {name}: {hint!r} != {o.type!r}"
+        assert f"``{name}``:" in (fastload.Options.__doc__ or ""), f"{where} docstring: {name}"
+
+
+def test_option_list_safe_open():
+    """python/fastload/_safe_open.py: ``SafeOpenOptions`` has the options the table says
+    safe_open takes, typed as in Options; others are refused as a signature refuses them."""
+    from fastload._safe_open import SafeOpenOptions
+
+    where = "python/fastload/_safe_open.py: class SafeOpenOptions"
+    hints = SafeOpenOptions.__annotations__
+    want = _taken_by("safe_open")
+    assert list(hints) == want, f"{where}: {_differ(list(hints), want)}"
+    for name in hints:
+        hint = _written(SafeOpenOptions, name)
+        assert hint == TABLE[name].type, f"{where}: {name}: {hint!r}"
+    assert set(_taken_by("reader")) <= set(hints)
+
+
+def test_safe_open_refuses_options_it_does_not_take(dtypes_file):
+    refused = sorted(set(TABLE) - set(_taken_by("safe_open")) - {"device"})
+    assert refused == ["names"], refused
+    for key in (*refused, "chunk_size"):
+        with pytest.raises(
+            TypeError, match=f"safe_open\\(\\) got an unexpected keyword argument '{key}'"
+        ):
+            fastload.safe_open(dtypes_file, **{key: None})
+    with fastload.safe_open(dtypes_file, verify=False, cache=False, concurrency=2) as f:
+        assert f.keys()
+
+
+def test_option_list_native_signatures():
+    """The ``#[pyo3(signature)]``s (src/python/stream.rs, src/python/options.rs,
+    src/python/reader.rs) take the options the table says each takes, as keyword-only
+    parameters defaulting to None (not given)."""
+    import inspect
+
+    native, reader = _taken_by("native"), _taken_by("reader")
+    for fn, place, want in (
+        (fastload._fastload.Stream, "src/python/stream.rs: Stream::new", native + STREAM_ONLY),
+        (fastload._fastload.resolve_options, "src/python/options.rs: resolve_options", native),
+        (fastload._fastload.Reader, "src/python/reader.rs: Reader::new", reader),
+    ):
+        params = inspect.signature(fn).parameters
+        kw = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        assert kw == want, f"{place}: #[pyo3(signature)]: {_differ(kw, want)}"
+        assert all(params[n].default is None for n in kw), place
+
+
+def test_option_list_conversion_errors_name_the_option():
+    """A value of no accepted type is refused by the option's converter (src/python/args.rs),
+    naming the option as the table spells it, for every option the native module takes."""
+    from fastload import _fastload
+
+    for name in _taken_by("native"):
+        with pytest.raises(fastload.ConfigError) as info:
+            _fastload.resolve_options(**{name: object()})
+        assert info.value.option == name, f"src/python/args.rs: {name} -> {info.value.option}"
+    for name in _taken_by("reader"):
+        with pytest.raises(fastload.ConfigError) as info:
+            _fastload.Reader(["model.safetensors"], **{name: object()})
+        assert info.value.option == name, f"src/python/args.rs: {name} -> {info.value.option}"
+
+
+def test_option_list_stub():
+    """python/fastload/_fastload.pyi: ``Stream.__new__``, ``resolve_options`` and
+    ``Reader.__new__`` list the options the table says each takes (stubtest checks the stub
+    against the native module, this the stub against the table), typed as in Options, and the
+    stub's docstring describes every native option."""
+    stub = _parse("python/fastload/_fastload.pyi")
+    aliases = _aliases(stub)
+    found: dict[str, ast.FunctionDef] = {}
+    for node in stub.body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    found[f"{node.name}.{item.name}"] = item
+    native, reader = _taken_by("native"), _taken_by("reader")
+    for fn, want in (
+        ("Stream.__new__", native + STREAM_ONLY),
+        ("resolve_options", native),
+        ("Reader.__new__", reader),
+    ):
+        where = f"python/fastload/_fastload.pyi: {fn}"
+        params = _keyword_only(found[fn])
+        assert list(params) == want, f"{where}: {_differ(list(params), want)}"
+        for name in want:
+            annotation, default = params[name]
+            assert isinstance(default, ast.Constant) and default.value is None, (where, name)
+            if name in TABLE:
+                got = _members(annotation, aliases)
+                typed = _members(TABLE[name].type, OPTIONS_ALIASES)
+                assert got == typed, f"{where}: {name}: {sorted(got)} != {sorted(typed)}"
+    doc = ast.get_docstring(stub) or ""
+    for name in native:
+        assert f"- ``{name}``:" in doc, f"python/fastload/_fastload.pyi docstring: {name}"
+
+
+def _docs_table(page: str, header: str) -> list[list[str]]:
+    """The rows of the table under the line ``header`` in ``page`` (under docs/), as lists of
+    cells; a link ``[text](target)`` reads as ``"text"``, as the option table's help writes it."""
+    lines = (ROOT / "docs" / page).read_text().splitlines()
+    start = lines.index(header) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        line = re.sub(r"\[([^\]]+)\]\([^)]+\)", r'"\1"', line)
+        rows.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+def test_option_list_docs():
+    """docs/options.md's table has one row per option, in table order, with the table's
+    words (an option's help and default are written in src/options.rs)."""
+    rows = _docs_table("options.md", "| option | meaning | default | environment |")
+    wanted = [
+        [f"`{o.name}`", o.help, o.default, f"`{o.env}`" if o.env else ""] for o in TABLE.values()
+    ]
+    for want in wanted:
+        line = "| " + " | ".join(want) + " |"
+        assert want in rows, f"docs/options.md table: the row of {want[0]} should be\n{line}"
+    names = [r[0] for r in rows]
+    assert names == [w[0] for w in wanted], (
+        f"docs/options.md table: {_differ(names, [w[0] for w in wanted])}"
+    )
+
+
+def test_option_list_engines():
+    """The vLLM and SGLang loaders' extra-config keys: documented in each module's docstring
+    and in docs/vllm.md's extra config keys table (the keys themselves are built from the table)."""
+    import fastload.sglang
+    import fastload.vllm
+    from fastload import _integration
+
+    for module in (fastload.vllm, fastload.sglang):
+        for key in _integration.KEYS:
+            assert f"``{key}``" in (module.__doc__ or ""), f"{module.__file__} docstring: {key}"
+    rows = _docs_table("vllm.md", "| key | meaning |")
+    keys = {r[0].strip("`") for r in rows}
+    missing = sorted(_integration.KEYS - keys)
+    assert not missing, f"docs/vllm.md extra config keys table lacks {missing}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,8 +29,10 @@ from typing import TypedDict, final
 __all__ = [
     "DLPACK_DTYPES",
     "DTYPES",
+    "OPTIONS",
     "SCHEMES",
     "Item",
+    "OptionDef",
     "RankPlan",
     "Reader",
     "ResolvedOptions",
@@ -63,6 +65,37 @@ DLPACK_DTYPES: tuple[str, ...]
 
 _Size = int | str
 _Cache = bool | str | os.PathLike[str]
+
+@final
+class OptionDef:
+    """One load option, as ``OPTIONS`` in src/options.rs (the one list of them) defines it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def type(self) -> str:
+        """Its annotation in ``fastload.Options``, as written there."""
+    @property
+    def signature_default(self) -> str | None:
+        """The default a Python signature shows; ``None``: not given."""
+    @property
+    def default(self) -> str:
+        """What applies when it is neither given nor set in ``env``, in README's words."""
+    @property
+    def env(self) -> str | None:
+        """The ``FASTLOAD_*`` variable read when it is not given."""
+    @property
+    def help(self) -> str:
+        """What it does, in README's words."""
+    @property
+    def takes(self) -> tuple[str, ...]:
+        """``"native"`` (``Stream``, ``resolve_options``), ``"reader"`` (``Reader``),
+        ``"safe_open"``, ``"extra_config"`` (the vLLM and SGLang loaders'
+        ``model_loader_extra_config``); every option is taken by ``fastload.load``, ``stream``,
+        ``Stream`` and ``fastload.distributed``."""
+
+# The load options, in signature order.
+OPTIONS: tuple[OptionDef, ...]
 
 class _CacheStats(TypedDict):
     hits: int

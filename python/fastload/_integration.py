@@ -18,23 +18,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import _options
+
 if TYPE_CHECKING:
     import torch
 
-# The keys every loader takes, and those passed on to fastload.stream as given.
-KEYS = frozenset(
-    {
-        "concurrency",
-        "block_size",
-        "memory_limit",
-        "weights_uri",
-        "storage_options",
-        "distributed",
-        "cache",
-        "verify",
-    }
-)
-LOAD_KEYS = ("concurrency", "block_size", "memory_limit", "storage_options", "cache", "verify")
+# The keys passed on to fastload.stream as given (the options src/options.rs marks
+# Taker::ExtraConfig), and the keys every loader takes: those and the loaders' own.
+LOAD_KEYS: tuple[str, ...] = _options.taken_by("extra_config")
+KEYS = frozenset({*LOAD_KEYS, "weights_uri", "distributed"})
 
 # Weight files a Hub download leaves out when fastload streams the safetensors from the Hub.
 WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth"]

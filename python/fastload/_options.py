@@ -17,6 +17,14 @@ through it).
 Values are converted and checked by the native module (each shape one ``FromPyObject`` type in
 ``src/python/args.rs``); environment variables and defaults live in Rust (``src/options.rs``) and
 Python copies none of them.
+
+Which options exist is defined once too: the table ``OPTIONS`` in ``src/options.rs``, exported as
+``_fastload.OPTIONS`` (each option's name, annotation, signature default, default, environment
+variable, help and the places that take it). The written-out signatures, :data:`OPTIONS`,
+:func:`native` and the engines' extra-config keys (:func:`taken_by`) are built from it at import;
+what must stay written out for type checkers and readers (:class:`Options`, the ``.pyi``, README's
+table, ``SafeOpenOptions``) is checked against it by ``tests/test_options.py``
+(``test_option_list_*``), which names the place that differs.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Union
+
+from . import _fastload
 
 if TYPE_CHECKING:
     import torch
@@ -89,19 +99,32 @@ class Options(TypedDict, total=False):
     verify: bool | None
 
 
-OPTIONS: frozenset[str] = frozenset(Options.__annotations__)
+OPTIONS: frozenset[str] = frozenset(o.name for o in _fastload.OPTIONS)
 
 
-def check(function: str, options: Mapping[str, Any]) -> None:
-    """Raises the ``TypeError`` a signature with exactly these keywords would raise."""
+def taken_by(taker: str) -> tuple[str, ...]:
+    """The options ``taker`` takes, in table order: ``"native"`` (``_fastload.Stream`` and
+    ``resolve_options``), ``"reader"`` (``_fastload.Reader``), ``"safe_open"`` or
+    ``"extra_config"`` (the vLLM and SGLang loaders' ``model_loader_extra_config``)."""
+    return tuple(o.name for o in _fastload.OPTIONS if taker in o.takes)
+
+
+_NATIVE = frozenset(taken_by("native"))
+
+
+def check(function: str, options: Mapping[str, Any], allowed: Iterable[str] | None = None) -> None:
+    """Raises the ``TypeError`` a signature with exactly these keywords (``allowed``, default
+    every option) would raise."""
+    allowed = OPTIONS if allowed is None else frozenset(allowed)
     for key in options:
-        if key not in OPTIONS:
+        if key not in allowed:
             raise TypeError(f"{function}() got an unexpected keyword argument {key!r}")
 
 
 def native(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options the native loader takes (all but ``device``, which torch resolves)."""
-    return {k: v for k, v in options.items() if k != "device"}
+    """The options the native loader takes (``taken_by("native")``: all but ``device``, which
+    torch resolves)."""
+    return {k: v for k, v in options.items() if k in _NATIVE}
 
 
 # bytes: a Linux path that need not be UTF-8.
@@ -111,25 +134,24 @@ Uri = Union[PathLike, Iterable[PathLike]]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Defaults as a written-out signature shows them (None means "not given": see Options).
-_DEFAULTS: dict[str, Any] = {"device": "cpu"}
-
 
 def spelled_out(function: F) -> F:
     """Sets ``function.__signature__`` to its own signature with ``**options`` replaced by one
-    keyword-only parameter per option (annotation from :class:`Options`, default ``"cpu"`` for
-    ``device`` and ``None`` for the rest). Type checkers see the function unchanged."""
+    keyword-only parameter per option of ``_fastload.OPTIONS``, in its order, with its
+    annotation (written as :class:`Options` writes it) and signature default (``"cpu"`` for
+    ``device``, ``None``, "not given", for the rest). Type checkers see the function
+    unchanged."""
     own = inspect.signature(function)
     kept = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
     added = [
         inspect.Parameter(
-            name,
+            o.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=_DEFAULTS.get(name),
-            # Written as in the source, as the function's own (postponed) annotations are.
-            annotation=getattr(hint, "__forward_arg__", hint),
+            default=o.signature_default,
+            # A string, as the function's own (postponed) annotations are.
+            annotation=o.type,
         )
-        for name, hint in Options.__annotations__.items()
+        for o in _fastload.OPTIONS
     ]
     function.__signature__ = own.replace(parameters=kept + added)  # type: ignore[attr-defined]
     return function

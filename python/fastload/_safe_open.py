@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
-from . import _fastload
+from . import _fastload, _options
 from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
 
 if TYPE_CHECKING:
@@ -40,9 +40,9 @@ LOCAL_READ_COST = 16 * 1024
 # The frameworks safetensors calls PyTorch.
 _TORCH = frozenset({"pt", "torch", "pytorch"})
 _BACKENDS = frozenset({"mmap", "pread"})
-# Options a safe_open reads with (the rest, except names, are for the load behind a GPU
-# get_tensor).
-_READER_OPTIONS = ("concurrency", "block_size", "storage_options", "cache")
+# Options a safe_open reads with (the rest, except names, are for the loads behind a GPU
+# get_tensor and get_tensors): those src/options.rs marks Taker::Reader.
+_READER_OPTIONS = _options.taken_by("reader")
 
 
 class SafeOpenOptions(TypedDict, total=False):
@@ -55,6 +55,7 @@ class SafeOpenOptions(TypedDict, total=False):
     method: str | None
     storage_options: Mapping[str, object] | None
     cache: bool | str | os.PathLike[str] | None
+    verify: bool | None
 
 
 # The integer dtype each width of element is moved as (torch.uint8, ...), set on first use.
@@ -209,11 +210,9 @@ class safe_open:
         backend: str = "mmap",
         **options: Unpack[SafeOpenOptions],
     ) -> None:
-        from . import _options, _target_for, _torch_glue, _uris
+        from . import _target_for, _torch_glue, _uris
 
-        _options.check("safe_open", options)
-        if "names" in options:
-            raise TypeError("safe_open() got an unexpected keyword argument 'names'")
+        _options.check("safe_open", options, _options.taken_by("safe_open"))
         if str(framework).lower() not in _TORCH:
             raise ConfigError(
                 f"invalid option framework: {framework!r}: fastload.safe_open returns torch "

@@ -100,10 +100,12 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .map(Dtype::as_str)
         .collect();
     m.add("DLPACK_DTYPES", PyTuple::new(py, dlpack)?)?;
+    m.add("OPTIONS", options::option_table(py)?)?;
     m.add_class::<stream::Stream>()?;
     m.add_class::<item::Item>()?;
     m.add_class::<item::Stats>()?;
     m.add_class::<options::ResolvedOptions>()?;
+    m.add_class::<options::PyOptionDef>()?;
     m.add_class::<ranks::RankPlan>()?;
     m.add_class::<reader::Reader>()?;
     m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;

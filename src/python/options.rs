@@ -4,15 +4,69 @@
 //! `crate::options`; nothing of them is copied into Python.
 
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use super::args::{
     BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
     VerifyArg,
 };
-use crate::options::{LoadOptions, Method};
+use crate::options::{LoadOptions, Method, OptionDef, OPTIONS};
 
-/// The eight native load options (the public API's ninth, `device`, is torch's and stays in
-/// Python), each already converted by its `FromPyObject` newtype.
+/// One row of `_fastload.OPTIONS` ([`crate::options::OPTIONS`]), from which `fastload._options`
+/// builds the signatures and the engines' extra-config keys.
+#[pyclass(module = "fastload._fastload", name = "OptionDef", frozen)]
+pub struct PyOptionDef(&'static OptionDef);
+
+#[pymethods]
+impl PyOptionDef {
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.0.name
+    }
+    #[getter]
+    #[pyo3(name = "type")]
+    fn python_type(&self) -> &'static str {
+        self.0.python_type
+    }
+    #[getter]
+    fn signature_default(&self) -> Option<&'static str> {
+        self.0.signature_default
+    }
+    #[getter]
+    fn default(&self) -> &'static str {
+        self.0.default
+    }
+    #[getter]
+    fn env(&self) -> Option<&'static str> {
+        self.0.env
+    }
+    #[getter]
+    fn help(&self) -> &'static str {
+        self.0.help
+    }
+    /// The names of the [`crate::options::Taker`]s that take it.
+    #[getter]
+    fn takes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.0.takers.iter().map(|t| t.as_str()))
+    }
+    fn __repr__(&self) -> String {
+        format!("OptionDef(name='{}')", self.0.name)
+    }
+}
+
+/// `_fastload.OPTIONS`: every row of [`OPTIONS`], in order.
+pub(crate) fn option_table(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+    let rows = OPTIONS
+        .iter()
+        .map(|o| Bound::new(py, PyOptionDef(o)))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, rows)
+}
+
+/// The native load options (`Taker::Native` in [`OPTIONS`]; `device` is torch's and stays in
+/// Python), each already converted by its `FromPyObject` newtype. A new one is a parameter here,
+/// in the `#[pyo3(signature)]`s of `resolve_options` and `Stream::new` (and `Reader::new` where
+/// it takes it), and a `LoadOptions` field: `tests/test_options.py` checks each signature.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn load_options(
     concurrency: Option<Concurrency>,
