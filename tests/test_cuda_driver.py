@@ -76,6 +76,17 @@ def sixteen_mib(tmp_path_factory):
     return _file(tmp_path_factory.mktemp("sixteen"), "sixteen.safetensors", 8, 2 << 20)
 
 
+def _cli_bench(path, env, *options: str) -> subprocess.CompletedProcess:
+    """`fastload bench PATH OPTIONS` (the Rust-only path) on the simulator."""
+    return subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", str(path), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Page-locked staging (issue 13, item 4)
 
@@ -305,13 +316,7 @@ emit(ok=got == expected(sys.argv[1]), target=stats["target"])
     out = run_probe(code, dtypes_file, env=env)
     assert out == {"ok": True, "target": "cuda:0"}
     # The Rust CLI opens the driver the same way.
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), "--device", "cuda"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    proc = _cli_bench(dtypes_file, env, "--device", "cuda")
     assert proc.returncode == 0, proc.stderr
     assert cuda_sim.log(tmp_path / "log")["violations"] == 0
 
@@ -341,13 +346,7 @@ emit(**out)
     for where in ("count", "load"):
         assert "no CUDA device is visible" in out.get(where, ""), out
         assert "CUDA_VISIBLE_DEVICES" in out[where], out
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), "--device", "cuda"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    proc = _cli_bench(dtypes_file, env, "--device", "cuda")
     assert proc.returncode != 0
     assert "no CUDA device is visible" in proc.stderr, proc.stderr
     assert "panicked" not in proc.stderr
@@ -453,12 +452,8 @@ def test_cli_bench_on_another_device(fake_cuda, dtypes_file, tmp_path, devices, 
     # The Rust-only path (driver-allocated destinations) on a device other than the first.
     log = tmp_path / "log"
     options = ["--device", device, "--block-size", "64KiB", "--memory-limit", "1MiB", "--json"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), *options],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=cuda_sim.env(fake_cuda, log, devices=devices, visible=visible),
+    proc = _cli_bench(
+        dtypes_file, cuda_sim.env(fake_cuda, log, devices=devices, visible=visible), *options
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -479,13 +474,7 @@ def test_cli_bench_measures_the_host_to_device_limit(fake_cuda, dtypes_file, tmp
     rate = rate_mib << 20
     env = cuda_sim.env(fake_cuda, log, FAKE_CUDA_COPY_RATE=str(rate))
     options = ["--device", "cuda", "--block-size", "1MiB", "--repeat", "1", "--json"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastload._cli", "bench", str(dtypes_file), *options],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    proc = _cli_bench(dtypes_file, env, *options)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     limit = report["limits"]["host_to_device"]

@@ -495,23 +495,6 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
     let mut runs = Vec::new();
     let mut limits = BTreeMap::new();
     let mut reports = BTreeMap::new();
-    if args.limits_only {
-        for &cache in &modes {
-            measure_limits(
-                &args,
-                &described,
-                &setup.configs[0],
-                cache,
-                setup.repeat,
-                &mut limits,
-            )?;
-        }
-        return print_stdout(&if args.json {
-            setup.limits_json(&limits)
-        } else {
-            setup.limits_table(&limits)
-        });
-    }
     for &cache in &modes {
         let applicable = measure_limits(
             &args,
@@ -521,11 +504,21 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
             setup.repeat,
             &mut limits,
         )?;
+        if args.limits_only {
+            continue;
+        }
         let start = runs.len();
         let evicted = execute(&args, &setup, &configs, &described.local, cache, &mut runs)?;
         let mine: Vec<&RunReport> = runs[start..].iter().collect();
         let evicted = (cache == "cold" && !described.local.is_empty()).then_some(evicted);
         reports.insert(cache, ModeReport::new(&mine, evicted, &limits, &applicable));
+    }
+    if args.limits_only {
+        return print_stdout(&if args.json {
+            setup.limits_json(&limits)
+        } else {
+            setup.limits_table(&limits)
+        });
     }
     if runs.iter().any(|r| r.checksum != runs[0].checksum) {
         eprintln!(

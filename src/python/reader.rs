@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::PyList;
 
 use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions};
 use super::dlpack;
@@ -72,22 +72,8 @@ impl Reader {
     fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for s in &self.shards {
-            let d = PyDict::new(py);
-            d.set_item("file", &s.name)?;
-            d.set_item("size", s.size)?;
+            let d = super::stream::header_dict(py, s)?;
             d.set_item("data_start", s.header.data_start)?;
-            let tensors = PyList::empty(py);
-            for t in &s.header.tensors {
-                tensors.append((
-                    t.name.as_str(),
-                    t.dtype.as_str(),
-                    PyTuple::new(py, &t.shape)?,
-                    t.begin,
-                    t.end,
-                ))?;
-            }
-            d.set_item("tensors", tensors)?;
-            d.set_item("metadata", s.header.metadata.clone())?;
             out.append(d)?;
         }
         Ok(out)

@@ -343,23 +343,32 @@ pub fn inspect<'py>(
         crate::source::open_all(&uris, &storage_options, &crate::cache::CacheSettings::off())
     })??;
     let out = PyList::empty(py);
-    for s in shards {
-        let d = PyDict::new(py);
-        d.set_item("file", &s.name)?;
-        d.set_item("size", s.size)?;
-        let tensors = PyList::empty(py);
-        for t in &s.header.tensors {
-            tensors.append((
-                t.name.as_str(),
-                t.dtype.as_str(),
-                PyTuple::new(py, &t.shape)?,
-                t.begin,
-                t.end,
-            ))?;
-        }
-        d.set_item("tensors", tensors)?;
-        d.set_item("metadata", s.header.metadata.clone())?;
-        out.append(d)?;
+    for s in &shards {
+        out.append(header_dict(py, s)?)?;
     }
     Ok(out)
+}
+
+/// One file's header as `inspect` gives it: `{file, size, tensors: [(name, dtype, shape, begin,
+/// end)], metadata}`.
+pub(super) fn header_dict<'py>(
+    py: Python<'py>,
+    s: &crate::source::Shard,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("file", &s.name)?;
+    d.set_item("size", s.size)?;
+    let tensors = PyList::empty(py);
+    for t in &s.header.tensors {
+        tensors.append((
+            t.name.as_str(),
+            t.dtype.as_str(),
+            PyTuple::new(py, &t.shape)?,
+            t.begin,
+            t.end,
+        ))?;
+    }
+    d.set_item("tensors", tensors)?;
+    d.set_item("metadata", s.header.metadata.clone())?;
+    Ok(d)
 }
