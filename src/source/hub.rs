@@ -16,9 +16,10 @@ use futures_util::stream::{StreamExt, TryStreamExt};
 use reqwest::header::{CONTENT_RANGE, RANGE};
 use reqwest::{Method, StatusCode};
 
-use super::{local, Source, INDEX_FILE};
+use super::{local, Source};
 use crate::cache::{hub_layout, CacheIdentity, CacheSettings, HubLocation};
 use crate::error::{Error, Result};
+use crate::format::{index_shard_names, INDEX_FILE};
 use crate::hub::api::{self, io_error, net_error, FileMeta, Hub};
 use crate::hub::location::Location;
 use crate::hub::{HubSettings, HubUri};
@@ -376,7 +377,8 @@ async fn index_files(
         .rsplit_once('/')
         .map(|(d, _)| format!("{d}/"))
         .unwrap_or_default();
-    Ok(local::index_shard_names(&bytes, &name)?
+    Ok(index_shard_names(&bytes)
+        .map_err(|e| Error::format(&name, e))?
         .into_iter()
         .map(|f| format!("{dir}{f}"))
         .collect())

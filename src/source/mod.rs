@@ -28,8 +28,6 @@ pub mod hub;
 pub mod local;
 pub mod object;
 
-pub use local::{index_shard_names, INDEX_FILE};
-
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {
     /// The path or URI as the user would recognise it; errors name it.
