@@ -13,6 +13,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::error::Result;
+use crate::options::{CacheChoice, LoadOptions};
 use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
@@ -90,6 +92,17 @@ impl CacheSettings {
             fill: true,
             verify: false,
         }
+    }
+
+    /// The settings a load's options ask for ([`LoadOptions::cache_choice`], `verify`).
+    pub fn of(options: &LoadOptions) -> Result<CacheSettings> {
+        let mut settings = match options.cache_choice()? {
+            CacheChoice::Off => CacheSettings::off(),
+            CacheChoice::Default => CacheSettings::at(default_dir()),
+            CacheChoice::Dir(dir) => CacheSettings::at(dir),
+        };
+        settings.verify = options.verify_choice()?;
+        Ok(settings)
     }
 
     pub fn enabled(&self) -> bool {
