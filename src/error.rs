@@ -131,7 +131,7 @@ impl Error {
     }
 
     /// The message as it may leave the crate: [`Display`](std::fmt::Display) with every known
-    /// credential scrubbed out ([`scrub`]).
+    /// credential scrubbed out (`scrub`).
     pub fn message(&self) -> String {
         scrub(&self.to_string())
     }

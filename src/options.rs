@@ -142,11 +142,11 @@ pub struct LoadOptions {
     pub verify: Option<bool>,
 }
 
-/// Whether and where remote objects are cached on local disk (see [`crate::cache`]).
+/// Whether and where remote objects are cached on local disk (see `crate::cache`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheChoice {
     Off,
-    /// The default directory ([`crate::cache::default_dir`]).
+    /// The default directory (`crate::cache::default_dir`).
     Default,
     Dir(std::path::PathBuf),
 }

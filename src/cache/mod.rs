@@ -249,6 +249,7 @@ impl Run {
 }
 
 /// What the cache did in this process, for `fastload.cache_stats()`.
+#[cfg(feature = "python")]
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Objects read from a cached copy.
@@ -295,6 +296,7 @@ pub fn wait_published() {
 }
 
 /// The process's cache counters so far, once the copies being published are published.
+#[cfg(feature = "python")]
 pub fn stats() -> CacheStats {
     wait_published();
     CacheStats {

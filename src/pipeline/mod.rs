@@ -4,7 +4,7 @@
 //!
 //! Every block is read through the shard's [`crate::source::Source`]; the pipeline never knows
 //! whether a file or an object is behind it. Two ways to run a plan:
-//! - into host memory (this file): each segment gets one [`HostBuffer`], a mapping of the source
+//! - into host memory (this file): each segment gets one `HostBuffer`, a mapping of the source
 //!   where it can be mapped and `method` asks for it, else pooled memory its blocks are read into;
 //!   the tensors are views of it;
 //! - staged ([`staged`]): blocks are read into a ring of staging buffers and copied by a
