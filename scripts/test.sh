@@ -17,8 +17,9 @@ fi
     >.venv/torch-constraint.txt
 .venv/bin/python -m pip install -q -r requirements-sglang-deps.txt -c .venv/torch-constraint.txt
 
-echo "== rust: fmt, clippy, tests"
+echo "== rust: fmt, module layers (no cycle), clippy, tests"
 cargo fmt --all --check
+.venv/bin/python scripts/check_modules.py
 cargo clippy --all-targets --features python -- -D warnings
 # The build without the GPU path (the `cuda` feature) must stay valid too.
 cargo clippy --all-targets --no-default-features -- -D warnings

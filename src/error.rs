@@ -30,7 +30,7 @@ pub enum Error {
 
     /// A directory holds no `*.safetensors` file (and no index): nothing to load. Raised as
     /// Python's `NotFoundError` with `filename` the directory.
-    #[error("{path}: no .safetensors files in this directory (and no {index})", index = crate::source::INDEX_FILE)]
+    #[error("{path}: no .safetensors files in this directory (and no {index})", index = crate::format::INDEX_FILE)]
     NoShards { path: String },
 
     /// An I/O or network failure while reading. For object stores, `source.kind()` says what
@@ -131,7 +131,7 @@ impl Error {
     }
 
     /// The message as it may leave the crate: [`Display`](std::fmt::Display) with every known
-    /// credential scrubbed out ([`scrub`]).
+    /// credential scrubbed out (`scrub`).
     pub fn message(&self) -> String {
         scrub(&self.to_string())
     }

@@ -1,4 +1,5 @@
-//! The safetensors header: bytes in, validated tensor entries out.
+//! The checkpoint format: the safetensors header (bytes in, validated tensor entries out) and the
+//! index file of sharded checkpoints ([`index_shard_names`]).
 //!
 //! Pure and allocation-bounded: nothing here trusts a length before checking it against the
 //! file size, every size computation is checked, and the tensors must tile the data section
@@ -8,9 +9,11 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 mod error;
+mod index;
 mod json;
 
 pub use error::{FormatError, JsonPosition};
+pub use index::{index_shard_names, INDEX_FILE};
 use json::{parse_json, RawInfo};
 
 /// Bytes of the little-endian header-length prefix.

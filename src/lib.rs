@@ -1,31 +1,54 @@
-//! fastload: safetensors from local disks and object stores into host (and device) memory, with
-//! many reads in flight, bounded host memory, and tensors handed out as soon as they land.
+//! fastload: safetensors from local disks, object stores and the Hugging Face Hub into host (and
+//! device) memory, with many reads in flight, bounded host memory, and tensors handed out as soon
+//! as they land.
 //!
-//! Data flows one way: [`format`] (header bytes → validated entries) → [`source`] (URIs → opened
-//! files and objects behind one [`source::Source`] trait; [`object`] is the object-store half) →
-//! [`plan`] (shards + options → segments) → [`memory`] / [`device`] (where bytes land) →
-//! [`pipeline`] (reads every block through `Source`, hands tensors out) → the Python bindings and
-//! the [`cli`]. [`options`], [`error`], [`bounded`] (reads of whole files and bodies, capped),
-//! [`runtime`] and [`per_process`] (state a forked child rebuilds)
-//! serve every stage.
+//! The modules, lowest layer first; a module imports only from its own layer and the ones below
+//! (`scripts/check_modules.py` checks it and fails on a cycle):
+//!
+//! - [`format`](mod@format): the checkpoint format: safetensors header bytes → validated entries, and the
+//!   shard names of an index file (`model.safetensors.index.json`). Imports nothing of the crate.
+//! - shared leaves, serving every stage above the format: `error` (the one error type,
+//!   [`Error`]), [`options`] (what a load asks for, `FASTLOAD_*`), `bounded` (files and bodies
+//!   read whole, capped), [`runtime`] (the process's tokio runtime) and `per_process` (state a
+//!   forked child rebuilds).
+//! - `memory`: host buffers (the pool, mappings) that bytes land in.
+//! - [`source`]: every byte source behind one [`source::Source`] trait, and the opening of URIs
+//!   into sources with their headers ([`source::Shard`]): `source::local` (files, shard folders,
+//!   index files), `source::fs` (what filesystem a file is on), [`source::object`] (objects in
+//!   stores) and `source::hub` (Hub files). Today three of its parts still sit beside it: the
+//!   object stores' client [`object`] (s3://, gs://, az://, http(s)://), the Hub's API client
+//!   `hub` and the local `cache` of remote objects; they move under `source/` (with `open.rs`,
+//!   the one table of schemes, and `remote/`, the one resumable ranged read) in a later step.
+//! - [`plan`] (shards + options → segments and blocks), `ranges` (chosen byte ranges of one
+//!   source, for slices) and `ranks` (the plan shared by the ranks of a process group).
+//! - [`device`]: where tensors go when they leave host memory (the CUDA copy engine).
+//! - [`pipeline`]: runs a plan: reads every block through `Source`, bounded in bytes and reads
+//!   in flight, and hands tensors out as their segments land.
+//! - the Python bindings (`python`, with the `python` feature) and the command line, [`cli`].
+//!
+//! Public here is what the binary, the integration tests, the benches and the fuzz targets use;
+//! the rest is `pub(crate)`.
 
 #![deny(unsafe_code)]
 
-pub mod bounded;
-pub mod cache;
+pub(crate) mod bounded;
+pub(crate) mod cache;
 pub mod cli;
 pub mod device;
-pub mod error;
+pub(crate) mod error;
 pub mod format;
-pub mod hub;
-pub mod memory;
+pub(crate) mod hub;
+pub(crate) mod memory;
 pub mod object;
 pub mod options;
-pub mod per_process;
+pub(crate) mod per_process;
 pub mod pipeline;
 pub mod plan;
-pub mod ranges;
-pub mod ranks;
+// `ranges` and `ranks` serve the bindings only; their unit tests run in every build.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) mod ranges;
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) mod ranks;
 pub mod runtime;
 pub mod source;
 

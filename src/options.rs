@@ -6,6 +6,9 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
+/// A byte range `begin..end` within the data of tensor `name`: `(name, begin, end)`.
+pub type Part = (String, u64, u64);
+
 /// A byte count parsed from an integer or a string such as "8MiB", "1.5GiB" or "64MB".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Size(pub u64);
@@ -131,7 +134,7 @@ pub struct LoadOptions {
     pub storage_options: Vec<(String, String)>,
     /// Byte ranges `(tensor, begin, end)` within tensors to read instead of whole tensors (how a
     /// rank of a distributed load reads only its share); excludes `names`.
-    pub parts: Option<Vec<crate::plan::Part>>,
+    pub parts: Option<Vec<Part>>,
     /// The local cache of remote objects (`None`: `FASTLOAD_CACHE`, else off).
     pub cache: Option<CacheChoice>,
     /// Check every object's sha256 where its store gives one (Hub LFS files), wherever its bytes
@@ -139,11 +142,11 @@ pub struct LoadOptions {
     pub verify: Option<bool>,
 }
 
-/// Whether and where remote objects are cached on local disk (see [`crate::cache`]).
+/// Whether and where remote objects are cached on local disk (see `crate::cache`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheChoice {
     Off,
-    /// The default directory ([`crate::cache::default_dir`]).
+    /// The default directory (`crate::cache::default_dir`).
     Default,
     Dir(std::path::PathBuf),
 }
@@ -163,23 +166,21 @@ impl FromStr for CacheChoice {
 }
 
 impl LoadOptions {
-    /// The cache settings of this load: the caller's choice, else `FASTLOAD_CACHE`, else off.
-    pub fn cache_settings(&self) -> Result<crate::cache::CacheSettings> {
-        use crate::cache::{default_dir, CacheSettings};
-        let choice = match &self.cache {
+    /// The cache this load asks for: the caller's choice, else `FASTLOAD_CACHE`, else off
+    /// (`crate::cache::CacheSettings::of` turns it into settings).
+    pub fn cache_choice(&self) -> Result<CacheChoice> {
+        Ok(match &self.cache {
             Some(c) => c.clone(),
             None => env_value::<CacheChoice>(ENV_CACHE)?.unwrap_or(CacheChoice::Off),
-        };
-        let mut settings = match choice {
-            CacheChoice::Off => CacheSettings::off(),
-            CacheChoice::Default => CacheSettings::at(default_dir()),
-            CacheChoice::Dir(dir) => CacheSettings::at(dir),
-        };
-        settings.verify = match self.verify {
+        })
+    }
+
+    /// Whether sha256s are checked: the caller's choice, else `FASTLOAD_VERIFY`, else off.
+    pub fn verify_choice(&self) -> Result<bool> {
+        Ok(match self.verify {
             Some(v) => v,
             None => env_value::<Flag>(ENV_VERIFY)?.is_some_and(|f| f.0),
-        };
-        Ok(settings)
+        })
     }
 }
 

@@ -45,8 +45,7 @@ pub struct Plan {
     pub tensor_count: usize,
 }
 
-/// A byte range `begin..end` within the data of tensor `name`.
-pub type Part = (String, u64, u64);
+pub use crate::options::Part;
 
 impl Plan {
     /// What segment `index` holds, for messages: ` for tensor "a" of FILE`, or ` for tensors "a",

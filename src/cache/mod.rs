@@ -13,6 +13,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::error::Result;
+use crate::options::{CacheChoice, LoadOptions};
 use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
@@ -90,6 +92,17 @@ impl CacheSettings {
             fill: true,
             verify: false,
         }
+    }
+
+    /// The settings a load's options ask for ([`LoadOptions::cache_choice`], `verify`).
+    pub fn of(options: &LoadOptions) -> Result<CacheSettings> {
+        let mut settings = match options.cache_choice()? {
+            CacheChoice::Off => CacheSettings::off(),
+            CacheChoice::Default => CacheSettings::at(default_dir()),
+            CacheChoice::Dir(dir) => CacheSettings::at(dir),
+        };
+        settings.verify = options.verify_choice()?;
+        Ok(settings)
     }
 
     pub fn enabled(&self) -> bool {
@@ -236,6 +249,7 @@ impl Run {
 }
 
 /// What the cache did in this process, for `fastload.cache_stats()`.
+#[cfg(feature = "python")]
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Objects read from a cached copy.
@@ -282,6 +296,7 @@ pub fn wait_published() {
 }
 
 /// The process's cache counters so far, once the copies being published are published.
+#[cfg(feature = "python")]
 pub fn stats() -> CacheStats {
     wait_published();
     CacheStats {

@@ -10,8 +10,7 @@ use super::errors::*;
 use super::*;
 use crate::bounded::{Capped, Whole, MAX_WHOLE_READ};
 use crate::error::{Error, Result};
-use crate::format::FormatError;
-use crate::source::INDEX_FILE;
+use crate::format::{index_shard_names, FormatError, INDEX_FILE};
 
 /// One object found under a URI: where, how large, and its ETag as the store reported it (the
 /// local cache tells a changed object from its copy by it).
@@ -149,7 +148,7 @@ pub(super) async fn from_index(remote: &Remote, index: &Path, bytes: &[u8]) -> R
         Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned())
     };
     let mut files = Vec::new();
-    for file in crate::source::index_shard_names(bytes, &name)? {
+    for file in index_shard_names(bytes).map_err(|e| Error::format(&name, e))? {
         let rel = Path::parse(&file).map_err(|e| {
             let (file, reason) = (file.clone(), e.to_string());
             Error::format(&name, FormatError::IndexInvalidPath { file, reason })

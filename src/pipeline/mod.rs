@@ -4,7 +4,7 @@
 //!
 //! Every block is read through the shard's [`crate::source::Source`]; the pipeline never knows
 //! whether a file or an object is behind it. Two ways to run a plan:
-//! - into host memory (this file): each segment gets one [`HostBuffer`], a mapping of the source
+//! - into host memory (this file): each segment gets one `HostBuffer`, a mapping of the source
 //!   where it can be mapped and `method` asks for it, else pooled memory its blocks are read into;
 //!   the tensors are views of it;
 //! - staged ([`staged`]): blocks are read into a ring of staging buffers and copied by a
@@ -194,7 +194,7 @@ pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Re
 
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let resolved = options.resolve(source::any_remote(uris))?;
-    let mut cache = options.cache_settings()?;
+    let mut cache = crate::cache::CacheSettings::of(options)?;
     // A rank of a distributed load reads a share of each object: it reads copies, fills none.
     cache.fill &= options.parts.is_none();
     let shards = source::open_all(uris, &options.storage_options, &cache)?;

@@ -140,7 +140,7 @@ pub(crate) fn resolve_options(
         cache,
         verify,
     );
-    opts.cache_settings()?;
+    crate::cache::CacheSettings::of(&opts)?;
     let r = opts.resolve(crate::source::any_remote(&uris))?;
     Ok(ResolvedOptions {
         concurrency: r.concurrency,

@@ -18,9 +18,10 @@ use reqwest::header::{CONTENT_RANGE, ETAG, IF_MATCH, LAST_MODIFIED, RANGE};
 use reqwest::{Method, StatusCode};
 
 use super::remote::{self, io_error, Pin, RangedGet, Response, Version};
-use super::{local, Source, INDEX_FILE};
+use super::{local, Source};
 use crate::cache::{hub_layout, CacheIdentity, CacheSettings, HubLocation};
 use crate::error::{Error, Result};
+use crate::format::{index_shard_names, INDEX_FILE};
 use crate::hub::api::{self, net_error, FileMeta, Hub};
 use crate::hub::location::Location;
 use crate::hub::{HubSettings, HubUri};
@@ -401,7 +402,8 @@ async fn index_files(
         .rsplit_once('/')
         .map(|(d, _)| format!("{d}/"))
         .unwrap_or_default();
-    Ok(local::index_shard_names(&bytes, &name)?
+    Ok(index_shard_names(&bytes)
+        .map_err(|e| Error::format(&name, e))?
         .into_iter()
         .map(|f| format!("{dir}{f}"))
         .collect())

@@ -11,11 +11,8 @@ use futures_util::future::BoxFuture;
 
 use super::Source;
 use crate::error::{Error, Result};
-use crate::format::FormatError;
+use crate::format::{index_shard_names, FormatError, INDEX_FILE};
 use crate::memory::HostBuffer;
-
-/// The index file that sharded Hugging Face checkpoints carry.
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// A local file, checked to be a regular file.
 ///
@@ -204,38 +201,6 @@ fn local_path(uri: &str) -> Result<PathBuf> {
     Ok(PathBuf::from(uri))
 }
 
-/// The shard file names an index's `weight_map` lists (sorted, each once), each checked to be a
-/// plain relative path inside the index's folder. `name` is the index, for messages.
-pub fn index_shard_names(bytes: &[u8], name: &str) -> Result<Vec<String>> {
-    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
-        let reason = e.to_string();
-        Error::format(name, FormatError::IndexInvalidJson { reason })
-    })?;
-    let map = value
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::format(name, FormatError::IndexNoWeightMap))?;
-    let mut files = BTreeSet::new();
-    for (tensor, file) in map {
-        let file = file.as_str().ok_or_else(|| {
-            let tensor = tensor.clone();
-            Error::format(name, FormatError::IndexEntryNotAName { tensor })
-        })?;
-        let inside = Path::new(file)
-            .components()
-            .all(|c| matches!(c, std::path::Component::Normal(_)));
-        if !inside || file.is_empty() {
-            let (tensor, file) = (tensor.clone(), file.to_string());
-            return Err(Error::format(
-                name,
-                FormatError::IndexEntryOutside { tensor, file },
-            ));
-        }
-        files.insert(file.to_string());
-    }
-    Ok(files.into_iter().collect())
-}
-
 /// The files an index names. The index is checked before a byte is read (a directory, FIFO or
 /// device is refused, a FIFO without blocking) and read up to the cap on files read whole.
 fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
@@ -249,7 +214,8 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
         },
     )?;
     let dir = index.parent().unwrap_or(Path::new("."));
-    Ok(index_shard_names(&bytes, &name)?
+    Ok(index_shard_names(&bytes)
+        .map_err(|e| Error::format(&name, e))?
         .into_iter()
         .map(|f| dir.join(f))
         .collect())

@@ -3,11 +3,11 @@
 //! pipeline reads every block through this trait without knowing what is behind it.
 //!
 //! Two implementations today:
-//! - [`local`]: files on this machine (plain paths, `file://`, directories of shards, index
+//! - `local`: files on this machine (plain paths, `file://`, directories of shards, index
 //!   files), read with positioned reads and mapped for zero-copy loads;
 //! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://), read with ranged
 //!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`;
-//! - [`hub`]: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
+//! - `hub`: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
 //!
 //! Both remote kinds read through [`remote`], the one resumable ranged read (resumption, the
 //! stall rule, version pinning, give-up messages); they supply only the request.
@@ -26,13 +26,11 @@ use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
 
-pub mod fs;
-pub mod hub;
-pub mod local;
+pub(crate) mod fs;
+pub(crate) mod hub;
+pub(crate) mod local;
 pub mod object;
 pub mod remote;
-
-pub use local::{index_shard_names, INDEX_FILE};
 
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {
@@ -58,7 +56,7 @@ pub trait Source: Send + Sync + fmt::Debug {
     }
 
     /// A private mapping of `len` bytes at `offset`, whose pages are faulted in later with
-    /// [`HostBuffer::populate`]; `None` when this source cannot be mapped (then it is read).
+    /// `HostBuffer::populate`; `None` when this source cannot be mapped (then it is read).
     fn map(&self, _offset: u64, _len: usize) -> Option<Result<HostBuffer>> {
         None
     }
@@ -76,7 +74,7 @@ pub trait Source: Send + Sync + fmt::Debug {
         None
     }
 
-    /// Who this object is, for the local cache ([`crate::cache`]): remote sources that can be
+    /// Who this object is, for the local cache (`crate::cache`): remote sources that can be
     /// cached return their URI, size and ETag (or sha256); local files return `None`.
     fn cache_identity(&self) -> Option<CacheIdentity> {
         None
@@ -139,7 +137,7 @@ const HEADER_CONCURRENCY: usize = 16;
 /// Resolves the URIs (files, shard directories, index files, object-store prefixes) and opens
 /// every file or object, in a stable order, reading headers concurrently. `storage_options`
 /// configure object stores (see [`crate::object::open`]); remote sources are cached locally as
-/// `cache` says ([`crate::cache::wrap`]).
+/// `cache` says (`crate::cache::wrap`).
 pub fn open_all(
     uris: &[String],
     storage_options: &[(String, String)],

@@ -1,0 +1,97 @@
+//! The index file of a sharded checkpoint (`model.safetensors.index.json`): which shard files it
+//! names. Pure, like the header parser: the caller reads the bytes (capped) and adds the name.
+
+use std::collections::BTreeSet;
+use std::path::{Component, Path};
+
+use super::FormatError;
+
+/// The index file that sharded Hugging Face checkpoints carry.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The shard file names an index's `weight_map` lists (sorted, each once), each checked to be a
+/// plain relative path inside the index's folder.
+pub fn index_shard_names(bytes: &[u8]) -> Result<Vec<String>, FormatError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| FormatError::IndexInvalidJson {
+            reason: e.to_string(),
+        })?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or(FormatError::IndexNoWeightMap)?;
+    let mut files = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| FormatError::IndexEntryNotAName {
+                tensor: tensor.clone(),
+            })?;
+        let inside = Path::new(file)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+        if !inside || file.is_empty() {
+            let (tensor, file) = (tensor.clone(), file.to_string());
+            return Err(FormatError::IndexEntryOutside { tensor, file });
+        }
+        files.insert(file.to_string());
+    }
+    Ok(files.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_each_shard_once_in_order() {
+        let index = br#"{"metadata":{},"weight_map":{"b":"2.safetensors","a":"1.safetensors","c":"sub/2.safetensors","d":"2.safetensors"}}"#;
+        assert_eq!(
+            index_shard_names(index).unwrap(),
+            ["1.safetensors", "2.safetensors", "sub/2.safetensors"]
+        );
+        assert!(index_shard_names(br#"{"weight_map":{}}"#)
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn refuses_what_is_not_an_index() {
+        assert!(matches!(
+            index_shard_names(b"{not json"),
+            Err(FormatError::IndexInvalidJson { .. })
+        ));
+        for doc in [
+            &br#"{"metadata":{}}"#[..],
+            br#"{"weight_map":[]}"#,
+            b"[]",
+            b"3",
+        ] {
+            assert_eq!(
+                index_shard_names(doc),
+                Err(FormatError::IndexNoWeightMap),
+                "{}",
+                String::from_utf8_lossy(doc)
+            );
+        }
+        assert_eq!(
+            index_shard_names(br#"{"weight_map":{"w":3}}"#),
+            Err(FormatError::IndexEntryNotAName { tensor: "w".into() })
+        );
+    }
+
+    #[test]
+    fn refuses_names_outside_the_folder() {
+        for file in ["../x.safetensors", "/etc/passwd", "a/../../b", "./a", ""] {
+            let doc = format!(r#"{{"weight_map":{{"w":{file:?}}}}}"#);
+            assert_eq!(
+                index_shard_names(doc.as_bytes()),
+                Err(FormatError::IndexEntryOutside {
+                    tensor: "w".into(),
+                    file: file.into()
+                }),
+                "{file}"
+            );
+        }
+    }
+}

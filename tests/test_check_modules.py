@@ -1,0 +1,116 @@
+"""scripts/check_modules.py, the module-cycle check CI runs: on this repository and on small crates
+written here that hold (or do not hold) a cycle."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "check_modules.py"
+
+
+def check(root, *args):
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def crate(root, files, allowed=None):
+    for name, text in files.items():
+        path = root / "src" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    if allowed is not None:
+        (root / "scripts").mkdir(exist_ok=True)
+        (root / "scripts" / "module_cycles_allowed.txt").write_text(allowed)
+    return root
+
+
+# format (bottom) <- source <- plan (above); source's submodules are nodes of their own.
+BASE = {
+    "lib.rs": "pub mod format;\npub mod plan;\npub mod source;\npub use format::Header;\n",
+    "format.rs": "/// Not an import: crate::plan::Plan\npub struct Header;\n"
+    'pub const NAME: &str = "crate::plan::x";\n',
+    "plan.rs": "use crate::{format::Header, source::Shard};\npub struct Plan(Header, Shard);\n",
+    "source/mod.rs": "pub mod local;\npub struct Shard;\npub trait Source {}\n",
+    "source/local.rs": "use super::Source;\npub fn open(_: &dyn Source) -> crate::Header {\n"
+    "    crate::format::Header\n}\n",
+}
+
+
+def test_this_repository_has_no_unlisted_cycle():
+    out = check(REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 up the layers" in out.stdout
+    edges = check(REPO, "--edges").stdout.splitlines()
+    # Index files are format knowledge; the format imports nothing, error and options no layer
+    # above theirs.
+    assert "source::local -> format" in edges
+    assert not [e for e in edges if e.startswith("format -> ")]
+    for edge in ["error -> source", "options -> plan", "options -> cache"]:
+        assert edge not in edges
+
+
+def test_a_clean_crate_passes_and_comments_and_strings_are_not_imports(tmp_path):
+    out = check(crate(tmp_path, BASE))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no module cycle" in out.stdout
+    edges = check(tmp_path, "--edges").stdout.splitlines()
+    # `crate::Header` is what lib.rs re-exports from format.
+    assert edges == [
+        "plan -> format",
+        "plan -> source",
+        "source::local -> format",
+        "source::local -> source",
+    ]
+
+
+def test_an_import_up_the_layers_that_closes_a_cycle_fails(tmp_path):
+    files = dict(BASE)
+    files["format.rs"] = "pub struct Header;\nfn f() -> usize {\n    crate::plan::SIZE\n}\n"
+    files["plan.rs"] = BASE["plan.rs"] + "pub const SIZE: usize = 1;\n"
+    out = check(crate(tmp_path, files))
+    assert out.returncode == 1
+    assert "format -> plan  [src/format.rs:3]" in out.stdout
+    assert "module cycle among format, plan, for one: format -> plan -> format" in out.stdout
+
+
+def test_a_cycle_through_super_and_a_child_module_fails_unless_allowed(tmp_path):
+    files = dict(BASE)
+    # source/mod.rs calls into its child, which imports the parent back (`super::Source`).
+    files["source/mod.rs"] = (
+        "pub mod local;\npub struct Shard;\npub trait Source {}\n"
+        "#[cfg(test)]\nmod tests {\n    fn f() { let _ = super::local::open; }\n}\n"
+    )
+    out = check(crate(tmp_path, files))
+    assert out.returncode == 1
+    assert "for one: source -> source::local -> source" in out.stdout
+    assert "src/source/mod.rs:6 (test)" in out.stdout
+
+    allowed = "source -> source::local  # opening moves to source/open.rs\n"
+    out = check(crate(tmp_path, {}, allowed))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no module cycle once the 1 allowed imports go" in out.stdout
+
+    # An allowed import that is gone fails: the list only shrinks.
+    files["source/mod.rs"] = BASE["source/mod.rs"]
+    out = check(crate(tmp_path, files))
+    assert out.returncode == 1
+    assert "source -> source::local  (GONE: remove it from the list)" in out.stdout
+
+
+def test_an_allowlist_line_without_a_reason_is_refused(tmp_path):
+    out = check(crate(tmp_path, BASE, "source -> source::local\n"))
+    assert out.returncode != 0
+    assert "expected `from -> to  # why`" in out.stderr
+
+
+def test_dot_draws_every_edge(tmp_path):
+    out = check(crate(tmp_path, BASE), "--dot")
+    assert out.returncode == 0
+    assert out.stdout.startswith("digraph modules {")
+    assert '"plan" -> "source";' in out.stdout
+    assert '"source::local" -> "format";' in out.stdout
