@@ -19,7 +19,6 @@ pub mod error;
 pub mod format;
 pub mod hub;
 pub mod memory;
-pub mod object;
 pub mod options;
 pub mod per_process;
 pub mod pipeline;

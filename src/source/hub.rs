@@ -282,7 +282,7 @@ pub fn open(
     let parsed = HubUri::parse(uri)?;
     // The retry and stall-rule keys of object stores (max_retries, retry_timeout, min_rate,
     // min_rate_window) drive the Hub's requests and reads too.
-    let (retry, rest) = crate::object::split_retry_options(storage_options)?;
+    let (retry, rest) = crate::source::object::split_retry_options(storage_options)?;
     let settings = HubSettings::from_env(&rest)?;
     if settings.offline {
         return local::open(&[offline_path(&parsed)?.display().to_string()]);

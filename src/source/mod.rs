@@ -6,7 +6,7 @@
 //! - [`local`]: files on this machine (plain paths, `file://`, directories of shards, index
 //!   files), read with positioned reads and mapped for zero-copy loads;
 //! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://), read with ranged
-//!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`;
+//!   GETs that resume cut-off bodies; errors classified and retried by `crate::source::object`;
 //! - [`hub`]: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
 //!
 //! Both remote kinds read through [`remote`], the one resumable ranged read (resumption, the
@@ -130,7 +130,7 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
 
 /// True when any URI names an object in an object store (not a local file).
 pub fn any_remote(uris: &[String]) -> bool {
-    uris.iter().any(|u| crate::object::is_remote(u))
+    uris.iter().any(|u| crate::source::object::is_remote(u))
 }
 
 /// Headers read at once when there are many shards.
@@ -138,7 +138,7 @@ const HEADER_CONCURRENCY: usize = 16;
 
 /// Resolves the URIs (files, shard directories, index files, object-store prefixes) and opens
 /// every file or object, in a stable order, reading headers concurrently. `storage_options`
-/// configure object stores (see [`crate::object::open`]); remote sources are cached locally as
+/// configure object stores (see [`crate::source::object::open`]); remote sources are cached locally as
 /// `cache` says ([`crate::cache::wrap`]).
 pub fn open_all(
     uris: &[String],
@@ -162,9 +162,9 @@ pub fn open_all(
         if crate::hub::is_hub(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
             sources.extend(hub::open(uri, storage_options, cache)?);
-        } else if crate::object::is_remote(uri) {
+        } else if crate::source::object::is_remote(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
-            sources.extend(object::open(uri, storage_options)?);
+            sources.extend(object::open_sources(uri, storage_options)?);
         } else {
             local_uris.push(uri.clone());
         }

@@ -20,11 +20,11 @@ use futures_util::future::BoxFuture;
 use futures_util::stream::{BoxStream, StreamExt};
 
 use crate::error::{Error, Result};
-use crate::object::{Decision, ResumeState, RetrySettings};
+use crate::source::object::{Decision, ResumeState, RetrySettings};
 
 mod pin;
 
-pub use crate::object::io_error;
+pub use crate::source::object::io_error;
 pub use pin::{changed, is_strong, Pin, Version};
 
 /// What one ranged request answered.

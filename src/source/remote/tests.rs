@@ -5,7 +5,7 @@ use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
 
 use super::*;
-use crate::object::read_pinned;
+use crate::source::object::read_pinned;
 
 fn data(n: usize, seed: u8) -> Vec<u8> {
     (0..n)

@@ -6,7 +6,8 @@
 //! (index file first), and ranged reads streamed straight into a caller's buffer (read.rs: each
 //! request of [`crate::source::remote`]'s one resumable read, pinned to one version of the object),
 //! resuming cut-off bodies as one [`RetrySettings`] allows (retry.rs; object_store's request
-//! retries are built from the same settings).
+//! retries are built from the same settings). source.rs makes each listed object a
+//! [`crate::source::Source`] ([`RemoteObject`], [`open_sources`]).
 //!
 //! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
 //! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
@@ -29,6 +30,7 @@ mod list;
 mod read;
 mod retry;
 mod s3;
+mod source;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -39,6 +41,7 @@ pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_folder, list_safetensors, read_small, resolve, Found};
 pub use read::{read_pinned, read_range_into};
 pub use retry::{Decision, ResumeState, RetrySettings};
+pub use source::{open_sources, RemoteObject};
 
 /// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::hub`),
 /// which `source::open_all` routes before asking this module (`file://` and plain paths stay on
