@@ -17,7 +17,6 @@ pub mod cli;
 pub mod device;
 pub mod error;
 pub mod format;
-pub mod hub;
 pub mod memory;
 pub mod options;
 pub mod per_process;

@@ -5,7 +5,7 @@
 //! Remote sources say who they are with [`crate::source::Source::cache_identity`]; [`wrap`],
 //! called by [`crate::source::open_all`], replaces each source that has a verified copy with a
 //! local source, or wraps it in a filling source. Objects from the Hugging Face Hub
-//! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`hub_layout`]), so that
+//! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`layout`]), so that
 //! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache
 //! directory ([`default_dir`]).
 
@@ -13,13 +13,13 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::source::hub::layout;
 use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
 
 pub mod entry;
 mod fill;
-pub mod hub_layout;
 pub mod verify;
 
 /// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
@@ -61,7 +61,7 @@ pub struct HubLocation {
 pub struct CacheSettings {
     /// The fastload cache directory; `None`: caching is off.
     pub dir: Option<PathBuf>,
-    /// The Hugging Face cache ([`hub_layout::hub_cache_root`]) for Hub objects.
+    /// The Hugging Face cache ([`layout::hub_cache_root`]) for Hub objects.
     pub hub_root: PathBuf,
     /// Whether objects without a copy are filled (`false`: copies are read, none written; a
     /// rank of a distributed load reads a share of each object, never a whole one).
@@ -77,7 +77,7 @@ impl CacheSettings {
     /// reads them.
     pub fn off() -> CacheSettings {
         CacheSettings {
-            hub_root: hub_layout::hub_cache_root(),
+            hub_root: layout::hub_cache_root(),
             ..CacheSettings::default()
         }
     }
@@ -86,7 +86,7 @@ impl CacheSettings {
     pub fn at(dir: PathBuf) -> CacheSettings {
         CacheSettings {
             dir: Some(dir),
-            hub_root: hub_layout::hub_cache_root(),
+            hub_root: layout::hub_cache_root(),
             fill: true,
             verify: false,
         }
@@ -370,18 +370,15 @@ mod tests {
         }
         drop(wrapped);
         tokio::task::spawn_blocking(wait_published).await.unwrap();
-        let repo = hub_layout::repo_path(&settings.hub_root, "model", "org/name");
+        let repo = layout::repo_path(&settings.hub_root, "model", "org/name");
         let hub = identity.hub.as_ref().unwrap();
-        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        let link = layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
         assert_eq!(std::fs::read(&link).unwrap(), data);
-        assert_eq!(
-            hub_layout::read_ref(&repo, "main"),
-            Some(hub.commit.clone())
-        );
+        assert_eq!(layout::read_ref(&repo, "main"), Some(hub.commit.clone()));
         let again = wrap(vec![remote], &settings);
         assert_eq!(
             again[0].local_path(),
-            Some(hub_layout::blob_path(&repo, &hub.blob_id).as_path())
+            Some(layout::blob_path(&repo, &hub.blob_id).as_path())
         );
 
         // A whole small file (an index) through put_whole, into the same layout.
@@ -389,7 +386,7 @@ mod tests {
         let index_id = hub_object(index, "model.safetensors.index.json");
         put_whole(&index_id, index, &settings);
         let hub = index_id.hub.as_ref().unwrap();
-        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        let link = layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
         assert_eq!(std::fs::read(link).unwrap(), index);
     }
 }

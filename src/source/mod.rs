@@ -7,7 +7,7 @@
 //!   files), read with positioned reads and mapped for zero-copy loads;
 //! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://), read with ranged
 //!   GETs that resume cut-off bodies; errors classified and retried by `crate::source::object`;
-//! - [`hub`]: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
+//! - [`hub`]: files of a Hugging Face Hub repo (hf://), through `crate::source::hub`'s API client.
 //!
 //! Both remote kinds read through [`remote`], the one resumable ranged read (resumption, the
 //! stall rule, version pinning, give-up messages); they supply only the request.
@@ -159,7 +159,7 @@ pub fn open_all(
                 format!("{uri:?} is empty: name a file, a directory or a URI"),
             ));
         }
-        if crate::hub::is_hub(uri) {
+        if crate::source::hub::is_hub(uri) {
             sources.extend(local::open(&std::mem::take(&mut local_uris))?);
             sources.extend(hub::open(uri, storage_options, cache)?);
         } else if crate::source::object::is_remote(uri) {

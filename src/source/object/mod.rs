@@ -43,7 +43,7 @@ pub use read::{read_pinned, read_range_into};
 pub use retry::{Decision, ResumeState, RetrySettings};
 pub use source::{open_sources, RemoteObject};
 
-/// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::hub`),
+/// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::source::hub`),
 /// which `source::open_all` routes before asking this module (`file://` and plain paths stay on
 /// the local fast path).
 pub const SCHEMES: &[&str] = &[

@@ -1,7 +1,7 @@
 //! Files of a Hugging Face Hub repo (`hf://`) as sources. Opening resolves the revision to a
 //! commit once, picks the files (the index's shards, else the folder's `*.safetensors`), and asks
 //! `resolve/` for each file's size and storage location, concurrently. A read is one ranged GET of
-//! that location (the token only goes to the Hub's own host) through [`super::remote`]'s one
+//! that location (the token only goes to the Hub's own host) through [`crate::source::remote`]'s one
 //! resumable read, pinned to the storage host's ETag (`If-Match`); the location is resolved again
 //! when its signature expires or the storage host refuses it.
 //!
@@ -17,13 +17,14 @@ use futures_util::stream::{StreamExt, TryStreamExt};
 use reqwest::header::{CONTENT_RANGE, ETAG, IF_MATCH, LAST_MODIFIED, RANGE};
 use reqwest::{Method, StatusCode};
 
-use super::remote::{self, io_error, Pin, RangedGet, Response, Version};
-use super::{local, Source, INDEX_FILE};
-use crate::cache::{hub_layout, CacheIdentity, CacheSettings, HubLocation};
+use super::api::{self, net_error, FileMeta, Hub};
+use super::layout;
+use super::location::Location;
+use super::{HubSettings, HubUri};
+use crate::cache::{CacheIdentity, CacheSettings, HubLocation};
 use crate::error::{Error, Result};
-use crate::hub::api::{self, net_error, FileMeta, Hub};
-use crate::hub::location::Location;
-use crate::hub::{HubSettings, HubUri};
+use crate::source::remote::{self, io_error, Pin, RangedGet, Response, Version};
+use crate::source::{local, Source, INDEX_FILE};
 
 /// `resolve/` requests in flight while opening.
 const META_CONCURRENCY: usize = 16;
@@ -263,7 +264,7 @@ fn identity(uri: &HubUri, commit: &str, path: &str, meta: &FileMeta) -> Option<C
             repo_type: "model".into(),
             repo_id: uri.repo_id.clone(),
             commit: commit.to_string(),
-            revision: (!crate::hub::is_commit(revision)).then(|| revision.to_string()),
+            revision: (!super::is_commit(revision)).then(|| revision.to_string()),
             path_in_repo: path.to_string(),
             blob_id,
         }),
@@ -410,20 +411,20 @@ async fn index_files(
 /// The cached snapshot path of `uri` (`HF_HUB_OFFLINE`): `refs/<revision>` gives the commit
 /// unless the revision is one.
 fn offline_path(uri: &HubUri) -> Result<PathBuf> {
-    let repo = hub_layout::repo_path(&hub_layout::hub_cache_root(), "model", &uri.repo_id);
+    let repo = layout::repo_path(&layout::hub_cache_root(), "model", &uri.repo_id);
     let revision = uri.revision();
-    let commit = if crate::hub::is_commit(revision) {
+    let commit = if super::is_commit(revision) {
         Some(revision.to_lowercase())
     } else {
-        match hub_layout::read_ref(&repo, revision) {
+        match layout::read_ref(&repo, revision) {
             // Checked as online: anything else (`../../x`) would name a folder outside the cache.
-            Some(commit) if !crate::hub::is_commit(&commit) => {
+            Some(commit) if !super::is_commit(&commit) => {
                 return Err(io_error(
                     &format!("hf://{}@{revision}", uri.repo_id),
                     io::ErrorKind::InvalidData,
                     format!(
                         "HF_HUB_OFFLINE is set and {} holds {commit:?}, not a 40-hex commit",
-                        hub_layout::ref_path(&repo, revision).display()
+                        layout::ref_path(&repo, revision).display()
                     ),
                 ))
             }

@@ -6,9 +6,10 @@
 //! - this module: the URI and the settings taken from the environment;
 //! - [`api`]: the Hub's HTTP API (revision → commit and file list, `resolve/` → where the bytes
 //!   are), its errors, and the one retry loop for Hub requests;
-//! - [`location`]: a resolved storage location and when it expires.
-//!
-//! The files themselves are sources (`crate::source::hub`).
+//! - [`location`]: a resolved storage location and when it expires;
+//! - [`layout`]: the Hugging Face cache's layout (where `HF_HUB_OFFLINE` finds snapshots and where
+//!   the local cache puts Hub files);
+//! - files.rs: the files themselves as sources ([`HubFile`], opened by [`open`]).
 //!
 //! Why not the `hf-hub` crate: it downloads whole files into the cache (sync or tokio API, with
 //! its own client and progress bars); what a load needs is ranged reads of a resolved location
@@ -20,7 +21,11 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 
 pub mod api;
+mod files;
+pub mod layout;
 pub mod location;
+
+pub use files::{open, HubFile};
 
 /// The URI scheme.
 pub const SCHEME: &str = "hf";
