@@ -12,7 +12,6 @@
 #![deny(unsafe_code)]
 
 pub mod bounded;
-pub mod cache;
 pub mod cli;
 pub mod device;
 pub mod error;

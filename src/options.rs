@@ -139,11 +139,11 @@ pub struct LoadOptions {
     pub verify: Option<bool>,
 }
 
-/// Whether and where remote objects are cached on local disk (see [`crate::cache`]).
+/// Whether and where remote objects are cached on local disk (see [`crate::source::cache`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheChoice {
     Off,
-    /// The default directory ([`crate::cache::default_dir`]).
+    /// The default directory ([`crate::source::cache::default_dir`]).
     Default,
     Dir(std::path::PathBuf),
 }
@@ -164,8 +164,8 @@ impl FromStr for CacheChoice {
 
 impl LoadOptions {
     /// The cache settings of this load: the caller's choice, else `FASTLOAD_CACHE`, else off.
-    pub fn cache_settings(&self) -> Result<crate::cache::CacheSettings> {
-        use crate::cache::{default_dir, CacheSettings};
+    pub fn cache_settings(&self) -> Result<crate::source::cache::CacheSettings> {
+        use crate::source::cache::{default_dir, CacheSettings};
         let choice = match &self.cache {
             Some(c) => c.clone(),
             None => env_value::<CacheChoice>(ENV_CACHE)?.unwrap_or(CacheChoice::Off),

@@ -314,7 +314,7 @@ struct Described {
 }
 
 fn describe(uris: &[String]) -> CliResult<Described> {
-    let shards = source::open_all(uris, &[], &crate::cache::CacheSettings::off())?;
+    let shards = source::open_all(uris, &[], &crate::source::cache::CacheSettings::off())?;
     Ok(Described {
         shard_list: shards.clone(),
         local: shards
@@ -360,7 +360,7 @@ fn execute(
             let run = load_once(cache, setup.uris, opts, &args.device, n, label)?;
             // With --cache, the next run reads the copy this one filled, once it is published
             // (outside the clock).
-            crate::cache::wait_published();
+            crate::source::cache::wait_published();
             if !args.json {
                 print_stdout(&setup.row(&run))?;
             }

@@ -36,10 +36,10 @@ fn is_remote_uri(uri: &str) -> bool {
 }
 
 /// What the local cache did in this process: `{"hits", "filled_bytes", "published",
-/// "disabled_reason"}` (see `crate::cache`), once copies being published are published.
+/// "disabled_reason"}` (see `crate::source::cache`), once copies being published are published.
 #[pyfunction]
 fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
-    let s = gil::detach(py, crate::cache::stats);
+    let s = gil::detach(py, crate::source::cache::stats);
     let out = pyo3::types::PyDict::new(py);
     out.set_item("hits", s.hits)?;
     out.set_item("filled_bytes", s.filled_bytes)?;

@@ -21,11 +21,12 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
-use crate::cache::{CacheIdentity, CacheSettings};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
+use crate::source::cache::{CacheIdentity, CacheSettings};
 
+pub mod cache;
 pub mod fs;
 pub mod hub;
 pub mod local;
@@ -76,7 +77,7 @@ pub trait Source: Send + Sync + fmt::Debug {
         None
     }
 
-    /// Who this object is, for the local cache ([`crate::cache`]): remote sources that can be
+    /// Who this object is, for the local cache ([`crate::source::cache`]): remote sources that can be
     /// cached return their URI, size and ETag (or sha256); local files return `None`.
     fn cache_identity(&self) -> Option<CacheIdentity> {
         None
@@ -139,7 +140,7 @@ const HEADER_CONCURRENCY: usize = 16;
 /// Resolves the URIs (files, shard directories, index files, object-store prefixes) and opens
 /// every file or object, in a stable order, reading headers concurrently. `storage_options`
 /// configure object stores (see [`crate::source::object::open`]); remote sources are cached locally as
-/// `cache` says ([`crate::cache::wrap`]).
+/// `cache` says ([`crate::source::cache::wrap`]).
 pub fn open_all(
     uris: &[String],
     storage_options: &[(String, String)],
@@ -170,7 +171,7 @@ pub fn open_all(
         }
     }
     sources.extend(local::open(&local_uris)?);
-    read_headers(crate::cache::wrap(sources, cache))
+    read_headers(crate::source::cache::wrap(sources, cache))
 }
 
 /// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time.

@@ -21,8 +21,8 @@ use super::api::{self, net_error, FileMeta, Hub};
 use super::layout;
 use super::location::Location;
 use super::{HubSettings, HubUri};
-use crate::cache::{CacheIdentity, CacheSettings, HubLocation};
 use crate::error::{Error, Result};
+use crate::source::cache::{CacheIdentity, CacheSettings, HubLocation};
 use crate::source::remote::{self, io_error, Pin, RangedGet, Response, Version};
 use crate::source::{local, Source, INDEX_FILE};
 
@@ -274,7 +274,7 @@ fn identity(uri: &HubUri, commit: &str, path: &str, meta: &FileMeta) -> Option<C
 /// The files an `hf://` URI names, opened: remote files, or with `HF_HUB_OFFLINE` the cached
 /// snapshot's files.
 /// Files are named `hf://org/name@<commit>/<path>`; `cache` says where the index file, read
-/// whole here, is cached (the shards are cached by `crate::cache::wrap`).
+/// whole here, is cached (the shards are cached by `crate::source::cache::wrap`).
 pub fn open(
     uri: &str,
     storage_options: &[(String, String)],
@@ -395,7 +395,7 @@ async fn index_files(
     let (meta, bytes) = hub.fetch(&name, &uri.repo_id, &url).await?;
     if let Some(identity) = identity(uri, commit, index, &meta) {
         if cache.enabled() && identity.size == bytes.len() as u64 {
-            crate::cache::put_whole(&identity, &bytes, cache);
+            crate::source::cache::put_whole(&identity, &bytes, cache);
         }
     }
     let dir = index

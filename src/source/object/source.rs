@@ -9,8 +9,8 @@ use object_store::path::Path;
 use object_store::ObjectStore;
 
 use super::RetrySettings;
-use crate::cache::CacheIdentity;
 use crate::error::Result;
+use crate::source::cache::CacheIdentity;
 use crate::source::remote::{is_strong, Pin, Version};
 use crate::source::Source;
 
