@@ -32,7 +32,7 @@ fn parse_size(value: &str) -> PyResult<u64> {
 /// fastload reads itself; anything else is a local path or `file://` URL.
 #[pyfunction]
 fn is_remote_uri(uri: &str) -> bool {
-    crate::source::object::is_remote(uri)
+    crate::source::open::is_remote(uri)
 }
 
 /// What the local cache did in this process: `{"hits", "filled_bytes", "published",
@@ -92,7 +92,10 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", crate::VERSION)?;
     // Facts Python asks instead of copying (tuples: nobody can change them from Python).
     let py = m.py();
-    m.add("SCHEMES", PyTuple::new(py, crate::source::object::SCHEMES)?)?;
+    m.add(
+        "SCHEMES",
+        PyTuple::new(py, crate::source::open::remote_schemes())?,
+    )?;
     m.add("DTYPES", PyTuple::new(py, Dtype::ALL.map(Dtype::as_str))?)?;
     let dlpack: Vec<&str> = Dtype::ALL
         .into_iter()

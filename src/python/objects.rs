@@ -1,6 +1,6 @@
 //! Small whole objects from an object store, for the files that travel beside a checkpoint
 //! (config, tokenizer): a folder listing and a capped read, on the same stores, credentials and
-//! endpoint rules as the loads (`crate::source::object::open`).
+//! endpoint rules as the loads (`crate::source::open::object_store`).
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;

@@ -141,7 +141,7 @@ pub(crate) fn resolve_options(
         verify,
     );
     opts.cache_settings()?;
-    let r = opts.resolve(crate::source::any_remote(&uris))?;
+    let r = opts.resolve(crate::source::open::any_remote(&uris))?;
     Ok(ResolvedOptions {
         concurrency: r.concurrency,
         block_size: r.block_size,

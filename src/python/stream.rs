@@ -340,7 +340,7 @@ pub fn inspect<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let storage_options = storage_options.unwrap_or_default().0;
     let shards = off_thread(py, "inspect", move || {
-        crate::source::open_all(
+        crate::source::open::open_all(
             &uris,
             &storage_options,
             &crate::source::cache::CacheSettings::off(),

@@ -22,7 +22,7 @@ use super::layout;
 use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::error::{Error, Result};
-use crate::source::cache::{CacheIdentity, CacheSettings, HubLocation};
+use crate::source::cache::{CacheIdentity, HubLocation};
 use crate::source::remote::{self, io_error, Pin, RangedGet, Response, Version};
 use crate::source::{local, Source, INDEX_FILE};
 
@@ -273,12 +273,12 @@ fn identity(uri: &HubUri, commit: &str, path: &str, meta: &FileMeta) -> Option<C
 
 /// The files an `hf://` URI names, opened: remote files, or with `HF_HUB_OFFLINE` the cached
 /// snapshot's files.
-/// Files are named `hf://org/name@<commit>/<path>`; `cache` says where the index file, read
-/// whole here, is cached (the shards are cached by `crate::source::cache::wrap`).
+/// Files are named `hf://org/name@<commit>/<path>`. An index file, read whole here, is handed to
+/// `keep` with its identity (the opener caches it; the shards are cached by the opener too).
 pub fn open(
     uri: &str,
     storage_options: &[(String, String)],
-    cache: &CacheSettings,
+    keep: &Keep<'_>,
 ) -> Result<Vec<Arc<dyn Source>>> {
     let parsed = HubUri::parse(uri)?;
     // The retry and stall-rule keys of object stores (max_retries, retry_timeout, min_rate,
@@ -289,12 +289,15 @@ pub fn open(
         return local::open(&[offline_path(&parsed)?.display().to_string()]);
     }
     let hub = Hub::new(settings, retry)?;
-    crate::runtime::block_on(uri, open_remote(hub, parsed, cache))
+    crate::runtime::block_on(uri, open_remote(hub, parsed, keep))
 }
 
-async fn open_remote(hub: Hub, uri: HubUri, cache: &CacheSettings) -> Result<Vec<Arc<dyn Source>>> {
+/// What [`open`] hands a file it read whole while opening (an index file), with its identity.
+pub type Keep<'a> = dyn Fn(&CacheIdentity, &[u8]) + Sync + 'a;
+
+async fn open_remote(hub: Hub, uri: HubUri, keep: &Keep<'_>) -> Result<Vec<Arc<dyn Source>>> {
     let info = hub.repo_info(&uri).await?;
-    let paths = pick_files(&hub, &uri, &info.commit, &info.files, cache).await?;
+    let paths = pick_files(&hub, &uri, &info.commit, &info.files, keep).await?;
     let hub_ref = &hub;
     let commit = info.commit.as_str();
     let uri_ref = &uri;
@@ -344,12 +347,12 @@ async fn pick_files(
     uri: &HubUri,
     commit: &str,
     files: &[String],
-    cache: &CacheSettings,
+    keep: &Keep<'_>,
 ) -> Result<Vec<String>> {
     let name = uri.file_uri(commit, &uri.path);
     if files.iter().any(|f| f == &uri.path) {
         if uri.path.ends_with(".json") {
-            return index_files(hub, uri, commit, &uri.path, cache).await;
+            return index_files(hub, uri, commit, &uri.path, keep).await;
         }
         return Ok(vec![uri.path.clone()]);
     }
@@ -360,7 +363,7 @@ async fn pick_files(
     };
     let index = format!("{folder}{INDEX_FILE}");
     if files.contains(&index) {
-        return index_files(hub, uri, commit, &index, cache).await;
+        return index_files(hub, uri, commit, &index, keep).await;
     }
     let shards: Vec<String> = files
         .iter()
@@ -388,15 +391,13 @@ async fn index_files(
     uri: &HubUri,
     commit: &str,
     index: &str,
-    cache: &CacheSettings,
+    keep: &Keep<'_>,
 ) -> Result<Vec<String>> {
     let name = uri.file_uri(commit, index);
     let url = hub.resolve_url(&uri.repo_id, commit, index);
     let (meta, bytes) = hub.fetch(&name, &uri.repo_id, &url).await?;
     if let Some(identity) = identity(uri, commit, index, &meta) {
-        if cache.enabled() && identity.size == bytes.len() as u64 {
-            crate::source::cache::put_whole(&identity, &bytes, cache);
-        }
+        keep(&identity, &bytes);
     }
     let dir = index
         .rsplit_once('/')

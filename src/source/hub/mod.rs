@@ -36,12 +36,6 @@ const MAX_TOKEN_FILE: u64 = 64 * 1024;
 /// The revision of a URI without `@`.
 pub const DEFAULT_REVISION: &str = "main";
 
-/// True for `hf://` URIs.
-pub fn is_hub(uri: &str) -> bool {
-    uri.split_once("://")
-        .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case(SCHEME))
-}
-
 /// A parsed `hf://` URI.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HubUri {

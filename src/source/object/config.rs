@@ -39,11 +39,13 @@ pub fn open_with_env(
     let env: Vec<(String, String)> = env.into_iter().collect();
     let shown = redact_uri(uri);
     let url = Url::parse(uri).map_err(|e| unsupported(&shown, format!("not a valid URL: {e}")))?;
-    if !is_remote(uri) {
-        return Err(unsupported(&shown, "not an object-store URL"));
-    }
     let (scheme, path) = ObjectStoreScheme::parse(&url)
         .map_err(|e| unsupported(&shown, clean_message(&e.to_string())))?;
+    // Which URIs are object-store URIs is `source::open`'s to say; object_store would also
+    // open these two, which are not remote.
+    if matches!(scheme, ObjectStoreScheme::Local | ObjectStoreScheme::Memory) {
+        return Err(unsupported(&shown, "not an object-store URL"));
+    }
     remember_secrets(options, &env);
     crate::error::remember_url_credentials(uri);
     install_crypto();

@@ -43,13 +43,6 @@ pub use read::{read_pinned, read_range_into};
 pub use retry::{Decision, ResumeState, RetrySettings};
 pub use source::{open_sources, RemoteObject};
 
-/// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::source::hub`),
-/// which `source::open_all` routes before asking this module (`file://` and plain paths stay on
-/// the local fast path).
-pub const SCHEMES: &[&str] = &[
-    "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "hf",
-];
-
 /// HEAD requests in flight when sizes cannot be listed.
 const HEAD_CONCURRENCY: usize = 16;
 
@@ -84,10 +77,4 @@ impl Remote {
             }
         }
     }
-}
-
-/// True for URIs that this module handles.
-pub fn is_remote(uri: &str) -> bool {
-    uri.split_once("://")
-        .is_some_and(|(scheme, _)| SCHEMES.contains(&scheme.to_ascii_lowercase().as_str()))
 }
