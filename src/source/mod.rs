@@ -31,11 +31,12 @@ use futures_util::future::BoxFuture;
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
-use crate::source::cache::CacheIdentity;
+use crate::source::identity::CacheIdentity;
 
 pub mod cache;
 pub mod fs;
 pub mod hub;
+pub mod identity;
 pub mod local;
 pub mod object;
 pub mod open;

@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{CacheIdentity, CacheSettings, HubLocation};
+use super::CacheSettings;
 use crate::source::hub::layout;
+use crate::source::identity::{CacheIdentity, HubLocation};
 
 /// The files of one cache entry.
 #[derive(Debug, Clone)]

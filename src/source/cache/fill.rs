@@ -19,7 +19,7 @@ use futures_util::future::BoxFuture;
 use super::entry::Entry;
 use super::Run;
 use crate::error::Result;
-use crate::source::cache::CacheIdentity;
+use crate::source::identity::CacheIdentity;
 use crate::source::Source;
 
 /// A remote source whose reads also fill the local copy.

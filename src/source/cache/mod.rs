@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::source::hub::layout;
+use crate::source::identity::CacheIdentity;
 use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
@@ -21,40 +22,6 @@ use fill::FillingSource;
 pub mod entry;
 mod fill;
 pub mod verify;
-
-/// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CacheIdentity {
-    /// Canonical URI without credentials or query: `s3://bucket/key`,
-    /// `hf://org/repo@<commit>/path`.
-    pub uri: String,
-    pub size: u64,
-    /// The object's ETag (or version) as the store reported it, quotes included.
-    pub etag: Option<String>,
-    /// Lowercase hex sha256 of the content, when the source knows it (Hub LFS files).
-    pub sha256: Option<String>,
-    /// Where the object lives in a Hugging Face repository; the copy then goes to the HF cache.
-    pub hub: Option<HubLocation>,
-}
-
-/// A file of a Hugging Face repository at one commit.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HubLocation {
-    /// "model" ("dataset", "space").
-    pub repo_type: String,
-    /// "org/name".
-    pub repo_id: String,
-    /// The 40-hex commit the revision resolved to.
-    pub commit: String,
-    /// The ref asked for (branch or tag): `refs/<revision>` gets `commit`. `None` when a commit
-    /// was asked for.
-    pub revision: Option<String>,
-    /// "sub/model-00001-of-00002.safetensors".
-    pub path_in_repo: String,
-    /// The blob's name in the HF cache: the file's etag without quotes (the sha256 for LFS files,
-    /// the git sha1 otherwise).
-    pub blob_id: String,
-}
 
 /// Whether and where to cache.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -295,6 +262,7 @@ pub fn stats() -> CacheStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::identity::HubLocation;
     use futures_util::future::BoxFuture;
 
     /// An in-memory object that says who it is, as remote sources do.

@@ -22,7 +22,7 @@ use super::layout;
 use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::error::{Error, Result};
-use crate::source::cache::{CacheIdentity, HubLocation};
+use crate::source::identity::{CacheIdentity, HubLocation};
 use crate::source::remote::{self, io_error, Pin, RangedGet, Response, Version};
 use crate::source::{local, Source, INDEX_FILE};
 

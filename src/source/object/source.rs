@@ -10,7 +10,7 @@ use object_store::ObjectStore;
 
 use super::RetrySettings;
 use crate::error::Result;
-use crate::source::cache::CacheIdentity;
+use crate::source::identity::CacheIdentity;
 use crate::source::remote::{is_strong, Pin, Version};
 use crate::source::Source;
 
