@@ -1,6 +1,6 @@
 //! Who a remote object is: the plain data that remote sources report
 //! ([`crate::source::Source::cache_identity`]), the Hub fills in, and the local cache
-//! ([`crate::source::cache`]) files copies under. Both the Hub and the cache import it; neither
+//! (source/cache/) files copies under. Both the Hub and the cache import it; neither
 //! imports the other for it.
 
 /// Who a remote object is: enough to find a cached copy and to tell whether it is still current.

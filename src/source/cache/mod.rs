@@ -3,7 +3,7 @@
 //! atomically, and a later load of the same object reads the local copy.
 //!
 //! Remote sources say who they are with [`crate::source::Source::cache_identity`]; [`wrap`],
-//! called by [`crate::source::open::open_all`] only, replaces each source that has a verified copy with a
+//! called only by the opening code (`open_all` in source/open.rs), replaces each source that has a verified copy with a
 //! local source, or wraps it in a filling source. Objects from the Hugging Face Hub
 //! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`layout`]), so that
 //! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache

@@ -14,8 +14,8 @@ use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::bounded::{Capped, Whole};
 use crate::error::{Error, Result};
-pub use crate::source::object::io_error;
 use crate::source::object::RetrySettings;
+pub use crate::source::remote::io_error;
 use crate::source::remote::{self, Attempt};
 
 /// Redirects to follow within the Hub (a renamed repo answers 307 with a relative location).

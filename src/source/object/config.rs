@@ -17,11 +17,11 @@ use super::azure::azure_builder;
 use super::errors::*;
 use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
-use super::retry::RetrySettings;
 use super::s3::s3_builder;
 use super::*;
 use crate::error::{Error, Result};
 use crate::options::Size;
+use crate::source::remote::RetrySettings;
 
 /// Parses `uri` and builds its store. `options` are object_store configuration keys for the
 /// scheme (`endpoint`, `region`, `access_key_id`, `skip_signature`, `timeout`, ...) plus

@@ -28,19 +28,20 @@ mod gcs;
 mod keys;
 mod list;
 mod read;
-mod retry;
 mod s3;
 mod source;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_cloud;
+#[cfg(test)]
+mod tests_pin;
 
+pub use crate::source::remote::{Decision, ResumeState, RetrySettings};
 pub use config::{install_crypto, open, open_with_env, split_retry_options};
 pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_folder, list_safetensors, read_small, resolve, Found};
 pub use read::{read_pinned, read_range_into};
-pub use retry::{Decision, ResumeState, RetrySettings};
 pub use source::{open_sources, RemoteObject};
 
 /// HEAD requests in flight when sizes cannot be listed.
