@@ -139,11 +139,11 @@ pub struct LoadOptions {
     pub verify: Option<bool>,
 }
 
-/// Whether and where remote objects are cached on local disk (see [`crate::source::cache`]).
+/// Whether and where remote objects are cached on local disk (see source/cache/).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheChoice {
     Off,
-    /// The default directory ([`crate::source::cache::default_dir`]).
+    /// The default directory (`$XDG_CACHE_HOME/fastload`, else `~/.cache/fastload`).
     Default,
     Dir(std::path::PathBuf),
 }
@@ -163,23 +163,19 @@ impl FromStr for CacheChoice {
 }
 
 impl LoadOptions {
-    /// The cache settings of this load: the caller's choice, else `FASTLOAD_CACHE`, else off.
-    pub fn cache_settings(&self) -> Result<crate::source::cache::CacheSettings> {
-        use crate::source::cache::{default_dir, CacheSettings};
+    /// This load's cache choice (the caller's, else `FASTLOAD_CACHE`, else off) and whether to
+    /// verify sha256s (the caller's, else `FASTLOAD_VERIFY`, else off); the cache's settings are
+    /// built from them in source/cache/ (`CacheSettings::for_load`).
+    pub fn cache_choice(&self) -> Result<(CacheChoice, bool)> {
         let choice = match &self.cache {
             Some(c) => c.clone(),
             None => env_value::<CacheChoice>(ENV_CACHE)?.unwrap_or(CacheChoice::Off),
         };
-        let mut settings = match choice {
-            CacheChoice::Off => CacheSettings::off(),
-            CacheChoice::Default => CacheSettings::at(default_dir()),
-            CacheChoice::Dir(dir) => CacheSettings::at(dir),
-        };
-        settings.verify = match self.verify {
+        let verify = match self.verify {
             Some(v) => v,
             None => env_value::<Flag>(ENV_VERIFY)?.is_some_and(|f| f.0),
         };
-        Ok(settings)
+        Ok((choice, verify))
     }
 }
 

@@ -194,7 +194,7 @@ pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Re
 
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let resolved = options.resolve(source::open::any_remote(uris))?;
-    let mut cache = options.cache_settings()?;
+    let mut cache = crate::source::cache::CacheSettings::for_load(options)?;
     // A rank of a distributed load reads a share of each object: it reads copies, fills none.
     cache.fill &= options.parts.is_none();
     let shards = source::open::open_all(uris, &options.storage_options, &cache)?;

@@ -140,7 +140,7 @@ pub(crate) fn resolve_options(
         cache,
         verify,
     );
-    opts.cache_settings()?;
+    crate::source::cache::CacheSettings::for_load(&opts)?;
     let r = opts.resolve(crate::source::open::any_remote(&uris))?;
     Ok(ResolvedOptions {
         concurrency: r.concurrency,

@@ -52,7 +52,7 @@ impl Reader {
             None,
         );
         let resolved = opts.resolve(crate::source::open::any_remote(&uris))?;
-        let mut cache = opts.cache_settings()?;
+        let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
         // Ranges of an object are read, never the whole: copies are read, none is written.
         cache.fill = false;
         let shards = off_thread(py, "open", move || {

@@ -3,8 +3,8 @@
 //! atomically, and a later load of the same object reads the local copy.
 //!
 //! Remote sources say who they are with [`crate::source::Source::cache_identity`]; [`wrap`],
-//! called only by the opening code (`open_all` in source/open.rs), replaces each source that has a verified copy with a
-//! local source, or wraps it in a filling source. Objects from the Hugging Face Hub
+//! called only by the opening code (`open_all` in source/open.rs), replaces each source that has
+//! a verified copy with a local source, or wraps it in a filling source. Objects from the Hugging Face Hub
 //! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`layout`]), so that
 //! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache
 //! directory ([`default_dir`]).
@@ -13,6 +13,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::error::Result;
+use crate::options::{CacheChoice, LoadOptions};
 use crate::source::hub::layout;
 use crate::source::identity::CacheIdentity;
 use crate::source::Source;
@@ -57,6 +59,19 @@ impl CacheSettings {
             fill: true,
             verify: false,
         }
+    }
+
+    /// The cache settings of a load with `options`: its choice, else `FASTLOAD_CACHE`, else off
+    /// ([`LoadOptions::cache_choice`]).
+    pub fn for_load(options: &LoadOptions) -> Result<CacheSettings> {
+        let (choice, verify) = options.cache_choice()?;
+        let mut settings = match choice {
+            CacheChoice::Off => CacheSettings::off(),
+            CacheChoice::Default => CacheSettings::at(default_dir()),
+            CacheChoice::Dir(dir) => CacheSettings::at(dir),
+        };
+        settings.verify = verify;
+        Ok(settings)
     }
 
     pub fn enabled(&self) -> bool {
