@@ -1,8 +1,9 @@
 //! fastload: safetensors from local disks and object stores into host (and device) memory, with
 //! many reads in flight, bounded host memory, and tensors handed out as soon as they land.
 //!
-//! Data flows one way: [`format`] (header bytes → validated entries) → [`source`] (URIs → opened
-//! files and objects behind one [`source::Source`] trait; [`object`] is the object-store half) →
+//! Data flows one way: [`format`] (header bytes → validated entries) → [`source`] (every byte
+//! source behind one [`source::Source`] trait: local files, object stores, the Hugging Face Hub,
+//! and the local cache in front of them; [`source::open`] decides what a URI names) →
 //! [`plan`] (shards + options → segments) → [`memory`] / [`device`] (where bytes land) →
 //! [`pipeline`] (reads every block through `Source`, hands tensors out) → the Python bindings and
 //! the [`cli`]. [`options`], [`error`], [`bounded`] (reads of whole files and bodies, capped),

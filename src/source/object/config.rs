@@ -1,5 +1,5 @@
-//! Building a store from a URI, options and the environment: the top of src/object/'s one-way
-//! flow. Parses the URI, takes our own retry options out, and hands the rest to the scheme's
+//! Building a store from a URI, options and the environment: the top of src/source/object/'s
+//! one-way flow. Parses the URI, takes our own retry options out, and hands the rest to the scheme's
 //! builder (s3.rs, gcs.rs, azure.rs; plain HTTP here).
 
 use std::sync::atomic::{AtomicBool, Ordering};
