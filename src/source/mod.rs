@@ -86,7 +86,7 @@ pub trait Source: Send + Sync + fmt::Debug {
         None
     }
 
-    /// Who this object is, for the local cache ([`crate::source::cache`]): remote sources that can be
+    /// Who this object is, for the local cache ([`cache`]): remote sources that can be
     /// cached return their URI, size and ETag (or sha256); local files return `None`.
     fn cache_identity(&self) -> Option<CacheIdentity> {
         None
