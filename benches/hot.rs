@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use fastload::format::{self, Header};
-use fastload::object::RetrySettings;
 use fastload::options::LoadOptions;
 use fastload::pipeline::Loader;
 use fastload::plan;
 use fastload::source::object::RemoteObject;
+use fastload::source::object::RetrySettings;
 use fastload::source::Shard;
 use object_store::memory::InMemory;
 use object_store::path::Path;

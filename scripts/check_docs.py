@@ -1,7 +1,7 @@
 """Checks that what README.md and docs/ refer to exists (run by scripts/test.sh after
 `mkdocs build --strict`, which checks the links and anchors between docs pages):
 
-- every repository path they name (`src/cache/fill.rs`, `tests/test_hub.py::test_x`,
+- every repository path they name (`src/source/cache/fill.rs`, `tests/test_hub.py::test_x`,
   `benches/run.py`, `docs/hub.md#errors`, ...) is a file or folder of the repository, and every
   relative link and anchor of README.md resolves (README is not part of the site);
 - every `fastload.<name>` Python API they name exists: an attribute of the package, or a

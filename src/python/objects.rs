@@ -1,6 +1,6 @@
 //! Small whole objects from an object store, for the files that travel beside a checkpoint
 //! (config, tokenizer): a folder listing and a capped read, on the same stores, credentials and
-//! endpoint rules as the loads (`crate::object::open`).
+//! endpoint rules as the loads (`crate::source::open::object_store`).
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -21,8 +21,9 @@ pub fn list_objects(
         py,
         "list_objects",
         move || -> crate::Result<Vec<(String, u64)>> {
-            let remote = crate::object::open(&uri, &options)?;
-            let found = crate::runtime::block_on(&remote.uri, crate::object::list_folder(&remote))?;
+            let remote = crate::source::object::open(&uri, &options)?;
+            let found =
+                crate::runtime::block_on(&remote.uri, crate::source::object::list_folder(&remote))?;
             Ok(found
                 .into_iter()
                 .map(|f| (remote.uri_of(&f.path), f.size))
@@ -43,11 +44,11 @@ pub fn read_object<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let options = storage_options.unwrap_or_default().0;
     let bytes = off_thread(py, "read_object", move || -> crate::Result<Vec<u8>> {
-        let remote = crate::object::open(&uri, &options)?;
+        let remote = crate::source::object::open(&uri, &options)?;
         let path = remote.path.clone();
         crate::runtime::block_on(
             &remote.uri,
-            crate::object::read_small(&remote, &path, max_bytes),
+            crate::source::object::read_small(&remote, &path, max_bytes),
         )
     })??;
     Ok(PyBytes::new(py, &bytes))

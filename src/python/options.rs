@@ -140,8 +140,8 @@ pub(crate) fn resolve_options(
         cache,
         verify,
     );
-    crate::cache::CacheSettings::of(&opts)?;
-    let r = opts.resolve(crate::source::any_remote(&uris))?;
+    crate::source::cache::CacheSettings::for_load(&opts)?;
+    let r = opts.resolve(crate::source::open::any_remote(&uris))?;
     Ok(ResolvedOptions {
         concurrency: r.concurrency,
         block_size: r.block_size,

@@ -23,8 +23,11 @@ pub(crate) fn checkpoint_tensors<'py>(
     let storage_options = storage_options.unwrap_or_default().0;
     let names = names.map(|n| n.0);
     let entries = super::gil::detach(py, || {
-        let shards =
-            crate::source::open_all(&uris, &storage_options, &crate::cache::CacheSettings::off())?;
+        let shards = crate::source::open::open_all(
+            &uris,
+            &storage_options,
+            &crate::source::cache::CacheSettings::off(),
+        )?;
         ranks::entries(shards, names.as_deref())
     })?;
     let out = PyList::empty(py);

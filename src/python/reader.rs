@@ -51,12 +51,12 @@ impl Reader {
             // Slices read parts of a file: there is no whole-file digest to check.
             None,
         );
-        let resolved = opts.resolve(crate::source::any_remote(&uris))?;
-        let mut cache = crate::cache::CacheSettings::of(&opts)?;
+        let resolved = opts.resolve(crate::source::open::any_remote(&uris))?;
+        let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
         // Ranges of an object are read, never the whole: copies are read, none is written.
         cache.fill = false;
         let shards = off_thread(py, "open", move || {
-            crate::source::open_all(&uris, &opts.storage_options, &cache)
+            crate::source::open::open_all(&uris, &opts.storage_options, &cache)
         })??;
         Ok(Reader {
             shards,

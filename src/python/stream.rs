@@ -340,7 +340,11 @@ pub fn inspect<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let storage_options = storage_options.unwrap_or_default().0;
     let shards = off_thread(py, "inspect", move || {
-        crate::source::open_all(&uris, &storage_options, &crate::cache::CacheSettings::off())
+        crate::source::open::open_all(
+            &uris,
+            &storage_options,
+            &crate::source::cache::CacheSettings::off(),
+        )
     })??;
     let out = PyList::empty(py);
     for s in &shards {

@@ -2,18 +2,25 @@
 //! a byte range into a caller's buffer (plus a mapping of the range, where the source can). The
 //! pipeline reads every block through this trait without knowing what is behind it.
 //!
-//! Two implementations today:
-//! - `local`: files on this machine (plain paths, `file://`, directories of shards, index
-//!   files), read with positioned reads and mapped for zero-copy loads;
-//! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://), read with ranged
-//!   GETs that resume cut-off bodies; errors classified and retried by `crate::object`;
-//! - `hub`: files of a Hugging Face Hub repo (hf://), through `crate::hub`'s API client.
+//! Every byte source lives here:
+//! - [`open`]: the one table of URI schemes, the only place that decides what a URI names, and
+//!   [`open::open_all`], which turns URIs into opened shards;
+//! - [`local`]: files on this machine (plain paths, `file://`, directories of shards, index
+//!   files), read with positioned reads and mapped for zero-copy loads ([`fs`]: which
+//!   filesystem a path is on);
+//! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://): store
+//!   configuration, listing, errors, and the objects as sources;
+//! - [`hub`]: files of a Hugging Face Hub repo (hf://): its API client, the Hugging Face cache's
+//!   layout, and the files as sources;
+//! - [`remote`]: the one resumable ranged read both remote kinds read through (resumption, the
+//!   stall rule, version pinning, give-up messages); they supply only the request;
+//! - [`cache`]: the local cache of remote objects, a decorator over other sources that only
+//!   [`open`] applies;
+//! - [`identity`]: who a remote object is ([`CacheIdentity`], [`identity::HubLocation`]), the
+//!   plain data that remote sources, the Hub and the cache share.
 //!
-//! Both remote kinds read through [`remote`], the one resumable ranged read (resumption, the
-//! stall rule, version pinning, give-up messages); they supply only the request.
-//!
-//! A new kind of source (a hub, a cache that writes remote blocks to disk as they land) is a new
-//! implementation of [`Source`] plus one arm in [`open_all`], which turns URIs into sources.
+//! A new kind of source is a new implementation of [`Source`] plus a row in [`open::SCHEMES`]
+//! and one arm in [`open::open_all`].
 
 use std::fmt;
 use std::path::Path;
@@ -21,16 +28,19 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
-use crate::cache::{CacheIdentity, CacheSettings};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::memory::HostBuffer;
+use crate::source::identity::CacheIdentity;
 
+pub(crate) mod cache;
 pub(crate) mod fs;
 pub(crate) mod hub;
+pub(crate) mod identity;
 pub(crate) mod local;
 pub mod object;
-pub mod remote;
+pub mod open;
+pub(crate) mod remote;
 
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {
@@ -74,7 +84,7 @@ pub trait Source: Send + Sync + fmt::Debug {
         None
     }
 
-    /// Who this object is, for the local cache (`crate::cache`): remote sources that can be
+    /// Who this object is, for the local cache ([`cache`]): remote sources that can be
     /// cached return their URI, size and ETag (or sha256); local files return `None`.
     fn cache_identity(&self) -> Option<CacheIdentity> {
         None
@@ -124,85 +134,6 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
         header,
         source,
     })
-}
-
-/// True when any URI names an object in an object store (not a local file).
-pub fn any_remote(uris: &[String]) -> bool {
-    uris.iter().any(|u| crate::object::is_remote(u))
-}
-
-/// Headers read at once when there are many shards.
-const HEADER_CONCURRENCY: usize = 16;
-
-/// Resolves the URIs (files, shard directories, index files, object-store prefixes) and opens
-/// every file or object, in a stable order, reading headers concurrently. `storage_options`
-/// configure object stores (see [`crate::object::open`]); remote sources are cached locally as
-/// `cache` says (`crate::cache::wrap`).
-pub fn open_all(
-    uris: &[String],
-    storage_options: &[(String, String)],
-    cache: &CacheSettings,
-) -> Result<Vec<Shard>> {
-    if uris.is_empty() {
-        return Err(Error::option("uri", "no file given"));
-    }
-    let mut sources: Vec<Arc<dyn Source>> = Vec::new();
-    let mut local_uris = Vec::new();
-    // Local URIs are resolved together so that a file named twice is loaded once; the order of
-    // the user's URIs is kept across kinds.
-    for uri in uris {
-        if uri.trim().is_empty() {
-            return Err(Error::option(
-                "uri",
-                format!("{uri:?} is empty: name a file, a directory or a URI"),
-            ));
-        }
-        if crate::hub::is_hub(uri) {
-            sources.extend(local::open(&std::mem::take(&mut local_uris))?);
-            sources.extend(hub::open(uri, storage_options, cache)?);
-        } else if crate::object::is_remote(uri) {
-            sources.extend(local::open(&std::mem::take(&mut local_uris))?);
-            sources.extend(object::open(uri, storage_options)?);
-        } else {
-            local_uris.push(uri.clone());
-        }
-    }
-    sources.extend(local::open(&local_uris)?);
-    read_headers(crate::cache::wrap(sources, cache))
-}
-
-/// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time.
-fn read_headers(sources: Vec<Arc<dyn Source>>) -> Result<Vec<Shard>> {
-    use futures_util::stream::{StreamExt, TryStreamExt};
-
-    crate::runtime::block_on("reading headers", async move {
-        futures_util::stream::iter(sources)
-            // A task each, so that blocking reads (files) run side by side.
-            .map(|source| {
-                let name = source.name().to_string();
-                let task = spawn_read(source.as_ref(), open_shard(source.clone()));
-                // Dropped unfinished (an error elsewhere, an interrupted open): its read stops.
-                let guard = AbortOnDrop(task.abort_handle());
-                async move {
-                    let out = joined(task.await, &name);
-                    drop(guard);
-                    out
-                }
-            })
-            .buffered(HEADER_CONCURRENCY)
-            .try_collect()
-            .await
-    })
-}
-
-/// Aborts a spawned task when dropped (a no-op once it finished): a `JoinHandle` dropped alone
-/// would leave the task running.
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Spawns `task`, which reads from `source`, on the process runtime where the source's reads

@@ -1,5 +1,5 @@
-//! What every store's builder shares, at the bottom of src/object/: the HTTP client defaults,
-//! reading variables out of an environment given as pairs, and option keys parsed into
+//! What every store's builder shares, at the bottom of src/source/object/: the HTTP client
+//! defaults, reading variables out of an environment given as pairs, and option keys parsed into
 //! object_store's config keys. Nothing here knows a cloud.
 
 use object_store::ClientConfigKey;

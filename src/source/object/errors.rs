@@ -14,12 +14,7 @@ pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
     }
 }
 
-pub fn io_error(uri: &str, kind: io::ErrorKind, message: impl Into<String>) -> Error {
-    Error::Io {
-        path: uri.to_string(),
-        source: io::Error::new(kind, scrub(&message.into())),
-    }
-}
+pub use crate::source::remote::io_error;
 
 pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
     io_error(

@@ -6,7 +6,8 @@
 //! (index file first), and ranged reads streamed straight into a caller's buffer (read.rs: each
 //! request of [`crate::source::remote`]'s one resumable read, pinned to one version of the object),
 //! resuming cut-off bodies as one [`RetrySettings`] allows (retry.rs; object_store's request
-//! retries are built from the same settings).
+//! retries are built from the same settings). source.rs makes each listed object a
+//! [`crate::source::Source`] ([`RemoteObject`], [`open_sources`]).
 //!
 //! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
 //! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
@@ -27,25 +28,21 @@ mod gcs;
 mod keys;
 mod list;
 mod read;
-mod retry;
 mod s3;
+mod source;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_cloud;
+#[cfg(test)]
+mod tests_pin;
 
+pub use crate::source::remote::{Decision, ResumeState, RetrySettings};
 pub use config::{install_crypto, open, open_with_env, split_retry_options};
 pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_folder, list_safetensors, read_small, resolve, Found};
 pub use read::{read_pinned, read_range_into};
-pub use retry::{Decision, ResumeState, RetrySettings};
-
-/// Remote schemes: those served by this module, and `hf` (the Hugging Face Hub, `crate::hub`),
-/// which `source::open_all` routes before asking this module (`file://` and plain paths stay on
-/// the local fast path).
-pub const SCHEMES: &[&str] = &[
-    "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "hf",
-];
+pub use source::{open_sources, RemoteObject};
 
 /// HEAD requests in flight when sizes cannot be listed.
 const HEAD_CONCURRENCY: usize = 16;
@@ -81,10 +78,4 @@ impl Remote {
             }
         }
     }
-}
-
-/// True for URIs that this module handles.
-pub fn is_remote(uri: &str) -> bool {
-    uri.split_once("://")
-        .is_some_and(|(scheme, _)| SCHEMES.contains(&scheme.to_ascii_lowercase().as_str()))
 }

@@ -1,5 +1,5 @@
-//! Building a store from a URI, options and the environment: the top of src/object/'s one-way
-//! flow. Parses the URI, takes our own retry options out, and hands the rest to the scheme's
+//! Building a store from a URI, options and the environment: the top of src/source/object/'s
+//! one-way flow. Parses the URI, takes our own retry options out, and hands the rest to the scheme's
 //! builder (s3.rs, gcs.rs, azure.rs; plain HTTP here).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,11 +17,11 @@ use super::azure::azure_builder;
 use super::errors::*;
 use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
-use super::retry::RetrySettings;
 use super::s3::s3_builder;
 use super::*;
 use crate::error::{Error, Result};
 use crate::options::Size;
+use crate::source::remote::RetrySettings;
 
 /// Parses `uri` and builds its store. `options` are object_store configuration keys for the
 /// scheme (`endpoint`, `region`, `access_key_id`, `skip_signature`, `timeout`, ...) plus
@@ -39,11 +39,13 @@ pub fn open_with_env(
     let env: Vec<(String, String)> = env.into_iter().collect();
     let shown = redact_uri(uri);
     let url = Url::parse(uri).map_err(|e| unsupported(&shown, format!("not a valid URL: {e}")))?;
-    if !is_remote(uri) {
-        return Err(unsupported(&shown, "not an object-store URL"));
-    }
     let (scheme, path) = ObjectStoreScheme::parse(&url)
         .map_err(|e| unsupported(&shown, clean_message(&e.to_string())))?;
+    // Which URIs are object-store URIs is `source::open`'s to say; object_store would also
+    // open these two, which are not remote.
+    if matches!(scheme, ObjectStoreScheme::Local | ObjectStoreScheme::Memory) {
+        return Err(unsupported(&shown, "not an object-store URL"));
+    }
     remember_secrets(options, &env);
     crate::error::remember_url_credentials(uri);
     install_crypto();

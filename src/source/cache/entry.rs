@@ -2,7 +2,7 @@
 //! copy is verified and published.
 //!
 //! Two layouts:
-//! - Hub objects ([`CacheIdentity::hub`]): the Hugging Face cache ([`hub_layout`]). A blob is
+//! - Hub objects ([`CacheIdentity::hub`]): the Hugging Face cache ([`layout`]). A blob is
 //!   named by its content's etag, so a blob of the right size is the right content; publishing
 //!   adds the snapshot link and the ref.
 //! - Everything else: `<dir>/objects/<h>.safetensors` with a sidecar `<h>.json` recording the
@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::hub_layout;
-use super::{CacheIdentity, CacheSettings, HubLocation};
+use super::CacheSettings;
+use crate::source::hub::layout;
+use crate::source::identity::{CacheIdentity, HubLocation};
 
 /// The files of one cache entry.
 #[derive(Debug, Clone)]
@@ -57,11 +58,11 @@ impl Entry {
     pub fn new(identity: &CacheIdentity, settings: &CacheSettings) -> Option<Entry> {
         let mut identity = identity.clone();
         if let Some(hub) = &mut identity.hub {
-            if !hub_layout::is_safe_path_in_repo(&hub.path_in_repo) {
+            if !layout::is_safe_path_in_repo(&hub.path_in_repo) {
                 return None;
             }
             let plain = hub.blob_id.len() <= MAX_BLOB_NAME
-                && hub_layout::is_safe_path_in_repo(&hub.blob_id)
+                && layout::is_safe_path_in_repo(&hub.blob_id)
                 && !hub.blob_id.contains('/');
             if !plain {
                 // Too long for a file name, or not one: named by its hash (the snapshot link
@@ -69,9 +70,9 @@ impl Entry {
                 hub.blob_id = format!("fastload-{}", hex(&sha256(hub.blob_id.as_bytes())));
             }
             let root = &settings.hub_root;
-            let repo = hub_layout::repo_path(root, &hub.repo_type, &hub.repo_id);
-            let path = hub_layout::blob_path(&repo, &hub.blob_id);
-            let lock = hub_layout::lock_path(root, &hub.repo_type, &hub.repo_id, &hub.blob_id);
+            let repo = layout::repo_path(root, &hub.repo_type, &hub.repo_id);
+            let path = layout::blob_path(&repo, &hub.blob_id);
+            let lock = layout::lock_path(root, &hub.repo_type, &hub.repo_id, &hub.blob_id);
             return Some(Entry {
                 partial: with_suffix(&path, ".fastload-partial"),
                 path,
@@ -244,8 +245,8 @@ fn link_snapshot(blob: &Path, hub: &HubLocation) -> std::io::Result<()> {
         .parent()
         .and_then(Path::parent)
         .expect("a blob lies in <repo>/blobs");
-    let link = hub_layout::snapshot_path(repo, &hub.commit, &hub.path_in_repo);
-    let target = hub_layout::blob_link_target(&hub.path_in_repo, &hub.blob_id);
+    let link = layout::snapshot_path(repo, &hub.commit, &hub.path_in_repo);
+    let target = layout::blob_link_target(&hub.path_in_repo, &hub.blob_id);
     if fs::read_link(&link).ok().as_deref() != Some(target.as_path()) {
         fs::create_dir_all(link.parent().expect("a snapshot file has a folder"))?;
         let tmp = with_suffix(&link, &format!(".fastload-{}", std::process::id()));
@@ -254,9 +255,9 @@ fn link_snapshot(blob: &Path, hub: &HubLocation) -> std::io::Result<()> {
         fs::rename(&tmp, &link)?;
     }
     if let Some(revision) = &hub.revision {
-        if revision != &hub.commit && hub_layout::is_safe_path_in_repo(revision) {
-            let ref_file = hub_layout::ref_path(repo, revision);
-            if hub_layout::read_ref(repo, revision).as_deref() != Some(hub.commit.as_str()) {
+        if revision != &hub.commit && layout::is_safe_path_in_repo(revision) {
+            let ref_file = layout::ref_path(repo, revision);
+            if layout::read_ref(repo, revision).as_deref() != Some(hub.commit.as_str()) {
                 fs::create_dir_all(ref_file.parent().expect("a ref has a folder"))?;
                 write_atomically(&ref_file, hub.commit.as_bytes())?;
             }
@@ -423,16 +424,13 @@ mod tests {
                 .join(format!("{}.lock", "b".repeat(64)))
         );
         entry.verify_and_publish(&fill(&entry, b"hello")).unwrap();
-        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        let link = layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
         assert_eq!(fs::read(&link).unwrap(), b"hello");
         assert!(fs::symlink_metadata(&link)
             .unwrap()
             .file_type()
             .is_symlink());
-        assert_eq!(
-            hub_layout::read_ref(&repo, "main"),
-            Some(hub.commit.clone())
-        );
+        assert_eq!(layout::read_ref(&repo, "main"), Some(hub.commit.clone()));
         assert!(entry.is_cached());
         let mut evil = hub;
         evil.path_in_repo = "../x".into();

@@ -1,7 +1,7 @@
 //! Files of a Hugging Face Hub repo (`hf://`) as sources. Opening resolves the revision to a
 //! commit once, picks the files (the index's shards, else the folder's `*.safetensors`), and asks
 //! `resolve/` for each file's size and storage location, concurrently. A read is one ranged GET of
-//! that location (the token only goes to the Hub's own host) through [`super::remote`]'s one
+//! that location (the token only goes to the Hub's own host) through [`crate::source::remote`]'s one
 //! resumable read, pinned to the storage host's ETag (`If-Match`); the location is resolved again
 //! when its signature expires or the storage host refuses it.
 //!
@@ -17,14 +17,15 @@ use futures_util::stream::{StreamExt, TryStreamExt};
 use reqwest::header::{CONTENT_RANGE, ETAG, IF_MATCH, LAST_MODIFIED, RANGE};
 use reqwest::{Method, StatusCode};
 
-use super::remote::{self, io_error, Pin, RangedGet, Response, Version};
-use super::{local, Source};
-use crate::cache::{hub_layout, CacheIdentity, CacheSettings, HubLocation};
+use super::api::{self, net_error, FileMeta, Hub};
+use super::layout;
+use super::location::Location;
+use super::{HubSettings, HubUri};
 use crate::error::{Error, Result};
+use crate::source::identity::{CacheIdentity, HubLocation};
+use crate::source::remote::{self, io_error, Pin, RangedGet, Response, Version};
 use crate::format::{index_shard_names, INDEX_FILE};
-use crate::hub::api::{self, net_error, FileMeta, Hub};
-use crate::hub::location::Location;
-use crate::hub::{HubSettings, HubUri};
+use crate::source::{local, Source};
 
 /// `resolve/` requests in flight while opening.
 const META_CONCURRENCY: usize = 16;
@@ -264,7 +265,7 @@ fn identity(uri: &HubUri, commit: &str, path: &str, meta: &FileMeta) -> Option<C
             repo_type: "model".into(),
             repo_id: uri.repo_id.clone(),
             commit: commit.to_string(),
-            revision: (!crate::hub::is_commit(revision)).then(|| revision.to_string()),
+            revision: (!super::is_commit(revision)).then(|| revision.to_string()),
             path_in_repo: path.to_string(),
             blob_id,
         }),
@@ -273,28 +274,31 @@ fn identity(uri: &HubUri, commit: &str, path: &str, meta: &FileMeta) -> Option<C
 
 /// The files an `hf://` URI names, opened: remote files, or with `HF_HUB_OFFLINE` the cached
 /// snapshot's files.
-/// Files are named `hf://org/name@<commit>/<path>`; `cache` says where the index file, read
-/// whole here, is cached (the shards are cached by `crate::cache::wrap`).
+/// Files are named `hf://org/name@<commit>/<path>`. An index file, read whole here, is handed to
+/// `keep` with its identity (the opener caches it; the shards are cached by the opener too).
 pub fn open(
     uri: &str,
     storage_options: &[(String, String)],
-    cache: &CacheSettings,
+    keep: &Keep<'_>,
 ) -> Result<Vec<Arc<dyn Source>>> {
     let parsed = HubUri::parse(uri)?;
     // The retry and stall-rule keys of object stores (max_retries, retry_timeout, min_rate,
     // min_rate_window) drive the Hub's requests and reads too.
-    let (retry, rest) = crate::object::split_retry_options(storage_options)?;
+    let (retry, rest) = crate::source::object::split_retry_options(storage_options)?;
     let settings = HubSettings::from_env(&rest)?;
     if settings.offline {
         return local::open(&[offline_path(&parsed)?.display().to_string()]);
     }
     let hub = Hub::new(settings, retry)?;
-    crate::runtime::block_on(uri, open_remote(hub, parsed, cache))
+    crate::runtime::block_on(uri, open_remote(hub, parsed, keep))
 }
 
-async fn open_remote(hub: Hub, uri: HubUri, cache: &CacheSettings) -> Result<Vec<Arc<dyn Source>>> {
+/// What [`open`] hands a file it read whole while opening (an index file), with its identity.
+pub type Keep<'a> = dyn Fn(&CacheIdentity, &[u8]) + Sync + 'a;
+
+async fn open_remote(hub: Hub, uri: HubUri, keep: &Keep<'_>) -> Result<Vec<Arc<dyn Source>>> {
     let info = hub.repo_info(&uri).await?;
-    let paths = pick_files(&hub, &uri, &info.commit, &info.files, cache).await?;
+    let paths = pick_files(&hub, &uri, &info.commit, &info.files, keep).await?;
     let hub_ref = &hub;
     let commit = info.commit.as_str();
     let uri_ref = &uri;
@@ -344,12 +348,12 @@ async fn pick_files(
     uri: &HubUri,
     commit: &str,
     files: &[String],
-    cache: &CacheSettings,
+    keep: &Keep<'_>,
 ) -> Result<Vec<String>> {
     let name = uri.file_uri(commit, &uri.path);
     if files.iter().any(|f| f == &uri.path) {
         if uri.path.ends_with(".json") {
-            return index_files(hub, uri, commit, &uri.path, cache).await;
+            return index_files(hub, uri, commit, &uri.path, keep).await;
         }
         return Ok(vec![uri.path.clone()]);
     }
@@ -360,7 +364,7 @@ async fn pick_files(
     };
     let index = format!("{folder}{INDEX_FILE}");
     if files.contains(&index) {
-        return index_files(hub, uri, commit, &index, cache).await;
+        return index_files(hub, uri, commit, &index, keep).await;
     }
     let shards: Vec<String> = files
         .iter()
@@ -388,15 +392,13 @@ async fn index_files(
     uri: &HubUri,
     commit: &str,
     index: &str,
-    cache: &CacheSettings,
+    keep: &Keep<'_>,
 ) -> Result<Vec<String>> {
     let name = uri.file_uri(commit, index);
     let url = hub.resolve_url(&uri.repo_id, commit, index);
     let (meta, bytes) = hub.fetch(&name, &uri.repo_id, &url).await?;
     if let Some(identity) = identity(uri, commit, index, &meta) {
-        if cache.enabled() && identity.size == bytes.len() as u64 {
-            crate::cache::put_whole(&identity, &bytes, cache);
-        }
+        keep(&identity, &bytes);
     }
     let dir = index
         .rsplit_once('/')
@@ -412,20 +414,20 @@ async fn index_files(
 /// The cached snapshot path of `uri` (`HF_HUB_OFFLINE`): `refs/<revision>` gives the commit
 /// unless the revision is one.
 fn offline_path(uri: &HubUri) -> Result<PathBuf> {
-    let repo = hub_layout::repo_path(&hub_layout::hub_cache_root(), "model", &uri.repo_id);
+    let repo = layout::repo_path(&layout::hub_cache_root(), "model", &uri.repo_id);
     let revision = uri.revision();
-    let commit = if crate::hub::is_commit(revision) {
+    let commit = if super::is_commit(revision) {
         Some(revision.to_lowercase())
     } else {
-        match hub_layout::read_ref(&repo, revision) {
+        match layout::read_ref(&repo, revision) {
             // Checked as online: anything else (`../../x`) would name a folder outside the cache.
-            Some(commit) if !crate::hub::is_commit(&commit) => {
+            Some(commit) if !super::is_commit(&commit) => {
                 return Err(io_error(
                     &format!("hf://{}@{revision}", uri.repo_id),
                     io::ErrorKind::InvalidData,
                     format!(
                         "HF_HUB_OFFLINE is set and {} holds {commit:?}, not a 40-hex commit",
-                        hub_layout::ref_path(&repo, revision).display()
+                        layout::ref_path(&repo, revision).display()
                     ),
                 ))
             }

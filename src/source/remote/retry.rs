@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use object_store::{BackoffConfig, RetryConfig};
 
 /// How hard reads try before giving up. Storage options can override `max_retries` and
-/// `retry_timeout` for the requests of one store (`config::split_retry_options`).
+/// `retry_timeout` for the requests of one store (`split_retry_options` in object/config.rs).
 #[derive(Debug, Clone)]
 pub struct RetrySettings {
     /// Waits between attempts: `init_backoff`, times `base` after each attempt, at most

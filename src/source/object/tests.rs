@@ -49,33 +49,6 @@ const KEYS: &[(&str, &str)] = &[
 ];
 
 #[test]
-fn recognises_remote_schemes() {
-    for uri in [
-        "s3://b/k",
-        "S3://b/k",
-        "s3a://b/k",
-        "gs://b/k",
-        "az://c/k",
-        "abfs://c/k",
-        "abfss://c@a.dfs.core.windows.net/k",
-        "http://h/x",
-        "https://h/x",
-    ] {
-        assert!(is_remote(uri), "{uri}");
-    }
-    for uri in [
-        "/tmp/x",
-        "x.safetensors",
-        "file:///tmp/x",
-        "memory:///x",
-        "ftp://h/x",
-        "",
-    ] {
-        assert!(!is_remote(uri), "{uri}");
-    }
-}
-
-#[test]
 fn endpoint_means_path_style_and_http_when_http() {
     let mut e = KEYS.to_vec();
     e.push(("AWS_ENDPOINT_URL", "http://127.0.0.1:9000"));

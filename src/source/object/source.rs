@@ -1,6 +1,6 @@
 //! Objects behind `object_store` (s3://, gs://, az://, http(s)://) as sources: listing and
-//! configuration live in [`crate::object`]; each read is one ranged GET that resumes a body cut
-//! off midway, with object_store's retries for failed requests.
+//! configuration live beside this file in [`super`]; each read is one ranged GET that resumes a
+//! body cut off midway, with object_store's retries for failed requests.
 
 use std::sync::Arc;
 
@@ -8,11 +8,11 @@ use futures_util::future::BoxFuture;
 use object_store::path::Path;
 use object_store::ObjectStore;
 
-use super::Source;
-use crate::cache::CacheIdentity;
+use super::RetrySettings;
 use crate::error::Result;
-use crate::object::RetrySettings;
+use crate::source::identity::CacheIdentity;
 use crate::source::remote::{is_strong, Pin, Version};
+use crate::source::Source;
 
 /// One object of a store.
 #[derive(Debug)]
@@ -73,7 +73,7 @@ impl Source for RemoteObject {
     }
 
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-        Box::pin(crate::object::read_pinned(
+        Box::pin(crate::source::object::read_pinned(
             self.store.as_ref(),
             &self.path,
             offset,
@@ -100,9 +100,12 @@ impl Source for RemoteObject {
 }
 
 /// Lists what an object-store URI names (a prefix, an index, one object): one source per object.
-pub fn open(uri: &str, storage_options: &[(String, String)]) -> Result<Vec<Arc<dyn Source>>> {
-    let remote = crate::object::open(uri, storage_options)?;
-    let objects = crate::runtime::block_on(uri, crate::object::resolve(&remote))?;
+pub fn open_sources(
+    uri: &str,
+    storage_options: &[(String, String)],
+) -> Result<Vec<Arc<dyn Source>>> {
+    let remote = super::open(uri, storage_options)?;
+    let objects = crate::runtime::block_on(uri, super::resolve(&remote))?;
     Ok(objects
         .into_iter()
         .map(|found| {

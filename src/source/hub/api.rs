@@ -14,8 +14,8 @@ use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::bounded::{Capped, Whole};
 use crate::error::{Error, Result};
-pub use crate::object::io_error;
-use crate::object::RetrySettings;
+use crate::source::object::RetrySettings;
+pub use crate::source::remote::io_error;
 use crate::source::remote::{self, Attempt};
 
 /// Redirects to follow within the Hub (a renamed repo answers 307 with a relative location).
@@ -55,7 +55,7 @@ pub struct FileMeta {
 
 impl Hub {
     pub fn new(settings: HubSettings, retry: RetrySettings) -> Result<Hub> {
-        crate::object::install_crypto();
+        crate::source::object::install_crypto();
         let endpoint = crate::options::check_endpoint(&settings.endpoint)
             .map_err(|e| Error::option("HF_ENDPOINT", e))?;
         let client = reqwest::Client::builder()

@@ -8,8 +8,8 @@ use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore};
 
 use super::errors::*;
-use super::retry::RetrySettings;
 use crate::error::Result;
+use crate::source::remote::RetrySettings;
 use crate::source::remote::{self, Pin, RangedGet, Response, Version};
 
 /// One object of a store, as [`RangedGet`] sees it.

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use futures_util::future::BoxFuture;
 
 use super::entry::hex;
-use super::CacheIdentity;
 use crate::error::{Error, Result};
+use crate::source::identity::CacheIdentity;
 use crate::source::Source;
 
 /// A source whose bytes are hashed as they are read and checked against `want` once every byte

@@ -18,8 +18,8 @@ use futures_util::future::BoxFuture;
 
 use super::entry::Entry;
 use super::Run;
-use crate::cache::CacheIdentity;
 use crate::error::Result;
+use crate::source::identity::CacheIdentity;
 use crate::source::Source;
 
 /// A remote source whose reads also fill the local copy.

@@ -3,9 +3,9 @@
 //! atomically, and a later load of the same object reads the local copy.
 //!
 //! Remote sources say who they are with [`crate::source::Source::cache_identity`]; [`wrap`],
-//! called by [`crate::source::open_all`], replaces each source that has a verified copy with a
-//! local source, or wraps it in a filling source. Objects from the Hugging Face Hub
-//! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`hub_layout`]), so that
+//! called only by the opening code (`open_all` in source/open.rs), replaces each source that has
+//! a verified copy with a local source, or wraps it in a filling source. Objects from the Hugging Face Hub
+//! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`layout`]), so that
 //! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache
 //! directory ([`default_dir`]).
 
@@ -15,55 +15,22 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::Result;
 use crate::options::{CacheChoice, LoadOptions};
+use crate::source::hub::layout;
+use crate::source::identity::CacheIdentity;
 use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
 
 pub mod entry;
 mod fill;
-pub mod hub_layout;
 pub mod verify;
-
-/// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CacheIdentity {
-    /// Canonical URI without credentials or query: `s3://bucket/key`,
-    /// `hf://org/repo@<commit>/path`.
-    pub uri: String,
-    pub size: u64,
-    /// The object's ETag (or version) as the store reported it, quotes included.
-    pub etag: Option<String>,
-    /// Lowercase hex sha256 of the content, when the source knows it (Hub LFS files).
-    pub sha256: Option<String>,
-    /// Where the object lives in a Hugging Face repository; the copy then goes to the HF cache.
-    pub hub: Option<HubLocation>,
-}
-
-/// A file of a Hugging Face repository at one commit.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HubLocation {
-    /// "model" ("dataset", "space").
-    pub repo_type: String,
-    /// "org/name".
-    pub repo_id: String,
-    /// The 40-hex commit the revision resolved to.
-    pub commit: String,
-    /// The ref asked for (branch or tag): `refs/<revision>` gets `commit`. `None` when a commit
-    /// was asked for.
-    pub revision: Option<String>,
-    /// "sub/model-00001-of-00002.safetensors".
-    pub path_in_repo: String,
-    /// The blob's name in the HF cache: the file's etag without quotes (the sha256 for LFS files,
-    /// the git sha1 otherwise).
-    pub blob_id: String,
-}
 
 /// Whether and where to cache.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CacheSettings {
     /// The fastload cache directory; `None`: caching is off.
     pub dir: Option<PathBuf>,
-    /// The Hugging Face cache ([`hub_layout::hub_cache_root`]) for Hub objects.
+    /// The Hugging Face cache ([`layout::hub_cache_root`]) for Hub objects.
     pub hub_root: PathBuf,
     /// Whether objects without a copy are filled (`false`: copies are read, none written; a
     /// rank of a distributed load reads a share of each object, never a whole one).
@@ -79,7 +46,7 @@ impl CacheSettings {
     /// reads them.
     pub fn off() -> CacheSettings {
         CacheSettings {
-            hub_root: hub_layout::hub_cache_root(),
+            hub_root: layout::hub_cache_root(),
             ..CacheSettings::default()
         }
     }
@@ -88,20 +55,22 @@ impl CacheSettings {
     pub fn at(dir: PathBuf) -> CacheSettings {
         CacheSettings {
             dir: Some(dir),
-            hub_root: hub_layout::hub_cache_root(),
+            hub_root: layout::hub_cache_root(),
             fill: true,
             verify: false,
         }
     }
 
-    /// The settings a load's options ask for ([`LoadOptions::cache_choice`], `verify`).
-    pub fn of(options: &LoadOptions) -> Result<CacheSettings> {
-        let mut settings = match options.cache_choice()? {
+    /// The cache settings of a load with `options`: its choice, else `FASTLOAD_CACHE`, else off
+    /// ([`LoadOptions::cache_choice`]).
+    pub fn for_load(options: &LoadOptions) -> Result<CacheSettings> {
+        let (choice, verify) = options.cache_choice()?;
+        let mut settings = match choice {
             CacheChoice::Off => CacheSettings::off(),
             CacheChoice::Default => CacheSettings::at(default_dir()),
             CacheChoice::Dir(dir) => CacheSettings::at(dir),
         };
-        settings.verify = options.verify_choice()?;
+        settings.verify = verify;
         Ok(settings)
     }
 
@@ -310,6 +279,7 @@ pub fn stats() -> CacheStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::identity::HubLocation;
     use futures_util::future::BoxFuture;
 
     /// An in-memory object that says who it is, as remote sources do.
@@ -385,18 +355,15 @@ mod tests {
         }
         drop(wrapped);
         tokio::task::spawn_blocking(wait_published).await.unwrap();
-        let repo = hub_layout::repo_path(&settings.hub_root, "model", "org/name");
+        let repo = layout::repo_path(&settings.hub_root, "model", "org/name");
         let hub = identity.hub.as_ref().unwrap();
-        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        let link = layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
         assert_eq!(std::fs::read(&link).unwrap(), data);
-        assert_eq!(
-            hub_layout::read_ref(&repo, "main"),
-            Some(hub.commit.clone())
-        );
+        assert_eq!(layout::read_ref(&repo, "main"), Some(hub.commit.clone()));
         let again = wrap(vec![remote], &settings);
         assert_eq!(
             again[0].local_path(),
-            Some(hub_layout::blob_path(&repo, &hub.blob_id).as_path())
+            Some(layout::blob_path(&repo, &hub.blob_id).as_path())
         );
 
         // A whole small file (an index) through put_whole, into the same layout.
@@ -404,7 +371,7 @@ mod tests {
         let index_id = hub_object(index, "model.safetensors.index.json");
         put_whole(&index_id, index, &settings);
         let hub = index_id.hub.as_ref().unwrap();
-        let link = hub_layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
+        let link = layout::snapshot_path(&repo, &hub.commit, &hub.path_in_repo);
         assert_eq!(std::fs::read(link).unwrap(), index);
     }
 }

@@ -6,9 +6,10 @@
 //! - this module: the URI and the settings taken from the environment;
 //! - [`api`]: the Hub's HTTP API (revision → commit and file list, `resolve/` → where the bytes
 //!   are), its errors, and the one retry loop for Hub requests;
-//! - [`location`]: a resolved storage location and when it expires.
-//!
-//! The files themselves are sources (`crate::source::hub`).
+//! - [`location`]: a resolved storage location and when it expires;
+//! - [`layout`]: the Hugging Face cache's layout (where `HF_HUB_OFFLINE` finds snapshots and where
+//!   the local cache puts Hub files);
+//! - files.rs: the files themselves as sources ([`HubFile`], opened by [`open`]).
 //!
 //! Why not the `hf-hub` crate: it downloads whole files into the cache (sync or tokio API, with
 //! its own client and progress bars); what a load needs is ranged reads of a resolved location
@@ -20,7 +21,11 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 
 pub mod api;
+mod files;
+pub mod layout;
 pub mod location;
+
+pub use files::open;
 
 /// The URI scheme.
 pub const SCHEME: &str = "hf";
@@ -30,12 +35,6 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 const MAX_TOKEN_FILE: u64 = 64 * 1024;
 /// The revision of a URI without `@`.
 pub const DEFAULT_REVISION: &str = "main";
-
-/// True for `hf://` URIs.
-pub fn is_hub(uri: &str) -> bool {
-    uri.split_once("://")
-        .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case(SCHEME))
-}
 
 /// A parsed `hf://` URI.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,7 +197,7 @@ impl HubSettings {
         let endpoint = endpoint.trim().trim_end_matches('/').to_string();
         crate::error::remember_url_credentials(&endpoint);
         crate::options::check_endpoint(&endpoint).map_err(|e| {
-            let shown = crate::object::redact_uri(&endpoint);
+            let shown = crate::source::object::redact_uri(&endpoint);
             Error::option(endpoint_from, format!("{shown:?}: {e}"))
         })?;
         let hf_home = hf_home(&env);

@@ -1,0 +1,38 @@
+//! Who a remote object is: the plain data that remote sources report
+//! ([`crate::source::Source::cache_identity`]), the Hub fills in, and the local cache
+//! (source/cache/) files copies under. Both the Hub and the cache import it; neither
+//! imports the other for it.
+
+/// Who a remote object is: enough to find a cached copy and to tell whether it is still current.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheIdentity {
+    /// Canonical URI without credentials or query: `s3://bucket/key`,
+    /// `hf://org/repo@<commit>/path`.
+    pub uri: String,
+    pub size: u64,
+    /// The object's ETag (or version) as the store reported it, quotes included.
+    pub etag: Option<String>,
+    /// Lowercase hex sha256 of the content, when the source knows it (Hub LFS files).
+    pub sha256: Option<String>,
+    /// Where the object lives in a Hugging Face repository; the copy then goes to the HF cache.
+    pub hub: Option<HubLocation>,
+}
+
+/// A file of a Hugging Face repository at one commit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubLocation {
+    /// "model" ("dataset", "space").
+    pub repo_type: String,
+    /// "org/name".
+    pub repo_id: String,
+    /// The 40-hex commit the revision resolved to.
+    pub commit: String,
+    /// The ref asked for (branch or tag): `refs/<revision>` gets `commit`. `None` when a commit
+    /// was asked for.
+    pub revision: Option<String>,
+    /// "sub/model-00001-of-00002.safetensors".
+    pub path_in_repo: String,
+    /// The blob's name in the HF cache: the file's etag without quotes (the sha256 for LFS files,
+    /// the git sha1 otherwise).
+    pub blob_id: String,
+}
