@@ -22,9 +22,9 @@ use super::layout;
 use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::error::{Error, Result};
+use crate::format::{index_shard_names, INDEX_FILE};
 use crate::source::identity::{CacheIdentity, HubLocation};
 use crate::source::remote::{self, io_error, Pin, RangedGet, Response, Version};
-use crate::format::{index_shard_names, INDEX_FILE};
 use crate::source::{local, Source};
 
 /// `resolve/` requests in flight while opening.
