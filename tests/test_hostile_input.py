@@ -23,7 +23,7 @@ import fastload
 import huggingface_hub
 import pytest
 from helpers import assert_same_tensors, reference, run_probe, write_one_tensor
-from hub_server import MockHub
+from servers.hub import MockHub
 
 TOKEN = "hf_Echoed_Token_4242_abcdef"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -399,7 +399,7 @@ def test_offline_a_missing_file_is_not_found_and_a_missing_revision_is_named(
     try:
         commit = hub.add("org/m", {"model.safetensors": dtypes_file.read_bytes()})
         cache = tmp_path / "hf_home" / "hub"
-        huggingface_hub.snapshot_download("org/m", endpoint=hub.url, cache_dir=cache)
+        huggingface_hub.snapshot_download("org/m", endpoint=hub.base, cache_dir=cache)
     finally:
         hub.close()
     hub_env.setenv("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""hf:// against the mock Hub (hub_server.py): the Hub's URIs, revisions and files, tokens and
+"""hf:// against the mock Hub (servers/hub.py): the Hub's URIs, revisions and files, tokens and
 their errors, redirects to a storage host that never sees the token, signed locations that expire
 or are refused, injected 429/5xx, and offline loads from the Hugging Face cache. The real
 `huggingface_hub` client reads the same mock, which shows the mock is faithful.
@@ -19,7 +19,7 @@ from helpers import (
     write_all_dtypes,
     write_multi_block,
 )
-from hub_server import MockHub
+from servers.hub import MockHub
 
 REPO = "org/model"
 TOKEN = "hf_secret_token_value"
@@ -57,7 +57,7 @@ def env(hub, monkeypatch, tmp_path):
         "HF_HUB_CACHE",
     ):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_ENDPOINT", hub.base)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     hub.faults.clear()
     hub.storage.faults.clear()
@@ -72,10 +72,10 @@ def test_the_real_client_reads_the_mock(hub, env, sharded_dir, tmp_path):
     """huggingface_hub's hf_hub_download and snapshot_download work against the mock, bitwise."""
     cache = tmp_path / "cache"
     name = "model-00001-of-00003.safetensors"
-    path = huggingface_hub.hf_hub_download(REPO, name, endpoint=hub.url, cache_dir=cache)
+    path = huggingface_hub.hf_hub_download(REPO, name, endpoint=hub.base, cache_dir=cache)
     assert Path(path).read_bytes() == (sharded_dir / name).read_bytes()
     assert f"snapshots/{hub.v1}/" in path
-    folder = huggingface_hub.snapshot_download(REPO, endpoint=hub.url, cache_dir=cache)
+    folder = huggingface_hub.snapshot_download(REPO, endpoint=hub.base, cache_dir=cache)
     for rel, data in files_of(sharded_dir).items():
         assert (Path(folder) / rel).read_bytes() == data, rel
     # The client's download went through the signed redirect, without the token.
@@ -230,7 +230,7 @@ def swapping_hub(env, multi_block_file, tmp_path):
     own.plain.add("plain/big.safetensors")
     data = multi_block_file.read_bytes()
     own.add(REPO, {"big.safetensors": data, "plain/big.safetensors": data})
-    env.setenv("HF_ENDPOINT", own.url)
+    env.setenv("HF_ENDPOINT", own.base)
     new = write_multi_block(tmp_path / "new.safetensors", seed=100)
     yield own, new
     own.close()
@@ -267,7 +267,7 @@ def test_a_file_overwritten_while_loading_is_an_error_not_torn(swapping_hub, env
 
 def test_offline_reads_the_hf_cache(hub, env, tmp_path, sharded_dir):
     cache = tmp_path / "hf_home" / "hub"
-    huggingface_hub.snapshot_download(REPO, endpoint=hub.url, cache_dir=cache)
+    huggingface_hub.snapshot_download(REPO, endpoint=hub.base, cache_dir=cache)
     env.setenv("HF_HUB_OFFLINE", "1")
     env.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: must not be asked
     want = reference(*indexed_files(sharded_dir))
@@ -308,7 +308,7 @@ def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir
     own = MockHub()
     try:
         commit = own.add(REPO, files_of(sharded_dir))
-        env.setenv("HF_ENDPOINT", own.url)
+        env.setenv("HF_ENDPOINT", own.base)
         want = reference(*indexed_files(sharded_dir))
         published = fastload.cache_stats()["published"]  # waits for the copies to publish
         assert_same_tensors(fastload.load(f"hf://{REPO}", cache=True), want)
@@ -317,11 +317,11 @@ def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir
         names = ["model.safetensors.index.json", *(p.name for p in indexed_files(sharded_dir))]
         for name in names:
             path = huggingface_hub.hf_hub_download(
-                REPO, name, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+                REPO, name, endpoint=own.base, cache_dir=hub_cache, local_files_only=True
             )
             assert Path(path).read_bytes() == (sharded_dir / name).read_bytes(), name
         folder = huggingface_hub.snapshot_download(
-            REPO, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+            REPO, endpoint=own.base, cache_dir=hub_cache, local_files_only=True
         )
         assert Path(folder).name == commit
         for name in names:
@@ -378,7 +378,7 @@ def test_files_outside_lfs_with_weak_or_long_etags(env, tmp_path, etag):
         own.add("org/plain", files)
         own.plain |= set(files)
         own.plain_etag = etag
-        env.setenv("HF_ENDPOINT", own.url)
+        env.setenv("HF_ENDPOINT", own.base)
         before = fastload.cache_stats()
         for name, data in files.items():
             for _ in range(2):
@@ -406,7 +406,7 @@ def test_verify_checks_lfs_files_wherever_their_bytes_come_from(env, tmp_path, d
     try:
         data = dtypes_file.read_bytes()
         own.add("org/v", {"model.safetensors": data})
-        env.setenv("HF_ENDPOINT", own.url)
+        env.setenv("HF_ENDPOINT", own.base)
         want = reference(dtypes_file)
         sha = hashlib.sha256(data).hexdigest()
         blob = tmp_path / "hf_cache" / "models--org--v" / "blobs" / sha
