@@ -445,3 +445,141 @@ def test_verify_checks_lfs_files_wherever_their_bytes_come_from(env, tmp_path, d
         assert sorted(blob.parent.iterdir()) == []
     finally:
         own.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Xet-backed repos, as the Hub serves them in 2026: the HEAD of resolve/ answers 302 with the
+# metadata (X-Xet-Hash, a Link rel="xet-auth") and a signed URL on a bridge host, which honours
+# Range, refuses a plain GET of a large file and ignores Range when gzip is accepted.
+
+XET = "org/xet"
+
+
+@pytest.fixture(scope="module")
+def xet_hub(sharded_dir, multi_block_file):
+    hub = MockHub()
+    tree = files_of(sharded_dir)
+    tree["big.safetensors"] = multi_block_file.read_bytes()
+    hub.xet_commit = hub.add(XET, tree, xet=True)
+    yield hub
+    hub.close()
+
+
+@pytest.fixture
+def xet_env(xet_hub, env):
+    env.setenv("HF_ENDPOINT", xet_hub.base)
+    xet_hub.bridge.plain_get_limit = 1  # every plain GET of an LFS file is refused
+    return env
+
+
+def bridge_requests(hub, since: int = 0) -> list:
+    return hub.requests(hub.bridge)[since:]
+
+
+def test_a_xet_repo_loads_bitwise_through_the_bridge(xet_hub, xet_env, sharded_dir):
+    before, before_hub = len(bridge_requests(xet_hub)), len(xet_hub.requests())
+    refused, whole = xet_hub.bridge.refused_plain, xet_hub.bridge.whole_for_gzip
+    got = fastload.load(f"hf://{XET}", block_size="64KiB")
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    to_bridge = bridge_requests(xet_hub, before)
+    # Only ranged GETs, each asking for the bytes as stored; the HEAD's redirect never followed.
+    assert to_bridge and all(r[0] == "GET" for r in to_bridge), to_bridge
+    assert all(r[2].get("range", "").startswith("bytes=") for r in to_bridge)
+    assert all(r[2].get("accept-encoding") == "identity" for r in to_bridge)
+    assert xet_hub.bridge.refused_plain == refused and xet_hub.bridge.whole_for_gzip == whole
+    # The Hub is asked for the metadata of each Xet file with a HEAD, never for its bytes.
+    resolved = [r for r in xet_hub.requests()[before_hub:] if r[1].endswith(".safetensors")]
+    assert resolved and all(r[0] == "HEAD" and "/resolve/" in r[1] for r in resolved), resolved
+    assert not xet_hub.requests(xet_hub.storage)  # nothing of a xet repo is on the LFS host
+
+
+def test_a_file_only_fetchable_with_ranges_loads(xet_hub, xet_env, multi_block_file):
+    """A file above the bridge's limit for plain GETs (50 GB on the real host) loads."""
+    size = multi_block_file.stat().st_size
+    xet_hub.bridge.plain_get_limit = size // 2
+    url = f"{xet_hub.base}/{XET}/resolve/main/big.safetensors"
+    assert _get(_head(url)["location"])[0] == 400  # a plain GET is refused
+    got = fastload.load(f"hf://{XET}/big.safetensors", block_size="64KiB")
+    assert_same_tensors(got, reference(multi_block_file))
+
+
+def _head(url: str) -> dict:
+    """The headers of a HEAD of `url`, redirects not followed (lower-case names)."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.netloc, timeout=10)
+    try:
+        conn.request("HEAD", parts.path)
+        response = conn.getresponse()
+        response.read()
+        return {"status": response.status, **{k.lower(): v for k, v in response.getheaders()}}
+    finally:
+        conn.close()
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {})) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_the_mock_serves_xet_files_as_the_hub_does(xet_hub, xet_env, sharded_dir):
+    name = "model-00001-of-00003.safetensors"
+    data = (sharded_dir / name).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    head = _head(f"{xet_hub.base}/{XET}/resolve/main/{name}")
+    # The metadata is on the 302 itself; the location is a signed URL on another host.
+    assert head["status"] == 302, head
+    assert head["x-repo-commit"] == xet_hub.xet_commit
+    assert head["x-linked-size"] == str(len(data)) and head["x-linked-etag"] == f'"{sha}"'
+    assert len(head["x-xet-hash"]) == 64 and head["x-xet-hash"] != sha
+    assert 'rel="xet-auth"' in head["link"]
+    location = head["location"]
+    assert location.startswith(xet_hub.bridge.base) and "Signature=" in location
+    # The bridge: 206 for a range, 400 for a plain GET of a file above its limit, the whole file
+    # with 200 (Range ignored) when gzip is accepted, and 403 once the signature is altered.
+    assert _get(location, {"Range": "bytes=8-15"}) == (206, data[8:16])
+    assert _get(location)[0] == 400
+    whole = xet_hub.bridge.whole_for_gzip
+    assert _get(location, {"Range": "bytes=8-15", "Accept-Encoding": "gzip"}) == (200, data)
+    assert xet_hub.bridge.whole_for_gzip == whole + 1
+    assert _get(location.replace("Signature=", "Signature=0"), {"Range": "bytes=0-1"})[0] == 403
+    xet_hub.bridge.plain_get_limit = len(data)
+    assert _get(location) == (200, data)
+
+
+def test_the_real_client_reads_a_xet_repo(xet_hub, xet_env, sharded_dir, tmp_path, monkeypatch):
+    """huggingface_hub downloads a Xet-backed file from the mock through the bridge (hf_xet's
+    own protocol is not served: its fallback, plain HTTP, is what reads the bridge)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    xet_hub.bridge.plain_get_limit = 50 * 10**9
+    name = "model-00001-of-00003.safetensors"
+    data = (sharded_dir / name).read_bytes()
+    before = len(bridge_requests(xet_hub))
+    path = huggingface_hub.hf_hub_download(XET, name, endpoint=xet_hub.base, cache_dir=tmp_path)
+    assert Path(path).read_bytes() == data
+    assert f"snapshots/{xet_hub.xet_commit}/" in path
+    # Named by the LFS sha256 in the cache, as for any LFS file.
+    assert Path(path).resolve().name == hashlib.sha256(data).hexdigest()
+    assert any(r[0] == "GET" for r in bridge_requests(xet_hub, before))
+
+
+def test_a_whole_file_for_a_range_is_an_error(xet_hub, xet_env, multi_block_file):
+    """A host that answers a ranged GET with 200 and the whole file (as CloudFront does when
+    gzip is accepted) is refused with a clear error, never taken for the range."""
+    xet_hub.bridge.ignores_range = True
+    try:
+        with pytest.raises(fastload.StorageError, match="ignored Range") as e:
+            fastload.load(f"hf://{XET}/big.safetensors", block_size="64KiB")
+    finally:
+        xet_hub.bridge.ignores_range = False
+    assert "big.safetensors" in str(e.value) and "200 OK" in str(e.value), e.value

@@ -165,7 +165,10 @@ class _StorageHandler(_Base):
                 self.server.refused_plain += 1
             self._reply(400, b"<Error>InvalidRequest: a file this large needs Range</Error>")
             return
-        whole = ranged and self.server.gzip_ignores_range and accepts_gzip(self.headers)
+        whole = ranged and (
+            self.server.ignores_range
+            or (self.server.gzip_ignores_range and accepts_gzip(self.headers))
+        )
         if whole:
             with self.server.lock:
                 self.server.whole_for_gzip += 1
@@ -198,6 +201,7 @@ class Storage(_Server):
         # A bridge's ways (see `Bridge`); a plain storage host has neither.
         self.plain_get_limit: int | None = None
         self.gzip_ignores_range = False
+        self.ignores_range = False  # every ranged GET gets the whole file with 200 (a bad CDN)
         self.refused_plain = 0  # plain GETs answered 400
         self.whole_for_gzip = 0  # ranged GETs answered 200 with the whole file
         super().__init__(_StorageHandler)
