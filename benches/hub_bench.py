@@ -122,7 +122,7 @@ def main() -> None:
     best("fastload, local disk (warm page cache)", "fastload", str(ckpt), base_env)
     for rate in (float(r) for r in args.rates.split(",")):
         server = subprocess.Popen(
-            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt),
+            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt.resolve()),
              "--repo", REPO, "--rate", str(rate)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT / "tests",
         )  # fmt: skip

@@ -106,7 +106,7 @@ def main() -> None:
     best("transformers, local folder", "plain", str(ckpt), base_env, False)
     for rate in (float(r) for r in args.rates.split(",")):
         server = subprocess.Popen(
-            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt),
+            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt.resolve()),
              "--repo", REPO, "--rate", str(rate)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT / "tests",
         )  # fmt: skip
