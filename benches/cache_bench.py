@@ -1,6 +1,6 @@
 """What the local cache (``cache=``) costs and gives.
 
-Serves a generated checkpoint from tests/http_server.py's Range server (ETags, in a process of
+Serves a generated checkpoint from tests/servers/http.py's Range server (ETags, in a process of
 its own) and times, each ``--reps`` times (the best and median reported):
 
 - ``local``: ``fastload.load(path)`` of the same file on local disk (warm page cache);
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from http_server import start_server
+from servers.http import start_server
 server = start_server({"m/model.safetensors": sys.argv[1]})
 print(server.url("m/model.safetensors"), flush=True)
 time.sleep(1e9)

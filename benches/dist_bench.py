@@ -3,7 +3,7 @@
     python benches/dist_bench.py                       # 4 ranks, 256 MiB in 4 shards, 2 rounds
     python benches/dist_bench.py --ranks 4 --size 1GiB --reps 3 --loaders fastload,runai
 
-One run starts `weed mini` on 127.0.0.1 (tests/s3_server.py, with its Prometheus metrics port on),
+One run starts `weed mini` on 127.0.0.1 (tests/servers/s3.py, with its Prometheus metrics port on),
 uploads the checkpoint made by benches/make_checkpoint.py, then measures each row with a fresh
 group of processes (torch.distributed, gloo, env:// on 127.0.0.1), rows interleaved per round:
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(HERE))
     import make_checkpoint
-    import s3_server
+    from servers import s3 as s3_server
 
     stamp = make_checkpoint.generate(
         make_checkpoint.make_spec(args.size, "bf16", args.shards), HERE / "out" / "ckpt"

@@ -1,4 +1,4 @@
-"""hf:// through the mock Hub (tests/hub_server.py, in its own process) against
+"""hf:// through the mock Hub (tests/servers/hub.py, in its own process) against
 `huggingface_hub.snapshot_download` + `safetensors.torch.load_file`, and against fastload from
 local disk, unlimited and at rate-limited storage links.
 
@@ -122,9 +122,9 @@ def main() -> None:
     best("fastload, local disk (warm page cache)", "fastload", str(ckpt), base_env)
     for rate in (float(r) for r in args.rates.split(",")):
         server = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "hub_server.py"), "--dir", str(ckpt),
+            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt.resolve()),
              "--repo", REPO, "--rate", str(rate)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT / "tests",
         )  # fmt: skip
         try:
             url = server.stdout.readline().strip()

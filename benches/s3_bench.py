@@ -5,7 +5,7 @@
     python benches/s3_bench.py --size 1GiB --reps 5 --delay-ms 15 --concurrency 16,64
     python benches/s3_bench.py --raw-client both --boto3-concurrency 10,32 --no-latency
 
-One run starts `weed mini` on 127.0.0.1 (tests/s3_server.py), uploads the checkpoint made by
+One run starts `weed mini` on 127.0.0.1 (tests/servers/s3.py), uploads the checkpoint made by
 benches/make_checkpoint.py, starts a delaying TCP proxy in front of it (benches/latency_proxy.py:
 --delay-ms each way, so twice that in round trip; this kernel has no netem), then measures, each
 in a fresh process, rounds interleaved with a rotated order:
@@ -598,8 +598,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(HERE))
     import latency_proxy
-    import s3_server
     from make_checkpoint import parse_size
+    from servers import s3 as s3_server
 
     quick = args.quick
     size = args.size or ("256MiB" if quick else "2GiB")

@@ -4,7 +4,7 @@
     python benches/serve_bench.py                     # ~300 MB Llama, 10 ms each way, 2 rounds
     python benches/serve_bench.py --layers 4 --rounds 1 --delay-ms 0
 
-One run starts SeaweedFS (`weed mini`, tests/s3_server.py) on 127.0.0.1, writes a random Llama
+One run starts SeaweedFS (`weed mini`, tests/servers/s3.py) on 127.0.0.1, writes a random Llama
 (bf16 safetensors shards, config and a tokenizer) with transformers and uploads it, puts the
 delay line of the other benches in front (benches/latency_proxy.py: --delay-ms each way), then
 times, each in a fresh process of .venv-serve-bench with vLLM in-process
@@ -154,7 +154,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(HERE))
     import latency_proxy
-    import s3_server
+    from servers import s3 as s3_server
 
     loaders = [name for name in args.loaders.split(",") if name]
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))

@@ -1,5 +1,5 @@
 """Bytes a ``fastload.safe_open(...).get_slice(name)[...]`` of a quarter of a large tensor reads
-over ``hf://`` (the mock Hub, tests/hub_server.py) and ``s3://`` (SeaweedFS, tests/s3_server.py),
+over ``hf://`` (the mock Hub, tests/servers/hub.py) and ``s3://`` (SeaweedFS, tests/servers/s3.py),
 against the tensor's size.
 
     python benches/slice_bytes.py                 # an 8192 x 8192 bf16 tensor (128 MiB)
@@ -74,12 +74,12 @@ def main() -> None:
                 )
 
     # hf:// through the mock Hub (LFS blobs served by its storage server, which logs each GET).
-    from hub_server import MockHub
+    from servers.hub import MockHub
 
     hub = MockHub()
     try:
         hub.add("bench/model", {"model.safetensors": data})
-        os.environ["HF_ENDPOINT"] = hub.url
+        os.environ["HF_ENDPOINT"] = hub.base
         os.environ["HF_HOME"] = str(tmp / "hf_home")
 
         def hub_served(since):
@@ -97,7 +97,7 @@ def main() -> None:
         hub.close()
 
     if not args.skip_s3:
-        import s3_server
+        from servers import s3 as s3_server
 
         if s3_server.find_weed() is None:
             print("SeaweedFS `weed` not found: s3:// skipped", file=sys.stderr)

@@ -4,7 +4,7 @@ under load, and a remote object overwritten under load; counts what each load en
     python benches/soak.py                       # 300 remote, 100 local, 100 swap, 2 x 100 shared
     python benches/soak.py --remote 60 --local 40 --swap 40 --shared 40 --json out.json
 
-Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/http_server.py`'s server on
+Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/servers/http.py`'s server on
 127.0.0.1 with chaos on: a share of GETs (`--chaos`) answer 503, reset the connection midway, end
 the body early, stall for seconds, or trickle, at random (seeded). Local loads read a file that a
 thread shrinks and restores, or replaces by rename, while they run (`method` mmap and read in
@@ -249,7 +249,7 @@ def soak(
 ) -> dict:
     import threading
 
-    from http_server import Behaviour, start_server
+    from servers.http import Behaviour, start_server
 
     work = Path(tempfile.mkdtemp(prefix="fastload-soak-"))
     reference = write_checkpoint(work / "reference.safetensors")

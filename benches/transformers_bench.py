@@ -1,6 +1,6 @@
 """transformers `from_pretrained` of a generated Llama (about 1 GB of bf16 weights by default):
 `fastload.transformers.from_pretrained` against plain transformers, from a local folder and from
-the mock Hub (tests/hub_server.py, its own process) behind a bandwidth limit, where plain
+the mock Hub (tests/servers/hub.py, its own process) behind a bandwidth limit, where plain
 transformers downloads into a fresh Hugging Face cache and then loads.
 
     python benches/transformers_bench.py --layers 8 --rates 0,2e8 --reps 2
@@ -106,9 +106,9 @@ def main() -> None:
     best("transformers, local folder", "plain", str(ckpt), base_env, False)
     for rate in (float(r) for r in args.rates.split(",")):
         server = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "hub_server.py"), "--dir", str(ckpt),
+            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt.resolve()),
              "--repo", REPO, "--rate", str(rate)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT / "tests",
         )  # fmt: skip
         try:
             url = server.stdout.readline().strip()

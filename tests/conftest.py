@@ -2,16 +2,16 @@
 
 import os
 
-import azure_server
 import cuda_sim
-import gcs_server
 import helpers
-import http_server
-import hub_server
 import pytest
-import s3_server
 import stores
-from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY
+from servers import azure as azure_server
+from servers import gcs as gcs_server
+from servers import http as http_server
+from servers import hub as hub_server
+from servers import s3 as s3_server
+from servers.azure import EMULATOR_ACCOUNT, EMULATOR_KEY
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +113,7 @@ def store_files(dtypes_file, tiny_file, sharded_dir, multi_block_file):
 @pytest.fixture(scope="session")
 def hub_store(store_files):
     hub = hub_server.MockHub()
-    yield stores.filled(stores.Hub(hub.url, hub), store_files)
+    yield stores.filled(stores.Hub(hub.base, hub), store_files)
     hub.close()
 
 

@@ -1,8 +1,8 @@
 """The five remote stores of the conformance suite (test_object_stores.py), behind one interface:
-four object stores and the Hugging Face Hub (hf://, the mock Hub of hub_server.py).
+four object stores and the Hugging Face Hub (hf://, the mock Hub of servers/hub.py).
 
-Each `Store` is a server on 127.0.0.1 (servers in s3_server.py, gcs_server.py, azure_server.py,
-http_server.py, hub_server.py) holding the same objects under the same keys, plus what fastload
+Each `Store` is a server on 127.0.0.1 (servers in servers/s3.py, servers/gcs.py, servers/azure.py,
+servers/http.py, servers/hub.py) holding the same objects under the same keys, plus what fastload
 needs to reach it: the URI of a key or prefix, the environment variables or storage options that
 configure access on their own, and what the store cannot do, with the reason. `at(endpoint)` gives
 the same store seen through another address (a relay, or a closed port); `data_via(endpoint)` has
@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import helpers
-from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer
-from gcs_server import BUCKET as GCS_BUCKET
-from gcs_server import FakeGcs
-from http_server import RangeServer
-from hub_server import MockHub
-from s3_server import BUCKET as S3_BUCKET
-from s3_server import PUBLIC_BUCKET, SECRET_KEY, Server, closed_port
+from servers.azure import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer
+from servers.gcs import BUCKET as GCS_BUCKET
+from servers.gcs import FakeGcs
+from servers.http import RangeServer
+from servers.hub import MockHub
+from servers.s3 import BUCKET as S3_BUCKET
+from servers.s3 import PUBLIC_BUCKET, SECRET_KEY, Server, closed_port
 
 AZURE_ACCOUNT = "fastloadtest"
 AZURE_KEY = base64.b64encode(
@@ -180,7 +180,7 @@ class S3(Store):
         return "s3://no-such-bucket-fastload/model.safetensors"
 
     def put(self, files: dict[str, Path | bytes]) -> None:
-        import s3_server
+        from servers import s3 as s3_server
 
         s3_server.upload(self.server.client(), S3_BUCKET, files)
         s3_server.upload(
@@ -287,7 +287,7 @@ HUB_REPO = "org/models"
 
 @dataclasses.dataclass(frozen=True)
 class Hub(Store):
-    """The Hugging Face Hub (hub_server.py's MockHub): a repo is the bucket, its files the
+    """The Hugging Face Hub (servers/hub.py's MockHub): a repo is the bucket, its files the
     objects; `*.safetensors` files are in LFS, so their bytes come from the storage host."""
 
     server: MockHub

@@ -2,10 +2,10 @@
 server like every other store): paged listings, signatures, every documented way to configure it,
 and credentials that must not leak.
 
-A small Azure Blob server on 127.0.0.1 (azure_server.py: SharedKey signatures verified, ranged
+A small Azure Blob server on 127.0.0.1 (servers/azure.py: SharedKey signatures verified, ranged
 GETs, HEAD, paged List Blobs; started in conftest.py, holding stores.py's objects).
 
-Azurite itself is npm only; azure_server.py implements the part of the Blob REST API that
+Azurite itself is npm only; servers/azure.py implements the part of the Blob REST API that
 object_store's client uses to read, with the service's headers, XML and error codes.
 """
 
@@ -17,9 +17,9 @@ import os
 import fastload
 import helpers
 import pytest
-from azure_server import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer
 from helpers import assert_same_tensors, indexed_files, reference
-from s3_server import closed_port
+from servers.azure import EMULATOR_ACCOUNT, EMULATOR_KEY, AzureBlobServer
+from servers.s3 import closed_port
 from stores import AZURE_ACCOUNT as ACCOUNT
 from stores import AZURE_CONTAINER as CONTAINER
 from stores import AZURE_KEY as KEY

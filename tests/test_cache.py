@@ -1,7 +1,7 @@
 """The local cache (``cache=``): remote objects are written to local disk while they stream, and
 a later load of the same object (same ETag) reads the local copy.
 
-Against a real HTTP server on 127.0.0.1 (http_server.py: Range, ETag, a log of every request)
+Against a real HTTP server on 127.0.0.1 (servers/http.py: Range, ETag, a log of every request)
 and SeaweedFS for S3; subprocesses for the races, ``kill -9`` and file-size limits; a real
 tmpfs for a full disk.
 """
@@ -21,8 +21,8 @@ import fastload
 import pytest
 import torch
 from helpers import assert_same_tensors, indexed_files, reference
-from http_server import Behaviour, start_server
 from safetensors.torch import save_file
+from servers.http import Behaviour, start_server
 
 TESTS = Path(__file__).parent
 

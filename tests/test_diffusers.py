@@ -11,7 +11,6 @@ import tempfile
 import fastload
 import fastload.diffusers
 import pytest
-import s3_server
 import torch
 from hf_models import (
     assert_same_state,
@@ -22,7 +21,8 @@ from hf_models import (
     tree,
     write_pipeline,
 )
-from hub_server import MockHub
+from servers import s3 as s3_server
+from servers.hub import MockHub
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import (  # noqa: E402
@@ -136,7 +136,7 @@ def hub(root):
 def hub_env(hub, monkeypatch, tmp_path):
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_ENDPOINT", hub.base)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

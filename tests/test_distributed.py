@@ -126,7 +126,7 @@ def _worker(job: str, result: str) -> None:
 
 def run_group(world: int, scenarios: list[dict], tmp: Path, env: dict | None = None) -> dict:
     """Runs `scenarios` on `world` fresh processes; returns {scenario id: [result per rank]}."""
-    from s3_server import free_port
+    from servers.s3 import free_port
 
     tmp.mkdir(parents=True, exist_ok=True)
     job = tmp / "job.json"
@@ -259,7 +259,7 @@ HUB_REPO = "org/dist"
 
 
 def s3_scenarios(server, ck: dict) -> list[dict]:
-    from s3_server import BUCKET, upload, upload_dir
+    from servers.s3 import BUCKET, upload, upload_dir
 
     s3 = server.client()
     upload(s3, BUCKET, {"dist/split.safetensors": Path(ck["split"][0])})
@@ -292,12 +292,12 @@ def group(request, local, tmp_path_factory):
             scenarios += s3_scenarios(server, local)
             env.update(server.env())
         # The sharded checkpoint on a mock Hugging Face Hub, as hf://.
-        from hub_server import MockHub
+        from servers.hub import MockHub
 
         hub = MockHub()
         folder = Path(local["sharded"][0])
         hub.add(HUB_REPO, {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
-        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp / "hf_home"), HF_HUB_CACHE=str(tmp / "hf"))
+        env.update(HF_ENDPOINT=hub.base, HF_HOME=str(tmp / "hf_home"), HF_HUB_CACHE=str(tmp / "hf"))
         scenarios.append(
             {"id": "hf-sharded", "uri": f"hf://{HUB_REPO}", "ref": local["sharded"][1]}
         )
@@ -509,7 +509,7 @@ def test_checkpoint_tensors_are_checked_as_a_load_checks_them(local, tmp_path):
 
 # The seaweed fixture, bound here so that pytest finds it.
 if __name__ != "__main__":
-    import s3_server
+    from servers import s3 as s3_server
 
     seaweed = s3_server.seaweed
 

@@ -14,8 +14,8 @@ import sys
 import textwrap
 
 import torch
-from http_server import Behaviour, start_server
 from safetensors.torch import save_file
+from servers.http import Behaviour, start_server
 
 EXITER = textwrap.dedent(
     """

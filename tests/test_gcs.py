@@ -19,9 +19,9 @@ import time
 import fastload
 import helpers
 import pytest
-from gcs_server import BUCKET, AuthProxy, new_key, service_account
 from helpers import assert_same_tensors, indexed_files, reference
-from s3_server import closed_port
+from servers.gcs import BUCKET, AuthProxy, new_key, service_account
+from servers.s3 import closed_port
 
 ERROR_DEADLINE = 30.0
 

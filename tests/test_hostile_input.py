@@ -14,16 +14,15 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import fastload
 import huggingface_hub
 import pytest
 from helpers import assert_same_tensors, reference, run_probe, write_one_tensor
-from hub_server import MockHub
+from servers.base import HUNG_UP, Handler, Server
+from servers.hub import MockHub
 
 TOKEN = "hf_Echoed_Token_4242_abcdef"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -41,13 +40,8 @@ def hub_env(monkeypatch, tmp_path):
     return monkeypatch
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(Handler):
     """Answers as `server.answer(handler)` says; HTTP/1.1 with chunked bodies available."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format, *args):
-        pass
 
     def do_GET(self):
         self.server.answer(self)
@@ -74,35 +68,23 @@ class _Handler(BaseHTTPRequestHandler):
             for part in parts:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
             self.wfile.write(b"0\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
+        except HUNG_UP:
             pass
         self.close_connection = True
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-
+class AnswerServer(Server):
     def __init__(self, answer):
-        super().__init__(("127.0.0.1", 0), _Handler)
         self.answer = answer
-        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
+        super().__init__(_Handler)
 
 
 @pytest.fixture
 def serve():
-    servers: list[Server] = []
+    servers: list[AnswerServer] = []
 
-    def start(answer) -> Server:
-        servers.append(Server(answer))
+    def start(answer) -> AnswerServer:
+        servers.append(AnswerServer(answer))
         return servers[-1]
 
     yield start
@@ -208,7 +190,7 @@ def test_a_huge_hub_api_answer_stops_at_the_cap(hub_env, serve):
         h.chunked(body)
 
     server = serve(answer)
-    hub_env.setenv("HF_ENDPOINT", server.url)
+    hub_env.setenv("HF_ENDPOINT", server.base)
     with pytest.raises(fastload.StorageError) as e:
         fastload.load("hf://org/repo")
     assert "more than 100000000 bytes" in str(e.value), str(e.value)
@@ -230,7 +212,7 @@ def test_a_huge_hub_index_stops_at_the_cap(hub_env, serve):
             h.reply(404)
 
     server = serve(answer)
-    hub_env.setenv("HF_ENDPOINT", server.url)
+    hub_env.setenv("HF_ENDPOINT", server.base)
     with pytest.raises(fastload.FormatError) as e:
         fastload.load("hf://org/repo")
     assert "more than 100000000 bytes" in str(e.value), str(e.value)
@@ -250,7 +232,7 @@ def echo(h) -> None:
 
 def test_an_echoed_hub_token_is_scrubbed(hub_env, serve):
     server = serve(echo)
-    hub_env.setenv("HF_ENDPOINT", server.url)
+    hub_env.setenv("HF_ENDPOINT", server.base)
     hub_env.setenv("HF_TOKEN", TOKEN)
     with pytest.raises(fastload.StorageError) as e:
         fastload.load("hf://org/repo")
@@ -265,7 +247,7 @@ def test_an_echoed_hub_token_is_scrubbed(hub_env, serve):
 @pytest.mark.parametrize("name", ["missing.safetensors", "denied.safetensors"])
 def test_a_url_password_is_scrubbed(serve, name):
     server = serve(echo)
-    host = server.url.removeprefix("http://")
+    host = server.base.removeprefix("http://")
     uri = f"http://user:PASS_w0rd_9@{host}/{name}"
     with pytest.raises(fastload.FastloadError) as e:
         fastload.load(uri, storage_options={"max_retries": "0"})
@@ -278,7 +260,7 @@ def test_a_url_password_is_scrubbed(serve, name):
 
 def test_the_cli_scrubs_a_url_password(serve):
     server = serve(echo)
-    host = server.url.removeprefix("http://")
+    host = server.base.removeprefix("http://")
     proc = subprocess.run(
         [sys.executable, "-m", "fastload._cli", "inspect", f"http://u:PASS_w0rd_9@{host}/d.bin"],
         capture_output=True,
@@ -399,7 +381,7 @@ def test_offline_a_missing_file_is_not_found_and_a_missing_revision_is_named(
     try:
         commit = hub.add("org/m", {"model.safetensors": dtypes_file.read_bytes()})
         cache = tmp_path / "hf_home" / "hub"
-        huggingface_hub.snapshot_download("org/m", endpoint=hub.url, cache_dir=cache)
+        huggingface_hub.snapshot_download("org/m", endpoint=hub.base, cache_dir=cache)
     finally:
         hub.close()
     hub_env.setenv("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,5 @@
 """What only plain http(s):// has, beside the conformance suite (test_object_stores.py, which
-reads http_server.py's server like every other store): the server's own Range handling, that data
+reads servers/http.py's server like every other store): the server's own Range handling, that data
 reads are ranged GETs of no more than they need, servers that answer PROPFIND otherwise, ignore
 Range, fail at first or forbid everything, and https with a certificate from a throwaway CA.
 """
@@ -18,7 +18,7 @@ import fastload
 import helpers
 import pytest
 from helpers import assert_same_tensors, indexed_files, reference
-from http_server import RANGE, Behaviour, RangeServer, start_server
+from servers.http import RANGE, Behaviour, RangeServer, start_server
 
 # A failure must surface well inside this (retries and timeouts are bounded).
 ERROR_DEADLINE = 30.0

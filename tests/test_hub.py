@@ -1,4 +1,4 @@
-"""hf:// against the mock Hub (hub_server.py): the Hub's URIs, revisions and files, tokens and
+"""hf:// against the mock Hub (servers/hub.py): the Hub's URIs, revisions and files, tokens and
 their errors, redirects to a storage host that never sees the token, signed locations that expire
 or are refused, injected 429/5xx, and offline loads from the Hugging Face cache. The real
 `huggingface_hub` client reads the same mock, which shows the mock is faithful.
@@ -19,7 +19,7 @@ from helpers import (
     write_all_dtypes,
     write_multi_block,
 )
-from hub_server import MockHub
+from servers.hub import MockHub
 
 REPO = "org/model"
 TOKEN = "hf_secret_token_value"
@@ -57,7 +57,7 @@ def env(hub, monkeypatch, tmp_path):
         "HF_HUB_CACHE",
     ):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_ENDPOINT", hub.base)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     hub.faults.clear()
     hub.storage.faults.clear()
@@ -72,10 +72,10 @@ def test_the_real_client_reads_the_mock(hub, env, sharded_dir, tmp_path):
     """huggingface_hub's hf_hub_download and snapshot_download work against the mock, bitwise."""
     cache = tmp_path / "cache"
     name = "model-00001-of-00003.safetensors"
-    path = huggingface_hub.hf_hub_download(REPO, name, endpoint=hub.url, cache_dir=cache)
+    path = huggingface_hub.hf_hub_download(REPO, name, endpoint=hub.base, cache_dir=cache)
     assert Path(path).read_bytes() == (sharded_dir / name).read_bytes()
     assert f"snapshots/{hub.v1}/" in path
-    folder = huggingface_hub.snapshot_download(REPO, endpoint=hub.url, cache_dir=cache)
+    folder = huggingface_hub.snapshot_download(REPO, endpoint=hub.base, cache_dir=cache)
     for rel, data in files_of(sharded_dir).items():
         assert (Path(folder) / rel).read_bytes() == data, rel
     # The client's download went through the signed redirect, without the token.
@@ -230,7 +230,7 @@ def swapping_hub(env, multi_block_file, tmp_path):
     own.plain.add("plain/big.safetensors")
     data = multi_block_file.read_bytes()
     own.add(REPO, {"big.safetensors": data, "plain/big.safetensors": data})
-    env.setenv("HF_ENDPOINT", own.url)
+    env.setenv("HF_ENDPOINT", own.base)
     new = write_multi_block(tmp_path / "new.safetensors", seed=100)
     yield own, new
     own.close()
@@ -267,7 +267,7 @@ def test_a_file_overwritten_while_loading_is_an_error_not_torn(swapping_hub, env
 
 def test_offline_reads_the_hf_cache(hub, env, tmp_path, sharded_dir):
     cache = tmp_path / "hf_home" / "hub"
-    huggingface_hub.snapshot_download(REPO, endpoint=hub.url, cache_dir=cache)
+    huggingface_hub.snapshot_download(REPO, endpoint=hub.base, cache_dir=cache)
     env.setenv("HF_HUB_OFFLINE", "1")
     env.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: must not be asked
     want = reference(*indexed_files(sharded_dir))
@@ -308,7 +308,7 @@ def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir
     own = MockHub()
     try:
         commit = own.add(REPO, files_of(sharded_dir))
-        env.setenv("HF_ENDPOINT", own.url)
+        env.setenv("HF_ENDPOINT", own.base)
         want = reference(*indexed_files(sharded_dir))
         published = fastload.cache_stats()["published"]  # waits for the copies to publish
         assert_same_tensors(fastload.load(f"hf://{REPO}", cache=True), want)
@@ -317,11 +317,11 @@ def test_cache_fills_the_hf_cache_for_huggingface_hub(env, tmp_path, sharded_dir
         names = ["model.safetensors.index.json", *(p.name for p in indexed_files(sharded_dir))]
         for name in names:
             path = huggingface_hub.hf_hub_download(
-                REPO, name, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+                REPO, name, endpoint=own.base, cache_dir=hub_cache, local_files_only=True
             )
             assert Path(path).read_bytes() == (sharded_dir / name).read_bytes(), name
         folder = huggingface_hub.snapshot_download(
-            REPO, endpoint=own.url, cache_dir=hub_cache, local_files_only=True
+            REPO, endpoint=own.base, cache_dir=hub_cache, local_files_only=True
         )
         assert Path(folder).name == commit
         for name in names:
@@ -378,7 +378,7 @@ def test_files_outside_lfs_with_weak_or_long_etags(env, tmp_path, etag):
         own.add("org/plain", files)
         own.plain |= set(files)
         own.plain_etag = etag
-        env.setenv("HF_ENDPOINT", own.url)
+        env.setenv("HF_ENDPOINT", own.base)
         before = fastload.cache_stats()
         for name, data in files.items():
             for _ in range(2):
@@ -406,7 +406,7 @@ def test_verify_checks_lfs_files_wherever_their_bytes_come_from(env, tmp_path, d
     try:
         data = dtypes_file.read_bytes()
         own.add("org/v", {"model.safetensors": data})
-        env.setenv("HF_ENDPOINT", own.url)
+        env.setenv("HF_ENDPOINT", own.base)
         want = reference(dtypes_file)
         sha = hashlib.sha256(data).hexdigest()
         blob = tmp_path / "hf_cache" / "models--org--v" / "blobs" / sha
@@ -445,3 +445,141 @@ def test_verify_checks_lfs_files_wherever_their_bytes_come_from(env, tmp_path, d
         assert sorted(blob.parent.iterdir()) == []
     finally:
         own.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Xet-backed repos, as the Hub serves them in 2026: the HEAD of resolve/ answers 302 with the
+# metadata (X-Xet-Hash, a Link rel="xet-auth") and a signed URL on a bridge host, which honours
+# Range, refuses a plain GET of a large file and ignores Range when gzip is accepted.
+
+XET = "org/xet"
+
+
+@pytest.fixture(scope="module")
+def xet_hub(sharded_dir, multi_block_file):
+    hub = MockHub()
+    tree = files_of(sharded_dir)
+    tree["big.safetensors"] = multi_block_file.read_bytes()
+    hub.xet_commit = hub.add(XET, tree, xet=True)
+    yield hub
+    hub.close()
+
+
+@pytest.fixture
+def xet_env(xet_hub, env):
+    env.setenv("HF_ENDPOINT", xet_hub.base)
+    xet_hub.bridge.plain_get_limit = 1  # every plain GET of an LFS file is refused
+    return env
+
+
+def bridge_requests(hub, since: int = 0) -> list:
+    return hub.requests(hub.bridge)[since:]
+
+
+def test_a_xet_repo_loads_bitwise_through_the_bridge(xet_hub, xet_env, sharded_dir):
+    before, before_hub = len(bridge_requests(xet_hub)), len(xet_hub.requests())
+    refused, whole = xet_hub.bridge.refused_plain, xet_hub.bridge.whole_for_gzip
+    got = fastload.load(f"hf://{XET}", block_size="64KiB")
+    assert_same_tensors(got, reference(*indexed_files(sharded_dir)))
+    to_bridge = bridge_requests(xet_hub, before)
+    # Only ranged GETs, each asking for the bytes as stored; the HEAD's redirect never followed.
+    assert to_bridge and all(r[0] == "GET" for r in to_bridge), to_bridge
+    assert all(r[2].get("range", "").startswith("bytes=") for r in to_bridge)
+    assert all(r[2].get("accept-encoding") == "identity" for r in to_bridge)
+    assert xet_hub.bridge.refused_plain == refused and xet_hub.bridge.whole_for_gzip == whole
+    # The Hub is asked for the metadata of each Xet file with a HEAD, never for its bytes.
+    resolved = [r for r in xet_hub.requests()[before_hub:] if r[1].endswith(".safetensors")]
+    assert resolved and all(r[0] == "HEAD" and "/resolve/" in r[1] for r in resolved), resolved
+    assert not xet_hub.requests(xet_hub.storage)  # nothing of a xet repo is on the LFS host
+
+
+def test_a_file_only_fetchable_with_ranges_loads(xet_hub, xet_env, multi_block_file):
+    """A file above the bridge's limit for plain GETs (50 GB on the real host) loads."""
+    size = multi_block_file.stat().st_size
+    xet_hub.bridge.plain_get_limit = size // 2
+    url = f"{xet_hub.base}/{XET}/resolve/main/big.safetensors"
+    assert _get(_head(url)["location"])[0] == 400  # a plain GET is refused
+    got = fastload.load(f"hf://{XET}/big.safetensors", block_size="64KiB")
+    assert_same_tensors(got, reference(multi_block_file))
+
+
+def _head(url: str) -> dict:
+    """The headers of a HEAD of `url`, redirects not followed (lower-case names)."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.netloc, timeout=10)
+    try:
+        conn.request("HEAD", parts.path)
+        response = conn.getresponse()
+        response.read()
+        return {"status": response.status, **{k.lower(): v for k, v in response.getheaders()}}
+    finally:
+        conn.close()
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {})) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_the_mock_serves_xet_files_as_the_hub_does(xet_hub, xet_env, sharded_dir):
+    name = "model-00001-of-00003.safetensors"
+    data = (sharded_dir / name).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    head = _head(f"{xet_hub.base}/{XET}/resolve/main/{name}")
+    # The metadata is on the 302 itself; the location is a signed URL on another host.
+    assert head["status"] == 302, head
+    assert head["x-repo-commit"] == xet_hub.xet_commit
+    assert head["x-linked-size"] == str(len(data)) and head["x-linked-etag"] == f'"{sha}"'
+    assert len(head["x-xet-hash"]) == 64 and head["x-xet-hash"] != sha
+    assert 'rel="xet-auth"' in head["link"]
+    location = head["location"]
+    assert location.startswith(xet_hub.bridge.base) and "Signature=" in location
+    # The bridge: 206 for a range, 400 for a plain GET of a file above its limit, the whole file
+    # with 200 (Range ignored) when gzip is accepted, and 403 once the signature is altered.
+    assert _get(location, {"Range": "bytes=8-15"}) == (206, data[8:16])
+    assert _get(location)[0] == 400
+    whole = xet_hub.bridge.whole_for_gzip
+    assert _get(location, {"Range": "bytes=8-15", "Accept-Encoding": "gzip"}) == (200, data)
+    assert xet_hub.bridge.whole_for_gzip == whole + 1
+    assert _get(location.replace("Signature=", "Signature=0"), {"Range": "bytes=0-1"})[0] == 403
+    xet_hub.bridge.plain_get_limit = len(data)
+    assert _get(location) == (200, data)
+
+
+def test_the_real_client_reads_a_xet_repo(xet_hub, xet_env, sharded_dir, tmp_path, monkeypatch):
+    """huggingface_hub downloads a Xet-backed file from the mock through the bridge (hf_xet's
+    own protocol is not served: its fallback, plain HTTP, is what reads the bridge)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    xet_hub.bridge.plain_get_limit = 50 * 10**9
+    name = "model-00001-of-00003.safetensors"
+    data = (sharded_dir / name).read_bytes()
+    before = len(bridge_requests(xet_hub))
+    path = huggingface_hub.hf_hub_download(XET, name, endpoint=xet_hub.base, cache_dir=tmp_path)
+    assert Path(path).read_bytes() == data
+    assert f"snapshots/{xet_hub.xet_commit}/" in path
+    # Named by the LFS sha256 in the cache, as for any LFS file.
+    assert Path(path).resolve().name == hashlib.sha256(data).hexdigest()
+    assert any(r[0] == "GET" for r in bridge_requests(xet_hub, before))
+
+
+def test_a_whole_file_for_a_range_is_an_error(xet_hub, xet_env, multi_block_file):
+    """A host that answers a ranged GET with 200 and the whole file (as CloudFront does when
+    gzip is accepted) is refused with a clear error, never taken for the range."""
+    xet_hub.bridge.ignores_range = True
+    try:
+        with pytest.raises(fastload.StorageError, match="ignored Range") as e:
+            fastload.load(f"hf://{XET}/big.safetensors", block_size="64KiB")
+    finally:
+        xet_hub.bridge.ignores_range = False
+    assert "big.safetensors" in str(e.value) and "200 OK" in str(e.value), e.value

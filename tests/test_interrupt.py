@@ -12,10 +12,11 @@ import signal
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from helpers import finish_probe, start_probe
+from servers.base import Handler, Server
+from servers.ranges import serve
 
 # Before the fix SIGINT waited for the native call: 57-60 s with a silent server, for ever with a
 # trickling one. A generous bound for a loaded machine, far below either.
@@ -52,66 +53,38 @@ class SilentServer:
             s.close()
 
 
-class TrickleServer(ThreadingHTTPServer):
+class TrickleServer(Server):
     """Serves one file over HTTP with Range; a ranged GET that starts at byte 0 (the header read)
     comes at full speed, every other body one byte every `pause` seconds, bounded by `close()`."""
 
-    daemon_threads = True
-
     def __init__(self, data: bytes, pause: float = 0.2) -> None:
         self.data, self.pause, self.stop = data, pause, threading.Event()
-        super().__init__(("127.0.0.1", 0), _TrickleHandler)
-        threading.Thread(
-            target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
-        ).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/model.safetensors"
+        super().__init__(_TrickleHandler)
 
     def close(self) -> None:
         self.stop.set()
-        self.shutdown()
-        self.server_close()
-
-    def handle_error(self, request, client_address) -> None:
-        pass  # a client that went away (the interrupted load) is expected here
+        super().close()
 
 
-class _TrickleHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _TrickleHandler(Handler):
     server: TrickleServer
 
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
     def do_HEAD(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(self.server.data)))
-        self.send_header("ETag", '"fixed"')
-        self.end_headers()
+        serve(self, self.server.data, etag='"fixed"')
 
     def do_GET(self) -> None:
-        data = self.server.data
-        first, last = self.headers.get("Range", "bytes=0-").split("=")[1].split("-")
-        start, end = int(first), (int(last) + 1 if last else len(data))
-        body = data[start:end]
-        self.send_response(206)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-        self.send_header("ETag", '"fixed"')
-        self.end_headers()
+        reply = serve(self, self.server.data, etag='"fixed"')
         try:
-            if start == 0:
-                self.wfile.write(body)
+            if reply.start == 0:
+                self.wfile.write(reply.body)
                 return
-            for i in range(len(body)):
+            for i in range(len(reply.body)):
                 if self.server.stop.wait(self.server.pause):
                     return
-                self.wfile.write(body[i : i + 1])
+                self.wfile.write(reply.body[i : i + 1])
                 self.wfile.flush()
-        except OSError:
-            pass
+        except OSError:  # the interrupted client went away
+            self.close_connection = True
 
 
 @pytest.fixture
@@ -198,7 +171,7 @@ def test_sigint_during_a_silent_server(silent, dtypes_file, call):
 @pytest.mark.parametrize("call", ["load", "stream"])
 def test_sigint_during_a_trickling_body(trickle, dtypes_file, call):
     # Headers come at once; the first data block trickles, so the wait is in next().
-    took = _interrupt(trickle.url, dtypes_file, call, wait=1.5)
+    took = _interrupt(trickle.url("model.safetensors"), dtypes_file, call, wait=1.5)
     assert took < INTERRUPT_BOUND, f"KeyboardInterrupt came {took:.1f} s after SIGINT"
 
 
@@ -233,7 +206,9 @@ emit(alive=t.is_alive(), closed_in=closed_in, polled=len(polled), **out,
 
 
 def test_close_from_another_thread_raises_in_the_consumer(trickle):
-    out = finish_probe(start_probe(CLOSE_FROM_ANOTHER_THREAD, trickle.url), timeout=60)
+    out = finish_probe(
+        start_probe(CLOSE_FROM_ANOTHER_THREAD, trickle.url("model.safetensors")), timeout=60
+    )
     assert not out["alive"], out
     assert out["end"] == "StreamClosedError" and out["valueerror"], out
     assert "closed before it finished" in out["message"], out

@@ -1,5 +1,5 @@
 """One conformance suite, every remote store: S3 (SeaweedFS), GCS (fake-gcs-server), Azure
-(azure_server.py), plain HTTP (http_server.py) and the Hugging Face Hub (hub_server.py), all on
+(servers/azure.py), plain HTTP (servers/http.py) and the Hugging Face Hub (servers/hub.py), all on
 127.0.0.1 and holding the same objects (stores.py). Each test runs once per store and asserts the
 same behaviour: bitwise parity with `safetensors.torch.load_file`, prefixes and indexes, names,
 streaming, the same clean, bounded failures, and the one resumable read's behaviour under faults
@@ -22,7 +22,7 @@ import helpers
 import pytest
 import stores
 from helpers import assert_same_tensors, indexed_files, reference
-from s3_server import Fault, FaultProxy, HttpFaultProxy
+from servers.s3 import Fault, FaultProxy, HttpFaultProxy
 
 # A failure must surface well inside this (retries and timeouts are bounded).
 ERROR_DEADLINE = 30.0

@@ -4,7 +4,7 @@ moto, and faults injected by proxies.
 
 A real S3-compatible server on 127.0.0.1 (SeaweedFS, SigV4 enforced; moto for some error paths),
 bitwise parity with `safetensors.torch.load_file`, and clean, bounded failures. Servers and
-fixtures live in s3_server.py; the bucket's objects are stores.py's.
+fixtures live in servers/s3.py; the bucket's objects are stores.py's.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 import fastload
 import helpers
 import pytest
-import s3_server
 from helpers import assert_same_tensors, indexed_files, reference
-from s3_server import (
+from servers import s3 as s3_server
+from servers.s3 import (
     ACCESS_KEY,
     BUCKET,
     REGION,

@@ -29,9 +29,9 @@ from pathlib import Path
 import fastload
 import helpers
 import pytest
-import s3_server
 from helpers import assert_same_tensors, reference
-from s3_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, closed_port, upload
+from servers import s3 as s3_server
+from servers.s3 import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, closed_port, upload
 
 moto_s3 = s3_server.moto_s3
 aws_env = s3_server.aws_env

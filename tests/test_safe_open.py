@@ -9,7 +9,6 @@ import math
 
 import fastload
 import pytest
-import s3_server
 import safetensors
 import safetensors.torch
 import torch
@@ -18,6 +17,7 @@ from helpers import DTYPES, pattern, raw_bytes, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
+from servers import s3 as s3_server
 
 # -- index strategies ------------------------------------------------------------------------
 
@@ -347,12 +347,12 @@ def test_s3_slices_and_tensors_read_only_their_bytes(s3_store, remote_file):
 
 
 def test_hub_slice(monkeypatch, tmp_path, remote_file):
-    from hub_server import MockHub
+    from servers.hub import MockHub
 
     hub = MockHub()
     try:
         hub.add("org/m", {"model.safetensors": remote_file.read_bytes()})
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_ENDPOINT", hub.base)
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
         for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
             monkeypatch.delenv(var, raising=False)

@@ -345,14 +345,14 @@ def test_matches_default_loader(work):
 def test_repo_id_streams_from_the_hub(work, tmp_path):
     """``model_path=ORG/REPO``: SGLang's ModelConfig reads the config from the mock Hub, fastload
     streams the weights from it (ranged GETs, nothing written to the cache)."""
-    from hub_server import MockHub
+    from servers.hub import MockHub
 
     hub = MockHub()
     try:
         model = work / "tiny-llama"
         hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
         home = tmp_path / "hf_home"
-        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
         env["HF_HUB_CACHE"] = str(home / "hub")
         r = _driver("hub", work, **env)
         assert r["hub"] == {"loader": "FastloadModelLoader", "differ": []}, r["hub"]
@@ -371,7 +371,7 @@ def test_weights_uri_from_s3(work, seaweed):
     ``storage_options``): the same parameters as DefaultModelLoader from the local folder."""
     import shutil
 
-    import s3_server
+    from servers import s3 as s3_server
 
     model = work / "tiny-llama"
     config_only = work / "config-only"
@@ -389,8 +389,8 @@ def test_object_store_model_path(work, seaweed, tmp_path):
     """``--model-path s3://... --load-format fastload`` through SGLang's argument resolution: the
     plugin keeps the format (SGLang would switch to runai_streamer, which is not installed) and
     pulls the config through fastload's object-store client; then the weights stream from S3."""
-    import s3_server
     from fastload import _fastload
+    from servers import s3 as s3_server
 
     s3_server.upload_dir(seaweed.client(), S3_BUCKET, "sglang/tiny-llama", work / "tiny-llama")
     options = json.dumps(seaweed.storage_options())

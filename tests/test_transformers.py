@@ -1,6 +1,6 @@
 """fastload.transformers.from_pretrained against transformers' own from_pretrained: tiny models
 written by save_pretrained (safetensors, one file or shards with an index, tied embeddings), read
-from a local folder, the mock Hub (tests/hub_server.py, through the real huggingface_hub) and
+from a local folder, the mock Hub (tests/servers/hub.py, through the real huggingface_hub) and
 SeaweedFS (S3). The state dicts must be bitwise equal, and no weight file may reach the disk."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import tempfile
 import fastload
 import fastload.transformers
 import pytest
-import s3_server
 import torch
 from hf_models import (
     assert_same_state,
@@ -20,7 +19,8 @@ from hf_models import (
     write_gpt2_tied,
     write_llama,
 )
-from hub_server import MockHub
+from servers import s3 as s3_server
+from servers.hub import MockHub
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM  # noqa: E402
@@ -192,7 +192,7 @@ def hub(models):
 def hub_env(hub, monkeypatch, tmp_path):
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_ENDPOINT", hub.base)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

@@ -7,7 +7,7 @@ tiny random Llama with transformers and starts engine after engine in one proces
 in-process, so each start takes seconds rather than a minute): vLLM's own safetensors loader gives
 the reference greedy tokens and writes the sharded state; fastload and fastload_sharded must give
 the same tokens. ``s3`` does the same with the weights in S3; ``hub`` with the model on the mock
-Hugging Face Hub (hub_server.py, ``HF_ENDPOINT``), named by its repo id. ``vllm serve --load-format
+Hugging Face Hub (servers/hub.py, ``HF_ENDPOINT``), named by its repo id. ``vllm serve --load-format
 fastload`` runs with vLLM's usual processes, where fastload is found through its entry point.
 """
 
@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import s3_server
+from servers import s3 as s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
 # scripts/setup_vllm.sh makes it; FASTLOAD_VLLM_VENV names another one (another vLLM version).
@@ -631,7 +631,7 @@ def test_openai_server(offline):
     assert rc == 0 or (rc == -1 and errno in (22, 95)), asked[worker]
 
 
-# SeaweedFS on 127.0.0.1 (tests/s3_server.py; skips where `weed` is missing).
+# SeaweedFS on 127.0.0.1 (tests/servers/s3.py; skips where `weed` is missing).
 seaweed = s3_server.seaweed
 
 
@@ -662,7 +662,7 @@ def test_model_from_the_hub(offline, tmp_path):
     """``LLM(model=ORG/REPO, load_format="fastload")`` against the mock Hub: the same tokens as
     vLLM's own loader, the weights streamed by fastload (ranged GETs at the storage host) and no
     ``*.safetensors`` written to disk, config files fetched into the HF cache as vLLM does."""
-    from hub_server import MockHub
+    from servers.hub import MockHub
 
     expected, _, work = offline
     hub = MockHub()
@@ -670,7 +670,7 @@ def test_model_from_the_hub(offline, tmp_path):
         model = work / "tiny-llama"
         hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
         home = tmp_path / "hf_home"
-        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
         env["HF_HUB_CACHE"] = str(home / "hub")
         results, output = _run_driver("hub", work, **env)
         assert results.get("fastload_hub") == expected["safetensors"], _tail(output)
@@ -698,14 +698,14 @@ def test_serve_from_the_hub(offline, tmp_path):
     """``vllm serve ORG/REPO --load-format fastload`` against the mock Hub: vLLM fetches config
     and tokenizer from the Hub, its worker process streams the weights with fastload, and the
     server answers with the tokens vLLM's own loader gave."""
-    from hub_server import MockHub
+    from servers.hub import MockHub
 
     expected, _, work = offline
     hub = MockHub()
     model = work / "tiny-llama"
     hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
     home = tmp_path / "hf_home"
-    env = {**_engine_env(), "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+    env = {**_engine_env(), "HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
     env["HF_HUB_CACHE"] = str(home / "hub")
     port = _free_port()
     log = tmp_path / "serve.log"

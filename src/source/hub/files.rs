@@ -14,7 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::{StreamExt, TryStreamExt};
-use reqwest::header::{CONTENT_RANGE, ETAG, IF_MATCH, LAST_MODIFIED, RANGE};
+use reqwest::header::{
+    ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_RANGE, ETAG, IF_MATCH,
+    LAST_MODIFIED, RANGE,
+};
 use reqwest::{Method, StatusCode};
 
 use super::api::{self, net_error, FileMeta, Hub};
@@ -136,7 +139,10 @@ impl HubGet<'_> {
                     let request = file
                         .hub
                         .request(Method::GET, &location.url)
-                        .header(RANGE, range_header.as_str());
+                        .header(RANGE, range_header.as_str())
+                        // The bytes as stored: a CDN (the Hub's Xet bridge on CloudFront)
+                        // ignores Range and sends the whole file when gzip is accepted.
+                        .header(ACCEPT_ENCODING, "identity");
                     match &if_match {
                         Some(etag) => request.header(IF_MATCH, etag.as_str()),
                         None => request,
@@ -171,7 +177,20 @@ impl HubGet<'_> {
             let headers = response.headers();
             let (served, size) = match status {
                 StatusCode::PARTIAL_CONTENT => content_range(name, headers, start, end)?,
-                StatusCode::OK if start == 0 && end == file.size => (0..file.size, None),
+                StatusCode::OK if start == 0 && end == file.size && whole(headers, end) => {
+                    (0..file.size, None)
+                }
+                StatusCode::OK => {
+                    return Err(io_error(
+                        name,
+                        io::ErrorKind::InvalidData,
+                        format!(
+                            "the storage host ignored Range: it answered 200 OK with the whole \
+                             file (Content-Length {}) to a request for bytes {start}..{end}",
+                            api::header(headers, CONTENT_LENGTH.as_str()).unwrap_or("absent")
+                        ),
+                    ))
+                }
                 _ => {
                     return Err(io_error(
                         name,
@@ -198,6 +217,14 @@ impl HubGet<'_> {
             });
         }
     }
+}
+
+/// Whether a 200 carries exactly the `size` bytes asked for: no content coding, and no other
+/// `Content-Length`.
+fn whole(headers: &reqwest::header::HeaderMap, size: u64) -> bool {
+    let coding = api::header(headers, CONTENT_ENCODING.as_str()).unwrap_or("identity");
+    let length = api::header(headers, CONTENT_LENGTH.as_str());
+    coding.eq_ignore_ascii_case("identity") && length.is_none_or(|l| l.trim().parse() == Ok(size))
 }
 
 /// The range and object size a 206's `Content-Range` (`bytes a-b/size`) names.

@@ -26,10 +26,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from s3_server import free_port, wait_http
+from .base import Handler, Server
+from .s3 import free_port, wait_http
 
 BUCKET = "models"
 SA_EMAIL = "fastload-test@fastload-test.iam.gserviceaccount.com"
@@ -212,27 +212,20 @@ class AuthStats:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class AuthProxy(ThreadingHTTPServer):
+class AuthProxy(Server):
     """Relays GET/HEAD to `target` (host, port) for requests with valid credentials."""
 
-    daemon_threads = True
-    block_on_close = False
-
     def __init__(self, target: tuple[str, int], public_key=None, tokens=(), email=SA_EMAIL):
-        super().__init__(("127.0.0.1", 0), _ProxyHandler)
         self.target = target
         self.public_key = public_key
         self.tokens = set(tokens)
         self.email = email
         self.stats = AuthStats()
-        self._thread = threading.Thread(
-            target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
-        )
-        self._thread.start()
+        super().__init__(_ProxyHandler)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        return self.base
 
     def check(self, authorization: str | None) -> str | None:
         if not authorization or not authorization.startswith("Bearer "):
@@ -244,18 +237,9 @@ class AuthProxy(ThreadingHTTPServer):
             return "unknown token"
         return verify_jwt(token, self.public_key, self.email)
 
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-        self._thread.join(timeout=5)
 
-
-class _ProxyHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _ProxyHandler(Handler):
     server: AuthProxy
-
-    def log_message(self, format, *args):
-        pass
 
     def do_GET(self):
         self._relay(send_body=True)

@@ -3,7 +3,8 @@
 It implements what object_store's Azure client sends to read checkpoints, the way the service
 answers it:
 - `GET`/`HEAD /{account}/{container}/{blob}` (path style, as for Azurite and custom endpoints),
-  `Range: bytes=a-b` → 206 with `Content-Range`; `Content-Length`, `ETag`, `Last-Modified`;
+  `Range` or `x-ms-range` (servers/ranges.py) → 206 with `Content-Range`, 416 `InvalidRange`;
+  `Content-Length`, `ETag`, `Last-Modified`;
 - `GET /{account}/{container}?restype=container&comp=list` with `prefix`, `delimiter`, `marker`,
   `maxresults`: an `EnumerationResults` XML document, blobs and `BlobPrefix`es in name order,
   paged with `NextMarker` (`page_size` forces paging);
@@ -30,9 +31,11 @@ import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from xml.sax.saxutils import escape
+
+from .base import Handler, Server
+from .ranges import serve, write
 
 # Azurite's well-known development account (public, documented by Microsoft).
 EMULATOR_ACCOUNT = "devstoreaccount1"
@@ -109,27 +112,16 @@ class Stats:
             )
 
 
-class AzureBlobServer(ThreadingHTTPServer):
+class AzureBlobServer(Server):
     """Serves blobs of the accounts in `accounts` ({name: base64 key}) from memory."""
 
-    daemon_threads = True
-    block_on_close = False
-
     def __init__(self, accounts: dict[str, str], page_size: int = 5000):
-        super().__init__(("127.0.0.1", 0), _Handler)
         self.accounts = dict(accounts)
         self.page_size = page_size
         self.containers: dict[tuple[str, str], dict[str, Blob]] = {}
         self.public: set[tuple[str, str]] = set()
         self.stats = Stats()
-        self._thread = threading.Thread(
-            target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        super().__init__(_Handler)
 
     def endpoint(self, account: str) -> str:
         """The account's blob endpoint (path style), as `endpoint` / `BlobEndpoint` take it."""
@@ -146,23 +138,14 @@ class AzureBlobServer(ThreadingHTTPServer):
         files = {f"{prefix}/{p.name}": p for p in sorted(directory.iterdir()) if p.is_file()}
         self.put(account, container, files)
 
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-        self._thread.join(timeout=5)
-
 
 def start_azure(accounts: dict[str, str], page_size: int = 5000) -> AzureBlobServer:
     return AzureBlobServer(accounts, page_size)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(Handler):
     server_version = "fastload-test-azure/1"
     server: AzureBlobServer
-
-    def log_message(self, format, *args):
-        pass
 
     def do_GET(self):
         self._handle(send_body=True)
@@ -262,37 +245,33 @@ class _Handler(BaseHTTPRequestHandler):
         return False
 
     def _blob(self, blob: Blob, send_body: bool) -> None:
-        size = len(blob.data)
-        start, end, status = 0, size, 200
-        rng = self.headers.get("Range") or self.headers.get("x-ms-range")
-        if rng:
-            first, _, last = rng.removeprefix("bytes=").partition("-")
-            if not first.isdigit() or int(first) >= size:
-                return self._error(
-                    416,
-                    "InvalidRange",
-                    "The range specified is invalid for the current size of the resource.",
-                    send_body,
-                    headers=[("Content-Range", f"bytes */{size}")],
-                )
-            start = int(first)
-            end = min(size, int(last) + 1) if last.isdigit() else size
-            status = 206
-        self.send_response(status)
-        self._common_headers()
-        self.send_header("Content-Length", str(end - start))
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("ETag", blob.etag)
-        self.send_header("Last-Modified", blob.modified)
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("x-ms-blob-type", "BlockBlob")
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-        self.end_headers()
+        def refuse(status: int, message: str, headers: list) -> None:
+            self._error(
+                status,
+                "InvalidRange",
+                "The range specified is invalid for the current size of the resource.",
+                send_body,
+                headers=headers,
+            )
+
+        # Azure reads `x-ms-range` where `Range` is absent.
+        rng = self.headers.get("Range") or self.headers.get("x-ms-range") or ""
+        reply = serve(
+            self,
+            blob.data,
+            [
+                ("Content-Type", "application/octet-stream"),
+                ("Last-Modified", blob.modified),
+                ("x-ms-blob-type", "BlockBlob"),
+                *self._common(),
+            ],
+            etag=blob.etag,
+            check_if_match=False,
+            range_header=rng,
+            refuse=refuse,
+        )
         if send_body:
-            view = memoryview(blob.data)
-            for at in range(start, end, 1 << 20):
-                self.wfile.write(view[at : min(end, at + (1 << 20))])
+            write(self, reply.body)
 
     def _list(self, account, container, blobs, params, send_body) -> None:
         prefix = params.get("prefix", "")
@@ -351,9 +330,15 @@ class _Handler(BaseHTTPRequestHandler):
         if send_body:
             self.wfile.write(body)
 
+    def _common(self) -> list[tuple[str, str]]:
+        return [
+            ("x-ms-request-id", str(uuid.uuid4())),
+            ("x-ms-version", self.headers.get("x-ms-version", "2021-08-06")),
+        ]
+
     def _common_headers(self) -> None:
-        self.send_header("x-ms-request-id", str(uuid.uuid4()))
-        self.send_header("x-ms-version", self.headers.get("x-ms-version", "2021-08-06"))
+        for k, v in self._common():
+            self.send_header(k, v)
 
     def _error(self, status, code, message, send_body, headers=(), detail="") -> None:
         extra = f"<AuthenticationErrorDetail>{escape(detail)}</AuthenticationErrorDetail>"

@@ -12,6 +12,13 @@ Routes (model repos):
   `Location` (signed storage URL), `X-Linked-Size`, `X-Linked-Etag`; other files are served here
   (Range honoured).
 
+Repos added with `xet=True` are served as Xet-backed repos are in 2026: their LFS files' 302 also
+carries `X-Xet-Hash` and a `Link` with rel="xet-auth", and points at `Bridge`, a third server (the
+CloudFront bridge: signed URLs by Xet hash, 206 for ranges, 400 for a plain GET of a file above
+`plain_get_limit`, the whole file with 200 to a ranged GET that accepts gzip). The Xet protocol
+itself (the CAS reconstruction API) is not served: clients read through the bridge, as
+huggingface_hub does with `HF_HUB_DISABLE_XET`.
+
 Errors as the Hub sends them: private repos without the token get 401 `X-Error-Code:
 RepoNotFound`; gated repos 401/403 `GatedRepo`; unknown revisions 404 `RevisionNotFound`, unknown
 files 404 `EntryNotFound`; a renamed repo answers 307 with a relative `Location`. Faults can be
@@ -33,9 +40,9 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from http_server import parse_range
+from .base import Handler, Server
+from .ranges import serve, write
 
 SECRET = b"mock-hub-signing-key"
 
@@ -54,28 +61,17 @@ class Repo:
     refs: dict[str, str] = field(default_factory=dict)  # branch/tag -> commit
     private: bool = False
     gated: bool = False
+    xet: bool = False  # LFS files are Xet-backed: served through the bridge
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
-
+class _Server(Server):
     def __init__(self, handler, port: int = 0):
-        super().__init__(("127.0.0.1", port), handler)
         self.log: list[tuple[str, str, dict]] = []  # (method, path, lower-case headers)
         self.faults: list[tuple[str, int, str | None]] = []  # (kind, status, retry_after)
         self.swaps: dict[str, list] = {}  # key -> [GETs left before the swap, new bytes]
         self.refused_if_match = 0
         self.lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        super().__init__(handler, port)
 
     def fault(self, kind: str) -> tuple[int, str | None] | None:
         with self.lock:
@@ -101,18 +97,8 @@ class _Server(ThreadingHTTPServer):
                 return data
             return swap[1]
 
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-        self._thread.join(timeout=5)
 
-
-class _Base(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format, *args):
-        pass
-
+class _Base(Handler):
     def _record(self) -> None:
         with self.server.lock:
             self.server.log.append(
@@ -137,42 +123,18 @@ class _Base(BaseHTTPRequestHandler):
         self._reply(status, f"injected {status}\n".encode(), headers)
         return True
 
-    def _send_range(self, data: bytes, headers, rate: int = 0) -> None:
-        size = len(data)
-        etag = dict(headers).get("ETag", "")
-        if_match = self.headers.get("If-Match")
-        if if_match is not None and if_match.strip() != "*":
-            if etag.startswith("W/") or etag not in [t.strip() for t in if_match.split(",")]:
+    def _send_range(self, data: bytes, headers, rate: int = 0, honour_range=True) -> None:
+        etag = dict(headers).get("ETag")
+        rest = [(k, v) for k, v in headers if k != "ETag"]
+
+        def noted(status: int) -> None:
+            if status == 412:
                 with self.server.lock:
                     self.server.refused_if_match += 1
-                self._reply(412, b"precondition failed")
-                return
-        rng = self.headers.get("Range")
-        got = parse_range(rng, size) if rng else None
-        if got == "unsatisfiable":
-            self._reply(416, b"", [("Content-Range", f"bytes */{size}")])
-            return
-        status, (start, end) = (206, got) if got else (200, (0, size))
-        self.send_response(status)
-        self.send_header("Content-Length", str(end - start))
-        self.send_header("Accept-Ranges", "bytes")
-        for k, v in headers:
-            self.send_header(k, v)
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-        self.end_headers()
-        if self.command == "HEAD":
-            return
-        view = memoryview(data)
+
+        reply = serve(self, data, rest, etag=etag, honour_range=honour_range, on_status=noted)
         step = 1 << 20 if not rate else max(1 << 14, rate // 50)
-        try:
-            for at in range(start, end, step):
-                chunk = view[at : min(end, at + step)]
-                if rate:
-                    self.server.throttle(len(chunk))
-                self.wfile.write(chunk)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+        write(self, reply.body, step, self.server.throttle if rate else None)
 
 
 class _StorageHandler(_Base):
@@ -196,7 +158,31 @@ class _StorageHandler(_Base):
             return
         data = self.server.current(sha, data, self.command == "GET")
         etag = f'"{hashlib.md5(data).hexdigest()}"'
-        self._send_range(data, [("ETag", etag)], rate=self.server.rate)
+        ranged = self.headers.get("Range") is not None
+        limit = self.server.plain_get_limit
+        if self.command == "GET" and not ranged and limit is not None and len(data) > limit:
+            with self.server.lock:
+                self.server.refused_plain += 1
+            self._reply(400, b"<Error>InvalidRequest: a file this large needs Range</Error>")
+            return
+        whole = ranged and (
+            self.server.ignores_range
+            or (self.server.gzip_ignores_range and accepts_gzip(self.headers))
+        )
+        if whole:
+            with self.server.lock:
+                self.server.whole_for_gzip += 1
+        self._send_range(data, [("ETag", etag)], rate=self.server.rate, honour_range=not whole)
+
+
+def accepts_gzip(headers) -> bool:
+    """Whether `Accept-Encoding` accepts gzip (named, or `*`, with a q-value above 0)."""
+    for item in (headers.get("Accept-Encoding") or "").split(","):
+        coding, _, params = item.strip().partition(";")
+        q = params.strip().removeprefix("q=") if params.strip().startswith("q=") else "1"
+        if coding.strip().lower() in ("gzip", "x-gzip", "*") and q not in ("0", "0.0", "0.00"):
+            return True
+    return False
 
 
 class Storage(_Server):
@@ -212,12 +198,18 @@ class Storage(_Server):
         self._next_send = time.monotonic()
         self._rate_lock = threading.Lock()
         self.public_url: str | None = None  # the address signed URLs name (a relay), if not ours
+        # A bridge's ways (see `Bridge`); a plain storage host has neither.
+        self.plain_get_limit: int | None = None
+        self.gzip_ignores_range = False
+        self.ignores_range = False  # every ranged GET gets the whole file with 200 (a bad CDN)
+        self.refused_plain = 0  # plain GETs answered 400
+        self.whole_for_gzip = 0  # ranged GETs answered 200 with the whole file
         super().__init__(_StorageHandler)
 
     def sign(self, sha: str) -> str:
         expires = str(int(time.time() + self.ttl))
         sig = self._sig(sha, expires)
-        return f"{self.public_url or self.url}/{sha}?Expires={expires}&Signature={sig}"
+        return f"{self.public_url or self.base}/{sha}?Expires={expires}&Signature={sig}"
 
     def _sig(self, sha: str, expires: str) -> str:
         key = SECRET + str(self.secret_epoch).encode()
@@ -243,6 +235,25 @@ class Storage(_Server):
             self._next_send = start + n / self.rate
         if start > now:
             time.sleep(start - now)
+
+
+class Bridge(Storage):
+    """The host Xet-backed files are served from in 2026 (cas-bridge.xethub.hf.co, a CloudFront
+    distribution): blobs by Xet hash behind signed URLs valid for `ttl` seconds; `Range` honoured
+    with 206; a plain (non-ranged) GET of a file above `plain_get_limit` bytes answered 400 (50 GB
+    on the real host); `Range` ignored, the whole file sent with 200, when the request accepts
+    gzip (as CloudFront does)."""
+
+    def __init__(self, rate: int = 0, plain_get_limit: int = 50 * 10**9):
+        super().__init__(rate)
+        self.plain_get_limit = plain_get_limit
+        self.gzip_ignores_range = True
+
+
+def xet_hash(data: bytes) -> str:
+    """A stand-in for a file's Xet hash (a Merkle hash of its chunks): 64 hex digits that differ
+    from its sha256."""
+    return hashlib.sha256(b"xet-merkle:" + data).hexdigest()
 
 
 class _HubHandler(_Base):
@@ -352,6 +363,8 @@ class _HubHandler(_Base):
                 if is_lfs(p, data) and p not in hub.plain:
                     sha = hashlib.sha256(data).hexdigest()
                     entry["lfs"] = {"oid": sha, "size": len(data), "pointerSize": 134}
+                    if repo.xet:
+                        entry["xetHash"] = xet_hash(data)
                 body.append(entry)
         else:
             self._reply(404, b"unknown route")
@@ -370,6 +383,9 @@ class _HubHandler(_Base):
             self._error(404, "EntryNotFound", f"{path} does not exist at {rev}")
             return
         data = hub.current(path, data, self.command == "GET")
+        if is_lfs(path, data) and path not in hub.plain and repo.xet:
+            self._xet_redirect(hub, repo_id, commit, data)
+            return
         if is_lfs(path, data) and path not in hub.plain:
             sha = hashlib.sha256(data).hexdigest()
             hub.storage.blobs[sha] = data
@@ -385,6 +401,26 @@ class _HubHandler(_Base):
         etag = (hub.plain_etag or '"{oid}"').format(oid=git_blob_sha1(data))
         self._send_range(data, [("X-Repo-Commit", commit), ("ETag", etag)])
 
+    def _xet_redirect(self, hub: MockHub, repo_id: str, commit: str, data: bytes) -> None:
+        """A Xet-backed file as the Hub answers it in 2026: 302 to a signed bridge URL, with the
+        file's metadata on the 302 itself."""
+        xet = xet_hash(data)
+        hub.bridge.blobs[xet] = data
+        links = (
+            f'<{hub.base}/api/models/{repo_id}/xet-read-token/{commit}>; rel="xet-auth", '
+            f'<{hub.base}/cas/v1/reconstructions/{xet}>; rel="xet-reconstruction-info"'
+        )
+        headers = [
+            ("X-Repo-Commit", commit),
+            ("ETag", f'"{git_blob_sha1(data)}"'),
+            ("X-Linked-Size", str(len(data))),
+            ("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"'),
+            ("X-Xet-Hash", xet),
+            ("Link", links),
+            ("Location", hub.bridge.sign(xet)),
+        ]
+        self._reply(302, b"", headers)
+
 
 class MockHub(_Server):
     """The Hub's API and `resolve/`, with a `Storage` server for LFS blobs."""
@@ -396,7 +432,7 @@ class MockHub(_Server):
         self.gated_access: dict[str, set[str]] = {}  # gated repo -> tokens that accepted
         self.plain: set[str] = set()  # paths kept out of LFS whatever their name or size
         self.storage = Storage(rate)
-        self.plain: set[str] = set()  # paths served outside LFS whatever their name
+        self.bridge = Bridge(rate)
         # The ETag header of files outside LFS ("{oid}": the git blob id); default '"{oid}"'.
         self.plain_etag: str | None = None
         super().__init__(_HubHandler, port)
@@ -409,11 +445,13 @@ class MockHub(_Server):
         tags: tuple[str, ...] = (),
         private: bool = False,
         gated: bool = False,
+        xet: bool = False,
     ) -> str:
         """Commits `files` (the whole tree) to `branch` of `repo_id`; returns the commit id."""
         repo = self.repos.setdefault(repo_id, Repo())
         repo.private = repo.private or private
         repo.gated = repo.gated or gated
+        repo.xet = repo.xet or xet
         digest = hashlib.sha1(repo_id.encode() + str(len(repo.commits)).encode())
         for p in sorted(files):
             digest.update(p.encode() + hashlib.sha256(files[p]).digest())
@@ -431,6 +469,7 @@ class MockHub(_Server):
     def close(self) -> None:
         super().close()
         self.storage.close()
+        self.bridge.close()
 
 
 def start_hub(rate: int = 0) -> MockHub:
@@ -448,13 +487,14 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--repo", default="org/bench")
     parser.add_argument("--rate", type=float, default=0, help="storage bytes/s (0: unlimited)")
+    parser.add_argument("--xet", action="store_true", help="serve the repo as Xet-backed")
     args = parser.parse_args()
     hub = MockHub(rate=int(args.rate))
     files = {
         str(p.relative_to(args.dir)): p.read_bytes() for p in args.dir.rglob("*") if p.is_file()
     }
-    hub.add(args.repo, files)
-    print(hub.url, flush=True)
+    hub.add(args.repo, files, xet=args.xet)
+    print(hub.base, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     hub.close()
 
