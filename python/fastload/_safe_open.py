@@ -245,7 +245,8 @@ class safe_open:
             for name, dtype, shape, begin, end in header["tensors"]
         }
         self._offset_keys = [t[0] for t in header["tensors"]]
-        self._metadata: dict[str, str] = dict(header["metadata"])
+        metadata = header["metadata"]
+        self._metadata: dict[str, str] | None = None if metadata is None else dict(metadata)
         self._remote = _fastload.is_remote_uri(self._uri[0]) or self._file.startswith("hf://")
         self._reader: Any = reader
         self._bytes_read = 0
@@ -277,9 +278,10 @@ class safe_open:
         return list(self._offset_keys)
 
     def metadata(self) -> dict[str, str] | None:
-        """The header's ``__metadata__`` (``None`` when it has none)."""
+        """The header's ``__metadata__``: ``None`` when it has none (or ``null``), ``{}`` when it
+        is empty, as safetensors tells them apart."""
         self._open()
-        return dict(self._metadata) or None
+        return None if self._metadata is None else dict(self._metadata)
 
     @property
     def bytes_read(self) -> int:

@@ -113,6 +113,9 @@ impl Stream {
         );
         opts.parts = parts;
         let loader = match (target, allocate) {
+            // Local files on a local filesystem open in microseconds (no server to wait for,
+            // nothing Ctrl-C would have to cut short): on this thread, not one started for it.
+            (None, None) if opens_here(&uris) => Ok(py.detach(|| pipeline::open(&uris, &opts))),
             (None, None) => off_thread(py, "open", move || pipeline::open(&uris, &opts)),
             (Some(target), Some(allocate)) => off_thread(py, "open", move || {
                 let engine = device::engine(&target)?;
@@ -257,6 +260,15 @@ impl Stream {
     }
 }
 
+/// Whether a load of `uris` is opened on the caller's thread: plain paths (no `scheme://`) on
+/// local filesystems, where opening and reading a header never waits on a network (a network or
+/// FUSE filesystem's could, and is opened off-thread so that Ctrl-C still interrupts it).
+fn opens_here(uris: &[String]) -> bool {
+    uris.iter().all(|u| {
+        !u.contains("://") && crate::source::fs::remote_filesystem(std::path::Path::new(u)).is_none()
+    })
+}
+
 /// Headers of every file the URIs name: a list of dicts `{file, size, tensors: [(name, dtype,
 /// shape, begin, end)], metadata}`; reads no tensor data.
 #[pyfunction]
@@ -286,7 +298,7 @@ pub fn inspect<'py>(
             ))?;
         }
         d.set_item("tensors", tensors)?;
-        d.set_item("metadata", s.header.metadata.clone())?;
+        d.set_item("metadata", s.header.metadata.clone().unwrap_or_default())?;
         out.append(d)?;
     }
     Ok(out)
