@@ -22,6 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from . import _fastload
+from . import _safetensors_device as _device
+from . import _safetensors_backend as _check_backend
+from . import load_file as load_file  # defined there: `import fastload` does not import this module
 from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
 
 if TYPE_CHECKING:
@@ -39,7 +42,6 @@ LOCAL_READ_COST = 16 * 1024
 
 # The frameworks safetensors calls PyTorch.
 _TORCH = frozenset({"pt", "torch", "pytorch"})
-_BACKENDS = frozenset({"mmap", "pread"})
 # Options a safe_open reads with (the rest, except names, are for the load behind a GPU
 # get_tensor).
 _READER_OPTIONS = ("concurrency", "block_size", "storage_options", "cache")
@@ -173,21 +175,6 @@ def plan(
     return Plan(ranges, size, tuple(stride), tuple(view))
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in _BACKENDS:
-        raise ConfigError(
-            f"invalid option backend: {backend!r} (safetensors takes 'mmap' or 'pread')",
-            option="backend",
-        )
-
-
-def _device(device: Any) -> Any:
-    """safetensors' device spellings: an int is a CUDA ordinal, ``None`` the CPU."""
-    if device is None:
-        return "cpu"
-    if _is_int(device):
-        return f"cuda:{device}"
-    return device
 
 
 class safe_open:
@@ -399,15 +386,3 @@ class SafeSlice:
 
     def __repr__(self) -> str:
         return f"SafeSlice({self._name!r}, dtype={self._dtype}, shape={list(self._shape)})"
-
-
-def load_file(
-    filename: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "mmap"
-) -> dict[str, torch.Tensor]:
-    """``safetensors.torch.load_file``: every tensor of ``filename`` (any URI fastload reads) in a
-    dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal). ``backend`` is
-    accepted for safetensors' signature; fastload picks how to read (see ``method``)."""
-    from . import load
-
-    _check_backend(backend)
-    return load(filename, device=_device(device))
