@@ -22,9 +22,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from . import _fastload
-from . import _safetensors_device as _device
 from . import _safetensors_backend as _check_backend
-from . import load_file as load_file  # defined there: `import fastload` does not import this module
+from . import _safetensors_device as _device
+
+# Defined in the package (`import fastload` does not import this module); here too, as before.
+from . import load_file as load_file
 from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
 
 if TYPE_CHECKING:
@@ -173,8 +175,6 @@ def plan(
     for d in range(r, ndim):
         stride[d] = steps[d] * strides[d]
     return Plan(ranges, size, tuple(stride), tuple(view))
-
-
 
 
 class safe_open:

@@ -423,57 +423,36 @@ impl Driver {
     }
 }
 
-/// Hands the leading segments of `plan` whose pages are in the page cache to the consumer, on
-/// the calling thread; returns the index of the first segment left to the [`Driver`]. Each
-/// shard's run of segments is one mapping (one `mmap`, one page-cache check sampled over it, as
-/// `safetensors` maps a whole file), its segments views of it. A run with pages to read, or one
-/// that cannot be mapped, is left to the driver, which maps it segment by segment (and reports
-/// any error). A warm load of local files is then a few system calls per file: no runtime, no
+/// Hands the leading segments of `plan` whose pages are all in the page cache to the consumer, on
+/// the calling thread; returns the index of the first segment it left to the [`Driver`] (one
+/// with pages to read, or one that cannot be mapped: the driver maps it again and reports any
+/// error). A warm load of local files is then a few system calls per segment: no runtime, no
 /// task, no thread (on a process's first load, starting those cost more than the rest of it).
+/// Each segment stays a mapping of its own, unmapped once its tensors are freed, so that a
+/// consumer that drops tensors as it goes holds no more of the file than before.
 ///
 /// Such segments take no share of the memory budget: their pages are the page cache's, mapped
 /// lazily, not memory the loader allocated or reads into (nor a read the budget would pace).
 /// The file is checked again when each segment is handed out ([`Loader::next_segment`]), as
 /// for every mapped segment.
 fn publish_cached(plan: &Plan, feed: &Feed) -> usize {
-    let segments = &plan.segments;
-    let mut index = 0;
-    while index < segments.len() {
-        let shard = segments[index].shard;
-        let run = segments[index..]
-            .iter()
-            .take_while(|s| s.shard == shard)
-            .count();
-        let run = &segments[index..index + run];
-        let first = run[0].start;
-        let span = run.iter().map(|s| s.start + s.len).max().unwrap_or(first) - first;
+    for (index, seg) in plan.segments.iter().enumerate() {
+        let source = &plan.shards[seg.shard].source;
         // `map` reopens the file and checks it is the one whose header was read.
-        let buffer = match plan.shards[shard].source.map(first, span as usize) {
-            Some(Ok(buffer)) if buffer.is_mapped() && !buffer.is_fresh() => Arc::new(buffer),
+        let buffer = match source.map(seg.start, seg.len as usize) {
+            Some(Ok(buffer)) if buffer.is_mapped() && !buffer.is_fresh() => buffer,
             _ => return index,
         };
-        for seg in run {
-            let delta = seg.start - first;
-            let tensors = seg
-                .tensors
-                .iter()
-                .map(|t| TensorSlot {
-                    offset: t.offset + delta,
-                    ..t.clone()
-                })
-                .collect();
-            feed.stats.bytes_read.fetch_add(seg.len, Ordering::Relaxed);
-            feed.stats.bytes_cached.fetch_add(seg.len, Ordering::Relaxed);
-            let loaded = Loaded {
-                memory: Memory::Host(buffer.clone()),
-                shard,
-                tensors,
-            };
-            feed.deliver(loaded, None);
-        }
-        index += run.len();
+        feed.stats.bytes_read.fetch_add(seg.len, Ordering::Relaxed);
+        feed.stats.bytes_cached.fetch_add(seg.len, Ordering::Relaxed);
+        let loaded = Loaded {
+            memory: Memory::Host(Arc::new(buffer)),
+            shard: seg.shard,
+            tensors: seg.tensors.clone(),
+        };
+        feed.deliver(loaded, None);
     }
-    index
+    plan.segments.len()
 }
 
 /// What `method="auto"` does for a load into host memory, and why. Local files are mapped:
