@@ -1071,7 +1071,10 @@ mod tests {
         // `null` means no metadata, as the reference reads it; absent too; `{}` is kept empty.
         assert_eq!(ok(r#"{"__metadata__":null}"#, 0).metadata, None);
         assert_eq!(ok("{}", 0).metadata, None);
-        assert_eq!(ok(r#"{"__metadata__":{}}"#, 0).metadata, Some(BTreeMap::new()));
+        assert_eq!(
+            ok(r#"{"__metadata__":{}}"#, 0).metadata,
+            Some(BTreeMap::new())
+        );
         let h = ok(r#"{"__metadata__":{"k":"v","ü":"\u00e9\n"}}"#, 0);
         assert_eq!(h.metadata.unwrap()["ü"], "é\n");
     }

@@ -444,7 +444,9 @@ fn publish_cached(plan: &Plan, feed: &Feed) -> usize {
             _ => return index,
         };
         feed.stats.bytes_read.fetch_add(seg.len, Ordering::Relaxed);
-        feed.stats.bytes_cached.fetch_add(seg.len, Ordering::Relaxed);
+        feed.stats
+            .bytes_cached
+            .fetch_add(seg.len, Ordering::Relaxed);
         let loaded = Loaded {
             memory: Memory::Host(Arc::new(buffer)),
             shard: seg.shard,

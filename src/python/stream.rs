@@ -265,7 +265,8 @@ impl Stream {
 /// FUSE filesystem's could, and is opened off-thread so that Ctrl-C still interrupts it).
 fn opens_here(uris: &[String]) -> bool {
     uris.iter().all(|u| {
-        !u.contains("://") && crate::source::fs::remote_filesystem(std::path::Path::new(u)).is_none()
+        !u.contains("://")
+            && crate::source::fs::remote_filesystem(std::path::Path::new(u)).is_none()
     })
 }
 
