@@ -260,15 +260,23 @@ impl Stream {
     }
 }
 
-/// Whether a load of `uris` is opened on the caller's thread: plain paths (no `scheme://`) on
-/// local filesystems, where opening and reading a header never waits on a network (a network or
-/// FUSE filesystem's could, and is opened off-thread so that Ctrl-C still interrupts it).
+/// Whether a load of `uris` is opened on the caller's thread: a few plain files (no
+/// `scheme://`, no directory or index, which may name a thousand shards) on local filesystems,
+/// whose headers are a few local reads that never wait on a network. Anything else is opened
+/// off-thread, so that Ctrl-C still interrupts it.
 fn opens_here(uris: &[String]) -> bool {
-    uris.iter().all(|u| {
-        !u.contains("://")
-            && crate::source::fs::remote_filesystem(std::path::Path::new(u)).is_none()
-    })
+    uris.len() <= OPENED_HERE
+        && uris.iter().all(|u| {
+            let path = std::path::Path::new(u);
+            !u.contains("://")
+                && path.extension().is_none_or(|e| e != "json")
+                && path.is_file()
+                && crate::source::fs::remote_filesystem(path).is_none()
+        })
 }
+
+/// The most files [`opens_here`] opens on the caller's thread.
+const OPENED_HERE: usize = 8;
 
 /// Headers of every file the URIs name: a list of dicts `{file, size, tensors: [(name, dtype,
 /// shape, begin, end)], metadata}`; reads no tensor data.
