@@ -154,8 +154,9 @@ pub struct Header {
     pub data_start: u64,
     /// Tensors sorted by offset; together they cover the data section exactly.
     pub tensors: Vec<TensorEntry>,
-    /// The optional `__metadata__` string map.
-    pub metadata: BTreeMap<String, String>,
+    /// The `__metadata__` string map: `None` when the header has none (or `null`), which the
+    /// reference keeps apart from an empty map (`safe_open(...).metadata()` is `None` or `{}`).
+    pub metadata: Option<BTreeMap<String, String>>,
 }
 
 impl Header {
@@ -339,7 +340,7 @@ mod tests {
         assert_eq!(h.tensors[0].name, "a");
         assert_eq!(h.tensors[1].shape, vec![2]);
         assert_eq!(h.data_start, b.len() as u64);
-        assert_eq!(h.metadata["format"], "pt");
+        assert_eq!(h.metadata.as_ref().unwrap()["format"], "pt");
     }
 
     #[test]
@@ -949,7 +950,7 @@ mod tests {
         let h = ok("{}      ", 0);
         assert_eq!(h.data_start, 16);
         let h = ok(r#"{"__metadata__":{"format":"pt"}}"#, 0);
-        assert_eq!(h.metadata.len(), 1);
+        assert_eq!(h.metadata.map(|m| m.len()), Some(1));
     }
 
     #[test]
@@ -1070,10 +1071,15 @@ mod tests {
                 "{meta}: {e}"
             );
         }
-        // `null` means no metadata, as the reference reads it.
-        assert!(ok(r#"{"__metadata__":null}"#, 0).metadata.is_empty());
+        // `null` means no metadata, as the reference reads it; absent too; `{}` is kept empty.
+        assert_eq!(ok(r#"{"__metadata__":null}"#, 0).metadata, None);
+        assert_eq!(ok("{}", 0).metadata, None);
+        assert_eq!(
+            ok(r#"{"__metadata__":{}}"#, 0).metadata,
+            Some(BTreeMap::new())
+        );
         let h = ok(r#"{"__metadata__":{"k":"v","ü":"\u00e9\n"}}"#, 0);
-        assert_eq!(h.metadata["ü"], "é\n");
+        assert_eq!(h.metadata.unwrap()["ü"], "é\n");
     }
 
     #[test]

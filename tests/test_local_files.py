@@ -7,6 +7,7 @@ interpreter with a timeout."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import socket
 import subprocess
@@ -226,3 +227,48 @@ def test_cached_files_are_mapped_lazily_and_others_populated(tmp_path):
             assert got[name].equal(t), name
         assert _mapped_rss(path) >= total
         del got
+
+
+# A fresh interpreter loads a file whose pages are all cached: the load maps it on the calling
+# thread, so the process has as many threads after the load as before (no runtime, no worker,
+# no thread started to open it). Then the same file with pages to read: those are read by the
+# runtime's threads, and the tensors are the same.
+NO_THREAD_WHEN_WARM = """
+    import json, os, sys
+    import fastload, torch
+    from fastload._pagecache import evict, resident_bytes
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    path = sys.argv[1]
+    before = threads()
+    s = fastload.stream(path)
+    warm = dict(s)
+    out = {"before": before, "after": threads(), "cached": s.stats()["bytes_cached"],
+           "total": s.stats()["total_bytes"]}
+    evict(path)
+    out["evicted"] = resident_bytes(path) == 0
+    cold = fastload.load(path)
+    out["cold_threads"] = threads()
+    out["equal"] = warm.keys() == cold.keys() and all(warm[k].equal(cold[k]) for k in warm)
+    print(json.dumps(out))
+"""
+
+
+def test_a_warm_load_starts_no_thread(tmp_path):
+    path = tmp_path / "m.safetensors"
+    tensors = {f"t{i}": torch.arange(i * MiB, (i + 1) * MiB, dtype=torch.int32) for i in range(6)}
+    save_file(tensors, path)
+    if not _kernel_has_cachestat(path):
+        pytest.skip("the kernel has no cachestat(2) (Linux < 6.5): fastload cannot tell")
+    with open(path, "rb") as f:  # every page cached, whatever happened since the write
+        f.read()
+    done = run(NO_THREAD_WHEN_WARM, str(path))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["cached"] == out["total"] == 24 * MiB, out
+    assert out["after"] == out["before"], out
+    assert out["equal"], out
+    if out["evicted"]:  # pages to read: the runtime's threads read them
+        assert out["cold_threads"] > out["before"], out

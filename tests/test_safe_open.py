@@ -147,6 +147,33 @@ def test_metadata_and_use_without_with(tmp_path):
     assert fastload.safe_open(bare, "pt").metadata() is None
 
 
+def _with_header(path, header: bytes):
+    """A file of one 4-byte tensor after ``header`` (JSON), written byte by byte."""
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    return path
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["absent", "empty", "null", "filled"],
+)
+def test_metadata_absent_empty_and_null_as_safetensors_tells_them(tmp_path, how):
+    """``metadata()`` is ``None`` without ``__metadata__`` (or with ``null``) and ``{}`` for a
+    file written with ``metadata={}``: the same value as safetensors', never one for the other."""
+    path = tmp_path / f"{how}.safetensors"
+    if how == "null":
+        entry = b'"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+        _with_header(path, b'{"__metadata__":null,' + entry + b"}")
+    else:
+        meta = {"absent": None, "empty": {}, "filled": {"k": "v"}}[how]
+        write(path, {"w": torch.ones(1)}, metadata=meta)
+    want = safetensors.safe_open(str(path), "pt").metadata()
+    assert want == {"absent": None, "null": None, "empty": {}, "filled": {"k": "v"}}[how]
+    with fastload.safe_open(path, "pt") as f:
+        got = f.metadata()
+    assert got == want and type(got) is type(want), (got, want)
+
+
 def test_errors(tmp_path, dtypes_file):
     with fastload.safe_open(dtypes_file, "pt") as f:
         with pytest.raises(fastload.TensorNotFoundError, match="nope") as e:

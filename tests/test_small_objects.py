@@ -47,7 +47,8 @@ def test_read_whole_object(store, sharded_dir):
     # Exactly at the limit is fine; one byte under it is refused unread, naming the object.
     size = index.stat().st_size
     assert _fastload.read_object(store.uri(f"sharded/{index.name}"), size) == data
-    with pytest.raises(fastload.StorageError, match=f"more than {size - 1} bytes, the limit for a body read whole") as info:
+    refused = f"more than {size - 1} bytes, the limit for a body read whole"
+    with pytest.raises(fastload.StorageError, match=refused) as info:
         _fastload.read_object(store.uri(f"sharded/{index.name}"), size - 1)
     assert store.uri(f"sharded/{index.name}") in str(info.value)
 

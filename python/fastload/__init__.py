@@ -27,12 +27,12 @@ from ._errors import (
     TensorNotFoundError,
 )
 from ._options import Options, Uri
-from ._safe_open import SafeSlice, load_file, safe_open
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
+    from ._safe_open import SafeSlice, safe_open
     from .distributed import DistributedStream
 
 __version__: str = _fastload.__version__
@@ -365,6 +365,54 @@ def load(
     _options.check("load", options)
     with stream(uri, process_group=process_group, **options) as s:
         return dict(s)
+
+
+def load_file(
+    filename: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "mmap"
+) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file``: every tensor of ``filename`` (any URI fastload reads) in a
+    dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal). ``backend`` is
+    accepted for safetensors' signature; fastload picks how to read (see ``method``)."""
+    _safetensors_backend(backend)
+    return load(filename, device=_safetensors_device(device))
+
+
+def _safetensors_backend(backend: str) -> None:
+    """safetensors' ``backend`` (how it reads): accepted, checked, changes nothing here."""
+    if backend not in ("mmap", "pread"):
+        raise ConfigError(
+            f"invalid option backend: {backend!r} (safetensors takes 'mmap' or 'pread')",
+            option="backend",
+        )
+
+
+def _safetensors_device(device: Any) -> Any:
+    """safetensors' device spellings: an int is a CUDA ordinal, ``None`` the CPU."""
+    if device is None:
+        return "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"cuda:{device}"
+    return device
+
+
+# Imported on first use (PEP 562): ``import fastload`` stays as cheap as safetensors' own, and
+# ``load_file`` (above) needs none of it.
+_LAZY = {"safe_open": "_safe_open", "SafeSlice": "_safe_open"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastload' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def inspect(

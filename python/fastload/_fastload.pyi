@@ -268,7 +268,8 @@ class _Header(TypedDict):
     size: int
     data_start: int
     tensors: list[tuple[str, str, tuple[int, ...], int, int]]
-    metadata: dict[str, str]
+    # None when the header has no __metadata__ (or null); {} when it is empty (as safetensors).
+    metadata: dict[str, str] | None
 
 @final
 class Reader:
@@ -295,7 +296,8 @@ class Reader:
     def reads(self) -> int:
         """Reads issued (requests, for object stores) by every ``read`` so far."""
     def headers(self) -> list[_Header]:
-        """Each file's header, as ``inspect`` gives it, plus ``data_start``."""
+        """Each file's header, as ``inspect`` gives it, plus ``data_start``; ``metadata`` is
+        ``None`` when the header has no ``__metadata__``."""
     def read(self, shard: int, ranges: list[tuple[int, int]]) -> object:
         """``ranges`` (``(file offset, len)``) of file ``shard``, one after the other, as a flat
         uint8 ``dltensor`` capsule."""

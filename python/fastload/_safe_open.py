@@ -22,6 +22,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from . import _fastload, _options
+from . import _safetensors_backend as _check_backend
+from . import _safetensors_device as _device
+
+# Defined in the package (`import fastload` does not import this module); here too, as before.
+from . import load_file as load_file
 from ._errors import ConfigError, FastloadError, FormatError, TensorNotFoundError
 
 if TYPE_CHECKING:
@@ -39,7 +44,6 @@ LOCAL_READ_COST = 16 * 1024
 
 # The frameworks safetensors calls PyTorch.
 _TORCH = frozenset({"pt", "torch", "pytorch"})
-_BACKENDS = frozenset({"mmap", "pread"})
 # Options a safe_open reads with (the rest, except names, are for the loads behind a GPU
 # get_tensor and get_tensors): those src/options.rs marks Taker::Reader.
 _READER_OPTIONS = _options.taken_by("reader")
@@ -174,23 +178,6 @@ def plan(
     return Plan(ranges, size, tuple(stride), tuple(view))
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in _BACKENDS:
-        raise ConfigError(
-            f"invalid option backend: {backend!r} (safetensors takes 'mmap' or 'pread')",
-            option="backend",
-        )
-
-
-def _device(device: Any) -> Any:
-    """safetensors' device spellings: an int is a CUDA ordinal, ``None`` the CPU."""
-    if device is None:
-        return "cpu"
-    if _is_int(device):
-        return f"cuda:{device}"
-    return device
-
-
 class safe_open:
     """Opens a safetensors file (a path, ``s3://``, ``gs://``, ``az://``, ``http(s)://`` or
     ``hf://ORG/REPO[@rev]/FILE``) and reads tensors, or slices of them, as asked: a drop-in for
@@ -244,7 +231,8 @@ class safe_open:
             for name, dtype, shape, begin, end in header["tensors"]
         }
         self._offset_keys = [t[0] for t in header["tensors"]]
-        self._metadata: dict[str, str] = dict(header["metadata"])
+        metadata = header["metadata"]
+        self._metadata: dict[str, str] | None = None if metadata is None else dict(metadata)
         self._remote = _fastload.is_remote_uri(self._uri[0]) or self._file.startswith("hf://")
         self._reader: Any = reader
         self._bytes_read = 0
@@ -276,9 +264,10 @@ class safe_open:
         return list(self._offset_keys)
 
     def metadata(self) -> dict[str, str] | None:
-        """The header's ``__metadata__`` (``None`` when it has none)."""
+        """The header's ``__metadata__``: ``None`` when it has none (or ``null``), ``{}`` when it
+        is empty, as safetensors tells them apart."""
         self._open()
-        return dict(self._metadata) or None
+        return None if self._metadata is None else dict(self._metadata)
 
     @property
     def bytes_read(self) -> int:
@@ -396,15 +385,3 @@ class SafeSlice:
 
     def __repr__(self) -> str:
         return f"SafeSlice({self._name!r}, dtype={self._dtype}, shape={list(self._shape)})"
-
-
-def load_file(
-    filename: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "mmap"
-) -> dict[str, torch.Tensor]:
-    """``safetensors.torch.load_file``: every tensor of ``filename`` (any URI fastload reads) in a
-    dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal). ``backend`` is
-    accepted for safetensors' signature; fastload picks how to read (see ``method``)."""
-    from . import load
-
-    _check_backend(backend)
-    return load(filename, device=_device(device))

@@ -340,7 +340,7 @@ mod tests {
         let parsed = crate::format::parse(&h, h.len() as u64 + data).unwrap();
         assert_eq!(parsed.tensors.len(), specs.len());
         assert_eq!(parsed.data_start, h.len() as u64);
-        assert_eq!(parsed.metadata["format"], "pt");
+        assert_eq!(parsed.metadata.unwrap()["format"], "pt");
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub(super) struct InspectArgs {
     json: bool,
 }
 
+/// The metadata a file without `__metadata__` reports.
+static EMPTY: BTreeMap<String, String> = BTreeMap::new();
+
 #[derive(Serialize)]
 struct FileReport<'a> {
     file: &'a str,
@@ -68,7 +71,7 @@ fn report(shards: &[Shard]) -> Report<'_> {
             header_bytes: s.header.data_start,
             tensors: s.header.tensors.len(),
             bytes: s.header.data_len(),
-            metadata: &s.header.metadata,
+            metadata: s.header.metadata.as_ref().unwrap_or(&EMPTY),
         })
         .collect();
     let tensors = shards

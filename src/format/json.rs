@@ -48,7 +48,7 @@ pub(super) struct RawInfo {
 }
 
 pub(super) struct RawHeader {
-    pub metadata: BTreeMap<String, String>,
+    pub metadata: Option<BTreeMap<String, String>>,
     pub tensors: Vec<(String, RawInfo)>,
 }
 
@@ -118,7 +118,8 @@ impl<'de> Visitor<'de> for RawHeaderSeed<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
-        let mut metadata = None;
+        // `None` inside: `"__metadata__": null`, which the reference reads as no metadata.
+        let mut metadata: Option<Option<BTreeMap<String, String>>> = None;
         let mut tensors = Vec::new();
         let mut seen = HashSet::new();
         while let Some(key) = map.next_key::<String>()? {
@@ -127,7 +128,7 @@ impl<'de> Visitor<'de> for RawHeaderSeed<'_> {
                     return Err(self.reject(Rejected::DuplicateMetadata));
                 }
                 match map.next_value::<Option<BTreeMap<String, String>>>() {
-                    Ok(m) => metadata = Some(m.unwrap_or_default()),
+                    Ok(m) => metadata = Some(m),
                     Err(e) => {
                         return Err(self.reject(Rejected::Metadata(e.to_string())));
                     }
@@ -146,7 +147,7 @@ impl<'de> Visitor<'de> for RawHeaderSeed<'_> {
             }
         }
         Ok(RawHeader {
-            metadata: metadata.unwrap_or_default(),
+            metadata: metadata.flatten(),
             tensors,
         })
     }

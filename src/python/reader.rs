@@ -68,7 +68,8 @@ impl Reader {
     }
 
     /// Each file's header, as `inspect` gives it, plus `data_start` (the file offset tensor
-    /// offsets count from).
+    /// offsets count from); `metadata` is `None` when the header has no `__metadata__`, as
+    /// `safetensors.safe_open(...).metadata()` tells it apart from `{}`.
     fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for s in &self.shards {

@@ -135,6 +135,9 @@ impl Stream {
         );
         opts.parts = parts;
         let loader = match (target, allocate) {
+            // Local files on a local filesystem open in microseconds (no server to wait for,
+            // nothing Ctrl-C would have to cut short): on this thread, not one started for it.
+            (None, None) if opens_here(&uris) => Ok(py.detach(|| pipeline::open(&uris, &opts))),
             (None, None) => off_thread(py, "open", move || pipeline::open(&uris, &opts)),
             (Some(target), Some(allocate)) => off_thread(py, "open", move || {
                 let engine = device::engine(&target)?;
@@ -329,6 +332,24 @@ impl Drop for Stream {
     }
 }
 
+/// Whether a load of `uris` is opened on the caller's thread: a few plain files (no
+/// `scheme://`, no directory or index, which may name a thousand shards) on local filesystems,
+/// whose headers are a few local reads that never wait on a network. Anything else is opened
+/// off-thread, so that Ctrl-C still interrupts it.
+fn opens_here(uris: &[String]) -> bool {
+    uris.len() <= OPENED_HERE
+        && uris.iter().all(|u| {
+            let path = std::path::Path::new(u);
+            !u.contains("://")
+                && path.extension().is_none_or(|e| e != "json")
+                && path.is_file()
+                && crate::source::fs::remote_filesystem(path).is_none()
+        })
+}
+
+/// The most files [`opens_here`] opens on the caller's thread.
+const OPENED_HERE: usize = 8;
+
 /// Headers of every file the URIs name: a list of dicts `{file, size, tensors: [(name, dtype,
 /// shape, begin, end)], metadata}`; reads no tensor data.
 #[pyfunction]
@@ -373,6 +394,7 @@ pub(super) fn header_dict<'py>(
         ))?;
     }
     d.set_item("tensors", tensors)?;
-    d.set_item("metadata", s.header.metadata.clone())?;
+    // No `__metadata__` reads as empty here (safe_open tells the two apart: see reader.rs).
+    d.set_item("metadata", s.header.metadata.clone().unwrap_or_default())?;
     Ok(d)
 }

@@ -126,9 +126,30 @@ pub fn open_all(
     read_headers(cache::wrap(sources, cache))
 }
 
-/// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time.
+/// Local files whose headers are read on the calling thread, one after the other: up to this
+/// many, a thread pool (and the runtime, on a process's first load) costs more than the reads.
+const INLINE_HEADERS: usize = 8;
+
+/// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time; a few local files' on the
+/// calling thread (a warm load of one file then starts no thread at all).
 fn read_headers(sources: Vec<Arc<dyn Source>>) -> Result<Vec<Shard>> {
     use futures_util::stream::{StreamExt, TryStreamExt};
+    use futures_util::FutureExt;
+
+    let inline = sources.len() <= INLINE_HEADERS
+        && sources.iter().all(|s| s.local_path().is_some())
+        && tokio::runtime::Handle::try_current().is_err();
+    if inline {
+        // A local file's read completes in its first poll (a pread outside any runtime); a
+        // source that would wait is read on the runtime instead.
+        return sources
+            .into_iter()
+            .map(|source| match open_shard(source.clone()).now_or_never() {
+                Some(shard) => shard,
+                None => crate::runtime::block_on("reading headers", open_shard(source)),
+            })
+            .collect();
+    }
 
     crate::runtime::block_on("reading headers", async move {
         futures_util::stream::iter(sources)
