@@ -75,6 +75,7 @@ impl Reader {
         for s in &self.shards {
             let d = super::stream::header_dict(py, s)?;
             d.set_item("data_start", s.header.data_start)?;
+            d.set_item("metadata", s.header.metadata.clone())?;
             out.append(d)?;
         }
         Ok(out)

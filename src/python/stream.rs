@@ -137,7 +137,9 @@ impl Stream {
         let loader = match (target, allocate) {
             // Local files on a local filesystem open in microseconds (no server to wait for,
             // nothing Ctrl-C would have to cut short): on this thread, not one started for it.
-            (None, None) if opens_here(&uris) => Ok(py.detach(|| pipeline::open(&uris, &opts))),
+            (None, None) if opens_here(&uris) => {
+                Ok(gil::detach(py, || pipeline::open(&uris, &opts)))
+            }
             (None, None) => off_thread(py, "open", move || pipeline::open(&uris, &opts)),
             (Some(target), Some(allocate)) => off_thread(py, "open", move || {
                 let engine = device::engine(&target)?;
