@@ -119,22 +119,32 @@ def test_pinned_transformers_apis():
     assert callable(auto_factory._get_model_class)
     assert callable(auto_factory.add_generation_mixin_to_remote_model)
     assert callable(get_class_from_dynamic_module)
-    params = list(inspect.signature(GenerationMixin.adjust_generation_fn).parameters)
-    assert params[:13] == [
-        "self",
-        "generation_config",
-        "from_auto_class",
-        "from_pipeline",
-        "pretrained_model_name_or_path",
-        "cache_dir",
-        "force_download",
-        "proxies",
-        "local_files_only",
-        "token",
-        "revision",
-        "subfolder",
-        "trust_remote_code",
-    ]
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        params = list(inspect.signature(GenerationMixin.adjust_generation_fn).parameters)
+        assert params[:13] == [
+            "self",
+            "generation_config",
+            "from_auto_class",
+            "from_pipeline",
+            "pretrained_model_name_or_path",
+            "cache_dir",
+            "force_download",
+            "proxies",
+            "local_files_only",
+            "token",
+            "revision",
+            "subfolder",
+            "trust_remote_code",
+        ]
+    else:
+        # 4.x reads the generation config inline (as fastload then does), and probes the Hub for
+        # the config's commit unless given `_commit_hash`.
+        assert not hasattr(GenerationMixin, "adjust_generation_fn")
+        assert "GenerationConfig.from_pretrained(" in source
+        assert 'commit_hash = kwargs.pop("_commit_hash", None)' in source
+        assert "if commit_hash is None:" in source
+        params = list(inspect.signature(GenerationMixin.load_custom_generate).parameters)
+        assert params[:3] == ["self", "pretrained_model_name_or_path", "trust_remote_code"]
 
 
 REMOTE_CONFIG = """

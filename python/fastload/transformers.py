@@ -124,6 +124,13 @@ def small_files(
     return ckpt.folder(subfolder)
 
 
+def _major() -> int:
+    """transformers' major version (4 or 5: both are supported)."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def _is_auto_class(model_class: Any) -> bool:
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
@@ -135,7 +142,8 @@ def _resolve_auto(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """What ``AutoModel....from_pretrained`` does before it calls the concrete class: the config
     (with ``kwargs`` that are config attributes applied), the class, the rest of ``kwargs``."""
-    from transformers import AutoConfig, PreTrainedConfig
+    from transformers import AutoConfig
+    from transformers import PretrainedConfig as PreTrainedConfig  # both names in 5.x
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
     from transformers.models.auto import auto_factory
 
@@ -152,9 +160,12 @@ def _resolve_auto(
             return_unused_kwargs=True,
             **kwargs,
         )
-        # As transformers does: a concrete dtype the config absorbed is passed on explicitly.
+        # As transformers does: 5.x passes on a concrete dtype the config absorbed explicitly,
+        # 4.x only "auto".
         for key in ("torch_dtype", "dtype", "quantization_config"):
-            if given.get(key) is not None:
+            if given.get(key) is not None and (
+                _major() >= 5 or key == "quantization_config" or given[key] == "auto"
+            ):
                 kwargs[key] = given[key]
     name = model_class.__name__
     mapping = model_class._model_mapping
@@ -181,7 +192,7 @@ def _resolve_auto(
         ):
             parent_quant = getattr(config, "quantization_config", None)
             config = config.get_text_config()
-            if parent_quant is not None:
+            if parent_quant is not None and _major() >= 5:
                 config.quantization_config = parent_quant
         return cls, config, kwargs
     raise ValueError(
@@ -208,6 +219,64 @@ def _single_device(device_map: Any) -> str | None:
         if dev.type == "cuda":
             return str(dev)
     return None
+
+
+def _commit_of(folder: Path) -> str:
+    """The Hub commit of a snapshot folder (``.../snapshots/<commit>/...``), as transformers'
+    ``extract_commit_hash`` finds it; ``""`` for any other folder."""
+    parts = folder.resolve().parts
+    if "snapshots" in parts[:-1]:
+        return parts[parts.index("snapshots") + 1]
+    return ""
+
+
+def _load_generation_config(model: Any, folder: Path, kwargs: dict[str, Any]) -> None:
+    """What ``from_pretrained`` does last when given a folder and no ``generation_config`` (with
+    ``None``, as here, it has no folder to read): the generation config from ``folder`` (and, in
+    4.x, the folder's custom ``generate``)."""
+    rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
+    from_auto = bool(kwargs.get("_from_auto"))
+    repo_kwargs: dict[str, Any] = {
+        "cache_dir": None,
+        "force_download": False,
+        "proxies": None,
+        "local_files_only": True,
+        "token": None,
+        "revision": None,
+        "subfolder": "",
+    }
+    if hasattr(model, "adjust_generation_fn"):  # 5.x
+        model.adjust_generation_fn(
+            None,
+            from_auto,
+            None,
+            str(folder),
+            **repo_kwargs,
+            trust_remote_code=kwargs.get("trust_remote_code"),
+            **rest,
+        )
+        return
+    if not model.can_generate():  # 4.x: inline in from_pretrained
+        return
+    import functools
+
+    from transformers import GenerationConfig
+
+    repo_kwargs.update(rest)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(
+            str(folder), _from_auto=from_auto, _from_pipeline=None, **repo_kwargs
+        )
+    except OSError:
+        pass  # no generation_config.json: the one made from the model's config stays
+    if hasattr(model, "load_custom_generate"):
+        try:
+            custom_generate = model.load_custom_generate(
+                str(folder), trust_remote_code=kwargs.get("trust_remote_code"), **repo_kwargs
+            )
+        except OSError:  # no custom generate function
+            return
+        model.generate = functools.partial(custom_generate, model=model)
 
 
 def from_pretrained(
@@ -294,25 +363,13 @@ def _from_checkpoint(
     if ckpt.storage_options is not None:
         options.setdefault("storage_options", ckpt.storage_options)
     state_dict = fastload.load(uris, device=device or "cpu", **options)
+    if _major() < 5:
+        # 4.x first asks the Hub for `pretrained_model_name_or_path`'s config.json (here None:
+        # a request for "None/config.json", retried for a minute offline) unless it has the
+        # commit hash, which from_pretrained(None, ...) then uses for nothing else.
+        kwargs["_commit_hash"] = _commit_of(folder)
     model = cls.from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
     del state_dict
-    rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
-    if kwargs.get("generation_config") is None and hasattr(model, "adjust_generation_fn"):
-        # from_pretrained(None, ...) has no folder to read the generation config from: read
-        # it as a load from the folder does.
-        model.adjust_generation_fn(
-            None,
-            bool(kwargs.get("_from_auto")),
-            None,
-            str(folder),
-            cache_dir=None,
-            force_download=False,
-            proxies=None,
-            local_files_only=True,
-            token=None,
-            revision=None,
-            subfolder="",
-            trust_remote_code=kwargs.get("trust_remote_code"),
-            **rest,
-        )
+    if kwargs.get("generation_config") is None:
+        _load_generation_config(model, folder, kwargs)
     return model
