@@ -78,6 +78,71 @@ def test_config_overrides_and_device_map(models):
     check(AutoModelForCausalLM, models["sharded"], models["sharded"], device_map="cpu")
 
 
+TF_MAJOR = int(transformers.__version__.split(".")[0])
+_LLAMA_MODULES = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+
+
+def _split(**where):
+    return {m: where.get(m, "cpu") for m in _LLAMA_MODULES} | {"model.rotary_emb": "cpu"}
+
+
+DEVICE_MAPS = {
+    "auto": {"device_map": "auto"},
+    "sequential": {"device_map": "sequential"},
+    "cpu dict": {"device_map": _split()},
+    "disk dict": {"device_map": _split(**{"model.layers.1": "disk", "lm_head": "disk"})},
+    "meta dict": {"device_map": _split(**{"model.layers.1": "meta"})},
+    # 1 KB of CPU memory: accelerate's planner sends nearly everything to disk.
+    "auto, disk by max_memory": {"device_map": "auto", "max_memory": {"cpu": "1KB"}},
+}
+
+
+def _load_or_error(load):
+    try:
+        return load(), None
+    except Exception as e:  # what transformers raises is what is compared
+        return None, e
+
+
+@pytest.mark.parametrize("case", list(DEVICE_MAPS))
+def test_device_map_offload_as_transformers(models, case, tmp_path):
+    """device_map strategies and dicts across cpu, disk and meta: the model transformers' own
+    load gives (same placement, same weights where they are in memory, same logits), or the
+    error it gives. Only transformers 4.x cannot offload given weights to disk: there fastload
+    refuses with one ConfigError naming device_map (4.57's own load of a folder does it)."""
+    kwargs = {**DEVICE_MAPS[case], "offload_folder": str(tmp_path / "off_want")}
+    want, want_err = _load_or_error(
+        lambda: AutoModelForCausalLM.from_pretrained(models["sharded"], **kwargs)
+    )
+    kwargs["offload_folder"] = str(tmp_path / "off_got")
+    got, got_err = _load_or_error(
+        lambda: fastload.transformers.from_pretrained(
+            AutoModelForCausalLM, models["sharded"], **kwargs
+        )
+    )
+    if TF_MAJOR < 5 and "disk" in case:
+        assert isinstance(got_err, fastload.ConfigError), got_err
+        assert got_err.option == "device_map" and "'disk'" in str(got_err)
+        return
+    if want_err is not None:
+        assert type(got_err) is type(want_err), (got_err, want_err)
+        return
+    assert got_err is None, got_err
+    assert type(got) is type(want)
+    assert getattr(got, "hf_device_map", None) == getattr(want, "hf_device_map", None)
+    a, b = dict(want.named_parameters()), dict(got.named_parameters())
+    assert list(a) == list(b)
+    for k in a:
+        assert (a[k].device, a[k].dtype, a[k].shape) == (b[k].device, b[k].dtype, b[k].shape), k
+        if a[k].device.type != "meta":
+            assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+    if "meta" in case:
+        return  # no forward pass without those weights
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
 def test_fastload_options_reach_the_loader(models, monkeypatch):
     seen = []
     real = fastload.load

@@ -221,6 +221,33 @@ def _single_device(device_map: Any) -> str | None:
     return None
 
 
+def _names_disk(device_map: Any) -> bool:
+    return isinstance(device_map, Mapping) and "disk" in device_map.values()
+
+
+def _no_disk_offload(device_map: Any) -> ConfigError:
+    import transformers
+
+    return ConfigError(
+        f"device_map={device_map!r} offloads to 'disk', which transformers "
+        f"{transformers.__version__} cannot do for weights it is given (a state dict, as fastload "
+        "gives them; transformers 5 can): leave 'disk' out (or give max_memory room for every "
+        "weight), or use transformers>=5",
+        option="device_map",
+    )
+
+
+def _in_load_pretrained(e: BaseException) -> bool:
+    """Whether ``e`` was raised in transformers' ``_load_pretrained_model`` itself (or a
+    comprehension in it: its own frame before Python 3.12)."""
+    names = []
+    tb = e.__traceback__
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return "_load_pretrained_model" in names[-2:] and "NoneType" in str(e)
+
+
 def _commit_of(folder: Path) -> str:
     """The Hub commit of a snapshot folder (``.../snapshots/<commit>/...``), as transformers'
     ``extract_commit_hash`` finds it; ``""`` for any other folder."""
@@ -359,6 +386,8 @@ def _from_checkpoint(
             config = str(folder)
     files = weight_files(folder, variant)
     uris = [ckpt.weight_uri(f"{subfolder}/{f}" if subfolder else f) for f in files]
+    if _major() < 5 and _names_disk(kwargs.get("device_map")):
+        raise _no_disk_offload(kwargs["device_map"])
     device = options.pop("device", None) or _single_device(kwargs.get("device_map"))
     if ckpt.storage_options is not None:
         options.setdefault("storage_options", ckpt.storage_options)
@@ -368,7 +397,16 @@ def _from_checkpoint(
         # a request for "None/config.json", retried for a minute offline) unless it has the
         # commit hash, which from_pretrained(None, ...) then uses for nothing else.
         kwargs["_commit_hash"] = _commit_of(folder)
-    model = cls.from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
+    try:
+        model = cls.from_pretrained(
+            None, *model_args, config=config, state_dict=state_dict, **kwargs
+        )
+    except TypeError as e:
+        # 4.x: a state dict with "disk" in the device map it computed (its disk-offload path
+        # reads weights from checkpoint files, of which a state dict has none).
+        if _major() < 5 and kwargs.get("device_map") is not None and _in_load_pretrained(e):
+            raise _no_disk_offload(kwargs["device_map"]) from e
+        raise
     del state_dict
     if kwargs.get("generation_config") is None:
         _load_generation_config(model, folder, kwargs)
