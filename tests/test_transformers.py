@@ -6,6 +6,7 @@ SeaweedFS (S3). The state dicts must be bitwise equal, and no weight file may re
 from __future__ import annotations
 
 import inspect
+import re
 import tempfile
 
 import fastload
@@ -145,13 +146,13 @@ def test_device_map_offload_as_transformers(models, case, tmp_path):
 
 def test_fastload_options_reach_the_loader(models, monkeypatch):
     seen = []
-    real = fastload.load
+    real = fastload.stream
 
     def spy(uris, **options):
         seen.append((list(uris), options))
         return real(uris, **options)
 
-    monkeypatch.setattr(fastload, "load", spy)
+    monkeypatch.setattr(fastload, "stream", spy)
     fastload.transformers.from_pretrained(
         LlamaForCausalLM, models["sharded"], load_options={"concurrency": 3, "block_size": "64KiB"}
     )
@@ -180,6 +181,11 @@ def test_pinned_transformers_apis():
     # from_pretrained(None, config=..., state_dict=...): transformers' public way in.
     source = inspect.getsource(PreTrainedModel.from_pretrained)
     assert 'kwargs.pop("state_dict", None)' in source
+    # What it takes for itself, which fastload keeps from the generation config's kwargs.
+    own = set(re.findall(r'kwargs\.pop\("(\w+)"', source))
+    own |= set(inspect.signature(PreTrainedModel.from_pretrained).parameters)
+    own -= {"cls", "pretrained_model_name_or_path", "model_args", "kwargs"}
+    assert own <= fastload.transformers._OWN_KWARGS, own - fastload.transformers._OWN_KWARGS
     # Private: the auto class's choice of concrete class, and remote code's generation mixin.
     assert callable(auto_factory._get_model_class)
     assert callable(auto_factory.add_generation_mixin_to_remote_model)
@@ -327,3 +333,47 @@ def test_small_files_for_a_tokenizer(bucket, tmp_path):
     )
     assert (folder / "config.json").is_file() and (folder / "generation_config.json").is_file()
     assert not safetensors_under(tmp_path)
+
+
+def test_a_failure_while_the_weights_stream_stops_them(hub_env, monkeypatch, tmp_path):
+    """The weights stream in a thread while transformers reads the config: when that fails, the
+    stream is closed (its reads cancelled: the weights, ~2 MB at 200 KB/s, are not all read) and
+    the thread gone; the error is transformers' own."""
+    import threading
+
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    streams = []
+    real = fastload.stream
+    monkeypatch.setattr(
+        fastload, "stream", lambda *a, **o: streams.append(real(*a, **o)) or streams[-1]
+    )
+    slow = MockHub(rate=200_000)  # bytes/s
+    try:
+        slow.add("org/slow", tree(tmp_path / "model"))
+        monkeypatch.setenv("HF_ENDPOINT", slow.url)
+        with pytest.raises(OSError):
+            fastload.transformers.from_pretrained(
+                AutoModelForCausalLM, "org/slow", config=str(tmp_path / "no_config_here")
+            )
+        assert not [t for t in threading.enumerate() if t.name == "fastload-weights"]
+        [stream] = streams
+        stats = stream.stats()
+        assert stats["total_bytes"] > 2_000_000
+        assert stats["tensors_delivered"] < stats["tensor_count"], stats
+    finally:
+        slow.close()
+    with pytest.raises(fastload.ConfigError, match="block_size"):
+        fastload.transformers.from_pretrained(
+            LlamaForCausalLM, tmp_path / "model", load_options={"block_size": "nonsense"}
+        )

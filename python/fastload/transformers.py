@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,8 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 # What PreTrainedModel.from_pretrained takes for itself (its named parameters and the kwargs it
-# pops); the rest of kwargs it hands to adjust_generation_fn, as this module then does.
+# pops, in 5.x and 4.57); the rest of kwargs it hands to the generation config (5.x:
+# adjust_generation_fn), as this module then does.
 _OWN_KWARGS = frozenset(
     """state_dict proxies tqdm_class output_loading_info _from_pipeline _from_auto dtype
     torch_dtype device_map max_memory offload_folder offload_buffers quantization_config
@@ -48,7 +50,8 @@ _OWN_KWARGS = frozenset(
     use_kernels kernel_config key_mapping mirror _fast_init low_cpu_mem_usage from_tf from_flax
     offload_state_dict attn_implementation experts_implementation config cache_dir
     ignore_mismatched_sizes force_download local_files_only token revision use_safetensors
-    weights_only fusion_config disable_mmap""".split()
+    weights_only fusion_config disable_mmap use_auth_token load_in_8bit load_in_4bit
+    resume_download _adapter_model_path""".split()
 )
 
 # Hub arguments of from_pretrained: used to find the checkpoint, then dropped (transformers reads
@@ -358,6 +361,43 @@ def from_pretrained(
     return model
 
 
+class _Prefetch:
+    """``fastload.load(uris, **options)`` in a thread: the stream opens here (so that bad options
+    raise here, and a CUDA stream's memory belongs to the caller's current stream), its tensors
+    are collected in the background until :meth:`result`. Leaving the ``with`` block closes the
+    stream (cancelling its reads if the caller failed before taking the result)."""
+
+    def __init__(self, uris: list[str], **options: Any) -> None:
+        import fastload
+
+        self._stream = fastload.stream(uris, **options)
+        self._tensors: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fastload-weights", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for name, tensor in self._stream:
+                self._tensors[name] = tensor
+        except BaseException as e:  # handed to the caller by result()
+            self._error = e
+
+    def result(self) -> dict[str, Any]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._tensors
+
+    def __enter__(self) -> _Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.close()
+        self._thread.join()
+        self._tensors = {}
+
+
 def _from_checkpoint(
     model_class: Any,
     ckpt: _remote_files.Checkpoint,
@@ -368,22 +408,12 @@ def _from_checkpoint(
     kwargs: dict[str, Any],
 ) -> Any:
     """The model in ``subfolder`` of ``ckpt``: see :func:`from_pretrained`."""
-    import fastload
-
     ckpt.fetch(
         [CONFIG_NAME, GENERATION_CONFIG_NAME, _variant(WEIGHTS_INDEX_NAME, variant)], subfolder
     )
     folder = ckpt.folder(subfolder)
     if kwargs.get("trust_remote_code"):
         ckpt.fetch(_remote_code_files(folder), subfolder)
-    config = kwargs.pop("config", None)
-    if _is_auto_class(model_class):
-        cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
-        kwargs["_from_auto"] = True
-    else:
-        cls = model_class
-        if config is None:
-            config = str(folder)
     files = weight_files(folder, variant)
     uris = [ckpt.weight_uri(f"{subfolder}/{f}" if subfolder else f) for f in files]
     if _major() < 5 and _names_disk(kwargs.get("device_map")):
@@ -391,7 +421,18 @@ def _from_checkpoint(
     device = options.pop("device", None) or _single_device(kwargs.get("device_map"))
     if ckpt.storage_options is not None:
         options.setdefault("storage_options", ckpt.storage_options)
-    state_dict = fastload.load(uris, device=device or "cpu", **options)
+    # The weights stream in while transformers reads the config and imports the model's code
+    # (seconds of Python for a first load in a process).
+    with _Prefetch(uris, device=device or "cpu", **options) as weights:
+        config = kwargs.pop("config", None)
+        if _is_auto_class(model_class):
+            cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
+            kwargs["_from_auto"] = True
+        else:
+            cls = model_class
+            if config is None:
+                config = str(folder)
+        state_dict = weights.result()
     if _major() < 5:
         # 4.x first asks the Hub for `pretrained_model_name_or_path`'s config.json (here None:
         # a request for "None/config.json", retried for a minute offline) unless it has the
