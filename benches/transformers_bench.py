@@ -5,9 +5,10 @@ transformers downloads into a fresh Hugging Face cache and then loads.
 
     python benches/transformers_bench.py --layers 8 --rates 0,2e8 --reps 3
 
-Each run is a fresh process: the clock runs from before the call to a usable model (every
-parameter's pages read: fastload._peers.touch). Memory, of that process alone: its peak RSS
-(VmHWM), its RSS before the call (the interpreter with torch and transformers imported), and its
+Each run is a fresh process, fastload's and transformers' alternated; the clock runs from before
+the call to a usable model (every parameter's pages read: fastload._peers.touch). Memory, of that
+process alone: its peak RSS (VmHWM), its RSS before the call (the interpreter with torch and
+transformers imported), and its
 anonymous RSS at the end (RssAnon: memory the model holds that the kernel cannot drop, where a
 model on mmapped safetensors files holds page cache instead, counted in RSS but reclaimable).
 Prints a markdown table with the load average, and writes benches/out/transformers_bench.json.
@@ -129,22 +130,25 @@ def main() -> None:
     base_env.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
     rows = []
 
-    def best(label: str, kind: str, target: str, env: dict, fresh_cache: bool) -> None:
-        runs = []
+    def pair(labels: tuple[str, str], target: str, env: dict, fresh_cache: bool) -> None:
+        """fastload's and transformers' runs, alternated (so that a change in the machine's load
+        falls on both): the best time of each, the peak RSS of all its runs."""
+        runs: dict[str, list[dict]] = {"fastload": [], "plain": []}
         for i in range(args.reps):
-            run_env = dict(env)
-            if fresh_cache:
-                run_env["HF_HOME"] = str(tmp / f"home_{len(rows)}_{i}")
-            runs.append(run(kind, target, run_env))
-        top = min(runs, key=lambda r: r["seconds"])
-        peak = max(r["peak_rss"] for r in runs)
-        secs = ", ".join(f"{r['seconds']:.2f}" for r in runs)
-        rows.append({"row": label, **top, "peak_rss": peak, "all_seconds": secs})
-        print(f"{label}: {secs} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
+            for kind in runs:
+                run_env = dict(env)
+                if fresh_cache:
+                    run_env["HF_HOME"] = str(tmp / f"home_{len(rows)}_{kind}_{i}")
+                runs[kind].append(run(kind, target, run_env))
+        for label, kind_runs in zip(labels, runs.values()):
+            top = min(kind_runs, key=lambda r: r["seconds"])
+            peak = max(r["peak_rss"] for r in kind_runs)
+            secs = ", ".join(f"{r['seconds']:.2f}" for r in kind_runs)
+            rows.append({"row": label, **top, "peak_rss": peak, "all_seconds": secs})
+            print(f"{label}: {secs} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
 
     run("fastload", str(ckpt), base_env)  # page cache warm for the local rows
-    best("fastload, local folder", "fastload", str(ckpt), base_env, False)
-    best("transformers, local folder", "plain", str(ckpt), base_env, False)
+    pair(("fastload, local folder", "transformers, local folder"), str(ckpt), base_env, False)
     for rate in (float(r) for r in args.rates.split(",")):
         server = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "hub_server.py"), "--dir", str(ckpt),
@@ -155,8 +159,11 @@ def main() -> None:
             url = server.stdout.readline().strip()
             env = {**base_env, "HF_ENDPOINT": url}
             link = "unlimited" if rate == 0 else f"{rate / 1e6:.0f} MB/s"
-            best(f"fastload, mock Hub ({link})", "fastload", REPO, env, True)
-            best(f"transformers download + load, mock Hub ({link})", "plain", REPO, env, True)
+            labels = (
+                f"fastload, mock Hub ({link})",
+                f"transformers download + load, mock Hub ({link})",
+            )
+            pair(labels, REPO, env, True)
         finally:
             server.stdin.close()
             server.wait(timeout=30)
