@@ -8,9 +8,9 @@ transformers downloads into a fresh Hugging Face cache and then loads.
 Each run is a fresh process, fastload's and transformers' alternated; the clock runs from before
 the call to a usable model (every parameter's pages read: fastload._peers.touch). Memory, of that
 process alone: its peak RSS (VmHWM), its RSS before the call (the interpreter with torch and
-transformers imported), and its
-anonymous RSS at the end (RssAnon: memory the model holds that the kernel cannot drop, where a
-model on mmapped safetensors files holds page cache instead, counted in RSS but reclaimable).
+transformers imported), and its anonymous RSS at the end (RssAnon: memory the model holds that
+the kernel cannot drop, where a model on mmapped safetensors files holds page cache instead,
+counted in RSS but reclaimable).
 Prints a markdown table with the load average, and writes benches/out/transformers_bench.json.
 
 Needs a release build of fastload (`maturin develop --release`): a debug build's HTTP path is
