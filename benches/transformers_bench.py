@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -137,9 +138,11 @@ def main() -> None:
         for i in range(args.reps):
             for kind in runs:
                 run_env = dict(env)
+                home = tmp / f"home_{len(rows)}_{kind}_{i}"
                 if fresh_cache:
-                    run_env["HF_HOME"] = str(tmp / f"home_{len(rows)}_{kind}_{i}")
+                    run_env["HF_HOME"] = str(home)
                 runs[kind].append(run(kind, target, run_env))
+                shutil.rmtree(home, ignore_errors=True)  # a download's 1 GB
         for label, kind_runs in zip(labels, runs.values()):
             top = min(kind_runs, key=lambda r: r["seconds"])
             peak = max(r["peak_rss"] for r in kind_runs)
@@ -182,6 +185,7 @@ def main() -> None:
         )
     loads = f"{load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end"
     print(f"\nload average (1 min): {loads}; {os.cpu_count()} CPUs")
+    shutil.rmtree(tmp, ignore_errors=True)
     (args.out / "transformers_bench.json").write_text(
         json.dumps({"load_average": [load_before, load_after], "rows": rows}, indent=2)
     )
