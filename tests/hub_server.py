@@ -79,6 +79,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    # listen()'s backlog (socketserver's default is 5): each response closes its connection
+    # (HTTP/1.0), so a client with 16 reads in flight connects 16 times at once, and connections
+    # beyond the backlog lost their SYN and retried it 1, 3, 7, 15, 31 s later (the 15 and 30 s
+    # outliers of benches/transformers_bench.py's 200 MB/s rows).
+    request_queue_size = 128
 
     def __init__(self, handler, port: int = 0):
         super().__init__(("127.0.0.1", port), handler)
