@@ -52,5 +52,9 @@ if [ -z "${FASTLOAD_SKIP_VLLM:-}" ]; then
     bash scripts/setup_vllm.sh
 fi
 
+echo "== transformers 4.x: its own venv (.venv-tf4: transformers 4.57 and huggingface_hub<1.0,"
+echo "   seeing .venv's torch and fastload) for tests/test_transformers4.py"
+bash scripts/setup_transformers4.sh
+
 echo "== python: tests"
 .venv/bin/python -m pytest -q tests "$@"

@@ -6,6 +6,7 @@ SeaweedFS (S3). The state dicts must be bitwise equal, and no weight file may re
 from __future__ import annotations
 
 import inspect
+import re
 import tempfile
 
 import fastload
@@ -78,15 +79,80 @@ def test_config_overrides_and_device_map(models):
     check(AutoModelForCausalLM, models["sharded"], models["sharded"], device_map="cpu")
 
 
+TF_MAJOR = int(transformers.__version__.split(".")[0])
+_LLAMA_MODULES = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+
+
+def _split(**where):
+    return {m: where.get(m, "cpu") for m in _LLAMA_MODULES} | {"model.rotary_emb": "cpu"}
+
+
+DEVICE_MAPS = {
+    "auto": {"device_map": "auto"},
+    "sequential": {"device_map": "sequential"},
+    "cpu dict": {"device_map": _split()},
+    "disk dict": {"device_map": _split(**{"model.layers.1": "disk", "lm_head": "disk"})},
+    "meta dict": {"device_map": _split(**{"model.layers.1": "meta"})},
+    # 1 KB of CPU memory: accelerate's planner sends nearly everything to disk.
+    "auto, disk by max_memory": {"device_map": "auto", "max_memory": {"cpu": "1KB"}},
+}
+
+
+def _load_or_error(load):
+    try:
+        return load(), None
+    except Exception as e:  # what transformers raises is what is compared
+        return None, e
+
+
+@pytest.mark.parametrize("case", list(DEVICE_MAPS))
+def test_device_map_offload_as_transformers(models, case, tmp_path):
+    """device_map strategies and dicts across cpu, disk and meta: the model transformers' own
+    load gives (same placement, same weights where they are in memory, same logits), or the
+    error it gives. Only transformers 4.x cannot offload given weights to disk: there fastload
+    refuses with one ConfigError naming device_map (4.57's own load of a folder does it)."""
+    kwargs = {**DEVICE_MAPS[case], "offload_folder": str(tmp_path / "off_want")}
+    want, want_err = _load_or_error(
+        lambda: AutoModelForCausalLM.from_pretrained(models["sharded"], **kwargs)
+    )
+    kwargs["offload_folder"] = str(tmp_path / "off_got")
+    got, got_err = _load_or_error(
+        lambda: fastload.transformers.from_pretrained(
+            AutoModelForCausalLM, models["sharded"], **kwargs
+        )
+    )
+    if TF_MAJOR < 5 and "disk" in case:
+        assert isinstance(got_err, fastload.ConfigError), got_err
+        assert got_err.option == "device_map" and "'disk'" in str(got_err)
+        return
+    if want_err is not None:
+        assert type(got_err) is type(want_err), (got_err, want_err)
+        return
+    assert got_err is None, got_err
+    assert type(got) is type(want)
+    assert getattr(got, "hf_device_map", None) == getattr(want, "hf_device_map", None)
+    a, b = dict(want.named_parameters()), dict(got.named_parameters())
+    assert list(a) == list(b)
+    for k in a:
+        assert (a[k].device, a[k].dtype, a[k].shape) == (b[k].device, b[k].dtype, b[k].shape), k
+        if a[k].device.type != "meta":
+            assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+    if "meta" in case:
+        return  # no forward pass without those weights
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
 def test_fastload_options_reach_the_loader(models, monkeypatch):
     seen = []
-    real = fastload.load
+    real = fastload.stream
 
     def spy(uris, **options):
         seen.append((list(uris), options))
         return real(uris, **options)
 
-    monkeypatch.setattr(fastload, "load", spy)
+    monkeypatch.setattr(fastload, "stream", spy)
     fastload.transformers.from_pretrained(
         LlamaForCausalLM, models["sharded"], load_options={"concurrency": 3, "block_size": "64KiB"}
     )
@@ -115,26 +181,41 @@ def test_pinned_transformers_apis():
     # from_pretrained(None, config=..., state_dict=...): transformers' public way in.
     source = inspect.getsource(PreTrainedModel.from_pretrained)
     assert 'kwargs.pop("state_dict", None)' in source
+    # What it takes for itself, which fastload keeps from the generation config's kwargs.
+    own = set(re.findall(r'kwargs\.pop\("(\w+)"', source))
+    own |= set(inspect.signature(PreTrainedModel.from_pretrained).parameters)
+    own -= {"cls", "pretrained_model_name_or_path", "model_args", "kwargs"}
+    assert own <= fastload.transformers._OWN_KWARGS, own - fastload.transformers._OWN_KWARGS
     # Private: the auto class's choice of concrete class, and remote code's generation mixin.
     assert callable(auto_factory._get_model_class)
     assert callable(auto_factory.add_generation_mixin_to_remote_model)
     assert callable(get_class_from_dynamic_module)
-    params = list(inspect.signature(GenerationMixin.adjust_generation_fn).parameters)
-    assert params[:13] == [
-        "self",
-        "generation_config",
-        "from_auto_class",
-        "from_pipeline",
-        "pretrained_model_name_or_path",
-        "cache_dir",
-        "force_download",
-        "proxies",
-        "local_files_only",
-        "token",
-        "revision",
-        "subfolder",
-        "trust_remote_code",
-    ]
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        params = list(inspect.signature(GenerationMixin.adjust_generation_fn).parameters)
+        assert params[:13] == [
+            "self",
+            "generation_config",
+            "from_auto_class",
+            "from_pipeline",
+            "pretrained_model_name_or_path",
+            "cache_dir",
+            "force_download",
+            "proxies",
+            "local_files_only",
+            "token",
+            "revision",
+            "subfolder",
+            "trust_remote_code",
+        ]
+    else:
+        # 4.x reads the generation config inline (as fastload then does), and probes the Hub for
+        # the config's commit unless given `_commit_hash`.
+        assert not hasattr(GenerationMixin, "adjust_generation_fn")
+        assert "GenerationConfig.from_pretrained(" in source
+        assert 'commit_hash = kwargs.pop("_commit_hash", None)' in source
+        assert "if commit_hash is None:" in source
+        params = list(inspect.signature(GenerationMixin.load_custom_generate).parameters)
+        assert params[:3] == ["self", "pretrained_model_name_or_path", "trust_remote_code"]
 
 
 REMOTE_CONFIG = """
@@ -252,3 +333,47 @@ def test_small_files_for_a_tokenizer(bucket, tmp_path):
     )
     assert (folder / "config.json").is_file() and (folder / "generation_config.json").is_file()
     assert not safetensors_under(tmp_path)
+
+
+def test_a_failure_while_the_weights_stream_stops_them(hub_env, monkeypatch, tmp_path):
+    """The weights stream in a thread while transformers reads the config: when that fails, the
+    stream is closed (its reads cancelled: the weights, ~2 MB at 200 KB/s, are not all read) and
+    the thread gone; the error is transformers' own."""
+    import threading
+
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    streams = []
+    real = fastload.stream
+    monkeypatch.setattr(
+        fastload, "stream", lambda *a, **o: streams.append(real(*a, **o)) or streams[-1]
+    )
+    slow = MockHub(rate=200_000)  # bytes/s
+    try:
+        slow.add("org/slow", tree(tmp_path / "model"))
+        monkeypatch.setenv("HF_ENDPOINT", slow.url)
+        with pytest.raises(OSError):
+            fastload.transformers.from_pretrained(
+                AutoModelForCausalLM, "org/slow", config=str(tmp_path / "no_config_here")
+            )
+        assert not [t for t in threading.enumerate() if t.name == "fastload-weights"]
+        [stream] = streams
+        stats = stream.stats()
+        assert stats["total_bytes"] > 2_000_000
+        assert stats["tensors_delivered"] < stats["tensor_count"], stats
+    finally:
+        slow.close()
+    with pytest.raises(fastload.ConfigError, match="block_size"):
+        fastload.transformers.from_pretrained(
+            LlamaForCausalLM, tmp_path / "model", load_options={"block_size": "nonsense"}
+        )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,8 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 # What PreTrainedModel.from_pretrained takes for itself (its named parameters and the kwargs it
-# pops); the rest of kwargs it hands to adjust_generation_fn, as this module then does.
+# pops, in 5.x and 4.57); the rest of kwargs it hands to the generation config (5.x:
+# adjust_generation_fn), as this module then does.
 _OWN_KWARGS = frozenset(
     """state_dict proxies tqdm_class output_loading_info _from_pipeline _from_auto dtype
     torch_dtype device_map max_memory offload_folder offload_buffers quantization_config
@@ -48,7 +50,8 @@ _OWN_KWARGS = frozenset(
     use_kernels kernel_config key_mapping mirror _fast_init low_cpu_mem_usage from_tf from_flax
     offload_state_dict attn_implementation experts_implementation config cache_dir
     ignore_mismatched_sizes force_download local_files_only token revision use_safetensors
-    weights_only fusion_config disable_mmap""".split()
+    weights_only fusion_config disable_mmap use_auth_token load_in_8bit load_in_4bit
+    resume_download _adapter_model_path""".split()
 )
 
 # Hub arguments of from_pretrained: used to find the checkpoint, then dropped (transformers reads
@@ -124,6 +127,13 @@ def small_files(
     return ckpt.folder(subfolder)
 
 
+def _major() -> int:
+    """transformers' major version (4 or 5: both are supported)."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def _is_auto_class(model_class: Any) -> bool:
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
@@ -135,7 +145,8 @@ def _resolve_auto(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """What ``AutoModel....from_pretrained`` does before it calls the concrete class: the config
     (with ``kwargs`` that are config attributes applied), the class, the rest of ``kwargs``."""
-    from transformers import AutoConfig, PreTrainedConfig
+    from transformers import AutoConfig
+    from transformers import PretrainedConfig as PreTrainedConfig  # both names in 5.x
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
     from transformers.models.auto import auto_factory
 
@@ -152,9 +163,12 @@ def _resolve_auto(
             return_unused_kwargs=True,
             **kwargs,
         )
-        # As transformers does: a concrete dtype the config absorbed is passed on explicitly.
+        # As transformers does: 5.x passes on a concrete dtype the config absorbed explicitly,
+        # 4.x only "auto".
         for key in ("torch_dtype", "dtype", "quantization_config"):
-            if given.get(key) is not None:
+            if given.get(key) is not None and (
+                _major() >= 5 or key == "quantization_config" or given[key] == "auto"
+            ):
                 kwargs[key] = given[key]
     name = model_class.__name__
     mapping = model_class._model_mapping
@@ -181,7 +195,7 @@ def _resolve_auto(
         ):
             parent_quant = getattr(config, "quantization_config", None)
             config = config.get_text_config()
-            if parent_quant is not None:
+            if parent_quant is not None and _major() >= 5:
                 config.quantization_config = parent_quant
         return cls, config, kwargs
     raise ValueError(
@@ -208,6 +222,91 @@ def _single_device(device_map: Any) -> str | None:
         if dev.type == "cuda":
             return str(dev)
     return None
+
+
+def _names_disk(device_map: Any) -> bool:
+    return isinstance(device_map, Mapping) and "disk" in device_map.values()
+
+
+def _no_disk_offload(device_map: Any) -> ConfigError:
+    import transformers
+
+    return ConfigError(
+        f"device_map={device_map!r} offloads to 'disk', which transformers "
+        f"{transformers.__version__} cannot do for weights it is given (a state dict, as fastload "
+        "gives them; transformers 5 can): leave 'disk' out (or give max_memory room for every "
+        "weight), or use transformers>=5",
+        option="device_map",
+    )
+
+
+def _in_load_pretrained(e: BaseException) -> bool:
+    """Whether ``e`` was raised in transformers' ``_load_pretrained_model`` itself (or a
+    comprehension in it: its own frame before Python 3.12)."""
+    names = []
+    tb = e.__traceback__
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return "_load_pretrained_model" in names[-2:] and "NoneType" in str(e)
+
+
+def _commit_of(folder: Path) -> str:
+    """The Hub commit of a snapshot folder (``.../snapshots/<commit>/...``), as transformers'
+    ``extract_commit_hash`` finds it; ``""`` for any other folder."""
+    parts = folder.resolve().parts
+    if "snapshots" in parts[:-1]:
+        return parts[parts.index("snapshots") + 1]
+    return ""
+
+
+def _load_generation_config(model: Any, folder: Path, kwargs: dict[str, Any]) -> None:
+    """What ``from_pretrained`` does last when given a folder and no ``generation_config`` (with
+    ``None``, as here, it has no folder to read): the generation config from ``folder`` (and, in
+    4.x, the folder's custom ``generate``)."""
+    rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
+    from_auto = bool(kwargs.get("_from_auto"))
+    repo_kwargs: dict[str, Any] = {
+        "cache_dir": None,
+        "force_download": False,
+        "proxies": None,
+        "local_files_only": True,
+        "token": None,
+        "revision": None,
+        "subfolder": "",
+    }
+    if hasattr(model, "adjust_generation_fn"):  # 5.x
+        model.adjust_generation_fn(
+            None,
+            from_auto,
+            None,
+            str(folder),
+            **repo_kwargs,
+            trust_remote_code=kwargs.get("trust_remote_code"),
+            **rest,
+        )
+        return
+    if not model.can_generate():  # 4.x: inline in from_pretrained
+        return
+    import functools
+
+    from transformers import GenerationConfig
+
+    repo_kwargs.update(rest)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(
+            str(folder), _from_auto=from_auto, _from_pipeline=None, **repo_kwargs
+        )
+    except OSError:
+        pass  # no generation_config.json: the one made from the model's config stays
+    if hasattr(model, "load_custom_generate"):
+        try:
+            custom_generate = model.load_custom_generate(
+                str(folder), trust_remote_code=kwargs.get("trust_remote_code"), **repo_kwargs
+            )
+        except OSError:  # no custom generate function
+            return
+        model.generate = functools.partial(custom_generate, model=model)
 
 
 def from_pretrained(
@@ -262,6 +361,43 @@ def from_pretrained(
     return model
 
 
+class _Prefetch:
+    """``fastload.load(uris, **options)`` in a thread: the stream opens here (so that bad options
+    raise here, and a CUDA stream's memory belongs to the caller's current stream), its tensors
+    are collected in the background until :meth:`result`. Leaving the ``with`` block closes the
+    stream (cancelling its reads if the caller failed before taking the result)."""
+
+    def __init__(self, uris: list[str], **options: Any) -> None:
+        import fastload
+
+        self._stream = fastload.stream(uris, **options)
+        self._tensors: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fastload-weights", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for name, tensor in self._stream:
+                self._tensors[name] = tensor
+        except BaseException as e:  # handed to the caller by result()
+            self._error = e
+
+    def result(self) -> dict[str, Any]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._tensors
+
+    def __enter__(self) -> _Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.close()
+        self._thread.join()
+        self._tensors = {}
+
+
 def _from_checkpoint(
     model_class: Any,
     ckpt: _remote_files.Checkpoint,
@@ -272,47 +408,47 @@ def _from_checkpoint(
     kwargs: dict[str, Any],
 ) -> Any:
     """The model in ``subfolder`` of ``ckpt``: see :func:`from_pretrained`."""
-    import fastload
-
     ckpt.fetch(
         [CONFIG_NAME, GENERATION_CONFIG_NAME, _variant(WEIGHTS_INDEX_NAME, variant)], subfolder
     )
     folder = ckpt.folder(subfolder)
     if kwargs.get("trust_remote_code"):
         ckpt.fetch(_remote_code_files(folder), subfolder)
-    config = kwargs.pop("config", None)
-    if _is_auto_class(model_class):
-        cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
-        kwargs["_from_auto"] = True
-    else:
-        cls = model_class
-        if config is None:
-            config = str(folder)
     files = weight_files(folder, variant)
     uris = [ckpt.weight_uri(f"{subfolder}/{f}" if subfolder else f) for f in files]
+    if _major() < 5 and _names_disk(kwargs.get("device_map")):
+        raise _no_disk_offload(kwargs["device_map"])
     device = options.pop("device", None) or _single_device(kwargs.get("device_map"))
     if ckpt.storage_options is not None:
         options.setdefault("storage_options", ckpt.storage_options)
-    state_dict = fastload.load(uris, device=device or "cpu", **options)
-    model = cls.from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
-    del state_dict
-    rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
-    if kwargs.get("generation_config") is None and hasattr(model, "adjust_generation_fn"):
-        # from_pretrained(None, ...) has no folder to read the generation config from: read
-        # it as a load from the folder does.
-        model.adjust_generation_fn(
-            None,
-            bool(kwargs.get("_from_auto")),
-            None,
-            str(folder),
-            cache_dir=None,
-            force_download=False,
-            proxies=None,
-            local_files_only=True,
-            token=None,
-            revision=None,
-            subfolder="",
-            trust_remote_code=kwargs.get("trust_remote_code"),
-            **rest,
+    # The weights stream in while transformers reads the config and imports the model's code
+    # (seconds of Python for a first load in a process).
+    with _Prefetch(uris, device=device or "cpu", **options) as weights:
+        config = kwargs.pop("config", None)
+        if _is_auto_class(model_class):
+            cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
+            kwargs["_from_auto"] = True
+        else:
+            cls = model_class
+            if config is None:
+                config = str(folder)
+        state_dict = weights.result()
+    if _major() < 5:
+        # 4.x first asks the Hub for `pretrained_model_name_or_path`'s config.json (here None:
+        # a request for "None/config.json", retried for a minute offline) unless it has the
+        # commit hash, which from_pretrained(None, ...) then uses for nothing else.
+        kwargs["_commit_hash"] = _commit_of(folder)
+    try:
+        model = cls.from_pretrained(
+            None, *model_args, config=config, state_dict=state_dict, **kwargs
         )
+    except TypeError as e:
+        # 4.x: a state dict with "disk" in the device map it computed (its disk-offload path
+        # reads weights from checkpoint files, of which a state dict has none).
+        if _major() < 5 and kwargs.get("device_map") is not None and _in_load_pretrained(e):
+            raise _no_disk_offload(kwargs["device_map"]) from e
+        raise
+    del state_dict
+    if kwargs.get("generation_config") is None:
+        _load_generation_config(model, folder, kwargs)
     return model

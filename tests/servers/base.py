@@ -23,6 +23,11 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    # listen()'s backlog (socketserver's default is 5): a client with 16 or 64 reads in flight
+    # connects that many times at once, and connections beyond the backlog lose their SYN and
+    # retry it 1, 3, 7, 15, 31 s later (the 15 and 30 s outliers once seen in
+    # benches/transformers_bench.py's 200 MB/s rows, with the mock Hub).
+    request_queue_size = 128
     scheme = "http"
 
     def __init__(self, handler: type[BaseHTTPRequestHandler], port: int = 0, tls=None) -> None:

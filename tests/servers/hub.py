@@ -48,7 +48,31 @@ SECRET = b"mock-hub-signing-key"
 
 
 def git_blob_sha1(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    return _digests(data)[0]
+
+
+def lfs_sha256(data: bytes) -> str:
+    return _digests(data)[1]
+
+
+# (git blob sha1, sha256) of each blob served, computed once: the real Hub has them stored, and
+# hashing a 1 GB checkpoint on every tree listing and resolve took seconds of the benchmarks'
+# time (benches/transformers_bench.py, hub_bench.py). By id(), the bytes kept to check identity.
+_DIGESTS: dict[int, tuple[bytes, str, str]] = {}
+_DIGESTS_LOCK = threading.Lock()
+
+
+def _digests(data: bytes) -> tuple[str, str]:
+    with _DIGESTS_LOCK:
+        hit = _DIGESTS.get(id(data))
+    if hit is not None and hit[0] is data:
+        return hit[1], hit[2]
+    sha1 = hashlib.sha1(b"blob %d\0" % len(data))
+    sha1.update(data)
+    sha256 = hashlib.sha256(data).hexdigest()
+    with _DIGESTS_LOCK:
+        _DIGESTS[id(data)] = (data, sha1.hexdigest(), sha256)
+    return sha1.hexdigest(), sha256
 
 
 def is_lfs(path: str, data: bytes) -> bool:
@@ -361,7 +385,7 @@ class _HubHandler(_Base):
                 data = files[p]
                 entry = {"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": p}
                 if is_lfs(p, data) and p not in hub.plain:
-                    sha = hashlib.sha256(data).hexdigest()
+                    sha = lfs_sha256(data)
                     entry["lfs"] = {"oid": sha, "size": len(data), "pointerSize": 134}
                     if repo.xet:
                         entry["xetHash"] = xet_hash(data)
@@ -387,7 +411,7 @@ class _HubHandler(_Base):
             self._xet_redirect(hub, repo_id, commit, data)
             return
         if is_lfs(path, data) and path not in hub.plain:
-            sha = hashlib.sha256(data).hexdigest()
+            sha = lfs_sha256(data)
             hub.storage.blobs[sha] = data
             headers = [
                 ("X-Repo-Commit", commit),
@@ -454,7 +478,7 @@ class MockHub(_Server):
         repo.xet = repo.xet or xet
         digest = hashlib.sha1(repo_id.encode() + str(len(repo.commits)).encode())
         for p in sorted(files):
-            digest.update(p.encode() + hashlib.sha256(files[p]).digest())
+            digest.update(p.encode() + bytes.fromhex(lfs_sha256(files[p])))
         commit = digest.hexdigest()
         repo.commits[commit] = dict(files)
         repo.refs[branch] = commit
