@@ -55,24 +55,36 @@ def lfs_sha256(data: bytes) -> str:
     return _digests(data)[1]
 
 
-# (git blob sha1, sha256) of each blob served, computed once: the real Hub has them stored, and
-# hashing a 1 GB checkpoint on every tree listing and resolve took seconds of the benchmarks'
-# time (benches/transformers_bench.py, hub_bench.py). By id(), the bytes kept to check identity.
-_DIGESTS: dict[int, tuple[bytes, str, str]] = {}
+# (git blob sha1, sha256, md5) of each blob served, computed once: the real Hub and its storage
+# have them stored, and hashing a 1 GB checkpoint on every tree listing, resolve and ranged GET
+# (the storage host's ETag) took seconds of the benchmarks' time (benches/transformers_bench.py,
+# hub_bench.py). By id(), the bytes kept to check identity.
+_DIGESTS: dict[int, tuple[bytes, str, str, str]] = {}
 _DIGESTS_LOCK = threading.Lock()
 
 
-def _digests(data: bytes) -> tuple[str, str]:
+def _all_digests(data: bytes) -> tuple[str, str, str]:
     with _DIGESTS_LOCK:
         hit = _DIGESTS.get(id(data))
     if hit is not None and hit[0] is data:
-        return hit[1], hit[2]
+        return hit[1], hit[2], hit[3]
     sha1 = hashlib.sha1(b"blob %d\0" % len(data))
     sha1.update(data)
     sha256 = hashlib.sha256(data).hexdigest()
+    md5 = hashlib.md5(data).hexdigest()
     with _DIGESTS_LOCK:
-        _DIGESTS[id(data)] = (data, sha1.hexdigest(), sha256)
-    return sha1.hexdigest(), sha256
+        _DIGESTS[id(data)] = (data, sha1.hexdigest(), sha256, md5)
+    return sha1.hexdigest(), sha256, md5
+
+
+def _digests(data: bytes) -> tuple[str, str]:
+    sha1, sha256, _ = _all_digests(data)
+    return sha1, sha256
+
+
+def storage_etag(data: bytes) -> str:
+    """The storage host's own ETag of a blob: an MD5 of the bytes, as S3's for a plain upload."""
+    return f'"{_all_digests(data)[2]}"'
 
 
 def is_lfs(path: str, data: bytes) -> bool:
@@ -181,7 +193,7 @@ class _StorageHandler(_Base):
             self._reply(404, b"no such blob")
             return
         data = self.server.current(sha, data, self.command == "GET")
-        etag = f'"{hashlib.md5(data).hexdigest()}"'
+        etag = storage_etag(data)
         ranged = self.headers.get("Range") is not None
         limit = self.server.plain_get_limit
         if self.command == "GET" and not ranged and limit is not None and len(data) > limit:
@@ -438,7 +450,7 @@ class _HubHandler(_Base):
             ("X-Repo-Commit", commit),
             ("ETag", f'"{git_blob_sha1(data)}"'),
             ("X-Linked-Size", str(len(data))),
-            ("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"'),
+            ("X-Linked-Etag", f'"{lfs_sha256(data)}"'),
             ("X-Xet-Hash", xet),
             ("Link", links),
             ("Location", hub.bridge.sign(xet)),
