@@ -117,11 +117,11 @@ pub fn read_file_limited(path: &Path, name: &str, what: Whole, limit: u64) -> Re
     }
 }
 
-/// The refusal of a file that is not a regular one (a directory, FIFO, device or socket).
-pub fn not_regular(name: &str, what: Whole, meta: &std::fs::Metadata) -> Error {
+/// What kind of file that is not a regular one `meta` describes, for refusals.
+pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     let t = meta.file_type();
-    let kind = if t.is_dir() {
+    if t.is_dir() {
         "directory"
     } else if t.is_fifo() {
         "FIFO"
@@ -133,7 +133,12 @@ pub fn not_regular(name: &str, what: Whole, meta: &std::fs::Metadata) -> Error {
         "block device"
     } else {
         "special file"
-    };
+    }
+}
+
+/// The refusal of a file that is not a regular one (a directory, FIFO, device or socket).
+pub fn not_regular(name: &str, what: Whole, meta: &std::fs::Metadata) -> Error {
+    let kind = file_kind(meta);
     match what {
         Whole::Index => Error::format(name, FormatError::NotARegularFile { kind }),
         Whole::Body => Error::Io {

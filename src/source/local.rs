@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -30,22 +30,6 @@ pub struct LocalFile {
     id: (u64, u64),
 }
 
-/// What kind of file `meta` describes, for refusals.
-fn kind(meta: &std::fs::Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_fifo() {
-        "FIFO"
-    } else if t.is_socket() {
-        "socket"
-    } else if t.is_char_device() {
-        "character device"
-    } else if t.is_block_device() {
-        "block device"
-    } else {
-        "special file"
-    }
-}
-
 impl LocalFile {
     /// Checks `path` without opening it: a directory, FIFO, device or socket is refused here,
     /// before any header is read (opening a FIFO would block until a writer came).
@@ -56,7 +40,7 @@ impl LocalFile {
             return Err(Error::format(&name, FormatError::IsDirectory));
         }
         if !meta.is_file() {
-            let kind = kind(&meta);
+            let kind = crate::bounded::file_kind(&meta);
             return Err(Error::format(&name, FormatError::NotARegularFile { kind }));
         }
         Ok(LocalFile {
