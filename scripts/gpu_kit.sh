@@ -65,6 +65,9 @@ PY
         esac
     done
     cp -r "$REPO/tests/fake_cuda" "$KIT/tests/"
+    # The test servers the shared fixtures import (tests/stores.py, conftest.py).
+    mkdir -p "$KIT/tests/servers"
+    cp "$REPO"/tests/servers/*.py "$KIT/tests/servers/"
     cp "$REPO"/benches/{gpu_bench.py,limits.py,make_checkpoint.py} "$KIT/benches/"
     cat >"$KIT/README.txt" <<'TXT'
 fastload GPU verification kit (built by scripts/gpu_kit.sh build; see docs/development.md,
