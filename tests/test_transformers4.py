@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-import s3_server
+from servers import s3 as s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("FASTLOAD_TF4_VENV", ROOT / ".venv-tf4"))
