@@ -361,7 +361,7 @@ def test_a_failure_while_the_weights_stream_stops_them(hub_env, monkeypatch, tmp
     slow = MockHub(rate=200_000)  # bytes/s
     try:
         slow.add("org/slow", tree(tmp_path / "model"))
-        monkeypatch.setenv("HF_ENDPOINT", slow.url)
+        monkeypatch.setenv("HF_ENDPOINT", slow.base)
         with pytest.raises(OSError):
             fastload.transformers.from_pretrained(
                 AutoModelForCausalLM, "org/slow", config=str(tmp_path / "no_config_here")
