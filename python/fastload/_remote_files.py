@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,31 @@ def _hf_parts(uri: str) -> tuple[str, str | None, str]:
             revision = f"refs/pr/{parts[3]}"
             parts = parts[:2] + parts[4:]
     return f"{parts[0]}/{repo}", revision, "/".join(parts[2:])
+
+
+def open_checkpoint_for(
+    uri: str | os.PathLike[str],
+    kwargs: dict[str, Any],
+    storage_options: Mapping[str, object] | None,
+    ignored: Sequence[str],
+) -> Checkpoint:
+    """:func:`open_checkpoint` with the Hub arguments of a library's ``from_pretrained``, taken
+    out of ``kwargs`` (``revision``, ``token``, ``cache_dir``, ``local_files_only``), and the
+    download-only ones that mean nothing to a stream (``ignored``) dropped."""
+    revision = kwargs.pop("revision", None)
+    token = kwargs.pop("token", None)
+    cache_dir = kwargs.pop("cache_dir", None)
+    local_files_only = bool(kwargs.pop("local_files_only", False))
+    for key in ignored:
+        kwargs.pop(key, None)
+    return open_checkpoint(
+        uri,
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        storage_options=storage_options,
+    )
 
 
 def open_checkpoint(

@@ -248,21 +248,9 @@ def from_pretrained(
 
     if kwargs.get("use_safetensors") is False:
         raise ConfigError("use_safetensors=False: fastload reads safetensors only", option="uri")
-    revision = kwargs.pop("revision", None)
-    token = kwargs.pop("token", None)
-    cache_dir = kwargs.pop("cache_dir", None)
-    local_files_only = bool(kwargs.pop("local_files_only", False))
-    for key in ("force_download", "proxies", "resume_download"):
-        kwargs.pop(key, None)
     options: dict[str, Any] = dict(load_options or {})
-    with _remote_files.open_checkpoint(
-        uri,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-        storage_options=storage_options,
-    ) as ckpt:
+    download_only = ("force_download", "proxies", "resume_download")
+    with _remote_files.open_checkpoint_for(uri, kwargs, storage_options, download_only) as ckpt:
         if ckpt.storage_options is not None:
             options.setdefault("storage_options", ckpt.storage_options)
         if isinstance(cls, type) and issubclass(cls, DiffusionPipeline):

@@ -340,22 +340,9 @@ def from_pretrained(
         raise ConfigError("gguf_file: fastload reads safetensors only", option="uri")
     subfolder = kwargs.pop("subfolder", "") or ""
     variant = kwargs.pop("variant", None)
-    revision = kwargs.pop("revision", None)
-    token = kwargs.pop("token", None)
-    cache_dir = kwargs.pop("cache_dir", None)
-    local_files_only = bool(kwargs.pop("local_files_only", False))
-    for key in _HUB_KWARGS:
-        kwargs.pop(key, None)
     options: dict[str, Any] = dict(load_options or {})
 
-    with _remote_files.open_checkpoint(
-        uri,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-        storage_options=storage_options,
-    ) as ckpt:
+    with _remote_files.open_checkpoint_for(uri, kwargs, storage_options, _HUB_KWARGS) as ckpt:
         model = _from_checkpoint(model_class, ckpt, subfolder, variant, model_args, options, kwargs)
     model.config.name_or_path = os.fspath(uri)
     return model
