@@ -467,22 +467,28 @@ impl Drop for HostBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    // Tests that read the process-wide pool, or assert that an address is no longer mapped, run
+    // in a process of their own: in the test binary's other threads, loads set the pool limit,
+    // take pooled buffers and map new memory, possibly at the very addresses just freed.
+    use rusty_fork::rusty_fork_test;
 
-    #[test]
-    fn pool_reuses_freed_buffers() {
-        set_pool_limit(64 << 20);
-        let a = HostBuffer::alloc(3 << 20).unwrap();
-        a.populate(0, a.len(), "t").unwrap();
-        a.mark_populated();
-        let addr = a.as_ptr() as usize;
-        drop(a);
-        assert!(pool_cached() >= 4 << 20);
-        let b = HostBuffer::alloc(3 << 20).unwrap();
-        assert_eq!(b.as_ptr() as usize, addr);
-        assert!(!b.is_fresh());
-        drop(b);
-        set_pool_limit(0);
-        assert_eq!(pool_cached(), 0);
+    rusty_fork_test! {
+        #[test]
+        fn pool_reuses_freed_buffers() {
+            set_pool_limit(64 << 20);
+            let a = HostBuffer::alloc(3 << 20).unwrap();
+            a.populate(0, a.len(), "t").unwrap();
+            a.mark_populated();
+            let addr = a.as_ptr() as usize;
+            drop(a);
+            assert!(pool_cached() >= 4 << 20);
+            let b = HostBuffer::alloc(3 << 20).unwrap();
+            assert_eq!(b.as_ptr() as usize, addr);
+            assert!(!b.is_fresh());
+            drop(b);
+            set_pool_limit(0);
+            assert_eq!(pool_cached(), 0);
+        }
     }
 
     fn local_pool() -> Pool {
@@ -534,47 +540,51 @@ mod tests {
         release(&mut pool);
     }
 
-    #[test]
-    fn pool_stitches_freed_pages_into_a_larger_buffer() {
-        let mut pool = local_pool();
-        assert_eq!(pool.take(ALIGN).unwrap(), Taken::Nothing);
-        let a = pooled(&mut pool, 2 * ALIGN, 1);
-        let b = pooled(&mut pool, 3 * ALIGN, 2);
-        let Taken::Stitched { addr, reused } = pool.take(4 * ALIGN).unwrap() else {
-            panic!("expected a stitched buffer");
-        };
-        // Largest first: all of b, then the head of a; a's tail stays pooled.
-        assert_eq!(reused, 4 * ALIGN);
-        assert!(bytes(addr, 3 * ALIGN).iter().all(|&x| x == 2));
-        assert!(bytes(addr + 3 * ALIGN, ALIGN).iter().all(|&x| x == 1));
-        assert_eq!(pool.free, vec![(a + ALIGN, ALIGN)]);
-        assert_eq!(pool.cached, ALIGN);
-        // The pages moved: their old addresses are no longer mapped.
-        assert!(!is_mapped(b, 3 * ALIGN) && !is_mapped(a, ALIGN));
-        unmap(addr, 4 * ALIGN);
+    rusty_fork_test! {
+        #[test]
+        fn pool_stitches_freed_pages_into_a_larger_buffer() {
+            let mut pool = local_pool();
+            assert_eq!(pool.take(ALIGN).unwrap(), Taken::Nothing);
+            let a = pooled(&mut pool, 2 * ALIGN, 1);
+            let b = pooled(&mut pool, 3 * ALIGN, 2);
+            let Taken::Stitched { addr, reused } = pool.take(4 * ALIGN).unwrap() else {
+                panic!("expected a stitched buffer");
+            };
+            // Largest first: all of b, then the head of a; a's tail stays pooled.
+            assert_eq!(reused, 4 * ALIGN);
+            assert!(bytes(addr, 3 * ALIGN).iter().all(|&x| x == 2));
+            assert!(bytes(addr + 3 * ALIGN, ALIGN).iter().all(|&x| x == 1));
+            assert_eq!(pool.free, vec![(a + ALIGN, ALIGN)]);
+            assert_eq!(pool.cached, ALIGN);
+            // The pages moved: their old addresses are no longer mapped.
+            assert!(!is_mapped(b, 3 * ALIGN) && !is_mapped(a, ALIGN));
+            unmap(addr, 4 * ALIGN);
 
-        // Not enough pooled: the rest of the buffer is fresh, zeroed memory.
-        let Taken::Stitched { addr, reused } = pool.take(3 * ALIGN).unwrap() else {
-            panic!("expected a stitched buffer");
-        };
-        assert_eq!((reused, pool.cached), (ALIGN, 0));
-        assert!(bytes(addr, ALIGN).iter().all(|&x| x == 1));
-        assert!(bytes(addr + ALIGN, 2 * ALIGN).iter().all(|&x| x == 0));
-        unmap(addr, 3 * ALIGN);
+            // Not enough pooled: the rest of the buffer is fresh, zeroed memory.
+            let Taken::Stitched { addr, reused } = pool.take(3 * ALIGN).unwrap() else {
+                panic!("expected a stitched buffer");
+            };
+            assert_eq!((reused, pool.cached), (ALIGN, 0));
+            assert!(bytes(addr, ALIGN).iter().all(|&x| x == 1));
+            assert!(bytes(addr + ALIGN, 2 * ALIGN).iter().all(|&x| x == 0));
+            unmap(addr, 3 * ALIGN);
+        }
     }
 
-    #[test]
-    fn pool_keeps_at_most_its_limit() {
-        let mut pool = local_pool();
-        pool.limit = 3 * ALIGN;
-        let a = map_anonymous(2 * ALIGN).unwrap();
-        let b = map_anonymous(2 * ALIGN).unwrap();
-        pool.give(a, 2 * ALIGN);
-        pool.give(b, 2 * ALIGN);
-        assert_eq!(pool.free, vec![(a, 2 * ALIGN)]);
-        assert!(!is_mapped(b, 2 * ALIGN));
-        release(&mut pool);
-        assert!(!is_mapped(a, 2 * ALIGN) && pool.cached == 0);
+    rusty_fork_test! {
+        #[test]
+        fn pool_keeps_at_most_its_limit() {
+            let mut pool = local_pool();
+            pool.limit = 3 * ALIGN;
+            let a = map_anonymous(2 * ALIGN).unwrap();
+            let b = map_anonymous(2 * ALIGN).unwrap();
+            pool.give(a, 2 * ALIGN);
+            pool.give(b, 2 * ALIGN);
+            assert_eq!(pool.free, vec![(a, 2 * ALIGN)]);
+            assert!(!is_mapped(b, 2 * ALIGN));
+            release(&mut pool);
+            assert!(!is_mapped(a, 2 * ALIGN) && pool.cached == 0);
+        }
     }
 
     #[test]

@@ -84,10 +84,13 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
         if sc.get("api") == "stream":
             got = {}
             with fastload.stream(uri, **opts) as s:
-                for name, tensor in s:
-                    assert name not in got, f"{name} yielded twice"
-                    got[name] = tensor
+                # Several threads of the rank share the stream: each tensor reaches one of them.
+                per_thread = _drain(s, sc.get("threads", 1))
                 stats = s.stats()
+            out["per_thread"] = [len(t) for t in per_thread]
+            for name, tensor in (item for items in per_thread for item in items):
+                assert name not in got, f"{name} yielded twice"
+                got[name] = tensor
         else:
             got = fastload.load(uri, **opts)
             stats = fastload.distributed.last_stats()
@@ -104,6 +107,32 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
         if inject:
             patch.stop()
     out["seconds"] = time.monotonic() - started
+    return out
+
+
+def _drain(stream, threads: int) -> list[list]:
+    """Every item of `stream`, as drained by `threads` threads at once: one list per thread."""
+    import threading
+
+    out: list[list] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def consume(mine: list) -> None:
+        start.wait()
+        try:
+            for item in stream:
+                mine.append(item)
+        except BaseException as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=consume, args=(o,)) for o in out]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
     return out
 
 
@@ -231,7 +260,7 @@ def local(tmp_path_factory, dtypes_file, sharded_dir):
     }
 
 
-PARITY = ["single", "sharded", "tiny", "split", "split-rounds", "stream"]
+PARITY = ["single", "sharded", "tiny", "split", "split-rounds", "stream", "threads"]
 FAILURES = {"missing": "NotFoundError", "corrupt": "FormatError", "read": "StorageError"}
 
 
@@ -240,6 +269,10 @@ def local_scenarios(ck: dict, world: int) -> list[dict]:
     # 256 KiB chunks (the minimum): the big tensor crosses rounds, in direct and packed messages.
     scenarios.append({**scenarios[3], "id": "split-rounds", "memory_limit": "1MiB"})
     scenarios.append({**scenarios[1], "id": "stream", "api": "stream"})
+    # Small rounds, so that the threads take turns across many collectives.
+    scenarios.append(
+        {**scenarios[1], "id": "threads", "api": "stream", "threads": 4, "memory_limit": "1MiB"}
+    )
     sharded_names = sorted(reference(*ck["sharded"][1]))
     # Rank r wants every world-th tensor from r on, and every rank wants "embed.weight".
     names = {str(r): sorted({*sharded_names[r::world], "embed.weight"}) for r in range(world)}
@@ -326,7 +359,9 @@ def check_parity(results: list[dict], total: int, world: int) -> None:
 @pytest.mark.parametrize("scenario", PARITY)
 def test_every_rank_gets_every_tensor_read_once(group, scenario):
     world, ck, results, _ = group
-    key = {"split-rounds": "split", "stream": "sharded"}.get(scenario, scenario)
+    key = {"split-rounds": "split", "stream": "sharded", "threads": "sharded"}.get(
+        scenario, scenario
+    )
     check_parity(results[scenario], tensor_bytes(ck[key][0]), world)
     if scenario == "split-rounds":
         assert results[scenario][0]["stats"]["rounds"] > 1

@@ -384,6 +384,9 @@ def test_files_outside_lfs_with_weak_or_long_etags(env, tmp_path, etag):
             for _ in range(2):
                 got = fastload.load(f"hf://org/plain/{name}", cache=tmp_path / "c")
                 assert_same_tensors(got, load(data))
+                # A load does not wait for its copy to be published; this call does, so the
+                # second load finds the copy (without it, it may race the flush and miss).
+                fastload.cache_stats()
         after = fastload.cache_stats()
         blobs = sorted((tmp_path / "hf_cache" / "models--org--plain" / "blobs").glob("*"))
         if etag.startswith("W/"):

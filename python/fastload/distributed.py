@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -229,6 +230,7 @@ class DistributedStream:
         self._dest: dict[int, torch.Tensor] = {}  # tensor index -> buffer its pieces land in
         self._left = list(plan.counts)
         self._iter = self._run()
+        self._next_lock = threading.Lock()
 
     # -- iteration
 
@@ -236,7 +238,10 @@ class DistributedStream:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._iter)
+        # Threads of one rank may share the stream as they share a Stream: each tensor goes to
+        # exactly one of them. The lock also keeps the group's collectives in one order.
+        with self._next_lock:
+            return next(self._iter)
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self._plan
