@@ -341,6 +341,33 @@ def test_a_row_slice_over_http_reads_those_rows_only(range_server, tmp_path):
     assert len(read) in (32, 33), read
 
 
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_one_file_shared_by_threads(range_server, tmp_path, where):
+    """Threads share one safe_open, as transformers' parallel loading shares safetensors' own:
+    every tensor and slice comes back right, and bytes_read counts each read once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = {f"t{i}": pattern((48, 33), torch.bfloat16, seed=i) for i in range(64)}
+    path = write(tmp_path / "shared.safetensors", tensors)
+    uri = str(path)
+    if where == "http":
+        range_server.put({"shared.safetensors": path})
+        uri = range_server.url("shared.safetensors")
+
+    def work(i: int) -> int:
+        name = f"t{i % 64}"
+        whole = f.get_tensor(name)
+        part = f.get_slice(name)[5:30]  # rows: 25 * 33 * 2 bytes, one range
+        assert torch.equal(raw_bytes(whole), raw_bytes(tensors[name])), name
+        assert torch.equal(raw_bytes(part), raw_bytes(tensors[name][5:30])), name
+        return whole.numel() * 2 + part.numel() * 2
+
+    with fastload.safe_open(uri, "pt") as f:
+        with ThreadPoolExecutor(8) as pool:
+            wanted = sum(pool.map(work, range(512)))
+        assert f.bytes_read == wanted
+
+
 def test_s3_slices_and_tensors_read_only_their_bytes(s3_store, remote_file):
     s3_server.upload(
         s3_store.server.client(), s3_server.BUCKET, {"slices/s.safetensors": remote_file}
