@@ -306,59 +306,44 @@ fn remote(store: Arc<dyn ObjectStore>, path: &str, is_prefix: bool) -> Remote {
     }
 }
 
+/// Reads `dst.len()` bytes at `offset` of the object `key`, named `s3://b/{key}` in errors, with
+/// the default retries.
+async fn read_at(store: &dyn ObjectStore, key: &str, offset: u64, dst: &mut [u8]) -> Result<()> {
+    let uri = format!("s3://b/{key}");
+    read_range_into(
+        store,
+        &Path::from(key),
+        offset,
+        dst,
+        &uri,
+        &RetrySettings::default(),
+    )
+    .await
+}
+
 #[tokio::test]
 async fn reads_ranges_exactly() {
     let bytes = data(100_000);
     let store = memory(&[("m.safetensors", bytes.clone())]).await;
-    let path = Path::from("m.safetensors");
+    let key = "m.safetensors";
     let mut dst = vec![0u8; 30_000];
-    read_range_into(
-        store.as_ref(),
-        &path,
-        12_345,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap();
+    read_at(store.as_ref(), key, 12_345, &mut dst)
+        .await
+        .unwrap();
     assert_eq!(dst, bytes[12_345..42_345]);
-    read_range_into(
-        store.as_ref(),
-        &path,
-        0,
-        &mut [],
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap();
+    read_at(store.as_ref(), key, 0, &mut []).await.unwrap();
     // Past the end: the object is shorter than the range.
-    let err = read_range_into(
-        store.as_ref(),
-        &path,
-        90_000,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(store.as_ref(), key, 90_000, &mut dst)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, Error::Io { ref path, ref source }
-            if path == "s3://b/m" && source.kind() == io::ErrorKind::UnexpectedEof),
+            if path == "s3://b/m.safetensors" && source.kind() == io::ErrorKind::UnexpectedEof),
         "{err}"
     );
-    let err = read_range_into(
-        store.as_ref(),
-        &Path::from("nope"),
-        0,
-        &mut dst,
-        "s3://b/nope",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(store.as_ref(), "nope", 0, &mut dst)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, Error::NotFound { ref path } if path == "s3://b/nope"),
         "{err}"
@@ -487,16 +472,7 @@ async fn resumes_cut_off_bodies_from_where_they_stopped() {
     let bytes = data(50_000);
     let store = flaky(&bytes, 7_000, 3, false).await;
     let mut dst = vec![0u8; 40_000];
-    read_range_into(
-        &store,
-        &Path::from("m"),
-        5_000,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap();
+    read_at(&store, "m", 5_000, &mut dst).await.unwrap();
     assert_eq!(dst, bytes[5_000..45_000]);
     assert_eq!(
         store.gets.load(Ordering::SeqCst),
@@ -510,16 +486,7 @@ async fn gives_up_when_resuming_makes_no_progress() {
     let store = flaky(&data(1000), 0, usize::MAX, false).await;
     let mut dst = vec![0u8; 500];
     let started = std::time::Instant::now();
-    let err = read_range_into(
-        &store,
-        &Path::from("m"),
-        0,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(&store, "m", 0, &mut dst).await.unwrap_err();
     // The error is the one that cut the last body off, classified by its type.
     assert!(
         matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::ConnectionReset),
@@ -536,16 +503,7 @@ async fn gives_up_when_resuming_makes_no_progress() {
 async fn rejects_bodies_longer_than_asked() {
     let store = flaky(&data(1000), 0, 0, true).await;
     let mut dst = vec![0u8; 100];
-    let err = read_range_into(
-        &store,
-        &Path::from("m"),
-        0,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(&store, "m", 0, &mut dst).await.unwrap_err();
     assert!(
         matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::InvalidData),
         "{err}"
