@@ -27,14 +27,25 @@ pub enum Whole {
 
 /// The error for `name`, which has more than `limit` bytes.
 pub fn too_large(name: &str, what: Whole, limit: u64) -> Error {
+    let index = FormatError::IndexTooLarge { limit };
+    let body = format!("more than {limit} bytes, the limit for a body read whole");
+    refusal(name, what, index, io::ErrorKind::InvalidData, body)
+}
+
+/// The refusal of `name`: an index's is the `FormatError` `index`; anything else's is a storage
+/// error of `kind` that says `body`.
+fn refusal(
+    name: &str,
+    what: Whole,
+    index: FormatError,
+    kind: io::ErrorKind,
+    body: String,
+) -> Error {
     match what {
-        Whole::Index => Error::format(name, FormatError::IndexTooLarge { limit }),
+        Whole::Index => Error::format(name, index),
         Whole::Body => Error::Io {
             path: name.to_string(),
-            source: io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("more than {limit} bytes, the limit for a body read whole"),
-            ),
+            source: io::Error::new(kind, body),
         },
     }
 }
@@ -139,16 +150,9 @@ pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
 /// The refusal of a file that is not a regular one (a directory, FIFO, device or socket).
 pub fn not_regular(name: &str, what: Whole, meta: &std::fs::Metadata) -> Error {
     let kind = file_kind(meta);
-    match what {
-        Whole::Index => Error::format(name, FormatError::NotARegularFile { kind }),
-        Whole::Body => Error::Io {
-            path: name.to_string(),
-            source: io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("is a {kind}, not a regular file"),
-            ),
-        },
-    }
+    let index = FormatError::NotARegularFile { kind };
+    let body = format!("is a {kind}, not a regular file");
+    refusal(name, what, index, io::ErrorKind::InvalidInput, body)
 }
 
 #[cfg(test)]

@@ -329,6 +329,26 @@ mod tests {
         (v, size)
     }
 
+    fn err(json: &str, data_len: u64) -> FormatError {
+        let (b, size) = file(json, data_len);
+        parse(&b, size).unwrap_err()
+    }
+
+    fn ok(json: &str, data_len: u64) -> Header {
+        let (b, size) = file(json, data_len);
+        parse(&b, size).unwrap()
+    }
+
+    /// Asserts that the header `json` followed by `data_len` bytes of data is refused with an
+    /// error that matches the pattern (and its guard).
+    macro_rules! rejects {
+        ($json:expr, $data_len:expr => $($pattern:tt)+) => {{
+            let json = $json;
+            let e = err(&json, $data_len);
+            assert!(matches!(e, $($pattern)+), "{json}: {e}");
+        }};
+    }
+
     #[test]
     fn parses_a_valid_header() {
         let (b, size) = file(
@@ -346,31 +366,11 @@ mod tests {
     #[test]
     fn rejects_gaps_overlaps_and_short_data() {
         let gap = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[3,5]}}"#;
-        let (b, size) = file(gap, 5);
-        assert!(matches!(
-            parse(&b, size),
-            Err(FormatError::Gap {
-                start: 2,
-                end: 3,
-                ..
-            })
-        ));
+        rejects!(gap, 5 => FormatError::Gap { start: 2, end: 3, .. });
         let overlap = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#;
-        let (b, size) = file(overlap, 3);
-        assert!(matches!(
-            parse(&b, size),
-            Err(FormatError::Overlap {
-                begin: 1,
-                previous_end: 2,
-                ..
-            })
-        ));
+        rejects!(overlap, 3 => FormatError::Overlap { begin: 1, previous_end: 2, .. });
         let short = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
-        let (b, size) = file(short, 3);
-        assert!(matches!(
-            parse(&b, size),
-            Err(FormatError::OffsetsPastEnd { data_len: 3, .. })
-        ));
+        rejects!(short, 3 => FormatError::OffsetsPastEnd { data_len: 3, .. });
     }
 
     #[test]
@@ -400,44 +400,18 @@ mod tests {
     fn rejects_overflowing_shapes_and_bad_dtypes() {
         let big =
             r#"{"a":{"dtype":"F64","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}}"#;
-        let (b, size) = file(big, 0);
-        assert!(matches!(
-            parse(&b, size),
-            Err(FormatError::ShapeOverflow { .. })
-        ));
+        rejects!(big, 0 => FormatError::ShapeOverflow { .. });
         let empty_but_huge =
             r#"{"a":{"dtype":"F32","shape":[0,9223372036854775808],"data_offsets":[0,0]}}"#;
-        let (b, size) = file(empty_but_huge, 0);
-        assert!(matches!(
-            parse(&b, size),
-            Err(FormatError::DimensionTooLarge { .. })
-        ));
+        rejects!(empty_but_huge, 0 => FormatError::DimensionTooLarge { .. });
         let largest =
             r#"{"a":{"dtype":"F32","shape":[0,9223372036854775807],"data_offsets":[0,0]}}"#;
         let (b, size) = file(largest, 0);
         assert!(parse(&b, size).is_ok());
         let bad = r#"{"a":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}}"#;
-        let (b, size) = file(bad, 16);
-        assert!(matches!(
-            parse(&b, size),
-            Err(FormatError::UnknownDtype { ref dtype, .. }) if dtype == "F128"
-        ));
+        rejects!(bad, 16 => FormatError::UnknownDtype { ref dtype, .. } if dtype == "F128");
         let dup = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
-        let (b, size) = file(dup, 2);
-        assert!(matches!(
-            parse(&b, size),
-            Err(FormatError::DuplicateTensor { ref name, .. }) if name == "a"
-        ));
-    }
-
-    fn err(json: &str, data_len: u64) -> FormatError {
-        let (b, size) = file(json, data_len);
-        parse(&b, size).unwrap_err()
-    }
-
-    fn ok(json: &str, data_len: u64) -> Header {
-        let (b, size) = file(json, data_len);
-        parse(&b, size).unwrap()
+        rejects!(dup, 2 => FormatError::DuplicateTensor { ref name, .. } if name == "a");
     }
 
     fn raw_file(json: &[u8], data_len: u64) -> (Vec<u8>, u64) {
@@ -654,21 +628,12 @@ mod tests {
             "{\"a\":null}",
             "{\"a\":[]}",
         ] {
-            let e = err(json, 1);
-            assert!(
-                matches!(
-                    e,
-                    FormatError::InvalidJson { .. } | FormatError::InvalidEntry { .. }
-                ),
-                "{json}: {e}"
-            );
+            rejects!(json, 1 => FormatError::InvalidJson { .. } | FormatError::InvalidEntry { .. });
         }
         // The error names the offending tensor.
-        assert!(matches!(
-            err("{\"w\":{\"dtype\":\"U8\",\"shape\":[1]}}", 1),
+        rejects!("{\"w\":{\"dtype\":\"U8\",\"shape\":[1]}}", 1 =>
             FormatError::InvalidEntry { ref name, ref reason, .. }
-                if name == "w" && reason == "missing field `data_offsets`"
-        ));
+                if name == "w" && reason == "missing field `data_offsets`");
     }
 
     #[test]
@@ -692,19 +657,13 @@ mod tests {
         assert_eq!(ok(&deep, 1).tensors.len(), 1);
         // Unbalanced, it is an error.
         let unbalanced = format!("{{\"a\":{{\"x\":{}}}}}", "[".repeat(100_000));
-        assert!(matches!(
-            err(&unbalanced, 1),
-            FormatError::InvalidEntry { ref name, .. } if name == "a"
-        ));
+        rejects!(&unbalanced, 1 => FormatError::InvalidEntry { ref name, .. } if name == "a");
         let deep_meta = format!(
             "{{\"__metadata__\":{}{}}}",
             "{\"k\":".repeat(50_000),
             "}".repeat(50_000)
         );
-        assert!(matches!(
-            err(&deep_meta, 0),
-            FormatError::InvalidMetadata { .. }
-        ));
+        rejects!(&deep_meta, 0 => FormatError::InvalidMetadata { .. });
     }
 
     #[test]
@@ -720,11 +679,7 @@ mod tests {
     fn rejects_unknown_dtypes() {
         for dtype in ["F128", "f32", "", "FLOAT", "F8", "Q4_0", "F32 "] {
             let json = format!(r#"{{"a":{{"dtype":"{dtype}","shape":[1],"data_offsets":[0,4]}}}}"#);
-            let e = err(&json, 4);
-            assert!(
-                matches!(e, FormatError::UnknownDtype { dtype: ref d, .. } if d == dtype),
-                "{dtype}: {e}"
-            );
+            rejects!(json, 4 => FormatError::UnknownDtype { dtype: ref d, .. } if d == dtype);
         }
     }
 
@@ -746,11 +701,7 @@ mod tests {
             "[2305843009213693952]",
         ] {
             let json = format!(r#"{{"a":{{"dtype":"F64","shape":{shape},"data_offsets":[0,8]}}}}"#);
-            let e = err(&json, 8);
-            assert!(
-                matches!(e, FormatError::ShapeOverflow { ref name, .. } if name == "a"),
-                "{shape}: {e}"
-            );
+            rejects!(json, 8 => FormatError::ShapeOverflow { ref name, .. } if name == "a");
         }
         // A zero dimension makes the product zero even beside huge ones: no overflow, 0 bytes
         // (up to 2^63 - 1; above it, no framework could hold the dimension).
@@ -759,187 +710,62 @@ mod tests {
             0,
         );
         assert_eq!(h.tensors[0].len(), 0);
-        let e = err(
-            r#"{"a":{"dtype":"F64","shape":[0,18446744073709551615],"data_offsets":[0,0]}}"#,
-            0,
-        );
-        assert!(matches!(e, FormatError::DimensionTooLarge { .. }), "{e}");
+        rejects!(r#"{"a":{"dtype":"F64","shape":[0,18446744073709551615],"data_offsets":[0,0]}}"#, 0 =>
+            FormatError::DimensionTooLarge { .. });
     }
 
     #[test]
     fn rejects_sizes_that_disagree_with_the_shape() {
-        let e = err(
-            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
-            4,
-        );
-        assert!(
-            matches!(
-                e,
-                FormatError::OffsetsMismatch {
-                    needed: 8,
-                    begin: 0,
-                    end: 4,
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        let e = err(
-            r#"{"a":{"dtype":"F32","shape":[],"data_offsets":[0,8]}}"#,
-            8,
-        );
-        assert!(
-            matches!(
-                e,
-                FormatError::OffsetsMismatch {
-                    needed: 4,
-                    end: 8,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#, 4 =>
+            FormatError::OffsetsMismatch { needed: 8, begin: 0, end: 4, .. });
+        rejects!(r#"{"a":{"dtype":"F32","shape":[],"data_offsets":[0,8]}}"#, 8 =>
+            FormatError::OffsetsMismatch { needed: 4, end: 8, .. });
     }
 
     #[test]
     fn rejects_offsets_out_of_range() {
         // End past the data section.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            2,
-        );
-        assert!(
-            matches!(
-                e,
-                FormatError::OffsetsPastEnd {
-                    end: 4,
-                    data_len: 2,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 2 =>
+            FormatError::OffsetsPastEnd { end: 4, data_len: 2, .. });
         // Offsets near u64::MAX with a consistent length must not overflow anything.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}}"#,
-            1,
-        );
-        assert!(matches!(e, FormatError::OffsetsPastEnd { .. }), "{e}");
+        rejects!(r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}}"#, 1 =>
+            FormatError::OffsetsPastEnd { .. });
         // Backwards offsets.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#,
-            4,
-        );
-        assert!(
-            matches!(
-                e,
-                FormatError::OffsetsBackwards {
-                    begin: 4,
-                    end: 0,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#, 4 =>
+            FormatError::OffsetsBackwards { begin: 4, end: 0, .. });
     }
 
     #[test]
     fn rejects_overlapping_tensors() {
         // Identical ranges.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
-            2,
-        );
-        assert!(matches!(e, FormatError::Overlap { .. }), "{e}");
+        rejects!(r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#, 2 =>
+            FormatError::Overlap { .. });
         // One inside another.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#,
-            8,
-        );
-        assert!(matches!(e, FormatError::Overlap { .. }), "{e}");
+        rejects!(r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#, 8 =>
+            FormatError::Overlap { .. });
         // An empty tensor in the middle of another one.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[0],"data_offsets":[4,4]}}"#,
-            8,
-        );
-        assert!(matches!(e, FormatError::Overlap { .. }), "{e}");
+        rejects!(r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[0],"data_offsets":[4,4]}}"#, 8 =>
+            FormatError::Overlap { .. });
     }
 
     #[test]
     fn rejects_gaps() {
         // Gap at the start.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#,
-            4,
-        );
-        assert!(
-            matches!(
-                e,
-                FormatError::Gap {
-                    start: 0,
-                    end: 2,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#, 4 =>
+            FormatError::Gap { start: 0, end: 2, .. });
         // An empty tensor after a gap; the data is long enough for the offsets.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#,
-            12,
-        );
-        assert!(
-            matches!(e, FormatError::Gap { ref name, start: 4, end: 9 } if name == "b"),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#, 12 =>
+            FormatError::Gap { ref name, start: 4, end: 9 } if name == "b");
         // The same empty tensor past the end of the data.
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#,
-            4,
-        );
-        assert!(
-            matches!(
-                e,
-                FormatError::OffsetsPastEnd {
-                    begin: 9,
-                    end: 9,
-                    data_len: 4,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}}"#, 4 =>
+            FormatError::OffsetsPastEnd { begin: 9, end: 9, data_len: 4, .. });
     }
 
     #[test]
     fn rejects_data_longer_than_the_tensors() {
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            5,
-        );
-        assert!(
-            matches!(
-                e,
-                FormatError::Coverage {
-                    covered: 4,
-                    data_len: 5,
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        let e = err("{}", 1);
-        assert!(
-            matches!(
-                e,
-                FormatError::Coverage {
-                    covered: 0,
-                    data_len: 1,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 5 =>
+            FormatError::Coverage { covered: 4, data_len: 5, .. });
+        rejects!("{}", 1 => FormatError::Coverage { covered: 0, data_len: 1, .. });
     }
 
     #[test]
@@ -1041,16 +867,10 @@ mod tests {
 
     #[test]
     fn rejects_duplicates() {
-        let e = err(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
-            2,
-        );
-        assert!(
-            matches!(e, FormatError::DuplicateTensor { ref name, .. } if name == "a"),
-            "{e}"
-        );
-        let e = err(r#"{"__metadata__":{},"__metadata__":{}}"#, 0);
-        assert!(matches!(e, FormatError::DuplicateMetadata { .. }), "{e}");
+        rejects!(r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#, 2 =>
+            FormatError::DuplicateTensor { ref name, .. } if name == "a");
+        rejects!(r#"{"__metadata__":{},"__metadata__":{}}"#, 0 =>
+            FormatError::DuplicateMetadata { .. });
     }
 
     #[test]
@@ -1065,11 +885,7 @@ mod tests {
             "3",
         ] {
             let json = format!(r#"{{"__metadata__":{meta}}}"#);
-            let e = err(&json, 0);
-            assert!(
-                matches!(e, FormatError::InvalidMetadata { .. }),
-                "{meta}: {e}"
-            );
+            rejects!(json, 0 => FormatError::InvalidMetadata { .. });
         }
         // `null` means no metadata, as the reference reads it; absent too; `{}` is kept empty.
         assert_eq!(ok(r#"{"__metadata__":null}"#, 0).metadata, None);
@@ -1084,18 +900,12 @@ mod tests {
 
     #[test]
     fn sub_byte_dtypes_must_fill_whole_bytes() {
-        let e = err(
-            r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
-            2,
-        );
-        assert!(matches!(e, FormatError::PartialBytes { .. }), "{e}");
-        let e = err(r#"{"a":{"dtype":"F4","shape":[],"data_offsets":[0,1]}}"#, 1);
-        assert!(matches!(e, FormatError::PartialBytes { .. }), "{e}");
-        let e = err(
-            r#"{"a":{"dtype":"F6_E2M3","shape":[2],"data_offsets":[0,2]}}"#,
-            2,
-        );
-        assert!(matches!(e, FormatError::PartialBytes { .. }), "{e}");
+        rejects!(r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#, 2 =>
+            FormatError::PartialBytes { .. });
+        rejects!(r#"{"a":{"dtype":"F4","shape":[],"data_offsets":[0,1]}}"#, 1 =>
+            FormatError::PartialBytes { .. });
+        rejects!(r#"{"a":{"dtype":"F6_E2M3","shape":[2],"data_offsets":[0,2]}}"#, 2 =>
+            FormatError::PartialBytes { .. });
         let h = ok(
             r#"{"a":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]}}"#,
             3,
@@ -1106,14 +916,8 @@ mod tests {
             3,
         );
         assert_eq!(h.tensors[0].len(), 3);
-        let e = err(
-            r#"{"a":{"dtype":"F4","shape":[4],"data_offsets":[0,4]}}"#,
-            4,
-        );
-        assert!(
-            matches!(e, FormatError::OffsetsMismatch { needed: 2, .. }),
-            "{e}"
-        );
+        rejects!(r#"{"a":{"dtype":"F4","shape":[4],"data_offsets":[0,4]}}"#, 4 =>
+            FormatError::OffsetsMismatch { needed: 2, .. });
     }
 
     #[test]

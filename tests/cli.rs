@@ -67,14 +67,19 @@ fn fastload(args: &[&str], cache: Option<&Path>) -> Output {
     cmd.output().expect("the fastload binary runs")
 }
 
-fn json_of(out: &Output) -> Value {
+/// The stdout of a run that must have succeeded.
+fn stdout_of(out: &Output) -> String {
     assert!(
         out.status.success(),
         "exit {:?}, stderr: {}",
         out.status.code(),
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+    String::from_utf8(out.stdout.clone()).expect("stdout is UTF-8")
+}
+
+fn json_of(out: &Output) -> Value {
+    serde_json::from_str(&stdout_of(out)).expect("stdout is one JSON object")
 }
 
 /// Exit code 1 and exactly one `fastload: error:` line on stderr; returns that line.
@@ -198,9 +203,7 @@ fn bench_table_cold_and_sweep() {
     let dir = tempfile::tempdir().unwrap();
     let (path, bytes) = sample(dir.path());
     let p = path.to_str().unwrap();
-    let out = fastload(&["bench", p, "--cold", "--repeat", "1"], None);
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = stdout_of(&fastload(&["bench", p, "--cold", "--repeat", "1"], None));
     assert!(
         text.contains("GB/s") && text.contains("first tensor"),
         "{text}"
@@ -277,9 +280,7 @@ fn bench_limits_only_measures_without_loading() {
             assert!(what.starts_with("not measurable here"), "{v}");
         }
     }
-    let out = fastload(&args, None);
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = stdout_of(&fastload(&args, None));
     assert!(text.contains("limits, measured just now"), "{text}");
     assert!(
         !text.contains("best:") && !text.contains("GB/s, "),
@@ -307,9 +308,7 @@ fn inspect_lists_every_tensor() {
     assert_eq!(scalar["shape"], serde_json::json!([]));
     assert_eq!(v["files"][0]["size"], fs::metadata(&path).unwrap().len());
 
-    let out = fastload(&["inspect", dir.path().to_str().unwrap()], None);
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = stdout_of(&fastload(&["inspect", dir.path().to_str().unwrap()], None));
     assert!(text.contains("layer.0.weight") && text.contains("[64, 64]"));
     assert!(text.contains(&format!("total: 1 file, 6 tensors, {bytes} bytes")));
 }
@@ -365,9 +364,7 @@ fn errors_are_one_line_with_exit_code_1() {
 
 #[test]
 fn help_and_version() {
-    let out = fastload(&["bench", "--help"], None);
-    assert!(out.status.success());
-    let help = String::from_utf8(out.stdout).unwrap();
+    let help = stdout_of(&fastload(&["bench", "--help"], None));
     for option in [
         "--concurrency",
         "--block-size",
@@ -383,10 +380,8 @@ fn help_and_version() {
     ] {
         assert!(help.contains(option), "{option} missing from:\n{help}");
     }
-    let out = fastload(&["--version"], None);
-    assert!(out.status.success());
     assert_eq!(
-        String::from_utf8(out.stdout).unwrap().trim(),
+        stdout_of(&fastload(&["--version"], None)).trim(),
         format!("fastload {}", env!("CARGO_PKG_VERSION"))
     );
 }
@@ -442,9 +437,10 @@ fn bench_without_uri_generates_once_and_reuses() {
     assert_eq!(listing["total"]["tensors"], v["tensors"]);
 
     // The table says which runs are cold and which warm, and gives each its own best.
-    let out = fastload(&["bench", "--size", "8MiB", "--repeat", "1"], Some(&cache));
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = stdout_of(&fastload(
+        &["bench", "--size", "8MiB", "--repeat", "1"],
+        Some(&cache),
+    ));
     for want in [
         "cold, then warm page cache",
         "   1   cold ",

@@ -240,6 +240,19 @@ async fn put_retrying(r: &Remote, key: &str, bytes: Vec<u8>) {
     }
 }
 
+/// Reads `dst.len()` bytes at `offset` of `r`'s object, with the default retries.
+async fn read_at(r: &Remote, offset: u64, dst: &mut [u8]) -> Result<(), Error> {
+    object::read_range_into(
+        r.store.as_ref(),
+        &r.path,
+        offset,
+        dst,
+        &r.uri,
+        &RetrySettings::default(),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_and_lists_against_seaweedfs() {
     let Some(weed) = find_weed() else {
@@ -276,20 +289,10 @@ async fn reads_and_lists_against_seaweedfs() {
     let block = 8 << 20;
     let started = Instant::now();
     let mut buf = vec![0u8; big.len()];
-    let reads = buf.chunks_mut(block / 4).enumerate().map(|(i, chunk)| {
-        let (store, path, uri) = (r.store.clone(), r.path.clone(), r.uri.clone());
-        async move {
-            object::read_range_into(
-                store.as_ref(),
-                &path,
-                (i * block / 4) as u64,
-                chunk,
-                &uri,
-                &RetrySettings::default(),
-            )
-            .await
-        }
-    });
+    let reads = buf
+        .chunks_mut(block / 4)
+        .enumerate()
+        .map(|(i, chunk)| read_at(&r, (i * block / 4) as u64, chunk));
     for result in futures_util::future::join_all(reads).await {
         result.unwrap();
     }
@@ -297,29 +300,13 @@ async fn reads_and_lists_against_seaweedfs() {
     eprintln!("20 MiB in 2 MiB ranges: {:?}", started.elapsed());
     for (off, len) in [(0usize, block), (12_345, 1), (big.len() - 7, 7)] {
         let mut dst = vec![0u8; len];
-        object::read_range_into(
-            r.store.as_ref(),
-            &r.path,
-            off as u64,
-            &mut dst,
-            &r.uri,
-            &RetrySettings::default(),
-        )
-        .await
-        .unwrap();
+        read_at(&r, off as u64, &mut dst).await.unwrap();
         assert!(dst == big[off..off + len], "range {off}+{len}");
     }
     let mut past = vec![0u8; 10];
-    let err = object::read_range_into(
-        r.store.as_ref(),
-        &r.path,
-        (big.len() - 5) as u64,
-        &mut past,
-        &r.uri,
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(&r, (big.len() - 5) as u64, &mut past)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::UnexpectedEof),
         "{err}"
@@ -330,16 +317,7 @@ async fn reads_and_lists_against_seaweedfs() {
     let (proxy, cut) = cutting_proxy(s3_port, 3, 100_000);
     let via = open("s3://models/big.bin", &format!("http://127.0.0.1:{proxy}"));
     let mut dst = vec![0u8; block];
-    object::read_range_into(
-        via.store.as_ref(),
-        &via.path,
-        1000,
-        &mut dst,
-        &via.uri,
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap();
+    read_at(&via, 1000, &mut dst).await.unwrap();
     assert!(dst == big[1000..1000 + block], "resumed read differs");
     assert_eq!(
         cut.load(Ordering::SeqCst),

@@ -106,39 +106,20 @@ impl Layout {
             Fill::Random,
         )];
         for l in 0..self.layers {
-            let p = format!("model.layers.{l}");
-            for proj in ["q", "k", "v", "o"] {
-                out.push(spec(
-                    format!("{p}.self_attn.{proj}_proj.weight"),
-                    vec![h, h],
-                    Fill::Random,
-                ));
+            let layer = [
+                ("self_attn.q_proj", vec![h, h], Fill::Random),
+                ("self_attn.k_proj", vec![h, h], Fill::Random),
+                ("self_attn.v_proj", vec![h, h], Fill::Random),
+                ("self_attn.o_proj", vec![h, h], Fill::Random),
+                ("mlp.gate_proj", vec![i, h], Fill::Random),
+                ("mlp.up_proj", vec![i, h], Fill::Random),
+                ("mlp.down_proj", vec![h, i], Fill::Random),
+                ("input_layernorm", vec![h], Fill::Ones),
+                ("post_attention_layernorm", vec![h], Fill::Ones),
+            ];
+            for (name, shape, fill) in layer {
+                out.push(spec(format!("model.layers.{l}.{name}.weight"), shape, fill));
             }
-            out.push(spec(
-                format!("{p}.mlp.gate_proj.weight"),
-                vec![i, h],
-                Fill::Random,
-            ));
-            out.push(spec(
-                format!("{p}.mlp.up_proj.weight"),
-                vec![i, h],
-                Fill::Random,
-            ));
-            out.push(spec(
-                format!("{p}.mlp.down_proj.weight"),
-                vec![h, i],
-                Fill::Random,
-            ));
-            out.push(spec(
-                format!("{p}.input_layernorm.weight"),
-                vec![h],
-                Fill::Ones,
-            ));
-            out.push(spec(
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![h],
-                Fill::Ones,
-            ));
         }
         out.push(spec("model.norm.weight".into(), vec![h], Fill::Ones));
         out.push(spec("lm_head.weight".into(), vec![v, h], Fill::Random));

@@ -413,6 +413,26 @@ mod tests {
 
     type Named = Vec<(String, Vec<u8>)>;
 
+    /// A staged load of `file` through `engine`, into memory from `allocator`.
+    fn open(
+        file: &tempfile::NamedTempFile,
+        opts: &LoadOptions,
+        engine: Arc<dyn Engine>,
+        allocator: Box<dyn Allocator>,
+    ) -> Loader {
+        let uris = vec![file.path().to_string_lossy().into_owned()];
+        super::super::open_staged(&uris, opts, Target { engine, allocator }).expect("open")
+    }
+
+    /// A staged load of `file` into host memory from `allocator`.
+    fn open_host(
+        file: &tempfile::NamedTempFile,
+        opts: &LoadOptions,
+        allocator: Box<dyn Allocator>,
+    ) -> Loader {
+        open(file, opts, Arc::new(HostEngine::new()), allocator)
+    }
+
     fn run(
         sizes: &[usize],
         opts: LoadOptions,
@@ -420,9 +440,7 @@ mod tests {
         allocator: Box<dyn Allocator>,
     ) -> (Named, Vec<u8>, Loader) {
         let (file, data) = checkpoint(sizes);
-        let uris = vec![file.path().to_string_lossy().into_owned()];
-        let mut loader =
-            super::super::open_staged(&uris, &opts, Target { engine, allocator }).expect("open");
+        let mut loader = open(&file, &opts, engine, allocator);
         let mut out = Vec::new();
         while let Some(seg) = loader.next_segment() {
             let seg = seg.expect("segment");
@@ -549,13 +567,11 @@ mod tests {
     #[test]
     fn allocator_failure_ends_the_load_with_its_error() {
         let (file, _) = checkpoint(&[1 << 20, 1 << 20, 1 << 20]);
-        let uris = vec![file.path().to_string_lossy().into_owned()];
-        let target = Target {
-            engine: Arc::new(HostEngine::new()),
-            allocator: Box::new(FailingAllocator { after: 1 }),
-        };
-        let mut loader =
-            super::super::open_staged(&uris, &opts(64 << 10, 1 << 20), target).unwrap();
+        let mut loader = open_host(
+            &file,
+            &opts(64 << 10, 1 << 20),
+            Box::new(FailingAllocator { after: 1 }),
+        );
         let mut failed = None;
         while let Some(seg) = loader.next_segment() {
             if let Err(e) = seg {
@@ -614,17 +630,16 @@ mod tests {
         // than the limit. Before the budget, the whole 8 MiB piled up.
         let sizes = [256usize << 10; 32];
         let (file, data) = checkpoint(&sizes);
-        let uris = vec![file.path().to_string_lossy().into_owned()];
         let (live, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let target = Target {
-            engine: Arc::new(HostEngine::new()),
-            allocator: Box::new(Counting {
+        let limit = 1u64 << 20;
+        let mut loader = open_host(
+            &file,
+            &opts(64 << 10, limit),
+            Box::new(Counting {
                 live: live.clone(),
                 peak: peak.clone(),
             }),
-        };
-        let limit = 1u64 << 20;
-        let mut loader = super::super::open_staged(&uris, &opts(64 << 10, limit), target).unwrap();
+        );
         let mut got = Vec::new();
         while let Some(seg) = loader.next_segment() {
             let seg = seg.unwrap();
@@ -653,13 +668,7 @@ mod tests {
     fn a_consumer_that_keeps_every_segment_is_not_limited() {
         let sizes = [256usize << 10; 16];
         let (file, _) = checkpoint(&sizes);
-        let uris = vec![file.path().to_string_lossy().into_owned()];
-        let target = Target {
-            engine: Arc::new(HostEngine::new()),
-            allocator: Box::new(HostAllocator),
-        };
-        let mut loader =
-            super::super::open_staged(&uris, &opts(64 << 10, 1 << 20), target).unwrap();
+        let mut loader = open_host(&file, &opts(64 << 10, 1 << 20), Box::new(HostAllocator));
         let kept: Vec<Loaded> = std::iter::from_fn(|| loader.next_segment())
             .map(|s| s.unwrap())
             .collect();
@@ -677,13 +686,8 @@ mod tests {
             }
         }
         let (file, _) = checkpoint(&[4096, 4096]);
-        let uris = vec![file.path().to_string_lossy().into_owned()];
         let gate = Arc::new(std::sync::Barrier::new(2));
-        let target = Target {
-            engine: Arc::new(HostEngine::new()),
-            allocator: Box::new(Gate(gate.clone())),
-        };
-        let mut loader = super::super::open_staged(&uris, &opts(4096, 1 << 20), target).unwrap();
+        let mut loader = open_host(&file, &opts(4096, 1 << 20), Box::new(Gate(gate.clone())));
         let control = loader.control().clone();
         let closer = std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(50));
@@ -709,13 +713,7 @@ mod tests {
     #[test]
     fn dropping_the_loader_midway_returns_the_ring() {
         let (file, _) = checkpoint(&[4 << 20, 4 << 20]);
-        let uris = vec![file.path().to_string_lossy().into_owned()];
-        let target = Target {
-            engine: Arc::new(HostEngine::new()),
-            allocator: Box::new(HostAllocator),
-        };
-        let mut loader =
-            super::super::open_staged(&uris, &opts(256 << 10, 1 << 20), target).unwrap();
+        let mut loader = open_host(&file, &opts(256 << 10, 1 << 20), Box::new(HostAllocator));
         let first = loader.next_segment().unwrap().unwrap();
         assert_eq!(first.tensors.len(), 1);
         drop(loader);

@@ -14,10 +14,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use futures_util::future::BoxFuture;
-
 use super::entry::Entry;
-use super::Run;
+use super::{Decorator, Run};
 use crate::error::Result;
 use crate::source::identity::CacheIdentity;
 use crate::source::Source;
@@ -155,42 +153,23 @@ impl Drop for FillingSource {
     }
 }
 
-impl Source for FillingSource {
-    fn name(&self) -> &str {
-        self.inner.name()
+impl Decorator for FillingSource {
+    fn inner(&self) -> &dyn Source {
+        self.inner.as_ref()
     }
 
-    fn size(&self) -> u64 {
-        self.inner.size()
+    fn after_read(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+        self.keep(offset, bytes);
+        Ok(())
     }
 
-    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            if let Err(e) = self.inner.read_into(offset, dst).await {
-                // A block that failed (an object that changed while loading above all: its
-                // other blocks may be of either version) abandons the copy: nothing published.
-                self.give_up();
-                return Err(e);
-            }
-            // The write blocks this thread for a few ms per 8 MiB block (fresh page-cache
-            // pages): the worker's other tasks (reads waiting on the network) move to another
-            // thread meanwhile. benches/cache_bench.py on a busy 2-core VM: a filling load took
-            // 2.7-3.5x a plain remote one writing inline, 1.9-2.3x with this (within noise).
-            match tokio::runtime::Handle::try_current() {
-                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                    tokio::task::block_in_place(|| self.keep(offset, dst))
-                }
-                _ => self.keep(offset, dst),
-            }
-            Ok(())
-        })
+    /// A block that failed (an object that changed while loading above all: its other blocks
+    /// may be of either version) abandons the copy: nothing published.
+    fn read_failed(&self) {
+        self.give_up();
     }
 
-    fn reads_block(&self) -> bool {
-        self.inner.reads_block()
-    }
-
-    fn cache_identity(&self) -> Option<CacheIdentity> {
+    fn identity(&self) -> Option<CacheIdentity> {
         Some(self.entry.identity.clone())
     }
 }

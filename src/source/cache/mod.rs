@@ -9,9 +9,12 @@
 //! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache
 //! directory ([`default_dir`]).
 
+use std::fmt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+
+use futures_util::future::BoxFuture;
 
 use crate::error::Result;
 use crate::options::{CacheChoice, LoadOptions};
@@ -24,6 +27,61 @@ use fill::FillingSource;
 pub mod entry;
 mod fill;
 pub mod verify;
+
+/// A cache decorator around a source ([`FillingSource`], [`verify::VerifyingSource`]): it reads
+/// through its inner source and works on each block read (writes the copy, hashes it). As a
+/// [`Source`] it is its inner source but for `read_into` (the block is read, then handed to
+/// [`Decorator::after_read`]) and `cache_identity` ([`Decorator::identity`]).
+trait Decorator: Send + Sync + fmt::Debug {
+    fn inner(&self) -> &dyn Source;
+
+    /// Works on the bytes just read at `offset`; its error is the read's.
+    fn after_read(&self, offset: u64, bytes: &[u8]) -> Result<()>;
+
+    /// Called when the inner source failed to read a block (its error is the read's).
+    fn read_failed(&self) {}
+
+    /// The [`Source::cache_identity`] of the decorated source.
+    fn identity(&self) -> Option<CacheIdentity>;
+}
+
+impl<D: Decorator> Source for D {
+    fn name(&self) -> &str {
+        self.inner().name()
+    }
+
+    fn size(&self) -> u64 {
+        self.inner().size()
+    }
+
+    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if let Err(e) = self.inner().read_into(offset, dst).await {
+                self.read_failed();
+                return Err(e);
+            }
+            // Writing or hashing an 8 MiB block blocks this thread for a few ms (fresh page-cache
+            // pages, sha256): the worker's other tasks (reads waiting on the network) move to
+            // another thread meanwhile. benches/cache_bench.py on a busy 2-core VM: a filling
+            // load took 2.7-3.5x a plain remote one writing inline, 1.9-2.3x with this (within
+            // noise).
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                    tokio::task::block_in_place(|| self.after_read(offset, dst))
+                }
+                _ => self.after_read(offset, dst),
+            }
+        })
+    }
+
+    fn reads_block(&self) -> bool {
+        self.inner().reads_block()
+    }
+
+    fn cache_identity(&self) -> Option<CacheIdentity> {
+        self.identity()
+    }
+}
 
 /// Whether and where to cache.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -9,9 +9,8 @@ use std::collections::BTreeMap;
 use std::io;
 use std::sync::{Arc, Mutex};
 
-use futures_util::future::BoxFuture;
-
 use super::entry::hex;
+use super::Decorator;
 use crate::error::{Error, Result};
 use crate::source::identity::CacheIdentity;
 use crate::source::Source;
@@ -120,39 +119,24 @@ pub fn mismatch(name: &str, want: &str, got: &str) -> Error {
     )
 }
 
-impl Source for VerifyingSource {
-    fn name(&self) -> &str {
-        self.inner.name()
+impl Decorator for VerifyingSource {
+    fn inner(&self) -> &dyn Source {
+        self.inner.as_ref()
     }
 
-    fn size(&self) -> u64 {
-        self.inner.size()
+    fn after_read(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+        self.take(offset, bytes)
     }
 
-    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            self.inner.read_into(offset, dst).await?;
-            // Hashing an 8 MiB block takes a few ms: the worker's other tasks move meanwhile.
-            match tokio::runtime::Handle::try_current() {
-                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                    tokio::task::block_in_place(|| self.take(offset, dst))
-                }
-                _ => self.take(offset, dst),
-            }
-        })
-    }
-
-    fn reads_block(&self) -> bool {
-        self.inner.reads_block()
-    }
-
-    fn cache_identity(&self) -> Option<CacheIdentity> {
+    fn identity(&self) -> Option<CacheIdentity> {
         self.inner.cache_identity()
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use futures_util::future::BoxFuture;
+
     use super::*;
 
     #[derive(Debug)]

@@ -491,40 +491,21 @@ mod tests {
              endpoint_url = http://global:1\nservices = local\n[services local]\n\
              s3 =\n  endpoint_url = http://s3only:2\n",
         );
-        let get = |b: &AmazonS3Builder, k| b.get_config_value(&k);
         let b = applied(&env_for(dir.path(), &[]), None).unwrap();
-        assert_eq!(
-            get(&b, AmazonS3ConfigKey::AccessKeyId).as_deref(),
-            Some("A")
-        );
-        assert_eq!(
-            get(&b, AmazonS3ConfigKey::Region).as_deref(),
-            Some("eu-west-1")
-        );
-        assert_eq!(get(&b, AmazonS3ConfigKey::Endpoint), None);
+        assert_value!(b, AmazonS3ConfigKey::AccessKeyId, "A");
+        assert_value!(b, AmazonS3ConfigKey::Region, "eu-west-1");
+        assert_eq!(b.get_config_value(&AmazonS3ConfigKey::Endpoint), None);
 
         for (env, option) in [
             (env_for(dir.path(), &[("AWS_PROFILE", "dev")]), None),
             (env_for(dir.path(), &[("AWS_PROFILE", "nope")]), Some("dev")),
         ] {
             let b = applied(&env, option).unwrap();
-            assert_eq!(
-                get(&b, AmazonS3ConfigKey::AccessKeyId).as_deref(),
-                Some("DEVKEY")
-            );
-            assert_eq!(
-                get(&b, AmazonS3ConfigKey::Token).as_deref(),
-                Some("devtoken123")
-            );
-            assert_eq!(
-                get(&b, AmazonS3ConfigKey::Region).as_deref(),
-                Some("us-east-2")
-            );
+            assert_value!(b, AmazonS3ConfigKey::AccessKeyId, "DEVKEY");
+            assert_value!(b, AmazonS3ConfigKey::Token, "devtoken123");
+            assert_value!(b, AmazonS3ConfigKey::Region, "us-east-2");
             // The services section's s3 endpoint wins over the profile-wide one.
-            assert_eq!(
-                get(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
-                Some("http://s3only:2")
-            );
+            assert_value!(b, AmazonS3ConfigKey::Endpoint, "http://s3only:2");
         }
         let ignore = env_for(
             dir.path(),
@@ -534,7 +515,7 @@ mod tests {
             ],
         );
         let b = applied(&ignore, None).unwrap();
-        assert_eq!(get(&b, AmazonS3ConfigKey::Endpoint), None);
+        assert_eq!(b.get_config_value(&AmazonS3ConfigKey::Endpoint), None);
 
         // Values already set (environment, options) are kept, credentials as a whole.
         let preset = AmazonS3Builder::new()
@@ -548,15 +529,9 @@ mod tests {
             &mut HashSet::new(),
         )
         .unwrap();
-        assert_eq!(get(&b, AmazonS3ConfigKey::AccessKeyId), None);
-        assert_eq!(
-            get(&b, AmazonS3ConfigKey::Region).as_deref(),
-            Some("ap-south-1")
-        );
-        assert_eq!(
-            get(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
-            Some("http://mine:3")
-        );
+        assert_eq!(b.get_config_value(&AmazonS3ConfigKey::AccessKeyId), None);
+        assert_value!(b, AmazonS3ConfigKey::Region, "ap-south-1");
+        assert_value!(b, AmazonS3ConfigKey::Endpoint, "http://mine:3");
     }
 
     #[test]

@@ -19,6 +19,15 @@ use std::sync::Arc;
 use object_store::path::Path;
 use object_store::ObjectStore;
 
+/// Test assertion: the object_store builder `b` (S3, GCS or Azure) holds `want` for `key`.
+#[cfg(test)]
+macro_rules! assert_value {
+    ($b:expr, $key:expr, $want:expr) => {{
+        let key = $key;
+        assert_eq!($b.get_config_value(&key).as_deref(), Some($want), "{key:?}");
+    }};
+}
+
 mod aws_credentials;
 mod aws_profile;
 mod azure;

@@ -36,10 +36,6 @@ fn s3(uri: &str, o: &[(&str, &str)], e: &[(&str, &str)]) -> Result<AmazonS3Build
     s3_builder(uri, &opts(o), &env(e))
 }
 
-fn value(b: &AmazonS3Builder, key: AmazonS3ConfigKey) -> Option<String> {
-    b.get_config_value(&key)
-}
-
 const KEYS: &[(&str, &str)] = &[
     ("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"),
     (
@@ -53,31 +49,25 @@ fn endpoint_means_path_style_and_http_when_http() {
     let mut e = KEYS.to_vec();
     e.push(("AWS_ENDPOINT_URL", "http://127.0.0.1:9000"));
     let b = s3("s3://models/llama/", &[], &e).unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
-        Some("http://127.0.0.1:9000")
-    );
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
-        Some("false")
-    );
+    assert_value!(b, AmazonS3ConfigKey::Endpoint, "http://127.0.0.1:9000");
+    assert_value!(b, AmazonS3ConfigKey::VirtualHostedStyleRequest, "false");
     let http = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
-    assert_eq!(value(&b, http).as_deref(), Some("true"));
+    assert_value!(b, http, "true");
     // An explicit allow_http=false wins over the inference.
     let b = s3("s3://models/x", &[("allow_http", "false")], &e).unwrap();
-    assert_eq!(value(&b, http).as_deref(), Some("false"));
+    assert_value!(b, http, "false");
     // Client defaults are in place and options override them.
     let timeout = AmazonS3ConfigKey::Client(ClientConfigKey::Timeout);
-    assert_eq!(value(&b, timeout).as_deref(), Some("120s"));
+    assert_value!(b, timeout, "120s");
     let b = s3("s3://models/x", &[("timeout", "5s")], &e).unwrap();
-    assert_eq!(value(&b, timeout).as_deref(), Some("5s"));
+    assert_value!(b, timeout, "5s");
     let (_, rest) = split_retry_options(&opts(&[("connect_timeout", "1.5")])).unwrap();
     assert_eq!(rest, opts(&[("connect_timeout", "1500ms")]));
     // https endpoints stay https-only.
     e.pop();
     e.push(("AWS_ENDPOINT_URL", "https://minio.example"));
     let b = s3("s3://models/x", &[], &e).unwrap();
-    assert_ne!(value(&b, http).as_deref(), Some("true"));
+    assert_ne!(b.get_config_value(&http).as_deref(), Some("true"));
 }
 
 #[test]
@@ -86,14 +76,12 @@ fn virtual_hosted_is_opt_in_with_an_endpoint() {
     e.push(("AWS_ENDPOINT_URL", "http://s3.local:9000/"));
     let o = [("virtual_hosted_style_request", "true")];
     let b = s3("s3://models/x", &o, &e).unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
-        Some("http://models.s3.local:9000/")
+    assert_value!(
+        b,
+        AmazonS3ConfigKey::Endpoint,
+        "http://models.s3.local:9000/"
     );
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
-        Some("true")
-    );
+    assert_value!(b, AmazonS3ConfigKey::VirtualHostedStyleRequest, "true");
     // An endpoint that already names the bucket is left alone.
     let e2 = [
         KEYS[0],
@@ -101,34 +89,22 @@ fn virtual_hosted_is_opt_in_with_an_endpoint() {
         ("AWS_ENDPOINT_URL", "http://models.s3.local"),
     ];
     let b = s3("s3://models/x", &o, &e2).unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::Endpoint).as_deref(),
-        Some("http://models.s3.local")
-    );
+    assert_value!(b, AmazonS3ConfigKey::Endpoint, "http://models.s3.local");
 }
 
 #[test]
 fn aws_without_endpoint_is_virtual_hosted_unless_the_bucket_has_dots() {
     let b = s3("s3://models/x", &[], KEYS).unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
-        Some("true")
-    );
+    assert_value!(b, AmazonS3ConfigKey::VirtualHostedStyleRequest, "true");
     let b = s3("s3://my.models/x", &[], KEYS).unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
-        Some("false")
-    );
+    assert_value!(b, AmazonS3ConfigKey::VirtualHostedStyleRequest, "false");
     let b = s3(
         "s3://models/x",
         &[("virtual_hosted_style_request", "false")],
         KEYS,
     )
     .unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::VirtualHostedStyleRequest).as_deref(),
-        Some("false")
-    );
+    assert_value!(b, AmazonS3ConfigKey::VirtualHostedStyleRequest, "false");
 }
 
 #[test]
@@ -141,38 +117,23 @@ fn region_and_credentials_come_from_env_and_options_win() {
         ("AWS_SESSION_TOKEN", "session-token-value"),
     ];
     let b = s3("s3://b/x", &[], &e).unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::Region).as_deref(),
-        Some("us-west-2")
-    );
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::Token).as_deref(),
-        Some("session-token-value")
-    );
+    assert_value!(b, AmazonS3ConfigKey::Region, "us-west-2");
+    assert_value!(b, AmazonS3ConfigKey::Token, "session-token-value");
     let b = s3(
         "s3://b/x",
         &[],
         &[KEYS[0], KEYS[1], ("AWS_DEFAULT_REGION", "eu-west-1")],
     )
     .unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::Region).as_deref(),
-        Some("eu-west-1")
-    );
+    assert_value!(b, AmazonS3ConfigKey::Region, "eu-west-1");
     let b = s3(
         "s3://b/x",
         &[("region", "ap-south-1"), ("access_key_id", "OTHER")],
         &e,
     )
     .unwrap();
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::Region).as_deref(),
-        Some("ap-south-1")
-    );
-    assert_eq!(
-        value(&b, AmazonS3ConfigKey::AccessKeyId).as_deref(),
-        Some("OTHER")
-    );
+    assert_value!(b, AmazonS3ConfigKey::Region, "ap-south-1");
+    assert_value!(b, AmazonS3ConfigKey::AccessKeyId, "OTHER");
 }
 
 #[test]
@@ -306,59 +267,44 @@ fn remote(store: Arc<dyn ObjectStore>, path: &str, is_prefix: bool) -> Remote {
     }
 }
 
+/// Reads `dst.len()` bytes at `offset` of the object `key`, named `s3://b/{key}` in errors, with
+/// the default retries.
+async fn read_at(store: &dyn ObjectStore, key: &str, offset: u64, dst: &mut [u8]) -> Result<()> {
+    let uri = format!("s3://b/{key}");
+    read_range_into(
+        store,
+        &Path::from(key),
+        offset,
+        dst,
+        &uri,
+        &RetrySettings::default(),
+    )
+    .await
+}
+
 #[tokio::test]
 async fn reads_ranges_exactly() {
     let bytes = data(100_000);
     let store = memory(&[("m.safetensors", bytes.clone())]).await;
-    let path = Path::from("m.safetensors");
+    let key = "m.safetensors";
     let mut dst = vec![0u8; 30_000];
-    read_range_into(
-        store.as_ref(),
-        &path,
-        12_345,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap();
+    read_at(store.as_ref(), key, 12_345, &mut dst)
+        .await
+        .unwrap();
     assert_eq!(dst, bytes[12_345..42_345]);
-    read_range_into(
-        store.as_ref(),
-        &path,
-        0,
-        &mut [],
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap();
+    read_at(store.as_ref(), key, 0, &mut []).await.unwrap();
     // Past the end: the object is shorter than the range.
-    let err = read_range_into(
-        store.as_ref(),
-        &path,
-        90_000,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(store.as_ref(), key, 90_000, &mut dst)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, Error::Io { ref path, ref source }
-            if path == "s3://b/m" && source.kind() == io::ErrorKind::UnexpectedEof),
+            if path == "s3://b/m.safetensors" && source.kind() == io::ErrorKind::UnexpectedEof),
         "{err}"
     );
-    let err = read_range_into(
-        store.as_ref(),
-        &Path::from("nope"),
-        0,
-        &mut dst,
-        "s3://b/nope",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(store.as_ref(), "nope", 0, &mut dst)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, Error::NotFound { ref path } if path == "s3://b/nope"),
         "{err}"
@@ -487,16 +433,7 @@ async fn resumes_cut_off_bodies_from_where_they_stopped() {
     let bytes = data(50_000);
     let store = flaky(&bytes, 7_000, 3, false).await;
     let mut dst = vec![0u8; 40_000];
-    read_range_into(
-        &store,
-        &Path::from("m"),
-        5_000,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap();
+    read_at(&store, "m", 5_000, &mut dst).await.unwrap();
     assert_eq!(dst, bytes[5_000..45_000]);
     assert_eq!(
         store.gets.load(Ordering::SeqCst),
@@ -510,16 +447,7 @@ async fn gives_up_when_resuming_makes_no_progress() {
     let store = flaky(&data(1000), 0, usize::MAX, false).await;
     let mut dst = vec![0u8; 500];
     let started = std::time::Instant::now();
-    let err = read_range_into(
-        &store,
-        &Path::from("m"),
-        0,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(&store, "m", 0, &mut dst).await.unwrap_err();
     // The error is the one that cut the last body off, classified by its type.
     assert!(
         matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::ConnectionReset),
@@ -536,16 +464,7 @@ async fn gives_up_when_resuming_makes_no_progress() {
 async fn rejects_bodies_longer_than_asked() {
     let store = flaky(&data(1000), 0, 0, true).await;
     let mut dst = vec![0u8; 100];
-    let err = read_range_into(
-        &store,
-        &Path::from("m"),
-        0,
-        &mut dst,
-        "s3://b/m",
-        &RetrySettings::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_at(&store, "m", 0, &mut dst).await.unwrap_err();
     assert!(
         matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::InvalidData),
         "{err}"

@@ -22,16 +22,8 @@ fn gcs(o: &[(&str, &str)], e: &[(&str, &str)]) -> Result<GoogleCloudStorageBuild
     gcs_builder("gs://bucket/m/x.safetensors", &pairs(o), &pairs(e))
 }
 
-fn gv(b: &GoogleCloudStorageBuilder, key: GoogleConfigKey) -> Option<String> {
-    b.get_config_value(&key)
-}
-
 fn az(o: &[(&str, &str)], e: &[(&str, &str)]) -> Result<MicrosoftAzureBuilder> {
     azure_builder("az://models/m/x.safetensors", &pairs(o), &pairs(e))
-}
-
-fn av(b: &MicrosoftAzureBuilder, key: AzureConfigKey) -> Option<String> {
-    b.get_config_value(&key)
 }
 
 const HTTP: AzureConfigKey = AzureConfigKey::Client(ClientConfigKey::AllowHttp);
@@ -41,50 +33,29 @@ const AZURITE_KEY: &str =
 #[test]
 fn gcs_endpoint_is_an_alias_of_base_url_without_a_trailing_slash() {
     let b = gcs(&[("endpoint", "http://127.0.0.1:4443/")], &[]).unwrap();
-    assert_eq!(
-        gv(&b, GoogleConfigKey::BaseUrl).as_deref(),
-        Some("http://127.0.0.1:4443")
-    );
+    assert_value!(b, GoogleConfigKey::BaseUrl, "http://127.0.0.1:4443");
     // object_store's own name too, and it wins over the environment.
     let b = gcs(
         &[("base_url", "http://127.0.0.1:2")],
         &[("GOOGLE_BASE_URL", "http://127.0.0.1:1")],
     )
     .unwrap();
-    assert_eq!(
-        gv(&b, GoogleConfigKey::BaseUrl).as_deref(),
-        Some("http://127.0.0.1:2")
-    );
+    assert_value!(b, GoogleConfigKey::BaseUrl, "http://127.0.0.1:2");
     // A base URL alone changes nothing about credentials.
-    assert_eq!(
-        gv(&b, GoogleConfigKey::SkipSignature).as_deref(),
-        Some("false")
-    );
+    assert_value!(b, GoogleConfigKey::SkipSignature, "false");
 }
 
 #[test]
 fn gcs_emulator_host_means_that_url_and_unsigned_requests() {
     let e = [("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")];
     let b = gcs(&[], &e).unwrap();
-    assert_eq!(
-        gv(&b, GoogleConfigKey::BaseUrl).as_deref(),
-        Some("http://127.0.0.1:4443")
-    );
-    assert_eq!(
-        gv(&b, GoogleConfigKey::SkipSignature).as_deref(),
-        Some("true")
-    );
+    assert_value!(b, GoogleConfigKey::BaseUrl, "http://127.0.0.1:4443");
+    assert_value!(b, GoogleConfigKey::SkipSignature, "true");
     // Credentials, or an explicit choice, are kept.
     let b = gcs(&[("bearer_token", "ya29.token-for-test")], &e).unwrap();
-    assert_eq!(
-        gv(&b, GoogleConfigKey::SkipSignature).as_deref(),
-        Some("false")
-    );
+    assert_value!(b, GoogleConfigKey::SkipSignature, "false");
     let b = gcs(&[], &[e[0], ("GOOGLE_SKIP_SIGNATURE", "false")]).unwrap();
-    assert_eq!(
-        gv(&b, GoogleConfigKey::SkipSignature).as_deref(),
-        Some("false")
-    );
+    assert_value!(b, GoogleConfigKey::SkipSignature, "false");
     assert_eq!(emulator_url("https://gcs.local:9/"), "https://gcs.local:9");
     assert_eq!(emulator_url(" localhost:4443 "), "http://localhost:4443");
 }
@@ -99,15 +70,9 @@ fn gcs_credentials_come_from_google_variables() {
         ],
     )
     .unwrap();
-    assert_eq!(
-        gv(&b, GoogleConfigKey::ServiceAccount).as_deref(),
-        Some("/tmp/sa.json")
-    );
+    assert_value!(b, GoogleConfigKey::ServiceAccount, "/tmp/sa.json");
     let b = gcs(&[], &[("GOOGLE_APPLICATION_CREDENTIALS", "/tmp/adc.json")]).unwrap();
-    assert_eq!(
-        gv(&b, GoogleConfigKey::ApplicationCredentials).as_deref(),
-        Some("/tmp/adc.json")
-    );
+    assert_value!(b, GoogleConfigKey::ApplicationCredentials, "/tmp/adc.json");
 }
 
 #[test]
@@ -158,15 +123,12 @@ fn azure_http_endpoint_allows_http_unless_told_otherwise() {
         ("endpoint", "http://127.0.0.1:10000/acct/"),
     ];
     let b = az(&o, &[]).unwrap();
-    assert_eq!(
-        av(&b, AzureConfigKey::Endpoint).as_deref(),
-        Some("http://127.0.0.1:10000/acct")
-    );
-    assert_eq!(av(&b, HTTP).as_deref(), Some("true"));
+    assert_value!(b, AzureConfigKey::Endpoint, "http://127.0.0.1:10000/acct");
+    assert_value!(b, HTTP, "true");
     let b = az(&[o[0], o[1], o[2], ("allow_http", "false")], &[]).unwrap();
-    assert_eq!(av(&b, HTTP).as_deref(), Some("false"));
+    assert_value!(b, HTTP, "false");
     let b = az(&[o[0], ("endpoint", "https://acct.example.net")], &[]).unwrap();
-    assert_ne!(av(&b, HTTP).as_deref(), Some("true"));
+    assert_ne!(b.get_config_value(&HTTP).as_deref(), Some("true"));
     // The same through the environment.
     let b = az(
         &[],
@@ -177,8 +139,8 @@ fn azure_http_endpoint_allows_http_unless_told_otherwise() {
         ],
     )
     .unwrap();
-    assert_eq!(av(&b, HTTP).as_deref(), Some("true"));
-    assert_eq!(av(&b, AzureConfigKey::AccountName).as_deref(), Some("acct"));
+    assert_value!(b, HTTP, "true");
+    assert_value!(b, AzureConfigKey::AccountName, "acct");
 }
 
 #[test]
@@ -191,11 +153,8 @@ fn azure_cli_variables_and_object_store_names_agree() {
         ],
     )
     .unwrap();
-    assert_eq!(av(&b, AzureConfigKey::AccountName).as_deref(), Some("cli"));
-    assert_eq!(
-        av(&b, AzureConfigKey::AccessKey).as_deref(),
-        Some(AZURITE_KEY)
-    );
+    assert_value!(b, AzureConfigKey::AccountName, "cli");
+    assert_value!(b, AzureConfigKey::AccessKey, AZURITE_KEY);
     // object_store's names are more specific and win; options win over both.
     let b = az(
         &[("account_name", "opt")],
@@ -205,7 +164,7 @@ fn azure_cli_variables_and_object_store_names_agree() {
         ],
     )
     .unwrap();
-    assert_eq!(av(&b, AzureConfigKey::AccountName).as_deref(), Some("opt"));
+    assert_value!(b, AzureConfigKey::AccountName, "opt");
     let b = az(
         &[],
         &[
@@ -214,7 +173,7 @@ fn azure_cli_variables_and_object_store_names_agree() {
         ],
     )
     .unwrap();
-    assert_eq!(av(&b, AzureConfigKey::AccountName).as_deref(), Some("os"));
+    assert_value!(b, AzureConfigKey::AccountName, "os");
 }
 
 #[test]
@@ -254,16 +213,14 @@ fn azure_connection_strings() {
     // Through the variable and the option; explicit keys win over the string.
     let e = [("AZURE_STORAGE_CONNECTION_STRING", cs.as_str())];
     let b = az(&[], &e).unwrap();
-    assert_eq!(av(&b, HTTP).as_deref(), Some("true"));
+    assert_value!(b, HTTP, "true");
     let b = az(&[("account_name", "other")], &e).unwrap();
-    assert_eq!(
-        av(&b, AzureConfigKey::AccountName).as_deref(),
-        Some("other")
-    );
+    assert_value!(b, AzureConfigKey::AccountName, "other");
     let b = az(&[("connection_string", &cs)], &[]).unwrap();
-    assert_eq!(
-        av(&b, AzureConfigKey::Endpoint).as_deref(),
-        Some("http://127.0.0.1:10000/devstoreaccount1")
+    assert_value!(
+        b,
+        AzureConfigKey::Endpoint,
+        "http://127.0.0.1:10000/devstoreaccount1"
     );
 }
 
