@@ -1,6 +1,6 @@
-"""Tiny transformers and diffusers checkpoints for tests/test_transformers.py and
-tests/test_diffusers.py, written by the libraries' own save_pretrained (safetensors), and the
-checks those tests share."""
+"""Tiny transformers and diffusers checkpoints for tests/test_transformers.py,
+tests/test_diffusers.py and the serving engines' tests (test_vllm.py, test_sglang.py), written by
+the libraries' own save_pretrained (safetensors), and the checks those tests share."""
 
 from __future__ import annotations
 
@@ -53,6 +53,36 @@ def write_llama(folder: Path, *, max_shard_size: str | None = None) -> Path:
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kw)
     return folder
+
+
+ENGINE_VOCAB = 512
+
+
+def write_engine_llama(out: Path, **config) -> None:
+    """The serving engines' tiny model (test_vllm.py, test_sglang.py): a random Llama (hidden 256,
+    head_dim 64, 2 layers, GQA; ``config`` added to its config) saved in bf16 safetensors shards
+    of 1 MB with an index."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaConfig(
+        vocab_size=ENGINE_VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        **config,
+    )
+    model = LlamaForCausalLM(llama).to(torch.bfloat16)
+    with torch.no_grad():  # a little more spread than the default init, for varied tokens
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
 
 
 def write_gpt2_tied(folder: Path) -> Path:
