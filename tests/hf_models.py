@@ -5,6 +5,7 @@ the libraries' own save_pretrained (safetensors), and the checks those tests sha
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,6 +30,19 @@ def assert_same_state(got: torch.nn.Module, want: torch.nn.Module) -> None:
     ties_b = {k: v.data_ptr() for k, v in b.items()}
     shared = [(k, j) for k in a for j in a if k < j and ties_a[k] == ties_a[j]]
     assert shared == [(k, j) for k in b for j in b if k < j and ties_b[k] == ties_b[j]]
+
+
+def use_hub(hub, monkeypatch, tmp_path: Path) -> Path:
+    """The mock ``hub`` as the Hub, without a token or offline mode; the HF cache
+    (``tmp_path/hf_home``) and Python's temporary files (``tmp_path/tmp``) under ``tmp_path``,
+    which it returns, so that a test sees every file a load wrote."""
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.base)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    return tmp_path
 
 
 def safetensors_under(*folders: Path) -> list[Path]:
