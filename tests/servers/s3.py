@@ -112,6 +112,17 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Ends a server process that still runs: SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
 def client(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY):
     import boto3
     from botocore.config import Config
@@ -182,13 +193,8 @@ class Server:
         return client(self.endpoint, **kw)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        if self.proc is not None:
+            stop_process(self.proc, timeout=15)
         if callable(self.stop_fn):
             self.stop_fn()
 
