@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,6 +100,22 @@ def write_engine_llama(out: Path, **config) -> None:
         for p in model.parameters():
             p.normal_(0, 0.2)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
+
+
+@contextmanager
+def engine_hub(folder: Path, repo: str, home: Path) -> Iterator[tuple[Any, dict[str, str]]]:
+    """The mock Hub holding the files of ``folder`` as ``repo``, and the environment an engine's
+    process reaches it with (online, its HF cache in ``home``); the Hub closed after."""
+    from servers.hub import MockHub
+
+    hub = MockHub()
+    try:
+        hub.add(repo, {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+        env["HF_HUB_CACHE"] = str(home / "hub")
+        yield hub, env
+    finally:
+        hub.close()
 
 
 def write_gpt2_tied(folder: Path) -> Path:

@@ -316,23 +316,15 @@ def test_matches_default_loader(work):
 def test_repo_id_streams_from_the_hub(work, tmp_path):
     """``model_path=ORG/REPO``: SGLang's ModelConfig reads the config from the mock Hub, fastload
     streams the weights from it (ranged GETs, nothing written to the cache)."""
-    from servers.hub import MockHub
+    from hf_models import engine_hub
 
-    hub = MockHub()
-    try:
-        model = work / "tiny-llama"
-        hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
-        home = tmp_path / "hf_home"
-        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
-        env["HF_HUB_CACHE"] = str(home / "hub")
+    with engine_hub(work / "tiny-llama", HUB_REPO, tmp_path / "hf_home") as (hub, env):
         r = _driver("hub", work, **env)
         assert r["hub"] == {"loader": "FastloadModelLoader", "differ": []}, r["hub"]
         assert not [n for n in r["files_in_cache"] if n.endswith(".safetensors")], r
         storage = hub.requests(hub.storage)
         ours = [q for q in storage if q[2].get("user-agent", "").startswith("fastload/")]
         assert ours and all("range" in q[2] for q in ours), storage
-    finally:
-        hub.close()
 
 
 @needs_sglang

@@ -648,16 +648,10 @@ def test_model_from_the_hub(offline, tmp_path):
     """``LLM(model=ORG/REPO, load_format="fastload")`` against the mock Hub: the same tokens as
     vLLM's own loader, the weights streamed by fastload (ranged GETs at the storage host) and no
     ``*.safetensors`` written to disk, config files fetched into the HF cache as vLLM does."""
-    from servers.hub import MockHub
+    from hf_models import engine_hub
 
     expected, _, work = offline
-    hub = MockHub()
-    try:
-        model = work / "tiny-llama"
-        hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
-        home = tmp_path / "hf_home"
-        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
-        env["HF_HUB_CACHE"] = str(home / "hub")
+    with engine_hub(work / "tiny-llama", HUB_REPO, tmp_path / "hf_home") as (hub, env):
         results, output = _run_driver("hub", work, **env)
         assert results.get("fastload_hub") == expected["safetensors"], _tail(output)
         # fastload's line (vLLM's own loader logs "Loading weights took" too, without a rate).
@@ -674,8 +668,6 @@ def test_model_from_the_hub(offline, tmp_path):
         assert results.get("default_hub") == expected["safetensors"], _tail(output)
         seconds = {k: v for k, v in results.items() if k.endswith("_seconds")}
         print(f"engine start to first tokens, tiny model from the mock Hub: {seconds}")
-    finally:
-        hub.close()
 
 
 @pytest.mark.slow
@@ -684,21 +676,13 @@ def test_serve_from_the_hub(offline, tmp_path):
     """``vllm serve ORG/REPO --load-format fastload`` against the mock Hub: vLLM fetches config
     and tokenizer from the Hub, its worker process streams the weights with fastload, and the
     server answers with the tokens vLLM's own loader gave."""
-    from servers.hub import MockHub
+    from hf_models import engine_hub
 
     expected, _, work = offline
-    hub = MockHub()
-    model = work / "tiny-llama"
-    hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
-    home = tmp_path / "hf_home"
-    env = {**_engine_env(), "HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
-    env["HF_HUB_CACHE"] = str(home / "hub")
-    log = tmp_path / "serve.log"
-    try:
-        with _serving(HUB_REPO, log, env) as base:
+    home, log = tmp_path / "hf_home", tmp_path / "serve.log"
+    with engine_hub(work / "tiny-llama", HUB_REPO, home) as (_, hub_env):
+        with _serving(HUB_REPO, log, {**_engine_env(), **hub_env}) as base:
             assert _greedy_tokens(base, HUB_REPO) == expected["safetensors"][0]
-    finally:
-        hub.close()
     _worker_load_lines(log)
     on_disk = [p.name for p in home.rglob("*") if p.is_file()]
     assert "tokenizer.json" in on_disk and "config.json" in on_disk, on_disk
