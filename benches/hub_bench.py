@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import hub_runs
+from make_checkpoint import parse_size
+
+ROOT = hub_runs.ROOT
 REPO = "org/bench"
 
 _RUN = r"""
@@ -52,14 +52,6 @@ print(json.dumps({"seconds": seconds, "bytes": nbytes}))
 """
 
 
-def parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
-
-
 def make_checkpoint(directory: Path, size: int, shards: int = 2) -> None:
     import torch
     from safetensors.torch import save_file
@@ -83,12 +75,7 @@ def make_checkpoint(directory: Path, size: int, shards: int = 2) -> None:
 
 
 def run(kind: str, target: str, env: dict) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _RUN, kind, target], env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return hub_runs.run(_RUN, kind, target, env=env)
 
 
 def main() -> None:
@@ -103,7 +90,7 @@ def main() -> None:
     ckpt = args.out / f"hub_ckpt_{args.size}"
     if not (ckpt / "model.safetensors.index.json").exists():
         make_checkpoint(ckpt, parse_size(args.size))
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "FASTLOAD_"))}
+    base_env = hub_runs.clean_env()
     base_env.update(
         BENCH_TMP=str(tmp),
         BENCH_DIR=str(ROOT / "benches"),
@@ -121,20 +108,11 @@ def main() -> None:
     run("fastload", str(ckpt), base_env)  # page cache warm for the local rows
     best("fastload, local disk (warm page cache)", "fastload", str(ckpt), base_env)
     for rate in (float(r) for r in args.rates.split(",")):
-        server = subprocess.Popen(
-            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt.resolve()),
-             "--repo", REPO, "--rate", str(rate)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT / "tests",
-        )  # fmt: skip
-        try:
-            url = server.stdout.readline().strip()
+        with hub_runs.mock_hub(ckpt, REPO, rate) as url:
             env = {**base_env, "HF_ENDPOINT": url}
-            link = "unlimited" if rate == 0 else f"{rate / 1e6:.0f} MB/s"
+            link = hub_runs.link_name(rate)
             best(f"fastload hf:// ({link})", "fastload", f"hf://{REPO}", env)
             best(f"snapshot_download + load_file ({link})", "snapshot", REPO, env)
-        finally:
-            server.stdin.close()
-            server.wait(timeout=30)
     size = rows[0]["bytes"]
     print(f"\n{size / 2**20:.0f} MiB, 2 shards + index, best of {args.reps}\n")
     print("| row | seconds | GB/s |\n|---|---|---|")

@@ -23,12 +23,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import hub_runs
+
+ROOT = hub_runs.ROOT
 REPO = "org/llama-bench"
 
 _RUN = r"""
@@ -98,12 +99,7 @@ def is_debug_build(path: Path) -> bool:
 
 
 def run(kind: str, target: str, env: dict) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _RUN, kind, target], env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return hub_runs.run(_RUN, kind, target, env=env)
 
 
 def main() -> None:
@@ -127,7 +123,7 @@ def main() -> None:
     ckpt = args.out / f"llama_{args.layers}_layers"
     if not (ckpt / "config.json").exists():
         make_model(ckpt, args.layers)
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "FASTLOAD_"))}
+    base_env = hub_runs.clean_env()
     base_env.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
     rows = []
 
@@ -153,23 +149,14 @@ def main() -> None:
     run("fastload", str(ckpt), base_env)  # page cache warm for the local rows
     pair(("fastload, local folder", "transformers, local folder"), str(ckpt), base_env, False)
     for rate in (float(r) for r in args.rates.split(",")):
-        server = subprocess.Popen(
-            [sys.executable, "-m", "servers.hub", "--dir", str(ckpt.resolve()),
-             "--repo", REPO, "--rate", str(rate)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT / "tests",
-        )  # fmt: skip
-        try:
-            url = server.stdout.readline().strip()
+        with hub_runs.mock_hub(ckpt, REPO, rate) as url:
             env = {**base_env, "HF_ENDPOINT": url}
-            link = "unlimited" if rate == 0 else f"{rate / 1e6:.0f} MB/s"
+            link = hub_runs.link_name(rate)
             labels = (
                 f"fastload, mock Hub ({link})",
                 f"transformers download + load, mock Hub ({link})",
             )
             pair(labels, REPO, env, True)
-        finally:
-            server.stdin.close()
-            server.wait(timeout=30)
     size = rows[0]["bytes"]
     load_after = os.getloadavg()
     gib = 2**30

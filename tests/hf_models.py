@@ -1,11 +1,15 @@
-"""Tiny transformers and diffusers checkpoints for tests/test_transformers.py and
-tests/test_diffusers.py, written by the libraries' own save_pretrained (safetensors), and the
-checks those tests share."""
+"""Tiny transformers and diffusers checkpoints for tests/test_transformers.py,
+tests/test_diffusers.py and the serving engines' tests (test_vllm.py, test_sglang.py), written by
+the libraries' own save_pretrained (safetensors), and the checks those tests share."""
 
 from __future__ import annotations
 
 import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +35,19 @@ def assert_same_state(got: torch.nn.Module, want: torch.nn.Module) -> None:
     assert shared == [(k, j) for k in b for j in b if k < j and ties_b[k] == ties_b[j]]
 
 
+def use_hub(hub, monkeypatch, tmp_path: Path) -> Path:
+    """The mock ``hub`` as the Hub, without a token or offline mode; the HF cache
+    (``tmp_path/hf_home``) and Python's temporary files (``tmp_path/tmp``) under ``tmp_path``,
+    which it returns, so that a test sees every file a load wrote."""
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.base)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    return tmp_path
+
+
 def safetensors_under(*folders: Path) -> list[Path]:
     return [p for f in folders if f.exists() for p in f.rglob("*.safetensors")]
 
@@ -53,6 +70,52 @@ def write_llama(folder: Path, *, max_shard_size: str | None = None) -> Path:
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kw)
     return folder
+
+
+ENGINE_VOCAB = 512
+
+
+def write_engine_llama(out: Path, **config) -> None:
+    """The serving engines' tiny model (test_vllm.py, test_sglang.py): a random Llama (hidden 256,
+    head_dim 64, 2 layers, GQA; ``config`` added to its config) saved in bf16 safetensors shards
+    of 1 MB with an index."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaConfig(
+        vocab_size=ENGINE_VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        **config,
+    )
+    model = LlamaForCausalLM(llama).to(torch.bfloat16)
+    with torch.no_grad():  # a little more spread than the default init, for varied tokens
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
+
+
+@contextmanager
+def engine_hub(folder: Path, repo: str, home: Path) -> Iterator[tuple[Any, dict[str, str]]]:
+    """The mock Hub holding the files of ``folder`` as ``repo``, and the environment an engine's
+    process reaches it with (online, its HF cache in ``home``); the Hub closed after."""
+    from servers.hub import MockHub
+
+    hub = MockHub()
+    try:
+        hub.add(repo, {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
+        env["HF_HUB_CACHE"] = str(home / "hub")
+        yield hub, env
+    finally:
+        hub.close()
 
 
 def write_gpt2_tied(folder: Path) -> Path:

@@ -19,6 +19,7 @@ from hf_models import (
     tiny_unet,
     tiny_vae,
     tree,
+    use_hub,
     write_pipeline,
 )
 from servers import s3 as s3_server
@@ -134,13 +135,7 @@ def hub(root):
 
 @pytest.fixture
 def hub_env(hub, monkeypatch, tmp_path):
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub.base)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    return tmp_path
+    return use_hub(hub, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize(("cls", "subfolder"), MODELS)

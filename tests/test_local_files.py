@@ -198,15 +198,23 @@ def _kernel_has_cachestat(path) -> bool:
         return libc.syscall(451, f.fileno(), rng, out, 0) == 0
 
 
-def test_cached_files_are_mapped_lazily_and_others_populated(tmp_path):
+@pytest.fixture
+def six_tensors(tmp_path):
+    """A file of six int32 tensors of 4 MiB (24 MiB), and the tensors; skipped where the kernel
+    cannot tell fastload which pages are cached (without it every window is populated)."""
+    path = tmp_path / "m.safetensors"
+    tensors = {f"t{i}": torch.arange(i * MiB, (i + 1) * MiB, dtype=torch.int32) for i in range(6)}
+    save_file(tensors, path)
+    if not _kernel_has_cachestat(path):
+        pytest.skip("the kernel has no cachestat(2) (Linux < 6.5): fastload cannot tell")
+    return path, tensors
+
+
+def test_cached_files_are_mapped_lazily_and_others_populated(six_tensors):
     # Pages already in the page cache are mapped, not populated: each faults in on first access
     # (as safetensors' own mapping does), so the mapping holds no pages until the tensors are
     # read. Pages that are not cached are read in parallel before the tensor is handed out.
-    path = tmp_path / "m.safetensors"
-    want = {f"t{i}": torch.arange(i * MiB, (i + 1) * MiB, dtype=torch.int32) for i in range(6)}
-    save_file(want, path)
-    if not _kernel_has_cachestat(path):
-        pytest.skip("the kernel has no cachestat(2) (Linux < 6.5): every window is populated")
+    path, want = six_tensors
     total = 24 * MiB
     for cached in (True, False):
         if not cached and not _evict(path):
@@ -256,12 +264,8 @@ NO_THREAD_WHEN_WARM = """
 """
 
 
-def test_a_warm_load_starts_no_thread(tmp_path):
-    path = tmp_path / "m.safetensors"
-    tensors = {f"t{i}": torch.arange(i * MiB, (i + 1) * MiB, dtype=torch.int32) for i in range(6)}
-    save_file(tensors, path)
-    if not _kernel_has_cachestat(path):
-        pytest.skip("the kernel has no cachestat(2) (Linux < 6.5): fastload cannot tell")
+def test_a_warm_load_starts_no_thread(six_tensors):
+    path, _ = six_tensors
     with open(path, "rb") as f:  # every page cached, whatever happened since the write
         f.read()
     done = run(NO_THREAD_WHEN_WARM, str(path))

@@ -322,5 +322,7 @@ def test_torch_knows_every_dtype_of_the_native_module():
     from fastload import _fastload, _torch
 
     assert set(_torch._TORCH_NAMES) == set(_fastload.DTYPES)
+    # The same dtypes, and the same torch dtype for each, as the tests' own table (helpers.py).
+    assert _torch.DTYPES == DTYPES
     # What DLPack carries natively, torch has natively (torch.from_dlpack builds it).
     assert set(_fastload.DLPACK_DTYPES) <= set(_torch.DTYPES)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from servers.s3 import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_REPO = "org/tiny-llama"
@@ -36,37 +36,6 @@ needs_sglang = pytest.mark.skipif(
 
 
 # ---------------------------------------------------------------- driver (runs in a subprocess)
-
-
-def make_model(out: Path) -> None:
-    """A random Llama (hidden 256, 2 layers, GQA) saved in bf16 safetensors shards with an index."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_sglang(model: Path) -> None:
@@ -242,8 +211,10 @@ def run_driver(mode: str, work: Path, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
+    from hf_models import write_engine_llama
+
     work = tmp_path_factory.mktemp("sglang")
-    make_model(work / "tiny-llama")
+    write_engine_llama(work / "tiny-llama")
     return work
 
 
@@ -256,7 +227,7 @@ def _env(**extra: str) -> dict[str, str]:
         AWS_EC2_METADATA_DISABLED="true",
         TOKENIZERS_PARALLELISM="false",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",
@@ -345,23 +316,15 @@ def test_matches_default_loader(work):
 def test_repo_id_streams_from_the_hub(work, tmp_path):
     """``model_path=ORG/REPO``: SGLang's ModelConfig reads the config from the mock Hub, fastload
     streams the weights from it (ranged GETs, nothing written to the cache)."""
-    from servers.hub import MockHub
+    from hf_models import engine_hub
 
-    hub = MockHub()
-    try:
-        model = work / "tiny-llama"
-        hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
-        home = tmp_path / "hf_home"
-        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
-        env["HF_HUB_CACHE"] = str(home / "hub")
+    with engine_hub(work / "tiny-llama", HUB_REPO, tmp_path / "hf_home") as (hub, env):
         r = _driver("hub", work, **env)
         assert r["hub"] == {"loader": "FastloadModelLoader", "differ": []}, r["hub"]
         assert not [n for n in r["files_in_cache"] if n.endswith(".safetensors")], r
         storage = hub.requests(hub.storage)
         ours = [q for q in storage if q[2].get("user-agent", "").startswith("fastload/")]
         assert ours and all("range" in q[2] for q in ours), storage
-    finally:
-        hub.close()
 
 
 @needs_sglang

@@ -52,6 +52,24 @@ def big_probe(code: str, *args) -> dict:
     return run_probe(CHECK_BIG + textwrap.dedent(code), *args)
 
 
+# The start of a probe of one stream of the big file (argv: path, memory_limit) from storage: the
+# file out of the page cache, `read()` counting what the stream fetched since, `base` the RSS
+# before, `it` the stream.
+COLD_STREAM = """
+path, limit = sys.argv[1], int(sys.argv[2])
+evict(path)
+def read():  # bytes fetched from storage so far, by pread or by mapping
+    return max(rchar() - r0, cached_bytes(path))
+gc.collect(); base = rss(); r0 = rchar()
+it = fastload.stream(path, memory_limit=limit)
+"""
+
+
+def cold_stream_probe(code: str, path) -> dict:
+    """``code`` after COLD_STREAM, in a fresh interpreter: the big file at ``path``, LIMIT."""
+    return big_probe(COLD_STREAM + textwrap.dedent(code), path, LIMIT)
+
+
 def collect(it) -> dict:
     out = {}
     for item in it:
@@ -172,14 +190,8 @@ def test_abandoned_streams_leave_the_loader_usable(big_file, dtypes_file):
 
 def test_break_stops_reads_and_frees_buffers(big_file):
     size = big_file.stat().st_size
-    r = big_probe(
+    r = cold_stream_probe(
         """
-        path, limit = sys.argv[1], int(sys.argv[2])
-        evict(path)
-        def read():  # bytes fetched from storage so far, by pread or by mapping
-            return max(rchar() - r0, cached_bytes(path))
-        gc.collect(); base = rss(); r0 = rchar()
-        it = fastload.stream(path, memory_limit=limit)
         ok = []
         for k, (name, t) in enumerate(it):
             ok.append(check(name, t))
@@ -193,7 +205,6 @@ def test_break_stops_reads_and_frees_buffers(big_file):
         emit(ok=ok, base=base, after=after, read=read_after_break, read_later=read())
         """,
         big_file,
-        LIMIT,
     )
     assert r["ok"] == [True, True]
     assert r["read"] < size // 2, f"read {r['read'] / MiB:.0f} of {size / MiB:.0f} MiB, then broke"
@@ -204,16 +215,10 @@ def test_break_stops_reads_and_frees_buffers(big_file):
 
 def test_first_tensor_arrives_before_the_file_is_read(big_file):
     size = big_file.stat().st_size
-    r = big_probe(
+    r = cold_stream_probe(
         """
-        path, limit = sys.argv[1], int(sys.argv[2])
-        evict(path)
-        def read():  # bytes fetched from storage so far, by pread or by mapping
-            return max(rchar() - r0, cached_bytes(path))
         def stats():  # the loader's own account, where it offers one
             return dict(it.stats()) if hasattr(it, "stats") else {}
-        gc.collect(); base = rss(); r0 = rchar()
-        it = fastload.stream(path, memory_limit=limit)
         name, t = next(it)
         read_first, stats_first = read(), stats()
         ok = check(name, t)
@@ -224,7 +229,6 @@ def test_first_tensor_arrives_before_the_file_is_read(big_file):
              stats_first=stats_first, stats_idle=stats_idle, names=names, read_total=read())
         """,
         big_file,
-        LIMIT,
     )
     assert r["ok"]
     assert sorted(r["names"]) == [big_name(i) for i in range(BIG_TENSORS)]

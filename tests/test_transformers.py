@@ -17,6 +17,7 @@ from hf_models import (
     assert_same_state,
     safetensors_under,
     tree,
+    use_hub,
     write_gpt2_tied,
     write_llama,
 )
@@ -271,13 +272,7 @@ def hub(models):
 
 @pytest.fixture
 def hub_env(hub, monkeypatch, tmp_path):
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub.base)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    return tmp_path
+    return use_hub(hub, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["llama", "sharded", "tied"])

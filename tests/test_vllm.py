@@ -17,11 +17,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -67,36 +68,17 @@ def _engine_env() -> dict[str, str]:
 
 
 def make_model(out: Path) -> None:
-    """A random Llama (hidden 256, head_dim 64, 2 layers) saved in bf16 safetensors shards with an
-    index, and a word-level tokenizer."""
-    import torch
+    """The serving engines' tiny Llama (hf_models.write_engine_llama), and a word-level
+    tokenizer."""
+    from hf_models import ENGINE_VOCAB, write_engine_llama
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # a little more spread than the default init, for varied tokens
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
+    write_engine_llama(out, bos_token_id=1, eos_token_id=2)
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in [*WORDS, *(f"w{i}" for i in range(512))]:
-        if len(vocab) < config.vocab_size:
+    for word in [*WORDS, *(f"w{i}" for i in range(ENGINE_VOCAB))]:
+        if len(vocab) < ENGINE_VOCAB:
             vocab.setdefault(word, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -528,12 +510,6 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data, headers={"Content-Type": "application/json"})
@@ -583,6 +559,35 @@ def _stop(server: subprocess.Popen) -> None:
             server.wait()
 
 
+@contextmanager
+def _serving(model: str, log: Path, env: dict[str, str], *args: str) -> Iterator[str]:
+    """``vllm serve MODEL --load-format fastload ARGS`` on a free port, its output in ``log``:
+    yields its address once it answers; stops it (its process group) after."""
+    port = s3_server.free_port()
+    cmd = [str(VENV_PYTHON), "-c", _VLLM_CLI, "serve", model, "--load-format", "fastload", *args]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
+    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(server, base + "/health", log)
+        yield base
+    finally:
+        _stop(server)
+
+
+def _worker_load_lines(log: Path) -> tuple[str, list[str]]:
+    """The server's output, and its lines of fastload's load: the first one must come from vLLM's
+    worker process, which found fastload through its entry point."""
+    output = log.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
+    assert lines and lines[0].startswith("(Worker"), _tail(output)
+    return output, lines
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_openai_server(offline):
@@ -590,37 +595,18 @@ def test_openai_server(offline):
     token-id prompt the same greedy tokens vLLM's own loader gave."""
     expected, _, work = offline
     model_dir = work / "tiny-llama"
-    port = _free_port()
     log = work / "serve.log"
     extra = json.dumps({"memory_limit": "64MiB"})
-    cmd = [str(VENV_PYTHON), "-c", _VLLM_CLI, "serve", str(model_dir)]
-    cmd += ["--load-format", "fastload", "--model-loader-extra-config", extra]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
-    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
     amx_log = work / "amx"
     amx_log.mkdir(exist_ok=True)
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**_engine_env(), "FASTLOAD_TEST_AMX_LOG": str(amx_log)},
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(server, base + "/health", log)
+    env = {**_engine_env(), "FASTLOAD_TEST_AMX_LOG": str(amx_log)}
+    with _serving(str(model_dir), log, env, "--model-loader-extra-config", extra) as base:
         body = {"model": str(model_dir), "prompt": "the cat is", "max_tokens": 8, "temperature": 0}
         completion = _post(base + "/v1/completions", body)
         assert completion["choices"][0]["text"].strip(), completion
         assert _greedy_tokens(base, str(model_dir)) == expected["safetensors"][0]
-    finally:
-        _stop(server)
     # Loaded in vLLM's worker process, which found fastload through its entry point.
-    output = log.read_text(errors="replace")
-    lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
-    assert lines and lines[0].startswith("(Worker"), _tail(output)
+    _, lines = _worker_load_lines(log)
     # That worker, a fresh interpreter, asked for AMX permission at start (sitecustomize.py).
     worker = lines[0].split("pid=", 1)[1].split(")", 1)[0]
     asked = {p.name: p.read_text().split() for p in amx_log.iterdir()}
@@ -662,16 +648,10 @@ def test_model_from_the_hub(offline, tmp_path):
     """``LLM(model=ORG/REPO, load_format="fastload")`` against the mock Hub: the same tokens as
     vLLM's own loader, the weights streamed by fastload (ranged GETs at the storage host) and no
     ``*.safetensors`` written to disk, config files fetched into the HF cache as vLLM does."""
-    from servers.hub import MockHub
+    from hf_models import engine_hub
 
     expected, _, work = offline
-    hub = MockHub()
-    try:
-        model = work / "tiny-llama"
-        hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
-        home = tmp_path / "hf_home"
-        env = {"HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
-        env["HF_HUB_CACHE"] = str(home / "hub")
+    with engine_hub(work / "tiny-llama", HUB_REPO, tmp_path / "hf_home") as (hub, env):
         results, output = _run_driver("hub", work, **env)
         assert results.get("fastload_hub") == expected["safetensors"], _tail(output)
         # fastload's line (vLLM's own loader logs "Loading weights took" too, without a rate).
@@ -688,8 +668,6 @@ def test_model_from_the_hub(offline, tmp_path):
         assert results.get("default_hub") == expected["safetensors"], _tail(output)
         seconds = {k: v for k, v in results.items() if k.endswith("_seconds")}
         print(f"engine start to first tokens, tiny model from the mock Hub: {seconds}")
-    finally:
-        hub.close()
 
 
 @pytest.mark.slow
@@ -698,34 +676,14 @@ def test_serve_from_the_hub(offline, tmp_path):
     """``vllm serve ORG/REPO --load-format fastload`` against the mock Hub: vLLM fetches config
     and tokenizer from the Hub, its worker process streams the weights with fastload, and the
     server answers with the tokens vLLM's own loader gave."""
-    from servers.hub import MockHub
+    from hf_models import engine_hub
 
     expected, _, work = offline
-    hub = MockHub()
-    model = work / "tiny-llama"
-    hub.add(HUB_REPO, {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()})
-    home = tmp_path / "hf_home"
-    env = {**_engine_env(), "HF_ENDPOINT": hub.base, "HF_HUB_OFFLINE": "0", "HF_HOME": str(home)}
-    env["HF_HUB_CACHE"] = str(home / "hub")
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    cmd = [str(VENV_PYTHON), "-c", _VLLM_CLI, "serve", HUB_REPO, "--load-format", "fastload"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
-    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(server, base + "/health", log)
-        assert _greedy_tokens(base, HUB_REPO) == expected["safetensors"][0]
-    finally:
-        _stop(server)
-        hub.close()
-    output = log.read_text(errors="replace")
-    lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
-    assert lines and lines[0].startswith("(Worker"), _tail(output)
+    home, log = tmp_path / "hf_home", tmp_path / "serve.log"
+    with engine_hub(work / "tiny-llama", HUB_REPO, home) as (_, hub_env):
+        with _serving(HUB_REPO, log, {**_engine_env(), **hub_env}) as base:
+            assert _greedy_tokens(base, HUB_REPO) == expected["safetensors"][0]
+    _worker_load_lines(log)
     on_disk = [p.name for p in home.rglob("*") if p.is_file()]
     assert "tokenizer.json" in on_disk and "config.json" in on_disk, on_disk
     assert not [n for n in on_disk if n.endswith(".safetensors")], on_disk
@@ -838,24 +796,10 @@ def test_serve_model_from_s3(offline, seaweed, tmp_path):
     s3_server.upload(seaweed.client(), S3_BUCKET, files)
     model = f"s3://{S3_BUCKET}/serve/tiny-llama"
     env = {**_engine_env(), **seaweed.env(), "VLLM_ASSETS_CACHE": str(tmp_path / "assets")}
-    port = _free_port()
     log = tmp_path / "serve.log"
-    cmd = [str(VENV_PYTHON), "-c", _VLLM_CLI, "serve", model, "--load-format", "fastload"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
-    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(server, base + "/health", log)
+    with _serving(model, log, env) as base:
         assert _greedy_tokens(base, model) == expected["safetensors"][0]
-    finally:
-        _stop(server)
-    output = log.read_text(errors="replace")
-    lines = [line for line in output.splitlines() if LOG_LINE in line and "[vllm.py:" in line]
-    assert lines and lines[0].startswith("(Worker"), _tail(output)
+    output, _ = _worker_load_lines(log)
     assert "fastload pulled" in output, _tail(output)
 
 

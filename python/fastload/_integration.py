@@ -16,7 +16,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _options
 
@@ -32,6 +32,9 @@ KEYS = frozenset({*LOAD_KEYS, "weights_uri", "distributed"})
 WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth"]
 
 
+_O = TypeVar("_O", bound="Options")
+
+
 @dataclass(frozen=True)
 class Options:
     """``model_loader_extra_config``, checked."""
@@ -43,14 +46,7 @@ class Options:
     distributed: bool = False
 
     @classmethod
-    def parse(
-        cls,
-        load_format: str,
-        extra: Any,
-        allowed: frozenset[str],
-        hints: Mapping[str, str] | None = None,
-    ) -> Options:
-        """``hints``: a note to add when a key of it is unknown (where it belongs instead)."""
+    def parse(cls: type[_O], load_format: str, extra: Any, allowed: frozenset[str]) -> _O:
         from . import ConfigError, _fastload
 
         if extra is None:
@@ -62,7 +58,8 @@ class Options:
             )
         unknown = sorted(set(extra) - allowed, key=str)
         if unknown:
-            hint = "".join(f" ({(hints or {})[k]})" for k in unknown if k in (hints or {}))
+            hints = cls.unknown_key_hints(load_format)
+            hint = "".join(f" ({hints[k]})" for k in unknown if k in hints)
             raise ConfigError(
                 f"unknown model_loader_extra_config key(s) for load format {load_format!r}: "
                 f"{', '.join(map(repr, unknown))}{hint}; "
@@ -88,6 +85,11 @@ class Options:
             weights_uri = os.fspath(weights_uri)
         pattern = extra.get("pattern")
         return cls(load_format, weights_uri, pattern, stream_kwargs, distributed)
+
+    @classmethod
+    def unknown_key_hints(cls, load_format: str) -> Mapping[str, str]:
+        """For an unknown key of ``load_format``, a note to add (where it belongs instead)."""
+        return {}
 
 
 def is_url(uri: str) -> bool:

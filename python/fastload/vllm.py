@@ -38,9 +38,9 @@ import string
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any, cast
+from typing import Any
 
 from . import _integration
 from ._integration import KEYS as _KEYS
@@ -291,23 +291,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+@dataclass(frozen=True)
 class _Options(_integration.Options):
     """``model_loader_extra_config``, checked (``pattern`` too, for ``fastload_sharded``)."""
 
     @classmethod
-    def parse(
-        cls,
-        load_format: str,
-        extra: Any,
-        allowed: frozenset[str],
-        hints: Mapping[str, str] | None = None,
-    ) -> _Options:
-        if hints is None and load_format == LOAD_FORMAT:
-            hints = {"pattern": f"'pattern' belongs to load format {SHARDED_LOAD_FORMAT!r}"}
-        options = super().parse(load_format, extra, allowed, hints)
-        if options.pattern is not None:
-            _check_pattern(options.pattern)
-        return cast(_Options, options)
+    def unknown_key_hints(cls, load_format: str) -> Mapping[str, str]:
+        if load_format == LOAD_FORMAT:
+            return {"pattern": f"'pattern' belongs to load format {SHARDED_LOAD_FORMAT!r}"}
+        return {}
+
+    def __post_init__(self) -> None:
+        # The last check (parse builds the options once every other key passed it), in the
+        # __init__ that @dataclass writes for this class.
+        if self.pattern is not None:
+            _check_pattern(self.pattern)
 
 
 def _check_pattern(pattern: Any) -> None:

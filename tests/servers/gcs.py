@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base import Handler, Server
-from .s3 import free_port, wait_http
+from .s3 import free_port, stop_process, wait_http
 
 BUCKET = "models"
 SA_EMAIL = "fastload-test@fastload-test.iam.gserviceaccount.com"
@@ -85,13 +85,7 @@ class FakeGcs:
         self.upload(bucket, files)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        stop_process(self.proc, timeout=10)
 
 
 def start_fake_gcs(root: Path, timeout: float = START_TIMEOUT) -> FakeGcs:

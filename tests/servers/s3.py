@@ -112,6 +112,17 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Ends a server process that still runs: SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
 def client(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY):
     import boto3
     from botocore.config import Config
@@ -182,13 +193,8 @@ class Server:
         return client(self.endpoint, **kw)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        if self.proc is not None:
+            stop_process(self.proc, timeout=15)
         if callable(self.stop_fn):
             self.stop_fn()
 
@@ -294,8 +300,51 @@ def start_moto() -> Server:
 # Fault injection
 
 
+class _Relay:
+    """What both relays below share: a socket listening on 127.0.0.1 and a thread accepting on it
+    until ``close()`` or ``lifetime`` seconds, whichever is first, each connection handed to
+    ``_accepted``."""
+
+    lifetime: float
+    port: int
+
+    def _listen(self, backlog: int) -> None:
+        self._stop = threading.Event()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(backlog)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + self.lifetime
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                try:
+                    conn, _ = self._sock.accept()
+                except OSError:
+                    continue
+                self._accepted(conn)
+        finally:
+            self._sock.close()
+
+    def _accepted(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class FaultProxy:
+class FaultProxy(_Relay):
     """Relays 127.0.0.1:port to `target`. The first `slowdowns` connections get a 503 SlowDown and
     are closed; the next `cuts` connections are closed after `cut_after` response bytes (headers
     included), mid-body for large objects. Later connections relay untouched. The relay stops by
@@ -318,40 +367,21 @@ class FaultProxy:
     )
 
     def __post_init__(self) -> None:
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self._sock.settimeout(0.2)
-        self.port = self._sock.getsockname()[1]
-        self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        self._listen(64)
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        deadline = time.monotonic() + self.lifetime
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                continue
-            with self._lock:
-                self.served["connections"] += 1
-                if self.served["slowdowns"] < self.slowdowns:
-                    self.served["slowdowns"] += 1
-                    mode = "slowdown"
-                elif self.served["cuts"] < self.cuts:
-                    self.served["cuts"] += 1
-                    mode = "cut"
-                else:
-                    mode = "relay"
-            threading.Thread(target=self._serve, args=(conn, mode), daemon=True).start()
-        self._sock.close()
+    def _accepted(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.served["connections"] += 1
+            if self.served["slowdowns"] < self.slowdowns:
+                self.served["slowdowns"] += 1
+                mode = "slowdown"
+            elif self.served["cuts"] < self.cuts:
+                self.served["cuts"] += 1
+                mode = "cut"
+            else:
+                mode = "relay"
+        threading.Thread(target=self._serve, args=(conn, mode), daemon=True).start()
 
     def _serve(self, conn: socket.socket, mode: str) -> None:
         conn.settimeout(30)
@@ -395,10 +425,6 @@ class FaultProxy:
         conn.close()
         upstream.close()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
 
 @dataclass(frozen=True)
 class Fault:
@@ -426,7 +452,7 @@ def _ranged_get(method: str, headers: dict[str, str]) -> bool:
     return method == "GET" and "range" in headers
 
 
-class HttpFaultProxy:
+class HttpFaultProxy(_Relay):
     """An HTTP/1.1-aware relay from 127.0.0.1:port to `target` that injects faults per request.
 
     Every client connection carries exactly one request: the proxy forwards it with
@@ -458,23 +484,7 @@ class HttpFaultProxy:
         self.served: dict[str, int] = {"requests": 0, "matched": 0, "faults": 0}
         self.log: list[tuple[str, str, str | None]] = []  # (method, target, fault kind)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(128)
-        self._sock.settimeout(0.2)
-        self.port = self._sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._listen(128)
 
     def __enter__(self) -> HttpFaultProxy:
         return self
@@ -482,17 +492,8 @@ class HttpFaultProxy:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _accept(self) -> None:
-        deadline = time.monotonic() + self.lifetime
-        try:
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                try:
-                    conn, _ = self._sock.accept()
-                except OSError:
-                    continue
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-        finally:
-            self._sock.close()
+    def _accepted(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _read_head(sock: socket.socket, limit: int = 65536) -> tuple[bytes, bytes]:
