@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -387,3 +388,27 @@ def bucket_objects(dtypes_file: Path, tiny_file: Path) -> dict[str, Path | bytes
         "plain/b.safetensors": tiny_file,
         "plain/notes.txt": b"not a checkpoint",
     }
+
+
+def drain_by_threads(stream, workers: int, take) -> list[BaseException | None]:
+    """`workers` threads iterate `stream` at once (started together), each item handed to
+    `take(thread_index, name, tensor)` as it comes; returns what each thread raised (None where
+    it reached the end). Fails if a consumer hangs."""
+    raised: list[BaseException | None] = [None] * workers
+    start = threading.Barrier(workers)
+
+    def consume(i: int) -> None:
+        try:
+            start.wait(timeout=60)
+            for name, tensor in stream:
+                take(i, name, tensor)
+        except BaseException as e:  # returned, for the test to judge with what was received
+            raised[i] = e
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    return raised

@@ -62,7 +62,7 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
     import fastload
     import fastload.distributed
     import torch.distributed as dist
-    from helpers import assert_same_tensors
+    from helpers import assert_same_tensors, drain_by_threads
 
     uri = sc.get("uri_by_rank", {}).get(str(rank), sc.get("uri"))
     names = sc["names"][str(rank)] if sc.get("names") else None
@@ -83,14 +83,18 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
             patch.start()
         if sc.get("api") == "stream":
             got = {}
-            with fastload.stream(uri, **opts) as s:
-                # Several threads of the rank share the stream: each tensor reaches one of them.
-                per_thread = _drain(s, sc.get("threads", 1))
-                stats = s.stats()
-            out["per_thread"] = [len(t) for t in per_thread]
-            for name, tensor in (item for items in per_thread for item in items):
+
+            def take(_thread, name, tensor):
                 assert name not in got, f"{name} yielded twice"
                 got[name] = tensor
+
+            with fastload.stream(uri, **opts) as s:
+                # Several threads of the rank share the stream: each tensor reaches one of them.
+                raised = drain_by_threads(s, sc.get("threads", 1), take)
+                stats = s.stats()
+            first = next((e for e in raised if e is not None), None)
+            if first is not None:
+                raise first
         else:
             got = fastload.load(uri, **opts)
             stats = fastload.distributed.last_stats()
@@ -107,32 +111,6 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
         if inject:
             patch.stop()
     out["seconds"] = time.monotonic() - started
-    return out
-
-
-def _drain(stream, threads: int) -> list[list]:
-    """Every item of `stream`, as drained by `threads` threads at once: one list per thread."""
-    import threading
-
-    out: list[list] = [[] for _ in range(threads)]
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads)
-
-    def consume(mine: list) -> None:
-        start.wait()
-        try:
-            for item in stream:
-                mine.append(item)
-        except BaseException as e:
-            errors.append(e)
-
-    workers = [threading.Thread(target=consume, args=(o,)) for o in out]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
     return out
 
 

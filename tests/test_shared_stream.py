@@ -3,11 +3,10 @@ exactly one caller, none is lost, and the stream ends (or fails) for every calle
 
 from __future__ import annotations
 
-import threading
-
 import fastload
 import pytest
 import torch
+from helpers import drain_by_threads
 from safetensors.torch import load_file, save_file
 
 COUNT = 2000
@@ -31,25 +30,15 @@ def drain(stream, workers: int, want: dict | None = None):
     come (as a consumer moving them to their place would), which keeps the consumers racing."""
     got: list[list[str]] = [[] for _ in range(workers)]
     wrong: list[str] = []
-    raised: list[BaseException | None] = [None] * workers
 
-    def consume(i):
-        try:
-            for name, tensor in stream:
-                got[i].append(name)
-                if want is not None and not (
-                    tensor.dtype == want[name].dtype and torch.equal(tensor, want[name])
-                ):
-                    wrong.append(name)
-        except BaseException as e:  # reported below, with what was received
-            raised[i] = e
+    def take(i, name, tensor):
+        got[i].append(name)
+        if want is not None and not (
+            tensor.dtype == want[name].dtype and torch.equal(tensor, want[name])
+        ):
+            wrong.append(name)
 
-    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    raised = drain_by_threads(stream, workers, take)
     return got, wrong, raised
 
 
