@@ -220,13 +220,70 @@ pub fn remember_url_credentials(uri: &str) {
     remember_secret(basic.trim_end_matches('='));
 }
 
-/// `text` with every remembered credential and every URL password replaced by `***`.
+/// `text` with every remembered credential, every URL password and the value of every query
+/// parameter that carries a credential (a presigned URL's signature and session token, a SAS
+/// `sig`, an API key) replaced by `***`.
 pub fn scrub(text: &str) -> String {
     let secrets = SECRETS.lock().clone();
     let text = secrets
         .iter()
         .fold(text.to_string(), |t, s| t.replace(s.as_str(), "***"));
-    scrub_url_passwords(&text)
+    scrub_query_secrets(&scrub_url_passwords(&text))
+}
+
+/// Query parameters (compared without case) whose values are credentials: S3 and GCS presigned
+/// URLs (SigV4 and V2), Azure SAS, CloudFront signed URLs, OAuth and API-key parameters. The
+/// credential's id (`X-Amz-Credential`, `AWSAccessKeyId`) is scrubbed too: it names the account.
+const SECRET_PARAMS: [&str; 17] = [
+    "x-amz-signature",
+    "x-amz-security-token",
+    "x-amz-credential",
+    "x-goog-signature",
+    "x-goog-credential",
+    "x-goog-security-token",
+    "awsaccesskeyid",
+    "signature",
+    "sig",
+    "policy",
+    "token",
+    "access_token",
+    "id_token",
+    "api_key",
+    "apikey",
+    "key",
+    "client_secret",
+];
+
+/// `?X-Amz-Signature=abc&x=1` → `?X-Amz-Signature=***&x=1`, wherever a `?`, `&` or `;` starts a
+/// parameter named in [`SECRET_PARAMS`]; the value ends at the next `&`, `#`, quote, bracket or
+/// whitespace.
+fn scrub_query_secrets(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(['?', '&', ';']) {
+        let (before, after) = rest.split_at(at + 1);
+        out.push_str(before);
+        rest = after;
+        let Some(eq) = after.find('=') else { continue };
+        let name = &after[..eq];
+        if !SECRET_PARAMS.iter().any(|p| name.eq_ignore_ascii_case(p)) {
+            continue;
+        }
+        let value = &after[eq + 1..];
+        let end = value
+            .find(|c: char| {
+                matches!(
+                    c,
+                    '&' | '#' | ';' | '\'' | '"' | ')' | ']' | '>' | '<' | ','
+                ) || c.is_whitespace()
+            })
+            .unwrap_or(value.len());
+        out.push_str(name);
+        out.push_str(if end == 0 { "=" } else { "=***" });
+        rest = &value[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `scheme://user:password@host` → `scheme://user:***@host`, wherever it appears in `text`.
@@ -275,6 +332,34 @@ mod tests {
         );
         assert_eq!(scrub_url_passwords("x://"), "x://");
         assert_eq!(scrub_url_passwords("://u:p@"), "://u:***@");
+    }
+
+    #[test]
+    fn query_credentials_are_scrubbed_wherever_they_appear() {
+        let presigned = "GET 'https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256\
+            &X-Amz-Credential=AKIAEXAMPLE%2F20261126&X-Amz-Security-Token=FwoGZXIvYXdz\
+            &X-Amz-Signature=deadbeef' failed";
+        assert_eq!(
+            scrub(presigned),
+            "GET 'https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256\
+            &X-Amz-Credential=***&X-Amz-Security-Token=***&X-Amz-Signature=***' failed"
+        );
+        for (text, want) in [
+            ("az://c/k?sv=2022&sig=abc%2Bdef", "az://c/k?sv=2022&sig=***"),
+            (
+                "x?SIG=a#frag and ?token=t, ok",
+                "x?SIG=***#frag and ?token=***, ok",
+            ),
+            ("u?key=AIza123 (see)", "u?key=*** (see)"),
+            ("u?keys=1&sig=", "u?keys=1&sig="),
+            ("a & b ? c", "a & b ? c"),
+            (
+                "u?x=1&x-goog-signature=00ff\nnext",
+                "u?x=1&x-goog-signature=***\nnext",
+            ),
+        ] {
+            assert_eq!(scrub(text), want, "{text}");
+        }
     }
 
     #[test]

@@ -271,6 +271,95 @@ def test_the_cli_scrubs_a_url_password(serve):
     assert "PASS_w0rd_9" not in proc.stderr and "dXNlcjpQQVNTX3cwcmRfOQ" not in proc.stderr
 
 
+# Issue 29, item 3: the surfaces the registry did not cover. A presigned URL's signature and
+# session token, and a URL's password, in a URI fastload was given.
+PRESIGNED = (
+    "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAEXAMPLE7%2F20261126"
+    "&X-Amz-Security-Token=FwoSessionToken77&X-Amz-Signature=deadbeef5151"
+)
+SECRET_PARTS = ("PASS_w0rd_9", "AKIAEXAMPLE7", "FwoSessionToken77", "deadbeef5151")
+
+
+def assert_no_secret(text: str) -> None:
+    for part in SECRET_PARTS:
+        assert part not in text, text
+
+
+@pytest.fixture
+def sharded_server():
+    from safetensors.torch import save
+    from servers.http import start_server
+
+    files = {
+        "/m/a.safetensors": save({"a": torch_arange(4)}),
+        "/m/b.safetensors": save({"b": torch_arange(8)}),
+        "/m/model.safetensors.index.json": json.dumps(
+            {"weight_map": {"a": "a.safetensors", "b": "b.safetensors"}}
+        ).encode(),
+    }
+    server = start_server(files)
+    yield server.base.removeprefix("http://")
+    server.close()
+
+
+def torch_arange(n: int):
+    import torch
+
+    return torch.arange(n, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("form", ["password", "presigned"])
+def test_safe_open_of_an_index_url_shows_no_secret(sharded_server, form):
+    path = "m/model.safetensors.index.json"
+    uri = (
+        f"http://user:PASS_w0rd_9@{sharded_server}/{path}"
+        if form == "password"
+        else f"http://{sharded_server}/{path}?{PRESIGNED}"
+    )
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.safe_open(uri, framework="pt")
+    assert "names 2" in str(e.value)  # the message is still there...
+    assert_no_secret(str(e.value))  # ...without the credentials
+    assert_no_secret(repr(e.value.args))
+
+
+def test_errors_raised_in_python_are_scrubbed():
+    import pickle
+
+    uri = f"https://user:PASS_w0rd_9@host/m/?{PRESIGNED}"
+    for err in (
+        fastload.ConfigError(f"{uri}: bad", option="uri"),
+        fastload.NotFoundError(f"{uri}config.json: no such object"),
+        fastload.FormatError(f"{uri}: bad header", path=uri),
+        fastload.TensorNotFoundError(f"{uri}: no tensor x", names=["x"], uri=uri),
+    ):
+        again = pickle.loads(pickle.dumps(err))
+        for e in (err, again):
+            texts = [str(e), repr(e.args), str(getattr(e, "path", "")), str(getattr(e, "uri", ""))]
+            for text in texts:
+                assert_no_secret(text)
+            assert "user:***@host" in str(e)
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_bench_shows_no_secret(sharded_server, json_out):
+    uri = f"http://user:PASS_w0rd_9@{sharded_server}/m/a.safetensors?{PRESIGNED}"
+    args = ["bench", "--repeat", "1", uri] + (["--json"] if json_out else [])
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_secret(proc.stdout + proc.stderr)
+    if json_out:
+        shown = json.loads(proc.stdout)["uris"]
+        assert shown == [
+            f"http://user:***@{sharded_server}/m/a.safetensors?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+            "&X-Amz-Credential=***&X-Amz-Security-Token=***&X-Amz-Signature=***"
+        ]
+    else:
+        assert "user:***@" in proc.stdout
+
+
 # -- 10. broken index files are errors naming the index ---------------------------------------
 
 

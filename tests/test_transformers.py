@@ -320,6 +320,22 @@ def test_from_s3(models, bucket, name, tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_url_password_is_not_kept_in_the_model(models):
+    """The URI becomes the model's ``name_or_path`` (saved as config.json's ``_name_or_path``,
+    shown in its repr): without the URL's password (issue 29, item 3)."""
+    from servers.http import start_server
+
+    server = start_server({f"/m/{k}": v for k, v in tree(models["llama"]).items()})
+    try:
+        host = server.base.removeprefix("http://")
+        uri = f"http://user:PASS_w0rd_9@{host}/m/"
+        got = check(AutoModelForCausalLM, uri, models["llama"])
+    finally:
+        server.close()
+    assert got.config.name_or_path == f"http://user:***@{host}/m/"
+    assert "PASS_w0rd_9" not in got.config.to_json_string()
+
+
 def test_small_files_for_a_tokenizer(bucket, tmp_path):
     folder = fastload.transformers.small_files(
         f"s3://{s3_server.BUCKET}/tf/llama",

@@ -7,6 +7,8 @@ attributes survive pickling (the distributed loader sends errors between ranks).
 
 from __future__ import annotations
 
+from typing import TypeVar, cast
+
 __all__ = [
     "ConfigError",
     "FastloadError",
@@ -18,8 +20,28 @@ __all__ = [
 ]
 
 
+_T = TypeVar("_T")
+
+
+def _scrub(value: _T) -> _T:
+    """``value`` with credentials replaced by ``***`` when it is text (see ``_fastload.scrub``):
+    the native module's messages come scrubbed, and so do those raised in Python, which may
+    quote a URI with a password or a presigned signature in it."""
+    if not isinstance(value, str):
+        return value
+    try:
+        from ._fastload import scrub
+    except ImportError:  # the native module failed to import: its error is the one to show
+        return value
+    return cast(_T, scrub(value))
+
+
 class FastloadError(Exception):
-    """Base class of every error fastload raises."""
+    """Base class of every error fastload raises. Its text arguments, and the attributes its
+    subclasses name files by, are scrubbed of credentials."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(_scrub(a) for a in args))
 
 
 class FormatError(FastloadError, ValueError):
@@ -29,7 +51,7 @@ class FormatError(FastloadError, ValueError):
 
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
-        self.path = path
+        self.path = _scrub(path)
 
 
 class StorageError(FastloadError, OSError):
@@ -48,7 +70,7 @@ class TensorNotFoundError(FastloadError, KeyError):
     def __init__(self, message: str, *, names: list[str] | None = None, uri: str = "") -> None:
         super().__init__(message)
         self.names = [] if names is None else list(names)
-        self.uri = uri
+        self.uri = _scrub(uri)
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""

@@ -52,6 +52,7 @@ __all__ = [
     "read_object",
     "release_memory",
     "resolve_options",
+    "scrub",
 ]
 
 __version__: str
@@ -338,6 +339,11 @@ def is_remote_uri(uri: str) -> bool:
     """Whether ``uri``'s scheme is one of ``SCHEMES`` (read from an object store)."""
 
 def parse_size(value: str) -> int: ...
+def scrub(text: str) -> str:
+    """``text`` with every credential fastload knows of, every URL password and every
+    credential-bearing query parameter (presigned signatures, session tokens, SAS ``sig``)
+    replaced by ``***``."""
+
 def cache_stats() -> _CacheStats:
     """What the local cache did in this process: copies read (``hits``), bytes written while
     streaming, copies published, and why caching was last turned off for a load (a full disk);

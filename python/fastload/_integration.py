@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _options
+from ._errors import _scrub
 
 if TYPE_CHECKING:
     import torch
@@ -269,7 +270,7 @@ def pull_small_files(
         "fastload pulled %d files (%s) from %s to %s in %.2f s; the weights stream from there",
         len(small),
         ", ".join(small[:8]) + (", ..." if len(small) > 8 else ""),
-        prefix,
+        _scrub(prefix),
         folder,
         time.perf_counter() - started,
     )

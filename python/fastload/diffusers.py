@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _remote_files
 from . import transformers as _transformers
-from ._errors import ConfigError
+from ._errors import ConfigError, _scrub
 
 if TYPE_CHECKING:
     from ._options import Options
@@ -255,7 +255,7 @@ def from_pretrained(
             options.setdefault("storage_options", ckpt.storage_options)
         if isinstance(cls, type) and issubclass(cls, DiffusionPipeline):
             pipe = _load_pipeline(cls, ckpt, options, load_options, kwargs)
-            pipe.register_to_config(_name_or_path=os.fspath(uri))
+            pipe.register_to_config(_name_or_path=_scrub(os.fspath(uri)))
             return pipe
         if not (isinstance(cls, type) and issubclass(cls, ModelMixin)):
             raise ConfigError(
@@ -267,5 +267,5 @@ def from_pretrained(
         ckpt.fetch(["config.json", _variant(WEIGHTS_INDEX_NAME, variant)], subfolder)
         with _streaming(ckpt, options):
             model = cls.from_pretrained(str(ckpt.local), **kwargs)
-        model.register_to_config(_name_or_path=os.fspath(uri))
+        model.register_to_config(_name_or_path=_scrub(os.fspath(uri)))
         return model

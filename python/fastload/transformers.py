@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _remote_files
-from ._errors import ConfigError
+from ._errors import ConfigError, _scrub
 
 if TYPE_CHECKING:
     from ._options import Options
@@ -344,7 +344,8 @@ def from_pretrained(
 
     with _remote_files.open_checkpoint_for(uri, kwargs, storage_options, _HUB_KWARGS) as ckpt:
         model = _from_checkpoint(model_class, ckpt, subfolder, variant, model_args, options, kwargs)
-    model.config.name_or_path = os.fspath(uri)
+    # Saved with the model (config.json's _name_or_path) and shown in its repr: no credentials.
+    model.config.name_or_path = _scrub(os.fspath(uri))
     return model
 
 

@@ -154,7 +154,11 @@ pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
                     "options": job.options,
                 })
                 .to_string();
-                let failed = |reason: String| NotRun { loader, reason };
+                // A peer's own message may quote the URI with its credentials.
+                let failed = |reason: String| NotRun {
+                    loader,
+                    reason: crate::error::scrub(&reason),
+                };
                 let result = match driver(&job.python, &arg) {
                     Err(why) => Err(failed(format!("failed: {why}"))),
                     Ok(v) => {

@@ -123,7 +123,7 @@ struct Grid {
 
 #[derive(Serialize)]
 struct Report<'a> {
-    uris: &'a [String],
+    uris: Vec<String>,
     files: usize,
     bytes: u64,
     tensors: usize,
@@ -173,6 +173,12 @@ pub(super) fn best<'a, R: std::borrow::Borrow<RunReport> + 'a>(runs: &'a [R]) ->
 }
 
 impl Setup<'_> {
+    /// The URIs as the report shows them: without credentials (a URL's password, a presigned
+    /// URL's signature), which the table and `--json` would otherwise print.
+    fn shown_uris(&self) -> Vec<String> {
+        self.uris.iter().map(|u| crate::error::scrub(u)).collect()
+    }
+
     fn runs(&self) -> usize {
         self.configs.len() * self.repeat as usize
     }
@@ -195,7 +201,7 @@ impl Setup<'_> {
             decimal_bytes(self.bytes),
             plural(self.files, "file"),
             plural(self.tensors, "tensor"),
-            self.uris.join(" "),
+            self.shown_uris().join(" "),
             self.device,
             first.method.as_str(),
             Size(first.memory_limit),
@@ -298,13 +304,13 @@ impl Setup<'_> {
     pub fn limits_json(&self, limits: &BTreeMap<&'static str, Limit>) -> String {
         #[derive(Serialize)]
         struct Limits<'a> {
-            uris: &'a [String],
+            uris: Vec<String>,
             files: usize,
             bytes: u64,
             limits: &'a BTreeMap<&'static str, Limit>,
         }
         let report = Limits {
-            uris: self.uris,
+            uris: self.shown_uris(),
             files: self.files,
             bytes: self.bytes,
             limits,
@@ -347,7 +353,7 @@ impl Setup<'_> {
         let best = &runs[modes[self.modes[0]].best_run - 1];
         let first = &self.configs[0];
         let report = Report {
-            uris: self.uris,
+            uris: self.shown_uris(),
             files: self.files,
             bytes: best.bytes,
             tensors: best.tensors,

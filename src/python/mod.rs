@@ -35,6 +35,13 @@ fn is_remote_uri(uri: &str) -> bool {
     crate::source::open::is_remote(uri)
 }
 
+/// `text` with every credential fastload knows of (or recognises by its place: a URL's password,
+/// a presigned URL's signature) replaced by `***`: what every message of ours goes through.
+#[pyfunction]
+fn scrub(text: &str) -> String {
+    crate::error::scrub(text)
+}
+
 /// What the local cache did in this process: `{"hits", "filled_bytes", "published",
 /// "disabled_reason"}` (see `crate::source::cache`), once copies being published are published.
 #[pyfunction]
@@ -116,6 +123,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(is_remote_uri, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(scrub, m)?)?;
     m.add_function(wrap_pyfunction!(cache_stats, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
