@@ -38,6 +38,7 @@ mod keys;
 mod list;
 mod read;
 mod s3;
+mod small;
 mod source;
 #[cfg(test)]
 mod tests;
@@ -51,6 +52,7 @@ pub use config::{install_crypto, open, open_with_env, split_retry_options};
 pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_folder, list_safetensors, read_small, resolve, Found};
 pub use read::{read_pinned, read_range_into};
+pub use small::{read_small_unless, Small};
 pub use source::{open_sources, RemoteObject};
 
 /// HEAD requests in flight when sizes cannot be listed.
