@@ -132,6 +132,18 @@ def tmp_only(tmp_path, monkeypatch):
     return tmp_path
 
 
+def imported(library: str) -> None:
+    """The library and the classes the tests load, imported before an audit starts: their
+    imports write caches of their own (torch inductor's) under the temporary folder."""
+    pytest.importorskip(library)
+    import fastload.transformers
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    if library == "diffusers":
+        import fastload.diffusers  # noqa: F401
+        from diffusers import AutoencoderKL, DiffusionPipeline  # noqa: F401
+
+
 def refused(call, uri: str, entry: str) -> fastload.ConfigError:
     with pytest.raises(fastload.ConfigError) as info:
         call(uri)
@@ -142,12 +154,7 @@ def refused(call, uri: str, entry: str) -> fastload.ConfigError:
 @pytest.mark.parametrize("path", list(PATHS))
 def test_index_entries_outside_are_refused_before_any_request(server, tmp_only, path):
     if path in ("transformers", "diffusers"):
-        # Imported first: their imports write caches of their own (torch inductor's) under the
-        # temporary folder.
-        pytest.importorskip(path)
-        __import__("transformers").LlamaForCausalLM  # noqa: B018
-        if path == "diffusers":
-            __import__("diffusers").AutoencoderKL  # noqa: B018
+        imported(path)
     call = PATHS[path]
     victim = server.url("victim/model.safetensors")
     for i, raw in enumerate(HOSTILE):
@@ -354,6 +361,208 @@ def test_loads_of_generated_index_entries_stay_in_the_prefix(server, entry):
 
 
 # ------------------------------------------------------------------------- small files
+
+# Names of small files (object keys, auto_map modules, components) that would write
+# `outside/pwned.py` beside the destination `dest/` (or read outside the prefix).
+HOSTILE_FILES = [
+    "../outside/pwned.py",
+    "sub/../../outside/pwned.py",
+    "%2e%2e/outside/pwned.py",
+    "..%2foutside%2fpwned.py",
+    "..\\outside\\pwned.py",
+    "{outside}/pwned.py",
+    "C:pwned.py",
+    "s3://other/pwned.py",
+    "pwned.py\0",
+    "pwned.py?x=../outside",
+    "..  ",
+]
+
+
+@pytest.fixture
+def small_server():
+    """`/m/` with a config and tokenizer file; `/outside/pwned.py` beside it."""
+    from servers.http import start_server
+
+    server = start_server(
+        {
+            "/m/config.json": b"{}",
+            "/m/tokenizer.json": b"{}",
+            "/outside/pwned.py": b"raise SystemExit('pwned')",
+        }
+    )
+    yield server
+    server.close()
+
+
+def hostile_files(tmp_path: Path) -> list[str]:
+    return [n.format(outside=tmp_path / "outside") for n in HOSTILE_FILES]
+
+
+def test_small_file_names_outside_are_refused_before_any_request(small_server, tmp_only):
+    from fastload._remote_files import fetch_small_files
+
+    dest = tmp_only / "dest"
+    dest.mkdir()
+    for name in hostile_files(tmp_only):
+        before = Tree(tmp_only)
+        del small_server.behaviour.log[:]
+        with pytest.raises(fastload.ConfigError) as info:
+            # A good name beside it: nothing is fetched once one name is refused.
+            fetch_small_files(small_server.url("m/"), ["config.json", name], dest)
+        assert f'"{rust_debug(name)}"' in str(info.value) and small_server.url("m/") in str(
+            info.value
+        )
+        assert small_server.behaviour.log == [], name
+        assert not before.created(), (name, before.created())
+
+
+def test_auto_map_modules_outside_are_refused(small_server, tmp_only):
+    """config.json's auto_map naming a module outside the folder: `small_files` (which fetches
+    remote code without trust_remote_code) and `from_pretrained(trust_remote_code=True)` refuse
+    it naming the config and the module; nothing is written outside the destination and nothing
+    outside the prefix is asked for."""
+    imported("transformers")
+    for i, module in enumerate(["../../outside/pwned", "..\\..\\outside\\pwned", "%2e%2e/x"]):
+        config = {"model_type": "llama", "auto_map": {"AutoModel": f"{module}.Model"}}
+        small_server.put({f"/a{i}/config.json": json.dumps(config).encode()})
+        dest = tmp_only / f"dest{i}"
+        before = Tree(tmp_only)
+        del small_server.behaviour.log[:]
+        uri = small_server.url(f"a{i}/")
+        for call, kw in (
+            (fastload.transformers.small_files, {"dest": dest}),
+            (transformers_load, {"trust_remote_code": True}),
+        ):
+            with pytest.raises(fastload.ConfigError) as info:
+                call(uri, **kw)
+            assert small_server.url(f"a{i}/config.json") in str(info.value)
+            assert f'"{rust_debug(module)}.py"' in str(info.value), info.value
+        assert not before.created(dest), (module, before.created(dest))
+        asked = [p for _, p, _, _ in small_server.behaviour.log]
+        assert asked and not outside(asked, f"/a{i}/"), asked
+
+
+def test_pipeline_components_outside_are_refused(small_server, tmp_only):
+    """model_index.json naming a component folder outside the checkpoint: refused before any
+    component file is fetched."""
+    imported("diffusers")
+    from diffusers import DiffusionPipeline
+
+    index = {"_class_name": "StableDiffusionPipeline", "../outside": ["diffusers", "X"]}
+    small_server.put({"/p/model_index.json": json.dumps(index).encode()})
+    before = Tree(tmp_only)
+    del small_server.behaviour.log[:]
+    with pytest.raises(fastload.ConfigError) as info:
+        fastload.diffusers.from_pretrained(DiffusionPipeline, small_server.url("p/"))
+    assert small_server.url("p/model_index.json") in str(info.value)
+    assert '"../outside"' in str(info.value)
+    assert [p for _, p, _, _ in small_server.behaviour.log] == ["/p/model_index.json"]
+    assert not before.created()
+
+
+def test_engine_pull_refuses_keys_outside(seaweed, tmp_only):
+    """The engines' object-store pull (vLLM, SGLang) lists the prefix: a listed key that is not
+    a plain name inside it is refused naming it, before anything is written or read past the
+    listing."""
+    import logging
+
+    from servers import s3 as s3_server
+    from servers.s3 import HttpFaultProxy
+
+    client = seaweed.client()
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].split(":")
+    for i, key in enumerate(["%2e%2e.json", "..%2fpwned.json", "C:pwned.json", "x?y.json"]):
+        prefix = f"pull{i}/"
+        s3_server.upload(
+            client, s3_server.BUCKET, {f"{prefix}config.json": b"{}", prefix + key: b"{}"}
+        )
+        folder = tmp_only / f"engine{i}"
+        before = Tree(tmp_only)
+        with HttpFaultProxy((host, int(port))) as relay:
+            options = {**seaweed.storage_options(), "endpoint": relay.endpoint}
+            with pytest.raises(fastload.ConfigError) as info:
+                _integration.pull_small_files(
+                    f"s3://{s3_server.BUCKET}/{prefix}",
+                    options,
+                    str(folder),
+                    True,
+                    logging.getLogger("test"),
+                )
+            assert f'"{rust_debug(key)}"' in str(info.value)
+            # The listing, nothing after it.
+            assert [m for m, _, _ in relay.log] == ["GET"], relay.log
+            assert f"prefix={prefix[:-1]}%2F" in relay.log[0][1], relay.log
+        assert not before.created(), before.created()
+
+
+def test_no_write_through_links_in_the_destination(small_server, tmp_only):
+    """A link already in the destination (a folder `sub -> elsewhere/`, a file `config.json ->
+    elsewhere/x`) is never written through: the write is refused naming it, and the file the
+    link points to is untouched."""
+    from fastload._remote_files import fetch_small_files
+
+    small_server.put({"/m/sub/config.json": b'{"new": 1}'})
+    elsewhere = tmp_only / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "x").write_text("precious")
+    dest = tmp_only / "dest"
+    dest.mkdir()
+    (dest / "sub").symlink_to(elsewhere, target_is_directory=True)
+    (dest / "config.json").symlink_to(elsewhere / "x")
+    (dest / "tokenizer.json").mkdir()
+    for name, what in [
+        ("sub/config.json", "a symbolic link or not a directory"),
+        ("config.json", "a symbolic link"),
+        ("tokenizer.json", "not a regular file"),
+    ]:
+        with pytest.raises(fastload.StorageError, match=what) as info:
+            fetch_small_files(small_server.url("m/"), [name], dest)
+        assert str(dest / name.split("/")[0]) in str(info.value)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["x"]
+    assert (elsewhere / "x").read_text() == "precious"
+    # The destination itself may be a link (a folder the user points elsewhere).
+    (tmp_only / "real").mkdir()
+    (tmp_only / "link").symlink_to(tmp_only / "real", target_is_directory=True)
+    assert fetch_small_files(small_server.url("m/"), ["config.json"], tmp_only / "link")
+    assert (tmp_only / "real" / "config.json").read_bytes() == b"{}"
+
+
+@given(name=NAMES)
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_generated_small_file_names_stay_in_the_destination(small_server, tmp_path, name):
+    """fetch_small_files of a generated name: refused (ConfigError naming it, no request) when
+    it leaves the folder; otherwise fetched inside the destination, or skipped when the store
+    has no such object. Either way nothing is created outside the destination and nothing
+    outside the prefix is asked for."""
+    from fastload._remote_files import fetch_small_files
+
+    root = Path(tempfile.mkdtemp(dir=tmp_path))
+    dest = root / "dest"
+    dest.mkdir()
+    small_server.put({f"/m/{name}": b"x"})
+    before = Tree(root)
+    del small_server.behaviour.log[:]
+    try:
+        _fastload.check_inside(name, "")
+        inside = True
+    except fastload.ConfigError:
+        inside = False
+    try:
+        got = fetch_small_files(small_server.url("m/"), [name], dest)
+    except fastload.ConfigError as e:
+        assert not inside and f'"{rust_debug(name)}"' in str(e), e
+        assert small_server.behaviour.log == []
+    else:
+        assert inside
+        assert got in ([], [name])
+        if got:
+            assert (dest / name).read_bytes() == b"x"
+    assert not before.created(dest), (name, before.created(dest))
+    asked = [p for _, p, _, _ in small_server.behaviour.log]
+    assert not outside(asked, "/m/"), (name, asked)
 
 
 def test_paths_helper_sees_writes(tmp_path):
