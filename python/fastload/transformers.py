@@ -102,11 +102,13 @@ def _remote_code_files(folder: Path, source: str) -> list[str]:
 def _fetch_remote_code(ckpt: _remote_files.Checkpoint, subfolder: str) -> None:
     """The modules ``auto_map`` names, and the modules they import relatively (as transformers
     copies them: ``get_relative_imports``), only those."""
-    from transformers.dynamic_module_utils import get_relative_imports
-
     folder = ckpt.folder(subfolder)
     source = ckpt.weight_uri(f"{subfolder}/{CONFIG_NAME}" if subfolder else CONFIG_NAME)
     names = _remote_code_files(folder, source)
+    if not names:
+        return  # (without importing transformers, which small_files need not)
+    from transformers.dynamic_module_utils import get_relative_imports
+
     seen: set[str] = set()
     while names:
         ckpt.fetch(names, subfolder)
