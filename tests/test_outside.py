@@ -19,7 +19,7 @@ from pathlib import Path
 import fastload
 import pytest
 import torch
-from audit import Tree, normal, outside
+from audit import HOSTILE_PIECES, Tree, normal, outside, rust_debug
 from fastload import _fastload, _integration
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -247,15 +247,7 @@ def _has(module: str) -> bool:
 
 # ------------------------------------------------------------------------- property tests
 
-# Pieces hostile names are made of: dot segments in every spelling a URL decodes, separators a
-# URL or Windows reads as '/', schemes, drives, a query, a fragment, NUL and other controls.
-PIECES = st.sampled_from(
-    [
-        "..", ".", "%2e", "%2E", "%2e%2e", "%252e", "%2f", "%5c", "/", "\\", "//", "C:", "s3:",
-        "http://127.0.0.1/", "?", "#", "\0", "\n", "\x7f", "~", "a", "b.safetensors", "ü", " ",
-        "-", "_", "model",
-    ]
-)  # fmt: skip
+PIECES = st.sampled_from(HOSTILE_PIECES)
 NAMES = st.lists(PIECES, min_size=1, max_size=8).map("".join)
 
 
@@ -304,20 +296,6 @@ def resolves_inside(name: str) -> bool:
         if not full.startswith("/base/"):
             return False
     return True
-
-
-def rust_debug(text: str) -> str:
-    """`text` as Rust's `{:?}` writes it (how the refusals quote names), without the quotes."""
-    escapes = {"\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\", '"': '\\"', "\0": "\\0"}
-    out = []
-    for c in text:
-        if c in escapes:
-            out.append(escapes[c])
-        elif not c.isprintable():
-            out.append(f"\\u{{{ord(c):x}}}")
-        else:
-            out.append(c)
-    return "".join(out)
 
 
 @given(NAMES)

@@ -369,6 +369,7 @@ def fetch_small_files(
 
     if not wanted:
         return []
+    root.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
         return [n for n in pool.map(one, wanted) if n is not None]
 
