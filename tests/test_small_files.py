@@ -232,6 +232,60 @@ def test_transformers_from_a_hub_repo_of_many_files(many_hub, llama, tmp_path):
     assert not [p for p in before.created(tmp_path / "hf_home") if "fastload" in p]
 
 
+REMOTE_CONFIG = b"""
+from transformers import LlamaConfig
+
+
+class HubRemoteConfig(LlamaConfig):
+    model_type = "hub_remote_tiny"
+"""
+REMOTE_MODEL = b"""
+from transformers import LlamaForCausalLM
+
+from .configuration_hub import HubRemoteConfig
+from .helpers import NAME
+
+
+class HubRemoteModel(LlamaForCausalLM):
+    config_class = HubRemoteConfig
+    flavour = NAME
+"""
+
+
+def test_remote_code_from_a_hub_repo_fetches_the_modules_it_uses(llama, monkeypatch, tmp_path):
+    """trust_remote_code from a Hub repo: the modules auto_map names and the modules they import
+    relatively, not the repo's other code (nor its other files)."""
+    import fastload.transformers
+    from hf_models import use_hub
+    from servers.hub import MockHub
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads(llama["config.json"])
+    config["model_type"] = "hub_remote_tiny"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_hub.HubRemoteConfig",
+        "AutoModelForCausalLM": "modeling_hub.HubRemoteModel",
+    }
+    files = {**many_files(llama, 50), "config.json": json.dumps(config).encode()}
+    files["configuration_hub.py"] = REMOTE_CONFIG
+    files["modeling_hub.py"] = REMOTE_MODEL
+    files["helpers.py"] = b"NAME = 'helped'\n"
+    files["unrelated.py"] = b"raise SystemExit('never fetched')\n"
+    hub = MockHub()
+    try:
+        hub.add("org/remote", files)
+        use_hub(hub, monkeypatch, tmp_path)
+        model = fastload.transformers.from_pretrained(
+            AutoModelForCausalLM, "hf://org/remote", trust_remote_code=True
+        )
+        assert type(model).__name__ == "HubRemoteModel" and model.flavour == "helped"
+        code = [f for f in fetched(hub) if f.endswith(".py")]
+        assert code == ["configuration_hub.py", "helpers.py", "modeling_hub.py"], code
+        assert "model.nemo" not in fetched(hub) and "data/part-00000.json" not in fetched(hub)
+    finally:
+        hub.close()
+
+
 def test_small_files_from_a_hub_repo_of_many_files(many_hub):
     import fastload.transformers
 

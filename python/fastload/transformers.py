@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,12 +100,15 @@ def _remote_code_files(folder: Path, source: str) -> list[str]:
     return sorted(_fastload.check_inside(n, where) for n in names)
 
 
-def _fetch_remote_code(ckpt: _remote_files.Checkpoint, subfolder: str) -> None:
-    """The modules ``auto_map`` names, and the modules they import relatively (as transformers
-    copies them: ``get_relative_imports``), only those."""
+def _fetch_remote_code(
+    ckpt: _remote_files.Checkpoint, subfolder: str, names: list[str] | None = None
+) -> None:
+    """The modules ``names`` (by default those ``auto_map`` names), and the modules they import
+    relatively (as transformers copies them: ``get_relative_imports``), only those."""
     folder = ckpt.folder(subfolder)
     source = ckpt.weight_uri(f"{subfolder}/{CONFIG_NAME}" if subfolder else CONFIG_NAME)
-    names = _remote_code_files(folder, source)
+    if names is None:
+        names = _remote_code_files(folder, source)
     if not names:
         return  # (without importing transformers, which small_files need not)
     from transformers.dynamic_module_utils import get_relative_imports
@@ -116,7 +120,10 @@ def _fetch_remote_code(ckpt: _remote_files.Checkpoint, subfolder: str) -> None:
         found: set[str] = set()
         for name in names:
             if (folder / name).is_file():
-                found.update(f"{m}.py" for m in get_relative_imports(str(folder / name)))
+                # `from .x import y` in a/b.py is a/x.py.
+                here = posixpath.dirname(name)
+                imports = get_relative_imports(str(folder / name))
+                found.update(posixpath.join(here, f"{m}.py") for m in imports)
         where = f"{source}: auto_map (a module's relative import)"
         names = sorted(_fastload.check_inside(n, where) for n in found - seen)
 
@@ -435,6 +442,9 @@ def _from_checkpoint(
     folder = ckpt.folder(subfolder)
     if kwargs.get("trust_remote_code"):
         _fetch_remote_code(ckpt, subfolder)
+        # A custom generate function, which transformers loads for trusted remote code.
+        ckpt.fetch(["custom_generate/requirements.txt"], subfolder)
+        _fetch_remote_code(ckpt, subfolder, ["custom_generate/generate.py"])
     rel = f"{subfolder}/" if subfolder else ""
     files = weight_files(folder, variant, source=ckpt.weight_uri(rel + index_name))
     uris = [ckpt.weight_uri(rel + f) for f in files]

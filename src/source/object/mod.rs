@@ -7,7 +7,8 @@
 //! request of [`crate::source::remote`]'s one resumable read, pinned to one version of the object),
 //! resuming cut-off bodies as one [`RetrySettings`] allows (retry.rs; object_store's request
 //! retries are built from the same settings). source.rs makes each listed object a
-//! [`crate::source::Source`] ([`RemoteObject`], [`open_sources`]).
+//! [`crate::source::Source`] ([`RemoteObject`], [`open_sources`]); small.rs fetches a small file
+//! kept beside a checkpoint unless the store says it is unchanged ([`read_small_unless`]).
 //!
 //! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
 //! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
