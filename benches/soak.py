@@ -1,8 +1,9 @@
 """Soak: hundreds of loads against a fault-injecting server of ours, a local file that changes
 under load, and a remote object overwritten under load; counts what each load ended as.
 
-    python benches/soak.py                       # 300 remote, 100 local, 100 swap, 2 x 100 shared
-    python benches/soak.py --remote 60 --local 40 --swap 40 --shared 40 --json out.json
+    python benches/soak.py                       # 300 remote, 100 local, 100 swap, 2 x 100 shared,
+                                                 # 200 hostile names
+    python benches/soak.py --remote 60 --local 40 --swap 40 --shared 40 --hostile 40 --json out.json
 
 Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/servers/http.py`'s server on
 127.0.0.1 with chaos on: a share of GETs (`--chaos`) answer 503, reset the connection midway, end
@@ -18,6 +19,16 @@ Shared loads are streams from the same server, and of the same changing file, ea
 threads at once: each tensor must reach exactly one of them, and a load that fails must raise in
 both (a plain end for one of them counts as an unclear error).
 
+Hostile-name runs (`--hostile`) serve checkpoints whose index names a hostile entry (`..`, its
+percent spellings, backslashes, absolute paths and URLs, drives, NUL, `?`, `#`, white space: a
+fixed list, then names drawn from `tests/audit.py`'s pieces, seeded) beside another checkpoint
+on the same server, and ask for the same names as small files into a destination: each name is
+loaded (`load`), opened (`safe_open` of the index) and fetched (`fetch_small_files`). A name that
+leaves its folder must be refused by all three with a `ConfigError` quoting it ("refused"); one
+that stays inside may load, be missing, or fail otherwise ("inside"). Afterwards the server's
+request log must show nothing outside the checkpoints' folders (and nothing of the other
+checkpoint), and the sandbox folder nothing written outside the destinations.
+
 Each load ends as one of:
 - equal: every tensor bitwise equal to the reference (safetensors' own reader; for swap loads,
   to one of the two versions, all tensors the same one);
@@ -31,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -60,6 +72,53 @@ from safetensors.torch import load_file
 kind, target, reference = sys.argv[1:4]
 count, seed = int(sys.argv[4]), int(sys.argv[5])
 options = json.loads(sys.argv[6])
+
+def hostile(first, count):
+    # Names that come from data: each one loaded, opened and fetched as a small file. `seed` is
+    # the index of the first name (run_worker restarts from the next one).
+    from audit import rust_debug
+    from fastload import _fastload
+    from fastload._remote_files import fetch_small_files
+
+    names = json.loads(open(reference).read())
+    for i in range(first, first + count):
+        name, base = names[i], f"{target}/h{i}/"
+        try:
+            _fastload.check_inside(name, "")
+            inside = True
+        except fastload.ConfigError:
+            inside = False
+        calls = {
+            "load": lambda: fastload.load(base),
+            "safe_open": lambda: fastload.safe_open(base + "model.safetensors.index.json"),
+            "small_files": lambda: fetch_small_files(
+                base, [name], os.path.join(options["sandbox"], "dest", str(i))),
+        }
+        seen = {}
+        start = time.monotonic()
+        for what, call in calls.items():
+            try:
+                call()
+                seen[what] = "ok"
+            except fastload.FastloadError as e:
+                # A refusal quotes the name; anything else of ours is an error of a name inside
+                # (no such object, safe_open of an index naming two files, ...).
+                refusal = isinstance(e, fastload.ConfigError) and f'"{rust_debug(name)}"' in str(e)
+                seen[what] = "refused" if refusal else "error"
+            except Exception as e:
+                seen[what] = "unclear " + type(e).__name__
+        if not inside:
+            outcome = "refused" if set(seen.values()) == {"refused"} else "unclear error"
+        else:
+            outcome = "inside" if set(seen.values()) <= {"ok", "error"} else "unclear error"
+        print(json.dumps({"outcome": outcome, "i": i, "name": name, "calls": seen,
+                          "took": round(time.monotonic() - start, 3)}), flush=True)
+
+if kind == "hostile":
+    sys.path.insert(0, options["tests"])
+    hostile(seed, count)
+    sys.exit(0)
+
 versions = [load_file(r) for r in reference.split(os.pathsep)]
 want = versions[0]
 flat = lambda t: t.reshape(-1).view(torch.uint8)
@@ -186,14 +245,20 @@ def write_checkpoint(path: Path, layers: int = 4, width: int = 512, seed: int = 
 
 
 def run_worker(
-    kind: str, target: str, reference: Path | str, count: int, seed: int, deadline: float
+    kind: str,
+    target: str,
+    reference: Path | str,
+    count: int,
+    seed: int,
+    deadline: float,
+    options: dict | None = None,
 ):
     """Runs `count` loads in worker processes; yields one record per load, restarting the worker
-    after a hang or a crash."""
+    after a hang or a crash. `options`: the worker's (STORAGE_OPTIONS by default)."""
     done = 0
     while done < count:
         cmd = [sys.executable, "-c", WORKER, kind, target, str(reference), str(count - done)]
-        cmd += [str(seed + done), json.dumps(STORAGE_OPTIONS)]
+        cmd += [str(seed + done), json.dumps(STORAGE_OPTIONS if options is None else options)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         last = time.monotonic()
         while done < count:
@@ -244,8 +309,89 @@ def swapper(server, path: str, versions: list[bytes], seed: int, stop) -> list[i
     return swaps
 
 
+# Index entries and small-file names that leave their folder, each run as it is; generated
+# ones follow.
+HOSTILE = [
+    "../victim/model.safetensors",
+    "sub/../../victim/model.safetensors",
+    "%2e%2e/victim/model.safetensors",
+    "..%2fvictim%2fmodel.safetensors",
+    "..\\victim\\model.safetensors",
+    "/victim/model.safetensors",
+    "{victim}",
+    "s3://other/model.safetensors",
+    "C:model.safetensors",
+    "ok.safetensors\0",
+    "ok.safetensors?x=../../victim/model.safetensors",
+    "ok.safetensors#../victim",
+    "..  ",
+]
+
+
+def hostile_names(count: int, seed: int, victim: str) -> list[str]:
+    """`count` names: HOSTILE (with `victim` the other checkpoint's URL), then generated ones."""
+    import random
+
+    from audit import hostile_name
+
+    rng = random.Random(seed)
+    names = [n.format(victim=victim) for n in HOSTILE]
+    names += [hostile_name(rng) for _ in range(max(0, count - len(names)))]
+    return names[:count]
+
+
+def hostile_run(count: int, seed: int, deadline: float, work: Path) -> tuple[list, dict]:
+    """The hostile-names run (see the module's docstring): records, and the audits' findings."""
+    if not count:
+        return [], {"requests": 0, "outside_requests": [], "outside_writes": []}
+    import torch
+    from audit import Tree, normal
+    from safetensors.torch import save
+    from servers.http import start_server
+
+    victim_file = save({"w": torch.full((4,), 666.0)})
+    server = start_server({"/victim/model.safetensors": victim_file})
+    sandbox = work / "sandbox"
+    (sandbox / "dest").mkdir(parents=True)
+    (sandbox / "outside").mkdir()
+    names = hostile_names(count, seed, server.url("victim/model.safetensors"))
+    for i, name in enumerate(names):
+        index = {"weight_map": {"ok": "ok.safetensors", "w": name}}
+        server.put(
+            {
+                f"/h{i}/model.safetensors.index.json": json.dumps(index).encode(),
+                f"/h{i}/ok.safetensors": save({"ok": torch.ones(2)}),
+                f"/h{i}/config.json": b"{}",
+                # The name itself as an object: a name inside is fetched (and written).
+                f"/h{i}/{name}": b"x",
+            }
+        )
+    listing = work / "hostile-names.json"
+    listing.write_text(json.dumps(names))
+    before = Tree(sandbox)
+    try:
+        options = {"sandbox": str(sandbox), "tests": str(REPO / "tests")}
+        records = list(run_worker("hostile", server.base, listing, count, 0, deadline, options))
+    finally:
+        server.close()
+    asked = [p for _, p, _, _ in server.behaviour.log]
+    found = {
+        "requests": len(asked),
+        "outside_requests": [p for p in asked if not re.match(r"^/h\d+/.", normal(p))][:20],
+        "outside_writes": before.created(sandbox / "dest")[:20],
+    }
+    return records, found
+
+
 def soak(
-    remote: int, local: int, shared: int, swap: int, chaos: float, seed: int, deadline: float
+    remote: int,
+    local: int,
+    shared: int,
+    swap: int,
+    chaos: float,
+    seed: int,
+    deadline: float,
+    hostile: int = 0,
 ) -> dict:
     import threading
 
@@ -284,12 +430,18 @@ def soak(
                     rec["outcome"] = "slow error"
                 records.append(rec)
             print(f"{kind}: {count} loads in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        started = time.monotonic()
+        hostile_records, audits = hostile_run(hostile, seed, deadline, work)
+        for rec in hostile_records:
+            rec["kind"] = "hostile"
+            records.append(rec)
+        print(f"hostile: {hostile} names in {time.monotonic() - started:.0f} s", file=sys.stderr)
     finally:
         stop.set()
         server.close()
         swapping.close()
     summary: dict = {}
-    for kind in ("remote", "local", "shared", "shared_local", "swap"):
+    for kind in ("remote", "local", "shared", "shared_local", "swap", "hostile"):
         mine = [r for r in records if r["kind"] == kind]
         counts: dict[str, int] = {}
         for r in mine:
@@ -304,7 +456,11 @@ def soak(
     summary["faults_injected"] = dict(behaviour.faults)
     summary["swaps"] = swaps[0]
     summary["swap_refused_if_match"] = swapping.behaviour.refused_if_match
-    summary["bad"] = [r for r in records if r["outcome"] not in ("equal", "clear error")]
+    summary["hostile_audits"] = audits
+    fine = ("equal", "clear error", "refused", "inside")
+    summary["bad"] = [r for r in records if r["outcome"] not in fine]
+    if audits["outside_requests"] or audits["outside_writes"]:
+        summary["bad"].append({"outcome": "outside", **audits})
     summary["errors_seen"] = sorted(
         {r.get("message", "")[:160] for r in records if r["outcome"] == "clear error"}
     )[:12]
@@ -322,13 +478,23 @@ def main() -> int:
         help="streams drained by two threads, from the server and of the changing file (each)",
     )
     ap.add_argument("--swap", type=int, default=100, help="loads of an object overwritten midway")
+    ap.add_argument(
+        "--hostile", type=int, default=200, help="hostile index entries and small-file names"
+    )
     ap.add_argument("--chaos", type=float, default=0.3, help="share of GETs that misbehave")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--deadline", type=float, default=30.0, help="seconds a load may take")
     ap.add_argument("--json", type=Path, help="write the summary here")
     args = ap.parse_args()
     summary = soak(
-        args.remote, args.local, args.shared, args.swap, args.chaos, args.seed, args.deadline
+        args.remote,
+        args.local,
+        args.shared,
+        args.swap,
+        args.chaos,
+        args.seed,
+        args.deadline,
+        args.hostile,
     )
     text = json.dumps(summary, indent=2)
     if args.json:

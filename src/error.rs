@@ -61,6 +61,17 @@ pub enum Error {
     #[error("invalid option {option}: {message}")]
     InvalidOption { option: String, message: String },
 
+    /// A name from data (an object key, an `auto_map` module, a pipeline's component) that would
+    /// place or read a file outside the model's folder or destination
+    /// ([`crate::format::check_inside`]); `path` says where the name came from. Refused before
+    /// anything is read or written. (An index's entries are [`FormatError::IndexEntryOutside`].)
+    #[error("{path}: {name:?} is not a file inside the model's folder: {reason}")]
+    NameOutside {
+        path: String,
+        name: String,
+        reason: crate::format::NameProblem,
+    },
+
     /// A URI scheme this build does not handle.
     #[error("{uri}: unsupported URI: {message}")]
     UnsupportedUri { uri: String, message: String },

@@ -11,10 +11,12 @@ use std::fmt;
 mod error;
 mod index;
 mod json;
+mod names;
 
 pub use error::{FormatError, JsonPosition};
 pub use index::{index_shard_names, INDEX_FILE};
 use json::{parse_json, RawInfo};
+pub use names::{check_inside, NameProblem};
 
 /// Bytes of the little-endian header-length prefix.
 pub const PREFIX_LEN: u64 = 8;
@@ -562,8 +564,9 @@ mod tests {
                 FormatError::IndexEntryOutside {
                     tensor: name(),
                     file: "../x".into(),
+                    reason: NameProblem::Parent,
                 },
-                "weight_map entry for \"w\" names \"../x\", which is not a file inside the checkpoint directory",
+                "weight_map entry for \"w\" names \"../x\", which is not a file inside the checkpoint directory: it climbs out with '..'",
             ),
         ];
         for (e, text) in cases {

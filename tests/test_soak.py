@@ -1,6 +1,7 @@
 """The soak (benches/soak.py), small: loads against a server of ours that injects faults at random,
 and a local file changed under load. Every load ends bitwise equal or with a clear error in bounded
-time; none hangs, crashes or returns wrong data."""
+time; none hangs, crashes or returns wrong data. Hostile index entries and small-file names are
+each refused naming them (or stay inside), with nothing read or written outside."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_soak_has_no_hangs_crashes_or_wrong_data(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(REPO / "benches" / "soak.py"), "--remote", "40", "--local", "40"]
-    cmd += ["--shared", "20", "--swap", "40"]
+    cmd += ["--shared", "20", "--swap", "40", "--hostile", "60"]
     proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=480)
     summary = json.loads(out.read_text())
     assert summary["bad"] == [], summary["bad"]
@@ -29,6 +30,7 @@ def test_soak_has_no_hangs_crashes_or_wrong_data(tmp_path):
         ("shared", 20),
         ("shared_local", 20),
         ("swap", 40),
+        ("hostile", 60),
     ):
         assert summary[kind]["loads"] == loads, summary
     # Loads come back whole, not only as clear errors: every kind of the server's, and the
@@ -40,6 +42,13 @@ def test_soak_has_no_hangs_crashes_or_wrong_data(tmp_path):
     assert sum(changing) > 0, summary
     # Every kind of fault was injected at least once, and the loads still came back right.
     assert set(summary["faults_injected"]) == {"503", "reset", "truncate", "stall", "trickle"}
+    # Hostile names: each refused by every path naming it, or inside the folder; nothing asked
+    # for outside the checkpoints' folders, nothing written outside the destinations.
+    hostile = summary["hostile"]["outcomes"]
+    assert hostile.get("refused", 0) >= 13 and set(hostile) <= {"refused", "inside"}, summary
+    audits = summary["hostile_audits"]
+    assert audits["requests"] > 0 and not audits["outside_requests"], audits
+    assert not audits["outside_writes"], audits
     # The object was overwritten under the swap loads: each came back one version whole, or
     # failed saying it changed (a clear error), never a mix.
     assert summary["swaps"] > 0, summary

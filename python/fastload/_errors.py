@@ -77,7 +77,9 @@ class TensorNotFoundError(FastloadError, KeyError):
 
 
 class ConfigError(FastloadError, ValueError):
-    """An option or URI that cannot be used.
+    """An option or URI that cannot be used, or a name from the checkpoint (an index entry, an
+    ``auto_map`` module, a pipeline component, a listed object) that would reach outside it
+    (``option`` is then ``"uri"``).
 
     ``option``: the option at fault (``"block_size"``, ``"uri"``, ``"device"``, an environment
     variable such as ``"FASTLOAD_CONCURRENCY"``, a vLLM extra-config key, ...), when known."""

@@ -24,7 +24,7 @@ A value that cannot be used raises ``fastload.ConfigError`` with ``option`` set.
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypedDict, final
+from typing import Literal, TypedDict, final
 
 __all__ = [
     "DLPACK_DTYPES",
@@ -41,9 +41,12 @@ __all__ = [
     "__version__",
     "cache_stats",
     "cached_memory",
+    "check_inside",
     "checkpoint_tensors",
     "cli_main",
     "cuda_device_count",
+    "fetch_object",
+    "index_files",
     "inspect",
     "is_remote_uri",
     "list_objects",
@@ -338,6 +341,18 @@ def plan_ranks(
 def is_remote_uri(uri: str) -> bool:
     """Whether ``uri``'s scheme is one of ``SCHEMES`` (read from an object store)."""
 
+def index_files(index: str, data: bytes) -> list[str]:
+    """The shard files the index ``index`` (its bytes ``data``) names, sorted, each once, as a
+    load resolves them: an entry outside the index's folder raises ``ConfigError`` naming the
+    index and the entry, a malformed index ``FormatError``."""
+
+def check_inside(name: str, source: str) -> str:
+    """``name`` when it names a file inside the folder it is joined to under every reading (a
+    local path, an object key, a relative URL): ``/``-separated segments, none empty, ``.`` or
+    ``..``, none starting or ending with white space, without ``\\``, ``%``, ``:``, ``?``,
+    ``#`` or control characters. Else ``ConfigError`` naming ``source`` (where the name came
+    from) and the name."""
+
 def parse_size(value: str) -> int: ...
 def scrub(text: str) -> str:
     """``text`` with every credential fastload knows of, every URL password and every
@@ -364,6 +379,18 @@ def read_object(
     uri: str, max_bytes: int, *, storage_options: Mapping[str, object] | None = None
 ) -> bytes:
     """One object's bytes, whole; over ``max_bytes`` raises ``StorageError`` without reading it."""
+
+def fetch_object(
+    uri: str,
+    max_bytes: int,
+    *,
+    if_none_match: str | None = None,
+    storage_options: Mapping[str, object] | None = None,
+) -> tuple[Literal["read", "unchanged", "too_large"], bytes | None, str | None, int]:
+    """One small object unless it is unchanged or too large, for copies kept between loads:
+    ``("read", bytes, etag, size)``; ``("unchanged", None, if_none_match, 0)`` when the store
+    says the object still has the ETag ``if_none_match``; ``("too_large", None, None, size)`` for
+    an object over ``max_bytes``, unread. A missing object raises ``NotFoundError``."""
 
 def cached_memory() -> dict[str, int]: ...
 def release_memory() -> dict[str, int]: ...

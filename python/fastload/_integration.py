@@ -9,6 +9,7 @@ own import, which must stay cheap.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import time
@@ -28,10 +29,6 @@ if TYPE_CHECKING:
 # Taker::ExtraConfig), and the keys every loader takes: those and the loaders' own.
 LOAD_KEYS: tuple[str, ...] = _options.taken_by("extra_config")
 KEYS = frozenset({*LOAD_KEYS, "weights_uri", "distributed"})
-
-# Weight files a Hub download leaves out when fastload streams the safetensors from the Hub.
-WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth"]
-
 
 _O = TypeVar("_O", bound="Options")
 
@@ -115,22 +112,53 @@ def hub_uri(repo: str, revision: str | None, modelscope_env: str) -> str | None:
     return f"hf://{repo}{at}"
 
 
-def download_all_but_weights(
+def download_small_files(
     repo: str, revision: str | None, cache_dir: str | None, ignore_patterns: Any
 ) -> str:
-    """A Hub repo's files but the weights (config, tokenizer, ...), into ``cache_dir`` (None: the
-    Hugging Face cache)."""
+    """A Hub repo's small files an engine reads (the files at its root that match
+    ``_remote_files.ENGINE_PATTERNS``, none a weight, none over :data:`SMALL_FILE_LIMIT` but
+    ``config.json``; ``ignore_patterns`` left out), into ``cache_dir`` (None: the Hugging Face
+    cache): one listing of the root, then those files, never the whole repo. Offline, the cached
+    snapshot. Returns the snapshot folder."""
+    import glob
+
     import huggingface_hub
+
+    from . import _remote_files
 
     ignore = ignore_patterns or []
     ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return str(
+            huggingface_hub.snapshot_download(
+                repo,
+                revision=revision,
+                cache_dir=cache_dir,
+                allow_patterns=["config.json"],
+                local_files_only=True,
+            )
+        )
+    api = huggingface_hub.HfApi(endpoint=endpoint)
+    commit = api.model_info(repo, revision=revision).sha
+    listing = {
+        f.path: f.size
+        for f in api.list_repo_tree(repo, revision=commit, recursive=False)
+        if isinstance(f, huggingface_hub.hf_api.RepoFile)
+    }
+    source = f"hf://{repo}@{commit}/"
+    names = _remote_files.select_small_files(
+        listing, source=source, required=("config.json",), max_size=SMALL_FILE_LIMIT
+    )
+    names = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in ignore)]
     return str(
         huggingface_hub.snapshot_download(
             repo,
-            revision=revision,
+            revision=commit,
             cache_dir=cache_dir,
-            ignore_patterns=[*ignore, *WEIGHT_PATTERNS],
-            local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE,
+            endpoint=endpoint,
+            # Exactly these files (an empty list matches none).
+            allow_patterns=[glob.escape(n) for n in names],
         )
     )
 
@@ -218,30 +246,25 @@ def released(logger: logging.Logger) -> Iterator[None]:
         logger.debug("fastload gave back %s bytes of cached host memory", freed)
 
 
-# Object names that are weights, which stream: everything else under a model's prefix is a small
-# file (config, tokenizer, generation config, chat template, code) that engines read from disk.
-WEIGHT_SUFFIXES = (
-    ".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".ckpt", ".h5", ".msgpack",
-    ".onnx", ".pkl", ".npz",
-)  # fmt: skip
+# The most bytes a small file an engine reads may have; a larger one that nothing requires is
+# skipped with a log line (an unexpected 300 MiB file beside the config does not fail the pull).
 SMALL_FILE_LIMIT = 256 << 20
 
 
 def pull_small_files(
     uri: str, storage_options: Any, folder: str, config: bool, logger: logging.Logger
 ) -> str:
-    """Every object directly under ``uri`` but the weights, into ``folder``, through fastload's
-    object-store client (its credentials and endpoint rules, ``storage_options`` first); with
-    ``config``, a missing ``config.json`` is an error. Returns ``folder``."""
-    import contextlib
-    import tempfile
+    """The small files an engine reads from directly under ``uri`` (``_remote_files``'
+    ``ENGINE_PATTERNS``: config, generation config, tokenizer files, chat templates, code; never
+    weights or other binaries), into ``folder``, through fastload's object-store client (its
+    credentials and endpoint rules, ``storage_options`` first). With ``config``, a missing
+    ``config.json`` is an error. A reused ``folder`` is revalidated (``fetch_small_files``), and
+    files fastload put there whose objects are gone are removed. Returns ``folder``."""
+    from . import NotFoundError, _fastload, _remote_files
 
-    from . import NotFoundError, _fastload
-
-    list_objects, read_object = _fastload.list_objects, _fastload.read_object
     started = time.perf_counter()
     prefix = uri.rstrip("/") + "/"
-    listed = list_objects(prefix, storage_options=storage_options)
+    listed = _fastload.list_objects(prefix, storage_options=storage_options)
     names = {found[len(prefix) :]: size for found, size in listed if found.startswith(prefix)}
     if not names:
         raise NotFoundError(f"{prefix}: no objects under this prefix (no model there)")
@@ -252,24 +275,24 @@ def pull_small_files(
             "weights are kept apart, give the config's local folder as the model and the "
             f"weights as model_loader_extra_config={{'weights_uri': {uri!r}}}"
         )
-    small = sorted(n for n in names if n and not n.lower().endswith(WEIGHT_SUFFIXES))
+    required = ("config.json",) if config else ()
+    small = _remote_files.select_small_files(
+        names, source=prefix, required=required, max_size=SMALL_FILE_LIMIT, log=logger
+    )
     os.makedirs(folder, exist_ok=True)
-    for name in small:
-        data = read_object(prefix + name, SMALL_FILE_LIMIT, storage_options=storage_options)
-        # Written whole, then renamed: a process reading the folder never sees half a file.
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, os.path.join(folder, name))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+    pulled = _remote_files.fetch_small_files(
+        prefix,
+        small,
+        folder,
+        storage_options=storage_options,
+        max_size=SMALL_FILE_LIMIT,
+        required=required,
+    )
+    _remote_files.prune(folder, pulled)
     logger.info(
         "fastload pulled %d files (%s) from %s to %s in %.2f s; the weights stream from there",
-        len(small),
-        ", ".join(small[:8]) + (", ..." if len(small) > 8 else ""),
+        len(pulled),
+        ", ".join(pulled[:8]) + (", ..." if len(pulled) > 8 else ""),
         _scrub(prefix),
         folder,
         time.perf_counter() - started,

@@ -1,37 +1,69 @@
-"""Where a checkpoint lives, for the transformers and diffusers integrations: a local folder, a
-Hugging Face repo (``ORG/REPO``, ``hf://ORG/REPO[@REV][/SUB]``) or an object-store prefix
-(``s3://``, ``gs://``, ``az://``, ``http(s)://``).
+"""Where a checkpoint lives, for the transformers and diffusers integrations and the serving
+engines: a local folder, a Hugging Face repo (``ORG/REPO``, ``hf://ORG/REPO[@REV][/SUB]``) or an
+object-store prefix (``s3://``, ``gs://``, ``az://``, ``http(s)://``).
 
 The weights are never written to disk: :class:`Checkpoint` names each weight file as a URI that
 fastload streams. The small files beside them (``config.json``, an index, generation and
-tokenizer files, remote code) are what the libraries read from a folder, so they are put in one:
+tokenizer files, remote code) are what the libraries read from a folder, so they are put in one,
+each fetched by name, only those the library asks for (never the whole repository):
 
 - a local folder is used as it is;
-- a Hub repo: ``huggingface_hub.snapshot_download`` of everything but weight files, into the
-  Hugging Face cache as ``huggingface_hub`` would (the weights are streamed from
-  ``hf://ORG/REPO@<commit>``, the commit that snapshot resolved);
+- a Hub repo: ``huggingface_hub.snapshot_download`` of exactly the names asked for, into the
+  Hugging Face cache as ``huggingface_hub`` would, every fetch at the commit the first one
+  resolved (the weights are streamed from ``hf://ORG/REPO@<commit>``);
 - an object store: :func:`fetch_small_files` reads the files by name (a store need not list)
-  into a temporary folder, removed when the :class:`Checkpoint` is closed.
+  into a temporary folder ``fastload-small-files-*`` (under ``tempfile.gettempdir()``), removed
+  when the :class:`Checkpoint` is closed, or else when the process that made it exits.
+
+Names that come from data (object keys, ``auto_map`` modules, component folders) pass
+``_fastload.check_inside`` before anything is read or written, and files are written only
+through real directories inside the destination (never through a symbolic link), each under a
+unique temporary name renamed into place, so that processes filling one folder at once all
+succeed. A reused destination is revalidated: each file is kept only while the store says its
+ETag is the one it was fetched at (``If-None-Match``; a sidecar ``.cache/fastload/NAME.json``
+holds the ETag and the file's sha256), else fetched again.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import errno
+import fnmatch
+import glob
+import hashlib
+import json
+import logging
 import os
 import re
+import secrets
 import shutil
+import stat
 import tempfile
+import threading
 import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import _fastload
-from ._errors import ConfigError, NotFoundError
+from ._errors import ConfigError, NotFoundError, StorageError
 
-__all__ = ["WEIGHT_PATTERNS", "Checkpoint", "fetch_small_files", "open_checkpoint"]
+__all__ = [
+    "ENGINE_PATTERNS",
+    "WEIGHT_PATTERNS",
+    "Checkpoint",
+    "fetch_small_files",
+    "open_checkpoint",
+    "select_small_files",
+    "write_inside",
+]
 
-# Files that are weights (or other large binaries) and never fetched as small files.
+logger = logging.getLogger(__name__)
+
+# Files that are weights (or other large binaries): never fetched as small files.
 WEIGHT_PATTERNS: tuple[str, ...] = (
     "*.safetensors",
     "*.bin",
@@ -48,6 +80,9 @@ WEIGHT_PATTERNS: tuple[str, ...] = (
     "*.npz",
     "*.pb",
     "*.mlmodel",
+    "*.nemo",
+    "*.pkl",
+    "*.tensors",
 )
 
 # What a tokenizer or processor may read (transformers' tokenizer and processor file names).
@@ -68,10 +103,223 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "processor_config.json",
 )
 
+# What a serving engine reads beside the weights, at the model's root (config, generation
+# config, tokenizer and processor files, chat templates, remote code): vLLM's own object-store
+# pull takes *.json, *.py and *.model; vocabularies, merges, templates and tiktoken files too.
+ENGINE_PATTERNS: tuple[str, ...] = ("*.json", "*.py", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
 # The most bytes one small file may have (tokenizer.json of large vocabularies is ~30 MB).
 MAX_SMALL_FILE = 64 << 20
 
+# Beside the files of a destination: what each was fetched at (see the module's docstring).
+_META = ".cache/fastload"
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_weight(name: str) -> bool:
+    """Whether ``name`` is a weight file (or another large binary), by :data:`WEIGHT_PATTERNS`."""
+    base = name.rsplit("/", 1)[-1].lower()
+    return any(fnmatch.fnmatchcase(base, p) for p in WEIGHT_PATTERNS)
+
+
+def select_small_files(
+    listing: Mapping[str, int],
+    *,
+    source: str,
+    required: Collection[str] = (),
+    patterns: Sequence[str] = ENGINE_PATTERNS,
+    max_size: int = MAX_SMALL_FILE,
+    log: logging.Logger = logger,
+) -> list[str]:
+    """The names of ``listing`` (name -> size, as listed under ``source``) to pull: those
+    directly under it that match ``patterns`` and are not weights, sorted. A name outside the
+    folder raises ``ConfigError``; a file over ``max_size`` bytes is an error when ``required``,
+    else skipped with a log line."""
+    chosen = []
+    for name, size in sorted(listing.items()):
+        if "/" in name or is_weight(name):
+            continue
+        if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        _fastload.check_inside(name, source)
+        if size > max_size:
+            if name in required:
+                raise _too_large(source + name, size, max_size)
+            log.warning(
+                "fastload: skipped %s%s: %d bytes, over the %d-byte limit on small files "
+                "(nothing requires it)",
+                source,
+                name,
+                size,
+                max_size,
+            )
+            continue
+        chosen.append(name)
+    return chosen
+
+
+def _too_large(uri: str, size: int, limit: int) -> StorageError:
+    return StorageError(f"{uri}: {size} bytes, more than the {limit}-byte limit on small files")
+
+
+# ------------------------------------------------------------------ writing inside a destination
+
+
+def _not_followed(dest: Path, rel: str, what: str) -> StorageError:
+    return StorageError(
+        f"{dest / rel}: {what} in the destination folder; fastload writes no file through it"
+    )
+
+
+def _dir_fd(dest: Path, parts: Sequence[str], create: bool) -> int:
+    """A descriptor of ``dest/parts...``, each part a real directory (made when ``create``),
+    never a symbolic link; ``dest`` itself may be one."""
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+            try:
+                child = os.open(
+                    part,
+                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=fd,
+                )
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    rel = "/".join(parts[: i + 1])
+                    raise _not_followed(dest, rel, "a symbolic link or not a directory") from None
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_inside(dest: str | os.PathLike[str], rel: str, data: bytes) -> None:
+    """Writes ``data`` to ``dest/rel`` (``rel`` checked by ``check_inside`` first): through real
+    directories inside ``dest`` only, under a unique temporary name renamed onto ``rel``, so that
+    a reader never sees half a file and writers racing on one name all succeed. A symbolic link
+    (or anything but a regular file) already at ``rel`` or on the way is refused."""
+    dest = Path(dest)
+    _fastload.check_inside(rel, str(dest))
+    parts = rel.split("/")
+    fd = _dir_fd(dest, parts[:-1], create=True)
+    try:
+        leaf = parts[-1]
+        try:
+            st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+                raise _not_followed(dest, rel, kind)
+        tmp = f".{leaf[:200]}.{secrets.token_hex(8)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        tfd = os.open(tmp, flags, 0o666, dir_fd=fd)
+        try:
+            with os.fdopen(tfd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=fd)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _read_inside(dest: Path, rel: str) -> bytes | None:
+    """The regular file ``dest/rel`` reached without following a link; None where there is none
+    (or a link is on the way)."""
+    parts = rel.split("/")
+    try:
+        fd = _dir_fd(dest, parts[:-1], create=False)
+    except (OSError, StorageError):
+        return None
+    try:
+        ffd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    with os.fdopen(ffd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read()
+
+
+def _unlink_inside(dest: Path, rel: str) -> None:
+    parts = rel.split("/")
+    try:
+        fd = _dir_fd(dest, parts[:-1], create=False)
+    except (OSError, StorageError):
+        return
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(parts[-1], dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _known_etag(dest: Path, name: str) -> str | None:
+    """The ETag ``dest/name`` was fetched at, when its sidecar says so and the file still holds
+    the bytes the sidecar describes (writers racing on one name may leave a file and a sidecar
+    of two versions: such a file is fetched again, never kept on the wrong ETag)."""
+    raw = _read_inside(dest, f"{_META}/{name}.json")
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+        etag, digest = meta["etag"], meta["sha256"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    data = _read_inside(dest, name)
+    if not isinstance(etag, str) or data is None or hashlib.sha256(data).hexdigest() != digest:
+        return None
+    return etag
+
+
+def _remember(dest: Path, name: str, etag: str | None, data: bytes) -> None:
+    meta = f"{_META}/{name}.json"
+    if etag is None:
+        _unlink_inside(dest, meta)
+        return
+    record = {"etag": etag, "sha256": hashlib.sha256(data).hexdigest()}
+    write_inside(dest, meta, json.dumps(record).encode())
+
+
+def _forget(dest: Path, name: str) -> None:
+    """Removes ``dest/name`` when fastload put it there (it has a sidecar): its object is gone."""
+    meta = f"{_META}/{name}.json"
+    if _read_inside(dest, meta) is not None:
+        _unlink_inside(dest, name)
+        _unlink_inside(dest, meta)
+
+
+def fetched_names(dest: str | os.PathLike[str]) -> list[str]:
+    """The files directly in ``dest`` that fastload fetched there (they have a sidecar)."""
+    root = Path(dest) / _META
+    if root.is_symlink() or not root.is_dir():
+        return []
+    return sorted(
+        p.name[: -len(".json")]
+        for p in root.iterdir()
+        if p.name.endswith(".json") and p.is_file() and not p.is_symlink()
+    )
+
+
+def prune(dest: str | os.PathLike[str], keep: Collection[str]) -> None:
+    """Removes the files fastload fetched directly into ``dest`` that are not in ``keep`` (their
+    objects are gone, or no longer pulled)."""
+    for name in fetched_names(dest):
+        if name not in keep:
+            _forget(Path(dest), name)
 
 
 def fetch_small_files(
@@ -81,29 +329,116 @@ def fetch_small_files(
     *,
     storage_options: Mapping[str, object] | None = None,
     max_size: int = MAX_SMALL_FILE,
+    required: Collection[str] = (),
 ) -> list[str]:
     """Copies the objects ``prefix + name`` (``name`` relative, ``/``-separated) into ``dest``,
-    several at a time; returns the names fetched. A missing object is skipped (the caller asks
-    for files that may or may not exist, as the libraries do); any other failure raises."""
+    several at a time; returns the names now there. Every name is checked (``check_inside``)
+    before anything is read. A file kept from an earlier fetch stays while the store says it is
+    unchanged; a missing object is skipped (the caller asks for files that may or may not exist,
+    as the libraries do) and a copy fastload left of it removed; an object over ``max_size`` is
+    an error when ``required``, else skipped with a log line; any other failure raises."""
     base = prefix if prefix.endswith("/") else prefix + "/"
-    wanted = [n for n in dict.fromkeys(names) if n and not (Path(dest) / n).is_file()]
+    wanted = [_fastload.check_inside(n, base) for n in dict.fromkeys(names) if n]
+    root = Path(dest)
 
     def one(name: str) -> str | None:
+        known = _known_etag(root, name)
         try:
-            data = _fastload.read_object(base + name, max_size, storage_options=storage_options)
+            what, data, etag, size = _fastload.fetch_object(
+                base + name, max_size, if_none_match=known, storage_options=storage_options
+            )
         except NotFoundError:
+            _forget(root, name)
             return None
-        target = Path(dest) / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".part")
-        tmp.write_bytes(data)
-        tmp.replace(target)
+        if what == "too_large":
+            if name in required:
+                raise _too_large(base + name, size, max_size)
+            logger.warning(
+                "fastload: skipped %s%s: %d bytes, over the %d-byte limit on small files "
+                "(nothing requires it)",
+                base,
+                name,
+                size,
+                max_size,
+            )
+            return None
+        if data is not None:
+            write_inside(root, name, data)
+            _remember(root, name, etag, data)
         return name
 
     if not wanted:
         return []
+    root.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
         return [n for n in pool.map(one, wanted) if n is not None]
+
+
+# --------------------------------------------------------------------- temporary folders
+
+
+_temporary: dict[str, int] = {}  # folder -> the process that made it
+_temporary_lock = threading.Lock()
+
+
+def temporary_folder() -> Path:
+    """A new ``fastload-small-files-*`` folder, removed when this process exits unless
+    :func:`remove_temporary` removed it first. A forked child never removes its parent's."""
+    path = tempfile.mkdtemp(prefix="fastload-small-files-")
+    with _temporary_lock:
+        _temporary[path] = os.getpid()
+    return Path(path)
+
+
+def remove_temporary(path: str | os.PathLike[str]) -> None:
+    with _temporary_lock:
+        _temporary.pop(os.fspath(path), None)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@atexit.register
+def _remove_temporaries() -> None:
+    pid = os.getpid()
+    with _temporary_lock:
+        mine = [p for p, owner in _temporary.items() if owner == pid]
+    for path in mine:
+        remove_temporary(path)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+@dataclass
+class _HubRepo:
+    """A Hub repo whose small files are fetched by name; ``revision`` becomes the commit the
+    first fetch resolved, so that every later fetch (and the weights) reads that commit."""
+
+    repo_id: str
+    revision: str | None
+    sub: str
+    token: str | bool | None
+    cache_dir: str | None
+    local_files_only: bool
+    folder: Path | None = None
+
+    def fetch(self, rels: Sequence[str]) -> Path:
+        import huggingface_hub
+
+        folder = huggingface_hub.snapshot_download(
+            self.repo_id,
+            revision=self.revision,
+            endpoint=os.environ.get("HF_ENDPOINT") or None,
+            cache_dir=self.cache_dir,
+            token=self.token,
+            local_files_only=self.local_files_only,
+            # Exactly these files (an empty list matches none): a name is a pattern to fnmatch.
+            allow_patterns=[glob.escape(r) for r in rels],
+        )
+        if self.folder is None:
+            self.folder = Path(folder)  # snapshots/<commit>
+            self.revision = self.folder.name
+            self.folder.mkdir(parents=True, exist_ok=True)
+        return self.folder
 
 
 class Checkpoint:
@@ -112,43 +447,77 @@ class Checkpoint:
     def __init__(
         self,
         uri: str,
-        local: Path,
+        local: Path | None,
         weights_base: str,
         *,
         storage_options: Mapping[str, object] | None = None,
         remote_prefix: str | None = None,
         temporary: bool = False,
+        hub: _HubRepo | None = None,
     ) -> None:
         self.uri = uri
-        self.local = local
-        self.weights_base = weights_base.rstrip("/")
+        self._local = local
+        self._weights_base = weights_base.rstrip("/")
         self.storage_options = storage_options
         self._remote_prefix = remote_prefix
         self._temporary = temporary
+        self._hub = hub
+
+    @property
+    def local(self) -> Path:
+        if self._hub is not None:
+            folder = self._hub.folder or self._hub.fetch([])
+            return folder / self._hub.sub if self._hub.sub else folder
+        assert self._local is not None
+        return self._local
+
+    @property
+    def weights_base(self) -> str:
+        if self._hub is not None:
+            self.local  # noqa: B018 (resolves the commit)
+            sub = f"/{self._hub.sub}" if self._hub.sub else ""
+            return f"hf://{self._hub.repo_id}@{self._hub.revision}{sub}"
+        return self._weights_base
 
     def folder(self, subfolder: str = "") -> Path:
         return self.local / subfolder if subfolder else self.local
 
     def weight_uri(self, rel: str) -> str:
         """The URI fastload reads the weight file ``rel`` (relative to the checkpoint) from."""
-        if self._remote_prefix is None and "://" not in self.weights_base:
-            return str(Path(self.weights_base) / rel)
-        return f"{self.weights_base}/{rel}"
+        base = self.weights_base
+        if self._remote_prefix is None and self._hub is None and "://" not in base:
+            return str(Path(base) / rel)
+        return f"{base}/{rel}"
 
-    def fetch(self, names: Iterable[str], subfolder: str = "") -> None:
-        """Makes the small files ``names`` (of ``subfolder``) local, where they exist. Only an
-        object store fetches anything: a local folder has them, a Hub snapshot fetched every
-        small file at once."""
+    def fetch(
+        self, names: Iterable[str], subfolder: str = "", required: Collection[str] = ()
+    ) -> None:
+        """Makes the small files ``names`` (of ``subfolder``) local, where they exist, and only
+        those: a local folder has them; a Hub repo's are downloaded into the Hugging Face cache;
+        an object store's are fetched (:func:`fetch_small_files`). ``required``: names that
+        must not be skipped for their size."""
+        rel = [f"{subfolder}/{n}" if subfolder else n for n in names]
+        source = self.weights_base + "/" if self._hub is None else f"hf://{self._hub.repo_id}/"
+        for r in rel:
+            _fastload.check_inside(r, source)
+        if self._hub is not None:
+            sub = self._hub.sub
+            self._hub.fetch([f"{sub}/{r}" if sub else r for r in rel])
+            return
         if self._remote_prefix is None:
             return
-        rel = [f"{subfolder}/{n}" if subfolder else n for n in names]
+        need = {f"{subfolder}/{n}" if subfolder else n for n in required}
         fetch_small_files(
-            self._remote_prefix, rel, self.local, storage_options=self.storage_options
+            self._remote_prefix,
+            rel,
+            self.local,
+            storage_options=self.storage_options,
+            required=need,
         )
 
     def close(self) -> None:
         if self._temporary:
-            shutil.rmtree(self.local, ignore_errors=True)
+            remove_temporary(self.local)
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -208,7 +577,8 @@ def open_checkpoint(
     local_files_only: bool = False,
     storage_options: Mapping[str, object] | None = None,
 ) -> Checkpoint:
-    """Where the checkpoint ``uri`` names lives; see the module's docstring."""
+    """Where the checkpoint ``uri`` names lives; see the module's docstring. Nothing is fetched
+    yet: :meth:`Checkpoint.fetch` fetches the names a library asks for."""
     text = os.fspath(uri)
     if text.startswith("file://"):
         text = urllib.parse.unquote(urllib.parse.urlparse(text).path)
@@ -225,8 +595,8 @@ def open_checkpoint(
             revision = rev or revision
         else:
             repo_id, sub = text, ""
-        import huggingface_hub
-
+        if sub:
+            _fastload.check_inside(sub, f"hf://{repo_id}/")
         options: dict[str, Any] = dict(storage_options or {})
         if isinstance(token, str):
             options.setdefault("token", token)
@@ -236,25 +606,20 @@ def open_checkpoint(
             cache_dir = os.environ["HF_HUB_CACHE"]
         elif cache_dir is None and os.environ.get("HF_HOME"):
             cache_dir = os.path.join(os.environ["HF_HOME"], "hub")
-        folder = huggingface_hub.snapshot_download(
+        hub = _HubRepo(
             repo_id,
-            revision=revision,
-            endpoint=os.environ.get("HF_ENDPOINT") or None,
-            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-            token=token,
-            local_files_only=local_files_only,
-            ignore_patterns=list(WEIGHT_PATTERNS),
+            revision,
+            sub,
+            token,
+            None if cache_dir is None else os.fspath(cache_dir),
+            local_files_only,
         )
-        commit = Path(folder).name  # snapshots/<commit>
-        local = Path(folder) / sub if sub else Path(folder)
-        base = f"hf://{repo_id}@{commit}" + (f"/{sub}" if sub else "")
-        return Checkpoint(text, local, base, storage_options=options or None)
+        return Checkpoint(text, None, "", storage_options=options or None, hub=hub)
     if _fastload.is_remote_uri(text):
         prefix = text if text.endswith("/") else text + "/"
-        local = Path(tempfile.mkdtemp(prefix="fastload-small-files-"))
         return Checkpoint(
             text,
-            local,
+            temporary_folder(),
             prefix,
             storage_options=storage_options,
             remote_prefix=prefix,

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import _remote_files
+from . import _fastload, _remote_files
 from . import transformers as _transformers
 from ._errors import ConfigError, _scrub
 
@@ -67,19 +67,28 @@ def _variant(name: str, variant: str | None) -> str:
     return _transformers._variant(name, variant)
 
 
-def _ours(path: Any, *rel: str | None) -> tuple[str, dict[str, Any]] | None:
-    """The fastload URI of ``path/rel...`` when it lies in a folder being loaded."""
+def _locate(path: Any, *rel: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The fastload URI of ``path/rel...`` and its options, when it lies in a folder being
+    loaded (``..`` in ``rel`` resolved first: nothing outside the folder is ever its URI)."""
     try:
-        full = Path(os.fspath(path)).resolve().joinpath(*[r for r in rel if r])
+        joined = Path(os.fspath(path)).resolve().joinpath(*[r for r in rel if r])
     except TypeError:
         return None
+    full = Path(os.path.normpath(joined))
     with _lock:
         for root, (ckpt, options) in _roots.items():
             if full == root or root in full.parents:
-                uri = ckpt.weight_uri(full.relative_to(root).as_posix())
-                _uris[uri] = options
-                return uri, options
+                return ckpt.weight_uri(full.relative_to(root).as_posix()), options
     return None
+
+
+def _ours(path: Any, *rel: str | None) -> tuple[str, dict[str, Any]] | None:
+    """:func:`_locate`, the URI then read by fastload when diffusers loads it."""
+    found = _locate(path, *rel)
+    if found is not None:
+        with _lock:
+            _uris[found[0]] = found[1]
+    return found
 
 
 def _wrap_model_file(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -101,11 +110,12 @@ def _wrap_shard_files(orig: Callable[..., Any]) -> Callable[..., Any]:
         subfolder = kwargs.get("subfolder") or ""
         if _ours(pretrained_model_name_or_path, subfolder) is None or args:
             return orig(pretrained_model_name_or_path, index_filename, *args, **kwargs)
-        index = json.loads(Path(index_filename).read_text())
-        shards = sorted(set(index["weight_map"].values()))
-        for shard in shards:
-            if os.path.basename(shard) != shard:
-                raise ValueError(f"{index_filename}: shard name {shard!r} is not a plain name")
+        data = Path(index_filename).read_bytes()
+        # (The file itself may be a link into the Hub cache's blobs: its folder is resolved.)
+        located = _locate(Path(index_filename).parent, Path(index_filename).name)
+        # Every entry checked before any is read, as a load of the index checks them.
+        shards = _fastload.index_files(located[0] if located else str(index_filename), data)
+        index = json.loads(data)
         metadata = dict(index.get("metadata") or {})
         metadata["all_checkpoint_keys"] = list(index["weight_map"].keys())
         metadata["weight_map"] = dict(index["weight_map"])
@@ -189,7 +199,7 @@ def _load_pipeline(
 ) -> Any:
     from transformers import PreTrainedModel
 
-    ckpt.fetch([MODEL_INDEX])
+    ckpt.fetch([MODEL_INDEX], required=[MODEL_INDEX])
     index_path = ckpt.local / MODEL_INDEX
     if not index_path.is_file():
         raise ConfigError(f"{ckpt.uri}: no {MODEL_INDEX}: not a diffusers pipeline", option="uri")
@@ -199,9 +209,15 @@ def _load_pipeline(
         for name, spec in index.items()
         if not name.startswith("_") and isinstance(spec, list) and len(spec) == 2 and spec[0]
     }
+    # Each component is a folder of the checkpoint: its name must be one, checked before any
+    # of them is fetched.
+    where = f"{ckpt.weight_uri(MODEL_INDEX)}: component"
+    for name in components:
+        _fastload.check_inside(name, where)
     variant = kwargs.get("variant")
     for name in components:
-        ckpt.fetch([*COMPONENT_FILES, _variant(WEIGHTS_INDEX_NAME, variant), "config.json"], name)
+        index_name = _variant(WEIGHTS_INDEX_NAME, variant)
+        ckpt.fetch([*COMPONENT_FILES, index_name], name, required=["config.json", index_name])
     dtype = kwargs.get("dtype")
     if dtype is None:
         dtype = kwargs.get("torch_dtype")
@@ -264,7 +280,8 @@ def from_pretrained(
             )
         subfolder = kwargs.get("subfolder") or ""
         variant = kwargs.get("variant")
-        ckpt.fetch(["config.json", _variant(WEIGHTS_INDEX_NAME, variant)], subfolder)
+        index_name = _variant(WEIGHTS_INDEX_NAME, variant)
+        ckpt.fetch(["config.json", index_name], subfolder, required=["config.json", index_name])
         with _streaming(ckpt, options):
             model = cls.from_pretrained(str(ckpt.local), **kwargs)
         model.register_to_config(_name_or_path=_scrub(os.fspath(uri)))

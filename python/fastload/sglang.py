@@ -249,10 +249,10 @@ def _loader_class() -> type:
         def download_model(self, model_config: Any) -> None:
             location = self._location(model_config)
             if location.startswith("hf://"):
-                # Everything but the weights, which load_model streams from the Hub.
+                # The small files; load_model streams the weights from the Hub.
                 where = _weights_location(self.options, model_config)
                 revision = model_config.revision if where == model_config.model_path else None
-                _integration.download_all_but_weights(
+                _integration.download_small_files(
                     where, revision, self.load_config.download_dir, self.load_config.ignore_patterns
                 )
 

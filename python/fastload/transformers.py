@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import _remote_files
+from . import _fastload, _remote_files
 from ._errors import ConfigError, _scrub
 
 if TYPE_CHECKING:
@@ -67,32 +68,64 @@ def _variant(name: str, variant: str | None) -> str:
     return ".".join([*parts[:-1], variant, parts[-1]])
 
 
-def weight_files(folder: Path, variant: str | None = None) -> list[str]:
+def weight_files(folder: Path, variant: str | None = None, source: str | None = None) -> list[str]:
     """The weight files transformers would read from ``folder``: those its index names, else
-    ``model.safetensors`` (with ``variant``)."""
+    ``model.safetensors`` (with ``variant``). An index entry outside the folder raises
+    ``ConfigError`` naming the index (``source``: its URI, else its path) and the entry, before
+    anything is read, as a load of the index does (``_fastload.index_files``)."""
     index = folder / _variant(WEIGHTS_INDEX_NAME, variant)
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConfigError(f"{index}: no weight_map", option="uri")
-        return sorted(set(weight_map.values()))
+        name = source or str(index)
+        files = _fastload.index_files(name, index.read_bytes())
+        if not files:
+            raise ConfigError(f"{name}: no weight_map", option="uri")
+        return files
     return [_variant(WEIGHTS_NAME, variant)]
 
 
-def _remote_code_files(folder: Path) -> list[str]:
+def _remote_code_files(folder: Path, source: str) -> list[str]:
     """The modules ``config.json``'s ``auto_map`` names (``"modeling_x.MyModel"`` ->
-    ``modeling_x.py``), fetched for ``trust_remote_code``."""
+    ``modeling_x.py``), fetched for ``trust_remote_code``; a module outside the folder raises
+    ``ConfigError`` naming the config (``source``: its URI) and the module."""
     try:
         config = json.loads((folder / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return []
-    auto_map = config.get("auto_map") or {}
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
     refs: list[str] = []
-    for value in auto_map.values():
+    for value in (auto_map if isinstance(auto_map, dict) else {}).values():
         refs.extend(value if isinstance(value, list) else [value])
-    return sorted(
-        {f"{ref.split('--')[-1].rsplit('.', 1)[0]}.py" for ref in refs if isinstance(ref, str)}
-    )
+    names = {f"{ref.split('--')[-1].rsplit('.', 1)[0]}.py" for ref in refs if isinstance(ref, str)}
+    where = f"{source}: auto_map"
+    return sorted(_fastload.check_inside(n, where) for n in names)
+
+
+def _fetch_remote_code(
+    ckpt: _remote_files.Checkpoint, subfolder: str, names: list[str] | None = None
+) -> None:
+    """The modules ``names`` (by default those ``auto_map`` names), and the modules they import
+    relatively (as transformers copies them: ``get_relative_imports``), only those."""
+    folder = ckpt.folder(subfolder)
+    source = ckpt.weight_uri(f"{subfolder}/{CONFIG_NAME}" if subfolder else CONFIG_NAME)
+    if names is None:
+        names = _remote_code_files(folder, source)
+    if not names:
+        return  # (without importing transformers, which small_files need not)
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    seen: set[str] = set()
+    while names:
+        ckpt.fetch(names, subfolder)
+        seen.update(names)
+        found: set[str] = set()
+        for name in names:
+            if (folder / name).is_file():
+                # `from .x import y` in a/b.py is a/x.py.
+                here = posixpath.dirname(name)
+                imports = get_relative_imports(str(folder / name))
+                found.update(posixpath.join(here, f"{m}.py") for m in imports)
+        where = f"{source}: auto_map (a module's relative import)"
+        names = sorted(_fastload.check_inside(n, where) for n in found - seen)
 
 
 def small_files(
@@ -106,8 +139,9 @@ def small_files(
 ) -> Path:
     """A local folder with the checkpoint's small files (config, generation config, index,
     remote code, and tokenizer files when ``tokenizer``), for ``AutoTokenizer.from_pretrained``
-    and friends. Hub repos: the Hugging Face cache's snapshot folder; object stores: ``dest``
-    (a new temporary folder by default, which the caller owns); local folders: themselves."""
+    and friends. Hub repos: the Hugging Face cache's snapshot folder (holding those files);
+    object stores: ``dest`` (by default a new temporary folder ``fastload-small-files-*``,
+    removed when this process exits); local folders: themselves."""
     ckpt = _remote_files.open_checkpoint(uri, revision=revision, storage_options=storage_options)
     if dest is not None and ckpt._remote_prefix is not None:
         ckpt.close()
@@ -122,8 +156,12 @@ def small_files(
     names = [CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_INDEX_NAME]
     if tokenizer:
         names += list(_remote_files.TOKENIZER_FILES)
-    ckpt.fetch(names, subfolder)
-    ckpt.fetch(_remote_code_files(ckpt.folder(subfolder)), subfolder)
+    try:
+        ckpt.fetch(names, subfolder, required=(CONFIG_NAME, WEIGHTS_INDEX_NAME))
+        _fetch_remote_code(ckpt, subfolder)
+    except BaseException:
+        ckpt.close()
+        raise
     return ckpt.folder(subfolder)
 
 
@@ -396,14 +434,21 @@ def _from_checkpoint(
     kwargs: dict[str, Any],
 ) -> Any:
     """The model in ``subfolder`` of ``ckpt``: see :func:`from_pretrained`."""
+    index_name = _variant(WEIGHTS_INDEX_NAME, variant)
     ckpt.fetch(
-        [CONFIG_NAME, GENERATION_CONFIG_NAME, _variant(WEIGHTS_INDEX_NAME, variant)], subfolder
+        [CONFIG_NAME, GENERATION_CONFIG_NAME, index_name],
+        subfolder,
+        required=(CONFIG_NAME, index_name),
     )
     folder = ckpt.folder(subfolder)
     if kwargs.get("trust_remote_code"):
-        ckpt.fetch(_remote_code_files(folder), subfolder)
-    files = weight_files(folder, variant)
-    uris = [ckpt.weight_uri(f"{subfolder}/{f}" if subfolder else f) for f in files]
+        _fetch_remote_code(ckpt, subfolder)
+        # A custom generate function, which transformers loads for trusted remote code.
+        ckpt.fetch(["custom_generate/requirements.txt"], subfolder)
+        _fetch_remote_code(ckpt, subfolder, ["custom_generate/generate.py"])
+    rel = f"{subfolder}/" if subfolder else ""
+    files = weight_files(folder, variant, source=ckpt.weight_uri(rel + index_name))
+    uris = [ckpt.weight_uri(rel + f) for f in files]
     if _major() < 5 and _names_disk(kwargs.get("device_map")):
         raise _no_disk_offload(kwargs["device_map"])
     device = options.pop("device", None) or _single_device(kwargs.get("device_map"))

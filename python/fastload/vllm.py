@@ -268,8 +268,9 @@ def _storage_options(args: Any) -> Any:
 
 
 def _pull_small_files(uri: str, storage_options: Any, config: bool) -> str:
-    """Every object directly under ``uri`` but the weights, into a local folder named by the
-    URI (under vLLM's assets cache, as vLLM does for runai_streamer); returns the folder."""
+    """The small files directly under ``uri`` that the engine reads (config, tokenizer, chat
+    template, code; never weights), into a local folder named by the URI (under vLLM's assets
+    cache, as vLLM does for runai_streamer), revalidated when reused; returns the folder."""
     return _integration.pull_small_files(
         uri, storage_options, _local_folder(uri), config=config, logger=logger
     )
@@ -338,9 +339,10 @@ def _hub_uri(repo: str, revision: str | None) -> str | None:
     return _integration.hub_uri(repo, revision, "VLLM_USE_MODELSCOPE")
 
 
-def _download_all_but_weights(load_config: Any, repo: str, revision: str | None) -> str:
-    """A Hub repo's files but the weights (config, tokenizer, ...), into vLLM's download dir."""
-    return _integration.download_all_but_weights(
+def _download_small_files(load_config: Any, repo: str, revision: str | None) -> str:
+    """A Hub repo's small files (config, tokenizer, ...: what the engine reads, not the whole
+    repo), into vLLM's download dir."""
+    return _integration.download_small_files(
         repo, revision, load_config.download_dir, load_config.ignore_patterns
     )
 
@@ -445,10 +447,10 @@ def _loader_classes() -> dict[str, type]:
         def download_model(self, model_config: Any) -> None:
             location = self._location(model_config, index=True)
             if location.startswith("hf://"):
-                # Everything but the weights, which load_weights streams from the Hub.
+                # The small files; load_weights streams the weights from the Hub.
                 repo = _weights_location(self.options, model_config)
                 revision = model_config.revision if repo == model_config.model else None
-                _download_all_but_weights(self.load_config, repo, revision)
+                _download_small_files(self.load_config, repo, revision)
 
         def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
             """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::Dtype;
+use super::{Dtype, NameProblem};
 
 /// Why a header or an index file was rejected; the caller adds the file name. The messages are
 /// what users and the Python tests read: they are part of the interface.
@@ -110,8 +110,15 @@ pub enum FormatError {
     IndexNoWeightMap,
     #[error("weight_map entry for {tensor:?} is not a file name")]
     IndexEntryNotAName { tensor: String },
-    #[error("weight_map entry for {tensor:?} names {file:?}, which is not a file inside the checkpoint directory")]
-    IndexEntryOutside { tensor: String, file: String },
+    /// An entry that does not name a file inside the index's folder ([`super::check_inside`]),
+    /// refused before anything is read. Raised to Python as a `ConfigError`, as every
+    /// integration that resolves an index refuses it.
+    #[error("weight_map entry for {tensor:?} names {file:?}, which is not a file inside the checkpoint directory: {reason}")]
+    IndexEntryOutside {
+        tensor: String,
+        file: String,
+        reason: NameProblem,
+    },
     /// A name the object store cannot use as a path.
     #[error("weight_map names an invalid file {file:?}: {reason}")]
     IndexInvalidPath { file: String, reason: String },

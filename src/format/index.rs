@@ -2,15 +2,14 @@
 //! names. Pure, like the header parser: the caller reads the bytes (capped) and adds the name.
 
 use std::collections::BTreeSet;
-use std::path::{Component, Path};
 
-use super::FormatError;
+use super::{check_inside, FormatError};
 
 /// The index file that sharded Hugging Face checkpoints carry.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// The shard file names an index's `weight_map` lists (sorted, each once), each checked to be a
-/// plain relative path inside the index's folder.
+/// plain relative path inside the index's folder ([`check_inside`]) before anything reads it.
 pub fn index_shard_names(bytes: &[u8]) -> Result<Vec<String>, FormatError> {
     let value: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| FormatError::IndexInvalidJson {
@@ -27,12 +26,13 @@ pub fn index_shard_names(bytes: &[u8]) -> Result<Vec<String>, FormatError> {
             .ok_or_else(|| FormatError::IndexEntryNotAName {
                 tensor: tensor.clone(),
             })?;
-        let inside = Path::new(file)
-            .components()
-            .all(|c| matches!(c, Component::Normal(_)));
-        if !inside || file.is_empty() {
+        if let Err(reason) = check_inside(file) {
             let (tensor, file) = (tensor.clone(), file.to_string());
-            return Err(FormatError::IndexEntryOutside { tensor, file });
+            return Err(FormatError::IndexEntryOutside {
+                tensor,
+                file,
+                reason,
+            });
         }
         files.insert(file.to_string());
     }
@@ -82,15 +82,28 @@ mod tests {
 
     #[test]
     fn refuses_names_outside_the_folder() {
-        for file in ["../x.safetensors", "/etc/passwd", "a/../../b", "./a", ""] {
-            let doc = format!(r#"{{"weight_map":{{"w":{file:?}}}}}"#);
+        for file in [
+            "../x.safetensors",
+            "/etc/passwd",
+            "a/../../b",
+            "./a",
+            "",
+            "%2e%2e/x",
+            "..\\x",
+            "s3://other/x",
+            "C:x",
+            "x?y",
+            "a\0b",
+        ] {
+            let doc = serde_json::json!({"weight_map": {"ok": "a.safetensors", "w": file}});
             assert_eq!(
-                index_shard_names(doc.as_bytes()),
+                index_shard_names(doc.to_string().as_bytes()),
                 Err(FormatError::IndexEntryOutside {
                     tensor: "w".into(),
-                    file: file.into()
+                    file: file.into(),
+                    reason: check_inside(file).unwrap_err(),
                 }),
-                "{file}"
+                "{file:?}"
             );
         }
     }

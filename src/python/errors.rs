@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::scrub;
+use crate::format::FormatError;
 use crate::Error;
 
 impl From<Error> for PyErr {
@@ -45,6 +46,16 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
     let message = err.message();
     let attrs = PyDict::new(py);
     let name = match err {
+        // A name that leaves the model's folder: the checkpoint cannot be used as given, the same
+        // refusal whether it comes from an index (here) or from an integration's small files.
+        Error::Format {
+            source: FormatError::IndexEntryOutside { .. } | FormatError::IndexInvalidPath { .. },
+            ..
+        }
+        | Error::NameOutside { .. } => {
+            attrs.set_item("option", "uri")?;
+            "ConfigError"
+        }
         Error::Format { path, .. } => {
             attrs.set_item("path", scrub(path))?;
             "FormatError"

@@ -9,6 +9,7 @@ mod dlpack;
 mod errors;
 mod gil;
 mod item;
+mod names;
 mod objects;
 mod options;
 mod ranks;
@@ -122,6 +123,8 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ranks::checkpoint_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(is_remote_uri, m)?)?;
+    m.add_function(wrap_pyfunction!(names::index_files, m)?)?;
+    m.add_function(wrap_pyfunction!(names::check_inside, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(scrub, m)?)?;
     m.add_function(wrap_pyfunction!(cache_stats, m)?)?;
@@ -130,6 +133,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
     m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
     m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
+    m.add_function(wrap_pyfunction!(objects::fetch_object, m)?)?;
     m.add_function(wrap_pyfunction!(cached_memory, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     // A daemon thread coming back from a wait of ours after the interpreter began to exit parks

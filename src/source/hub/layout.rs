@@ -116,14 +116,10 @@ pub fn read_ref(repo: &Path, revision: &str) -> Option<String> {
     (!commit.is_empty()).then(|| commit.to_string())
 }
 
-/// Whether `path_in_repo` is a plain relative path (no `..`, no root, nothing empty): only such
-/// paths may become files under a snapshot.
+/// Whether `path_in_repo` is a plain relative path inside the repo (the one rule for names from
+/// data, [`crate::format::check_inside`]): only such paths may become files under a snapshot.
 pub fn is_safe_path_in_repo(path_in_repo: &str) -> bool {
-    !path_in_repo.is_empty()
-        && !path_in_repo.contains('\\')
-        && Path::new(path_in_repo)
-            .components()
-            .all(|c| matches!(c, Component::Normal(_)))
+    crate::format::check_inside(path_in_repo).is_ok()
 }
 
 #[cfg(test)]
@@ -224,7 +220,16 @@ mod tests {
     #[test]
     fn only_plain_relative_paths_are_safe() {
         assert!(is_safe_path_in_repo("a/b.safetensors"));
-        for bad in ["", "/etc/x", "../x", "a/../../x", "a\\b"] {
+        for bad in [
+            "",
+            "/etc/x",
+            "../x",
+            "a/../../x",
+            "a\\b",
+            "%2e%2e/x",
+            "C:x",
+            "a\0b",
+        ] {
             assert!(!is_safe_path_in_repo(bad), "{bad}");
         }
     }

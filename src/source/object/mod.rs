@@ -7,7 +7,8 @@
 //! request of [`crate::source::remote`]'s one resumable read, pinned to one version of the object),
 //! resuming cut-off bodies as one [`RetrySettings`] allows (retry.rs; object_store's request
 //! retries are built from the same settings). source.rs makes each listed object a
-//! [`crate::source::Source`] ([`RemoteObject`], [`open_sources`]).
+//! [`crate::source::Source`] ([`RemoteObject`], [`open_sources`]); small.rs fetches a small file
+//! kept beside a checkpoint unless the store says it is unchanged ([`read_small_unless`]).
 //!
 //! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
 //! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
@@ -38,6 +39,7 @@ mod keys;
 mod list;
 mod read;
 mod s3;
+mod small;
 mod source;
 #[cfg(test)]
 mod tests;
@@ -51,6 +53,7 @@ pub use config::{install_crypto, open, open_with_env, split_retry_options};
 pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_folder, list_safetensors, read_small, resolve, Found};
 pub use read::{read_pinned, read_range_into};
+pub use small::{read_small_unless, Small};
 pub use source::{open_sources, RemoteObject};
 
 /// HEAD requests in flight when sizes cannot be listed.
