@@ -234,7 +234,9 @@ class Stream:
     ``names``). ``target`` (``"cuda"``, ``"cuda:N"`` or ``"host"``): the staged pipeline; with
     ``allocate`` it copies into the memory ``allocate`` hands out (items' ``data`` are its owner
     objects), without it into memory fastload allocates per tensor (``cuMemAlloc`` for a GPU;
-    items' ``data`` are ``dltensor`` capsules, kDLCUDA or kDLCPU, that own it).
+    items' ``data`` are ``dltensor`` capsules, kDLCUDA or kDLCPU, that own it). ``reader``: load
+    the files a :class:`Reader` opened, each read pinned to the version it saw (``uris`` are not
+    opened again).
 
     Waits release the GIL and honour Ctrl-C (KeyboardInterrupt, the load cancelled). ``stats()``
     and ``close()`` never wait for a ``next()`` running on another thread; a stream closed before
@@ -255,6 +257,7 @@ class Stream:
         parts: list[tuple[str, int, int]] | None = None,
         target: str | None = None,
         allocate: _Allocate | None = None,
+        reader: Reader | None = None,
     ) -> Stream: ...
     def __iter__(self) -> Stream: ...
     def __next__(self) -> list[Item]: ...

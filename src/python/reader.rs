@@ -18,6 +18,8 @@ use crate::source::Shard;
 #[pyclass(module = "fastload._fastload", frozen)]
 pub struct Reader {
     shards: Vec<Shard>,
+    /// Some file is read over the network (the options' defaults differ).
+    remote: bool,
     /// Reads in flight and bytes per read, resolved as a load of the same URIs resolves them.
     #[pyo3(get)]
     concurrency: usize,
@@ -26,6 +28,14 @@ pub struct Reader {
     /// Bytes read and reads issued by every `read` so far.
     bytes: AtomicU64,
     reads: AtomicU64,
+}
+
+impl Reader {
+    /// The files as they were opened (each source pinned to the version seen then), and
+    /// whether some are remote: a load over them (`Stream(..., reader=)`) reads those versions.
+    pub(super) fn opened(&self) -> (Vec<Shard>, bool) {
+        (self.shards.clone(), self.remote)
+    }
 }
 
 #[pymethods]
@@ -51,7 +61,8 @@ impl Reader {
             // Slices read parts of a file: there is no whole-file digest to check.
             None,
         );
-        let resolved = opts.resolve(crate::source::open::any_remote(&uris))?;
+        let remote = crate::source::open::any_remote(&uris);
+        let resolved = opts.resolve(remote)?;
         let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
         // Ranges of an object are read, never the whole: copies are read, none is written.
         cache.fill = false;
@@ -60,6 +71,7 @@ impl Reader {
         })??;
         Ok(Reader {
             shards,
+            remote,
             concurrency: resolved.concurrency,
             block_size: resolved.block_size,
             bytes: AtomicU64::new(0),
