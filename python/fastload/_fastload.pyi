@@ -277,7 +277,9 @@ class _Header(TypedDict):
 @final
 class Reader:
     """Files opened once (sources and validated headers); ``read`` reads chosen byte ranges of
-    one of them into a new buffer, in parallel blocks, nothing outside the ranges."""
+    one of them into a new buffer, in parallel blocks, nothing outside the ranges. With
+    ``verify``, each file whose store gives a digest is checked whole (a cached copy hashed, a
+    remote file read whole once) before anything is read from it."""
 
     def __new__(
         cls,
@@ -287,6 +289,7 @@ class Reader:
         block_size: _Size | None = None,
         storage_options: Mapping[str, object] | None = None,
         cache: _Cache | None = None,
+        verify: bool | None = None,
     ) -> Reader: ...
     @property
     def concurrency(self) -> int: ...

@@ -184,8 +184,11 @@ class safe_open:
     ``safetensors.safe_open(filename, framework="pt", device=...)``.
 
     ``options`` are fastload's (:class:`fastload.Options`): ``concurrency``, ``block_size``,
-    ``storage_options``, ``cache`` for the reads; the others apply to a GPU ``get_tensor``, which
-    is a staged load. ``backend`` is accepted for safetensors' signature and changes nothing.
+    ``storage_options``, ``cache`` and ``verify`` for the reads; the others apply to a GPU
+    ``get_tensor`` and to ``get_tensors``, which are loads (of the version this handle opened).
+    ``verify=True`` checks the file whole against its store's digest (Hub files) when the handle
+    opens, before any byte of it is served. ``backend`` is accepted for safetensors' signature and
+    changes nothing.
     """
 
     def __init__(

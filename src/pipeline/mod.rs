@@ -214,7 +214,16 @@ fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let mut cache = crate::source::cache::CacheSettings::for_load(options)?;
     // A rank of a distributed load reads a share of each object: it reads copies, fills none.
     cache.fill &= options.parts.is_none();
-    let shards = source::open::open_all(uris, &options.storage_options, &cache)?;
+    let mut shards = source::open::open_all(uris, &options.storage_options, &cache)?;
+    if let Some(names) = options.names.as_deref().filter(|_| cache.verify) {
+        // Some tensors of each file are read: `verify` checks the files that hold one whole
+        // first (a whole load hashes every file while it streams).
+        let wanted = |s: &source::Shard| s.header.tensors.iter().any(|t| names.contains(&t.name));
+        for shard in shards.iter_mut().filter(|s| wanted(s)) {
+            let (block, concurrency) = (resolved.block_size, resolved.concurrency);
+            crate::ranges::verify_whole(std::slice::from_mut(shard), &cache, block, concurrency)?;
+        }
+    }
     plan_shards(shards, options, resolved)
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions};
+use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions, VerifyArg};
 use super::dlpack;
 use super::options::load_options;
 use super::wait::off_thread;
@@ -41,7 +41,8 @@ impl Reader {
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, verify=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -49,6 +50,7 @@ impl Reader {
         block_size: Option<Bytes<BlockSize>>,
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
+        verify: Option<VerifyArg>,
     ) -> PyResult<Self> {
         let opts = load_options(
             concurrency,
@@ -58,16 +60,22 @@ impl Reader {
             None,
             storage_options,
             cache,
-            // Slices read parts of a file: there is no whole-file digest to check.
-            None,
+            verify,
         );
         let remote = crate::source::open::any_remote(&uris);
         let resolved = opts.resolve(remote)?;
         let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
-        // Ranges of an object are read, never the whole: copies are read, none is written.
-        cache.fill = false;
+        // Ranges of an object are read, never the whole: copies are read, none is written;
+        // except with verify, where each file with a digest is read whole once before anything
+        // is served from it (`ranges::verify_whole`), and that read fills its copy.
+        cache.fill = cache.verify;
+        let (block, concurrency) = (resolved.block_size, resolved.concurrency);
         let shards = off_thread(py, "open", move || {
-            crate::source::open::open_all(&uris, &opts.storage_options, &cache)
+            let mut shards = crate::source::open::open_all(&uris, &opts.storage_options, &cache)?;
+            if cache.verify {
+                crate::ranges::verify_whole(&mut shards, &cache, block, concurrency)?;
+            }
+            Ok::<_, crate::Error>(shards)
         })??;
         Ok(Reader {
             shards,
