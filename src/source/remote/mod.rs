@@ -112,7 +112,7 @@ pub async fn read_range(
                 .await
                 .unwrap_or(e));
         }
-        if response.version.etag.is_none() && pin.wants_confirmation() {
+        if response.version.etag.is_none() && pin.confirmation_due() {
             // A server that sends no ETag with its bytes, pinned to its listing's: its HEAD
             // gives the ETag as it compares it, so that the next requests carry If-Match.
             if let Some(head) = get.head().await? {

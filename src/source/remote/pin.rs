@@ -115,6 +115,8 @@ struct State {
     /// said, and a first response that disagrees may be the server's validators disagreeing
     /// rather than a change ([`Pin::known_unserved`]).
     served: bool,
+    /// A HEAD was asked for the ETag's header form ([`Pin::confirmation_due`]).
+    head_asked: bool,
 }
 
 impl Pin {
@@ -176,18 +178,22 @@ impl Pin {
     }
 
     /// Whether a known strong ETag still waits for its header form (its listing gave it, no
-    /// response carried one): a HEAD can give it, so that `If-Match` can be sent.
-    pub fn wants_confirmation(&self) -> bool {
-        let state = self.state.lock().expect("pin lock");
-        !state.confirmed
+    /// response carried one): a HEAD can give it, so that `If-Match` can be sent. True once per
+    /// pin: a HEAD that gives none is not asked again.
+    pub fn confirmation_due(&self) -> bool {
+        let mut state = self.state.lock().expect("pin lock");
+        let due = !state.confirmed
+            && !state.head_asked
             && state
                 .seen
                 .as_ref()
-                .is_some_and(|v| v.strong_etag().is_some())
+                .is_some_and(|v| v.strong_etag().is_some());
+        state.head_asked |= due;
+        due
     }
 
     /// Takes a HEAD's answer as the header form of the pinned ETag (see
-    /// [`Pin::wants_confirmation`]); a HEAD that gives another ETag or version says the object
+    /// [`Pin::confirmation_due`]); a HEAD that gives another ETag or version says the object
     /// changed since it was pinned: [`changed`].
     pub fn confirm(&self, name: &str, head: &Version) -> Result<()> {
         let head = head.clone().identifying();
@@ -242,6 +248,7 @@ impl Pin {
             seen,
             confirmed,
             served,
+            ..
         } = &mut *guard;
         let Some(pinned) = seen.as_mut() else {
             *confirmed = got.strong_etag().is_some();

@@ -125,6 +125,7 @@ struct Scripted {
     answers: std::sync::Mutex<Vec<Answer>>,
     head: Option<Version>,
     asked: std::sync::Mutex<Vec<Version>>,
+    heads: std::sync::atomic::AtomicUsize,
 }
 
 impl Scripted {
@@ -134,6 +135,7 @@ impl Scripted {
             answers: answers.into(),
             head,
             asked: Vec::new().into(),
+            heads: 0.into(),
         }
     }
 }
@@ -161,6 +163,8 @@ impl RangedGet for Scripted {
     }
 
     fn head(&self) -> BoxFuture<'_, Result<Option<Version>>> {
+        self.heads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let head = self.head.clone();
         Box::pin(async move { Ok(head) })
     }
@@ -269,7 +273,17 @@ async fn a_listing_etag_is_confirmed_by_a_head_when_gets_carry_none() {
     let pin = Pin::new(None, Some(listed));
     read(&get, &pin, 0).await.unwrap();
     read(&get, &pin, 10).await.unwrap();
-    let asked = get.asked.lock().unwrap();
+    let asked = get.asked.lock().unwrap().clone();
     assert_eq!(asked[0].etag, None, "the listing's form is not sent");
     assert_eq!(asked[1].etag.as_deref(), Some("\"a\""), "the HEAD's is");
+
+    // A HEAD that gives no ETag either is asked once, not for every read.
+    let listed = lm(Some("a"), None, Some("t1"));
+    let answers = (0..3).map(|i| bytes(i * 10..i * 10 + 10, lm(None, None, Some("t1"))));
+    let get = Scripted::new(answers.collect(), Some(lm(None, None, Some("t1"))));
+    let pin = Pin::new(None, Some(listed));
+    for at in [0, 10, 20] {
+        read(&get, &pin, at).await.unwrap();
+    }
+    assert_eq!(get.heads.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
