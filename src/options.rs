@@ -342,9 +342,10 @@ pub const VERIFY: OptionDef = OptionDef {
     signature_default: None,
     default: "`False`",
     env: Some(ENV_VERIFY),
-    help: "`True`: check the sha256 of Hub LFS files wherever their bytes come from (network, \
-           Hugging Face cache, local cache); see \"Checking content\"",
-    takers: &[Native, SafeOpen, ExtraConfig],
+    help: "`True`: check Hub files against their sha256 (LFS) or git blob id wherever their \
+           bytes come from (network, Hugging Face cache, local cache), a file read in part \
+           whole before any byte of it is served; see \"Checking content\"",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
 };
 
 /// Every load option, in the order signatures list them. Adding one: a row here, then what

@@ -96,6 +96,72 @@ pub fn read(
     Ok((buffer, done))
 }
 
+/// Reads every byte of `source`, `concurrency` reads of at most `block` bytes in flight, and
+/// drops them: what the source's decorators do with the bytes is the point (a verifying source
+/// hashes them, a filling one writes its copy). Call it from outside the runtime (it waits).
+pub fn read_whole(source: Arc<dyn Source>, block: u64, concurrency: usize) -> Result<Done> {
+    let size = source.size();
+    let blocks: Vec<(u64, u64)> = crate::plan::blocks(0, size, block).collect();
+    let done = Done {
+        bytes: size,
+        reads: blocks.len() as u64,
+    };
+    crate::runtime::block_on("reading a whole file", async move {
+        let slots = Arc::new(Semaphore::new(concurrency.max(1)));
+        let mut tasks = Vec::with_capacity(blocks.len());
+        let name = source.name().to_string();
+        for (at, len) in blocks {
+            let slot = slots
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Error::Internal {
+                    message: "read slots closed".into(),
+                })?;
+            let src = source.clone();
+            let task = async move {
+                let mut bytes = vec![0u8; len as usize];
+                let out = src.read_into(at, &mut bytes).await;
+                drop(slot);
+                out
+            };
+            tasks.push(AbortOnDrop(source::spawn_read(source.as_ref(), task)));
+        }
+        for t in &mut tasks {
+            source::joined((&mut t.0).await, &name)?;
+        }
+        Ok(())
+    })?;
+    Ok(done)
+}
+
+/// `verify=True` for readers of parts of files (`safe_open`, whose slices and tensors read what
+/// they need): every remote file whose store gives a digest (Hub files: sha256, git blob id) is
+/// read whole once through its verifying source before anything else is read from it, so that
+/// a mismatch fails here and what is served later is of a file that matched (later reads are
+/// pinned to the version that was hashed). With a cache (`cache.fill` on), that read fills the
+/// copy, and the file is read from the copy from then on. Local files and cached copies were
+/// hashed when they were opened (`source::cache::wrap`).
+pub fn verify_whole(
+    shards: &mut [source::Shard],
+    cache: &source::cache::CacheSettings,
+    block: u64,
+    concurrency: usize,
+) -> Result<()> {
+    for shard in shards {
+        let identity = shard.source.cache_identity();
+        let digest = identity.as_ref().and_then(|i| i.digest());
+        if !cache.verify || shard.source.local_path().is_some() || digest.is_none() {
+            continue;
+        }
+        read_whole(shard.source.clone(), block, concurrency)?;
+        if let Some(copy) = identity.and_then(|i| source::cache::published_copy(&i, cache)) {
+            shard.source = copy;
+        }
+    }
+    Ok(())
+}
+
 /// Runs `plan`'s reads into `buffer`, at most `concurrency` at once, each a task of its own where
 /// the source's reads belong ([`source::spawn_read`]); the first error ends the wait.
 async fn fill(

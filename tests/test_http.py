@@ -315,6 +315,108 @@ def test_a_torn_load_publishes_nothing_in_the_cache(make_server, new_version, tm
     assert server.behaviour.gets == gets, "the second load read the published copy"
 
 
+# Servers whose GETs carry fewer validators than their HEAD: the version is pinned on all the
+# validators the server gives (ETag, Last-Modified, size), and a response that cannot be tied to
+# the pinned version stops the load
+
+
+@pytest.mark.parametrize(
+    "validators",
+    [
+        {"get_etags": False},
+        {"get_etags": False, "ignore_if_match": True},
+        {"etags": False},
+        {"etags": False, "ignore_if_match": True},
+    ],
+    ids=["no-etag-on-get", "no-etag-on-get-ignores-if-match", "last-modified-only", "lm-ignored"],
+)
+def test_an_overwrite_is_caught_whatever_validators_the_gets_carry(
+    make_server, new_version, validators
+):
+    """HEAD gives an ETag but GETs carry none (a proxy stripped it), or the server gives only
+    Last-Modified: the HEAD's ETag is sent as If-Match, else its Last-Modified as
+    If-Unmodified-Since, and each response's Last-Modified is compared; an overwrite is an
+    error, never tensors of two versions."""
+    server = make_server(
+        swap_path="/big.safetensors", swap_data=new_version.read_bytes(), swap_after=3, **validators
+    )
+    url = server.url("big.safetensors")
+    err = timed_error(fastload.StorageError, lambda: fastload.load(url, block_size="64KiB"))
+    assert "changed while loading" in str(err) and url in str(err), err
+    # A server that honours the preconditions refused the stale version (412).
+    assert (server.behaviour.refused_if_match > 0) == (not validators.get("ignore_if_match")), err
+    assert_same_tensors(fastload.load(url, block_size="64KiB"), reference(new_version))
+
+
+@pytest.mark.parametrize("ignore_if_match", [False, True], ids=["412", "ignores-if-match"])
+def test_a_safe_open_handle_never_serves_another_version(
+    make_server, new_version, multi_block_file, ignore_if_match
+):
+    """The header was read from version A; once the object is B, a tensor read through the
+    handle is an error, not B's bytes under A's header, though the GETs carry no ETag."""
+    server = make_server(get_etags=False, ignore_if_match=ignore_if_match)
+    url = server.url("big.safetensors")
+    old = reference(multi_block_file)
+    with fastload.safe_open(url, "pt") as f:
+        first, *rest = [name for name in f.keys() if old[name].numel()]
+        helpers.assert_same_tensor(f.get_tensor(first), old[first], first)
+        server.overwrite({"big.safetensors": new_version})
+        for name in rest:
+            with pytest.raises(fastload.StorageError, match="changed while loading"):
+                f.get_tensor(name)
+            with pytest.raises(fastload.StorageError, match="changed while loading"):
+                f.get_slice(name)[:1]
+
+
+@pytest.mark.parametrize(
+    "validators, sent",
+    [({}, 'If-Match: "{etag}"'), ({"etags": False}, "If-Unmodified-Since: ")],
+    ids=["etag", "last-modified"],
+)
+def test_a_412_on_the_first_get_names_the_validator_refused(
+    make_server, new_version, served, validators, sent
+):
+    """The object changes between the HEAD and the first GET: the 412 names what was sent."""
+    import hashlib
+
+    server = make_server(
+        swap_path="/big.safetensors", swap_data=new_version.read_bytes(), swap_after=0, **validators
+    )
+    url = server.url("big.safetensors")
+    err = timed_error(fastload.StorageError, lambda: fastload.load(url, block_size="64KiB"))
+    etag = hashlib.md5(served["/big.safetensors"]).hexdigest()
+    message = str(err)
+    assert "412 Precondition Failed" in message and "changed while loading" in message, message
+    assert sent.format(etag=etag) in message, message
+    assert "If-Match:  " not in message and "If-Match: with" not in message, message
+    assert server.behaviour.refused_if_match == 1
+
+
+@pytest.mark.parametrize("compared_by", ["origin", "cdn"])
+def test_head_and_get_etags_that_disagree_on_an_unchanged_object_say_so(
+    make_server, served, compared_by
+):
+    """A CDN rewrites the ETag of GETs: HEAD says "a", GET says "b" though nothing changed. The
+    error says the server's validators disagree, not that the object changed, whether If-Match
+    goes through to the origin (the GET answers with "b") or the CDN compares it with its own
+    tag (412)."""
+    import hashlib
+
+    server = make_server(
+        get_etag='"rewritten-by-the-cdn"', if_match_against_get_etag=compared_by == "cdn"
+    )
+    url = server.url("big.safetensors")
+    err = timed_error(fastload.StorageError, lambda: fastload.load(url, block_size="64KiB"))
+    message = str(err)
+    assert "validators disagree" in message and url in message, message
+    assert "changed while loading" not in message, message
+    etag = f'"{hashlib.md5(served["/big.safetensors"]).hexdigest()}"'
+    if compared_by == "cdn":
+        assert f"If-Match: {etag}" in message and "412" in message, message
+    else:
+        assert '"rewritten-by-the-cdn"' in message and etag in message, message
+
+
 # ---------------------------------------------------------------------------------------------
 # https with a certificate from a throwaway CA
 

@@ -13,13 +13,14 @@ import fastload
 import huggingface_hub
 import pytest
 from helpers import (
+    assert_same_tensor,
     assert_same_tensors,
     indexed_files,
     reference,
     write_all_dtypes,
     write_multi_block,
 )
-from servers.hub import MockHub
+from servers.hub import MockHub, git_blob_sha1
 
 REPO = "org/model"
 TOKEN = "hf_secret_token_value"
@@ -448,6 +449,107 @@ def test_verify_checks_lfs_files_wherever_their_bytes_come_from(env, tmp_path, d
         assert sorted(blob.parent.iterdir()) == []
     finally:
         own.close()
+
+
+def _read_every_way(f, want) -> None:
+    """Every tensor through get_tensor, a slice of each through get_slice, and get_tensors, all
+    bitwise equal to `want`."""
+    import torch
+
+    for name in f.keys():
+        assert_same_tensor(f.get_tensor(name), want[name], name)
+        if want[name].dim() and want[name].numel():
+            got, ref = f.get_slice(name)[-1:], want[name][-1:]
+            assert got.shape == ref.shape and torch.equal(
+                got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)
+            ), name
+    assert_same_tensors(f.get_tensors(), want)
+
+
+@needs_cache
+@pytest.mark.parametrize("lfs", [True, False], ids=["lfs", "plain"])
+def test_safe_open_verify_checks_a_cached_blob_before_serving_it(
+    env, tmp_path, dtypes_file, capfd, lfs
+):
+    """safe_open(verify=True): a same-size poisoned blob in the HF cache is hashed whole (sha256,
+    or the git blob id of a file outside LFS) before any byte of it is served: removed, and
+    every method reads the file from the Hub. Without verify the blob is served as it is."""
+    env.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    own = MockHub()
+    try:
+        data = dtypes_file.read_bytes()
+        if not lfs:
+            own.plain.add("model.safetensors")
+        own.add("org/v", {"model.safetensors": data})
+        env.setenv("HF_ENDPOINT", own.base)
+        want = reference(dtypes_file)
+        fastload.load("hf://org/v", cache=True)
+        fastload.cache_stats()
+        blob_id = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
+        blob = tmp_path / "hf_cache" / "models--org--v" / "blobs" / blob_id
+        assert blob.read_bytes() == data
+        bad = bytearray(data)
+        bad[-1] ^= 0xFF  # the last tensor's last byte
+        blob.write_bytes(bytes(bad))
+        last = fastload.inspect(str(dtypes_file))[0]["tensors"][-1][0]
+        uri = "hf://org/v/model.safetensors"
+        with fastload.safe_open(uri, "pt") as f:
+            assert not torch_equal(f.get_tensor(last), want[last]), "the poisoned blob is read"
+        capfd.readouterr()
+        with fastload.safe_open(uri, "pt", verify=True) as f:
+            assert not blob.exists(), "the poisoned blob was not removed at open"
+            _read_every_way(f, want)
+        assert "removed, read from the network" in capfd.readouterr().err
+    finally:
+        own.close()
+
+
+@needs_cache
+def test_safe_open_verify_hashes_a_remote_file_whole_before_serving_it(env, tmp_path, dtypes_file):
+    """safe_open(verify=True) over the network: the file is read whole once and hashed when it
+    opens; wrong bytes from the storage host are a StorageError naming the sha256s, before any
+    tensor is served (and so for a load of some tensors, names=). With cache=, that read fills a
+    verified copy, which later reads use."""
+    env.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    own = MockHub()
+    try:
+        data = dtypes_file.read_bytes()
+        own.add("org/v", {"model.safetensors": data})
+        env.setenv("HF_ENDPOINT", own.base)
+        want = reference(dtypes_file)
+        sha = hashlib.sha256(data).hexdigest()
+        bad = bytearray(data)
+        bad[-1] ^= 0xFF
+        own.storage.poison[sha] = bytes(bad)
+        uri = "hf://org/v/model.safetensors"
+        with fastload.safe_open(uri, "pt") as f:
+            f.get_tensor(f.keys()[0])  # without verify, it opens and serves
+        with pytest.raises(fastload.StorageError, match=sha) as e:
+            fastload.safe_open(uri, "pt", verify=True)
+        assert hashlib.sha256(bad).hexdigest() in str(e.value)
+        # A load of some tensors means the same: the file is checked whole first.
+        first = next(iter(want))
+        with pytest.raises(fastload.StorageError, match=sha):
+            fastload.load(uri, verify=True, names=[first])
+
+        del own.storage.poison[sha]
+        blob = tmp_path / "hf_cache" / "models--org--v" / "blobs" / sha
+        with fastload.safe_open(uri, "pt", verify=True) as f:
+            _read_every_way(f, want)
+        assert not blob.exists(), "no cache=: nothing written"
+        with fastload.safe_open(uri, "pt", verify=True, cache=True) as f:
+            gets = len(storage_gets(own))
+            _read_every_way(f, want)
+            assert len(storage_gets(own)) == gets, "read from the verified copy"
+        assert blob.read_bytes() == data
+    finally:
+        own.close()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -315,7 +315,7 @@ def test_signatures_spell_out_every_option():
 TABLE = {o.name: o for o in fastload._fastload.OPTIONS}
 ROOT = Path(__file__).resolve().parent.parent
 # The keyword-only parameters of _fastload.Stream that are not load options.
-STREAM_ONLY = ["parts", "target", "allocate"]
+STREAM_ONLY = ["parts", "target", "allocate", "reader"]
 # The extra-config keys of the engine loaders that are not load options.
 ENGINE_ONLY = {"weights_uri", "distributed"}
 

@@ -195,6 +195,52 @@ def test_a_versioned_object_overwritten_while_streaming_reads_the_pinned_version
     assert_same_tensors(fastload.load(uri), reference(new))
 
 
+@pytest.mark.parametrize("named", ["object", "prefix"])
+def test_an_overwrite_behind_a_proxy_that_strips_etags_is_an_error_not_torn(
+    through_proxy, bucket, multi_block_file, tmp_path, named
+):
+    """GETs come back without their ETag (a proxy drops it): the HEAD's ETag (for a prefix, the
+    listing's, confirmed by a HEAD) pins every read through If-Match, so an overwrite midway is
+    an error, not tensors of two versions."""
+    new = helpers.write_multi_block(tmp_path / "new.safetensors", seed=100)
+    folder = f"stripped-{named}"
+    key = f"{folder}/big.safetensors"
+    upload(bucket.client(), BUCKET, {key: multi_block_file})
+    through_proxy(strip={"GET": {"etag"}})
+    uri = f"s3://{BUCKET}/{key}" if named == "object" else f"s3://{BUCKET}/{folder}/"
+    old = reference(multi_block_file)
+    got = {}
+    with pytest.raises(fastload.StorageError) as info:
+        for name, tensor in fastload.stream(uri, block_size="64KiB", memory_limit="1MiB"):
+            if not got:
+                upload(bucket.client(), BUCKET, {key: new})
+            got[name] = tensor
+            helpers.assert_same_tensor(tensor, old[name], name)
+    assert "changed while loading" in str(info.value), info.value
+    assert len(got) < len(old)
+
+
+def test_a_pinned_version_deleted_while_loading_is_gone_not_missing(
+    bucket, aws_env, multi_block_file
+):
+    """The version a load is pinned to is deleted midway (DELETE with its versionId): the error
+    says that version is gone, not that there is no such file."""
+    aws_env(bucket)
+    client, name = bucket.client(), "versioned-deletes"
+    upload(client, name, {})
+    client.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+    upload(client, name, {"big.safetensors": multi_block_file})
+    version = client.head_object(Bucket=name, Key="big.safetensors")["VersionId"]
+    uri = f"s3://{name}/big.safetensors"
+    with pytest.raises(fastload.StorageError) as info:
+        for _ in fastload.stream(uri, block_size="64KiB", memory_limit="1MiB"):
+            client.delete_object(Bucket=name, Key="big.safetensors", VersionId=version)
+    err = info.value
+    assert not isinstance(err, FileNotFoundError), repr(err)
+    assert f"version {version}" in str(err) and "is gone" in str(err), err
+    assert uri in str(err), err
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors: the right exception, naming the URI, within a bounded time, without secrets
 

@@ -419,6 +419,62 @@ def test_hub_slice(monkeypatch, tmp_path, remote_file):
         hub.close()
 
 
+# -- one version per handle -------------------------------------------------------------------
+
+
+def _versions(tmp_path) -> tuple:
+    """Two files with the same header (names, dtypes, shapes, offsets) and other values: an
+    object overwritten under an open handle."""
+    shapes = {"w": ((64, 96), torch.bfloat16), "b": ((5, 7, 6), torch.float32)}
+    a = write(
+        tmp_path / "a.safetensors", {k: pattern(s, d, seed=1) for k, (s, d) in shapes.items()}
+    )
+    b = write(
+        tmp_path / "b.safetensors", {k: pattern(s, d, seed=2) for k, (s, d) in shapes.items()}
+    )
+    return a, b
+
+
+@pytest.mark.parametrize("store", ["http", "s3"])
+@pytest.mark.parametrize("method", ["get_tensors", "gpu_get_tensor"])
+def test_every_method_of_a_handle_reads_the_version_it_opened(
+    range_server, s3_store, tmp_path, store, method
+):
+    """get_tensors (a load of the whole file) and a GPU get_tensor (a staged load of one tensor;
+    here the same staged pipeline into host memory) read through the handle's own pinned files:
+    once the object is overwritten, they raise "changed" or return the old version bitwise,
+    never the new one."""
+    old, new = _versions(tmp_path)
+    key = f"versions/{store}-{method}.safetensors"
+    if store == "http":
+        range_server.put({key: old})
+        uri, options = range_server.url(key), {}
+        overwrite = lambda: range_server.put({key: new})  # noqa: E731
+    else:
+        client = s3_store.server.client()
+        s3_server.upload(client, s3_server.BUCKET, {key: old})
+        uri, options = s3_store.uri(key), {"storage_options": s3_store.options()}
+        overwrite = lambda: s3_server.upload(client, s3_server.BUCKET, {key: new})  # noqa: E731
+    want = safetensors.torch.load_file(str(old))
+    with fastload.safe_open(uri, "pt", **options) as f:
+        overwrite()
+        if method == "gpu_get_tensor":
+            # The GPU branch of get_tensor, staged into host memory (no GPU needed).
+            f._target = "host"
+        try:
+            got = f.get_tensors() if method == "get_tensors" else {"w": f.get_tensor("w")}
+        except fastload.StorageError as e:
+            assert "changed while loading" in str(e), e
+        else:
+            for name, t in got.items():
+                assert torch.equal(raw_bytes(t), raw_bytes(want[name])), name
+    # A new handle reads the new version.
+    with fastload.safe_open(uri, "pt", **options) as f:
+        assert torch.equal(
+            raw_bytes(f.get_tensor("w")), raw_bytes(pattern((64, 96), torch.bfloat16, seed=2))
+        )
+
+
 # -- load_file -------------------------------------------------------------------------------
 
 

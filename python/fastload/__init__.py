@@ -182,7 +182,14 @@ class Stream:
     """
 
     @_options.spelled_out
-    def __init__(self, uri: Uri, *, _target: str | None = None, **options: Unpack[Options]) -> None:
+    def __init__(
+        self,
+        uri: Uri,
+        *,
+        _target: str | None = None,
+        _reader: _fastload.Reader | None = None,
+        **options: Unpack[Options],
+    ) -> None:
         _options.check("Stream", options)
         dev, target = _target_for(options.get("device", "cpu"), options.get("method"))
         _torch = _torch_glue()
@@ -202,6 +209,8 @@ class Stream:
             **native,
             target=target,
             allocate=None if target is None else _torch.allocator(dev),
+            # A safe_open handle's files, pinned to the versions it opened.
+            reader=_reader,
         )
         self._pid = os.getpid()
         # Items of delivered segments not yet handed out, in order. Threads may share the stream

@@ -238,7 +238,9 @@ class Stream:
     ``names``). ``target`` (``"cuda"``, ``"cuda:N"`` or ``"host"``): the staged pipeline; with
     ``allocate`` it copies into the memory ``allocate`` hands out (items' ``data`` are its owner
     objects), without it into memory fastload allocates per tensor (``cuMemAlloc`` for a GPU;
-    items' ``data`` are ``dltensor`` capsules, kDLCUDA or kDLCPU, that own it).
+    items' ``data`` are ``dltensor`` capsules, kDLCUDA or kDLCPU, that own it). ``reader``: load
+    the files a :class:`Reader` opened, each read pinned to the version it saw (``uris`` are not
+    opened again).
 
     Waits release the GIL and honour Ctrl-C (KeyboardInterrupt, the load cancelled). ``stats()``
     and ``close()`` never wait for a ``next()`` running on another thread; a stream closed before
@@ -259,6 +261,7 @@ class Stream:
         parts: list[tuple[str, int, int]] | None = None,
         target: str | None = None,
         allocate: _Allocate | None = None,
+        reader: Reader | None = None,
     ) -> Stream: ...
     def __iter__(self) -> Stream: ...
     def __next__(self) -> list[Item]: ...
@@ -278,7 +281,9 @@ class _Header(TypedDict):
 @final
 class Reader:
     """Files opened once (sources and validated headers); ``read`` reads chosen byte ranges of
-    one of them into a new buffer, in parallel blocks, nothing outside the ranges."""
+    one of them into a new buffer, in parallel blocks, nothing outside the ranges. With
+    ``verify``, each file whose store gives a digest is checked whole (a cached copy hashed, a
+    remote file read whole once) before anything is read from it."""
 
     def __new__(
         cls,
@@ -288,6 +293,7 @@ class Reader:
         block_size: _Size | None = None,
         storage_options: Mapping[str, object] | None = None,
         cache: _Cache | None = None,
+        verify: bool | None = None,
     ) -> Reader: ...
     @property
     def concurrency(self) -> int: ...

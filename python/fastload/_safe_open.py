@@ -184,8 +184,11 @@ class safe_open:
     ``safetensors.safe_open(filename, framework="pt", device=...)``.
 
     ``options`` are fastload's (:class:`fastload.Options`): ``concurrency``, ``block_size``,
-    ``storage_options``, ``cache`` for the reads; the others apply to a GPU ``get_tensor``, which
-    is a staged load. ``backend`` is accepted for safetensors' signature and changes nothing.
+    ``storage_options``, ``cache`` and ``verify`` for the reads; the others apply to a GPU
+    ``get_tensor`` and to ``get_tensors``, which are loads (of the version this handle opened).
+    ``verify=True`` checks the file whole against its store's digest (Hub files) when the handle
+    opens, before any byte of it is served. ``backend`` is accepted for safetensors' signature and
+    changes nothing.
     """
 
     def __init__(
@@ -299,11 +302,14 @@ class safe_open:
         return shape
 
     def _load(self, **extra: Any) -> dict[str, torch.Tensor]:
-        from . import load
+        """A load of this file through the handle's own reader: the version it opened, never
+        the URI opened again (which could be a newer version)."""
+        from . import Stream
 
         opts: dict[str, Any] = dict(self._options)
         opts.update(extra, device=self._device)
-        return load(self._uri, **opts)
+        with Stream(self._uri, _target=self._target, _reader=self._open(), **opts) as s:
+            return dict(s)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor, on this safe_open's device: read in parallel blocks for the CPU, a
@@ -315,7 +321,8 @@ class safe_open:
         return self._glue.from_bytes(dtype, shape, raw, self._file)
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor, in file order (one load of the whole file)."""
+        """Every tensor, in file order (one load of the whole file, of the version this handle
+        opened)."""
         self._open()
         tensors = self._load()
         return {k: tensors[k] for k in self._offset_keys}

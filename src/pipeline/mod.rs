@@ -192,12 +192,46 @@ pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Re
     Ok(staged::start(plan, resolved, target))
 }
 
+/// Like [`open`] (with `target`, [`open_staged`]), over shards opened already: a `safe_open`
+/// handle's, whose sources are pinned to the versions it saw when it opened (`remote`: some of
+/// them are read over the network, for the defaults of the options).
+pub fn open_opened(
+    shards: Vec<source::Shard>,
+    remote: bool,
+    options: &LoadOptions,
+    target: Option<Target>,
+) -> Result<Loader> {
+    let resolved = options.resolve(remote)?;
+    let (plan, resolved) = plan_shards(shards, options, resolved)?;
+    Ok(match target {
+        None => Loader::start(plan, resolved),
+        Some(target) => staged::start(plan, resolved, target),
+    })
+}
+
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let resolved = options.resolve(source::open::any_remote(uris))?;
     let mut cache = crate::source::cache::CacheSettings::for_load(options)?;
     // A rank of a distributed load reads a share of each object: it reads copies, fills none.
     cache.fill &= options.parts.is_none();
-    let shards = source::open::open_all(uris, &options.storage_options, &cache)?;
+    let mut shards = source::open::open_all(uris, &options.storage_options, &cache)?;
+    if let Some(names) = options.names.as_deref().filter(|_| cache.verify) {
+        // Some tensors of each file are read: `verify` checks the files that hold one whole
+        // first (a whole load hashes every file while it streams).
+        let wanted = |s: &source::Shard| s.header.tensors.iter().any(|t| names.contains(&t.name));
+        for shard in shards.iter_mut().filter(|s| wanted(s)) {
+            let (block, concurrency) = (resolved.block_size, resolved.concurrency);
+            crate::ranges::verify_whole(std::slice::from_mut(shard), &cache, block, concurrency)?;
+        }
+    }
+    plan_shards(shards, options, resolved)
+}
+
+fn plan_shards(
+    shards: Vec<source::Shard>,
+    options: &LoadOptions,
+    resolved: Resolved,
+) -> Result<(Plan, Resolved)> {
     let segment_size = plan::segment_size(resolved.memory_limit, resolved.block_size);
     let plan = match &options.parts {
         None => plan::build(shards, options.names.as_deref(), segment_size)?,

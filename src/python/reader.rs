@@ -8,7 +8,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions};
+use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions, VerifyArg};
 use super::dlpack;
 use super::options::load_options;
 use super::wait::off_thread;
@@ -18,6 +18,8 @@ use crate::source::Shard;
 #[pyclass(module = "fastload._fastload", frozen)]
 pub struct Reader {
     shards: Vec<Shard>,
+    /// Some file is read over the network (the options' defaults differ).
+    remote: bool,
     /// Reads in flight and bytes per read, resolved as a load of the same URIs resolves them.
     #[pyo3(get)]
     concurrency: usize,
@@ -28,10 +30,19 @@ pub struct Reader {
     reads: AtomicU64,
 }
 
+impl Reader {
+    /// The files as they were opened (each source pinned to the version seen then), and
+    /// whether some are remote: a load over them (`Stream(..., reader=)`) reads those versions.
+    pub(super) fn opened(&self) -> (Vec<Shard>, bool) {
+        (self.shards.clone(), self.remote)
+    }
+}
+
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, verify=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -39,6 +50,7 @@ impl Reader {
         block_size: Option<Bytes<BlockSize>>,
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
+        verify: Option<VerifyArg>,
     ) -> PyResult<Self> {
         let opts = load_options(
             concurrency,
@@ -48,18 +60,26 @@ impl Reader {
             None,
             storage_options,
             cache,
-            // Slices read parts of a file: there is no whole-file digest to check.
-            None,
+            verify,
         );
-        let resolved = opts.resolve(crate::source::open::any_remote(&uris))?;
+        let remote = crate::source::open::any_remote(&uris);
+        let resolved = opts.resolve(remote)?;
         let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
-        // Ranges of an object are read, never the whole: copies are read, none is written.
-        cache.fill = false;
+        // Ranges of an object are read, never the whole: copies are read, none is written;
+        // except with verify, where each file with a digest is read whole once before anything
+        // is served from it (`ranges::verify_whole`), and that read fills its copy.
+        cache.fill = cache.verify;
+        let (block, concurrency) = (resolved.block_size, resolved.concurrency);
         let shards = off_thread(py, "open", move || {
-            crate::source::open::open_all(&uris, &opts.storage_options, &cache)
+            let mut shards = crate::source::open::open_all(&uris, &opts.storage_options, &cache)?;
+            if cache.verify {
+                crate::ranges::verify_whole(&mut shards, &cache, block, concurrency)?;
+            }
+            Ok::<_, crate::Error>(shards)
         })??;
         Ok(Reader {
             shards,
+            remote,
             concurrency: resolved.concurrency,
             block_size: resolved.block_size,
             bytes: AtomicU64::new(0),

@@ -14,6 +14,7 @@ use super::errors::raised;
 use super::gil;
 use super::item::{Item, Stats};
 use super::options::load_options;
+use super::reader::Reader;
 use super::wait::{off_thread, SLICE};
 use crate::device::{self, Allocation, Allocator, Destination, PerTensor, Target};
 use crate::pipeline::{self, Control, Loaded, Loader, Memory};
@@ -107,7 +108,7 @@ type Step = Option<Result<Option<Loaded>, Arc<crate::Error>>>;
 impl Stream {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, parts=None, target=None, allocate=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, parts=None, target=None, allocate=None, reader=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -122,6 +123,7 @@ impl Stream {
         parts: Option<Vec<Part>>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
+        reader: Option<PyRef<'_, Reader>>,
     ) -> PyResult<Self> {
         let mut opts = load_options(
             concurrency,
@@ -134,6 +136,29 @@ impl Stream {
             verify,
         );
         opts.parts = parts;
+        if let Some(reader) = reader {
+            // A safe_open handle's load: its files as it opened them, each read pinned to the
+            // version it saw then (`uris` named them for the handle, and are not opened again).
+            let (shards, remote) = reader.opened();
+            let loader = off_thread(py, "open", move || {
+                let target = match (target, allocate) {
+                    (None, None) => None,
+                    (Some(target), Some(allocate)) => {
+                        let engine = device::engine(&target)?;
+                        let allocator = Box::new(PyAllocator { allocate });
+                        Some(Target { engine, allocator })
+                    }
+                    (Some(target), None) => {
+                        let Target { engine, allocator } = device::rust_target(&target)?;
+                        let allocator = Box::new(PerTensor(allocator));
+                        Some(Target { engine, allocator })
+                    }
+                    (None, Some(_)) => return Err(no_target()),
+                };
+                pipeline::open_opened(shards, remote, &opts, target)
+            })??;
+            return Ok(Stream::around(loader));
+        }
         let loader = match (target, allocate) {
             // Local files on a local filesystem open in microseconds (no server to wait for,
             // nothing Ctrl-C would have to cut short): on this thread, not one started for it.
@@ -151,20 +176,9 @@ impl Stream {
                 let allocator = Box::new(PerTensor(allocator));
                 pipeline::open_staged(&uris, &opts, Target { engine, allocator })
             }),
-            (None, Some(_)) => Err(crate::Error::option(
-                "allocate",
-                "allocate needs a target (\"cuda\", \"cuda:N\" or \"host\")",
-            )
-            .into()),
+            (None, Some(_)) => Err(no_target().into()),
         }??;
-        let placed = DLDevice::of_engine(loader.engine().unwrap_or("host"));
-        Ok(Stream {
-            control: loader.control().clone(),
-            feed: Mutex::new(Feed::Open(loader)),
-            closed: Mutex::new(None),
-            placed,
-            opened_in: std::process::id(),
-        })
+        Ok(Stream::around(loader))
     }
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -218,7 +232,27 @@ impl Stream {
     }
 }
 
+/// The error of `allocate` without a target.
+fn no_target() -> crate::Error {
+    crate::Error::option(
+        "allocate",
+        "allocate needs a target (\"cuda\", \"cuda:N\" or \"host\")",
+    )
+}
+
 impl Stream {
+    /// The stream of a started load.
+    fn around(loader: Loader) -> Stream {
+        let placed = DLDevice::of_engine(loader.engine().unwrap_or("host"));
+        Stream {
+            control: loader.control().clone(),
+            feed: Mutex::new(Feed::Open(loader)),
+            closed: Mutex::new(None),
+            placed,
+            opened_in: std::process::id(),
+        }
+    }
+
     fn in_its_process(&self) -> crate::Result<()> {
         if std::process::id() == self.opened_in {
             Ok(())

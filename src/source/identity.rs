@@ -36,3 +36,25 @@ pub struct HubLocation {
     /// the git sha1 otherwise).
     pub blob_id: String,
 }
+
+/// What a file's content is checked against, where its store gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Digest {
+    /// Lowercase hex sha256 (Hub LFS files).
+    Sha256(String),
+    /// Git blob id: sha1 of `blob <len>\0` and the bytes (Hub files outside LFS).
+    GitBlob(String),
+}
+
+impl CacheIdentity {
+    /// What the content can be checked against: its sha256, else (a Hub file outside LFS) the
+    /// git blob id its ETag gives.
+    pub fn digest(&self) -> Option<Digest> {
+        if let Some(sha) = &self.sha256 {
+            return Some(Digest::Sha256(sha.to_ascii_lowercase()));
+        }
+        let id = self.hub.as_ref()?.blob_id.as_str();
+        let git = id.len() == 40 && id.bytes().all(|b| b.is_ascii_hexdigit());
+        git.then(|| Digest::GitBlob(id.to_ascii_lowercase()))
+    }
+}

@@ -6,8 +6,10 @@ no listing (PROPFIND gets 501, as `http.server` answers, or 405, as nginx does).
 honoured as real servers do (412 Precondition Failed when no tag matches the current ETag,
 strongly compared). A `Behaviour` makes it misbehave the way some servers do: ignore Range (200
 with the whole body, as some static servers and CDNs do), answer the first requests with an error
-status, forbid everything, send bodies at a trickle, or have an object overwritten after a number
-of GETs of it (optionally ignoring `If-Match`, as some servers do).
+status, forbid everything, send bodies at a trickle, have an object overwritten after a number
+of GETs of it (optionally ignoring `If-Match` and `If-Unmodified-Since`, as some servers do), or
+send its validators as some servers and proxies do (no ETag at all, none with a GET's bytes, a
+rewritten one).
 """
 
 from __future__ import annotations
@@ -54,7 +56,17 @@ class Behaviour:
     swap_path: str | None = None
     swap_data: bytes = b""
     swap_after: int = 0
-    ignore_if_match: bool = False
+    ignore_if_match: bool = False  # and If-Unmodified-Since
+    # Validators as some servers and proxies send them: `etags=False`, none at all (Last-Modified
+    # only); `get_etags=False`, none with the bytes of a GET (HEAD still sends it, and If-Match is
+    # still honoured, as behind a proxy that strips it); `get_etag`, this one with the bytes of a
+    # GET in place of the real one (a CDN rewriting ETags; If-Match is compared with the real
+    # one). A swap moves Last-Modified on by `swap_modified_by` seconds.
+    etags: bool = True
+    get_etags: bool = True
+    get_etag: str | None = None
+    if_match_against_get_etag: bool = False  # the CDN compares If-Match with its own tag
+    swap_modified_by: int = 10
     gets: int = 0  # GETs of swap_path so far
     refused_if_match: int = 0  # 412s answered
     rng: random.Random | None = None
@@ -109,7 +121,17 @@ class _Handler(Handler):
                 b.gets += 1
                 if b.gets == b.swap_after + 1:
                     self.server.put({path: b.swap_data})
+                    later = email.utils.parsedate_to_datetime(self.server.modified).timestamp()
+                    self.server.modified = email.utils.formatdate(
+                        later + b.swap_modified_by, usegmt=True
+                    )
             data, etag = files[path], self.server.etags[path]
+            modified = self.server.modified
+        sent_etag = etag if b.etags else None
+        if self.command == "GET" and not b.get_etags:
+            sent_etag = None
+        elif self.command == "GET" and b.get_etag is not None:
+            sent_etag = b.get_etag
 
         def noted(status: int) -> None:
             if status == 412:
@@ -120,11 +142,10 @@ class _Handler(Handler):
         reply = serve(
             self,
             data,
-            [
-                ("Content-Type", "application/octet-stream"),
-                ("Last-Modified", self.server.modified),
-            ],
-            etag=etag,
+            [("Content-Type", "application/octet-stream")],
+            etag=(b.get_etag if b.if_match_against_get_etag else etag) if b.etags else None,
+            sent_etag=sent_etag,
+            last_modified=modified,
             check_if_match=not b.ignore_if_match,
             honour_range=not b.ignore_range,
             on_status=noted,
@@ -193,6 +214,13 @@ class RangeServer(Server):
         self.modified = email.utils.formatdate(usegmt=True)
         self.behaviour = behaviour or Behaviour()
         super().__init__(_Handler, tls=tls)
+
+    def overwrite(self, files: dict[str, Path | bytes], later_by: int = 10) -> None:
+        """Puts `files` as an overwrite does: new bytes, Last-Modified `later_by` seconds on."""
+        with self.behaviour.lock:
+            self.put(files)
+            then = email.utils.parsedate_to_datetime(self.modified).timestamp()
+            self.modified = email.utils.formatdate(then + later_by, usegmt=True)
 
     def put(self, files: dict[str, Path | bytes]) -> None:
         """Serves each file's bytes at its URL path ("/a/b" or "a/b")."""

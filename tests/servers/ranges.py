@@ -1,7 +1,8 @@
 """The one reading of `Range` and `If-Match`, and the one body writer, for every test server.
 
 `serve()` answers a GET or HEAD of some bytes as servers do: 412 Precondition Failed when
-`If-Match` names no tag strongly equal to the ETag (RFC 9110 13.1.1), 416 with `Content-Range:
+`If-Match` names no tag strongly equal to the ETag (RFC 9110 13.1.1), or, without `If-Match`, when
+the bytes were modified after `If-Unmodified-Since` (13.1.4), 416 with `Content-Range:
 bytes */size` for a range past the end, 206 with `Content-Range` for one satisfiable range
 (`bytes=a-b`, `a-`, `-n`), and 200 with the whole body otherwise (no header, a malformed one, or
 several ranges, as RFC 9110 allows). It sends the status line and headers and returns what is
@@ -11,6 +12,7 @@ at full speed with `write()`, throttled, trickled or cut).
 
 from __future__ import annotations
 
+import email.utils
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,6 +55,19 @@ def if_match(header: str | None, etag: str) -> bool:
     return not etag.startswith("W/") and etag in tags
 
 
+def if_unmodified_since(header: str | None, last_modified: str | None) -> bool:
+    """Whether `If-Unmodified-Since` lets the request through (RFC 9110 13.1.4: absent, not a
+    date, or a representation without a Last-Modified, else modified at or before the date)."""
+    if header is None or last_modified is None:
+        return True
+    try:
+        since = email.utils.parsedate_to_datetime(header)
+        modified = email.utils.parsedate_to_datetime(last_modified)
+    except (TypeError, ValueError):
+        return True
+    return modified <= since
+
+
 @dataclass
 class Reply:
     status: int  # 200, 206, 412 or 416
@@ -83,6 +98,8 @@ def serve(
     headers: Iterable[tuple[str, str]] = (),
     *,
     etag: str | None = None,
+    sent_etag: str | bool | None = True,
+    last_modified: str | None = None,
     check_if_match: bool = True,
     honour_range: bool = True,
     range_header: str | None = None,
@@ -90,14 +107,23 @@ def serve(
     on_status: Callable[[int], None] | None = None,
 ) -> Reply:
     """Answers `handler`'s GET/HEAD of `data` (see the module's docstring). `etag` is sent and is
-    what `If-Match` is compared with; `range_header` overrides the request's `Range` (Azure's
+    what `If-Match` is compared with (`sent_etag`, when not True, is sent in its place: None for
+    no ETag header), `last_modified` (an HTTP date) is sent and is what
+    `If-Unmodified-Since` is compared with (`check_if_match=False` ignores both preconditions);
+    `range_header` overrides the request's `Range` (Azure's
     `x-ms-range`); `honour_range=False` serves the whole body with 200 whatever was asked;
     `on_status(status)` runs before anything is sent (a log that a client never sees late)."""
     refuse = refuse or plain_refuse(handler)
     noted = on_status or (lambda status: None)
     size = len(data)
     empty = memoryview(b"")
-    if check_if_match and etag is not None and not if_match(handler.headers.get("If-Match"), etag):
+    tags = handler.headers.get("If-Match")
+    if tags is not None:
+        refused = etag is not None and not if_match(tags, etag)
+    else:
+        since = handler.headers.get("If-Unmodified-Since")
+        refused = not if_unmodified_since(since, last_modified)
+    if check_if_match and refused:
         noted(412)
         refuse(412, "precondition failed", [])
         return Reply(412, empty)
@@ -113,8 +139,11 @@ def serve(
     handler.send_header("Content-Length", str(end - start))
     if honour_range:
         handler.send_header("Accept-Ranges", "bytes")
-    if etag is not None:
-        handler.send_header("ETag", etag)
+    shown = etag if sent_etag is True else sent_etag
+    if isinstance(shown, str):
+        handler.send_header("ETag", shown)
+    if last_modified is not None:
+        handler.send_header("Last-Modified", last_modified)
     for k, v in headers:
         handler.send_header(k, v)
     if status == 206:

@@ -461,6 +461,10 @@ class HttpFaultProxy(_Relay):
     data and header reads) take the next fault of `plan`, then `then` forever once the plan is
     used up (None: relay untouched). Counters are in `served`.
 
+    `strip` ({method: {lower-case header names}}) removes those headers from the responses to
+    requests of that method, as a proxy that drops validators does (`{"GET": {"etag"}}`: GETs
+    come back without their ETag, HEADs keep it).
+
     Bounds: the relay stops accepting after `lifetime` seconds; every socket has a timeout of
     `io_timeout`; request heads are capped at 64 KiB; stalls end after their `seconds` or at
     `close()`, whichever is first.
@@ -474,8 +478,10 @@ class HttpFaultProxy(_Relay):
         match=_ranged_get,
         lifetime: float = 300.0,
         io_timeout: float = 30.0,
+        strip: dict[str, set[str]] | None = None,
     ) -> None:
         self.target = target
+        self.strip = strip or {}
         self.plan = list(plan)
         self.then = then
         self.match = match
@@ -520,10 +526,12 @@ class HttpFaultProxy(_Relay):
         return lines[0], headers
 
     @staticmethod
-    def _with_close(head: bytes) -> bytes:
-        """The head with any Connection header replaced by `Connection: close`."""
+    def _with_close(head: bytes, strip: set[str] = frozenset()) -> bytes:
+        """The head with any Connection header replaced by `Connection: close`, and the headers
+        named in `strip` removed."""
         lines = head.decode("latin-1").split("\r\n")[:-2]
-        kept = [ln for ln in lines if not ln.lower().startswith(("connection:", "keep-alive:"))]
+        dropped = ("connection", "keep-alive", *strip)
+        kept = [ln for ln in lines if ln.split(":", 1)[0].strip().lower() not in dropped]
         return ("\r\n".join([*kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1")
 
     def _next_fault(self, method: str, target: str, headers: dict[str, str]) -> Fault | None:
@@ -592,7 +600,7 @@ class HttpFaultProxy(_Relay):
             upstream = socket.create_connection(self.target, timeout=self.io_timeout)
             upstream.sendall(self._with_close(head) + body)
             resp_head, resp_rest = self._read_head(upstream)
-            conn.sendall(self._with_close(resp_head))
+            conn.sendall(self._with_close(resp_head, self.strip.get(method, set())))
             if fault is not None and fault.kind == "trickle":
                 self._trickle(upstream, conn, resp_rest, fault)
                 return

@@ -129,14 +129,23 @@ impl Entry {
         }
     }
 
-    /// `verify=True` on a published copy: whether its sha256 (where the object's is known) is
-    /// the object's. A copy that is not is removed (with a warning), so that the object is read
+    /// `verify=True` on a published copy: whether its sha256 (where the object's is known; else
+    /// a Hub file's git blob id) is the object's. A copy that is not is removed (with a warning), so that the object is read
     /// from the network, and filled again.
     pub(crate) fn copy_matches(&self, run: &super::Run) -> bool {
-        let Some(want) = &self.identity.sha256 else {
+        let (what, want, hashed) = if let Some(want) = &self.identity.sha256 {
+            ("sha256", want, hash_file(&self.path))
+        } else if let Some(want) = self.git_blob_id() {
+            // A Hub file outside LFS, named by its git blob id.
+            (
+                "git blob id",
+                &want.to_string(),
+                git_blob_sha1(&self.path, self.identity.size),
+            )
+        } else {
             return true;
         };
-        match hash_file(&self.path) {
+        match hashed {
             Ok(got) if got.eq_ignore_ascii_case(want) => true,
             Ok(got) => {
                 let _ = fs::remove_file(&self.path);
@@ -144,7 +153,7 @@ impl Entry {
                     let _ = fs::remove_file(sidecar);
                 }
                 run.warn(&format!(
-                    "{}: the cached copy {} has sha256 {got}, not {want}: removed, read from \
+                    "{}: the cached copy {} has {what} {got}, not {want}: removed, read from \
                      the network",
                     self.identity.uri,
                     self.path.display()

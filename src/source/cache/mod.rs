@@ -19,7 +19,7 @@ use futures_util::future::BoxFuture;
 use crate::error::Result;
 use crate::options::{CacheChoice, LoadOptions};
 use crate::source::hub::layout;
-use crate::source::identity::CacheIdentity;
+use crate::source::identity::{CacheIdentity, Digest};
 use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
@@ -155,19 +155,24 @@ pub fn default_dir() -> PathBuf {
 /// files are looked up (in the Hugging Face cache), and nothing is filled.
 ///
 /// Objects with a known sha256 are hashed while they stream when they fill a copy (a mismatch
-/// fails the read and nothing is published) or when `settings.verify` is on; with `verify`, a
-/// cached copy is hashed before it is used, and one that does not match is removed and the
-/// object read from the network.
+/// fails the read and nothing is published) or when `settings.verify` is on (Hub files outside
+/// LFS too, by their git blob id); with `verify`, a cached copy is hashed whole before it is
+/// used, and one that does not match is removed and the object read from the network.
 pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<dyn Source>> {
     let run = Arc::new(Run::default());
     sources
         .into_iter()
         .map(|source| {
             let identity = source.cache_identity();
+            // A fill checks a sha256 as it streams (a git blob id when it publishes the copy);
+            // `verify` checks either as every read streams.
             let checked = |source: Arc<dyn Source>, always: bool| -> Arc<dyn Source> {
-                match identity.as_ref().and_then(|id| id.sha256.as_deref()) {
-                    Some(want) if always || settings.verify => {
-                        Arc::new(verify::VerifyingSource::new(source, want))
+                match identity.as_ref().and_then(CacheIdentity::digest) {
+                    Some(want @ Digest::Sha256(_)) if always || settings.verify => {
+                        Arc::new(verify::VerifyingSource::new(source, &want))
+                    }
+                    Some(want @ Digest::GitBlob(_)) if settings.verify => {
+                        Arc::new(verify::VerifyingSource::new(source, &want))
                     }
                     _ => source,
                 }
@@ -197,6 +202,24 @@ pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<
             }
         })
         .collect()
+}
+
+/// The published copy of the object `identity` names, once the copies being published are (a
+/// fill that just completed): `None` when caching is off or there is none.
+pub fn published_copy(
+    identity: &CacheIdentity,
+    settings: &CacheSettings,
+) -> Option<Arc<dyn Source>> {
+    if !settings.enabled() {
+        return None;
+    }
+    wait_published();
+    let entry = Entry::new(identity, settings)?;
+    if !entry.is_cached() {
+        return None;
+    }
+    let local = crate::source::local::LocalFile::open(&entry.path).ok()?;
+    Some(Arc::new(local))
 }
 
 /// Stores a whole small object read outside the block pipeline (an index file) under the same

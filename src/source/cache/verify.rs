@@ -1,9 +1,12 @@
-//! Checking a file's bytes against the sha256 its store gives (a Hub LFS file's `X-Linked-Etag`)
-//! while they stream: [`VerifyingSource`] hashes each contiguous prefix as its blocks complete
-//! (blocks land out of order; a block ahead of the prefix waits as a copy until the gap before
-//! it is filled, so what is held is at most the reads in flight ahead of the slowest one, never
-//! the file). The read that completes the file fails when the digest is not the expected one, so
-//! a whole load fails before it returns, and a filling copy is never published.
+//! Checking a file's bytes against the digest its store gives (a Hub LFS file's sha256, its
+//! `X-Linked-Etag`; a Hub file outside LFS, its git blob id) while they stream:
+//! [`VerifyingSource`] hashes each contiguous prefix as its blocks complete (blocks land out of
+//! order; a block ahead of the prefix waits as a copy until the gap before it is filled, so what
+//! is held is at most the reads in flight ahead of the slowest one, never the file). The read that
+//! completes the file fails when the digest is not the expected one, so a whole load fails before
+//! it returns, and a filling copy is never published. Once every byte matched, later reads pass
+//! through: a reader of parts of the file (`safe_open`) reads it whole once first
+//! ([`crate::ranges::read_whole`]), so that what it serves is of a verified file.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -12,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use super::entry::hex;
 use super::Decorator;
 use crate::error::{Error, Result};
-use crate::source::identity::CacheIdentity;
+use crate::source::identity::{CacheIdentity, Digest};
 use crate::source::Source;
 
 /// A source whose bytes are hashed as they are read and checked against `want` once every byte
@@ -20,8 +23,10 @@ use crate::source::Source;
 #[derive(Debug)]
 pub struct VerifyingSource {
     inner: Arc<dyn Source>,
-    /// The expected sha256, lowercase hex.
+    /// The expected digest, lowercase hex.
     want: String,
+    /// What it is ("sha256", "git blob id"), for messages.
+    what: &'static str,
     state: Mutex<Hashing>,
 }
 
@@ -46,12 +51,24 @@ impl std::fmt::Debug for Hashing {
 }
 
 impl VerifyingSource {
-    pub fn new(inner: Arc<dyn Source>, want: &str) -> VerifyingSource {
+    pub fn new(inner: Arc<dyn Source>, want: &Digest) -> VerifyingSource {
+        let (algorithm, want, what, prefix) = match want {
+            Digest::Sha256(want) => (&ring::digest::SHA256, want, "sha256", String::new()),
+            Digest::GitBlob(want) => (
+                &ring::digest::SHA1_FOR_LEGACY_USE_ONLY,
+                want,
+                "git blob id",
+                format!("blob {}\0", inner.size()),
+            ),
+        };
+        let mut ctx = ring::digest::Context::new(algorithm);
+        ctx.update(prefix.as_bytes());
         VerifyingSource {
             inner,
             want: want.to_ascii_lowercase(),
+            what,
             state: Mutex::new(Hashing {
-                ctx: ring::digest::Context::new(&ring::digest::SHA256),
+                ctx,
                 hashed: 0,
                 ahead: BTreeMap::new(),
                 outcome: None,
@@ -90,10 +107,8 @@ impl VerifyingSource {
                 s.ahead.insert(offset, bytes.to_vec());
             }
             if s.hashed >= size {
-                let ctx = std::mem::replace(
-                    &mut s.ctx,
-                    ring::digest::Context::new(&ring::digest::SHA256),
-                );
+                let fresh = ring::digest::Context::new(s.ctx.algorithm());
+                let ctx = std::mem::replace(&mut s.ctx, fresh);
                 let got = hex(ctx.finish().as_ref());
                 s.ahead.clear();
                 s.outcome = Some(if got == self.want { Ok(()) } else { Err(got) });
@@ -102,19 +117,20 @@ impl VerifyingSource {
             }
         }
         match &s.outcome {
-            Some(Err(got)) => Err(mismatch(self.inner.name(), &self.want, got)),
+            Some(Err(got)) => Err(mismatch_of(self.inner.name(), self.what, &self.want, got)),
             _ => Ok(()),
         }
     }
 }
 
-/// The error for bytes whose sha256 is not the one their store gives.
-pub fn mismatch(name: &str, want: &str, got: &str) -> Error {
+/// The error for bytes whose digest (`what`: "sha256", "git blob id") is not the one their
+/// store gives.
+pub fn mismatch_of(name: &str, what: &str, want: &str, got: &str) -> Error {
     Error::io(
         name,
         io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("sha256 mismatch: expected {want}, the bytes read have {got}"),
+            format!("{what} mismatch: expected {want}, the bytes read have {got}"),
         ),
     )
 }
@@ -171,6 +187,7 @@ mod tests {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
         let want = hex(&super::super::entry::sha256(&data));
         let order = [(0, 1000), (6000, 4000), (500, 2000), (2500, 3500)];
+        let want = Digest::Sha256(want);
         let good = VerifyingSource::new(Arc::new(Bytes(data.clone())), &want);
         read_all(&good, &order).await.unwrap();
         assert!(good.state.lock().unwrap().ahead.is_empty());
@@ -179,12 +196,34 @@ mod tests {
         bad[7000] ^= 1;
         let bad = VerifyingSource::new(Arc::new(Bytes(bad)), &want);
         let err = read_all(&bad, &order).await.unwrap_err().to_string();
-        assert!(err.contains("mem://x") && err.contains(&want), "{err}");
+        let Digest::Sha256(hex) = &want else {
+            unreachable!()
+        };
+        assert!(
+            err.contains("mem://x") && err.contains(hex.as_str()),
+            "{err}"
+        );
         // Every later read says so too.
         assert!(read_all(&bad, &[(0, 10)]).await.is_err());
 
         // A file read in part is never judged.
-        let part = VerifyingSource::new(Arc::new(Bytes(data)), &"0".repeat(64));
+        let part = VerifyingSource::new(Arc::new(Bytes(data)), &Digest::Sha256("0".repeat(64)));
         read_all(&part, &[(0, 1000), (2000, 1000)]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_git_blob_id_is_checked_as_git_computes_it() {
+        let data = b"{\"weight_map\": {}}\n".to_vec();
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA1_FOR_LEGACY_USE_ONLY);
+        ctx.update(format!("blob {}\0", data.len()).as_bytes());
+        ctx.update(&data);
+        let want = Digest::GitBlob(hex(ctx.finish().as_ref()));
+        let good = VerifyingSource::new(Arc::new(Bytes(data.clone())), &want);
+        read_all(&good, &[(0, data.len())]).await.unwrap();
+        let mut bad = data.clone();
+        bad[3] ^= 1;
+        let bad = VerifyingSource::new(Arc::new(Bytes(bad)), &want);
+        let err = read_all(&bad, &[(0, data.len())]).await.unwrap_err();
+        assert!(err.to_string().contains("git blob id mismatch"), "{err}");
     }
 }

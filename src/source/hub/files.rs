@@ -27,7 +27,7 @@ use super::{HubSettings, HubUri};
 use crate::error::{Error, Result};
 use crate::format::{index_shard_names, INDEX_FILE};
 use crate::source::identity::{CacheIdentity, HubLocation};
-use crate::source::remote::{self, io_error, Pin, RangedGet, Response, Version};
+use crate::source::remote::{self, io_error, Answer, Pin, RangedGet, Response, Version};
 use crate::source::{local, Source};
 
 /// `resolve/` requests in flight while opening.
@@ -103,13 +103,29 @@ impl RangedGet for HubGet<'_> {
         &'a self,
         range: std::ops::Range<u64>,
         pinned: &'a Version,
-    ) -> BoxFuture<'a, Result<Response>> {
+    ) -> BoxFuture<'a, Result<Answer>> {
         Box::pin(self.request(range, pinned))
+    }
+
+    /// For a file the Hub serves itself, what `resolve/` says now (the ETag its reads are
+    /// pinned to came from there); a storage host's reads pin their first response instead.
+    fn head(&self) -> BoxFuture<'_, Result<Option<Version>>> {
+        Box::pin(async move {
+            let file = self.file;
+            let meta = file
+                .hub
+                .file_meta(&file.name, &file.repo_id, &file.resolve_url)
+                .await?;
+            Ok(meta.location.same_host.then(|| Version {
+                etag: meta.etag_header,
+                ..Version::default()
+            }))
+        })
     }
 }
 
 impl HubGet<'_> {
-    async fn request(&self, range: std::ops::Range<u64>, pinned: &Version) -> Result<Response> {
+    async fn request(&self, range: std::ops::Range<u64>, pinned: &Version) -> Result<Answer> {
         let file = self.file;
         let name = file.name.as_str();
         let (start, end) = (range.start, range.end);
@@ -151,13 +167,10 @@ impl HubGet<'_> {
                 .await?;
             let status = response.status();
             if status == StatusCode::PRECONDITION_FAILED {
-                let etag = if_match.unwrap_or_default();
-                return Err(remote::changed(
-                    name,
-                    format!(
-                        "the storage host refused If-Match: {etag} with 412 Precondition Failed"
-                    ),
-                ));
+                let sent = if_match.map(|etag| format!("If-Match: {etag}"));
+                return Ok(Answer::Refused {
+                    sent: sent.unwrap_or_default(),
+                });
             }
             if matches!(status.as_u16(), 401 | 403) && !location.same_host {
                 // An expired or revoked signature: resolve again, a few times at most.
@@ -209,12 +222,12 @@ impl HubGet<'_> {
                 .bytes_stream()
                 .map_err(move |e| net_error(&owned, e))
                 .boxed();
-            return Ok(Response {
+            return Ok(Answer::Bytes(Response {
                 range: served,
                 size,
                 version,
                 body,
-            });
+            }));
         }
     }
 }
@@ -357,7 +370,8 @@ async fn open_remote(hub: Hub, uri: HubUri, keep: &Keep<'_>) -> Result<Vec<Arc<d
                 resolve_url,
                 size: meta.size,
                 etag: meta.etag,
-                pin: Pin::new(Some(meta.size), pinned),
+                // From resolve/'s header: the form the Hub sends with the bytes.
+                pin: Pin::new(Some(meta.size), pinned).confirmed(),
                 pin_host: Mutex::new(pin_host),
                 location: Mutex::new(meta.location),
                 identity,

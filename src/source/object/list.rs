@@ -12,21 +12,51 @@ use crate::bounded::{Capped, Whole, MAX_WHOLE_READ};
 use crate::error::{Error, Result};
 use crate::format::{index_shard_names, FormatError, INDEX_FILE};
 
-/// One object found under a URI: where, how large, and its ETag as the store reported it (the
-/// local cache tells a changed object from its copy by it).
+/// One object found under a URI: where, how large, and its validators as the store reported
+/// them (the local cache tells a changed object from its copy by the ETag; every read is pinned
+/// to them all).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Found {
     pub path: Path,
     pub size: u64,
     pub etag: Option<String>,
+    /// The version id (a HEAD's `x-amz-version-id`, GCS's generation); listings give none.
+    pub version: Option<String>,
+    /// Last-Modified, RFC 3339 to the second ([`super::read::stamp`]).
+    pub last_modified: Option<String>,
+    /// The ETag is in the form the server sends with its bytes (it came from a HEAD's header,
+    /// not a listing's body), so the first read may send it as `If-Match`.
+    pub headed: bool,
 }
 
 impl Found {
+    /// An object as a listing reports it.
     fn of(meta: object_store::ObjectMeta) -> Found {
+        let v = super::read::version_of(&meta);
         Found {
             path: meta.location,
             size: meta.size,
             etag: meta.e_tag,
+            version: v.version,
+            last_modified: v.last_modified,
+            headed: false,
+        }
+    }
+
+    /// An object as a HEAD reports it.
+    fn headed(meta: object_store::ObjectMeta) -> Found {
+        Found {
+            headed: true,
+            ..Found::of(meta)
+        }
+    }
+
+    /// What the reads of this object are pinned to.
+    pub fn validators(&self) -> crate::source::remote::Version {
+        crate::source::remote::Version {
+            etag: self.etag.clone(),
+            version: self.version.clone(),
+            last_modified: self.last_modified.clone(),
         }
     }
 }
@@ -89,7 +119,7 @@ pub async fn head(remote: &Remote, path: &Path) -> Result<Found> {
         .store
         .head(path)
         .await
-        .map(Found::of)
+        .map(Found::headed)
         .map_err(|e| storage_error(&remote.uri_of(path), e))
 }
 

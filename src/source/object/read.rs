@@ -1,16 +1,18 @@
 //! Ranged reads of object_store objects: each request of [`crate::source::remote::read_range`],
-//! the one resumable read, is a `get_opts` with the range and the pinned version (`If-Match`
-//! with the strong ETag, the version id where the store has them).
+//! the one resumable read, is a `get_opts` with the range and the pinned version (the version id
+//! where the store has them, `If-Match` with the strong ETag, else `If-Unmodified-Since` with
+//! the Last-Modified).
 
+use chrono::{DateTime, SecondsFormat, Utc};
 use futures_util::future::BoxFuture;
 use futures_util::stream::{StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{GetOptions, GetRange, ObjectStore};
+use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt};
 
 use super::errors::*;
 use crate::error::Result;
 use crate::source::remote::RetrySettings;
-use crate::source::remote::{self, Pin, RangedGet, Response, Version};
+use crate::source::remote::{self, Answer, Pin, RangedGet, Response, Version};
 
 /// One object of a store, as [`RangedGet`] sees it.
 pub struct ObjectGet<'a> {
@@ -19,37 +21,78 @@ pub struct ObjectGet<'a> {
     pub uri: &'a str,
 }
 
+/// A Last-Modified as pinned and compared: RFC 3339 to the second (a listing gives
+/// milliseconds, a response's header seconds); `None` for object_store's stand-in for a missing
+/// header (the epoch).
+pub fn stamp(time: &DateTime<Utc>) -> Option<String> {
+    (time.timestamp() != 0).then(|| time.to_rfc3339_opts(SecondsFormat::Secs, true))
+}
+
+/// What a HEAD, a listing or a response says about an object's version.
+pub fn version_of(meta: &ObjectMeta) -> Version {
+    Version {
+        etag: meta.e_tag.clone(),
+        version: meta.version.clone(),
+        last_modified: stamp(&meta.last_modified),
+    }
+    .normalized()
+}
+
 impl RangedGet for ObjectGet<'_> {
     fn get<'a>(
         &'a self,
         range: std::ops::Range<u64>,
         pin: &'a Version,
-    ) -> BoxFuture<'a, Result<Response>> {
+    ) -> BoxFuture<'a, Result<Answer>> {
         Box::pin(async move {
+            let if_match = pin.strong_etag().map(str::to_string);
+            // Only where the store gives no strong ETag nor version id (the pin's Last-Modified
+            // is there only then): Last-Modified is what is left to send.
+            let if_unmodified_since = match (&if_match, &pin.version) {
+                (None, None) => pin.last_modified.as_deref().and_then(|t| {
+                    DateTime::parse_from_rfc3339(t)
+                        .ok()
+                        .map(|t| t.with_timezone(&Utc))
+                }),
+                _ => None,
+            };
+            let mut sent = Vec::new();
+            if let Some(v) = &pin.version {
+                sent.push(format!("version {v}"));
+            }
+            if let Some(e) = &if_match {
+                sent.push(format!("If-Match: {e}"));
+            }
+            if let Some(t) = &if_unmodified_since {
+                sent.push(format!(
+                    "If-Unmodified-Since: {}",
+                    t.format("%a, %d %b %Y %H:%M:%S GMT")
+                ));
+            }
             let options = GetOptions {
                 range: Some(GetRange::Bounded(range)),
-                if_match: pin.strong_etag().map(str::to_string),
+                if_match,
+                if_unmodified_since,
                 version: pin.version.clone(),
                 ..Default::default()
             };
             let result = match self.store.get_opts(self.path, options).await {
                 Ok(result) => result,
                 Err(object_store::Error::Precondition { .. }) => {
-                    let etag = pin.strong_etag().unwrap_or_default();
-                    return Err(remote::changed(
-                        self.uri,
-                        format!("the store refused If-Match: {etag} with 412 Precondition Failed"),
-                    ));
+                    return Ok(Answer::Refused {
+                        sent: sent.join(" and "),
+                    });
                 }
-                Err(e) => return Err(storage_error(self.uri, e)),
+                Err(e) => {
+                    return match storage_error(self.uri, e) {
+                        crate::Error::NotFound { .. } => Ok(Answer::Gone),
+                        e => Err(e),
+                    }
+                }
             };
-            let version = Version {
-                etag: result.meta.e_tag.clone(),
-                version: result.meta.version.clone().filter(|v| v != "null"),
-                last_modified: Some(result.meta.last_modified.to_rfc3339()),
-            };
+            let version = version_of(&result.meta);
             let uri = self.uri.to_string();
-            Ok(Response {
+            Ok(Answer::Bytes(Response {
                 range: result.range.clone(),
                 size: Some(result.meta.size),
                 version,
@@ -57,7 +100,16 @@ impl RangedGet for ObjectGet<'_> {
                     .into_stream()
                     .map_err(move |e| storage_error(&uri, e))
                     .boxed(),
-            })
+            }))
+        })
+    }
+
+    fn head(&self) -> BoxFuture<'_, Result<Option<Version>>> {
+        Box::pin(async move {
+            match self.store.head(self.path).await {
+                Ok(meta) => Ok(Some(version_of(&meta))),
+                Err(e) => Err(storage_error(self.uri, e)),
+            }
         })
     }
 }

@@ -11,7 +11,7 @@ use object_store::ObjectStore;
 use super::RetrySettings;
 use crate::error::Result;
 use crate::source::identity::CacheIdentity;
-use crate::source::remote::{is_strong, Pin, Version};
+use crate::source::remote::Pin;
 use crate::source::Source;
 
 /// One object of a store.
@@ -50,15 +50,13 @@ impl RemoteObject {
         }
     }
 
-    /// The same object, known by `etag` (the local cache keeps its copy while the ETag holds),
-    /// and every read pinned to it.
-    pub fn with_etag(mut self, etag: Option<String>) -> RemoteObject {
-        self.etag = etag.filter(|e| is_strong(e));
-        let known = Version {
-            etag: self.etag.clone(),
-            ..Version::default()
-        };
-        self.pin = Pin::new(Some(self.size), Some(known));
+    /// The same object as it was listed or its HEAD said (`found`): the local cache keeps its
+    /// copy while its strong ETag holds, and every read is pinned to all its validators.
+    pub fn pinned_to(mut self, found: &super::Found) -> RemoteObject {
+        let known = found.validators();
+        self.etag = known.strong_etag().map(str::to_string);
+        let pin = Pin::new(Some(self.size), Some(known));
+        self.pin = if found.headed { pin.confirmed() } else { pin };
         self
     }
 }
@@ -111,8 +109,8 @@ pub fn open_sources(
         .map(|found| {
             let name = remote.uri_of(&found.path);
             let (store, retry) = (remote.store.clone(), remote.retry.clone());
-            let object = RemoteObject::new(name, store, found.path, found.size, retry);
-            Arc::new(object.with_etag(found.etag)) as Arc<dyn Source>
+            let object = RemoteObject::new(name, store, found.path.clone(), found.size, retry);
+            Arc::new(object.pinned_to(&found)) as Arc<dyn Source>
         })
         .collect())
 }

@@ -6,7 +6,10 @@
 //! loading is an error that says so, never a mix of two versions.
 //!
 //! A source supplies only [`RangedGet`]: "issue this ranged request, pinned to this version, and
-//! give me what the response says about the object and its body". Requests are retried (429,
+//! give me what the response says about the object and its body" (or that it was refused with
+//! 412, or is gone), and where it can, a HEAD. Messages are worded here, the same for every
+//! source: the validator a 412 refused, a version deleted midway, a server whose HEAD and GETs
+//! disagree about an object that did not change. Requests are retried (429,
 //! 5xx, connection errors) by the supplier (object_store's retries, [`send`] for the Hub); this
 //! loop handles what happens once a body has started.
 
@@ -24,7 +27,7 @@ use crate::error::{Error, Result};
 mod pin;
 mod retry;
 
-pub use pin::{changed, is_strong, Pin, Version};
+pub use pin::{changed, disagree, Pin, Version};
 pub use retry::{Decision, ResumeState, RetrySettings};
 
 /// An [`Error::Io`] naming `uri`, of `kind`, with `message` scrubbed of known secrets: how every
@@ -48,12 +51,30 @@ pub struct Response {
     pub body: BoxStream<'static, Result<Bytes>>,
 }
 
+/// How a ranged request was answered.
+pub enum Answer {
+    /// With bytes.
+    Bytes(Response),
+    /// 412 Precondition Failed: `sent` is the precondition the request carried, as a person
+    /// reads it (`If-Match: "abc"`, `If-Unmodified-Since: ...`), empty when it carried none.
+    Refused { sent: String },
+    /// 404 for the object (or the version the request named): it is gone.
+    Gone,
+}
+
 /// Issues ranged requests for one object.
 pub trait RangedGet: Send + Sync {
-    /// Requests bytes `range` of the object, sending `pin`'s version as a precondition
-    /// (`If-Match` with its strong ETag, the store's version id). A precondition that failed
-    /// (412) is [`changed`]; a request that failed for good is its error.
-    fn get<'a>(&'a self, range: Range<u64>, pin: &'a Version) -> BoxFuture<'a, Result<Response>>;
+    /// Requests bytes `range` of the object, sending `pin`'s version as a precondition (the
+    /// store's version id, `If-Match` with its strong ETag, else `If-Unmodified-Since` with its
+    /// Last-Modified). A request that failed for good is its error.
+    fn get<'a>(&'a self, range: Range<u64>, pin: &'a Version) -> BoxFuture<'a, Result<Answer>>;
+
+    /// What the store says about the object now, asked apart from the reads (a HEAD); `None`
+    /// where the source has no such request. [`read_range`] asks it to tell an object that
+    /// changed from a server whose validators disagree, and for the ETag in its header form.
+    fn head(&self) -> BoxFuture<'_, Result<Option<Version>>> {
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// Reads `dst.len()` bytes at `offset` of the object `get` requests (`name` in messages), each
@@ -75,8 +96,29 @@ pub async fn read_range(
     while done < len {
         let start = offset + done as u64;
         let want = pin.current();
-        let response = get.get(start..end, &want).await?;
-        pin.check(name, &response.version, response.size)?;
+        let known = pin.known_unserved();
+        let response = match get.get(start..end, &want).await? {
+            Answer::Bytes(response) => response,
+            Answer::Refused { sent } => {
+                let asked = (start..end, want);
+                return Err(refused(get, name, &sent, known, asked).await);
+            }
+            Answer::Gone => return Err(gone(name, pin, &want)),
+        };
+        if let Err(e) = pin.check(name, &response.version, response.size) {
+            drop(response.body);
+            let asked = (start..end, want);
+            return Err(disagreeing(get, name, known, &response.version, asked)
+                .await
+                .unwrap_or(e));
+        }
+        if response.version.etag.is_none() && pin.confirmation_due() {
+            // A server that sends no ETag with its bytes, pinned to its listing's: its HEAD
+            // gives the ETag as it compares it, so that the next requests carry If-Match.
+            if let Some(head) = get.head().await? {
+                pin.confirm(name, &head)?;
+            }
+        }
         if response.range != (start..end) {
             let what = match response.size {
                 Some(size) if size < end => format!("object is {size} bytes"),
@@ -125,6 +167,155 @@ pub async fn read_range(
         }
     }
     Ok(())
+}
+
+/// The error of a request refused with 412 Precondition Failed, naming the precondition the
+/// server refused. Refused before any response was read, with the pin from a HEAD or listing
+/// (`known`), the server may be one whose validators disagree rather than an object that changed
+/// ([`validators_disagree`]).
+async fn refused(
+    get: &dyn RangedGet,
+    name: &str,
+    sent: &str,
+    known: Option<Version>,
+    asked: (Range<u64>, Version),
+) -> Error {
+    if sent.is_empty() {
+        return io_error(
+            name,
+            io::ErrorKind::InvalidData,
+            "the server answered 412 Precondition Failed to a request that carried no \
+             precondition (no If-Match, If-Unmodified-Since or version id): it refuses the \
+             read for a reason of its own",
+        );
+    }
+    if let Some(known) = known {
+        if validators_disagree(get, &known, &Seen::Refused, asked).await {
+            return disagree(
+                name,
+                format!(
+                    "its GETs refuse {sent} with 412 Precondition Failed, while its HEAD gives {}",
+                    known.describe()
+                ),
+            );
+        }
+    }
+    changed(
+        name,
+        format!("the store refused {sent} with 412 Precondition Failed"),
+    )
+}
+
+/// What a first GET answered, against the version its HEAD or listing gave.
+enum Seen {
+    /// Bytes under another ETag.
+    Tag(String),
+    /// 412 to the precondition of that version.
+    Refused,
+}
+
+/// Rounds of a HEAD and a GET of one byte asked after a first GET contradicted the HEAD or
+/// listing (`seen`), each after the other: a server whose validators disagree answers every
+/// round the same (the HEAD with `known`, the GET as `seen`), while an object that changed (even
+/// one overwritten back and forth, which can make one HEAD give the old version again) soon
+/// shows its new version to both.
+const DISAGREEMENT_ROUNDS: usize = 3;
+
+/// Whether the server's validators disagree about an object that did not change (see
+/// [`DISAGREEMENT_ROUNDS`]); `asked` is the first GET's range and version, asked again.
+async fn validators_disagree(
+    get: &dyn RangedGet,
+    known: &Version,
+    seen: &Seen,
+    asked: (Range<u64>, Version),
+) -> bool {
+    let (range, want) = asked;
+    let probe = range.start..range.start + 1;
+    for round in 0..DISAGREEMENT_ROUNDS {
+        let head = match get.head().await {
+            Ok(Some(head)) => head.identifying(),
+            _ => return false,
+        };
+        let same = match (known.strong_etag(), head.strong_etag()) {
+            (Some(a), Some(b)) => pin::tag(a) == pin::tag(b),
+            (None, None) => {
+                known.last_modified.is_some() && known.last_modified == head.last_modified
+            }
+            _ => false,
+        };
+        if !same {
+            return false;
+        }
+        if round + 1 == DISAGREEMENT_ROUNDS {
+            return true;
+        }
+        let again = match get.get(probe.clone(), &want).await {
+            Ok(again) => again,
+            Err(_) => return false,
+        };
+        let consistent = match (seen, again) {
+            (Seen::Refused, Answer::Refused { .. }) => true,
+            (Seen::Tag(tag), Answer::Bytes(r)) => r
+                .version
+                .etag
+                .as_deref()
+                .is_some_and(|now| pin::tag(now) == pin::tag(tag)),
+            _ => false,
+        };
+        if !consistent {
+            return false;
+        }
+    }
+    false
+}
+
+/// For a first response whose ETag contradicts the one its HEAD or listing gave (`known`): the
+/// error when the server's validators disagree ([`validators_disagree`]), `None` when the
+/// object changed.
+async fn disagreeing(
+    get: &dyn RangedGet,
+    name: &str,
+    known: Option<Version>,
+    got: &Version,
+    asked: (Range<u64>, Version),
+) -> Option<Error> {
+    let known = known?;
+    let (was, now) = (known.strong_etag()?, got.etag.as_deref()?);
+    if pin::tag(was) == pin::tag(now) {
+        return None;
+    }
+    let seen = Seen::Tag(now.to_string());
+    validators_disagree(get, &known, &seen, asked)
+        .await
+        .then(|| {
+            disagree(
+                name,
+                format!("its GETs answer with ETag {now}, its HEAD with {was}"),
+            )
+        })
+}
+
+/// The error of a request answered 404 once a version was pinned: the object, or the pinned
+/// version of it, was deleted while loading. Before anything was pinned, a plain missing object.
+fn gone(name: &str, pin: &Pin, want: &Version) -> Error {
+    if let Some(version) = &want.version {
+        return changed(
+            name,
+            format!(
+                "version {version}, the one being loaded, is gone: the store answers 404 for it \
+                 (it was deleted)"
+            ),
+        );
+    }
+    if pin.is_pinned() {
+        return changed(
+            name,
+            "it is gone: the store answers 404 for it (it was deleted)",
+        );
+    }
+    Error::NotFound {
+        path: name.to_string(),
+    }
 }
 
 /// How a body ended.
