@@ -6,7 +6,7 @@ use std::path::Path;
 use clap::Args;
 use serde::Serialize;
 
-use super::{decimal_bytes, print_stdout, CliResult, Table};
+use super::{decimal_bytes, plural, print_stdout, CliResult, Table};
 use crate::source::{self, Shard};
 
 #[derive(Args)]
@@ -130,7 +130,6 @@ fn render(r: &Report<'_>) -> String {
             f.header_bytes
         ));
     }
-    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
     out.push_str(&format!(
         "total: {}, {}, {} bytes ({})\n",
         plural(r.total.files, "file"),

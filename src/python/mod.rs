@@ -56,9 +56,11 @@ fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
 }
 
 /// Runs the `fastload` command line with `argv` (program name first); returns the exit code.
+/// `fastload bench` runs its peers with this interpreter unless told otherwise.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
-    wait::off_thread(py, "cli", move || crate::cli::run(argv))
+    let python: Option<String> = py.import("sys")?.getattr("executable")?.extract().ok();
+    wait::off_thread(py, "cli", move || crate::cli::run_in(argv, python))
 }
 
 /// The number of CUDA devices; raises `FastloadError` when no driver can be loaded. Loads and
