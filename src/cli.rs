@@ -18,6 +18,8 @@ mod limits;
 mod report;
 mod verdict;
 
+pub(crate) use inspect::to_json as inspect_json;
+
 /// Runs the CLI with `args` (including the program name) and returns the exit code.
 pub fn run(args: Vec<String>) -> i32 {
     run_in(args, None)
@@ -85,7 +87,8 @@ enum Command {
     /// Load checkpoints into memory and report throughput and time to first tensor.
     #[command(after_help = UNITS_HELP)]
     Bench(bench::BenchArgs),
-    /// List every tensor (name, dtype, shape, bytes, file) and the totals; reads headers only.
+    /// List every tensor (name, dtype, shape, bytes, file) and each file's and the totals;
+    /// reads headers only. --json adds offsets and metadata.
     Inspect(inspect::InspectArgs),
 }
 

@@ -181,3 +181,43 @@ def test_bench_compare_takes_the_peers_to_run(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert '"runai" is not a peer' in proc.stderr and "runai-model-streamer" in proc.stderr
+
+
+def test_inspect_has_one_shape_in_python_and_on_the_command_line(tmp_path):
+    # issue 33: fastload.inspect returns the object `fastload inspect --json` prints.
+    import fastload
+
+    model = str(_sample(tmp_path / "model.safetensors"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "inspect", model, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = fastload.inspect(model)
+    assert report == json.loads(proc.stdout)
+    assert report["total"] == {"files": 1, "tensors": 2, "bytes": 300_000 * 4 + 64 * 64 * 2}
+    a = next(t for t in report["tensors"] if t["name"] == "a")
+    assert a == {
+        "name": "a",
+        "dtype": "F32",
+        "shape": [300_000],
+        "bytes": 1_200_000,
+        "file": model,
+        "data_offsets": a["data_offsets"],
+    }
+    assert a["data_offsets"][1] - a["data_offsets"][0] == 1_200_000
+    (f,) = report["files"]
+    assert set(f) == {"file", "size", "header_bytes", "tensors", "bytes", "metadata"}
+    assert f["size"] == os.path.getsize(model) == f["header_bytes"] + f["bytes"]
+    assert f["metadata"] == {}, f  # no __metadata__: an empty object, as the CLI prints it
+    # Its help names the remote forms it reads too.
+    help_text = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "inspect", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    for form in ("s3://", "gs://", "az://", "http(s)://", "hf://"):
+        assert form in help_text, help_text

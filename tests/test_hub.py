@@ -113,7 +113,7 @@ def test_folders_single_files_and_inspect(hub, env, sharded_dir, dtypes_file):
     )
     stray = f"hf://{REPO}/stray.safetensors"
     assert_same_tensors(fastload.load(stray), reference(sharded_dir / "stray.safetensors"))
-    files = [f["file"] for f in fastload.inspect(f"hf://{REPO}")]
+    files = [f["file"] for f in fastload.inspect(f"hf://{REPO}")["files"]]
     # Named at the commit the revision resolved to, once for the whole load.
     assert files == [f"hf://{REPO}@{hub.v1}/{p.name}" for p in indexed_files(sharded_dir)]
 
