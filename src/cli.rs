@@ -18,6 +18,8 @@ mod limits;
 mod report;
 mod verdict;
 
+/// `fastload.inspect` returns what `fastload inspect --json` prints.
+#[cfg(feature = "python")]
 pub(crate) use inspect::to_json as inspect_json;
 
 /// Runs the CLI with `args` (including the program name) and returns the exit code.
