@@ -89,8 +89,8 @@ enum Command {
     /// Load checkpoints into memory and report throughput and time to first tensor.
     #[command(after_help = UNITS_HELP)]
     Bench(bench::BenchArgs),
-    /// List every tensor (name, dtype, shape, bytes, file) and each file's and the totals;
-    /// reads headers only. --json adds offsets and metadata.
+    /// List every tensor (name, dtype, shape, bytes, file), then each file and the totals;
+    /// reads headers only (--json adds offsets and metadata).
     Inspect(inspect::InspectArgs),
 }
 

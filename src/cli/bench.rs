@@ -31,8 +31,8 @@ const PAGE: usize = 4096;
 pub(super) struct BenchArgs {
     /// Checkpoints to load: files, directories (every *.safetensors, or what
     /// model.safetensors.index.json names), index files or file:// URLs; objects or prefixes in
-    /// object stores (s3://, gs://, az://, http(s)://), configured by their usual environment
-    /// variables. None: a generated llama-like checkpoint (see --size).
+    /// object stores (s3://, gs://, az://, http(s)://) and the Hugging Face Hub (hf://), configured
+    /// by their usual environment variables. None: a generated llama-like checkpoint (see --size).
     #[arg(value_name = "URI")]
     uris: Vec<String>,
     /// Reads in flight at once [default: $FASTLOAD_CONCURRENCY, else 16, or 64 for object stores]
