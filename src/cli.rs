@@ -16,10 +16,21 @@ mod compare;
 mod inspect;
 mod limits;
 mod report;
+mod verdict;
+
+/// `fastload.inspect` returns what `fastload inspect --json` prints.
+#[cfg(feature = "python")]
+pub(crate) use inspect::to_json as inspect_json;
 
 /// Runs the CLI with `args` (including the program name) and returns the exit code.
 pub fn run(args: Vec<String>) -> i32 {
-    let cli = match Cli::try_parse_from(args) {
+    run_in(args, None)
+}
+
+/// [`run`] inside a Python interpreter (the wheel's `fastload` script): `python` is that
+/// interpreter, the one `fastload bench` runs its peers with unless told otherwise.
+pub fn run_in(args: Vec<String>, python: Option<String>) -> i32 {
+    let cli = match Cli::try_parse_from(compare::attach_value(args)) {
         Ok(cli) => cli,
         Err(e) => {
             // --help and --version land here too, with exit code 0.
@@ -28,7 +39,7 @@ pub fn run(args: Vec<String>) -> i32 {
         }
     };
     let result = match cli.command {
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(args, python.as_deref()),
         Command::Inspect(args) => inspect::run(args),
     };
     match result {
@@ -78,7 +89,8 @@ enum Command {
     /// Load checkpoints into memory and report throughput and time to first tensor.
     #[command(after_help = UNITS_HELP)]
     Bench(bench::BenchArgs),
-    /// List every tensor (name, dtype, shape, bytes, file) and the totals; reads headers only.
+    /// List every tensor (name, dtype, shape, bytes, file), then each file and the totals;
+    /// reads headers only (--json adds offsets and metadata).
     Inspect(inspect::InspectArgs),
 }
 
@@ -157,6 +169,11 @@ fn print_stdout(text: &str) -> CliResult {
     out.write_all(text.as_bytes())
         .and_then(|()| out.flush())
         .map_err(CliError::Stdout)
+}
+
+/// "1 file", "2 files".
+fn plural(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
 /// Bytes in decimal units (1 GB = 10^9 bytes), as throughput is reported.

@@ -297,6 +297,18 @@ def test_bench_with_cache_fills_on_the_first_run_and_reads_the_copy_after(served
     assert [r["method"] for r in report["runs"]] == ["read", "mmap", "mmap"]
     assert len({r["checksum"] for r in report["runs"]}) == 1
     assert len(published(tmp_path / "c")) == 1
+    # issue 33: each run says what it read, and each source gets its own verdict: the network
+    # beside the ranged GETs, the mapped copy bound by mapping (not by the network).
+    assert [r["read_from"] for r in report["runs"]] == ["network", "local_copy", "local_copy"]
+    parts = [(m["read_from"], m["best_run"]) for m in report["modes"]["warm"]["by_source"]]
+    assert parts[0] == ("network", 1) and parts[1][0] == "local_copy", report["modes"]
+    assert report["modes"]["warm"]["by_source"][1]["bound_by"] == "mapping and first touch"
+    assert report["modes"]["warm"]["by_source"][0]["limit"] == "ranged_get"
+    # The table says so too; the copy is there now, so every run reads it.
+    assert fastload._fastload.cli_main(argv[:-1]) == 0
+    text = capfd.readouterr().out
+    assert f"objects read over the network until a local copy is in {tmp_path / 'c'}" in text
+    assert "warm page cache" not in text and "   1  local copy " in text, text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_bench_compare_runs_the_installed_peers_and_names_the_others(tmp_path):
     reasons = {n["loader"]: n["reason"] for n in compare["not_run"]}
     assert reasons["fastsafetensors"].startswith("failed: import fastsafetensors failed"), reasons
     assert "broken build" in reasons["fastsafetensors"]
-    for peer in ("runai", "tensorizer"):
+    for peer in ("runai-model-streamer", "tensorizer"):
         if importlib.util.find_spec(IMPORTS[peer]) is None:
             assert reasons[peer].startswith("not installed"), reasons
         else:
@@ -106,5 +106,118 @@ def test_bench_compare_without_fastload_in_that_python(tmp_path):
     compare = json.loads(proc.stdout)["compare"]
     assert compare["loaders"] == {}
     reasons = {n["loader"]: n["reason"] for n in compare["not_run"]}
-    assert set(reasons) == {"fastload", "safetensors", "runai", "fastsafetensors", "tensorizer"}
+    assert set(reasons) == {
+        "fastload",
+        "safetensors",
+        "runai-model-streamer",
+        "fastsafetensors",
+        "tensorizer",
+    }
     assert all("cannot run /nonexistent/py" in r for r in reasons.values()), reasons
+
+
+def _bench(*args, env=None):
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_bench_shows_an_installed_peer_by_default_and_compare_none_turns_it_off(tmp_path):
+    # issue 33: without --compare, the first installed peer (safetensors here) is one more row
+    # beside fastload's own runs, run by the interpreter the script runs in; --compare none: none.
+    model = str(_sample(tmp_path / "model.safetensors"))
+    env = {k: v for k, v in os.environ.items() if k != "FASTLOAD_PYTHON"}
+    report = json.loads(_bench(model, "--repeat", "1", "--json", env=env))
+    compare = report["compare"]
+    assert (compare["python"], compare["peers"], compare["fastload_from"]) == (
+        sys.executable,
+        "default",
+        "runs",
+    )
+    assert set(compare["loaders"]) == {"fastload", "safetensors"}, compare
+    mine = compare["loaders"]["fastload"]["warm"]
+    assert mine["best_gb_per_s"] == report["modes"]["warm"]["best_gb_per_s"]
+    assert mine["seconds"] == [r["seconds"] for r in report["runs"]]
+    peer = compare["loaders"]["safetensors"]["warm"]
+    assert len(peer["seconds"]) == 1 and peer["bytes"] == report["bytes"], compare
+    ratio = compare["ratio_to_best_peer"]["warm"]
+    assert abs(ratio - mine["best_gb_per_s"] / peer["best_gb_per_s"]) < 1e-9
+    # Only peers that could have run but did not are named.
+    assert all(not n["reason"].startswith("not installed") for n in compare["not_run"]), compare
+
+    table = _bench(model, "--repeat", "1", env=env)
+    tail = table[table.index("\nbeside safetensors, each of its loads") :].splitlines()
+    assert tail[3].split()[:3] == ["fastload", "(runs", "above)"], table
+    assert tail[4].split()[0] == "safetensors" and tail[5].startswith("fastload / safetensors")
+
+    off = _bench(model, "--repeat", "1", "--compare", "none", env=env)
+    assert "beside" not in off and "compare" not in off, off
+    assert "compare" not in json.loads(_bench(model, "--repeat", "1", "--compare=none", "--json"))
+
+
+def test_bench_compare_takes_the_peers_to_run(tmp_path):
+    model = str(_sample(tmp_path / "model.safetensors"))
+    # `--compare PEERS` (or `--compare=PEERS`): those, and fastload through the same driver.
+    report = json.loads(_bench("--compare", "safetensors", model, "--repeat", "1", "--json"))
+    compare = report["compare"]
+    assert (compare["peers"], compare["fastload_from"]) == ("safetensors", "driver")
+    assert set(compare["loaders"]) == {"fastload", "safetensors"} and compare["not_run"] == []
+    # A word after --compare that names no peer stays a URI, as before --compare took a value.
+    report = json.loads(_bench("--compare", model, "--repeat", "1", "--json"))
+    assert report["uris"] == [model] and report["compare"]["peers"] == ",".join(
+        ["safetensors", "runai-model-streamer", "fastsafetensors", "tensorizer"]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "bench", model, "--compare=runai"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert '"runai" is not a peer' in proc.stderr and "runai-model-streamer" in proc.stderr
+
+
+def test_inspect_has_one_shape_in_python_and_on_the_command_line(tmp_path):
+    # issue 33: fastload.inspect returns the object `fastload inspect --json` prints.
+    import fastload
+
+    model = str(_sample(tmp_path / "model.safetensors"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "inspect", model, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = fastload.inspect(model)
+    assert report == json.loads(proc.stdout)
+    assert report["total"] == {"files": 1, "tensors": 2, "bytes": 300_000 * 4 + 64 * 64 * 2}
+    a = next(t for t in report["tensors"] if t["name"] == "a")
+    assert a == {
+        "name": "a",
+        "dtype": "F32",
+        "shape": [300_000],
+        "bytes": 1_200_000,
+        "file": model,
+        "data_offsets": a["data_offsets"],
+    }
+    assert a["data_offsets"][1] - a["data_offsets"][0] == 1_200_000
+    (f,) = report["files"]
+    assert set(f) == {"file", "size", "header_bytes", "tensors", "bytes", "metadata"}
+    assert f["size"] == os.path.getsize(model) == f["header_bytes"] + f["bytes"]
+    assert f["metadata"] == {}, f  # no __metadata__: an empty object, as the CLI prints it
+    # Its help names the remote forms it reads too.
+    help_text = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "inspect", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    for form in ("s3://", "gs://", "az://", "http(s)://", "hf://"):
+        assert form in help_text, help_text

@@ -194,12 +194,8 @@ def tensor_bytes(uri, names=None, storage_options=None) -> int:
     """The checkpoint's tensor bytes (of `names` only, if given), from its headers."""
     import fastload
 
-    total = 0
-    for shard in fastload.inspect(uri, storage_options=storage_options):
-        for name, _dtype, _shape, begin, end in shard["tensors"]:
-            if names is None or name in names:
-                total += end - begin
-    return total
+    tensors = fastload.inspect(uri, storage_options=storage_options)["tensors"]
+    return sum(t["bytes"] for t in tensors if names is None or t["name"] in names)
 
 
 def write_split(path: Path) -> Path:
@@ -507,9 +503,9 @@ def test_checkpoint_tensors_are_checked_as_a_load_checks_them(local, tmp_path):
 
     uri = local["split"][0]
     table = _fastload.checkpoint_tensors([uri])
-    (header,) = fastload.inspect(uri)
-    in_file_order = sorted(header["tensors"], key=lambda t: t[3])
-    assert table == [(n, d, tuple(s), end - begin) for n, d, s, begin, end in in_file_order]
+    listed = fastload.inspect(uri)["tensors"]
+    in_file_order = sorted(listed, key=lambda t: t["data_offsets"][0])
+    assert table == [(t["name"], t["dtype"], tuple(t["shape"]), t["bytes"]) for t in in_file_order]
     assert ("b.big", "I32", (768, 1024), 768 * 1024 * 4) in table
     with pytest.raises(fastload.TensorNotFoundError) as info:
         _fastload.checkpoint_tensors([uri], names=["a.small", "nope"])

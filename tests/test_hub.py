@@ -114,7 +114,7 @@ def test_folders_single_files_and_inspect(hub, env, sharded_dir, dtypes_file):
     )
     stray = f"hf://{REPO}/stray.safetensors"
     assert_same_tensors(fastload.load(stray), reference(sharded_dir / "stray.safetensors"))
-    files = [f["file"] for f in fastload.inspect(f"hf://{REPO}")]
+    files = [f["file"] for f in fastload.inspect(f"hf://{REPO}")["files"]]
     # Named at the commit the revision resolved to, once for the whole load.
     assert files == [f"hf://{REPO}@{hub.v1}/{p.name}" for p in indexed_files(sharded_dir)]
 
@@ -491,7 +491,8 @@ def test_safe_open_verify_checks_a_cached_blob_before_serving_it(
         bad = bytearray(data)
         bad[-1] ^= 0xFF  # the last tensor's last byte
         blob.write_bytes(bytes(bad))
-        last = fastload.inspect(str(dtypes_file))[0]["tensors"][-1][0]
+        tensors = fastload.inspect(str(dtypes_file))["tensors"]
+        last = max(tensors, key=lambda t: t["data_offsets"][1])["name"]
         uri = "hf://org/v/model.safetensors"
         with fastload.safe_open(uri, "pt") as f:
             assert not torch_equal(f.get_tensor(last), want[last]), "the poisoned blob is read"

@@ -87,7 +87,7 @@ SHARDS = """
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
     uri = sys.argv[1]
-    inspected = fastload.inspect(uri)
+    inspected = fastload.inspect(uri)["files"]
     loaded = fastload.load(uri)
     print(len(inspected), len(loaded))
 """

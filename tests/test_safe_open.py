@@ -313,9 +313,10 @@ def test_random_slices_over_http_read_only_what_they_need(range_server, remote_f
         assert_same_outcome(got, _outcome(lambda: ref.get_slice(name)[index]), f"{name}[{index}]")
         assert sum(n for _, n in read) == f.bytes_read
         # Every byte requested lies in the tensor, and a plan says which.
-        header = fastload.inspect(url)[0]
-        start = header["size"] - sum(t[4] - t[3] for t in header["tensors"])
-        (_, dtype, _, begin, end) = next(t for t in header["tensors"] if t[0] == name)
+        report = fastload.inspect(url)
+        start = report["files"][0]["header_bytes"]
+        entry = next(t for t in report["tensors"] if t["name"] == name)
+        dtype, (begin, end) = entry["dtype"], entry["data_offsets"]
         for off, n in read:
             assert start + begin <= off and off + n <= start + end, (off, n)
         if got[0] == "ok":

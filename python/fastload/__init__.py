@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import urllib.parse
 from collections import deque
@@ -276,11 +277,10 @@ class Stream:
         (once, on this error path only)."""
         file: str | None = None
         try:
-            for header in _fastload.inspect(self._uris, storage_options=self._storage_options):
-                tensors: Any = header["tensors"]
-                if any(t[0] == e.tensor for t in tensors):
-                    file = str(header["file"])
-                    break
+            report = json.loads(
+                _fastload.inspect_json(self._uris, storage_options=self._storage_options)
+            )
+            file = next((t["file"] for t in report["tensors"] if t["name"] == e.tensor), None)
         except FastloadError:
             pass
         return e.describe(file), file
@@ -424,11 +424,11 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def inspect(
-    uri: Uri, *, storage_options: Mapping[str, object] | None = None
-) -> list[dict[str, Any]]:
-    """Headers of every file ``uri`` names, without reading tensor data."""
-    return list(_fastload.inspect(_uris(uri), storage_options=storage_options))
+def inspect(uri: Uri, *, storage_options: Mapping[str, object] | None = None) -> dict[str, Any]:
+    """What the checkpoint ``uri`` names holds, from its headers alone (no tensor data is read):
+    the object ``fastload inspect --json`` prints, ``{"files": [...], "tensors": [...],
+    "total": {...}}``; see the Python API page of the docs for every key."""
+    return dict(json.loads(_fastload.inspect_json(_uris(uri), storage_options=storage_options)))
 
 
 def cache_stats() -> dict[str, Any]:

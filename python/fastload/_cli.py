@@ -20,8 +20,8 @@ def _arg(arg: str) -> str:
 
 
 def main() -> None:
-    # `fastload bench --compare` runs the peer drivers with this interpreter (where fastload is).
-    os.environ.setdefault("FASTLOAD_PYTHON", sys.executable)
+    # In-process: `fastload bench` runs its peers with this interpreter (sys.executable) unless
+    # --python or $FASTLOAD_PYTHON names another.
     sys.exit(_fastload.cli_main(["fastload", *map(_arg, sys.argv[1:])]))
 
 

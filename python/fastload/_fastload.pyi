@@ -47,7 +47,7 @@ __all__ = [
     "cuda_device_count",
     "fetch_object",
     "index_files",
-    "inspect",
+    "inspect_json",
     "is_remote_uri",
     "list_objects",
     "parse_size",
@@ -372,9 +372,9 @@ def cache_stats() -> _CacheStats:
 
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...
-def inspect(
-    uris: list[str], *, storage_options: Mapping[str, object] | None = None
-) -> list[dict[str, object]]: ...
+def inspect_json(uris: list[str], *, storage_options: Mapping[str, object] | None = None) -> str:
+    """The JSON object of ``fastload inspect --json`` for ``uris``, from their headers alone."""
+
 def list_objects(
     uri: str, *, storage_options: Mapping[str, object] | None = None
 ) -> list[tuple[str, int]]:

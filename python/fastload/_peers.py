@@ -28,12 +28,12 @@ import sys
 import time
 import traceback
 from collections.abc import Iterable, Iterator
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ._torch import DTYPES
+# numpy and torch are imported where they are used: `--probe` answers in a Python without them.
 
 PAGE = 4096
 
@@ -46,6 +46,9 @@ def touch(tensors: Iterable[torch.Tensor]) -> int:
     is read separately. numpy does it with the least per-tensor overhead (about 3 us), which
     matters for many tiny tensors; the sum doubles as a checksum compared across loaders.
     """
+    import numpy as np
+    import torch
+
     acc = 0
     for t in tensors:
         if t.numel() == 0:
@@ -149,14 +152,14 @@ def fastsafetensors_load(job: dict) -> dict:
 LOADERS: dict[str, tuple[Callable, Callable | None]] = {
     "fastload": (fastload_load, fastload_stream),
     "safetensors": (safetensors_load, safetensors_stream),
-    "runai": (runai_load, runai_stream),
+    "runai-model-streamer": (runai_load, runai_stream),
     "tensorizer": (tensorizer_load, None),
     "fastsafetensors": (fastsafetensors_load, None),
 }
 IMPORTS = {
     "fastload": "fastload",
     "safetensors": "safetensors.torch",
-    "runai": "runai_model_streamer",
+    "runai-model-streamer": "runai_model_streamer",
     "tensorizer": "tensorizer",
     "fastsafetensors": "fastsafetensors",
 }
@@ -179,7 +182,10 @@ def _destination(files: list[str], shm_path: str | None) -> dict[str, torch.Tens
     """
     import mmap
 
+    import torch
     from safetensors import safe_open
+
+    from ._torch import DTYPES
 
     layout, total = [], 0
     for f in files:
@@ -268,9 +274,14 @@ def measure(job: dict) -> dict:
 
 
 def probe() -> dict[str, str | None]:
-    """Each loader: None when its module can be found (without importing it), else why not."""
+    """Each loader: None when its module can be found (without importing it), else why not
+    (starting "not installed" when it is not)."""
     import importlib.util
 
+    if importlib.util.find_spec("torch") is None:
+        # Every driver loads into torch tensors.
+        why = f"not installed: torch is not installed in {sys.executable}"
+        return dict.fromkeys(IMPORTS, why)
     out: dict[str, str | None] = {}
     for name, module in IMPORTS.items():
         try:

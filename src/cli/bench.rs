@@ -12,9 +12,10 @@ use std::time::Instant;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::compare::{self, Compare};
+use super::compare::{self, Compare, PeerRuns, Peers};
 use super::limits::{self, Limit};
-use super::report::{ModeReport, RunReport, Setup};
+use super::report::{RunReport, Setup};
+use super::verdict::{ModeReport, ReadFrom};
 use super::{checkpoint, print_stdout, CliError, CliResult, Device};
 use crate::options::{CacheChoice, LoadOptions, Method, Resolved, Size};
 use crate::source;
@@ -30,8 +31,8 @@ const PAGE: usize = 4096;
 pub(super) struct BenchArgs {
     /// Checkpoints to load: files, directories (every *.safetensors, or what
     /// model.safetensors.index.json names), index files or file:// URLs; objects or prefixes in
-    /// object stores (s3://, gs://, az://, http(s)://), configured by their usual environment
-    /// variables. None: a generated llama-like checkpoint (see --size).
+    /// object stores (s3://, gs://, az://, http(s)://) and the Hugging Face Hub (hf://), configured
+    /// by their usual environment variables. None: a generated llama-like checkpoint (see --size).
     #[arg(value_name = "URI")]
     uris: Vec<String>,
     /// Reads in flight at once [default: $FASTLOAD_CONCURRENCY, else 16, or 64 for object stores]
@@ -71,13 +72,22 @@ pub(super) struct BenchArgs {
     /// Warm runs: the files are read once first, so runs read the page cache (see --cold)
     #[arg(long)]
     warm: bool,
-    /// Also load the same files with each installed peer (safetensors, runai-model-streamer,
-    /// fastsafetensors, tensorizer) and fastload, each load in a fresh Python process, cold and
-    /// warm as the runs; print them side by side and name those that could not run
-    #[arg(long)]
-    compare: bool,
-    /// The Python that --compare runs (it needs fastload installed) [default: $FASTLOAD_PYTHON,
-    /// else python3]
+    /// Load the same files with peer loaders too, each load in a fresh Python process, cold and
+    /// warm as the runs, and print them side by side: by default the first installed of
+    /// safetensors, runai-model-streamer, fastsafetensors, tensorizer, as one row beside
+    /// fastload's runs (local files on --device cpu only); --compare or --compare=all: every
+    /// installed peer, and fastload loaded the same way; --compare=PEER,...: those; --compare=none:
+    /// no comparison. (A word after a bare --compare is its value when it names peers.)
+    #[arg(
+        long,
+        value_name = "PEERS",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "all"
+    )]
+    compare: Option<Peers>,
+    /// The Python the peers run in (it needs fastload and torch) [default: $FASTLOAD_PYTHON,
+    /// else the Python that runs this fastload script, else python3]
     #[arg(long, value_name = "PATH")]
     python: Option<String>,
     /// Print one JSON object on stdout (bytes, tensors, files, runs, best_gb_per_s, checksum,
@@ -246,6 +256,8 @@ fn checksum(segment: &crate::Loaded) -> u64 {
     sum
 }
 
+/// One timed load. `local_files`: how many of the URIs' shards are files on this machine;
+/// `evicted`: whether they were evicted before this run.
 fn load_once(
     cache: &'static str,
     uris: &[String],
@@ -253,6 +265,7 @@ fn load_once(
     device: &Device,
     run: usize,
     label: String,
+    (local_files, evicted): (usize, bool),
 ) -> CliResult<RunReport> {
     let resolved = opts.resolve(source::open::any_remote(uris))?;
     // Set up before the clock starts: the driver probe and the device context are paid once per
@@ -263,7 +276,19 @@ fn load_once(
         None => crate::open(uris, opts)?,
         Some(target) => crate::open_staged(uris, opts, target)?,
     };
-    let bar = progress_bar(loader.plan().total_bytes, label);
+    let plan = loader.plan();
+    // A remote object read from a local copy is a local file in the plan.
+    let read_from = ReadFrom::of_run(
+        plan.shards.len(),
+        plan.shards
+            .iter()
+            .filter(|s| s.local_path().is_some())
+            .count(),
+        local_files,
+        evicted,
+    );
+    let segments = plan.segments.len();
+    let bar = progress_bar(plan.total_bytes, label);
     let (mut first, mut bytes, mut tensors, mut checksum_sum) = (None, 0u64, 0usize, 0u64);
     // Tensors stay alive until the run ends, as after a load.
     let mut kept = Vec::new();
@@ -286,11 +311,13 @@ fn load_once(
     Ok(RunReport {
         run,
         cache,
+        read_from,
         concurrency: resolved.concurrency,
         block_size: resolved.block_size,
         method: loader.method().as_str(),
         bytes,
         tensors,
+        segments,
         seconds,
         gb_per_s: if seconds > 0.0 {
             bytes as f64 / seconds / 1e9
@@ -345,9 +372,8 @@ fn execute(
     }
     for (opts, resolved) in configs.iter().zip(&setup.configs) {
         for _ in 0..setup.repeat {
-            if cache == "cold" {
-                evicted &= evict_all(files, &mut said);
-            }
+            let this_run = cache == "cold" && evict_all(files, &mut said);
+            evicted &= cache != "cold" || this_run;
             let n = runs.len() + 1;
             let mut label = format!("run {n}/{total} {cache}");
             if args.sweep {
@@ -357,7 +383,8 @@ fn execute(
                     Size(resolved.block_size)
                 ));
             }
-            let run = load_once(cache, setup.uris, opts, &args.device, n, label)?;
+            let local = (files.len(), this_run);
+            let run = load_once(cache, setup.uris, opts, &args.device, n, label, local)?;
             // With --cache, the next run reads the copy this one filled, once it is published
             // (outside the clock).
             crate::source::cache::wait_published();
@@ -455,7 +482,9 @@ fn modes(args: &BenchArgs) -> Vec<&'static str> {
     }
 }
 
-pub(super) fn run(args: BenchArgs) -> CliResult {
+/// `host_python`: the interpreter this CLI runs in, when it runs in one (the default Python of
+/// the comparison).
+pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
     if args.device != Device::Cpu && args.method != Method::Auto {
         return Err(CliError::Unsupported(format!(
             "--method applies to --device cpu only (device {} always reads into staging buffers)",
@@ -488,6 +517,11 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
         repeat: args.repeat.unwrap_or(if args.sweep { 1 } else { 3 }),
         modes: modes.clone(),
         sweep: args.sweep,
+        remote: described.local.len() < described.shards,
+        local_files: described.local.len(),
+        cache_dir: crate::source::cache::CacheSettings::for_load(&configs[0])?
+            .dir
+            .map(|d| d.display().to_string()),
     };
     if !args.json && !args.limits_only {
         print_stdout(&setup.intro())?;
@@ -528,10 +562,30 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
     if !args.json {
         print_stdout(&setup.summary(&runs, &limits, &reports))?;
     }
-    let compared = if args.compare {
-        Some(run_compare(&args, &uris, &described, &setup, &modes)?)
-    } else {
-        None
+    let peers = args.compare.clone().unwrap_or(Peers::Default);
+    // The default row only where a peer loads what fastload's runs loaded: local files into
+    // host memory.
+    let comparable = args.device == Device::Cpu && !setup.remote;
+    let compared = match peers {
+        Peers::None => None,
+        Peers::Default if !comparable => None,
+        _ => {
+            let mut mine = BTreeMap::new();
+            for (&mode, report) in &reports {
+                let seconds = runs.iter().filter(|r| r.cache == mode).map(|r| r.seconds);
+                mine.insert(
+                    mode,
+                    PeerRuns {
+                        seconds: seconds.collect(),
+                        bytes: described.bytes,
+                        best_gb_per_s: report.best_gb_per_s,
+                    },
+                );
+            }
+            let python = compare::python(args.python.as_deref(), host_python);
+            let job = (&peers, mine, python);
+            Some(run_compare(&args, job, &uris, &described, &setup, &modes)?)
+        }
     };
     if let (Some(c), false) = (&compared, args.json) {
         print_stdout(&c.table(&modes))?;
@@ -545,6 +599,7 @@ pub(super) fn run(args: BenchArgs) -> CliResult {
 
 fn run_compare(
     args: &BenchArgs,
+    (peers, runs, python): (&Peers, BTreeMap<&'static str, PeerRuns>, String),
     uris: &[String],
     described: &Described,
     setup: &Setup<'_>,
@@ -563,17 +618,21 @@ fn run_compare(
     if args.method != Method::Auto {
         options.insert("method".into(), args.method.as_str().into());
     }
+    let default = *peers == Peers::Default;
     let job = compare::Job {
-        python: compare::python(args.python.as_deref()),
+        python,
+        peers,
+        runs,
         uris,
         files: &described.local,
         remote: described.local.len() < described.shards,
         options,
         modes,
         repeat: setup.repeat,
-        print: !args.json,
+        // The default comparison prints its one row at the end.
+        print: !args.json && !default,
     };
-    if !args.json {
+    if !args.json && !default {
         print_stdout(&format!(
             "\ncomparing, each load in a fresh process of {}:\n",
             job.python

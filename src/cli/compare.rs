@@ -1,40 +1,108 @@
-//! `fastload bench --compare`: the peer loaders that are installed (safetensors,
-//! runai-model-streamer, fastsafetensors, tensorizer) and fastload itself, on the same files,
-//! each load in a fresh Python process (the drivers are `fastload._peers`, shipped in the
-//! package), cold and warm; fastload's ratio to the best peer, and why the others did not run.
+//! `fastload bench`'s peers: the peer loaders that are installed (safetensors,
+//! runai-model-streamer, fastsafetensors, tensorizer) on the same files, each load in a fresh
+//! Python process (the drivers are `fastload._peers`, shipped in the package), cold and warm as
+//! the runs; fastload's ratio to the best peer, and why the others did not run.
+//!
+//! By default the first installed peer is shown beside fastload's own runs, as one more row;
+//! `--compare` (all peers, or those named) also loads fastload through the same driver, so that
+//! every row is measured the same way; `--compare none` compares nothing.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
+use std::str::FromStr;
 
 use serde::Serialize;
 use serde_json::Value;
 
 use super::{print_stdout, CliResult};
 
-/// In the order they are run and printed; fastload first.
-const LOADERS: [&str; 5] = [
-    "fastload",
+/// The peers, in the order they are tried, run and printed; named as their packages are.
+pub(super) const PEERS: [&str; 4] = [
     "safetensors",
-    "runai",
+    "runai-model-streamer",
     "fastsafetensors",
     "tensorizer",
 ];
 
-/// The Python to run the drivers with: `--python`, else `$FASTLOAD_PYTHON` (the wheel's
-/// `fastload` script sets it to its own interpreter), else `python3`.
-pub(super) fn python(arg: Option<&str>) -> String {
+/// Which peers to load the same files with (`--compare[=PEERS]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Peers {
+    /// No `--compare`: the first installed peer, beside fastload's own runs.
+    Default,
+    /// `--compare none`.
+    None,
+    /// `--compare` or `--compare all` (every peer), or the peers named; fastload is loaded
+    /// through the same driver beside them.
+    Chosen(Vec<&'static str>),
+}
+
+impl FromStr for Peers {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Peers, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "all" => return Ok(Peers::Chosen(PEERS.to_vec())),
+            "none" => return Ok(Peers::None),
+            _ => {}
+        }
+        let mut chosen = Vec::new();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let Some(&peer) = PEERS.iter().find(|p| p.eq_ignore_ascii_case(name)) else {
+                return Err(format!(
+                    "{name:?} is not a peer (use all, none, or a comma-separated list of {})",
+                    PEERS.join(", ")
+                ));
+            };
+            if !chosen.contains(&peer) {
+                chosen.push(peer);
+            }
+        }
+        if chosen.is_empty() {
+            return Err("no peer named (use all, none, or a comma-separated list)".into());
+        }
+        Ok(Peers::Chosen(chosen))
+    }
+}
+
+/// `--compare VALUE` written with a space: clap reads an optional value only after `=`
+/// (`--compare=all`), so that `fastload bench --compare model/` keeps `model/` a URI. A word after
+/// a bare `--compare` that names peers (`all`, `none`, `safetensors,tensorizer`) is its value.
+pub(super) fn attach_value(args: Vec<String>) -> Vec<String> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut args = args.into_iter().peekable();
+    while let Some(arg) = args.next() {
+        if arg == "--" {
+            out.push(arg);
+            out.extend(args);
+            break;
+        }
+        if arg == "--compare" {
+            if let Some(value) = args.next_if(|v| v.parse::<Peers>().is_ok()) {
+                out.push(format!("--compare={value}"));
+                continue;
+            }
+        }
+        out.push(arg);
+    }
+    out
+}
+
+/// The Python to run the drivers with: `--python`, else `$FASTLOAD_PYTHON`, else the
+/// interpreter this CLI runs in (the wheel's `fastload` script), else `python3`.
+pub(super) fn python(arg: Option<&str>, host: Option<&str>) -> String {
     arg.map(str::to_string)
         .or_else(|| {
             std::env::var("FASTLOAD_PYTHON")
                 .ok()
                 .filter(|p| !p.is_empty())
         })
+        .or_else(|| host.filter(|p| !p.is_empty()).map(str::to_string))
         .unwrap_or_else(|| "python3".into())
 }
 
 /// One loader's timed loads in one cache mode.
-#[derive(Serialize, Default)]
+#[derive(Serialize, Default, Clone)]
 pub(super) struct PeerRuns {
     pub seconds: Vec<f64>,
     pub bytes: u64,
@@ -50,6 +118,11 @@ pub(super) struct NotRun {
 #[derive(Serialize)]
 pub(super) struct Compare {
     pub python: String,
+    /// "default" (the first installed peer), or the peers asked for, comma-separated.
+    pub peers: String,
+    /// Where fastload's rates come from: "runs" (the bench's own runs, the default) or "driver"
+    /// (loaded by the same driver as the peers, with `--compare`).
+    pub fastload_from: &'static str,
     /// loader → mode ("cold", "warm") → runs.
     pub loaders: BTreeMap<&'static str, BTreeMap<&'static str, PeerRuns>>,
     pub not_run: Vec<NotRun>,
@@ -87,6 +160,9 @@ pub(super) struct Hooks<'a> {
 
 pub(super) struct Job<'a> {
     pub python: String,
+    pub peers: &'a Peers,
+    /// With [`Peers::Default`]: fastload's own runs, mode → runs, shown beside the peer.
+    pub runs: BTreeMap<&'static str, PeerRuns>,
     pub uris: &'a [String],
     /// Local files (every peer but fastload reads files); fewer than shards: remote.
     pub files: &'a [PathBuf],
@@ -98,43 +174,67 @@ pub(super) struct Job<'a> {
     pub print: bool,
 }
 
-pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
-    let mut report = Compare {
-        python: job.python.clone(),
-        loaders: BTreeMap::new(),
-        not_run: Vec::new(),
-        ratio_to_best_peer: BTreeMap::new(),
+/// The loaders to run: the peers wanted that are installed and applicable (and fastload, loaded
+/// by the driver, unless it is the default comparison); the others go to `not_run`.
+fn runnable(job: &Job<'_>, not_run: &mut Vec<NotRun>) -> Vec<&'static str> {
+    let wanted: Vec<&'static str> = match job.peers {
+        Peers::None => return Vec::new(),
+        Peers::Default => PEERS.to_vec(),
+        Peers::Chosen(peers) => std::iter::once("fastload")
+            .chain(peers.iter().copied())
+            .collect(),
     };
-    let mut runnable: Vec<&'static str> = Vec::new();
-    match driver(&job.python, "--probe") {
+    let found = match driver(&job.python, "--probe") {
+        Ok(found) => found,
         Err(why) => {
-            for loader in LOADERS {
-                report.not_run.push(NotRun {
+            for loader in wanted {
+                not_run.push(NotRun {
                     loader,
                     reason: format!("failed: {why}"),
                 });
             }
+            return Vec::new();
         }
-        Ok(found) => {
-            for loader in LOADERS {
-                let missing = found.get(loader).and_then(Value::as_str);
-                if let Some(why) = missing {
-                    report.not_run.push(NotRun {
-                        loader,
-                        reason: why.to_string(),
-                    });
-                } else if job.remote && loader != "fastload" {
-                    report.not_run.push(NotRun {
-                        loader,
-                        reason: "not applicable to this URI (the comparison reads peers from \
-                                 local files only)"
-                            .into(),
-                    });
-                } else {
-                    runnable.push(loader);
-                }
-            }
-        }
+    };
+    let mut runnable = Vec::new();
+    for loader in wanted {
+        let missing = found.get(loader).and_then(Value::as_str);
+        let reason = if let Some(why) = missing {
+            why.to_string()
+        } else if job.remote && loader != "fastload" {
+            "not applicable to this URI (the comparison reads peers from local files only)".into()
+        } else if *job.peers == Peers::Default && !runnable.is_empty() {
+            continue; // one peer by default: the first installed
+        } else {
+            runnable.push(loader);
+            continue;
+        };
+        not_run.push(NotRun { loader, reason });
+    }
+    if *job.peers == Peers::Default && !runnable.is_empty() {
+        // The default row names no peer that is simply not installed.
+        not_run.retain(|n| !n.reason.starts_with("not installed"));
+    }
+    runnable
+}
+
+pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
+    let default = *job.peers == Peers::Default;
+    let mut report = Compare {
+        python: job.python.clone(),
+        peers: match job.peers {
+            Peers::Chosen(peers) => peers.join(","),
+            _ => "default".into(),
+        },
+        fastload_from: if default { "runs" } else { "driver" },
+        loaders: BTreeMap::new(),
+        not_run: Vec::new(),
+        ratio_to_best_peer: BTreeMap::new(),
+    };
+    let mut runnable = runnable(job, &mut report.not_run);
+    if default {
+        let mine = job.runs.iter().map(|(&mode, runs)| (mode, runs.clone()));
+        report.loaders.insert("fastload", mine.collect());
     }
     let files: Vec<String> = job.files.iter().map(|f| f.display().to_string()).collect();
     for &mode in job.modes {
@@ -221,32 +321,63 @@ pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
 }
 
 impl Compare {
-    /// The side-by-side table.
+    /// The side-by-side table; the default comparison's is the peer as one more row beside
+    /// fastload's runs, or one line saying why there is none.
     pub fn table(&self, modes: &[&'static str]) -> String {
-        let mut out = format!(
-            "\ncompare: each load in a fresh process of {} (load every tensor, then read one byte \
-             of every 4 KiB page); best GB/s\n{:<22}",
-            self.python, "loader"
-        );
+        let peers: Vec<&str> = self
+            .loaders
+            .keys()
+            .copied()
+            .filter(|&n| n != "fastload")
+            .collect();
+        let default = self.fastload_from == "runs";
+        let mut out = String::from("\n");
+        if default {
+            let [peer] = peers[..] else {
+                return self.no_peer_line();
+            };
+            out.push_str(&format!(
+                "beside {peer}, each of its loads in a fresh process of {} (--compare: every \
+                 peer; --compare none: off):\n",
+                self.python
+            ));
+        } else {
+            out.push_str(&format!(
+                "compare: each load in a fresh process of {} (load every tensor, then read one \
+                 byte of every 4 KiB page); best GB/s\n",
+                self.python
+            ));
+        }
+        let ratio_label = match peers[..] {
+            [peer] if default => format!("fastload / {peer}"),
+            _ => "fastload / best peer".to_string(),
+        };
+        let width = 22.max(ratio_label.len() + 2);
+        out.push_str(&format!("{:<width$}", "loader"));
         for mode in modes {
-            out.push_str(&format!("{:>10}", format!("{mode} GB/s")));
+            out.push_str(&format!("{:>11}", format!("{mode} GB/s")));
         }
         out.push('\n');
-        for (name, runs) in &self.loaders {
-            out.push_str(&format!("{name:<22}"));
+        for (&name, runs) in &self.loaders {
+            let label = if default && name == "fastload" {
+                "fastload (runs above)"
+            } else {
+                name
+            };
+            out.push_str(&format!("{label:<width$}"));
             for mode in modes {
                 match runs.get(mode) {
-                    Some(r) => out.push_str(&format!("{:>10.3}", r.best_gb_per_s)),
-                    None => out.push_str(&format!("{:>10}", "-")),
+                    Some(r) => out.push_str(&format!("{:>11.3}", r.best_gb_per_s)),
+                    None => out.push_str(&format!("{:>11}", "-")),
                 }
             }
             out.push('\n');
         }
-        out.push_str(&format!("{:<22}", "fastload / best peer"));
+        out.push_str(&format!("{ratio_label:<width$}"));
         for mode in modes {
             match self.ratio_to_best_peer.get(mode).copied().flatten() {
-                Some(r) => out.push_str(&format!("{:>10}", format!("{r:.2}x"))),
-                None => out.push_str(&format!("{:>10}", "-")),
+                Some(r) => out.push_str(&format!("{:>11}", format!("{r:.2}x"))),
+                None => out.push_str(&format!("{:>11}", "-")),
             }
         }
         out.push('\n');
@@ -254,5 +385,174 @@ impl Compare {
             out.push_str(&format!("not run: {}: {}\n", n.loader, n.reason));
         }
         out
+    }
+
+    /// The default comparison without a peer: why, on one line when no peer is installed.
+    fn no_peer_line(&self) -> String {
+        let hint = "--python PATH picks another Python, --compare none drops this line";
+        let reasons: Vec<&str> = self.not_run.iter().map(|n| n.reason.as_str()).collect();
+        let same = reasons.iter().all(|r| *r == reasons[0]);
+        // One reason for every peer (the Python has no torch, or cannot run the drivers), or
+        // none of the peers installed.
+        let shared = reasons.first().filter(|_| same).and_then(|first| {
+            first
+                .strip_prefix("not installed: ")
+                .or_else(|| first.strip_prefix("failed: "))
+        });
+        let why = match shared {
+            Some(why) => Some(why.to_string()),
+            None if reasons.iter().all(|r| r.starts_with("not installed")) => Some(format!(
+                "none of {} is installed in {}",
+                PEERS.join(", "),
+                self.python
+            )),
+            None => None,
+        };
+        if let Some(why) = why {
+            return format!("\nno peer beside it: {why} ({hint})\n");
+        }
+        let mut out = format!("\nno peer beside it ({hint}):\n");
+        for n in &self.not_run {
+            out.push_str(&format!("not run: {}: {}\n", n.loader, n.reason));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_parse_as_all_none_or_a_list() {
+        assert_eq!("all".parse::<Peers>(), Ok(Peers::Chosen(PEERS.to_vec())));
+        assert_eq!("None".parse::<Peers>(), Ok(Peers::None));
+        assert_eq!(
+            "tensorizer, safetensors,tensorizer".parse::<Peers>(),
+            Ok(Peers::Chosen(vec!["tensorizer", "safetensors"]))
+        );
+        let err = "runai".parse::<Peers>().unwrap_err();
+        assert!(err.contains("\"runai\" is not a peer") && err.contains("runai-model-streamer"));
+        assert!("model/".parse::<Peers>().is_err() && ",".parse::<Peers>().is_err());
+    }
+
+    #[test]
+    fn a_word_after_compare_is_its_value_only_when_it_names_peers() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let cases: [(&[&str], &[&str]); 5] = [
+            (&["bench", "--compare", "all"], &["bench", "--compare=all"]),
+            (
+                &["bench", "--compare", "safetensors,tensorizer", "m/"],
+                &["bench", "--compare=safetensors,tensorizer", "m/"],
+            ),
+            // Today's form: a URI after --compare stays a URI (all peers).
+            (&["bench", "--compare", "m/"], &["bench", "--compare", "m/"]),
+            (&["bench", "--compare"], &["bench", "--compare"]),
+            (
+                &["bench", "--", "--compare", "none"],
+                &["bench", "--", "--compare", "none"],
+            ),
+        ];
+        for (given, want) in cases {
+            assert_eq!(attach_value(args(given)), args(want), "{given:?}");
+        }
+    }
+
+    #[test]
+    fn the_python_is_the_flag_then_the_variable_then_the_host_interpreter() {
+        // FASTLOAD_PYTHON is read from the environment: only the cases it cannot change here.
+        assert_eq!(python(Some("/p/python"), Some("/host/python")), "/p/python");
+        if std::env::var_os("FASTLOAD_PYTHON").is_none() {
+            assert_eq!(python(None, Some("/host/python")), "/host/python");
+            assert_eq!(python(None, None), "python3");
+        }
+    }
+
+    fn compare(loaders: &[(&'static str, f64)], not_run: &[(&'static str, &str)]) -> Compare {
+        let runs = |rate: f64| {
+            let mut modes = BTreeMap::new();
+            modes.insert(
+                "warm",
+                PeerRuns {
+                    seconds: vec![1.0],
+                    bytes: 1,
+                    best_gb_per_s: rate,
+                },
+            );
+            modes
+        };
+        Compare {
+            python: "/v/bin/python".into(),
+            peers: "default".into(),
+            fastload_from: "runs",
+            loaders: loaders.iter().map(|&(n, r)| (n, runs(r))).collect(),
+            not_run: not_run
+                .iter()
+                .map(|&(loader, reason)| NotRun {
+                    loader,
+                    reason: reason.into(),
+                })
+                .collect(),
+            ratio_to_best_peer: [("warm", Some(2.0))].into(),
+        }
+    }
+
+    #[test]
+    fn the_default_shows_one_peer_as_one_more_row() {
+        let c = compare(&[("fastload", 4.0), ("safetensors", 2.0)], &[]);
+        let table = c.table(&["warm"]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(
+            lines[1].starts_with(
+                "beside safetensors, each of its loads in a fresh process of /v/bin/python"
+            ),
+            "{table}"
+        );
+        assert!(
+            lines[1].ends_with("(--compare: every peer; --compare none: off):"),
+            "{table}"
+        );
+        assert_eq!(
+            lines[3].split_whitespace().collect::<Vec<_>>(),
+            ["fastload", "(runs", "above)", "4.000"]
+        );
+        assert_eq!(
+            lines[4].split_whitespace().collect::<Vec<_>>(),
+            ["safetensors", "2.000"]
+        );
+        assert!(lines[5].starts_with("fastload / safetensors") && lines[5].ends_with("2.00x"));
+        assert_eq!(lines.len(), 6, "{table}");
+
+        let why = "not installed (no module 'safetensors.torch' in /v/bin/python)";
+        let c = compare(
+            &[("fastload", 4.0)],
+            &[("safetensors", why), ("tensorizer", why)],
+        );
+        let line = c.table(&["warm"]);
+        assert_eq!(
+            line,
+            "\nno peer beside it: none of safetensors, runai-model-streamer, fastsafetensors, \
+             tensorizer is installed in /v/bin/python (--python PATH picks another Python, \
+             --compare none drops this line)\n"
+        );
+        let why = "not installed: torch is not installed in /v/bin/python";
+        let c = compare(
+            &[("fastload", 4.0)],
+            &[("safetensors", why), ("tensorizer", why)],
+        );
+        assert!(c
+            .table(&["warm"])
+            .starts_with("\nno peer beside it: torch is not installed in /v/bin/python (--python"));
+        // A Python that cannot run the drivers: one line too.
+        let why =
+            "failed: python3 -m fastload._peers: ModuleNotFoundError: No module named 'fastload'";
+        let c = compare(
+            &[("fastload", 4.0)],
+            &[("safetensors", why), ("tensorizer", why)],
+        );
+        assert!(c.table(&["warm"]).starts_with(
+            "\nno peer beside it: python3 -m fastload._peers: ModuleNotFoundError: No module named \
+             'fastload' (--python"
+        ));
     }
 }

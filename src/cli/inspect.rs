@@ -6,17 +6,20 @@ use std::path::Path;
 use clap::Args;
 use serde::Serialize;
 
-use super::{decimal_bytes, print_stdout, CliResult, Table};
+use super::{decimal_bytes, plural, print_stdout, CliResult, Table};
 use crate::source::{self, Shard};
 
 #[derive(Args)]
 pub(super) struct InspectArgs {
     /// Files, directories (every *.safetensors, or what model.safetensors.index.json names),
-    /// index files or file:// URLs.
+    /// index files or file:// URLs; objects or prefixes in object stores (s3://, gs://, az://,
+    /// http(s)://) and the Hugging Face Hub (hf://org/repo[@revision][/path]), configured by
+    /// their usual environment variables. Only the headers are read.
     #[arg(required = true, value_name = "URI")]
     uris: Vec<String>,
-    /// Print one JSON object on stdout: {"files": [...], "tensors": [...], "total": {files,
-    /// tensors, bytes}}.
+    /// Print one JSON object on stdout instead of the table, the one `fastload.inspect` returns:
+    /// {"files": [{file, size, header_bytes, tensors, bytes, metadata}], "tensors": [{name,
+    /// dtype, shape, bytes, file, data_offsets}], "total": {files, tensors, bytes}}
     #[arg(long)]
     json: bool,
 }
@@ -122,15 +125,14 @@ fn render(r: &Report<'_>) -> String {
     out.push('\n');
     for f in &r.files {
         out.push_str(&format!(
-            "file {}: {} tensors, {} bytes of data ({}), {}-byte header\n",
+            "file {}: {}, {} bytes of data ({}), {}-byte header\n",
             f.file,
-            f.tensors,
+            plural(f.tensors, "tensor"),
             f.bytes,
             decimal_bytes(f.bytes),
             f.header_bytes
         ));
     }
-    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
     out.push_str(&format!(
         "total: {}, {}, {} bytes ({})\n",
         plural(r.total.files, "file"),
@@ -141,15 +143,18 @@ fn render(r: &Report<'_>) -> String {
     out
 }
 
+/// The `--json` object of `shards`, on one line; `fastload.inspect` returns it parsed, so the
+/// command line and the Python API have one shape.
+pub(crate) fn to_json(shards: &[Shard]) -> String {
+    serde_json::to_string(&report(shards)).expect("the report serializes")
+}
+
 pub(super) fn run(args: InspectArgs) -> CliResult {
     let shards =
         source::open::open_all(&args.uris, &[], &crate::source::cache::CacheSettings::off())?;
-    let report = report(&shards);
     if args.json {
-        let mut text = serde_json::to_string(&report).expect("the report serializes");
-        text.push('\n');
-        print_stdout(&text)
+        print_stdout(&(to_json(&shards) + "\n"))
     } else {
-        print_stdout(&render(&report))
+        print_stdout(&render(&report(&shards)))
     }
 }

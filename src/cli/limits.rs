@@ -271,7 +271,8 @@ pub(super) fn buffered(files: &[PathBuf], readers: usize, block: u64, what: &str
             .into_iter()
             .try_for_each(|w| w.join().expect("a limit reader panicked"))
     });
-    let what = format!("{what}, {} readers x {} pread", regions.len(), Size(block));
+    let readers = super::plural(regions.len(), "reader");
+    let what = format!("{what}, {readers} x {} pread", Size(block));
     match result {
         Ok(()) => Limit::rate(bytes, started, what),
         Err(e) => Limit::unmeasurable(format!("not measurable here: {e}")),
@@ -470,7 +471,10 @@ mod tests {
         let files = vec![path.clone()];
         let warm = buffered(&files, 8, 1 << 20, "warm");
         assert!(warm.gb_per_s.unwrap() > 0.0, "{warm:?}");
-        assert!(warm.what.contains("3 readers"), "{warm:?}");
+        assert!(warm.what.contains("3 readers x 1MiB pread"), "{warm:?}");
+        // One block: one reader, not "1 readers".
+        let one = buffered(&files, 8, 4 << 20, "warm");
+        assert!(one.what.ends_with("warm, 1 reader x 4MiB pread"), "{one:?}");
         // O_DIRECT is refused on some filesystems (tmpfs): then the limit says so.
         let direct = storage_direct(&files, 4, 1 << 20);
         assert!(

@@ -7,7 +7,8 @@ use serde::Serialize;
 
 use super::compare::Compare;
 use super::limits::Limit;
-use super::{decimal_bytes, Device};
+use super::verdict::{ModeReport, ReadFrom};
+use super::{decimal_bytes, plural, Device};
 use crate::options::{Resolved, Size};
 
 /// One timed load.
@@ -15,14 +16,19 @@ use crate::options::{Resolved, Size};
 pub(super) struct RunReport {
     /// 1-based, in the order the runs happened.
     pub run: usize,
-    /// "cold" (files evicted from the page cache before the run) or "warm".
+    /// The cache mode the run belongs to: "cold" (local files evicted from the page cache
+    /// first) or "warm" (read once first).
     pub cache: &'static str,
+    /// Where its bytes came from: storage, the page cache, the network or a local copy.
+    pub read_from: ReadFrom,
     pub concurrency: usize,
     pub block_size: u64,
     /// The read strategy the loader used.
     pub method: &'static str,
     pub bytes: u64,
     pub tensors: usize,
+    /// The plan's segments: tensors are handed out a segment at a time.
+    pub segments: usize,
     /// From opening the files (headers included) until the consumer read the last tensor.
     pub seconds: f64,
     /// Decimal: 10^9 bytes per second.
@@ -46,61 +52,12 @@ pub(super) struct Setup<'a> {
     /// "cold", "warm" or both, in the order they run.
     pub modes: Vec<&'static str>,
     pub sweep: bool,
-}
-
-/// One cache mode's best run beside the limit that applies to it.
-#[derive(Serialize, Clone, Debug, Default)]
-pub(super) struct ModeReport {
-    pub best_run: usize,
-    pub best_gb_per_s: f64,
-    /// Cold only: whether eviction took effect (false on e.g. tmpfs: the runs read memory).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub evicted: Option<bool>,
-    /// The name of the lowest measurable limit that applies (a key of `limits`), if any.
-    pub limit: Option<&'static str>,
-    pub limit_gb_per_s: Option<f64>,
-    /// best_gb_per_s / limit_gb_per_s.
-    pub fraction_of_limit: Option<f64>,
-    /// The limit's name when fastload reaches at least [`BOUND`] of it, [`AT_LIMIT`] when the
-    /// best run is above the limit (the limit is the best of as many passes as there were runs,
-    /// so that is the measurements' noise, not fastload beating the storage), else "fastload".
-    pub bound_by: &'static str,
-}
-
-/// The fraction of a limit from which that limit is said to bind.
-pub(super) const BOUND: f64 = 0.8;
-
-/// `bound_by` of a best run above its limit.
-pub(super) const AT_LIMIT: &str = "at the limit (noise)";
-
-impl ModeReport {
-    /// `applicable`: the limits that apply to this mode (measured or not).
-    pub fn new(
-        runs: &[&RunReport],
-        evicted: Option<bool>,
-        limits: &BTreeMap<&'static str, Limit>,
-        applicable: &[&'static str],
-    ) -> ModeReport {
-        let best = best(runs);
-        let binding = applicable
-            .iter()
-            .filter_map(|&name| Some((name, limits.get(name)?.gb_per_s?)))
-            .reduce(|a, b| if b.1 < a.1 { b } else { a });
-        let fraction = binding.map(|(_, rate)| best.gb_per_s / rate.max(1e-12));
-        ModeReport {
-            best_run: best.run,
-            best_gb_per_s: best.gb_per_s,
-            evicted,
-            limit: binding.map(|b| b.0),
-            limit_gb_per_s: binding.map(|b| b.1),
-            fraction_of_limit: fraction,
-            bound_by: match (binding, fraction) {
-                (Some(_), Some(f)) if f > 1.0 => AT_LIMIT,
-                (Some((name, _)), Some(f)) if f >= BOUND => name,
-                _ => "fastload",
-            },
-        }
-    }
+    /// Some URIs name objects (read over the network).
+    pub remote: bool,
+    /// Of `files`, those on this machine.
+    pub local_files: usize,
+    /// `--cache DIR` (or `FASTLOAD_CACHE`): where the local copy of remote objects goes.
+    pub cache_dir: Option<String>,
 }
 
 /// Seconds as a person reads them: "1.234 s", "12.3 ms", "0.042 ms" (a tiny file loads in far
@@ -149,10 +106,6 @@ struct Report<'a> {
     compare: Option<&'a Compare>,
 }
 
-fn plural(n: usize, what: &str) -> String {
-    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
-}
-
 /// The values of one sweep axis, in grid order.
 fn distinct<T: PartialEq>(values: impl Iterator<Item = T>) -> Vec<T> {
     let mut out = Vec::new();
@@ -197,7 +150,7 @@ impl Setup<'_> {
         };
         format!(
             "fastload bench: {} ({}, {}) from {}\n\
-             device {}, method {}{config}, memory limit {}, {} page cache, {}\n\n{}",
+             device {}, method {}{config}, memory limit {}, {}, {}\n\n{}",
             decimal_bytes(self.bytes),
             plural(self.files, "file"),
             plural(self.tensors, "tensor"),
@@ -205,10 +158,31 @@ impl Setup<'_> {
             self.device,
             first.method.as_str(),
             Size(first.memory_limit),
-            self.modes.join(", then "),
+            self.reads(),
             plural(self.runs(), "run"),
             self.header_row()
         )
+    }
+
+    /// What the runs read: the page cache's state for local files; objects come over the
+    /// network (or from the local copy `--cache` keeps) whatever the mode.
+    fn reads(&self) -> String {
+        let local = format!("{} page cache", self.modes.join(", then "));
+        if !self.remote {
+            return local;
+        }
+        let objects = match &self.cache_dir {
+            None => "objects read over the network every run".to_string(),
+            Some(dir) => format!(
+                "objects read over the network until a local copy is in {dir} (--cache), then \
+                 from that copy"
+            ),
+        };
+        if self.local_files > 0 {
+            format!("{objects}; local files: {local}")
+        } else {
+            objects
+        }
     }
 
     fn config_cells(&self, concurrency: &str, block_size: &str) -> String {
@@ -221,9 +195,9 @@ impl Setup<'_> {
 
     fn header_row(&self) -> String {
         format!(
-            "{:>4}  {:>5}  {}{:>14}  {:>8}  {:>8}  {:>7}  {:>12}\n",
+            "{:>4}  {:<10}  {}{:>14}  {:>8}  {:>8}  {:>7}  {:>12}\n",
             "run",
-            "cache",
+            "read from",
             self.config_cells("concurrency", "block size"),
             "bytes",
             "tensors",
@@ -240,12 +214,18 @@ impl Setup<'_> {
             .map_or_else(|| "-".into(), |ms| format!("{ms:.2} ms"));
         let config = self.config_cells(&r.concurrency.to_string(), &Size(r.block_size).to_string());
         format!(
-            "{:>4}  {:>5}  {config}{:>14}  {:>8}  {:>8.4}  {:>7.3}  {first:>12}\n",
-            r.run, r.cache, r.bytes, r.tensors, r.seconds, r.gb_per_s
+            "{:>4}  {:<10}  {config}{:>14}  {:>8}  {:>8.4}  {:>7.3}  {first:>12}\n",
+            r.run,
+            r.read_from.label(),
+            r.bytes,
+            r.tensors,
+            r.seconds,
+            r.gb_per_s
         )
     }
 
-    /// The limits measured, then each mode's best run beside its limit.
+    /// The limits measured, then each mode's best run (per source, when its runs read from
+    /// several) and what bounds it.
     pub fn summary(
         &self,
         runs: &[RunReport],
@@ -256,33 +236,63 @@ impl Setup<'_> {
         out.push('\n');
         for mode in &self.modes {
             let Some(m) = modes.get(mode) else { continue };
-            let run = &runs[m.best_run - 1];
             let label = if self.modes.len() == 1 {
                 "best".to_string()
             } else {
                 format!("best {mode}")
             };
-            out.push_str(&self.best_line(&label, run));
+            let parts = if m.by_source.is_empty() {
+                std::slice::from_ref(m)
+            } else {
+                &m.by_source[..]
+            };
+            for part in parts {
+                let run = &runs[part.best_run - 1];
+                let label = if m.by_source.is_empty() {
+                    label.clone()
+                } else {
+                    format!("{label} ({} runs)", part.read_from.label())
+                };
+                out.push_str(&self.best_line(&label, run));
+                out.push_str(&part.sentence(run.method, limits));
+                out.push_str(&self.first_tensor_note(run));
+            }
             if m.evicted == Some(false) {
                 out.push_str(
-                    "  (eviction did not take effect here, e.g. tmpfs: these runs read memory)\n",
+                    "  (eviction did not take effect here, e.g. tmpfs: the cold runs read memory)\n",
                 );
-            }
-            match (m.limit, m.fraction_of_limit) {
-                (Some(limit), Some(f)) => out.push_str(&format!(
-                    "  {:.0}% of {limit} ({:.3} GB/s): {}\n",
-                    f * 100.0,
-                    m.limit_gb_per_s.unwrap_or(0.0),
-                    if m.bound_by == AT_LIMIT {
-                        AT_LIMIT.to_string()
-                    } else {
-                        format!("bound by {}", m.bound_by)
-                    }
-                )),
-                _ => out.push_str("  no limit measurable here to compare with\n"),
             }
         }
         out
+    }
+
+    /// Why the first tensor came late, when it came after half the load: tensors are handed out
+    /// a segment at a time (a staged load's once the segment's copies finished), so a checkpoint
+    /// of few segments has its first tensor near the end.
+    fn first_tensor_note(&self, run: &RunReport) -> String {
+        let Some(ms) = run.first_tensor_ms else {
+            return String::new();
+        };
+        let share = ms / (run.seconds * 1e3).max(1e-9);
+        // Below 10 ms the fixed costs of a load blur the picture.
+        if share < 0.5 || run.seconds < 0.01 {
+            return String::new();
+        }
+        let config = &self.configs[0];
+        let staged = match self.device {
+            Device::Cpu => String::new(),
+            device => format!(" once its copies to {device} finished"),
+        };
+        format!(
+            "  first tensor at {:.0}% of the load: tensors are handed out a segment (up to {}) at \
+             a time{staged}, and this load is {}\n",
+            share.min(1.0) * 100.0,
+            Size(crate::plan::segment_size(
+                config.memory_limit,
+                run.block_size
+            )),
+            plural(run.segments, "segment")
+        )
     }
 
     /// The limits measured, one per line (nothing when there are none).
@@ -334,8 +344,9 @@ impl Setup<'_> {
             String::new()
         };
         format!(
-            "{label}: run {} (method {}{config}): {:.3} GB/s, {}{first}\n",
+            "{label}: run {} ({}, method {}{config}): {:.3} GB/s, {}{first}\n",
             best.run,
+            best.read_from.label(),
             best.method,
             best.gb_per_s,
             duration(best.seconds)
@@ -391,11 +402,13 @@ mod tests {
         RunReport {
             run: n,
             cache: "warm",
+            read_from: ReadFrom::PageCache,
             concurrency: 16,
             block_size: 8 << 20,
             method: "mmap",
             bytes: 1000,
             tensors: 2,
+            segments: 1,
             seconds: 1000.0 / gb_per_s / 1e9,
             gb_per_s,
             first_tensor_ms: Some(1.5),
@@ -410,62 +423,137 @@ mod tests {
     }
 
     #[test]
-    fn the_lowest_measured_limit_binds_from_80_percent() {
-        let mut limits = BTreeMap::new();
-        let limit = |r: Option<f64>| Limit {
-            gb_per_s: r,
-            what: String::new(),
-            bytes: 0,
-        };
-        limits.insert("page_cache", limit(Some(2.0)));
-        limits.insert("host_to_device", limit(Some(4.0)));
-        limits.insert("storage_direct", limit(None));
-        let runs = [run(1, 1.0), run(2, 1.7)];
-        let refs: Vec<&RunReport> = runs.iter().collect();
-        let m = ModeReport::new(&refs, None, &limits, &["page_cache", "host_to_device"]);
-        assert_eq!(
-            (m.best_run, m.limit, m.bound_by),
-            (2, Some("page_cache"), "page_cache")
-        );
-        assert!((m.fraction_of_limit.unwrap() - 0.85).abs() < 1e-9);
-        let m = ModeReport::new(&refs[..1], None, &limits, &["host_to_device"]);
-        assert_eq!((m.limit, m.bound_by), (Some("host_to_device"), "fastload"));
-        let m = ModeReport::new(&refs, None, &limits, &["storage_direct"]);
-        assert_eq!(
-            (m.limit, m.fraction_of_limit, m.bound_by),
-            (None, None, "fastload")
-        );
-        // Above the limit: noise in the measurements, never "bound by" it.
-        let fast = [run(1, 2.4)];
-        let refs: Vec<&RunReport> = fast.iter().collect();
-        let m = ModeReport::new(&refs, None, &limits, &["page_cache"]);
-        assert_eq!((m.limit, m.bound_by), (Some("page_cache"), AT_LIMIT));
-    }
-
-    #[test]
     fn durations_never_read_zero() {
         assert_eq!(duration(2.5), "2.500 s");
         assert_eq!(duration(0.0425), "42.5 ms");
         assert_eq!(duration(0.000042), "0.042 ms");
     }
 
-    #[test]
-    fn rows_line_up_with_the_header() {
-        let setup = Setup {
-            uris: &["m.safetensors".to_string()],
+    fn setup<'a>(uris: &'a [String], device: &'a Device, remote: bool) -> Setup<'a> {
+        Setup {
+            uris,
             files: 1,
             bytes: 1000,
             tensors: 2,
-            device: &Device::Cpu,
-            configs: vec![],
+            device,
+            configs: vec![Resolved {
+                concurrency: 16,
+                block_size: 8 << 20,
+                memory_limit: 1 << 30,
+                method: crate::Method::Auto,
+                method_reason: String::new(),
+            }],
             repeat: 1,
             modes: vec!["warm"],
-            sweep: true,
-        };
+            sweep: false,
+            remote,
+            local_files: usize::from(!remote),
+            cache_dir: None,
+        }
+    }
+
+    #[test]
+    fn rows_line_up_with_the_header() {
+        let uris = ["m.safetensors".to_string()];
+        let mut setup = setup(&uris, &Device::Cpu, false);
+        setup.sweep = true;
         let header = setup.header_row();
         let row = setup.row(&run(1, 2.0));
         assert_eq!(header.len(), row.len(), "{header}{row}");
         assert!(row.contains("8MiB") && row.contains("1.50 ms"));
+        // Where the run read from, under a name `--cache` cannot be confused with.
+        assert!(
+            header.contains("read from") && !header.contains("cache"),
+            "{header}"
+        );
+        assert!(row.contains("  page cache  "), "{row}");
         assert_eq!(distinct([4, 8, 4, 8].into_iter()), vec![4, 8]);
+    }
+
+    #[test]
+    fn the_intro_says_what_the_runs_read() {
+        let local = ["m.safetensors".to_string()];
+        let mut s = setup(&local, &Device::Cpu, false);
+        s.modes = vec!["cold", "warm"];
+        assert!(s
+            .intro()
+            .contains("memory limit 1GiB, cold, then warm page cache, 1 run"));
+        // Objects are never "warm page cache".
+        let remote = ["s3://b/m.safetensors".to_string()];
+        let mut s = setup(&remote, &Device::Cpu, true);
+        let intro = s.intro();
+        assert!(
+            intro.contains("objects read over the network every run"),
+            "{intro}"
+        );
+        assert!(!intro.contains("page cache"), "{intro}");
+        s.cache_dir = Some("/c".into());
+        let intro = s.intro();
+        assert!(
+            intro.contains("until a local copy is in /c (--cache), then from that copy"),
+            "{intro}"
+        );
+    }
+
+    #[test]
+    fn a_cache_run_says_it_read_the_local_copy() {
+        let remote = ["s3://b/m.safetensors".to_string()];
+        let mut s = setup(&remote, &Device::Cpu, true);
+        s.cache_dir = Some("/c".into());
+        s.repeat = 2;
+        let mut first = run(1, 0.45);
+        (first.read_from, first.method) = (ReadFrom::Network, "read");
+        let mut second = run(2, 3.0);
+        second.read_from = ReadFrom::LocalCopy;
+        let runs = vec![first, second];
+        assert!(s.row(&runs[0]).contains("network") && s.row(&runs[1]).contains("local copy"));
+        let limits: BTreeMap<_, _> = [(
+            "ranged_get",
+            Limit {
+                gb_per_s: Some(0.5),
+                what: String::new(),
+                bytes: 0,
+            },
+        )]
+        .into();
+        let refs: Vec<&RunReport> = runs.iter().collect();
+        let modes = [(
+            "warm",
+            ModeReport::new(&refs, None, &limits, &["ranged_get"]),
+        )]
+        .into();
+        let text = s.summary(&runs, &limits, &modes);
+        for want in [
+            "best (network runs): run 1 (network, method read)",
+            "streamed over the network into buffers: 90% of ranged_get (0.500 GB/s): bound by \
+             ranged_get",
+            "best (local copy runs): run 2 (local copy, method mmap)",
+            "mapped, nothing copied: bound by mapping and first touch",
+        ] {
+            assert!(text.contains(want), "{want:?} not in {text}");
+        }
+    }
+
+    #[test]
+    fn a_late_first_tensor_is_explained() {
+        let uris = ["m.safetensors".to_string()];
+        let s = setup(&uris, &Device::Host, false);
+        let mut r = run(1, 1.0);
+        r.seconds = 0.05;
+        r.first_tensor_ms = Some(r.seconds * 1e3 * 0.97);
+        let note = s.first_tensor_note(&r);
+        assert!(
+            note.contains(
+                "first tensor at 97% of the load: tensors are handed out a segment (up \
+                           to 64MiB) at a time once its copies to host finished, and this load is \
+                           1 segment"
+            ),
+            "{note}"
+        );
+        r.first_tensor_ms = Some(r.seconds * 1e3 * 0.1);
+        assert_eq!(s.first_tensor_note(&r), "");
+        // A load of a millisecond: its fixed costs, nothing to explain.
+        (r.seconds, r.first_tensor_ms) = (0.001, Some(0.97));
+        assert_eq!(s.first_tensor_note(&r), "");
     }
 }

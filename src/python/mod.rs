@@ -57,9 +57,11 @@ fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
 }
 
 /// Runs the `fastload` command line with `argv` (program name first); returns the exit code.
+/// `fastload bench` runs its peers with this interpreter unless told otherwise.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
-    wait::off_thread(py, "cli", move || crate::cli::run(argv))
+    let python: Option<String> = py.import("sys")?.getattr("executable")?.extract().ok();
+    wait::off_thread(py, "cli", move || crate::cli::run_in(argv, python))
 }
 
 /// The number of CUDA devices; raises `FastloadError` when no driver can be loaded. Loads and
@@ -130,7 +132,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_stats, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
-    m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(stream::inspect_json, m)?)?;
     m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
     m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(objects::fetch_object, m)?)?;

@@ -87,8 +87,9 @@ impl Reader {
         })
     }
 
-    /// Each file's header, as `inspect` gives it, plus `data_start` (the file offset tensor
-    /// offsets count from); `metadata` is `None` when the header has no `__metadata__`, as
+    /// Each file's header (`{file, size, tensors: [(name, dtype, shape, begin, end)], metadata}`)
+    /// plus `data_start` (the file offset tensor offsets count from); `metadata` is `None` when
+    /// the header has no `__metadata__`, as
     /// `safetensors.safe_open(...).metadata()` tells it apart from `{}`.
     fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);

@@ -386,15 +386,15 @@ fn opens_here(uris: &[String]) -> bool {
 /// The most files [`opens_here`] opens on the caller's thread.
 const OPENED_HERE: usize = 8;
 
-/// Headers of every file the URIs name: a list of dicts `{file, size, tensors: [(name, dtype,
-/// shape, begin, end)], metadata}`; reads no tensor data.
+/// What the URIs hold, from their headers alone (no tensor data read): the JSON object of
+/// `fastload inspect --json`, which `fastload.inspect` parses, so that the two have one shape.
 #[pyfunction]
 #[pyo3(signature = (uris, *, storage_options=None))]
-pub fn inspect<'py>(
-    py: Python<'py>,
+pub fn inspect_json(
+    py: Python<'_>,
     uris: Vec<String>,
     storage_options: Option<StorageOptions>,
-) -> PyResult<Bound<'py, PyList>> {
+) -> PyResult<String> {
     let storage_options = storage_options.unwrap_or_default().0;
     let shards = off_thread(py, "inspect", move || {
         crate::source::open::open_all(
@@ -403,15 +403,11 @@ pub fn inspect<'py>(
             &crate::source::cache::CacheSettings::off(),
         )
     })??;
-    let out = PyList::empty(py);
-    for s in &shards {
-        out.append(header_dict(py, s)?)?;
-    }
-    Ok(out)
+    Ok(crate::cli::inspect_json(&shards))
 }
 
-/// One file's header as `inspect` gives it: `{file, size, tensors: [(name, dtype, shape, begin,
-/// end)], metadata}`.
+/// One file's header for `Reader.headers` (`safe_open`): `{file, size, tensors: [(name, dtype,
+/// shape, begin, end)], metadata}`.
 pub(super) fn header_dict<'py>(
     py: Python<'py>,
     s: &crate::source::Shard,
