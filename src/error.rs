@@ -24,9 +24,14 @@ pub enum Error {
         source: FormatError,
     },
 
-    /// A file, object or directory does not exist.
-    #[error("{path}: no such file or object")]
+    /// A file, object or directory does not exist. Worded as safetensors (and the OS) word it.
+    #[error("No such file or directory: {path}")]
     NotFound { path: String },
+
+    /// Something that does not exist, where the message says where it was looked for (a Hub
+    /// repo absent from the offline cache). Python's `NotFoundError`, as [`Error::NotFound`].
+    #[error("{path}: {message}")]
+    Missing { path: String, message: String },
 
     /// A directory holds no `*.safetensors` file (and no index): nothing to load. Raised as
     /// Python's `NotFoundError` with `filename` the directory.
