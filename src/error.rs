@@ -87,13 +87,19 @@ pub enum Error {
     #[error("{what}: cancelled")]
     Cancelled { what: String },
 
-    /// A stream used in a process forked after it was opened: its reads run on threads of the
-    /// process that opened it, which the child does not have.
+    /// Something used in a process forked after it was opened, where it cannot work: a stream
+    /// (`what` "stream", `verb` "iterate": its reads run on threads of the process that opened
+    /// it, which the child does not have), a remote file of `safe_open` (its connections are
+    /// driven by that process's runtime; in the child a request would wait for ever).
     #[error(
-        "this stream was opened in process {opened_in}; a forked child cannot iterate it: \
+        "this {what} was opened in process {opened_in}; a forked child cannot {verb} it: \
          open it again in the child"
     )]
-    Forked { opened_in: u32 },
+    Forked {
+        what: String,
+        verb: &'static str,
+        opened_in: u32,
+    },
 
     /// A bug in fastload, such as a worker task that panicked.
     #[error("internal error: {message}")]
