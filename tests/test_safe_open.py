@@ -11,6 +11,7 @@ import math
 import pickle
 import subprocess
 import sys
+import textwrap
 
 import fastload
 import pytest
@@ -565,6 +566,93 @@ def test_hub_slice(monkeypatch, tmp_path, remote_file):
         assert torch.equal(raw_bytes(got), raw_bytes(ref.get_slice("w")[48:]))
     finally:
         hub.close()
+
+
+# -- descriptors (issue 29, item 8) ----------------------------------------------------------
+
+# Runs in its own process, which lowers its descriptor limit (the servers stay in the test's).
+HANDLES_UNDER_A_LIMIT = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    import fastload
+
+    uri, options = sys.argv[1], json.loads(sys.argv[2]) or None
+    limit, count = int(sys.argv[3]), int(sys.argv[4])
+
+    def descriptors():
+        return len(os.listdir("/proc/self/fd"))
+
+    def read(f):  # 64 KiB in 16 KiB blocks, and a small tensor
+        return f.get_slice("layer.0.ids")[:8192], f.get_tensor("layer.0.mask")
+
+    first = fastload.safe_open(uri, "pt", storage_options=options, block_size="16KiB")
+    want = read(first)  # the runtime and the process's client
+    before = descriptors()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    handles = []
+    try:
+        for _ in range(count):
+            f = fastload.safe_open(uri, "pt", storage_options=options, block_size="16KiB")
+            assert all(a.equal(b) for a, b in zip(read(f), want))
+            handles.append(f)
+    except Exception as e:
+        print(f"failed after {len(handles)} handles: {type(e).__name__}: {e}", flush=True)
+    print(f"handles={len(handles)} grown={descriptors() - before}", flush=True)
+    # Every descriptor taken: an open that needs a new client says what ran out.
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        fastload.safe_open(uri, "pt", storage_options={**(options or {}), "timeout": "77"})
+        print("exhausted: opened", flush=True)
+    except fastload.StorageError as e:
+        print(f"exhausted: {e}", flush=True)
+    for fd in held:
+        os.close(fd)
+    """
+)
+
+
+@pytest.mark.parametrize("store", ["http", "s3"])
+def test_safe_open_handles_share_connections_and_say_when_descriptors_run_out(store, request):
+    if store == "http":
+        served = request.getfixturevalue("http_store")
+        uri, options = served.uri("big.safetensors"), {}
+    else:
+        served = request.getfixturevalue("s3_store")
+        uri, options = served.uri("big.safetensors"), served.options()
+    limit, count = 128, 100
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            HANDLES_UNDER_A_LIMIT,
+            uri,
+            json.dumps(options),
+            str(limit),
+            str(count),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    # Each handle used to keep its own client and pool (a dozen idle sockets): the 10th under
+    # this limit failed. Now they share the process's, which keeps a bounded few idle.
+    assert f"handles={count} " in out, out
+    grown = int(out.split("grown=")[1].split()[0])
+    assert grown <= 16 + 4, out
+    # The open that needs a new client (its CA files) used to say "No CA certificates were
+    # loaded from the system"; S3's reads the AWS config files first, which fail as themselves.
+    exhausted = out.split("exhausted: ")[1].splitlines()[0]
+    assert "too many open files" in exhausted.lower() and "CA cert" not in exhausted, out
+    if store == "http":
+        assert exhausted.startswith(f"{uri}: too many open files (descriptor limit {limit})"), out
 
 
 # -- load_file -------------------------------------------------------------------------------
