@@ -24,9 +24,14 @@ pub enum Error {
         source: FormatError,
     },
 
-    /// A file, object or directory does not exist.
-    #[error("{path}: no such file or object")]
+    /// A file, object or directory does not exist. Worded as safetensors (and the OS) word it.
+    #[error("No such file or directory: {path}")]
     NotFound { path: String },
+
+    /// Something that does not exist, where the message says where it was looked for (a Hub
+    /// repo absent from the offline cache). Python's `NotFoundError`, as [`Error::NotFound`].
+    #[error("{path}: {message}")]
+    Missing { path: String, message: String },
 
     /// A directory holds no `*.safetensors` file (and no index): nothing to load. Raised as
     /// Python's `NotFoundError` with `filename` the directory.
@@ -93,13 +98,19 @@ pub enum Error {
     #[error("{what}: cancelled")]
     Cancelled { what: String },
 
-    /// A stream used in a process forked after it was opened: its reads run on threads of the
-    /// process that opened it, which the child does not have.
+    /// Something used in a process forked after it was opened, where it cannot work: a stream
+    /// (`what` "stream", `verb` "iterate": its reads run on threads of the process that opened
+    /// it, which the child does not have), a remote file of `safe_open` (its connections are
+    /// driven by that process's runtime; in the child a request would wait for ever).
     #[error(
-        "this stream was opened in process {opened_in}; a forked child cannot iterate it: \
+        "this {what} was opened in process {opened_in}; a forked child cannot {verb} it: \
          open it again in the child"
     )]
-    Forked { opened_in: u32 },
+    Forked {
+        what: String,
+        verb: &'static str,
+        opened_in: u32,
+    },
 
     /// A bug in fastload, such as a worker task that panicked.
     #[error("internal error: {message}")]

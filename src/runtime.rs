@@ -17,10 +17,19 @@ use crate::per_process::PerProcess;
 static RUNTIME: PerProcess<Option<Arc<Runtime>>> = PerProcess::new(|| None);
 
 /// The runtime for this process.
+///
+/// # Panics
+/// When it cannot be started (no descriptor or thread left): [`try_get`] says why instead.
 pub fn get() -> Arc<Runtime> {
+    try_get().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The runtime for this process, or why it could not be started (the error of its epoll or
+/// eventfd descriptor, or of its threads: "Too many open files" at the descriptor limit).
+pub fn try_get() -> Result<Arc<Runtime>> {
     let mut slot = RUNTIME.lock();
     if let Some(rt) = slot.as_ref() {
-        return rt.clone();
+        return Ok(rt.clone());
     }
     let rt = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
@@ -29,10 +38,13 @@ pub fn get() -> Arc<Runtime> {
             .thread_name("fastload")
             .enable_all()
             .build()
-            .expect("failed to start the fastload tokio runtime"),
+            .map_err(|source| Error::Io {
+                path: "starting fastload's runtime".into(),
+                source,
+            })?,
     );
     *slot = Some(rt.clone());
-    rt
+    Ok(rt)
 }
 
 /// A one-way switch that async work can wait on: it ends the waits of [`block_on`] on the threads
@@ -82,7 +94,7 @@ impl Abort {
 /// work in the error when an installed [`Abort`] ends it first ([`Error::Cancelled`]).
 pub fn block_on<T>(what: &str, fut: impl Future<Output = Result<T>>) -> Result<T> {
     let abort = ABORT.with(|a| a.borrow().clone());
-    let runtime = get();
+    let runtime = try_get()?;
     match abort {
         None => runtime.block_on(fut),
         Some(abort) => runtime.block_on(async {

@@ -163,3 +163,89 @@ def test_forked_child_iterating_its_parents_stream_raises(tmp_path, how):
     )
     assert "child_exit=0 parent_same=True" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+CHILD_OF_SAFE_OPEN = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+    import fastload
+
+    url, path, how = sys.argv[1], sys.argv[2], sys.argv[3]
+    remote = fastload.safe_open(url, "pt")
+    local = fastload.safe_open(path, "pt")
+    want = remote.get_tensor("w")  # the parent's pool now holds connections to the server
+
+    def child():
+        try:
+            remote.get_tensor("w")
+        except fastload.FastloadError as e:
+            print("child:", e, flush=True)
+            if not (f"process {os.getppid()}" in str(e) and "fork" in str(e) and url in str(e)):
+                return 3
+        except BaseException as e:
+            print("child: unexpected", repr(e), flush=True)
+            return 4
+        else:
+            print("child: read the parent's remote handle", flush=True)
+            return 5
+        try:
+            remote.get_slice("w")[:3]
+        except fastload.FastloadError:
+            pass
+        else:
+            return 6
+        # What needs no connection of the parent's works: the header, a local file, a new open.
+        ok = remote.keys() == ["w"] and local.get_tensor("w").equal(want)
+        ok = ok and fastload.safe_open(url, "pt").get_tensor("w").equal(want)
+        return 0 if ok else 7
+
+    if how == "os.fork":
+        pid = os.fork()
+        if pid == 0:
+            # A normal exit: the interpreter's finalisation drops the handles in the child.
+            sys.exit(child())
+        deadline = time.monotonic() + 20
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                code = "hung"
+                break
+            time.sleep(0.05)
+    else:
+        ctx = multiprocessing.get_context("fork")
+        p = ctx.Process(target=lambda: sys.exit(child()))
+        p.start()
+        p.join(20)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            code = "hung"
+        else:
+            code = p.exitcode
+    # The parent's handle is untouched by the child.
+    same = remote.get_tensor("w").equal(want) and remote.get_slice("w")[2:5].equal(want[2:5])
+    print(f"child_exit={code} parent_same={same}", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
+def test_forked_child_reading_its_parents_remote_safe_open_raises(tmp_path, range_server, how):
+    # issue 29, item 9: the child's request waited 30 s for a connection only the parent drives.
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.arange(4096, dtype=torch.float32)}, path)
+    range_server.put({"fork/w.safetensors": path})
+    url = range_server.url("fork/w.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD_OF_SAFE_OPEN, url, str(path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "child_exit=0 parent_same=True" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr

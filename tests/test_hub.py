@@ -279,6 +279,30 @@ def test_offline_reads_the_hf_cache(hub, env, tmp_path, sharded_dir):
     assert "org/other" in str(e.value)
 
 
+def test_offline_a_repo_absent_from_the_cache_is_not_found_as_huggingface_hub_says(
+    hub, env, tmp_path
+):
+    cache = tmp_path / "hf_home" / "hub"
+    huggingface_hub.snapshot_download(REPO, endpoint=hub.base, cache_dir=cache)
+    env.setenv("HF_HUB_OFFLINE", "1")
+    env.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: must not be asked
+    with pytest.raises(FileNotFoundError) as want:  # LocalEntryNotFoundError
+        huggingface_hub.hf_hub_download(
+            "org/other", "model.safetensors", cache_dir=cache, local_files_only=True
+        )
+    assert isinstance(want.value, huggingface_hub.errors.LocalEntryNotFoundError)
+    for open_ in (
+        lambda: fastload.load("hf://org/other"),
+        lambda: fastload.load("hf://org/other@v2/model.safetensors"),
+        lambda: fastload.safe_open("hf://org/other/model.safetensors", "pt"),
+    ):
+        with pytest.raises(fastload.NotFoundError) as e:
+            open_()
+        assert isinstance(e.value, FileNotFoundError)
+        assert e.value.filename.startswith("hf://org/other@"), e.value.filename
+        assert "HF_HUB_OFFLINE is set" in str(e.value) and "org/other" in str(e.value)
+
+
 def test_schemes_come_from_rust():
     assert "hf" in fastload._fastload.SCHEMES
     assert fastload._fastload.is_remote_uri("hf://org/repo")

@@ -4,8 +4,14 @@ SeaweedFS and the mock Hub; and what a remote slice reads (only the ranges it ne
 
 from __future__ import annotations
 
+import errno
 import inspect
+import json
 import math
+import pickle
+import subprocess
+import sys
+import textwrap
 
 import fastload
 import pytest
@@ -191,6 +197,149 @@ def test_errors(tmp_path, dtypes_file):
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(fastload.FormatError, match=r"bad\.safetensors"):
         fastload.safe_open(tmp_path / "bad.safetensors", "pt")
+
+
+# -- parity with safetensors' errors and lifetimes (issue 29, item 11) ------------------------
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:
+        return e
+    raise AssertionError(f"{fn} raised nothing")
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_slice_taken_before_close_reads_after_it_as_safetensors(where, range_server, tmp_path):
+    path = write(tmp_path / "s.safetensors", {"w": pattern((8, 6), torch.float32, seed=3)})
+    uri = str(path)
+    if where == "http":
+        range_server.put({"closing.safetensors": path})
+        uri = range_server.url("closing.safetensors")
+    ref = safetensors.safe_open(str(path), "pt")
+    ref.__enter__()
+    f = fastload.safe_open(uri, "pt")
+    f.__enter__()
+    theirs, ours = ref.get_slice("w"), f.get_slice("w")
+    ref.__exit__(None, None, None)
+    f.__exit__(None, None, None)
+    for index in [slice(None, 2), (slice(1, 7, 2), slice(2, 5)), 3, [0, 5]]:
+        got, want = _outcome(ours.__getitem__, index), _outcome(theirs.__getitem__, index)
+        assert_same_outcome(got, want, index)
+    assert ours.get_shape() == theirs.get_shape() and ours.get_dtype() == theirs.get_dtype()
+    # The file itself is closed, for both, with errors of safetensors' class.
+    for method, args in [("get_tensor", ("w",)), ("get_slice", ("w",)), ("keys", ())]:
+        want = _raised(getattr(ref, method), *args)
+        got = _raised(getattr(f, method), *args)
+        assert type(want) is safetensors.SafetensorError, (method, want)
+        assert isinstance(got, safetensors.SafetensorError), (method, got)
+        assert isinstance(got, fastload.FastloadError) and "closed" in str(got), (method, got)
+
+
+def test_every_safetensors_error_is_a_safetensors_error_from_fastload_too(tmp_path, dtypes_file):
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    (tmp_path / "short.safetensors").write_bytes(b"\x10")
+    header = b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
+    (tmp_path / "past.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    cases = {
+        "missing tensor": (dtypes_file, {}, lambda f: f.get_tensor("nope")),
+        "missing slice": (dtypes_file, {}, lambda f: f.get_slice("nope")),
+        "bad header": (tmp_path / "bad.safetensors", {}, None),
+        "short file": (tmp_path / "short.safetensors", {}, None),
+        "data past the end": (tmp_path / "past.safetensors", {}, None),
+        "framework": (dtypes_file, {"framework": "nope"}, None),
+        "device": (dtypes_file, {"device": "bogus"}, None),
+    }
+    for what, (path, kwargs, use) in cases.items():
+        kwargs = {"framework": "pt", **kwargs}
+
+        def run(open_, path=path, kwargs=kwargs, use=use):
+            f = open_(str(path), **kwargs)
+            if use is not None:
+                use(f)
+
+        want = _raised(lambda run=run: run(safetensors.safe_open))
+        got = _raised(lambda run=run: run(fastload.safe_open))
+        assert type(want) is safetensors.SafetensorError, (what, want)
+        assert isinstance(got, safetensors.SafetensorError), (what, got)
+        assert isinstance(got, fastload.FastloadError), (what, got)
+    # Their own classes stay what they were.
+    assert issubclass(fastload.FormatError, ValueError)
+    assert issubclass(fastload.TensorNotFoundError, KeyError)
+    assert issubclass(fastload.ConfigError, ValueError)
+    assert issubclass(fastload.NotFoundError, FileNotFoundError)
+    assert issubclass(fastload.StorageError, OSError)
+
+
+def test_without_safetensors_the_errors_are_plain_exceptions():
+    code = (
+        "import sys; sys.modules['safetensors'] = None\n"
+        "import fastload\n"
+        "assert fastload.FastloadError.__mro__[1] is Exception, fastload.FastloadError.__mro__\n"
+        "assert issubclass(fastload.NotFoundError, FileNotFoundError)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_a_missing_file_reads_as_safetensors_says_it(tmp_path, monkeypatch, relative):
+    path = tmp_path / "absent" / "model.safetensors"
+    if relative:
+        monkeypatch.chdir(tmp_path)
+        path = path.relative_to(tmp_path)
+    want = _raised(lambda: safetensors.safe_open(str(path), "pt"))
+    for fn in (lambda: fastload.safe_open(str(path), "pt"), lambda: fastload.load_file(path)):
+        got = _raised(fn)
+        assert isinstance(got, FileNotFoundError) and isinstance(got, fastload.NotFoundError)
+        assert str(got) == str(want), (str(got), str(want))
+        assert got.filename == str(path) and got.errno == errno.ENOENT
+        # What a distributed load sends between ranks keeps the message and the file.
+        back = pickle.loads(pickle.dumps(got))
+        assert type(back) is type(got) and str(back) == str(got) and back.filename == str(path)
+    assert str(_raised(lambda: safetensors.torch.load_file(str(path)))) == str(want)
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_zero_size_tensors_with_huge_dimensions_slice_as_safetensors(where, range_server, tmp_path):
+    # Zero elements, so any dimension up to 2^63 - 1 is valid; nothing may overflow or allocate.
+    tensors = {
+        "a": ("F32", [0, 2**62]),
+        "b": ("BF16", [2**62, 0]),
+        "c": ("I64", [3, 0, 2**62]),
+        "d": ("U8", [0, 2**63 - 1]),
+    }
+    header = {k: {"dtype": d, "shape": s, "data_offsets": [0, 0]} for k, (d, s) in tensors.items()}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    uri = str(path)
+    if where == "http":
+        range_server.put({"huge.safetensors": path})
+        uri = range_server.url("huge.safetensors")
+    ref = safetensors.safe_open(str(path), "pt")
+    index_list = [
+        slice(None),
+        (slice(None), slice(None, 5)),
+        (slice(None), 7),
+        (..., slice(2**61, 2**61 + 4)),
+        (slice(1, 3),),
+        (slice(None, None, 2), None),
+        0,
+        [0],
+    ]
+    with fastload.safe_open(uri, "pt") as f:
+        for name in tensors:
+            assert_same_outcome(_outcome(f.get_tensor, name), _outcome(ref.get_tensor, name), name)
+            for index in index_list:
+                got = _outcome(_sliced, f, name, index)
+                want = _outcome(_sliced, ref, name, index)
+                assert_same_outcome(got, want, f"{name}[{index}]")
+                if got[0] == "ok":
+                    assert got[1].numel() == 0
+        assert f.bytes_read == 0
 
 
 def test_a_gpu_device_without_a_driver_fails_cleanly(dtypes_file, monkeypatch, tmp_path):
@@ -474,6 +623,93 @@ def test_every_method_of_a_handle_reads_the_version_it_opened(
         assert torch.equal(
             raw_bytes(f.get_tensor("w")), raw_bytes(pattern((64, 96), torch.bfloat16, seed=2))
         )
+
+
+# -- descriptors (issue 29, item 8) ----------------------------------------------------------
+
+# Runs in its own process, which lowers its descriptor limit (the servers stay in the test's).
+HANDLES_UNDER_A_LIMIT = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    import fastload
+
+    uri, options = sys.argv[1], json.loads(sys.argv[2]) or None
+    limit, count = int(sys.argv[3]), int(sys.argv[4])
+
+    def descriptors():
+        return len(os.listdir("/proc/self/fd"))
+
+    def read(f):  # 64 KiB in 16 KiB blocks, and a small tensor
+        return f.get_slice("layer.0.ids")[:8192], f.get_tensor("layer.0.mask")
+
+    first = fastload.safe_open(uri, "pt", storage_options=options, block_size="16KiB")
+    want = read(first)  # the runtime and the process's client
+    before = descriptors()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    handles = []
+    try:
+        for _ in range(count):
+            f = fastload.safe_open(uri, "pt", storage_options=options, block_size="16KiB")
+            assert all(a.equal(b) for a, b in zip(read(f), want))
+            handles.append(f)
+    except Exception as e:
+        print(f"failed after {len(handles)} handles: {type(e).__name__}: {e}", flush=True)
+    print(f"handles={len(handles)} grown={descriptors() - before}", flush=True)
+    # Every descriptor taken: an open that needs a new client says what ran out.
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        fastload.safe_open(uri, "pt", storage_options={**(options or {}), "timeout": "77"})
+        print("exhausted: opened", flush=True)
+    except fastload.StorageError as e:
+        print(f"exhausted: {e}", flush=True)
+    for fd in held:
+        os.close(fd)
+    """
+)
+
+
+@pytest.mark.parametrize("store", ["http", "s3"])
+def test_safe_open_handles_share_connections_and_say_when_descriptors_run_out(store, request):
+    if store == "http":
+        served = request.getfixturevalue("http_store")
+        uri, options = served.uri("big.safetensors"), {}
+    else:
+        served = request.getfixturevalue("s3_store")
+        uri, options = served.uri("big.safetensors"), served.options()
+    limit, count = 128, 100
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            HANDLES_UNDER_A_LIMIT,
+            uri,
+            json.dumps(options),
+            str(limit),
+            str(count),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    # Each handle used to keep its own client and pool (a dozen idle sockets): the 10th under
+    # this limit failed. Now they share the process's, which keeps a bounded few idle.
+    assert f"handles={count} " in out, out
+    grown = int(out.split("grown=")[1].split()[0])
+    assert grown <= 16 + 4, out
+    # The open that needs a new client (its CA files) used to say "No CA certificates were
+    # loaded from the system"; S3's reads the AWS config files first, which fail as themselves.
+    exhausted = out.split("exhausted: ")[1].splitlines()[0]
+    assert "too many open files" in exhausted.lower() and "CA cert" not in exhausted, out
+    if store == "http":
+        assert exhausted.startswith(f"{uri}: too many open files (descriptor limit {limit})"), out
 
 
 # -- load_file -------------------------------------------------------------------------------

@@ -3,11 +3,24 @@
 What a caller may act on is an attribute, not only words in the message: ``ConfigError.option``,
 ``TensorNotFoundError.names``, ``FormatError.path`` and ``NotFoundError.filename``. The
 attributes survive pickling (the distributed loader sends errors between ranks).
+
+When safetensors is installed, every one of them is also a ``safetensors.SafetensorError``, as
+``fastload.safe_open`` is a drop-in for ``safetensors.safe_open``: code that catches safetensors'
+errors (a missing tensor, a closed file, a bad header, an unknown framework or device) catches
+fastload's. safetensors stays optional: without it the base is ``Exception``.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
+
+if TYPE_CHECKING:
+    _Base = Exception
+else:
+    try:
+        from safetensors import SafetensorError as _Base
+    except Exception:  # not installed, or an install that fails to import: no parity to keep
+        _Base = Exception
 
 __all__ = [
     "ConfigError",
@@ -36,9 +49,10 @@ def _scrub(value: _T) -> _T:
     return cast(_T, scrub(value))
 
 
-class FastloadError(Exception):
-    """Base class of every error fastload raises. Its text arguments, and the attributes its
-    subclasses name files by, are scrubbed of credentials."""
+class FastloadError(_Base):
+    """Base class of every error fastload raises (a ``safetensors.SafetensorError`` where
+    safetensors is installed). Its text arguments, and the attributes its subclasses name files
+    by, are scrubbed of credentials."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*(_scrub(a) for a in args))
@@ -59,7 +73,14 @@ class StorageError(FastloadError, OSError):
 
 
 class NotFoundError(StorageError, FileNotFoundError):
-    """A file, directory or object does not exist (``filename`` names it)."""
+    """A file, directory or object does not exist (``filename`` names it).
+
+    The message reads as safetensors' does (``No such file or directory: PATH``), without the
+    ``[Errno 2] ...: 'PATH'`` that ``OSError`` would wrap it in; ``errno`` and ``filename`` are
+    set all the same."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror else super().__str__()
 
 
 class TensorNotFoundError(FastloadError, KeyError):

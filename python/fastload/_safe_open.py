@@ -279,10 +279,12 @@ class safe_open:
 
     # -- tensors -------------------------------------------------------------------------------
 
-    def _read(self, begin: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
-        """The bytes of ``ranges`` (from a tensor's start at ``begin``) as one uint8 tensor."""
+    def _read(self, begin: int, ranges: list[tuple[int, int]], reader: Any = None) -> torch.Tensor:
+        """The bytes of ``ranges`` (from a tensor's start at ``begin``) as one uint8 tensor, read
+        through ``reader`` (a slice's, which outlives ``close()``) or this file's."""
         at = self._data_start + begin
-        capsule = self._open().read(0, [(at + o, n) for o, n in ranges])
+        reader = self._open() if reader is None else reader
+        capsule = reader.read(0, [(at + o, n) for o, n in ranges])
         return self._glue.torch.from_dlpack(capsule)
 
     def _torch_dtype(self, name: str, dtype: str) -> Any:
@@ -348,10 +350,13 @@ class safe_open:
 
 class SafeSlice:
     """A tensor of a :class:`safe_open` not read yet; indexing it reads what the index selects.
-    safetensors' ``PySafeSlice``: ``get_shape()``, ``get_dtype()`` and ``[...]``."""
+    safetensors' ``PySafeSlice``: ``get_shape()``, ``get_dtype()`` and ``[...]``. It holds the
+    file open: as safetensors' slices do, it keeps working after the file's ``close()``."""
 
     def __init__(self, file: safe_open, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         self._file, self._name, self._dtype, self._shape = file, name, dtype, shape
+        self._reader = file._open()
+        self._span = file._tensors[name][2:]
 
     def get_shape(self) -> list[int]:
         """The shape of the whole tensor."""
@@ -363,13 +368,14 @@ class SafeSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         f = self._file
-        _, _, begin, end = f._info(self._name)
+        begin, end = self._span
         torch = f._glue.torch
         tdtype = f._torch_dtype(self._name, self._dtype)
         tshape = f._torch_shape(self._dtype, self._shape)
         if _basic(index, len(tshape)) is None:
             # Lists, tensors, booleans: torch indexes the whole tensor.
-            whole = f._read(begin, [(0, end - begin)]).view(tdtype).reshape(tshape)
+            whole = f._read(begin, [(0, end - begin)], self._reader)
+            whole = whole.view(tdtype).reshape(tshape)
             out = whole[index]
         else:
             # torch's own errors, and the result's shape, before anything is read.
@@ -381,7 +387,7 @@ class SafeSlice:
             else:
                 # Strided views and copies of plain integers of the same width: every dtype
                 # (fp8, fp4, bool) moves as its bits.
-                raw = f._read(begin, p.ranges).view(_CARRIERS[tdtype.itemsize])
+                raw = f._read(begin, p.ranges, self._reader).view(_CARRIERS[tdtype.itemsize])
                 out = raw.as_strided(p.size, p.stride)[p.view]
                 if not (out.is_contiguous() and out.numel() == raw.numel()):
                     out = out.clone(memory_format=torch.contiguous_format)

@@ -60,7 +60,7 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             attrs.set_item("path", scrub(path))?;
             "FormatError"
         }
-        Error::NotFound { path } | Error::NoShards { path } => {
+        Error::NotFound { path } | Error::NoShards { path } | Error::Missing { path, .. } => {
             // OSError subclasses take (errno, strerror, filename) so that `.filename` works.
             let cls = py.import("fastload._errors")?.getattr("NotFoundError")?;
             return Ok(PyErr::from_value(cls.call1((

@@ -28,6 +28,8 @@ pub struct Reader {
     /// Bytes read and reads issued by every `read` so far.
     bytes: AtomicU64,
     reads: AtomicU64,
+    /// The process that opened the files: a forked child cannot read remote ones (`read`).
+    opened_in: u32,
 }
 
 impl Reader {
@@ -84,6 +86,7 @@ impl Reader {
             block_size: resolved.block_size,
             bytes: AtomicU64::new(0),
             reads: AtomicU64::new(0),
+            opened_in: std::process::id(),
         })
     }
 
@@ -112,6 +115,17 @@ impl Reader {
             )
             .into());
         };
+        // A remote source's connections are driven by the runtime of the process that opened
+        // it: in a forked child a request would wait for them until it timed out. Local files
+        // read as well in a child as anywhere.
+        if s.local_path().is_none() && std::process::id() != self.opened_in {
+            return Err(crate::Error::Forked {
+                what: format!("remote file {}", s.source.name()),
+                verb: "read",
+                opened_in: self.opened_in,
+            }
+            .into());
+        }
         let (source, block, concurrency) = (s.source.clone(), self.block_size, self.concurrency);
         let (buffer, done) = off_thread(py, "read", move || {
             crate::ranges::read(source, &ranges, block, concurrency)

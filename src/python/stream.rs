@@ -258,6 +258,8 @@ impl Stream {
             Ok(())
         } else {
             Err(crate::Error::Forked {
+                what: "stream".into(),
+                verb: "iterate",
                 opened_in: self.opened_in,
             })
         }

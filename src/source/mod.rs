@@ -16,6 +16,8 @@
 //!   stall rule, version pinning, give-up messages); they supply only the request;
 //! - [`cache`]: the local cache of remote objects, a decorator over other sources that only
 //!   [`open`] applies;
+//! - [`clients`]: the HTTP clients (connection pools) every remote open of a process shares;
+//!   [`descriptors`]: descriptors running out, said as such;
 //! - [`identity`]: who a remote object is ([`CacheIdentity`], [`identity::HubLocation`]), the
 //!   plain data that remote sources, the Hub and the cache share.
 //!
@@ -34,6 +36,8 @@ use crate::memory::HostBuffer;
 use crate::source::identity::CacheIdentity;
 
 pub(crate) mod cache;
+pub(crate) mod clients;
+pub(crate) mod descriptors;
 pub(crate) mod fs;
 pub(crate) mod hub;
 pub(crate) mod identity;

@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::source::object::RetrySettings;
 pub use crate::source::remote::io_error;
 use crate::source::remote::{self, Attempt};
+use crate::source::{clients, descriptors};
 
 /// Redirects to follow within the Hub (a renamed repo answers 307 with a relative location).
 const MAX_HUB_REDIRECTS: usize = 5;
@@ -58,13 +59,25 @@ impl Hub {
         crate::source::object::install_crypto();
         let endpoint = crate::options::check_endpoint(&settings.endpoint)
             .map_err(|e| Error::option("HF_ENDPOINT", e))?;
-        let client = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(5))
-            .read_timeout(Duration::from_secs(30))
-            .user_agent(concat!("fastload/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| Error::io(&settings.endpoint, io::Error::other(e)))?;
+        // One client per process (crate::source::clients): its settings are the same for
+        // every open, and each of its own would hold sockets and read the CA files again.
+        let client = clients::hub_client(|| {
+            reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .connect_timeout(Duration::from_secs(5))
+                .read_timeout(Duration::from_secs(30))
+                .pool_max_idle_per_host(clients::IDLE_PER_HOST)
+                .pool_idle_timeout(clients::IDLE_TIMEOUT)
+                .user_agent(concat!("fastload/", env!("CARGO_PKG_VERSION")))
+                .build()
+        })
+        .map_err(|e| {
+            if descriptors::exhausted(&e) {
+                descriptors::error(&settings.endpoint)
+            } else {
+                Error::io(&settings.endpoint, io::Error::other(e))
+            }
+        })?;
         Ok(Hub {
             settings: Arc::new(settings),
             endpoint,
@@ -379,6 +392,9 @@ pub fn status_error(name: &str, status: StatusCode, headers: &HeaderMap, when: &
 
 /// A transport error, without the URL (a signed location's query is a credential).
 pub fn net_error(name: &str, e: reqwest::Error) -> Error {
+    if descriptors::in_chain(&e) {
+        return descriptors::error(name);
+    }
     let kind = if e.is_timeout() {
         io::ErrorKind::TimedOut
     } else if e.is_connect() {

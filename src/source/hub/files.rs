@@ -488,6 +488,17 @@ fn offline_path(uri: &HubUri) -> Result<PathBuf> {
                 })
             }
         }
+        // The repo is not in the cache at all: a missing file, as huggingface_hub's
+        // LocalEntryNotFoundError is a FileNotFoundError.
+        _ if !repo.is_dir() => Err(Error::Missing {
+            path: format!("hf://{}@{revision}", uri.repo_id),
+            message: format!(
+                "HF_HUB_OFFLINE is set and {} is not in the Hugging Face cache ({}); load it \
+                 once online (with cache=) or unset HF_HUB_OFFLINE",
+                uri.repo_id,
+                repo.display()
+            ),
+        }),
         _ => Err(io_error(
             &format!("hf://{}@{revision}", uri.repo_id),
             io::ErrorKind::NotFound,

@@ -21,6 +21,7 @@ use super::s3::s3_builder;
 use super::*;
 use crate::error::{Error, Result};
 use crate::options::Size;
+use crate::source::clients::SharedStoreClients;
 use crate::source::remote::RetrySettings;
 
 /// Parses `uri` and builds its store. `options` are object_store configuration keys for the
@@ -57,6 +58,7 @@ pub fn open_with_env(
             let from = || endpoint_source(&key, &store_options, &env, &["AWS_"], "endpoint_url");
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
+                .with_http_connector(SharedStoreClients)
                 .build()
                 .map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
         }
@@ -74,6 +76,7 @@ pub fn open_with_env(
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
+                .with_http_connector(SharedStoreClients)
                 .build()
                 .map(|s| Arc::new(s) as _)
         }
@@ -91,6 +94,7 @@ pub fn open_with_env(
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
+                .with_http_connector(SharedStoreClients)
                 .build()
                 .map(|s| Arc::new(s) as _)
         }
@@ -107,6 +111,7 @@ pub fn open_with_env(
                 b = b.with_config(parse_key::<ClientConfigKey>("http", k)?, v);
             }
             b.with_retry(retry.request_config())
+                .with_http_connector(SharedStoreClients)
                 .build()
                 .map(|s| Arc::new(s) as _)
         }

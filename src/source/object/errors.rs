@@ -6,6 +6,7 @@ use object_store::client::{HttpError, HttpErrorKind};
 use url::Url;
 
 use crate::error::Error;
+use crate::source::descriptors;
 
 pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
     Error::UnsupportedUri {
@@ -17,6 +18,9 @@ pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
 pub use crate::source::remote::io_error;
 
 pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
+    if descriptors::exhausted(&e) {
+        return descriptors::error(uri);
+    }
     io_error(
         uri,
         io::ErrorKind::InvalidInput,
@@ -36,6 +40,9 @@ pub fn storage_error(uri: &str, e: object_store::Error) -> Error {
     }
     let text = chain(&e);
     let detail = clean_message(&text);
+    if descriptors::in_chain(&e) {
+        return descriptors::error(uri);
+    }
     let kind = failure_kind(&e);
     let message = match kind {
         io::ErrorKind::NotFound if !names_missing_container(&text) => {

@@ -10,11 +10,16 @@ use crate::error::{Error, Result};
 /// - `timeout` covers a whole request, body included (object_store's default is 30 s): sized for
 ///   8 MiB blocks on slow, shared links (about 70 KB/s per stream);
 /// - `read_timeout`: no byte for this long means a stalled connection, and the read is resumed;
-/// - `connect_timeout`: a dead or filtered endpoint fails fast.
+/// - `connect_timeout`: a dead or filtered endpoint fails fast;
+/// - `pool_max_idle_per_host`, `pool_idle_timeout`: the idle connections a client keeps, as
+///   `crate::source::clients` says (every store of a process with the same settings shares one
+///   client).
 pub(super) const CLIENT_DEFAULTS: &[(ClientConfigKey, &str)] = &[
     (ClientConfigKey::Timeout, "120s"),
     (ClientConfigKey::ReadTimeout, "30s"),
     (ClientConfigKey::ConnectTimeout, "5s"),
+    (ClientConfigKey::PoolMaxIdlePerHost, "64"),
+    (ClientConfigKey::PoolIdleTimeout, "10s"),
 ];
 
 /// The value of `name` in `env`, if set.

@@ -726,3 +726,16 @@ fn a_404_is_a_missing_bucket_only_by_the_service_error_code() {
 fn sized(found: Vec<Found>) -> Vec<(Path, u64)> {
     found.into_iter().map(|f| (f.path, f.size)).collect()
 }
+
+#[test]
+fn client_defaults_keep_the_idle_connections_the_shared_clients_say() {
+    use crate::source::clients::{IDLE_PER_HOST, IDLE_TIMEOUT};
+    let value = |key| {
+        let found = super::keys::CLIENT_DEFAULTS.iter().find(|(k, _)| *k == key);
+        found.map(|(_, v)| v.to_string())
+    };
+    let idle = value(ClientConfigKey::PoolMaxIdlePerHost);
+    assert_eq!(idle, Some(IDLE_PER_HOST.to_string()));
+    let timeout = value(ClientConfigKey::PoolIdleTimeout).unwrap();
+    assert_eq!(humantime::parse_duration(&timeout).unwrap(), IDLE_TIMEOUT);
+}
