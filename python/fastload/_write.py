@@ -188,6 +188,7 @@ def save_file(
     overwrite: bool = False,
     storage_options: Mapping[str, object] | None = None,
     memory_limit: int | str | None = None,
+    part_size: int | str | None = None,
 ) -> None:
     """Writes ``tensors`` as one safetensors file at ``uri`` (a path, ``file://``, ``s3://``,
     ``gs://`` or ``az://``): the same bytes ``safetensors.torch.save_file`` writes.
@@ -196,7 +197,8 @@ def save_file(
     the destination and renamed into place; an object is uploaded in parts in parallel and
     completed last (a failure or Ctrl-C aborts the upload). An existing destination raises
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``memory_limit`` bounds
-    the bytes of upload parts in flight. CPU tensors are written from their own memory; tensors on
+    the bytes of upload parts in flight, ``part_size`` the bytes per part (16 MiB by default, at
+    least 5 MiB, raised to keep a file within 9,000 parts). CPU tensors are written from their own memory; tensors on
     a GPU are copied to the host one at a time."""
     checked = check_tensors(tensors)
     if not isinstance(overwrite, bool):
@@ -212,6 +214,7 @@ def save_file(
         overwrite=overwrite,
         storage_options=storage_options,
         memory_limit=memory_limit,
+        part_size=_part_size(part_size),
     )
     try:
         for i in writer.order:
@@ -220,6 +223,24 @@ def save_file(
     except BaseException:
         writer.abort()
         raise
+
+
+def _part_size(part_size: int | str | None) -> int | None:
+    if part_size is None:
+        return None
+    if isinstance(part_size, bool) or not isinstance(part_size, (int, str)):
+        raise ConfigError(
+            f"invalid option part_size: expected an int or a size like \"16MiB\", got "
+            f"{type(part_size).__name__}",
+            option="part_size",
+        )
+    size = part_size if isinstance(part_size, int) else _fastload.parse_size(part_size)
+    if size < 5 << 20:
+        raise ConfigError(
+            f"invalid option part_size: {part_size!r} is below the stores' 5MiB minimum",
+            option="part_size",
+        )
+    return size
 
 
 def _shard_size(max_shard_size: int | str) -> int:
@@ -320,6 +341,7 @@ def save(
     overwrite: bool = False,
     storage_options: Mapping[str, object] | None = None,
     memory_limit: int | str | None = None,
+    part_size: int | str | None = None,
 ) -> list[str]:
     """Writes ``state_dict`` into the folder (or prefix) ``uri`` as transformers'
     ``save_pretrained`` does: ``model.safetensors`` when it fits in one shard, else
@@ -351,6 +373,7 @@ def save(
             overwrite=overwrite,
             storage_options=storage_options,
             memory_limit=memory_limit,
+            part_size=part_size,
         )
     if len(shards) == 1:
         return names
