@@ -38,20 +38,22 @@ def all_dtypes() -> dict[str, torch.Tensor]:
             continue
         raw = pattern((3, 5), torch.uint8, seed=i)
         size = torch.empty((), dtype=dtype).element_size()
-        out[f"t.{name}"] = raw.view(-1)[: 15 - 15 % size].view(dtype) if size == 1 else (
-            pattern((3, 5), torch.float32, seed=i).to(dtype)
+        out[f"t.{name}"] = (
+            raw.view(-1)[: 15 - 15 % size].view(dtype)
+            if size == 1
+            else (pattern((3, 5), torch.float32, seed=i).to(dtype))
         )
     out["scalar"] = torch.tensor(3.25, dtype=torch.float64)
     out["int scalar"] = torch.tensor(7)
     out["empty"] = torch.zeros((0, 4), dtype=torch.bfloat16)
     out["empty.u8"] = torch.zeros((2, 0), dtype=torch.uint8)
-    out["ünï ✓ \"quoted\"\n"] = torch.arange(5, dtype=torch.int16)
+    out['ünï ✓ "quoted"\n'] = torch.arange(5, dtype=torch.int16)
     out["z.last"] = torch.ones(1, dtype=torch.bool)
     return out
 
 
 @pytest.mark.parametrize(
-    "metadata", [None, {"format": "pt"}, {"ünï": "✓ \"q\"\n"}], ids=["none", "pt", "unicode"]
+    "metadata", [None, {"format": "pt"}, {"ünï": '✓ "q"\n'}], ids=["none", "pt", "unicode"]
 )
 def test_save_file_writes_the_bytes_safetensors_writes(tmp_path, metadata):
     tensors = all_dtypes()

@@ -47,9 +47,7 @@ def _metadata(metadata: object) -> list[tuple[str, str]] | None:
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
-        raise TypeError(
-            f"metadata must be a dict of str to str, got {type(metadata).__name__}"
-        )
+        raise TypeError(f"metadata must be a dict of str to str, got {type(metadata).__name__}")
     out = []
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
@@ -112,9 +110,7 @@ def check_tensors(tensors: object) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if not isinstance(name, str):
-            raise TypeError(
-                f"tensor names must be str: {name!r} is {type(name).__name__}"
-            )
+            raise TypeError(f"tensor names must be str: {name!r} is {type(name).__name__}")
         if not isinstance(t, torch.Tensor):
             raise ConfigError(
                 f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}",
@@ -198,8 +194,8 @@ def save_file(
     completed last (a failure or Ctrl-C aborts the upload). An existing destination raises
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``memory_limit`` bounds
     the bytes of upload parts in flight, ``part_size`` the bytes per part (16 MiB by default, at
-    least 5 MiB, raised to keep a file within 9,000 parts). CPU tensors are written from their own memory; tensors on
-    a GPU are copied to the host one at a time."""
+    least 5 MiB, raised to keep a file within 9,000 parts). CPU tensors are written from their
+    own memory; tensors on a GPU are copied to the host one at a time."""
     checked = check_tensors(tensors)
     if not isinstance(overwrite, bool):
         raise ConfigError(
@@ -230,7 +226,7 @@ def _part_size(part_size: int | str | None) -> int | None:
         return None
     if isinstance(part_size, bool) or not isinstance(part_size, (int, str)):
         raise ConfigError(
-            f"invalid option part_size: expected an int or a size like \"16MiB\", got "
+            f'invalid option part_size: expected an int or a size like "16MiB", got '
             f"{type(part_size).__name__}",
             option="part_size",
         )
@@ -246,14 +242,12 @@ def _part_size(part_size: int | str | None) -> int | None:
 def _shard_size(max_shard_size: int | str) -> int:
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
         raise ConfigError(
-            f"invalid option max_shard_size: expected an int or a size like \"5GB\", got "
+            f'invalid option max_shard_size: expected an int or a size like "5GB", got '
             f"{type(max_shard_size).__name__}",
             option="max_shard_size",
         )
     size = (
-        max_shard_size
-        if isinstance(max_shard_size, int)
-        else _fastload.parse_size(max_shard_size)
+        max_shard_size if isinstance(max_shard_size, int) else _fastload.parse_size(max_shard_size)
     )
     if size <= 0:
         raise ConfigError(
@@ -357,12 +351,11 @@ def save(
     if len(shards) <= 1:
         names = [SINGLE_FILE]
     else:
-        names = [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-        ]
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if not overwrite:
-        _refuse_existing(folder, names if len(shards) <= 1 else [*names, INDEX_FILE],
-                         storage_options)
+        _refuse_existing(
+            folder, names if len(shards) <= 1 else [*names, INDEX_FILE], storage_options
+        )
     if not shards:
         shards = [{}]
     for name, shard in zip(names, shards):

@@ -59,7 +59,9 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             ))?));
         }
         Error::Exists { path } => {
-            let cls = py.import("fastload._errors")?.getattr("DestinationExistsError")?;
+            let cls = py
+                .import("fastload._errors")?
+                .getattr("DestinationExistsError")?;
             return Ok(PyErr::from_value(cls.call1((
                 libc::EEXIST,
                 message,

@@ -59,7 +59,11 @@ pub enum LayoutError {
         "tensor {name:?}: {dtype} packs several elements per byte, and the last dimension \
          ({last}) does not fill whole bytes"
     )]
-    PartialByte { name: String, dtype: Dtype, last: u64 },
+    PartialByte {
+        name: String,
+        dtype: Dtype,
+        last: u64,
+    },
 }
 
 /// Position of `d` in safetensors' `Dtype` enum (its sort key). Kept here, not derived from
@@ -103,7 +107,9 @@ fn byte_len(spec: &TensorSpec) -> Result<u64, LayoutError> {
         .iter()
         .try_fold(1u64, |n, &d| n.checked_mul(d))
         .ok_or_else(overflow)?;
-    let bits = elements.checked_mul(spec.dtype.bits()).ok_or_else(overflow)?;
+    let bits = elements
+        .checked_mul(spec.dtype.bits())
+        .ok_or_else(overflow)?;
     if bits % 8 != 0 {
         return Err(LayoutError::PartialByte {
             name: spec.name.clone(),
@@ -270,11 +276,25 @@ mod tests {
         let twice = [spec("a", Dtype::F32, &[1]), spec("a", Dtype::U8, &[1])];
         assert!(matches!(layout(&twice, None), Err(LayoutError::Duplicate(n)) if n == "a"));
         let reserved = [spec("__metadata__", Dtype::F32, &[1])];
-        assert_eq!(layout(&reserved, None).unwrap_err(), LayoutError::ReservedName);
+        assert_eq!(
+            layout(&reserved, None).unwrap_err(),
+            LayoutError::ReservedName
+        );
         let huge = [spec("h", Dtype::F64, &[u64::MAX, 2])];
-        assert!(matches!(layout(&huge, None), Err(LayoutError::Overflow { .. })));
+        assert!(matches!(
+            layout(&huge, None),
+            Err(LayoutError::Overflow { .. })
+        ));
         let odd = [spec("f4", Dtype::F4, &[3])];
-        assert!(matches!(layout(&odd, None), Err(LayoutError::PartialByte { .. })));
-        assert_eq!(layout(&[spec("f4", Dtype::F4, &[4])], None).unwrap().data_len, 2);
+        assert!(matches!(
+            layout(&odd, None),
+            Err(LayoutError::PartialByte { .. })
+        ));
+        assert_eq!(
+            layout(&[spec("f4", Dtype::F4, &[4])], None)
+                .unwrap()
+                .data_len,
+            2
+        );
     }
 }

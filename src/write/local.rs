@@ -59,10 +59,7 @@ impl LocalFile {
         };
         std::fs::create_dir_all(&folder).map_err(io)?;
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp = folder.join(format!(
-            ".{name}.{}-{n}.fastload-tmp",
-            std::process::id()
-        ));
+        let tmp = folder.join(format!(".{name}.{}-{n}.fastload-tmp", std::process::id()));
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)

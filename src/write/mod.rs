@@ -51,7 +51,7 @@ pub const MIN_PART_SIZE: u64 = 5 << 20;
 #[derive(Debug)]
 pub enum Sink {
     Local(LocalFile),
-    Object(ObjectUpload),
+    Object(Box<ObjectUpload>),
 }
 
 impl Sink {
@@ -68,7 +68,7 @@ impl Sink {
                         .into(),
                 });
             }
-            return ObjectUpload::create(uri, len, options).map(Sink::Object);
+            return ObjectUpload::create(uri, len, options).map(|o| Sink::Object(Box::new(o)));
         }
         let path = uri.strip_prefix("file://").unwrap_or(uri);
         LocalFile::create(path, len, options).map(Sink::Local)

@@ -10,7 +10,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use object_store::{ObjectStoreExt, PutMode, PutMultipartOptions, PutOptions, PutPayloadMut, WriteMultipart};
+use object_store::{
+    ObjectStoreExt, PutMode, PutMultipartOptions, PutOptions, PutPayloadMut, WriteMultipart,
+};
 
 use super::{WriteOptions, DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE, MAX_PARTS_IN_FLIGHT};
 use crate::error::{Error, Result};
@@ -64,8 +66,8 @@ impl ObjectUpload {
             .max(len.div_ceil(MAX_PARTS))
             .max(super::MIN_PART_SIZE);
         let limit = options.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
-        let parts_in_flight =
-            usize::try_from(limit / part_size).map_or(MAX_PARTS_IN_FLIGHT, |n| n.clamp(1, MAX_PARTS_IN_FLIGHT));
+        let parts_in_flight = usize::try_from(limit / part_size)
+            .map_or(MAX_PARTS_IN_FLIGHT, |n| n.clamp(1, MAX_PARTS_IN_FLIGHT));
         let part_size = usize::try_from(part_size).unwrap_or(usize::MAX);
         let multipart = len > part_size as u64;
         let state = crate::runtime::block_on(&remote.uri, async {
@@ -147,7 +149,11 @@ impl ObjectUpload {
                         mode,
                         ..Default::default()
                     };
-                    match remote.store.put_opts(&remote.path, payload.into(), opts).await {
+                    match remote
+                        .store
+                        .put_opts(&remote.path, payload.into(), opts)
+                        .await
+                    {
                         Ok(_) => Ok(()),
                         Err(object_store::Error::AlreadyExists { .. })
                         | Err(object_store::Error::Precondition { .. }) => Err(Error::Exists {
