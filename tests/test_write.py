@@ -402,3 +402,30 @@ def test_save_shards_to_s3_with_the_index_last(seaweed, aws_env):
     assert_same_tensors(got, state)
     with pytest.raises(fastload.DestinationExistsError, match="model-00001-of-00004"):
         fastload.save(state, uri, max_shard_size="300KB")
+
+
+def test_ctrl_c_aborts_the_upload(proxied, seaweed):
+    # Part uploads hang (no response head) until Ctrl-C; the writer must abort the upload.
+    proxy = proxied(then=Fault("stall_head", seconds=60), match=is_part_upload)
+    uri = f"s3://{BUCKET}/w/interrupted/model.safetensors"
+    env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, uri, "4", f"{{'part_size': {PART}}}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 60
+        while proxy.served.get("stall_head", 0) == 0:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert b"KeyboardInterrupt" in err
+    client = seaweed.client()
+    assert keys(client, "w/interrupted/") == []
+    assert open_uploads(client, "w/interrupted/") == []

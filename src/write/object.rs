@@ -1,7 +1,7 @@
 //! Object stores: a file of at most one part goes up in one PUT (conditional, `PutMode::Create`,
-//! unless overwriting); a larger one through object_store's multipart upload ([`WriteMultipart`]),
-//! parts in parallel, bounded by bytes in flight, and completed last, so that the object appears
-//! whole or not at all. A failure, an abort or a drop aborts the upload (no parts left behind).
+//! unless overwriting); a larger one through object_store's multipart upload
+//! ([`MultipartUpload`]), parts in parallel (a bounded number at a time), and completed last, so
+//! that the object appears whole or not at all. A failure, an abort or a drop aborts the upload (no parts left behind).
 //!
 //! object_store has no conditional completion of a multipart upload, so without `overwrite` a
 //! larger object is checked with HEAD before the upload starts and again just before it completes:
@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use object_store::{
-    ObjectStoreExt, PutMode, PutMultipartOptions, PutOptions, PutPayloadMut, WriteMultipart,
+    MultipartUpload, ObjectStoreExt, PutMode, PutMultipartOptions, PutOptions, PutPayloadMut,
 };
+
+use tokio::task::JoinSet;
 
 use super::{WriteOptions, DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE, MAX_PARTS_IN_FLIGHT};
 use crate::error::{Error, Result};
@@ -27,8 +29,46 @@ const ABORT_ON_DROP: Duration = Duration::from_secs(30);
 enum State {
     /// The whole object, sent with one PUT at the end.
     Single(PutPayloadMut),
-    Multi(WriteMultipart),
+    Multi(Multi),
     Done,
+}
+
+/// A multipart upload in progress. Every step borrows it, so a wait cut short (Ctrl-C ends the
+/// runtime wait) leaves it here, for the abort of [`ObjectUpload`]'s drop.
+struct Multi {
+    upload: Box<dyn MultipartUpload>,
+    /// The part being filled (chunks of the caller's buffers, not copies).
+    buffer: PutPayloadMut,
+    parts: JoinSet<object_store::Result<()>>,
+}
+
+impl Multi {
+    fn start_part(&mut self) {
+        let part = std::mem::take(&mut self.buffer).freeze();
+        self.parts.spawn(self.upload.put_part(part));
+    }
+
+    /// Waits until fewer than `n` parts are uploading (0: none); the first failure ends it.
+    async fn fewer_than(&mut self, n: usize) -> object_store::Result<()> {
+        while !self.parts.is_empty() && self.parts.len() >= n {
+            match self.parts.join_next().await {
+                Some(Ok(done)) => done?,
+                Some(Err(e)) => {
+                    return Err(object_store::Error::Generic {
+                        store: "fastload",
+                        source: Box::new(e),
+                    })
+                }
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    async fn abort(mut self) -> object_store::Result<()> {
+        self.parts.shutdown().await;
+        self.upload.abort().await
+    }
 }
 
 impl std::fmt::Debug for State {
@@ -82,9 +122,11 @@ impl ObjectUpload {
                 .put_multipart_opts(&remote.path, PutMultipartOptions::default())
                 .await
                 .map_err(|e| storage_error(&remote.uri, e))?;
-            Ok(State::Multi(WriteMultipart::new_with_chunk_size(
-                upload, part_size,
-            )))
+            Ok(State::Multi(Multi {
+                upload,
+                buffer: PutPayloadMut::new(),
+                parts: JoinSet::new(),
+            }))
         })?;
         Ok(ObjectUpload {
             remote,
@@ -102,98 +144,104 @@ impl ObjectUpload {
     /// Queues `data`; each full part starts uploading at once, after waiting while
     /// `parts_in_flight` parts are still going up.
     pub fn write(&mut self, mut data: Bytes) -> Result<()> {
-        match &mut self.state {
+        let (part_size, in_flight) = (self.part_size, self.parts_in_flight);
+        let uri = self.remote.uri.clone();
+        let result = match &mut self.state {
             State::Single(payload) => {
                 payload.push(data);
                 Ok(())
             }
-            State::Multi(upload) => {
-                let (part_size, in_flight) = (self.part_size, self.parts_in_flight);
-                let uri = self.remote.uri.clone();
-                let result = crate::runtime::block_on(&uri, async {
-                    while !data.is_empty() {
-                        upload
-                            .wait_for_capacity(in_flight)
+            State::Multi(multi) => crate::runtime::block_on(&uri, async {
+                while !data.is_empty() {
+                    let room = part_size - multi.buffer.content_length();
+                    multi.buffer.push(data.split_to(data.len().min(room)));
+                    if multi.buffer.content_length() == part_size {
+                        multi
+                            .fewer_than(in_flight)
                             .await
                             .map_err(|e| storage_error(&uri, e))?;
-                        // At most one part starts per `put`, so waiting first bounds them.
-                        let chunk = data.split_to(data.len().min(part_size));
-                        upload.put(chunk);
+                        multi.start_part();
                     }
-                    Ok(())
-                });
-                if result.is_err() {
-                    self.abort_now();
                 }
-                result
-            }
-            State::Done => Err(Error::Internal {
-                message: format!("{}: written after it was finished", self.remote.uri),
+                Ok(())
             }),
+            State::Done => Err(Error::Internal {
+                message: format!("{uri}: written after it was finished"),
+            }),
+        };
+        if result.is_err() {
+            self.abort_now();
         }
+        result
     }
 
     pub fn finish(mut self) -> Result<()> {
-        let state = std::mem::replace(&mut self.state, State::Done);
         let remote = self.remote.clone();
         let overwrite = self.overwrite;
-        let out = crate::runtime::block_on(&remote.uri, async {
-            match state {
-                State::Single(payload) => {
-                    let mode = if overwrite {
-                        PutMode::Overwrite
-                    } else {
-                        PutMode::Create
-                    };
-                    let opts = PutOptions {
-                        mode,
-                        ..Default::default()
-                    };
-                    match remote
-                        .store
-                        .put_opts(&remote.path, payload.into(), opts)
-                        .await
-                    {
-                        Ok(_) => Ok(()),
-                        Err(object_store::Error::AlreadyExists { .. })
-                        | Err(object_store::Error::Precondition { .. }) => Err(Error::Exists {
-                            path: remote.uri.clone(),
-                        }),
-                        Err(e) => Err(storage_error(&remote.uri, e)),
-                    }
+        let out = match std::mem::replace(&mut self.state, State::Done) {
+            State::Single(payload) => crate::runtime::block_on(&remote.uri, async {
+                let mode = if overwrite {
+                    PutMode::Overwrite
+                } else {
+                    PutMode::Create
+                };
+                let opts = PutOptions {
+                    mode,
+                    ..Default::default()
+                };
+                match remote
+                    .store
+                    .put_opts(&remote.path, payload.into(), opts)
+                    .await
+                {
+                    Ok(_) => Ok(()),
+                    Err(object_store::Error::AlreadyExists { .. })
+                    | Err(object_store::Error::Precondition { .. }) => Err(Error::Exists {
+                        path: remote.uri.clone(),
+                    }),
+                    Err(e) => Err(storage_error(&remote.uri, e)),
                 }
-                State::Multi(mut upload) => {
-                    let flushed = upload
-                        .wait_for_capacity(0)
-                        .await
-                        .map_err(|e| storage_error(&remote.uri, e));
-                    let checked = match flushed {
-                        Ok(()) if !overwrite => refuse_existing(&remote).await,
-                        other => other,
-                    };
-                    if let Err(e) = checked {
-                        let _ = upload.abort().await;
-                        return Err(e);
+            }),
+            State::Multi(multi) => {
+                // Back in `self` while it runs: a cut-short wait leaves it to the drop's abort.
+                self.state = State::Multi(multi);
+                let State::Multi(multi) = &mut self.state else {
+                    unreachable!()
+                };
+                let done = crate::runtime::block_on(&remote.uri, async {
+                    if multi.buffer.content_length() > 0 {
+                        multi.start_part();
                     }
-                    // `finish` sends the last part, completes, and aborts when either fails.
-                    upload
-                        .finish()
+                    multi
+                        .fewer_than(0)
                         .await
-                        .map(|_| ())
+                        .map_err(|e| storage_error(&remote.uri, e))?;
+                    if !overwrite {
+                        refuse_existing(&remote).await?;
+                    }
+                    multi
+                        .upload
+                        .complete()
+                        .await
                         .map_err(|e| storage_error(&remote.uri, e))
+                });
+                if done.is_ok() {
+                    self.state = State::Done;
                 }
-                State::Done => Ok(()),
+                done.map(|_| ())
             }
-        });
+            State::Done => Ok(()),
+        };
+        // On failure `self` still holds the upload, and its drop aborts it.
         out
     }
 
     pub fn abort(mut self) -> Result<()> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::Multi(upload) => {
+            State::Multi(multi) => {
                 let uri = self.remote.uri.clone();
                 crate::runtime::block_on(&uri, async {
-                    upload.abort().await.map_err(|e| storage_error(&uri, e))
+                    multi.abort().await.map_err(|e| storage_error(&uri, e))
                 })
             }
             _ => Ok(()),
@@ -202,8 +250,8 @@ impl ObjectUpload {
 
     /// Aborts the upload in place (after a failure; the state becomes `Done`).
     fn abort_now(&mut self) {
-        if let State::Multi(upload) = std::mem::replace(&mut self.state, State::Done) {
-            abort_detached(upload);
+        if let State::Multi(multi) = std::mem::replace(&mut self.state, State::Done) {
+            abort_detached(multi);
         }
     }
 }
@@ -214,12 +262,12 @@ impl Drop for ObjectUpload {
     }
 }
 
-/// Aborts `upload`, waiting a bounded time for it (a dropped writer must not leave parts behind,
+/// Aborts `multi`, waiting a bounded time for it (a dropped writer must not leave parts behind,
 /// nor hang its owner on a dead server).
-fn abort_detached(upload: WriteMultipart) {
+fn abort_detached(multi: Multi) {
     let runtime = crate::runtime::get();
     let task = runtime.spawn(async move {
-        let _ = upload.abort().await;
+        let _ = multi.abort().await;
     });
     if tokio::runtime::Handle::try_current().is_err() {
         let _ = runtime.block_on(async { tokio::time::timeout(ABORT_ON_DROP, task).await });
