@@ -402,6 +402,10 @@ def test_save_shards_to_s3_with_the_index_last(seaweed, aws_env):
     assert_same_tensors(got, state)
     with pytest.raises(fastload.DestinationExistsError, match="model-00001-of-00004"):
         fastload.save(state, uri, max_shard_size="300KB")
+    # Overwritten by a single file: the earlier shards and index are deleted.
+    assert fastload.save({"x": torch.arange(3)}, uri, overwrite=True) == ["model.safetensors"]
+    assert keys(seaweed.client(), "w/sharded/") == ["w/sharded/model.safetensors"]
+    assert_same_tensors(fastload.load(uri), {"x": torch.arange(3)})
 
 
 def test_ctrl_c_aborts_the_upload(proxied, seaweed):
@@ -429,3 +433,36 @@ def test_ctrl_c_aborts_the_upload(proxied, seaweed):
     client = seaweed.client()
     assert keys(client, "w/interrupted/") == []
     assert open_uploads(client, "w/interrupted/") == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gpu_tensors_are_written_as_their_host_copies(tmp_path):
+    tensors = {k: v.to("cuda") for k, v in all_dtypes().items()}
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"))
+    fastload.save_file(tensors, tmp_path / "ours.safetensors")
+    ref = (tmp_path / "ref.safetensors").read_bytes()
+    assert (tmp_path / "ours.safetensors").read_bytes() == ref
+
+
+def test_a_new_save_replaces_every_file_of_the_earlier_one(tmp_path):
+    folder = tmp_path / "m"
+    three = {f"w{i}": pattern((2500,), torch.float32, seed=i) for i in range(3)}
+    fastload.save(three, folder, max_shard_size="10KB")
+    (folder / "config.json").write_text("{}")
+    # A single file beside the earlier shards' index would be shadowed by it: refused.
+    one = {"x": torch.arange(4)}
+    with pytest.raises(fastload.DestinationExistsError, match=r"model-00001-of-00003"):
+        fastload.save(one, folder)
+    assert fastload.save(one, folder, overwrite=True) == ["model.safetensors"]
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+    assert_same_tensors(fastload.load(folder), one)
+    two = {f"w{i}": pattern((2500,), torch.float32, seed=i) for i in range(2)}
+    fastload.save(two, folder, max_shard_size="10KB", overwrite=True)
+    assert sorted(os.listdir(folder)) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert_same_tensors(fastload.load(folder), two)

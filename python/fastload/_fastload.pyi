@@ -52,6 +52,7 @@ __all__ = [
     "plan_ranks",
     "read_object",
     "release_memory",
+    "remove",
     "resolve_options",
     "write_bytes",
 ]
@@ -336,6 +337,7 @@ def write_bytes(
     overwrite: bool = False,
     storage_options: Mapping[str, object] | None = None,
 ) -> None: ...
+def remove(uri: str, *, storage_options: Mapping[str, object] | None = None) -> None: ...
 def resolve_options(
     uris: list[str] = ...,
     *,

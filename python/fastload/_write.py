@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,10 @@ _F4 = getattr(torch, "float4_e2m1fn_x2", None)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# The files of a checkpoint `save` writes: an earlier save's are stale once a new one is written.
+_CHECKPOINT_FILE = re.compile(
+    r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors"
+)
 
 
 def _destination(uri: object) -> str:
@@ -352,10 +357,12 @@ def save(
         names = [SINGLE_FILE]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    if not overwrite:
-        _refuse_existing(
-            folder, names if len(shards) <= 1 else [*names, INDEX_FILE], storage_options
-        )
+    # An earlier save's files under `uri`: without overwrite any of them is refused (a stale index
+    # would send readers to the old shards); with it, those the new save does not replace go
+    # once every new file is written.
+    earlier = _checkpoint_files(folder, storage_options)
+    if earlier and not overwrite:
+        raise _exists_error(_join(folder, earlier[0]))
     if not shards:
         shards = [{}]
     for name, shard in zip(names, shards):
@@ -369,6 +376,7 @@ def save(
             part_size=part_size,
         )
     if len(shards) == 1:
+        _remove_stale(folder, earlier, names, storage_options)
         return names
     index = {
         "metadata": {"total_size": sum(_storage_size(t) for t in tensors.values())},
@@ -378,6 +386,7 @@ def save(
     _fastload.write_bytes(
         _join(folder, INDEX_FILE), data, overwrite=overwrite, storage_options=storage_options
     )
+    _remove_stale(folder, earlier, [*names, INDEX_FILE], storage_options)
     return [*names, INDEX_FILE]
 
 
@@ -393,23 +402,28 @@ def check_tensors_for_save(state_dict: object) -> dict[str, torch.Tensor]:
     return dict(state_dict)
 
 
-def _refuse_existing(
-    folder: str, names: list[str], storage_options: Mapping[str, object] | None
-) -> None:
-    """Before any shard is written: none of the files may exist (each write checks again)."""
+def _checkpoint_files(folder: str, storage_options: Mapping[str, object] | None) -> list[str]:
+    """Names of the checkpoint files (shards, index, single file) directly under `folder`."""
     if _fastload.is_remote_uri(folder):
-        listed = {
-            u.rsplit("/", 1)[-1]
-            for u, _ in _fastload.list_objects(
-                folder.rstrip("/") + "/", storage_options=storage_options
-            )
-        }
-        for name in names:
-            if name in listed:
-                raise _exists_error(_join(folder, name))
-        return
-    local = folder[len("file://") :] if folder.startswith("file://") else folder
-    for name in names:
-        path = os.path.join(local, name)
-        if os.path.lexists(path):
-            raise _exists_error(path)
+        prefix = folder.rstrip("/") + "/"
+        names = [u.rsplit("/", 1)[-1] for u, _ in _fastload.list_objects(
+            prefix, storage_options=storage_options)]  # fmt: skip
+    else:
+        local = folder[len("file://") :] if folder.startswith("file://") else folder
+        try:
+            names = os.listdir(local)
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+    return sorted(n for n in names if _CHECKPOINT_FILE.fullmatch(n))
+
+
+def _remove_stale(
+    folder: str,
+    earlier: list[str],
+    written: list[str],
+    storage_options: Mapping[str, object] | None,
+) -> None:
+    """Removes an earlier save's files that the new one did not replace, index first."""
+    stale = sorted(set(earlier) - set(written), key=lambda n: n != INDEX_FILE)
+    for name in stale:
+        _fastload.remove(_join(folder, name), storage_options=storage_options)

@@ -202,3 +202,17 @@ pub fn write_bytes(
         crate::write::write_all(&uri, Bytes::from(data), &opts)
     })??)
 }
+
+/// Deletes the file or object at `uri`; a missing one is not an error.
+#[pyfunction]
+#[pyo3(signature = (uri, *, storage_options=None))]
+pub fn remove(
+    py: Python<'_>,
+    uri: String,
+    storage_options: Option<StorageOptions>,
+) -> PyResult<()> {
+    let opts = options(false, storage_options, None, None);
+    Ok(off_thread(py, "remove", move || {
+        crate::write::remove(&uri, &opts)
+    })??)
+}

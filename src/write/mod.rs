@@ -12,6 +12,7 @@
 //! file is removed, the multipart upload aborted.
 
 use bytes::Bytes;
+use object_store::ObjectStoreExt;
 
 use crate::error::{Error, Result};
 
@@ -203,4 +204,25 @@ impl FileWriter {
             message,
         }
     }
+}
+
+/// Deletes the file or object at `uri` (a stale shard of an earlier save); a missing one is fine.
+pub fn remove(uri: &str, options: &WriteOptions) -> Result<()> {
+    if !crate::source::open::is_remote(uri) {
+        let path = uri.strip_prefix("file://").unwrap_or(uri);
+        return match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
+                path: path.to_string(),
+                source: e,
+            }),
+            _ => Ok(()),
+        };
+    }
+    let remote = crate::source::object::open(uri, &options.storage_options)?;
+    crate::runtime::block_on(&remote.uri, async {
+        match remote.store.delete(&remote.path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(crate::source::object::storage_error(&remote.uri, e)),
+        }
+    })
 }
