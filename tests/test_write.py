@@ -466,3 +466,15 @@ def test_a_new_save_replaces_every_file_of_the_earlier_one(tmp_path):
         "model.safetensors.index.json",
     ]
     assert_same_tensors(fastload.load(folder), two)
+
+
+def test_a_writer_dropped_unfinished_aborts_its_upload(seaweed, aws_env):
+    aws_env(seaweed)
+    uri = f"s3://{BUCKET}/w/dropped/model.safetensors"
+    writer = fastload._fastload.FileWriter(uri, [("a", "F32", [4 << 20])], part_size=PART)
+    writer.write(torch.zeros(4 << 20))  # 16 MiB: three parts started
+    client = seaweed.client()
+    assert open_uploads(client, "w/dropped/") == ["w/dropped/model.safetensors"]
+    del writer
+    assert open_uploads(client, "w/dropped/") == []
+    assert keys(client, "w/dropped/") == []

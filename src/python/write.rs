@@ -110,6 +110,17 @@ fn closed(uri: &str) -> Error {
     }
 }
 
+impl Drop for FileWriter {
+    /// A writer dropped unfinished aborts (see `crate::write`), with the GIL released: the parts
+    /// it cancels hold tensors, whose release takes the GIL on the runtime's threads.
+    fn drop(&mut self) {
+        let unfinished = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(writer) = unfinished {
+            Python::attach(|py| super::gil::detach(py, move || drop(writer)));
+        }
+    }
+}
+
 #[pymethods]
 impl FileWriter {
     /// `tensors`: `(name, dtype, shape)` with safetensors dtype names ("F32", "BF16", ...).
