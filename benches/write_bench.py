@@ -4,7 +4,8 @@
     python benches/write_bench.py --size 2GiB        # the size
     python benches/write_bench.py --no-s3 --reps 5
 
-Rows, each timed in this process with rounds interleaved (order rotated each round):
+Rows, each timed in this process with rounds interleaved (order rotated each round), after one
+untimed warm-up round:
 
 - local: `fastload.save_file(tensors, path)` (temporary file, fsync, rename) against
   `safetensors.torch.save_file(tensors, path)` followed by an fsync of the file, so both end with
@@ -140,13 +141,14 @@ def main() -> None:
 
     times: dict[tuple[str, str], list[float]] = {(w, n): [] for w, n, _ in jobs}
     try:
-        for r in range(args.reps):
+        for r in range(-1, args.reps):  # round -1 warms up (page cache, connections)
             order = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
             for where, name, fn in order:
                 clean()
                 start = time.perf_counter()
                 fn()
-                times[(where, name)].append(time.perf_counter() - start)
+                if r >= 0:
+                    times[(where, name)].append(time.perf_counter() - start)
         clean()
     finally:
         if server is not None:
