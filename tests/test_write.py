@@ -478,3 +478,19 @@ def test_a_writer_dropped_unfinished_aborts_its_upload(seaweed, aws_env):
     del writer
     assert open_uploads(client, "w/dropped/") == []
     assert keys(client, "w/dropped/") == []
+
+
+@pytest.mark.parametrize("size", [1000, 3 << 20], ids=["one-put", "multipart"])
+def test_an_object_created_while_writing_is_not_replaced(s3, size, request):
+    # Created by someone else after the writer's first check: the one PUT is conditional
+    # (If-None-Match), a multipart upload is checked again before it completes.
+    key = f"w/race-{request.node.callspec.id}/model.safetensors"
+    uri = f"s3://{BUCKET}/{key}"
+    writer = fastload._fastload.FileWriter(uri, [("a", "F32", [size])], part_size=PART)
+    writer.write(torch.zeros(size))
+    client = s3.client()
+    client.put_object(Bucket=BUCKET, Key=key, Body=b"theirs")
+    with pytest.raises(fastload.DestinationExistsError):
+        writer.finish()
+    assert client.get_object(Bucket=BUCKET, Key=key)["Body"].read() == b"theirs"
+    assert open_uploads(client, key) == []
