@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("shared leaves", ["error", "options", "bounded", "runtime", "per_process"]),
     ("memory", ["memory"]),
     ("source", ["source", "source::*", "object", "hub", "cache"]),
+    ("write", ["write"]),
     ("plan", ["plan", "ranges", "ranks"]),
     ("device", ["device"]),
     ("pipeline", ["pipeline"]),

@@ -127,6 +127,16 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+
+    /// A write's destination exists and overwriting was not asked for. Raised as Python's
+    /// `fastload.DestinationExistsError` (a `FileExistsError`) with `filename` the destination.
+    #[error("{path}: already exists (pass overwrite=True to replace it)")]
+    Exists { path: String },
+
+    /// Tensors that cannot be written as they are (a duplicate or reserved name, a shape too
+    /// large, or bytes that do not match the header).
+    #[error("{uri}: cannot write these tensors: {message}")]
+    InvalidTensors { uri: String, message: String },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

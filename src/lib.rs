@@ -25,6 +25,8 @@
 //! - [`device`]: where tensors go when they leave host memory (the CUDA copy engine).
 //! - [`pipeline`]: runs a plan: reads every block through `Source`, bounded in bytes and reads
 //!   in flight, and hands tensors out as their segments land.
+//! - [`write`]: safetensors files (and small files) to a local path or an object store, published
+//!   whole or not at all (a rename, a multipart upload completed last).
 //! - the Python bindings (`python`, with the `python` feature) and the command line, [`cli`].
 //!
 //! Public here is what the binary, the integration tests, the benches and the fuzz targets use;
@@ -49,6 +51,7 @@ pub(crate) mod ranges;
 pub(crate) mod ranks;
 pub mod runtime;
 pub mod source;
+pub mod write;
 
 #[cfg(feature = "python")]
 mod python;

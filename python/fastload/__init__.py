@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import _fastload, _options
 from ._errors import (
     ConfigError,
+    DestinationExistsError,
     FastloadError,
     FormatError,
     NotFoundError,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._safe_open import SafeSlice, safe_open
+    from ._write import save, save_file
     from .distributed import DistributedStream
 
 __version__: str = _fastload.__version__
@@ -41,6 +43,7 @@ __version__: str = _fastload.__version__
 __all__ = [
     "DEVICE_TYPES",
     "ConfigError",
+    "DestinationExistsError",
     "FastloadError",
     "FormatError",
     "NotFoundError",
@@ -58,6 +61,8 @@ __all__ = [
     "load_file",
     "release_memory",
     "safe_open",
+    "save",
+    "save_file",
     "stream",
 ]
 
@@ -406,7 +411,12 @@ def _safetensors_device(device: Any) -> Any:
 
 # Imported on first use (PEP 562): ``import fastload`` stays as cheap as safetensors' own, and
 # ``load_file`` (above) needs none of it.
-_LAZY = {"safe_open": "_safe_open", "SafeSlice": "_safe_open"}
+_LAZY = {
+    "safe_open": "_safe_open",
+    "SafeSlice": "_safe_open",
+    "save_file": "_write",
+    "save": "_write",
+}
 
 
 def __getattr__(name: str) -> Any:

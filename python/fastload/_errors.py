@@ -115,3 +115,7 @@ class StreamClosedError(FastloadError, ValueError):
     ``close()`` from another thread while this one iterated, by Ctrl-C during a ``next()``, or a
     ``next()`` after such a close. A ``ValueError`` like reading a closed file; the tensors
     already yielded stay valid. A stream that finished, or ended with an error, ends as usual."""
+
+
+class DestinationExistsError(StorageError, FileExistsError):
+    """A write's destination exists and ``overwrite=True`` was not given; ``filename`` names it."""

@@ -24,13 +24,14 @@ A value that cannot be used raises ``fastload.ConfigError`` with ``option`` set.
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal, TypedDict, final
+from typing import Any, Literal, TypedDict, final
 
 __all__ = [
     "DLPACK_DTYPES",
     "DTYPES",
     "OPTIONS",
     "SCHEMES",
+    "FileWriter",
     "Item",
     "OptionDef",
     "RankPlan",
@@ -54,8 +55,10 @@ __all__ = [
     "plan_ranks",
     "read_object",
     "release_memory",
+    "remove",
     "resolve_options",
     "scrub",
+    "write_bytes",
 ]
 
 __version__: str
@@ -312,6 +315,39 @@ class Reader:
         """``ranges`` (``(file offset, len)``) of file ``shard``, one after the other, as a flat
         uint8 ``dltensor`` capsule."""
 
+@final
+class FileWriter:
+    """One safetensors file being written (see ``fastload.save_file``)."""
+
+    def __new__(
+        cls,
+        uri: str,
+        tensors: list[tuple[str, str, list[int]]],
+        metadata: list[tuple[str, str]] | None = None,
+        *,
+        overwrite: bool = False,
+        storage_options: Mapping[str, object] | None = None,
+        memory_limit: int | str | None = None,
+        part_size: int | None = None,
+    ) -> FileWriter: ...
+    @property
+    def order(self) -> list[int]:
+        """Indices of the tensors, in the order their bytes are written."""
+    @property
+    def uri(self) -> str: ...
+    def write(self, data: Any) -> None:
+        """The bytes of the next tensor in ``order``: a contiguous CPU torch tensor."""
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+
+def write_bytes(
+    uri: str,
+    data: bytes,
+    *,
+    overwrite: bool = False,
+    storage_options: Mapping[str, object] | None = None,
+) -> None: ...
+def remove(uri: str, *, storage_options: Mapping[str, object] | None = None) -> None: ...
 def resolve_options(
     uris: list[str] = ...,
     *,

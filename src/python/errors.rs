@@ -69,6 +69,20 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
                 scrub(path),
             ))?));
         }
+        Error::Exists { path } => {
+            let cls = py
+                .import("fastload._errors")?
+                .getattr("DestinationExistsError")?;
+            return Ok(PyErr::from_value(cls.call1((
+                libc::EEXIST,
+                message,
+                scrub(path),
+            ))?));
+        }
+        Error::InvalidTensors { .. } => {
+            attrs.set_item("option", "tensors")?;
+            "ConfigError"
+        }
         Error::Io { .. } | Error::Memory { .. } => "StorageError",
         Error::MissingTensors { uri, names } => {
             attrs.set_item("names", names)?;

@@ -16,6 +16,7 @@ mod ranks;
 mod reader;
 mod stream;
 mod wait;
+mod write;
 
 use crate::format::Dtype;
 use crate::options::Size;
@@ -121,6 +122,9 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<options::PyOptionDef>()?;
     m.add_class::<ranks::RankPlan>()?;
     m.add_class::<reader::Reader>()?;
+    m.add_class::<write::FileWriter>()?;
+    m.add_function(wrap_pyfunction!(write::write_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(write::remove, m)?)?;
     m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::checkpoint_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;

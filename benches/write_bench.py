@@ -1,0 +1,178 @@
+"""fastload.save_file against safetensors' save_file, locally and to S3 (a local SeaweedFS).
+
+    python benches/write_bench.py                    # 256 MiB state dict, 3 rounds (~1 min)
+    python benches/write_bench.py --size 2GiB        # the issue's size
+    python benches/write_bench.py --no-s3 --reps 5
+
+Rows, each timed in this process with rounds interleaved (order rotated each round), after one
+untimed warm-up round:
+
+- local: `fastload.save_file(tensors, path)` (temporary file, fsync, rename) against
+  `safetensors.torch.save_file(tensors, path)` followed by an fsync of the file, so both end with
+  the bytes on disk. The destination folder is `--dir` (default: a temporary folder on the disk
+  of benches/out/), the file removed between runs.
+- s3: `fastload.save_file(tensors, "s3://...")` (parallel multipart upload straight from the
+  tensors' memory) against `save_file` to a local file then boto3's `upload_file` (multipart,
+  16 MiB parts, 10 threads), the way a checkpoint reaches a bucket today. SeaweedFS runs on
+  127.0.0.1 (tests/servers/s3.py) and shares the VM's cores with the client: compare rows of
+  one run only.
+
+Cells are GB/s of tensor bytes (1e9 B/s): median (min-max) over rounds; the ratio is fastload's
+median over the peer's. Results are printed and written to benches/out/write_results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+MiB = 1 << 20
+
+
+def state_dict(size: int):
+    """A llama-like mix: large bf16 matrices and a few small fp32 norms, `size` bytes in all."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    layer = 32 * MiB
+    i = 0
+    while size > 0:
+        n = min(layer, size)
+        out[f"model.layers.{i}.mlp.weight"] = torch.randn(n // 2, generator=g).to(torch.bfloat16)
+        out[f"model.layers.{i}.norm.weight"] = torch.ones(1024)
+        size -= n
+        i += 1
+    return out
+
+
+def nbytes(tensors) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
+def fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def summary(rates: list[float]) -> str:
+    return f"{statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f})"
+
+
+def main() -> None:
+    import fastload
+    from safetensors.torch import save_file
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--size", default="256MiB", help="bytes of tensors (default 256MiB)")
+    ap.add_argument("--reps", type=int, default=3, help="rounds (default 3)")
+    ap.add_argument("--dir", default=None, help="local destination folder")
+    ap.add_argument("--no-s3", action="store_true", help="local rows only")
+    args = ap.parse_args()
+
+    size = fastload._fastload.parse_size(args.size)
+    tensors = state_dict(size)
+    total = nbytes(tensors)
+    out_dir = HERE / "out"
+    out_dir.mkdir(exist_ok=True)
+    folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(dir=out_dir, prefix="write-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = str(folder / "model.safetensors")
+
+    def clean() -> None:
+        if os.path.exists(dest):
+            os.remove(dest)
+
+    def ours_local() -> None:
+        fastload.save_file(tensors, dest)
+
+    def theirs_local() -> None:
+        save_file(tensors, dest)
+        fsync(dest)
+
+    rows: dict[str, dict[str, object]] = {}
+    jobs = [("local", "fastload", ours_local), ("local", "safetensors+fsync", theirs_local)]
+
+    server = None
+    if not args.no_s3:
+        from servers import s3 as s3_server
+
+        if s3_server.find_weed() is None:
+            print("SeaweedFS `weed` not found: S3 rows skipped", file=sys.stderr)
+        else:
+            root = Path(tempfile.mkdtemp(prefix="write-bench-weed-"))
+            server = s3_server.start_seaweed(root)
+            client = server.client()
+            if s3_server.BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+                client.create_bucket(Bucket=s3_server.BUCKET)
+            for k, v in server.env().items():
+                os.environ[k] = v
+            key = "bench/model.safetensors"
+            uri = f"s3://{s3_server.BUCKET}/{key}"
+            from boto3.s3.transfer import TransferConfig
+
+            transfer = TransferConfig(
+                multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=10
+            )
+
+            def ours_s3() -> None:
+                fastload.save_file(tensors, uri, overwrite=True)
+
+            def theirs_s3() -> None:
+                save_file(tensors, dest)
+                client.upload_file(dest, s3_server.BUCKET, key, Config=transfer)
+                os.remove(dest)
+
+            jobs += [("s3", "fastload", ours_s3), ("s3", "save_file+boto3", theirs_s3)]
+
+    times: dict[tuple[str, str], list[float]] = {(w, n): [] for w, n, _ in jobs}
+    try:
+        for r in range(-1, args.reps):  # round -1 warms up (page cache, connections)
+            order = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
+            for where, name, fn in order:
+                clean()
+                start = time.perf_counter()
+                fn()
+                if r >= 0:
+                    times[(where, name)].append(time.perf_counter() - start)
+        clean()
+    finally:
+        if server is not None:
+            server.stop()
+        if not args.dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    print(f"save_file of {total / 1e9:.3f} GB ({len(tensors)} tensors), {args.reps} rounds")
+    print("| where | writer | GB/s median (min-max) | vs peer |")
+    print("|---|---|---|---|")
+    for where in ("local", "s3"):
+        names = [n for w, n in times if w == where]
+        if not names:
+            continue
+        rates = {n: [total / t / 1e9 for t in times[(where, n)]] for n in names}
+        peer = statistics.median(rates[names[1]])
+        for n in names:
+            ratio = statistics.median(rates[n]) / peer
+            print(f"| {where} | {n} | {summary(rates[n])} | {ratio:.2f}x |")
+            rows[f"{where}/{n}"] = {"gb_per_s": rates[n], "ratio": ratio}
+    (out_dir / "write_results.json").write_text(
+        json.dumps({"bytes": total, "reps": args.reps, "rows": rows}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""Writing safetensors files: :func:`save_file` (one file, the bytes safetensors' ``save_file``
+writes) and :func:`save` (Hugging Face-style shards and their index), to a local path or an object
+store. The checks on the tensors and the sharding are here; the header, the order of the bytes and
+the writing itself are the native module's (``_fastload.FileWriter``): local files appear by
+rename, objects by completing a multipart upload, so a failed or interrupted write leaves nothing
+at the destination."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import _fastload
+from ._errors import ConfigError, DestinationExistsError
+from ._torch import DTYPES
+
+# torch dtype -> the safetensors name the header uses.
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+_F4 = getattr(torch, "float4_e2m1fn_x2", None)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# The files of a checkpoint `save` writes: an earlier save's are stale once a new one is written.
+_CHECKPOINT_FILE = re.compile(
+    r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors"
+)
+
+
+def _destination(uri: object) -> str:
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+    if isinstance(uri, bytes):
+        uri = os.fsdecode(uri)
+    if not isinstance(uri, str):
+        raise ConfigError(
+            f"invalid option uri: expected a path or URI (str or os.PathLike), got "
+            f"{type(uri).__name__}",
+            option="uri",
+        )
+    if not uri.strip():
+        raise ConfigError("invalid option uri: empty", option="uri")
+    return uri
+
+
+def _metadata(metadata: object) -> list[tuple[str, str]] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict of str to str, got {type(metadata).__name__}")
+    out = []
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(
+                f"metadata must be a dict of str to str: entry {k!r}: {v!r} is "
+                f"{type(k).__name__} to {type(v).__name__}"
+            )
+        out.append((k, v))
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, int, int] | None:
+    if t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    if storage.data_ptr() == 0 or storage.nbytes() == 0:
+        return None
+    return (t.device, storage.data_ptr(), storage.nbytes())
+
+
+def _end(t: torch.Tensor) -> int:
+    return t.data_ptr() + (t.nelement() * t.element_size() if t.nelement() else 0)
+
+
+def shared_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Names whose tensors overlap in memory, as safetensors finds them (same storage, byte ranges
+    that overlap); each group in the mapping's order, groups of two or more only."""
+    by_storage: dict[tuple[Any, int, int], list[str]] = {}
+    for name, t in tensors.items():
+        key = _storage_key(t)
+        if key is not None:
+            by_storage.setdefault(key, []).append(name)
+    position = {name: i for i, name in enumerate(tensors)}
+    groups: list[list[str]] = []
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        areas = sorted((tensors[n].data_ptr(), _end(tensors[n]), n) for n in names)
+        current = [areas[0][2]]
+        last_stop = areas[0][1]
+        for start, stop, name in areas[1:]:
+            if start >= last_stop:
+                if len(current) > 1:
+                    groups.append(current)
+                current = [name]
+            else:
+                current.append(name)
+            last_stop = stop
+        if len(current) > 1:
+            groups.append(current)
+    return [sorted(g, key=position.__getitem__) for g in groups]
+
+
+def check_tensors(tensors: object) -> dict[str, torch.Tensor]:
+    """The tensors as a dict, or the error safetensors raises for them (with fastload's types)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(
+            f"tensors must be a dict of str to torch.Tensor, got {type(tensors).__name__}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str: {name!r} is {type(name).__name__}")
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(
+                f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}",
+                option="tensors",
+            )
+        if t.layout != torch.strided:
+            raise ConfigError(
+                f"tensor {name!r} is sparse ({t.layout}): make it dense with .to_dense() first",
+                option="tensors",
+            )
+        if t.device.type == "meta":
+            raise ConfigError(
+                f"tensor {name!r} is on the meta device and has no data to write",
+                option="tensors",
+            )
+        if t.dtype not in _NAMES:
+            raise ConfigError(
+                f"tensor {name!r}: dtype {t.dtype} has no safetensors equivalent",
+                option="tensors",
+            )
+        out[name] = t
+    shared = shared_groups(out)
+    if shared:
+        # safetensors' save_file refuses these with a RuntimeError; so does fastload.
+        raise RuntimeError(
+            f"Some tensors share memory, this would write the same bytes twice and lose the "
+            f"sharing on load: {shared}. Save one name per group (fastload.save drops tied "
+            f"duplicates), or .clone() the tensors that must stay separate."
+        )
+    for name, t in out.items():
+        if not t.is_contiguous():
+            raise ConfigError(
+                f"tensor {name!r} is not contiguous: call .contiguous() on it before saving "
+                f"(a view of another tensor: save the full tensor and slice it after loading)",
+                option="tensors",
+            )
+    return out
+
+
+def _spec(name: str, t: torch.Tensor) -> tuple[str, str, list[int]]:
+    shape = list(t.shape)
+    if t.dtype == _F4:
+        # Two 4-bit values per element of torch's float4_e2m1fn_x2: safetensors counts values.
+        if not shape:
+            raise ConfigError(
+                f"tensor {name!r}: a 0-dim float4_e2m1fn_x2 tensor has no safetensors shape",
+                option="tensors",
+            )
+        shape[-1] *= 2
+    return (name, _NAMES[t.dtype], shape)
+
+
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a contiguous CPU tensor: itself when it is one (no copy)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type != "cpu":
+        # One tensor at a time; the host copy lives until its bytes are written or uploaded.
+        t = t.to("cpu")
+    return t
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    uri: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    overwrite: bool = False,
+    storage_options: Mapping[str, object] | None = None,
+    memory_limit: int | str | None = None,
+    part_size: int | str | None = None,
+) -> None:
+    """Writes ``tensors`` as one safetensors file at ``uri`` (a path, ``file://``, ``s3://``,
+    ``gs://`` or ``az://``): the same bytes ``safetensors.torch.save_file`` writes.
+
+    The file appears whole or not at all: a local file is written under a temporary name beside
+    the destination and renamed into place; an object is uploaded in parts in parallel and
+    completed last (a failure or Ctrl-C aborts the upload). An existing destination raises
+    :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``memory_limit`` bounds
+    the bytes of upload parts in flight, ``part_size`` the bytes per part (16 MiB by default, at
+    least 5 MiB, raised to keep a file within 9,000 parts). CPU tensors are written from their
+    own memory; tensors on a GPU are copied to the host one at a time."""
+    checked = check_tensors(tensors)
+    if not isinstance(overwrite, bool):
+        raise ConfigError(
+            f"invalid option overwrite: expected a bool, got {type(overwrite).__name__}",
+            option="overwrite",
+        )
+    names = list(checked)
+    writer = _fastload.FileWriter(
+        _destination(uri),
+        [_spec(n, checked[n]) for n in names],
+        _metadata(metadata),
+        overwrite=overwrite,
+        storage_options=storage_options,
+        memory_limit=memory_limit,
+        part_size=_part_size(part_size),
+    )
+    try:
+        for i in writer.order:
+            writer.write(_host_bytes(checked[names[i]]))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _part_size(part_size: int | str | None) -> int | None:
+    if part_size is None:
+        return None
+    if isinstance(part_size, bool) or not isinstance(part_size, (int, str)):
+        raise ConfigError(
+            f'invalid option part_size: expected an int or a size like "16MiB", got '
+            f"{type(part_size).__name__}",
+            option="part_size",
+        )
+    size = part_size if isinstance(part_size, int) else _fastload.parse_size(part_size)
+    if size < 5 << 20:
+        raise ConfigError(
+            f"invalid option part_size: {part_size!r} is below the stores' 5MiB minimum",
+            option="part_size",
+        )
+    return size
+
+
+def _shard_size(max_shard_size: int | str) -> int:
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
+        raise ConfigError(
+            f'invalid option max_shard_size: expected an int or a size like "5GB", got '
+            f"{type(max_shard_size).__name__}",
+            option="max_shard_size",
+        )
+    size = (
+        max_shard_size if isinstance(max_shard_size, int) else _fastload.parse_size(max_shard_size)
+    )
+    if size <= 0:
+        raise ConfigError(
+            f"invalid option max_shard_size: {max_shard_size!r} must be more than 0",
+            option="max_shard_size",
+        )
+    return size
+
+
+def _storage_size(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def split_shards(
+    tensors: Mapping[str, torch.Tensor], max_shard_size: int
+) -> list[dict[str, torch.Tensor]]:
+    """huggingface_hub's rule (``split_torch_state_dict_into_shards``): tensors in the mapping's
+    order, by the size of their storage; a shard is closed when the next tensor would take it past
+    ``max_shard_size``; a tensor larger than that gets a shard of its own."""
+    shards: list[dict[str, torch.Tensor]] = []
+    current: dict[str, torch.Tensor] = {}
+    current_size = 0
+    for name, t in tensors.items():
+        size = _storage_size(t)
+        if size > max_shard_size:
+            shards.append({name: t})
+            continue
+        if current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = {}, 0
+        current[name] = t
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _drop_tied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One name per group of tensors that are the same memory (tied weights), as transformers
+    saves them: the first name in the state dict's order stays. Tensors that overlap without
+    being the same view cannot be saved as such."""
+    drop: set[str] = set()
+    for group in shared_groups(tensors):
+        first = tensors[group[0]]
+        same = all(
+            t.data_ptr() == first.data_ptr()
+            and t.dtype == first.dtype
+            and t.shape == first.shape
+            and t.stride() == first.stride()
+            for t in (tensors[n] for n in group[1:])
+        )
+        if not same:
+            raise RuntimeError(
+                f"tensors {group} share memory without being the same tensor: .clone() the "
+                f"ones to save separately"
+            )
+        drop.update(group[1:])
+    if drop:
+        warnings.warn(
+            f"fastload.save: tensors {sorted(drop)} share memory with another tensor (tied "
+            f"weights) and are not written, as transformers does",
+            stacklevel=3,
+        )
+    return {n: t for n, t in tensors.items() if n not in drop}
+
+
+def _join(folder: str, name: str) -> str:
+    return folder.rstrip("/") + "/" + name if folder.rstrip("/") else name
+
+
+def _exists_error(uri: str) -> DestinationExistsError:
+    import errno
+
+    return DestinationExistsError(
+        errno.EEXIST, f"{uri}: already exists (pass overwrite=True to replace it)", uri
+    )
+
+
+def save(
+    state_dict: Mapping[str, torch.Tensor],
+    uri: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    *,
+    overwrite: bool = False,
+    storage_options: Mapping[str, object] | None = None,
+    memory_limit: int | str | None = None,
+    part_size: int | str | None = None,
+) -> list[str]:
+    """Writes ``state_dict`` into the folder (or prefix) ``uri`` as transformers'
+    ``save_pretrained`` does: ``model.safetensors`` when it fits in one shard, else
+    ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``, written after
+    every shard is complete. Tied weights (tensors that are the same memory) are written once,
+    under their first name. Each file carries ``{"format": "pt"}`` and ``metadata`` in its
+    header. Returns the names of the files written, the index last."""
+    folder = _destination(uri)
+    tensors = _drop_tied(check_tensors_for_save(state_dict))
+    limit = _shard_size(max_shard_size)
+    header = {"format": "pt", **dict(_metadata(metadata) or [])}
+    shards = split_shards(tensors, limit)
+    if len(shards) <= 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    # An earlier save's files under `uri`: without overwrite any of them is refused (a stale index
+    # would send readers to the old shards); with it, those the new save does not replace go
+    # once every new file is written.
+    earlier = _checkpoint_files(folder, storage_options)
+    if earlier and not overwrite:
+        raise _exists_error(_join(folder, earlier[0]))
+    if not shards:
+        shards = [{}]
+    for name, shard in zip(names, shards):
+        save_file(
+            shard,
+            _join(folder, name),
+            header,
+            overwrite=overwrite,
+            storage_options=storage_options,
+            memory_limit=memory_limit,
+            part_size=part_size,
+        )
+    if len(shards) == 1:
+        _remove_stale(folder, earlier, names, storage_options)
+        return names
+    index = {
+        "metadata": {"total_size": sum(_storage_size(t) for t in tensors.values())},
+        "weight_map": {t: name for name, shard in zip(names, shards) for t in shard},
+    }
+    data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    _fastload.write_bytes(
+        _join(folder, INDEX_FILE), data, overwrite=overwrite, storage_options=storage_options
+    )
+    _remove_stale(folder, earlier, [*names, INDEX_FILE], storage_options)
+    return [*names, INDEX_FILE]
+
+
+def check_tensors_for_save(state_dict: object) -> dict[str, torch.Tensor]:
+    """:func:`check_tensors` without the shared-memory refusal (``save`` drops tied copies)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a dict of str to torch.Tensor, got {type(state_dict).__name__}"
+        )
+    # Each tensor alone passes the per-tensor checks; sharing is decided by _drop_tied.
+    for name, t in state_dict.items():
+        check_tensors({name: t})
+    return dict(state_dict)
+
+
+def _checkpoint_files(folder: str, storage_options: Mapping[str, object] | None) -> list[str]:
+    """Names of the checkpoint files (shards, index, single file) directly under `folder`."""
+    if _fastload.is_remote_uri(folder):
+        prefix = folder.rstrip("/") + "/"
+        names = [u.rsplit("/", 1)[-1] for u, _ in _fastload.list_objects(
+            prefix, storage_options=storage_options)]  # fmt: skip
+    else:
+        local = folder[len("file://") :] if folder.startswith("file://") else folder
+        try:
+            names = os.listdir(local)
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+    return sorted(n for n in names if _CHECKPOINT_FILE.fullmatch(n))
+
+
+def _remove_stale(
+    folder: str,
+    earlier: list[str],
+    written: list[str],
+    storage_options: Mapping[str, object] | None,
+) -> None:
+    """Removes an earlier save's files that the new one did not replace, index first."""
+    stale = sorted(set(earlier) - set(written), key=lambda n: n != INDEX_FILE)
+    for name in stale:
+        _fastload.remove(_join(folder, name), storage_options=storage_options)

@@ -1,0 +1,228 @@
+//! Writing: safetensors files (and the small files beside them) to a local path or an object
+//! store, never leaving a half-written result where a reader would find it.
+//!
+//! The flow, one way: `header` (pure: tensor specs → the header bytes and the data order that
+//! safetensors' own writer produces) → a [`Sink`] (the bytes of one destination file: `local`
+//! writes a temporary file beside the destination, syncs it and renames it into place; `object`
+//! uploads parts in parallel through object_store's multipart API and completes the upload last)
+//! → [`FileWriter`] (a safetensors file: the header, then each tensor's bytes in header order).
+//!
+//! Bytes travel as [`Bytes`]: a caller's buffer (a tensor's memory, held by its owner) goes to the
+//! disk or the network without a copy. A sink dropped before [`Sink::finish`] aborts: the temporary
+//! file is removed, the multipart upload aborted.
+
+use bytes::Bytes;
+use object_store::ObjectStoreExt;
+
+use crate::error::{Error, Result};
+
+mod header;
+mod local;
+mod object;
+
+pub use header::{layout, Layout, LayoutError, TensorSpec};
+pub use local::LocalFile;
+pub use object::ObjectUpload;
+
+/// How a destination is written.
+#[derive(Debug, Clone, Default)]
+pub struct WriteOptions {
+    /// Replace an existing destination (otherwise [`Error::Exists`]).
+    pub overwrite: bool,
+    /// Object-store settings, as for reads (`endpoint`, `region`, `access_key_id`, ...).
+    pub storage_options: Vec<(String, String)>,
+    /// Bytes of upload parts in flight at once (object stores); `None`: [`DEFAULT_MEMORY_LIMIT`].
+    pub memory_limit: Option<u64>,
+    /// Bytes per upload part (object stores); `None`: [`DEFAULT_PART_SIZE`], raised as needed to
+    /// stay within the stores' 10,000 parts.
+    pub part_size: Option<u64>,
+}
+
+/// Upload parts in flight at most, whatever the memory limit.
+pub const MAX_PARTS_IN_FLIGHT: usize = 64;
+/// Default bytes held by parts being uploaded.
+pub const DEFAULT_MEMORY_LIMIT: u64 = 256 << 20;
+/// Default part size: large enough that per-request costs vanish, small enough to spread a file
+/// over many parallel requests.
+pub const DEFAULT_PART_SIZE: u64 = 16 << 20;
+/// The smallest part S3 accepts (but for the last one).
+pub const MIN_PART_SIZE: u64 = 5 << 20;
+
+/// The bytes of one destination file, of a length known in advance.
+#[derive(Debug)]
+pub enum Sink {
+    Local(LocalFile),
+    Object(Box<ObjectUpload>),
+}
+
+impl Sink {
+    /// Opens `uri` (a path, `file://`, `s3://`, `gs://`, `az://`) for a file of `len` bytes.
+    /// Nothing is visible at `uri` until [`Sink::finish`]; with `overwrite` false an existing
+    /// destination is refused now (and again when the file is published).
+    pub fn create(uri: &str, len: u64, options: &WriteOptions) -> Result<Sink> {
+        if crate::source::open::is_remote(uri) {
+            if uri.starts_with("http://") || uri.starts_with("https://") {
+                return Err(Error::UnsupportedUri {
+                    uri: crate::source::object::redact_uri(uri),
+                    message: "fastload writes to local paths, s3://, gs:// and az://, not to \
+                              http(s):// URLs"
+                        .into(),
+                });
+            }
+            return ObjectUpload::create(uri, len, options).map(|o| Sink::Object(Box::new(o)));
+        }
+        let path = uri.strip_prefix("file://").unwrap_or(uri);
+        LocalFile::create(path, len, options).map(Sink::Local)
+    }
+
+    /// The destination, for messages.
+    pub fn uri(&self) -> &str {
+        match self {
+            Sink::Local(f) => f.shown(),
+            Sink::Object(o) => o.uri(),
+        }
+    }
+
+    /// Appends `data`; may wait for earlier parts to finish uploading (memory limit).
+    pub fn write(&mut self, data: Bytes) -> Result<()> {
+        match self {
+            Sink::Local(f) => f.write(&data),
+            Sink::Object(o) => o.write(data),
+        }
+    }
+
+    /// Publishes the file: renamed into place, or the multipart upload completed. On failure
+    /// nothing is published and everything is cleaned up.
+    pub fn finish(self) -> Result<()> {
+        match self {
+            Sink::Local(f) => f.finish(),
+            Sink::Object(o) => o.finish(),
+        }
+    }
+
+    /// Gives up: the temporary file is removed, the multipart upload aborted.
+    pub fn abort(self) -> Result<()> {
+        match self {
+            Sink::Local(f) => f.abort(),
+            Sink::Object(o) => o.abort(),
+        }
+    }
+}
+
+/// Writes `data` to `uri` whole, as [`Sink`] does (an index file, a config).
+pub fn write_all(uri: &str, data: Bytes, options: &WriteOptions) -> Result<()> {
+    let mut sink = Sink::create(uri, data.len() as u64, options)?;
+    sink.write(data)?;
+    sink.finish()
+}
+
+/// A safetensors file being written: its header went first; each tensor's bytes follow, in the
+/// header's order ([`FileWriter::order`]).
+#[derive(Debug)]
+pub struct FileWriter {
+    sink: Sink,
+    layout: Layout,
+    next: usize,
+}
+
+impl FileWriter {
+    /// Lays out `specs` and `metadata` as safetensors does and opens `uri` for the file.
+    pub fn create(
+        uri: &str,
+        specs: &[TensorSpec],
+        metadata: Option<&[(String, String)]>,
+        options: &WriteOptions,
+    ) -> Result<FileWriter> {
+        let layout = layout(specs, metadata).map_err(|e| Error::InvalidTensors {
+            uri: crate::source::object::redact_uri(uri),
+            message: e.to_string(),
+        })?;
+        let mut sink = Sink::create(uri, layout.file_len(), options)?;
+        sink.write(Bytes::from(layout.header.clone()))?;
+        Ok(FileWriter {
+            sink,
+            layout,
+            next: 0,
+        })
+    }
+
+    /// Indices of the specs in the order their bytes go into the file.
+    pub fn order(&self) -> &[usize] {
+        &self.layout.order
+    }
+
+    /// The destination, for messages.
+    pub fn uri(&self) -> &str {
+        self.sink.uri()
+    }
+
+    /// The bytes of the next tensor in [`FileWriter::order`].
+    pub fn write_tensor(&mut self, data: Bytes) -> Result<()> {
+        let Some(&at) = self.layout.order.get(self.next) else {
+            return Err(self.invalid(format!(
+                "all {} tensors were written already",
+                self.layout.order.len()
+            )));
+        };
+        let want = self.layout.sizes[at];
+        if data.len() as u64 != want {
+            return Err(self.invalid(format!(
+                "tensor {} of the file's order: {} bytes given, {want} expected",
+                self.next,
+                data.len()
+            )));
+        }
+        self.next += 1;
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.sink.write(data)
+    }
+
+    /// Publishes the file once every tensor was written.
+    pub fn finish(self) -> Result<()> {
+        if self.next != self.layout.order.len() {
+            let e = self.invalid(format!(
+                "only {} of {} tensors were written",
+                self.next,
+                self.layout.order.len()
+            ));
+            let _ = self.sink.abort();
+            return Err(e);
+        }
+        self.sink.finish()
+    }
+
+    /// Gives up; nothing is published.
+    pub fn abort(self) -> Result<()> {
+        self.sink.abort()
+    }
+
+    fn invalid(&self, message: String) -> Error {
+        Error::InvalidTensors {
+            uri: self.sink.uri().to_string(),
+            message,
+        }
+    }
+}
+
+/// Deletes the file or object at `uri` (a stale shard of an earlier save); a missing one is fine.
+pub fn remove(uri: &str, options: &WriteOptions) -> Result<()> {
+    if !crate::source::open::is_remote(uri) {
+        let path = uri.strip_prefix("file://").unwrap_or(uri);
+        return match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
+                path: path.to_string(),
+                source: e,
+            }),
+            _ => Ok(()),
+        };
+    }
+    let remote = crate::source::object::open(uri, &options.storage_options)?;
+    crate::runtime::block_on(&remote.uri, async {
+        match remote.store.delete(&remote.path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(crate::source::object::storage_error(&remote.uri, e)),
+        }
+    })
+}
