@@ -89,6 +89,41 @@ def test_fork_hammer_beside_loading_threads(tmp_path):
     assert "hung=0 failed=0" in proc.stdout
 
 
+# The child probes below share this: fork (with os.fork or multiprocessing's fork context), run
+# `child` there and exit with what it returns (a normal exit: the interpreter's finalisation
+# drops whatever the child inherited), and wait at most `seconds` for it; "hung" if it did not
+# exit by then.
+RUN_CHILD = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+
+    def run_child(how, child, seconds):
+        if how == "os.fork":
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(child())
+            deadline = time.monotonic() + seconds
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    return os.waitstatus_to_exitcode(status)
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    return "hung"
+                time.sleep(0.05)
+        p = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(child()))
+        p.start()
+        p.join(seconds)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            return "hung"
+        return p.exitcode
+    """
+)
+
+
 CHILD_OF_STREAM = textwrap.dedent(
     """
     import multiprocessing, os, sys, threading, time
@@ -115,34 +150,7 @@ CHILD_OF_STREAM = textwrap.dedent(
         print("child: the stream ended", flush=True)
         return 5
 
-    if how == "os.fork":
-        pid = os.fork()
-        if pid == 0:
-            # A normal exit: the interpreter's finalisation drops the stream in the child.
-            sys.exit(child())
-        deadline = time.monotonic() + 30
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                code = "hung"
-                break
-            time.sleep(0.05)
-    else:
-        ctx = multiprocessing.get_context("fork")
-        p = ctx.Process(target=lambda: sys.exit(child()))
-        p.start()
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-            p.join()
-            code = "hung"
-        else:
-            code = p.exitcode
+    code = run_child(how, child, 30)
     # The parent's stream is untouched by the child.
     got.update(s)
     same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
@@ -156,7 +164,7 @@ def test_forked_child_iterating_its_parents_stream_raises(tmp_path, how):
     path = tmp_path / "model.safetensors"
     save_file({f"t{i}": torch.arange(100 + i % 500, dtype=torch.int32) for i in range(2000)}, path)
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD_OF_STREAM, str(path), how],
+        [sys.executable, "-c", RUN_CHILD + CHILD_OF_STREAM, str(path), how],
         capture_output=True,
         text=True,
         timeout=120,
@@ -199,34 +207,7 @@ CHILD_OF_SAFE_OPEN = textwrap.dedent(
         ok = ok and fastload.safe_open(url, "pt").get_tensor("w").equal(want)
         return 0 if ok else 7
 
-    if how == "os.fork":
-        pid = os.fork()
-        if pid == 0:
-            # A normal exit: the interpreter's finalisation drops the handles in the child.
-            sys.exit(child())
-        deadline = time.monotonic() + 20
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                code = "hung"
-                break
-            time.sleep(0.05)
-    else:
-        ctx = multiprocessing.get_context("fork")
-        p = ctx.Process(target=lambda: sys.exit(child()))
-        p.start()
-        p.join(20)
-        if p.is_alive():
-            p.kill()
-            p.join()
-            code = "hung"
-        else:
-            code = p.exitcode
+    code = run_child(how, child, 20)
     # The parent's handle is untouched by the child.
     same = remote.get_tensor("w").equal(want) and remote.get_slice("w")[2:5].equal(want[2:5])
     print(f"child_exit={code} parent_same={same}", flush=True)
@@ -242,7 +223,7 @@ def test_forked_child_reading_its_parents_remote_safe_open_raises(tmp_path, rang
     range_server.put({"fork/w.safetensors": path})
     url = range_server.url("fork/w.safetensors")
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD_OF_SAFE_OPEN, url, str(path), how],
+        [sys.executable, "-c", RUN_CHILD + CHILD_OF_SAFE_OPEN, url, str(path), how],
         capture_output=True,
         text=True,
         timeout=120,

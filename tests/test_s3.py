@@ -25,7 +25,6 @@ from servers.s3 import (
     SECRET_KEY,
     Fault,
     FaultProxy,
-    HttpFaultProxy,
     closed_port,
     upload,
 )
@@ -33,6 +32,7 @@ from servers.s3 import (
 # The servers' fixtures, bound here so that pytest finds them (SeaweedFS's is in conftest.py).
 moto_s3 = s3_server.moto_s3
 aws_env = s3_server.aws_env
+seaweed_fault_proxy = s3_server.seaweed_fault_proxy
 
 # A failure must surface well inside this (retries and timeouts are bounded).
 ERROR_DEADLINE = 60.0
@@ -307,21 +307,10 @@ def fault_file(tmp_path_factory, bucket):
 
 
 @pytest.fixture
-def through_proxy(bucket, aws_env, monkeypatch):
-    """Starts an HttpFaultProxy in front of SeaweedFS and points AWS_ENDPOINT_URL at it."""
-    aws_env(bucket)
-    port = int(bucket.endpoint.rsplit(":", 1)[1])
-    proxies = []
-
-    def start(**kw) -> HttpFaultProxy:
-        proxy = HttpFaultProxy(("127.0.0.1", port), **kw)
-        proxies.append(proxy)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        return proxy
-
-    yield start
-    for p in proxies:
-        p.close()
+def through_proxy(bucket, seaweed_fault_proxy):
+    """Starts an HttpFaultProxy in front of SeaweedFS (holding the session's checkpoints) and
+    points AWS_ENDPOINT_URL at it."""
+    return seaweed_fault_proxy
 
 
 def _load_fault_file(**storage_options):

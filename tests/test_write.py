@@ -18,9 +18,10 @@ import torch
 from helpers import assert_same_tensors, pattern
 from safetensors.torch import load_file, save_file
 from servers import s3 as s3_server
-from servers.s3 import BUCKET, SECRET_KEY, Fault, HttpFaultProxy
+from servers.s3 import BUCKET, SECRET_KEY, Fault
 
 aws_env = s3_server.aws_env
+seaweed_fault_proxy = s3_server.seaweed_fault_proxy
 HERE = Path(__file__).resolve().parent
 PYTHON = os.path.join(os.path.dirname(fastload.__file__), "..")
 
@@ -267,20 +268,9 @@ def test_save_file_to_s3_uploads_safetensors_bytes_in_parts(s3, tmp_path, reques
 
 
 @pytest.fixture
-def proxied(seaweed, aws_env, monkeypatch):
-    aws_env(seaweed)
-    port = int(seaweed.endpoint.rsplit(":", 1)[1])
-    proxies = []
-
-    def start(**kw) -> HttpFaultProxy:
-        proxy = HttpFaultProxy(("127.0.0.1", port), **kw)
-        proxies.append(proxy)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        return proxy
-
-    yield start
-    for p in proxies:
-        p.close()
+def proxied(seaweed_fault_proxy):
+    """Starts an HttpFaultProxy in front of SeaweedFS and points AWS_ENDPOINT_URL at it."""
+    return seaweed_fault_proxy
 
 
 def is_part_upload(method: str, headers: dict[str, str]) -> bool:

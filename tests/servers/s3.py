@@ -678,3 +678,22 @@ def aws_env(monkeypatch):
         return server
 
     return use
+
+
+@pytest.fixture
+def seaweed_fault_proxy(seaweed, aws_env, monkeypatch):
+    """A starter of `HttpFaultProxy(**kw)` in front of SeaweedFS, each pointing AWS_ENDPOINT_URL
+    (and SeaweedFS's credentials) at itself; every proxy started is closed afterwards."""
+    aws_env(seaweed)
+    port = int(seaweed.endpoint.rsplit(":", 1)[1])
+    proxies: list[HttpFaultProxy] = []
+
+    def start(**kw) -> HttpFaultProxy:
+        proxy = HttpFaultProxy(("127.0.0.1", port), **kw)
+        proxies.append(proxy)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        return proxy
+
+    yield start
+    for p in proxies:
+        p.close()
