@@ -105,6 +105,16 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+
+    /// A Tink-encrypted file (source/tink/) could not be decrypted: a segment failed
+    /// authentication (`segment`), the file is cut short, or it was opened without a keyset.
+    /// Raised as Python's `FormatError`.
+    #[error("{path}: {message}")]
+    Decryption {
+        path: String,
+        segment: Option<u64>,
+        message: String,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

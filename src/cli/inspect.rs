@@ -142,8 +142,12 @@ fn render(r: &Report<'_>) -> String {
 }
 
 pub(super) fn run(args: InspectArgs) -> CliResult {
-    let shards =
-        source::open::open_all(&args.uris, &[], &crate::source::cache::CacheSettings::off())?;
+    let shards = source::open::open_all(
+        &args.uris,
+        &[],
+        &crate::source::cache::CacheSettings::off(),
+        &source::tink::Decryption::from_env()?,
+    )?;
     let report = report(&shards);
     if args.json {
         let mut text = serde_json::to_string(&report).expect("the report serializes");

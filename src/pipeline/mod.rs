@@ -197,7 +197,8 @@ fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
     let mut cache = crate::source::cache::CacheSettings::for_load(options)?;
     // A rank of a distributed load reads a share of each object: it reads copies, fills none.
     cache.fill &= options.parts.is_none();
-    let shards = source::open::open_all(uris, &options.storage_options, &cache)?;
+    let decryption = source::tink::Decryption::for_load(options)?;
+    let shards = source::open::open_all(uris, &options.storage_options, &cache, &decryption)?;
     let segment_size = plan::segment_size(resolved.memory_limit, resolved.block_size);
     let plan = match &options.parts {
         None => plan::build(shards, options.names.as_deref(), segment_size)?,

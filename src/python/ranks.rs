@@ -27,6 +27,7 @@ pub(crate) fn checkpoint_tensors<'py>(
             &uris,
             &storage_options,
             &crate::source::cache::CacheSettings::off(),
+            &crate::source::tink::Decryption::from_env()?,
         )?;
         ranks::entries(shards, names.as_deref())
     })?;

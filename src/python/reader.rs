@@ -31,7 +31,7 @@ pub struct Reader {
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, keyset=None, associated_data=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -39,6 +39,8 @@ impl Reader {
         block_size: Option<Bytes<BlockSize>>,
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
+        keyset: Option<super::tink::KeysetArg>,
+        associated_data: Option<super::tink::AssociatedDataArg>,
     ) -> PyResult<Self> {
         let opts = load_options(
             concurrency,
@@ -50,13 +52,16 @@ impl Reader {
             cache,
             // Slices read parts of a file: there is no whole-file digest to check.
             None,
+            keyset,
+            associated_data,
         );
         let resolved = opts.resolve(crate::source::open::any_remote(&uris))?;
         let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
         // Ranges of an object are read, never the whole: copies are read, none is written.
         cache.fill = false;
+        let decryption = crate::source::tink::Decryption::for_load(&opts)?;
         let shards = off_thread(py, "open", move || {
-            crate::source::open::open_all(&uris, &opts.storage_options, &cache)
+            crate::source::open::open_all(&uris, &opts.storage_options, &cache, &decryption)
         })??;
         Ok(Reader {
             shards,

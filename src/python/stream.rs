@@ -107,7 +107,7 @@ type Step = Option<Result<Option<Loaded>, Arc<crate::Error>>>;
 impl Stream {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, parts=None, target=None, allocate=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, parts=None, target=None, allocate=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -119,6 +119,8 @@ impl Stream {
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
         verify: Option<VerifyArg>,
+        keyset: Option<super::tink::KeysetArg>,
+        associated_data: Option<super::tink::AssociatedDataArg>,
         parts: Option<Vec<Part>>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
@@ -132,6 +134,8 @@ impl Stream {
             storage_options,
             cache,
             verify,
+            keyset,
+            associated_data,
         );
         opts.parts = parts;
         let loader = match (target, allocate) {
@@ -367,6 +371,7 @@ pub fn inspect<'py>(
             &uris,
             &storage_options,
             &crate::source::cache::CacheSettings::off(),
+            &crate::source::tink::Decryption::from_env()?,
         )
     })??;
     let out = PyList::empty(py);

@@ -16,6 +16,8 @@
 //!   stall rule, version pinning, give-up messages); they supply only the request;
 //! - [`cache`]: the local cache of remote objects, a decorator over other sources that only
 //!   [`open`] applies;
+//! - [`tink`]: files encrypted with Tink's streaming AEAD, read as their plaintext (a
+//!   decorator [`open`] applies over the others when a keyset is given);
 //! - [`identity`]: who a remote object is ([`CacheIdentity`], [`identity::HubLocation`]), the
 //!   plain data that remote sources, the Hub and the cache share.
 //!
@@ -41,6 +43,7 @@ pub(crate) mod local;
 pub mod object;
 pub mod open;
 pub(crate) mod remote;
+pub mod tink;
 
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {
@@ -119,7 +122,7 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
     let name = source.name().to_string();
     let mut probe = vec![0u8; size.min(HEADER_PROBE) as usize];
     source.read_into(0, &mut probe).await?;
-    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e))?;
+    let n = format::header_len(&probe, size).map_err(|e| not_safetensors(&name, &probe, e))?;
     let end = (format::PREFIX_LEN + n) as usize;
     if end > probe.len() {
         let have = probe.len();
@@ -127,13 +130,30 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
         source.read_into(have as u64, &mut probe[have..]).await?;
     }
     let header = format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
-        .map_err(|e| Error::format(&name, e))?;
+        .map_err(|e| not_safetensors(&name, &probe, e))?;
     Ok(Shard {
         name,
         size,
         header,
         source,
     })
+}
+
+/// The error of a file whose header is not valid safetensors: a clear one when the file looks
+/// Tink-encrypted (it was opened without a keyset), else the format error.
+fn not_safetensors(name: &str, first: &[u8], e: format::FormatError) -> Error {
+    if tink::looks_encrypted(first) {
+        return tink::source::error(
+            name,
+            None,
+            format!(
+                "not a safetensors file ({e}); it looks like a Tink-encrypted file (streaming \
+                 AEAD header): pass keyset= (or set {})",
+                crate::options::ENV_KEYSET
+            ),
+        );
+    }
+    Error::format(name, e)
 }
 
 /// Spawns `task`, which reads from `source`, on the process runtime where the source's reads

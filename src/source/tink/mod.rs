@@ -1,0 +1,101 @@
+//! Files encrypted with Google Tink's streaming AEAD (`AesGcmHkdfStreaming`, e.g. the
+//! `AES256_GCM_HKDF_1MB` template), read as their plaintext: [`keyset`] reads cleartext JSON
+//! keysets, [`segment`] is the wire format in both directions, and [`source`] the decorator that
+//! the opening code (`open_all` in source/open.rs) puts over each source when a keyset is given.
+//!
+//! The whole file is encrypted, safetensors header included; its segments are authenticated
+//! one by one, so ranged reads stay ranged.
+
+use std::sync::Arc;
+
+use zeroize::Zeroizing;
+
+use crate::error::{Error, Result};
+use crate::options::LoadOptions;
+use crate::source::Source;
+
+pub mod keyset;
+pub mod segment;
+pub mod source;
+
+pub use keyset::Keyset;
+pub use source::DecryptingSource;
+
+use crate::options::ENV_KEYSET;
+
+/// How a load decrypts: no keyset (files are read as they are), or a keyset and the associated
+/// data the files were encrypted with.
+#[derive(Clone, Debug, Default)]
+pub struct Decryption {
+    keyset: Option<Arc<Keyset>>,
+    associated_data: Arc<Zeroizing<Vec<u8>>>,
+}
+
+impl Decryption {
+    /// No decryption.
+    pub fn none() -> Decryption {
+        Decryption::default()
+    }
+
+    /// The decryption of a load with `options`: its `keyset` (else `FASTLOAD_KEYSET`, else
+    /// none) and its `associated_data` (else empty).
+    pub fn for_load(options: &LoadOptions) -> Result<Decryption> {
+        let (spec, option) = match &options.keyset {
+            Some(k) => (k.0.clone(), "keyset"),
+            None => match std::env::var(ENV_KEYSET) {
+                Ok(v) if !v.trim().is_empty() => (Zeroizing::new(v), ENV_KEYSET),
+                _ => {
+                    if options.associated_data.is_some() {
+                        return Err(Error::option(
+                            "associated_data",
+                            "given without a keyset (keyset= or FASTLOAD_KEYSET)",
+                        ));
+                    }
+                    return Ok(Decryption::none());
+                }
+            },
+        };
+        let keyset = Keyset::from_spec(&spec).map_err(|e| Error::option(option, e))?;
+        Ok(Decryption {
+            keyset: Some(Arc::new(keyset)),
+            associated_data: Arc::new(Zeroizing::new(
+                options
+                    .associated_data
+                    .as_ref()
+                    .map(|a| a.0.to_vec())
+                    .unwrap_or_default(),
+            )),
+        })
+    }
+
+    /// The decryption `FASTLOAD_KEYSET` asks for (for what takes no options: `inspect`, the
+    /// benchmark).
+    pub fn from_env() -> Result<Decryption> {
+        Decryption::for_load(&LoadOptions::default())
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.keyset.is_some()
+    }
+
+    /// `source` as its plaintext when a keyset is given; as it is otherwise.
+    pub async fn open(&self, source: Arc<dyn Source>) -> Result<Arc<dyn Source>> {
+        match &self.keyset {
+            None => Ok(source),
+            Some(keyset) => Ok(Arc::new(
+                DecryptingSource::open(source, keyset, &self.associated_data).await?,
+            )),
+        }
+    }
+}
+
+/// Whether the first bytes of a file that is not valid safetensors look like a Tink streaming
+/// header: its first byte is the header length of a 16- or 32-byte derived key. A safetensors
+/// file starts with its header's length, a little-endian u64: one of 24 or 40 bytes would not
+/// hold a tensor, and any other whose low byte is 24 or 40 parsed or failed on its own merit
+/// before this is asked.
+pub fn looks_encrypted(first: &[u8]) -> bool {
+    first.first().is_some_and(|&b| {
+        usize::from(b) == segment::header_len(16) || usize::from(b) == segment::header_len(32)
+    })
+}

@@ -1,0 +1,332 @@
+//! [`DecryptingSource`]: a Tink-encrypted file as the [`Source`] of its plaintext. Every layer
+//! above (the header, plans, the pipeline, slices, GPU staging) reads plaintext offsets; a read
+//! fetches the ciphertext of just the segments holding them, in one ranged read, authenticates
+//! each segment and only then copies its bytes out.
+
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+
+use super::keyset::Keyset;
+use super::segment::{Geometry, SegmentKey};
+use crate::error::{Error, Result};
+use crate::source::Source;
+
+/// A decrypted segment kept from opening (the first, which holds the safetensors header, and the
+/// last, authenticated at open so that a truncated file fails there).
+#[derive(Debug)]
+struct Kept {
+    index: u64,
+    plain: Vec<u8>,
+}
+
+#[derive(Debug)]
+pub struct DecryptingSource {
+    inner: Arc<dyn Source>,
+    key: SegmentKey,
+    geometry: Geometry,
+    kept: Vec<Kept>,
+}
+
+/// The error of segment `segment` of `name` (or of the file, `None`).
+pub(crate) fn error(name: &str, segment: Option<u64>, message: impl Into<String>) -> Error {
+    Error::Decryption {
+        path: name.to_string(),
+        segment,
+        message: message.into(),
+    }
+}
+
+/// Why a segment failed, in the error's words.
+const FAILED: &str = "fails authentication: the file was modified or truncated, or the keyset \
+                      or associated_data is not the one it was encrypted with";
+
+impl DecryptingSource {
+    /// Opens `inner`, a file encrypted with a key of `keyset`: the key is the first (primary
+    /// first) whose header matches and that authenticates the first segment, as Tink picks it.
+    /// The last segment is authenticated too, so that a truncated file fails here.
+    pub async fn open(
+        inner: Arc<dyn Source>,
+        keyset: &Keyset,
+        associated_data: &[u8],
+    ) -> Result<DecryptingSource> {
+        let name = inner.name().to_string();
+        let size = inner.size();
+        let longest = keyset
+            .keys
+            .iter()
+            .map(|k| k.params.segment_size)
+            .max()
+            .unwrap_or(0);
+        let mut first = vec![0u8; size.min(longest) as usize];
+        inner.read_into(0, &mut first).await?;
+        let mut why = Vec::new();
+        for key in &keyset.keys {
+            let geometry = match Geometry::new(&key.params, size) {
+                Ok(g) => g,
+                Err(e) => {
+                    why.push(format!("key {}: {e}", key.key_id));
+                    continue;
+                }
+            };
+            let segment_key = match SegmentKey::derive(key, &first, associated_data) {
+                Ok(k) => k,
+                Err(e) => {
+                    why.push(format!("key {}: {e}", key.key_id));
+                    continue;
+                }
+            };
+            let range = geometry.ciphertext_range(0, size);
+            let mut segment = first[range.start as usize..range.end as usize].to_vec();
+            let Ok(plain) = segment_key.open(0, geometry.segments == 1, &mut segment) else {
+                why.push(format!("key {}: segment 0 {FAILED}", key.key_id));
+                continue;
+            };
+            let n = plain.len();
+            segment.truncate(n);
+            let mut source = DecryptingSource {
+                inner: inner.clone(),
+                key: segment_key,
+                geometry,
+                kept: vec![Kept {
+                    index: 0,
+                    plain: segment,
+                }],
+            };
+            if geometry.segments > 1 {
+                let last = geometry.segments - 1;
+                let plain = source.read_segments(last, last).await?;
+                source.kept.push(Kept { index: last, plain });
+            }
+            return Ok(source);
+        }
+        let message = if keyset.keys.len() == 1 {
+            why.pop().unwrap_or_default()
+        } else {
+            format!("no key of the keyset decrypts it ({})", why.join("; "))
+        };
+        Err(error(&name, Some(0), message))
+    }
+
+    /// Reads segments `a..=b` in one ranged read and returns their plaintext, each segment
+    /// authenticated; none is returned if any fails.
+    async fn read_segments(&self, a: u64, b: u64) -> Result<Vec<u8>> {
+        let size = self.inner.size();
+        let begin = self.geometry.ciphertext_range(a, size).start;
+        let end = self.geometry.ciphertext_range(b, size).end;
+        let mut buf = vec![0u8; (end - begin) as usize];
+        self.inner.read_into(begin, &mut buf).await?;
+        let open = |buf: &mut Vec<u8>| -> Result<()> {
+            let mut plain_end = 0;
+            for i in a..=b {
+                let r = self.geometry.ciphertext_range(i, size);
+                let (s, e) = ((r.start - begin) as usize, (r.end - begin) as usize);
+                let last = i + 1 == self.geometry.segments;
+                let n = self
+                    .key
+                    .open(i, last, &mut buf[s..e])
+                    .map_err(|()| {
+                        error(self.inner.name(), Some(i), format!("segment {i} {FAILED}"))
+                    })?
+                    .len();
+                buf.copy_within(s..s + n, plain_end);
+                plain_end += n;
+            }
+            buf.truncate(plain_end);
+            Ok(())
+        };
+        // Decrypting a block is a few ms of CPU: other tasks of this worker move meanwhile.
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| open(&mut buf))?
+            }
+            _ => open(&mut buf)?,
+        }
+        Ok(buf)
+    }
+
+    fn kept(&self, index: u64) -> Option<&[u8]> {
+        self.kept
+            .iter()
+            .find(|k| k.index == index)
+            .map(|k| k.plain.as_slice())
+    }
+}
+
+impl Source for DecryptingSource {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn size(&self) -> u64 {
+        self.geometry.plain_size
+    }
+
+    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if dst.is_empty() {
+                return Ok(());
+            }
+            let len = dst.len() as u64;
+            if offset.checked_add(len).is_none_or(|end| end > self.size()) {
+                return Err(Error::Internal {
+                    message: format!(
+                        "{}: read of {len} bytes at {offset} past the plaintext's {} bytes",
+                        self.name(),
+                        self.size()
+                    ),
+                });
+            }
+            let segments = self.geometry.segments_for(offset, len);
+            let (first, last) = (*segments.start(), *segments.end());
+            // Kept segments (the first and the last) are served from memory; the ones between,
+            // a contiguous run, are read at once.
+            let mut a = first;
+            while a <= last && self.kept(a).is_some() {
+                a += 1;
+            }
+            let mut b = last;
+            while b >= a && self.kept(b).is_some() {
+                if b == 0 {
+                    break;
+                }
+                b -= 1;
+            }
+            let run = if a <= b {
+                Some(self.read_segments(a, b).await?)
+            } else {
+                None
+            };
+            let copy = |dst: &mut [u8], plain_begin: u64, plain: &[u8]| {
+                let from = offset.max(plain_begin);
+                let to = (offset + len).min(plain_begin + plain.len() as u64);
+                if from < to {
+                    dst[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
+                        &plain[(from - plain_begin) as usize..(to - plain_begin) as usize],
+                    );
+                }
+            };
+            for i in first..=last {
+                if let Some(plain) = self.kept(i) {
+                    copy(dst, self.geometry.plain_range(i).start, plain);
+                }
+            }
+            if let Some(plain) = run {
+                copy(dst, self.geometry.plain_range(a).start, &plain);
+            }
+            Ok(())
+        })
+    }
+
+    fn reads_block(&self) -> bool {
+        self.inner.reads_block()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::keyset::{Hash, Params, StreamingKey};
+    use super::super::segment::encrypt;
+    use super::*;
+    use crate::source::testing::Bytes;
+    use zeroize::Zeroizing;
+
+    fn keyset(segment_size: u64, byte: u8) -> Keyset {
+        Keyset {
+            keys: vec![StreamingKey {
+                key_id: 7,
+                params: Params {
+                    segment_size,
+                    derived_key_size: 16,
+                    hash: Hash::Sha256,
+                },
+                key_value: Zeroizing::new(vec![byte; 16]),
+            }],
+        }
+    }
+
+    fn source(data: Vec<u8>) -> Arc<dyn Source> {
+        Arc::new(Bytes {
+            name: "x.safetensors".into(),
+            data,
+        })
+    }
+
+    #[test]
+    fn every_range_reads_the_plaintext() {
+        let ks = keyset(100, 1);
+        let plain: Vec<u8> = (0..1000u32).map(|i| (i * 13) as u8).collect();
+        let ct = encrypt(&ks.keys[0], b"", &plain);
+        let s =
+            crate::runtime::block_on("t", DecryptingSource::open(source(ct), &ks, b"")).unwrap();
+        assert_eq!(s.size(), 1000);
+        for (o, n) in [
+            (0, 1000),
+            (0, 1),
+            (999, 1),
+            (50, 300),
+            (76, 84),
+            (160, 1),
+            (400, 500),
+        ] {
+            let mut dst = vec![0u8; n];
+            futures_util::FutureExt::now_or_never(s.read_into(o as u64, &mut dst))
+                .unwrap()
+                .unwrap();
+            assert_eq!(dst, plain[o..o + n], "{o}+{n}");
+        }
+    }
+
+    #[test]
+    fn wrong_keys_and_flips_name_the_segment() {
+        let ks = keyset(100, 1);
+        let plain = vec![5u8; 1000];
+        let ct = encrypt(&ks.keys[0], b"", &plain);
+        let open = |ct: Vec<u8>, ks: &Keyset, ad: &[u8]| {
+            crate::runtime::block_on("t", DecryptingSource::open(source(ct), ks, ad))
+        };
+        let e = open(ct.clone(), &keyset(100, 2), b"").unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Decryption {
+                    segment: Some(0),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(open(ct.clone(), &ks, b"ad").is_err());
+        let mut bad = ct.clone();
+        bad[ct.len() - 3] ^= 1;
+        let e = open(bad, &ks, b"").unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Decryption {
+                    segment: Some(12),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let mut bad = ct.clone();
+        bad[450] ^= 1;
+        let s = open(bad, &ks, b"").unwrap();
+        let mut dst = vec![0u8; 10];
+        let e = futures_util::FutureExt::now_or_never(s.read_into(330, &mut dst))
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Decryption {
+                    segment: Some(4),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(dst, [0u8; 10], "no byte of a failed segment is handed out");
+    }
+}
