@@ -368,13 +368,24 @@ def load(
 
 
 def load_file(
-    filename: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "mmap"
+    filename: str | os.PathLike[str],
+    device: Any = "cpu",
+    *,
+    backend: str = "mmap",
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """``safetensors.torch.load_file``: every tensor of ``filename`` (any URI fastload reads) in a
     dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal). ``backend`` is
-    accepted for safetensors' signature; fastload picks how to read (see ``method``)."""
+    accepted for safetensors' signature; fastload picks how to read (see ``method``).
+    ``keyset``, ``associated_data``: of a Tink-encrypted file, as ``load`` takes them."""
     _safetensors_backend(backend)
-    return load(filename, device=_safetensors_device(device))
+    return load(
+        filename,
+        device=_safetensors_device(device),
+        keyset=keyset,
+        associated_data=associated_data,
+    )
 
 
 def _safetensors_backend(backend: str) -> None:
@@ -416,10 +427,22 @@ def __dir__() -> list[str]:
 
 
 def inspect(
-    uri: Uri, *, storage_options: Mapping[str, object] | None = None
+    uri: Uri,
+    *,
+    storage_options: Mapping[str, object] | None = None,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> list[dict[str, Any]]:
-    """Headers of every file ``uri`` names, without reading tensor data."""
-    return list(_fastload.inspect(_uris(uri), storage_options=storage_options))
+    """Headers of every file ``uri`` names, without reading tensor data (``keyset``,
+    ``associated_data``: of Tink-encrypted files, as ``load`` takes them)."""
+    return list(
+        _fastload.inspect(
+            _uris(uri),
+            storage_options=storage_options,
+            keyset=keyset,
+            associated_data=associated_data,
+        )
+    )
 
 
 def cache_stats() -> dict[str, Any]:

@@ -359,19 +359,22 @@ const OPENED_HERE: usize = 8;
 /// Headers of every file the URIs name: a list of dicts `{file, size, tensors: [(name, dtype,
 /// shape, begin, end)], metadata}`; reads no tensor data.
 #[pyfunction]
-#[pyo3(signature = (uris, *, storage_options=None))]
+#[pyo3(signature = (uris, *, storage_options=None, keyset=None, associated_data=None))]
 pub fn inspect<'py>(
     py: Python<'py>,
     uris: Vec<String>,
     storage_options: Option<StorageOptions>,
+    keyset: Option<super::tink::KeysetArg>,
+    associated_data: Option<super::tink::AssociatedDataArg>,
 ) -> PyResult<Bound<'py, PyList>> {
+    let decryption = super::tink::decryption(keyset, associated_data)?;
     let storage_options = storage_options.unwrap_or_default().0;
     let shards = off_thread(py, "inspect", move || {
         crate::source::open::open_all(
             &uris,
             &storage_options,
             &crate::source::cache::CacheSettings::off(),
-            &crate::source::tink::Decryption::from_env()?,
+            &decryption,
         )
     })??;
     let out = PyList::empty(py);

@@ -82,6 +82,19 @@ impl FromPyObject<'_, '_> for AssociatedDataArg {
     }
 }
 
+/// The decryption of a call that takes only `keyset` and `associated_data` of the options
+/// (`inspect`, `checkpoint_tensors`): theirs, else `FASTLOAD_KEYSET`.
+pub(crate) fn decryption(
+    keyset: Option<KeysetArg>,
+    associated_data: Option<AssociatedDataArg>,
+) -> crate::Result<crate::source::tink::Decryption> {
+    crate::source::tink::Decryption::for_load(&crate::options::LoadOptions {
+        keyset: keyset.map(|k| k.0),
+        associated_data: associated_data.map(|a| a.0),
+        ..Default::default()
+    })
+}
+
 /// `plaintext` encrypted as Tink's streaming AEAD does with the primary key of `keyset` (a fresh
 /// header each call). Private: the tests check that the `tink` package decrypts it; saving
 /// encrypted files will write through the same code.
