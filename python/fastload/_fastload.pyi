@@ -361,6 +361,11 @@ def _tink_encrypt(
 ) -> bytes:
     """``plaintext`` encrypted as Tink's streaming AEAD does with the keyset's primary key."""
 
+def _tink_decrypt(
+    keyset: str | os.PathLike[str], ciphertext: bytes, associated_data: bytes | str | None = None
+) -> bytes:
+    """``ciphertext`` (a whole stream) decrypted with the keyset's primary key, on this thread."""
+
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...
 def inspect(

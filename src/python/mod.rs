@@ -122,6 +122,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect, m)?)?;
     m.add_function(wrap_pyfunction!(tink::_tink_encrypt, m)?)?;
+    m.add_function(wrap_pyfunction!(tink::_tink_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
     m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(cached_memory, m)?)?;

@@ -108,6 +108,24 @@ pub(crate) fn _tink_encrypt<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let keys = Keyset::from_spec(&keyset.0 .0).map_err(|e| Error::option("keyset", e))?;
     let ad = associated_data.map(|a| a.0 .0.to_vec()).unwrap_or_default();
-    let out = segment::encrypt(&keys.keys[0], &ad, plaintext);
+    let out = py.detach(|| segment::encrypt(&keys.keys[0], &ad, plaintext));
+    Ok(PyBytes::new(py, &out))
+}
+
+/// `ciphertext` (a whole stream) decrypted with the primary key of `keyset`, on the calling
+/// thread: what `benches/encryption_bench.py` times as the CPU's AES-GCM rate.
+#[pyfunction]
+#[pyo3(signature = (keyset, ciphertext, associated_data=None))]
+pub(crate) fn _tink_decrypt<'py>(
+    py: Python<'py>,
+    keyset: KeysetArg,
+    ciphertext: &[u8],
+    associated_data: Option<AssociatedDataArg>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let keys = Keyset::from_spec(&keyset.0 .0).map_err(|e| Error::option("keyset", e))?;
+    let ad = associated_data.map(|a| a.0 .0.to_vec()).unwrap_or_default();
+    let out = py
+        .detach(|| segment::decrypt(&keys.keys[0], &ad, ciphertext))
+        .map_err(|e| crate::source::tink::source::error("<bytes>", None, e))?;
     Ok(PyBytes::new(py, &out))
 }

@@ -122,7 +122,7 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
     let name = source.name().to_string();
     let mut probe = vec![0u8; size.min(HEADER_PROBE) as usize];
     source.read_into(0, &mut probe).await?;
-    let n = format::header_len(&probe, size).map_err(|e| not_safetensors(&name, &probe, e))?;
+    let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e))?;
     let end = (format::PREFIX_LEN + n) as usize;
     if end > probe.len() {
         let have = probe.len();
@@ -130,30 +130,13 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
         source.read_into(have as u64, &mut probe[have..]).await?;
     }
     let header = format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
-        .map_err(|e| not_safetensors(&name, &probe, e))?;
+        .map_err(|e| Error::format(&name, e))?;
     Ok(Shard {
         name,
         size,
         header,
         source,
     })
-}
-
-/// The error of a file whose header is not valid safetensors: a clear one when the file looks
-/// Tink-encrypted (it was opened without a keyset), else the format error.
-fn not_safetensors(name: &str, first: &[u8], e: format::FormatError) -> Error {
-    if tink::looks_encrypted(first) {
-        return tink::source::error(
-            name,
-            None,
-            format!(
-                "not a safetensors file ({e}); it looks like a Tink-encrypted file (streaming \
-                 AEAD header): pass keyset= (or set {})",
-                crate::options::ENV_KEYSET
-            ),
-        );
-    }
-    Error::format(name, e)
 }
 
 /// Spawns `task`, which reads from `source`, on the process runtime where the source's reads

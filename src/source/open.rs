@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::cache::{self, CacheSettings};
 use super::tink::Decryption;
-use super::{hub, local, object, open_shard, spawn_read, Shard, Source};
+use super::{hub, local, object, spawn_read, Shard, Source};
 use crate::error::{Error, Result};
 
 /// What a URI names.
@@ -148,10 +148,14 @@ fn read_headers(sources: Vec<Arc<dyn Source>>, decryption: &Decryption) -> Resul
         // source that would wait is read on the runtime instead.
         return sources
             .into_iter()
-            .map(|source| match open_shard(source.clone()).now_or_never() {
-                Some(shard) => shard,
-                None => crate::runtime::block_on("reading headers", open_shard(source)),
-            })
+            .map(
+                |source| match decryption.open_shard(source.clone()).now_or_never() {
+                    Some(shard) => shard,
+                    None => {
+                        crate::runtime::block_on("reading headers", decryption.open_shard(source))
+                    }
+                },
+            )
             .collect();
     }
 
@@ -164,7 +168,7 @@ fn read_headers(sources: Vec<Arc<dyn Source>>, decryption: &Decryption) -> Resul
                 let decryption = decryption.clone();
                 let opening = {
                     let source = source.clone();
-                    async move { open_shard(decryption.open(source).await?).await }
+                    async move { decryption.open_shard(source).await }
                 };
                 let task = spawn_read(source.as_ref(), opening);
                 // Dropped unfinished (an error elsewhere, an interrupted open): its read stops.

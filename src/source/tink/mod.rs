@@ -12,7 +12,7 @@ use zeroize::Zeroizing;
 
 use crate::error::{Error, Result};
 use crate::options::LoadOptions;
-use crate::source::Source;
+use crate::source::{open_shard, Shard, Source};
 
 pub mod keyset;
 pub mod segment;
@@ -85,6 +85,37 @@ impl Decryption {
             Some(keyset) => Ok(Arc::new(
                 DecryptingSource::open(source, keyset, &self.associated_data).await?,
             )),
+        }
+    }
+}
+
+impl Decryption {
+    /// Opens `source` and reads its header, as plaintext when a keyset is given. Without one, a
+    /// file whose header is not safetensors but looks like Tink's fails saying so (and to pass
+    /// `keyset=`), where it would otherwise be a puzzling "invalid safetensors file".
+    pub async fn open_shard(&self, source: Arc<dyn Source>) -> Result<Shard> {
+        if self.enabled() {
+            return open_shard(self.open(source).await?).await;
+        }
+        match open_shard(source.clone()).await {
+            Err(Error::Format { path, source: e }) => {
+                let mut first = [0u8; 1];
+                if source.size() > 0 && source.read_into(0, &mut first).await.is_ok() {
+                    if looks_encrypted(&first) {
+                        return Err(source::error(
+                            &path,
+                            None,
+                            format!(
+                                "not a safetensors file ({e}); it looks like a Tink-encrypted \
+                                 file (streaming AEAD header): pass keyset= (or set \
+                                 {ENV_KEYSET})"
+                            ),
+                        ));
+                    }
+                }
+                Err(Error::Format { path, source: e })
+            }
+            other => other,
         }
     }
 }

@@ -229,6 +229,30 @@ pub fn encrypt(key: &StreamingKey, associated_data: &[u8], plaintext: &[u8]) -> 
     }
 }
 
+/// `ciphertext`, a whole stream encrypted with `key`, decrypted segment by segment; `Err` with
+/// the first segment that fails (or why its size or header cannot be this key's).
+pub fn decrypt(
+    key: &StreamingKey,
+    associated_data: &[u8],
+    ciphertext: &[u8],
+) -> Result<Vec<u8>, String> {
+    let size = ciphertext.len() as u64;
+    let g = Geometry::new(&key.params, size)?;
+    let segment_key = SegmentKey::derive(key, ciphertext, associated_data)?;
+    let mut out = Vec::with_capacity(g.plain_size as usize);
+    let mut segment = Vec::with_capacity(key.params.segment_size as usize);
+    for i in 0..g.segments {
+        let r = g.ciphertext_range(i, size);
+        segment.clear();
+        segment.extend_from_slice(&ciphertext[r.start as usize..r.end as usize]);
+        let plain = segment_key
+            .open(i, i + 1 == g.segments, &mut segment)
+            .map_err(|()| format!("segment {i} fails authentication"))?;
+        out.extend_from_slice(plain);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,8 +269,9 @@ mod tests {
         }
     }
 
-    /// Decrypts a whole stream segment by segment, as the decrypting source does.
-    fn decrypt(key: &StreamingKey, ad: &[u8], ct: &[u8]) -> Result<Vec<u8>, u64> {
+    /// Decrypts a whole stream segment by segment, checking the geometry on the way; `Err`:
+    /// the segment that failed.
+    fn decrypt_checked(key: &StreamingKey, ad: &[u8], ct: &[u8]) -> Result<Vec<u8>, u64> {
         let g = Geometry::new(&key.params, ct.len() as u64).map_err(|_| u64::MAX)?;
         let sk = SegmentKey::derive(key, ct, ad).map_err(|_| u64::MAX)?;
         let mut out = Vec::new();
@@ -261,6 +286,7 @@ mod tests {
             out.extend_from_slice(plain);
         }
         assert_eq!(out.len() as u64, g.plain_size);
+        assert_eq!(decrypt(key, ad, ct).unwrap(), out);
         Ok(out)
     }
 
@@ -282,8 +308,12 @@ mod tests {
             ] {
                 let plain: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
                 let ct = encrypt(&k, b"ad", &plain);
-                assert_eq!(decrypt(&k, b"ad", &ct).unwrap(), plain, "c={c} len={len}");
-                assert!(decrypt(&k, b"other", &ct).is_err());
+                assert_eq!(
+                    decrypt_checked(&k, b"ad", &ct).unwrap(),
+                    plain,
+                    "c={c} len={len}"
+                );
+                assert!(decrypt_checked(&k, b"other", &ct).is_err());
                 let g = Geometry::new(&k.params, ct.len() as u64).unwrap();
                 if len > 0 {
                     for (o, n) in [(0, len), (len - 1, 1), (len / 2, len - len / 2)] {
@@ -304,15 +334,15 @@ mod tests {
         for i in 0..ct.len() {
             let mut bad = ct.clone();
             bad[i] ^= 0x40;
-            assert!(decrypt(&k, b"", &bad).is_err(), "flip at {i}");
+            assert!(decrypt_checked(&k, b"", &bad).is_err(), "flip at {i}");
         }
         // Cut at a segment boundary: the new last segment was not sealed as the last one.
-        assert_eq!(decrypt(&k, b"", &ct[..128]), Err(1));
-        assert!(decrypt(&k, b"", &ct[..ct.len() - 1]).is_err());
+        assert_eq!(decrypt_checked(&k, b"", &ct[..128]), Err(1));
+        assert!(decrypt_checked(&k, b"", &ct[..ct.len() - 1]).is_err());
         // Segments swapped.
         let mut swapped = ct.clone();
         swapped[64..128].copy_from_slice(&ct[128..192]);
         swapped[128..192].copy_from_slice(&ct[64..128]);
-        assert_eq!(decrypt(&k, b"", &swapped), Err(1));
+        assert_eq!(decrypt_checked(&k, b"", &swapped), Err(1));
     }
 }
