@@ -127,8 +127,8 @@ def test_small_segments_and_every_keyset_form(dtypes_file, small, tmp_path, monk
     want = helpers.reference(dtypes_file)
     keyset_file = tmp_path / "keyset.json"
     keyset_file.write_text(keyset)
-    for given in (keyset, str(keyset_file), keyset_file):
-        assert_same_tensors(fastload.load(path, keyset=given, block_size="4KiB"), want)
+    for form in (keyset, str(keyset_file), keyset_file):
+        assert_same_tensors(fastload.load(path, keyset=form, block_size="4KiB"), want)
     monkeypatch.setenv("FASTLOAD_KEYSET", str(keyset_file))
     assert_same_tensors(fastload.load(path), want)
 

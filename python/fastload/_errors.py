@@ -28,7 +28,9 @@ class FormatError(FastloadError, ValueError):
     ``path``: the file (or index file) at fault, when known. ``segment``: for an encrypted file
     (``keyset=``), the index of the segment that failed authentication, when one did."""
 
-    def __init__(self, message: str, *, path: str | None = None, segment: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: str | None = None, segment: int | None = None
+    ) -> None:
         super().__init__(message)
         self.path = path
         self.segment = segment

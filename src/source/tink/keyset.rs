@@ -121,6 +121,8 @@ impl Keyset {
             if k.status != "ENABLED" {
                 continue;
             }
+            // The key's protobuf holds the key: no message may ever show it.
+            crate::error::remember_secret(&data.value);
             let proto = decode_base64(&data.value)
                 .map_err(|e| format!("key {}: keyData.value is not base64 ({e})", k.key_id))?;
             let (params, key_value) =
