@@ -10,6 +10,7 @@ use futures_util::future::BoxFuture;
 use super::keyset::Keyset;
 use super::segment::{Geometry, SegmentKey};
 use crate::error::{Error, Result};
+use crate::memory::HostBuffer;
 use crate::source::Source;
 
 /// A decrypted segment kept from opening (the first, which holds the safetensors header, and the
@@ -95,7 +96,8 @@ impl DecryptingSource {
             };
             if geometry.segments > 1 {
                 let last = geometry.segments - 1;
-                let plain = source.read_segments(last, last).await?;
+                let (buf, n) = source.read_segments(last, last).await?;
+                let plain = buf.as_slice()[..n].to_vec();
                 source.kept.push(Kept { index: last, plain });
             }
             return Ok(source);
@@ -108,15 +110,24 @@ impl DecryptingSource {
         Err(error(&name, Some(0), message))
     }
 
-    /// Reads segments `a..=b` in one ranged read and returns their plaintext, each segment
-    /// authenticated; none is returned if any fails.
-    async fn read_segments(&self, a: u64, b: u64) -> Result<Vec<u8>> {
+    /// Reads segments `a..=b` in one ranged read and returns their plaintext (the first `n`
+    /// bytes of the buffer), each segment authenticated; none is returned if any fails. The
+    /// ciphertext lands in a pooled, pre-faulted buffer: a fresh one per read would fault in
+    /// its pages on every block (see memory.rs).
+    async fn read_segments(&self, a: u64, b: u64) -> Result<(HostBuffer, usize)> {
         let size = self.inner.size();
         let begin = self.geometry.ciphertext_range(a, size).start;
         let end = self.geometry.ciphertext_range(b, size).end;
-        let mut buf = vec![0u8; (end - begin) as usize];
-        self.inner.read_into(begin, &mut buf).await?;
-        let open = |buf: &mut Vec<u8>| -> Result<()> {
+        let scratch = HostBuffer::alloc_populated(
+            (end - begin) as usize,
+            &format!(" for segments {a}..={b} of {}", self.inner.name()),
+        )?;
+        #[allow(unsafe_code)]
+        // SAFETY: `scratch` was allocated above and is referenced only through this slice
+        // until it is returned.
+        let buf = unsafe { scratch.slice_mut(0, scratch.len()) };
+        self.inner.read_into(begin, buf).await?;
+        let open = |buf: &mut [u8]| -> Result<usize> {
             let mut plain_end = 0;
             for i in a..=b {
                 let r = self.geometry.ciphertext_range(i, size);
@@ -132,17 +143,16 @@ impl DecryptingSource {
                 buf.copy_within(s..s + n, plain_end);
                 plain_end += n;
             }
-            buf.truncate(plain_end);
-            Ok(())
+            Ok(plain_end)
         };
         // Decrypting a block is a few ms of CPU: other tasks of this worker move meanwhile.
-        match tokio::runtime::Handle::try_current() {
+        let n = match tokio::runtime::Handle::try_current() {
             Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| open(&mut buf))?
+                tokio::task::block_in_place(|| open(buf))?
             }
-            _ => open(&mut buf)?,
-        }
-        Ok(buf)
+            _ => open(buf)?,
+        };
+        Ok((scratch, n))
     }
 
     fn kept(&self, index: u64) -> Option<&[u8]> {
@@ -211,8 +221,12 @@ impl Source for DecryptingSource {
                     copy(dst, self.geometry.plain_range(i).start, plain);
                 }
             }
-            if let Some(plain) = run {
-                copy(dst, self.geometry.plain_range(a).start, &plain);
+            if let Some((buf, n)) = run {
+                copy(
+                    dst,
+                    self.geometry.plain_range(a).start,
+                    &buf.as_slice()[..n],
+                );
             }
             Ok(())
         })
