@@ -99,9 +99,10 @@ impl Decryption {
         }
         match open_shard(source.clone()).await {
             Err(Error::Format { path, source: e }) => {
-                let mut first = [0u8; 1];
-                if source.size() > 0 && source.read_into(0, &mut first).await.is_ok() {
-                    if looks_encrypted(&first) {
+                let mut first = [0u8; 8];
+                let size = source.size();
+                if size >= 8 && source.read_into(0, &mut first).await.is_ok() {
+                    if looks_encrypted(&first, size) {
                         return Err(source::error(
                             &path,
                             None,
@@ -120,13 +121,29 @@ impl Decryption {
     }
 }
 
-/// Whether the first bytes of a file that is not valid safetensors look like a Tink streaming
-/// header: its first byte is the header length of a 16- or 32-byte derived key. A safetensors
-/// file starts with its header's length, a little-endian u64: one of 24 or 40 bytes would not
-/// hold a tensor, and any other whose low byte is 24 or 40 parsed or failed on its own merit
-/// before this is asked.
-pub fn looks_encrypted(first: &[u8]) -> bool {
-    first.first().is_some_and(|&b| {
-        usize::from(b) == segment::header_len(16) || usize::from(b) == segment::header_len(32)
-    })
+/// Whether a file of `size` bytes that is not valid safetensors looks like a Tink streaming
+/// ciphertext from its first 8 bytes: the first is the header length of a 16- or 32-byte derived
+/// key, and read as a safetensors file's header length (a little-endian u64) they say more bytes
+/// than the file has, as random salt bytes do (unless the salt's first seven bytes are zeros).
+/// A plain file with a bad header of 24 or 40 bytes has a length that fits: it stays a format
+/// error.
+pub fn looks_encrypted(first: &[u8; 8], size: u64) -> bool {
+    let header = usize::from(first[0]);
+    (header == segment::header_len(16) || header == segment::header_len(32))
+        && u64::from_le_bytes(*first) > size - 8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tells_tink_headers_from_bad_safetensors_headers() {
+        let tink = [40, 0x9c, 0x11, 0, 0, 0, 0, 0];
+        assert!(looks_encrypted(&tink, 1 << 20));
+        assert!(looks_encrypted(&[24, 1, 2, 3, 4, 5, 6, 7], 1 << 30));
+        // A plain file whose 40-byte header is bad, and other lengths.
+        assert!(!looks_encrypted(&[40, 0, 0, 0, 0, 0, 0, 0], 1000));
+        assert!(!looks_encrypted(&[41, 0x9c, 0x11, 0, 0, 0, 0, 0], 1 << 20));
+    }
 }
