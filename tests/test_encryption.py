@@ -347,3 +347,44 @@ def test_random_byte_flips_always_fail(small, tmp_path, data):
     path.write_bytes(bytes(flipped))
     e = failure(lambda: fastload.load(path, keyset=keyset, block_size="4KiB"))
     assert isinstance(e, fastload.FormatError) and str(path) in str(e), e
+
+
+def test_gpu_staging_reads_plaintext(fake_cuda, plain_file, encrypted, big_keyset, tmp_path):
+    """The GPU path (page-locked ring, copy stream) on the simulated driver (tests/cuda_sim.py):
+    an encrypted file lands bitwise equal to the plain one, with the keyset from
+    FASTLOAD_KEYSET."""
+    import cuda_sim
+    from test_cuda_driver import LOAD
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    code = (
+        LOAD
+        + """
+got, stats = load(sys.argv[1], block_size="256KiB", memory_limit="2MiB")
+emit(ok=got == expected(sys.argv[2]), n=len(got))
+"""
+    )
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, FASTLOAD_KEYSET=str(keyset_file))
+    out = helpers.run_probe(code, str(encrypted), str(plain_file), env=env)
+    assert out["ok"] and out["n"] == 5, out
+    assert cuda_sim.log(log)["violations"] == 0
+
+
+def test_engines_extra_config_takes_the_keyset(big_keyset, tmp_path):
+    """vLLM's and SGLang's model_loader_extra_config: `keyset` and `associated_data` pass on to
+    the load, and a keyset that cannot be used fails at engine start naming the key."""
+    from fastload import _integration
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    extra = {"keyset": str(keyset_file), "associated_data": "v1"}
+    options = _integration.Options.parse("fastload", extra, _integration.KEYS)
+    assert options.stream_kwargs == extra
+    e = failure(
+        lambda: _integration.Options.parse(
+            "fastload", {"keyset": str(tmp_path / "missing.json")}, _integration.KEYS
+        )
+    )
+    assert isinstance(e, fastload.ConfigError) and e.option == "keyset"
