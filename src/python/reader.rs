@@ -31,6 +31,7 @@ pub struct Reader {
 #[pymethods]
 impl Reader {
     #[new]
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, keyset=None, associated_data=None))]
     fn new(
         py: Python<'_>,

@@ -101,18 +101,18 @@ impl Decryption {
             Err(Error::Format { path, source: e }) => {
                 let mut first = [0u8; 8];
                 let size = source.size();
-                if size >= 8 && source.read_into(0, &mut first).await.is_ok() {
-                    if looks_encrypted(&first, size) {
-                        return Err(source::error(
-                            &path,
-                            None,
-                            format!(
-                                "not a safetensors file ({e}); it looks like a Tink-encrypted \
-                                 file (streaming AEAD header): pass keyset= (or set \
-                                 {ENV_KEYSET})"
-                            ),
-                        ));
-                    }
+                if size >= 8
+                    && source.read_into(0, &mut first).await.is_ok()
+                    && looks_encrypted(&first, size)
+                {
+                    return Err(source::error(
+                        &path,
+                        None,
+                        format!(
+                            "not a safetensors file ({e}); it looks like a Tink-encrypted file \
+                             (streaming AEAD header): pass keyset= (or set {ENV_KEYSET})"
+                        ),
+                    ));
                 }
                 Err(Error::Format { path, source: e })
             }

@@ -111,6 +111,10 @@ impl std::fmt::Debug for SegmentKey {
     }
 }
 
+/// A segment failed authentication (AES-GCM's tag did not match): no plaintext.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unauthenticated;
+
 struct Len(usize);
 
 impl hkdf::KeyType for Len {
@@ -176,10 +180,10 @@ impl SegmentKey {
         index: u64,
         last: bool,
         segment: &'a mut [u8],
-    ) -> Result<&'a mut [u8], ()> {
+    ) -> Result<&'a mut [u8], Unauthenticated> {
         self.key
             .open_in_place(self.nonce(index, last), Aad::empty(), segment)
-            .map_err(|_| ())
+            .map_err(|_| Unauthenticated)
     }
 
     /// Encrypts segment `index` in place (`segment`: its plaintext), appending the tag.
@@ -247,7 +251,7 @@ pub fn decrypt(
         segment.extend_from_slice(&ciphertext[r.start as usize..r.end as usize]);
         let plain = segment_key
             .open(i, i + 1 == g.segments, &mut segment)
-            .map_err(|()| format!("segment {i} fails authentication"))?;
+            .map_err(|_| format!("segment {i} fails authentication"))?;
         out.extend_from_slice(plain);
     }
     Ok(out)

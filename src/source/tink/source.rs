@@ -136,7 +136,7 @@ impl DecryptingSource {
                 let n = self
                     .key
                     .open(i, last, &mut buf[s..e])
-                    .map_err(|()| {
+                    .map_err(|_| {
                         error(self.inner.name(), Some(i), format!("segment {i} {FAILED}"))
                     })?
                     .len();
