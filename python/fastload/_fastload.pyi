@@ -44,6 +44,8 @@ __all__ = [
     "Stats",
     "Stream",
     "__version__",
+    "_tink_decrypt",
+    "_tink_encrypt",
     "cache_stats",
     "cached_memory",
     "checkpoint_tensors",
