@@ -388,3 +388,10 @@ def test_engines_extra_config_takes_the_keyset(big_keyset, tmp_path):
         )
     )
     assert isinstance(e, fastload.ConfigError) and e.option == "keyset"
+
+
+def test_extra_config_repr_hides_the_keyset(big_keyset):
+    from fastload import _integration
+
+    options = _integration.Options.parse("fastload", {"keyset": big_keyset[0]}, _integration.KEYS)
+    assert_hides(AssertionError(repr(options)), big_keyset[0])
