@@ -364,9 +364,13 @@ def _tink_encrypt(
     """``plaintext`` encrypted as Tink's streaming AEAD does with the keyset's primary key."""
 
 def _tink_decrypt(
-    keyset: str | os.PathLike[str], ciphertext: bytes, associated_data: bytes | str | None = None
+    keyset: str | os.PathLike[str],
+    ciphertext: bytes,
+    associated_data: bytes | str | None = None,
+    discard: bool = False,
 ) -> bytes:
-    """``ciphertext`` (a whole stream) decrypted with the keyset's primary key, on this thread."""
+    """``ciphertext`` (a whole stream) decrypted with the keyset's primary key, on this thread
+    (``discard``: into one reused segment buffer, returning ``b""``: the AES-GCM rate)."""
 
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...

@@ -233,17 +233,18 @@ pub fn encrypt(key: &StreamingKey, associated_data: &[u8], plaintext: &[u8]) -> 
     }
 }
 
-/// `ciphertext`, a whole stream encrypted with `key`, decrypted segment by segment; `Err` with
-/// the first segment that fails (or why its size or header cannot be this key's).
-pub fn decrypt(
+/// `ciphertext`, a whole stream encrypted with `key`, decrypted segment by segment, each
+/// segment's plaintext handed to `each` (in one reused buffer); `Err` with the first segment that
+/// fails (or why its size or header cannot be this key's).
+pub fn decrypt_each(
     key: &StreamingKey,
     associated_data: &[u8],
     ciphertext: &[u8],
-) -> Result<Vec<u8>, String> {
+    mut each: impl FnMut(&[u8]),
+) -> Result<(), String> {
     let size = ciphertext.len() as u64;
     let g = Geometry::new(&key.params, size)?;
     let segment_key = SegmentKey::derive(key, ciphertext, associated_data)?;
-    let mut out = Vec::with_capacity(g.plain_size as usize);
     let mut segment = Vec::with_capacity(key.params.segment_size as usize);
     for i in 0..g.segments {
         let r = g.ciphertext_range(i, size);
@@ -252,8 +253,19 @@ pub fn decrypt(
         let plain = segment_key
             .open(i, i + 1 == g.segments, &mut segment)
             .map_err(|_| format!("segment {i} fails authentication"))?;
-        out.extend_from_slice(plain);
+        each(plain);
     }
+    Ok(())
+}
+
+/// `ciphertext`, a whole stream encrypted with `key`, decrypted ([`decrypt_each`]).
+pub fn decrypt(
+    key: &StreamingKey,
+    associated_data: &[u8],
+    ciphertext: &[u8],
+) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(ciphertext.len());
+    decrypt_each(key, associated_data, ciphertext, |p| out.extend_from_slice(p))?;
     Ok(out)
 }
 
