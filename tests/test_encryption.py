@@ -395,3 +395,16 @@ def test_extra_config_repr_hides_the_keyset(big_keyset):
 
     options = _integration.Options.parse("fastload", {"keyset": big_keyset[0]}, _integration.KEYS)
     assert_hides(AssertionError(repr(options)), big_keyset[0])
+
+
+def test_sharded_checkpoint_with_a_plain_index(sharded_dir, small, tmp_path):
+    """Every shard encrypted, the index left plain (as docs/encryption.md says to encrypt a
+    checkpoint): the folder loads as the plain one does."""
+    keyset, primitive, _ = small
+    for p in sharded_dir.iterdir():
+        data = p.read_bytes()
+        if p.suffix == ".safetensors":
+            data = tink_encrypt(primitive, data)
+        (tmp_path / p.name).write_bytes(data)
+    want = helpers.reference(*helpers.indexed_files(sharded_dir))
+    assert_same_tensors(fastload.load(tmp_path, keyset=keyset), want)

@@ -146,4 +146,22 @@ mod tests {
         assert!(!looks_encrypted(&[40, 0, 0, 0, 0, 0, 0, 0], 1000));
         assert!(!looks_encrypted(&[41, 0x9c, 0x11, 0, 0, 0, 0, 0], 1 << 20));
     }
+
+    #[test]
+    fn options_and_decryption_debug_hide_the_keyset() {
+        let json = r#"{"key": [{"keyData": {"value": "c2VjcmV0LWtleS1ieXRlcw=="}}]}"#;
+        let options = LoadOptions {
+            keyset: Some(crate::options::Secret(Zeroizing::new(json.to_string()))),
+            associated_data: Some(crate::options::Secret(Zeroizing::new(b"ad-bytes".to_vec()))),
+            ..Default::default()
+        };
+        let shown = format!("{options:?}");
+        assert!(
+            !shown.contains("c2VjcmV0") && !shown.contains("ad-bytes"),
+            "{shown}"
+        );
+        // Not a streaming key: refused, naming the option, without quoting the keyset.
+        let err = Decryption::for_load(&options).unwrap_err().to_string();
+        assert!(err.contains("keyset") && !err.contains("c2VjcmV0"), "{err}");
+    }
 }

@@ -265,7 +265,9 @@ pub fn decrypt(
     ciphertext: &[u8],
 ) -> Result<Vec<u8>, String> {
     let mut out = Vec::with_capacity(ciphertext.len());
-    decrypt_each(key, associated_data, ciphertext, |p| out.extend_from_slice(p))?;
+    decrypt_each(key, associated_data, ciphertext, |p| {
+        out.extend_from_slice(p)
+    })?;
     Ok(out)
 }
 
