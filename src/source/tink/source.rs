@@ -155,6 +155,71 @@ impl DecryptingSource {
         Ok((scratch, n))
     }
 
+    /// Segments `a..=b` decrypted into `win`, which wants their plaintext bytes
+    /// `at..at + win.len()`: for sources whose reads are cheap positioned reads (files), the
+    /// ciphertext is read straight into `win` and only what does not fit (a tag per segment, the
+    /// parts of the edge segments outside `win`) into a small buffer, so a block costs no second
+    /// block-sized buffer. Each segment is decrypted in place and its wanted bytes moved to their
+    /// place, left of where its ciphertext lay (so no later segment's ciphertext is overwritten).
+    /// On failure `win` holds partial bytes, and the read fails: nothing of it is handed out.
+    async fn read_run_into(&self, a: u64, b: u64, at: u64, win: &mut [u8]) -> Result<()> {
+        let size = self.inner.size();
+        let begin = self.geometry.ciphertext_range(a, size).start;
+        let end = self.geometry.ciphertext_range(b, size).end;
+        let l = win.len();
+        let overflow_buf = HostBuffer::alloc_populated(
+            (end - begin) as usize - l,
+            &format!(" for segments {a}..={b} of {}", self.inner.name()),
+        )?;
+        #[allow(unsafe_code)]
+        // SAFETY: `overflow_buf` was allocated above and is referenced only through this slice.
+        let overflow = unsafe { overflow_buf.slice_mut(0, overflow_buf.len()) };
+        self.inner.read_into(begin, win).await?;
+        self.inner.read_into(begin + l as u64, overflow).await?;
+        let open = |win: &mut [u8], overflow: &mut [u8]| -> Result<()> {
+            let failed =
+                |i: u64| error(self.inner.name(), Some(i), format!("segment {i} {FAILED}"));
+            for i in a..=b {
+                let r = self.geometry.ciphertext_range(i, size);
+                let (s, e) = ((r.start - begin) as usize, (r.end - begin) as usize);
+                let last = i + 1 == self.geometry.segments;
+                let p = self.geometry.plain_range(i).start;
+                let from = at.max(p);
+                let to = (at + l as u64).min(self.geometry.plain_range(i).end);
+                let (src, n) = ((from - p) as usize, to.saturating_sub(from) as usize);
+                let target = (from - at) as usize;
+                if e <= l {
+                    self.key
+                        .open(i, last, &mut win[s..e])
+                        .map_err(|_| failed(i))?;
+                    win.copy_within(s + src..s + src + n, target);
+                } else if s >= l {
+                    let plain = self
+                        .key
+                        .open(i, last, &mut overflow[s - l..e - l])
+                        .map_err(|_| failed(i))?;
+                    win[target..target + n].copy_from_slice(&plain[src..src + n]);
+                } else {
+                    let mut segment = Vec::with_capacity(e - s);
+                    segment.extend_from_slice(&win[s..]);
+                    segment.extend_from_slice(&overflow[..e - l]);
+                    let plain = self
+                        .key
+                        .open(i, last, &mut segment)
+                        .map_err(|_| failed(i))?;
+                    win[target..target + n].copy_from_slice(&plain[src..src + n]);
+                }
+            }
+            Ok(())
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| open(win, overflow))
+            }
+            _ => open(win, overflow),
+        }
+    }
+
     fn kept(&self, index: u64) -> Option<&[u8]> {
         self.kept
             .iter()
@@ -202,11 +267,18 @@ impl Source for DecryptingSource {
                 }
                 b -= 1;
             }
-            let run = if a <= b {
+            let direct = self.inner.reads_block();
+            let run = if a <= b && !direct {
                 Some(self.read_segments(a, b).await?)
             } else {
                 None
             };
+            if a <= b && direct {
+                let from = offset.max(self.geometry.plain_range(a).start);
+                let to = (offset + len).min(self.geometry.plain_range(b).end);
+                let win = &mut dst[(from - offset) as usize..(to - offset) as usize];
+                self.read_run_into(a, b, from, win).await?;
+            }
             let copy = |dst: &mut [u8], plain_begin: u64, plain: &[u8]| {
                 let from = offset.max(plain_begin);
                 let to = (offset + len).min(plain_begin + plain.len() as u64);
@@ -266,28 +338,51 @@ mod tests {
         })
     }
 
+    /// In-memory bytes read as a file is (`reads_block`): reads go straight into the caller's
+    /// buffer (`read_run_into`).
+    #[derive(Debug)]
+    struct File(Bytes);
+
+    impl Source for File {
+        fn name(&self) -> &str {
+            self.0.name()
+        }
+        fn size(&self) -> u64 {
+            self.0.size()
+        }
+        fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+            self.0.read_into(offset, dst)
+        }
+        fn reads_block(&self) -> bool {
+            true
+        }
+    }
+
+    fn file(data: Vec<u8>) -> Arc<dyn Source> {
+        Arc::new(File(Bytes {
+            name: "x.safetensors".into(),
+            data,
+        }))
+    }
+
     #[test]
     fn every_range_reads_the_plaintext() {
         let ks = keyset(100, 1);
         let plain: Vec<u8> = (0..1000u32).map(|i| (i * 13) as u8).collect();
         let ct = encrypt(&ks.keys[0], b"", &plain);
-        let s =
-            crate::runtime::block_on("t", DecryptingSource::open(source(ct), &ks, b"")).unwrap();
-        assert_eq!(s.size(), 1000);
-        for (o, n) in [
-            (0, 1000),
-            (0, 1),
-            (999, 1),
-            (50, 300),
-            (76, 84),
-            (160, 1),
-            (400, 500),
-        ] {
-            let mut dst = vec![0u8; n];
-            futures_util::FutureExt::now_or_never(s.read_into(o as u64, &mut dst))
-                .unwrap()
-                .unwrap();
-            assert_eq!(dst, plain[o..o + n], "{o}+{n}");
+        for inner in [source(ct.clone()), file(ct.clone())] {
+            let s = crate::runtime::block_on("t", DecryptingSource::open(inner, &ks, b"")).unwrap();
+            assert_eq!(s.size(), 1000);
+            for o in (0..1000).step_by(7) {
+                for n in [1, 2, 59, 60, 61, 84, 85, 168, 169, 300, 1000] {
+                    let n = n.min(1000 - o);
+                    let mut dst = vec![0u8; n];
+                    futures_util::FutureExt::now_or_never(s.read_into(o as u64, &mut dst))
+                        .unwrap()
+                        .unwrap();
+                    assert_eq!(dst, plain[o..o + n], "{o}+{n}");
+                }
+            }
         }
     }
 
@@ -342,5 +437,23 @@ mod tests {
             "{e}"
         );
         assert_eq!(dst, [0u8; 10], "no byte of a failed segment is handed out");
+        // Read as a file is, straight into the buffer: the read fails naming the segment.
+        let mut bad = ct.clone();
+        bad[450] ^= 1;
+        let s = crate::runtime::block_on("t", DecryptingSource::open(file(bad), &ks, b"")).unwrap();
+        let mut dst = vec![0u8; 300];
+        let e = futures_util::FutureExt::now_or_never(s.read_into(200, &mut dst))
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Decryption {
+                    segment: Some(4),
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }
