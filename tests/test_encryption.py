@@ -408,3 +408,20 @@ def test_sharded_checkpoint_with_a_plain_index(sharded_dir, small, tmp_path):
         (tmp_path / p.name).write_bytes(data)
     want = helpers.reference(*helpers.indexed_files(sharded_dir))
     assert_same_tensors(fastload.load(tmp_path, keyset=keyset), want)
+
+
+def test_command_line_takes_the_keyset_from_the_environment(encrypted, big_keyset, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    cli = [sys.executable, "-m", "fastload._cli", "inspect", str(encrypted)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    ok = subprocess.run(
+        cli, capture_output=True, text=True, env={**env, "FASTLOAD_KEYSET": str(keyset_file)}
+    )
+    assert ok.returncode == 0 and "[1024, 1024]" in ok.stdout, ok.stderr
+    refused = subprocess.run(cli, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "FASTLOAD_KEYSET" in refused.stderr
