@@ -8,6 +8,8 @@ each ``--reps`` times (best and median), the plain file against the encrypted on
 - ``stream``: ``for name, t in fastload.stream(path)``;
 - ``http``: ``fastload.load(url)`` from tests/servers/http.py's Range server (a process of its
   own), as a remote store is read;
+- ``s3`` (with ``--s3``): ``fastload.load("s3://...")`` from a local SeaweedFS (``weed mini``,
+  tests/servers/s3.py), SigV4 signed;
 
 cold (the file evicted from the page cache before each run) and warm. Every run reads every page
 of every tensor inside the clock (``fastload._peers.touch``). Beside them, the CPU's AES-GCM rate:
@@ -18,7 +20,7 @@ the bound a load with ``concurrency`` readers divides among them.
 No key material is printed: the keyset lives in memory only.
 
     python benches/encryption_bench.py                 # 256 MiB
-    python benches/encryption_bench.py --size 2GiB --reps 3
+    python benches/encryption_bench.py --size 2GiB --reps 3 --s3
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--size", default="256MiB", help="checkpoint size (default 256MiB)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--s3", action="store_true", help="also load both from a local SeaweedFS")
     args = ap.parse_args()
     size = fastload._fastload.parse_size(args.size)
     with tempfile.TemporaryDirectory(prefix="fastload-encryption-bench-") as tmp:
@@ -120,8 +123,34 @@ def main() -> None:
             stdout=subprocess.PIPE,
             text=True,
         )
+        seaweed = None
         try:
             base = server.stdout.readline().strip()
+            s3: dict = {}
+            if args.s3:
+                sys.path.insert(0, str(ROOT / "tests"))
+                from servers import s3 as s3_server
+
+                seaweed = s3_server.start_seaweed(work / "seaweed")
+                s3_server.upload(
+                    seaweed.client(),
+                    s3_server.BUCKET,
+                    {"plain.safetensors": plain, "enc.safetensors": enc},
+                )
+                url = f"s3://{s3_server.BUCKET}/"
+                opts = seaweed.storage_options()
+                s3 = {
+                    "s3 plain": (
+                        lambda: fastload.load(url + "plain.safetensors", storage_options=opts),
+                        None,
+                    ),
+                    "s3 encrypted": (
+                        lambda: fastload.load(
+                            url + "enc.safetensors", storage_options=opts, keyset=keyset
+                        ),
+                        None,
+                    ),
+                }
             cases = {
                 "load plain (auto)": (lambda: fastload.load(plain), plain),
                 "load plain (read)": (lambda: fastload.load(plain, method="read"), plain),
@@ -133,6 +162,7 @@ def main() -> None:
                     lambda: fastload.load(base + "enc.safetensors", keyset=keyset),
                     None,
                 ),
+                **s3,
             }
             results: dict = {
                 "bytes": plain.stat().st_size,
@@ -149,6 +179,8 @@ def main() -> None:
         finally:
             server.kill()
             server.wait()
+            if seaweed is not None:
+                seaweed.stop()
     if args.json:
         print(json.dumps(results, indent=2))
         return
