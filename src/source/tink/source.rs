@@ -38,6 +38,10 @@ pub(crate) fn error(name: &str, segment: Option<u64>, message: impl Into<String>
     }
 }
 
+/// Reads over the network of at least this many segments' bytes are read straight into the
+/// caller's buffer ([`DecryptingSource::read_run_into`]).
+const DIRECT_SEGMENTS: u64 = 4;
+
 /// Why a segment failed, in the error's words.
 const FAILED: &str = "fails authentication: the file was modified or truncated, or the keyset \
                       or associated_data is not the one it was encrypted with";
@@ -156,10 +160,9 @@ impl DecryptingSource {
     }
 
     /// Segments `a..=b` decrypted into `win`, which wants their plaintext bytes
-    /// `at..at + win.len()`: for sources whose reads are cheap positioned reads (files), the
-    /// ciphertext is read straight into `win` and only what does not fit (a tag per segment, the
-    /// parts of the edge segments outside `win`) into a small buffer, so a block costs no second
-    /// block-sized buffer. Each segment is decrypted in place and its wanted bytes moved to their
+    /// `at..at + win.len()`: the ciphertext is read straight into `win` and only what does not
+    /// fit (a tag per segment, the parts of the edge segments outside `win`) into a small buffer,
+    /// two reads side by side, so a block costs no second block-sized buffer. Each segment is decrypted in place and its wanted bytes moved to their
     /// place, left of where its ciphertext lay (so no later segment's ciphertext is overwritten).
     /// On failure `win` holds partial bytes, and the read fails: nothing of it is handed out.
     async fn read_run_into(&self, a: u64, b: u64, at: u64, win: &mut [u8]) -> Result<()> {
@@ -174,8 +177,12 @@ impl DecryptingSource {
         #[allow(unsafe_code)]
         // SAFETY: `overflow_buf` was allocated above and is referenced only through this slice.
         let overflow = unsafe { overflow_buf.slice_mut(0, overflow_buf.len()) };
-        self.inner.read_into(begin, win).await?;
-        self.inner.read_into(begin + l as u64, overflow).await?;
+        // Side by side: over the network, the small read costs no extra round trip.
+        futures_util::future::try_join(
+            self.inner.read_into(begin, win),
+            self.inner.read_into(begin + l as u64, overflow),
+        )
+        .await?;
         let open = |win: &mut [u8], overflow: &mut [u8]| -> Result<()> {
             let failed =
                 |i: u64| error(self.inner.name(), Some(i), format!("segment {i} {FAILED}"));
@@ -267,7 +274,11 @@ impl Source for DecryptingSource {
                 }
                 b -= 1;
             }
-            let direct = self.inner.reads_block();
+            // Reads of files, and blocks of several segments from the network, land in `dst`
+            // (two reads); a small read over the network (a slice) is one request for whole
+            // segments into a buffer of its own.
+            let direct =
+                self.inner.reads_block() || len >= DIRECT_SEGMENTS * self.geometry.segment_size;
             let run = if a <= b && !direct {
                 Some(self.read_segments(a, b).await?)
             } else {
