@@ -137,6 +137,16 @@ pub enum Error {
     /// large, or bytes that do not match the header).
     #[error("{uri}: cannot write these tensors: {message}")]
     InvalidTensors { uri: String, message: String },
+
+    /// A Tink-encrypted file (source/tink/) could not be decrypted: a segment failed
+    /// authentication (`segment`), the file is cut short, or it was opened without a keyset.
+    /// Raised as Python's `FormatError`.
+    #[error("{path}: {message}")]
+    Decryption {
+        path: String,
+        segment: Option<u64>,
+        message: String,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -140,6 +140,22 @@ pub struct LoadOptions {
     /// Check every object's sha256 where its store gives one (Hub LFS files), wherever its bytes
     /// come from (`None`: `FASTLOAD_VERIFY`, else off).
     pub verify: Option<bool>,
+    /// A Tink keyset (cleartext JSON, or the path of a file holding it) that the files are
+    /// encrypted with (`None`: `FASTLOAD_KEYSET`, else the files are read as they are); see
+    /// source/tink/.
+    pub keyset: Option<Secret>,
+    /// The associated data the files were encrypted with (`None`: empty).
+    pub associated_data: Option<Secret<Vec<u8>>>,
+}
+
+/// A value that never shows: `Debug` prints `<secret>`, and it is wiped when dropped (keysets).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret<T: zeroize::Zeroize = String>(pub zeroize::Zeroizing<T>);
+
+impl<T: zeroize::Zeroize> fmt::Debug for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<secret>")
+    }
 }
 
 /// Whether and where remote objects are cached on local disk (see source/cache/).
@@ -199,6 +215,7 @@ pub const ENV_MEMORY_LIMIT: &str = "FASTLOAD_MEMORY_LIMIT";
 pub const ENV_METHOD: &str = "FASTLOAD_METHOD";
 pub const ENV_CACHE: &str = "FASTLOAD_CACHE";
 pub const ENV_VERIFY: &str = "FASTLOAD_VERIFY";
+pub const ENV_KEYSET: &str = "FASTLOAD_KEYSET";
 
 /// A place that takes an option, besides `fastload.load`, `stream`, `Stream` and
 /// `fastload.distributed`'s `load` and `stream`, which take every option.
@@ -347,6 +364,25 @@ pub const VERIFY: OptionDef = OptionDef {
            whole before any byte of it is served; see \"Checking content\"",
     takers: &[Native, Reader, SafeOpen, ExtraConfig],
 };
+pub const KEYSET: OptionDef = OptionDef {
+    name: "keyset",
+    python_type: "str | os.PathLike[str] | None",
+    signature_default: None,
+    default: "none (files are read as they are)",
+    env: Some(ENV_KEYSET),
+    help: "a Tink cleartext JSON keyset (a path, or the JSON itself) whose streaming-AEAD key \
+           the files are encrypted with; see \"Encrypted checkpoints\"",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
+pub const ASSOCIATED_DATA: OptionDef = OptionDef {
+    name: "associated_data",
+    python_type: "bytes | str | None",
+    signature_default: None,
+    default: "empty",
+    env: None,
+    help: "the associated data the files were encrypted with (with `keyset`)",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
 
 /// Every load option, in the order signatures list them. Adding one: a row here, then what
 /// `tests/test_options.py` (`test_option_list_*`) and `cargo test options` name.
@@ -360,6 +396,8 @@ pub const OPTIONS: &[OptionDef] = &[
     STORAGE_OPTIONS,
     CACHE,
     VERIFY,
+    KEYSET,
+    ASSOCIATED_DATA,
 ];
 
 /// A yes/no environment value: `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no` (or empty).
@@ -573,6 +611,8 @@ mod tests {
             storage_options: _,
             cache: _,
             verify: _,
+            keyset: _,
+            associated_data: _,
             parts: _,
         } = LoadOptions::default();
         let fields = [
@@ -584,6 +624,8 @@ mod tests {
             "storage_options",
             "cache",
             "verify",
+            "keyset",
+            "associated_data",
         ];
         let native: Vec<&str> = OPTIONS
             .iter()

@@ -382,13 +382,24 @@ def load(
 
 
 def load_file(
-    filename: str | os.PathLike[str], device: Any = "cpu", *, backend: str = "mmap"
+    filename: str | os.PathLike[str],
+    device: Any = "cpu",
+    *,
+    backend: str = "mmap",
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """``safetensors.torch.load_file``: every tensor of ``filename`` (any URI fastload reads) in a
     dict, on ``device`` (``"cpu"``, ``"cuda:N"``, an int for a CUDA ordinal). ``backend`` is
-    accepted for safetensors' signature; fastload picks how to read (see ``method``)."""
+    accepted for safetensors' signature; fastload picks how to read (see ``method``).
+    ``keyset``, ``associated_data``: of a Tink-encrypted file, as ``load`` takes them."""
     _safetensors_backend(backend)
-    return load(filename, device=_safetensors_device(device))
+    return load(
+        filename,
+        device=_safetensors_device(device),
+        keyset=keyset,
+        associated_data=associated_data,
+    )
 
 
 def _safetensors_backend(backend: str) -> None:
@@ -434,11 +445,24 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def inspect(uri: Uri, *, storage_options: Mapping[str, object] | None = None) -> dict[str, Any]:
+def inspect(
+    uri: Uri,
+    *,
+    storage_options: Mapping[str, object] | None = None,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
+) -> dict[str, Any]:
     """What the checkpoint ``uri`` names holds, from its headers alone (no tensor data is read):
     the object ``fastload inspect --json`` prints, ``{"files": [...], "tensors": [...],
-    "total": {...}}``; see the Python API page of the docs for every key."""
-    return dict(json.loads(_fastload.inspect_json(_uris(uri), storage_options=storage_options)))
+    "total": {...}}``; see the Python API page of the docs for every key. ``keyset``,
+    ``associated_data``: of Tink-encrypted files, as ``load`` takes them."""
+    text = _fastload.inspect_json(
+        _uris(uri),
+        storage_options=storage_options,
+        keyset=keyset,
+        associated_data=associated_data,
+    )
+    return dict(json.loads(text))
 
 
 def cache_stats() -> dict[str, Any]:

@@ -61,11 +61,15 @@ class FastloadError(_Base):
 class FormatError(FastloadError, ValueError):
     """A file is not a valid safetensors file; the message names the file and the problem.
 
-    ``path``: the file (or index file) at fault, when known."""
+    ``path``: the file (or index file) at fault, when known. ``segment``: for an encrypted file
+    (``keyset=``), the index of the segment that failed authentication, when one did."""
 
-    def __init__(self, message: str, *, path: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: str | None = None, segment: int | None = None
+    ) -> None:
         super().__init__(message)
         self.path = _scrub(path)
+        self.segment = segment
 
 
 class StorageError(FastloadError, OSError):

@@ -18,6 +18,11 @@ Option inputs, as the native module converts them (``src/python/args.rs``); ``No
   directory). Default ``FASTLOAD_CACHE`` (``0``/``1`` or a directory), else off.
 - ``verify``: ``True`` or ``False``: check sha256s where the store gives them (Hub LFS files).
   Default ``FASTLOAD_VERIFY`` (``0``/``1``), else off.
+- ``keyset``: a Tink cleartext JSON keyset (a ``str`` starting with ``{``) or the path of one
+  (``str`` or ``os.PathLike``): the files are Tink streaming-AEAD ciphertext, read as their
+  plaintext. Default ``FASTLOAD_KEYSET``, else none.
+- ``associated_data``: ``bytes`` or ``str`` (its UTF-8): what the files were encrypted with.
+  Default empty.
 
 A value that cannot be used raises ``fastload.ConfigError`` with ``option`` set.
 """
@@ -40,6 +45,8 @@ __all__ = [
     "Stats",
     "Stream",
     "__version__",
+    "_tink_decrypt",
+    "_tink_encrypt",
     "cache_stats",
     "cached_memory",
     "check_inside",
@@ -261,6 +268,8 @@ class Stream:
         storage_options: Mapping[str, object] | None = None,
         cache: _Cache | None = None,
         verify: bool | None = None,
+        keyset: str | os.PathLike[str] | None = None,
+        associated_data: bytes | str | None = None,
         parts: list[tuple[str, int, int]] | None = None,
         target: str | None = None,
         allocate: _Allocate | None = None,
@@ -297,6 +306,8 @@ class Reader:
         storage_options: Mapping[str, object] | None = None,
         cache: _Cache | None = None,
         verify: bool | None = None,
+        keyset: str | os.PathLike[str] | None = None,
+        associated_data: bytes | str | None = None,
     ) -> Reader: ...
     @property
     def concurrency(self) -> int: ...
@@ -359,6 +370,8 @@ def resolve_options(
     storage_options: Mapping[str, object] | None = None,
     cache: _Cache | None = None,
     verify: bool | None = None,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> ResolvedOptions:
     """Resolves and checks options as a load of ``uris`` would (``uris`` only say whether an
     object store is read; default: none); raises ``ConfigError``."""
@@ -368,6 +381,8 @@ def checkpoint_tensors(
     *,
     names: Iterable[str] | None = None,
     storage_options: Mapping[str, object] | None = None,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> list[tuple[str, str, tuple[int, ...], int]]:
     """``(name, dtype, shape, bytes)`` of every tensor, in file order, checked as a load checks
     them (``names`` must exist, names must be unique across files); reads headers only."""
@@ -406,10 +421,31 @@ def cache_stats() -> _CacheStats:
     streaming, copies published, and why caching was last turned off for a load (a full disk);
     waits for copies still being published first."""
 
+def _tink_encrypt(
+    keyset: str | os.PathLike[str], plaintext: bytes, associated_data: bytes | str | None = None
+) -> bytes:
+    """``plaintext`` encrypted as Tink's streaming AEAD does with the keyset's primary key."""
+
+def _tink_decrypt(
+    keyset: str | os.PathLike[str],
+    ciphertext: bytes,
+    associated_data: bytes | str | None = None,
+    discard: bool = False,
+) -> bytes:
+    """``ciphertext`` (a whole stream) decrypted with the keyset's primary key, on this thread
+    (``discard``: into one reused segment buffer, returning ``b""``: the AES-GCM rate)."""
+
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...
-def inspect_json(uris: list[str], *, storage_options: Mapping[str, object] | None = None) -> str:
-    """The JSON object of ``fastload inspect --json`` for ``uris``, from their headers alone."""
+def inspect_json(
+    uris: list[str],
+    *,
+    storage_options: Mapping[str, object] | None = None,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
+) -> str:
+    """The JSON object of ``fastload inspect --json`` for ``uris``, from their headers alone
+    (``keyset``, ``associated_data``: of Tink-encrypted files, as a load takes them)."""
 
 def list_objects(
     uri: str, *, storage_options: Mapping[str, object] | None = None

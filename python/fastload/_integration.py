@@ -40,7 +40,8 @@ class Options:
     load_format: str
     weights_uri: str | None = None
     pattern: str | None = None
-    stream_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Out of repr: it may hold a keyset (``keyset``), which no log line may show.
+    stream_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     distributed: bool = False
 
     @classmethod

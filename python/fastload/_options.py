@@ -84,6 +84,11 @@ class Options(TypedDict, total=False):
     Hub LFS files) wherever its bytes come from (the network, the Hugging Face cache, a cached
     copy); a mismatch raises ``StorageError`` (a bad cached copy is removed and read again from
     the network); default ``FASTLOAD_VERIFY`` (``0``/``1``), else off.
+    ``keyset``: the files are encrypted with Tink's streaming AEAD (``AES256_GCM_HKDF_1MB``):
+    a cleartext JSON keyset, or the path of a file holding one (``str`` or ``os.PathLike``);
+    default ``FASTLOAD_KEYSET``, else the files are read as they are. Never shown in messages.
+    ``associated_data``: the associated data they were encrypted with (``bytes`` or ``str``);
+    default empty.
 
     ``None`` for any of them means "not given".
     """
@@ -97,6 +102,8 @@ class Options(TypedDict, total=False):
     storage_options: Mapping[str, object] | None
     cache: bool | str | os.PathLike[str] | None
     verify: bool | None
+    keyset: str | os.PathLike[str] | None
+    associated_data: bytes | str | None
 
 
 OPTIONS: frozenset[str] = frozenset(o.name for o in _fastload.OPTIONS)

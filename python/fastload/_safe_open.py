@@ -60,6 +60,8 @@ class SafeOpenOptions(TypedDict, total=False):
     storage_options: Mapping[str, object] | None
     cache: bool | str | os.PathLike[str] | None
     verify: bool | None
+    keyset: str | os.PathLike[str] | None
+    associated_data: bytes | str | None
 
 
 # The integer dtype each width of element is moved as (torch.uint8, ...), set on first use.

@@ -188,7 +188,11 @@ class DistributedStream:
             resolved = _fastload.resolve_options(uris, **native)
             names, limit = resolved.names, resolved.memory_limit
             table = _fastload.checkpoint_tensors(
-                uris, names=names, storage_options=native.get("storage_options")
+                uris,
+                names=names,
+                storage_options=native.get("storage_options"),
+                keyset=native.get("keyset"),
+                associated_data=native.get("associated_data"),
             )
             digest = hashlib.sha256(json.dumps(table).encode()).hexdigest()
         except Exception as e:

@@ -8,8 +8,9 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
 
 ``model_loader_extra_config`` takes ``concurrency``, ``block_size``, ``memory_limit``,
 ``storage_options``, ``cache`` (a local copy of remote weights, written while they stream:
-``True`` or a directory; see ``fastload.Options``) and ``verify`` as ``fastload.load`` does, plus
-``weights_uri`` and ``distributed``.
+``True`` or a directory; see ``fastload.Options``), ``verify``, ``keyset`` and
+``associated_data`` (a Tink-encrypted checkpoint: docs/encryption.md) as ``fastload.load`` does,
+plus ``weights_uri`` and ``distributed``.
 
 ``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the
 Hub as ``hf://ORG/REPO@REVISION`` without writing the weights to disk, an object-store model path

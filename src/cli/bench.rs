@@ -341,7 +341,12 @@ struct Described {
 }
 
 fn describe(uris: &[String]) -> CliResult<Described> {
-    let shards = source::open::open_all(uris, &[], &crate::source::cache::CacheSettings::off())?;
+    let shards = source::open::open_all(
+        uris,
+        &[],
+        &crate::source::cache::CacheSettings::off(),
+        &source::tink::Decryption::from_env()?,
+    )?;
     Ok(Described {
         shard_list: shards.clone(),
         local: shards

@@ -150,8 +150,12 @@ pub(crate) fn to_json(shards: &[Shard]) -> String {
 }
 
 pub(super) fn run(args: InspectArgs) -> CliResult {
-    let shards =
-        source::open::open_all(&args.uris, &[], &crate::source::cache::CacheSettings::off())?;
+    let shards = source::open::open_all(
+        &args.uris,
+        &[],
+        &crate::source::cache::CacheSettings::off(),
+        &source::tink::Decryption::from_env()?,
+    )?;
     if args.json {
         print_stdout(&(to_json(&shards) + "\n"))
     } else {

@@ -60,6 +60,11 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             attrs.set_item("path", scrub(path))?;
             "FormatError"
         }
+        Error::Decryption { path, segment, .. } => {
+            attrs.set_item("path", scrub(path))?;
+            attrs.set_item("segment", segment)?;
+            "FormatError"
+        }
         Error::NotFound { path } | Error::NoShards { path } | Error::Missing { path, .. } => {
             // OSError subclasses take (errno, strerror, filename) so that `.filename` works.
             let cls = py.import("fastload._errors")?.getattr("NotFoundError")?;

@@ -15,6 +15,7 @@ mod options;
 mod ranks;
 mod reader;
 mod stream;
+mod tink;
 mod wait;
 mod write;
 
@@ -137,6 +138,8 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect_json, m)?)?;
+    m.add_function(wrap_pyfunction!(tink::_tink_encrypt, m)?)?;
+    m.add_function(wrap_pyfunction!(tink::_tink_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
     m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(objects::fetch_object, m)?)?;

@@ -10,6 +10,7 @@ use super::args::{
     BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
     VerifyArg,
 };
+use super::tink::{AssociatedDataArg, KeysetArg};
 use crate::options::{LoadOptions, Method, OptionDef, OPTIONS};
 
 /// One row of `_fastload.OPTIONS` ([`crate::options::OPTIONS`]), from which `fastload._options`
@@ -77,6 +78,8 @@ pub(crate) fn load_options(
     storage_options: Option<StorageOptions>,
     cache: Option<CacheArg>,
     verify: Option<VerifyArg>,
+    keyset: Option<KeysetArg>,
+    associated_data: Option<AssociatedDataArg>,
 ) -> LoadOptions {
     LoadOptions {
         concurrency: concurrency.map(|c| c.0),
@@ -88,6 +91,8 @@ pub(crate) fn load_options(
         parts: None,
         cache: cache.map(|c| c.0),
         verify: verify.map(|v| v.0),
+        keyset: keyset.map(|k| k.0),
+        associated_data: associated_data.map(|a| a.0),
     }
 }
 
@@ -117,7 +122,7 @@ impl ResolvedOptions {
 /// Resolves and checks options as a load of `uris` would (without opening anything: `uris` only
 /// say whether an object store is read); raises `ConfigError` for a value that cannot be used.
 #[pyfunction]
-#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None))]
+#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn resolve_options(
     uris: Vec<String>,
@@ -129,6 +134,8 @@ pub(crate) fn resolve_options(
     storage_options: Option<StorageOptions>,
     cache: Option<CacheArg>,
     verify: Option<VerifyArg>,
+    keyset: Option<KeysetArg>,
+    associated_data: Option<AssociatedDataArg>,
 ) -> PyResult<ResolvedOptions> {
     let opts = load_options(
         concurrency,
@@ -139,8 +146,12 @@ pub(crate) fn resolve_options(
         storage_options,
         cache,
         verify,
+        keyset,
+        associated_data,
     );
     crate::source::cache::CacheSettings::for_load(&opts)?;
+    // A keyset that cannot be read fails here, at engine start, naming the option.
+    crate::source::tink::Decryption::for_load(&opts)?;
     let r = opts.resolve(crate::source::open::any_remote(&uris))?;
     Ok(ResolvedOptions {
         concurrency: r.concurrency,

@@ -13,13 +13,16 @@ use crate::ranks::{self, Entry};
 /// headers only. Raises what a local load raises for the same files: `FormatError` for a name in
 /// two files, `TensorNotFoundError` for a name in `names` that no file holds.
 #[pyfunction]
-#[pyo3(signature = (uris, *, names=None, storage_options=None))]
+#[pyo3(signature = (uris, *, names=None, storage_options=None, keyset=None, associated_data=None))]
 pub(crate) fn checkpoint_tensors<'py>(
     py: Python<'py>,
     uris: Vec<String>,
     names: Option<Names>,
     storage_options: Option<StorageOptions>,
+    keyset: Option<super::tink::KeysetArg>,
+    associated_data: Option<super::tink::AssociatedDataArg>,
 ) -> PyResult<Bound<'py, PyList>> {
+    let decryption = super::tink::decryption(keyset, associated_data)?;
     let storage_options = storage_options.unwrap_or_default().0;
     let names = names.map(|n| n.0);
     let entries = super::gil::detach(py, || {
@@ -27,6 +30,7 @@ pub(crate) fn checkpoint_tensors<'py>(
             &uris,
             &storage_options,
             &crate::source::cache::CacheSettings::off(),
+            &decryption,
         )?;
         ranks::entries(shards, names.as_deref())
     })?;

@@ -43,8 +43,8 @@ impl Reader {
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, verify=None))]
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -53,6 +53,8 @@ impl Reader {
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
         verify: Option<VerifyArg>,
+        keyset: Option<super::tink::KeysetArg>,
+        associated_data: Option<super::tink::AssociatedDataArg>,
     ) -> PyResult<Self> {
         let opts = load_options(
             concurrency,
@@ -63,6 +65,8 @@ impl Reader {
             storage_options,
             cache,
             verify,
+            keyset,
+            associated_data,
         );
         let remote = crate::source::open::any_remote(&uris);
         let resolved = opts.resolve(remote)?;
@@ -72,8 +76,10 @@ impl Reader {
         // is served from it (`ranges::verify_whole`), and that read fills its copy.
         cache.fill = cache.verify;
         let (block, concurrency) = (resolved.block_size, resolved.concurrency);
+        let decryption = crate::source::tink::Decryption::for_load(&opts)?;
         let shards = off_thread(py, "open", move || {
-            let mut shards = crate::source::open::open_all(&uris, &opts.storage_options, &cache)?;
+            let mut shards =
+                crate::source::open::open_all(&uris, &opts.storage_options, &cache, &decryption)?;
             if cache.verify {
                 crate::ranges::verify_whole(&mut shards, &cache, block, concurrency)?;
             }

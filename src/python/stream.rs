@@ -108,7 +108,7 @@ type Step = Option<Result<Option<Loaded>, Arc<crate::Error>>>;
 impl Stream {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, parts=None, target=None, allocate=None, reader=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, parts=None, target=None, allocate=None, reader=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -120,6 +120,8 @@ impl Stream {
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
         verify: Option<VerifyArg>,
+        keyset: Option<super::tink::KeysetArg>,
+        associated_data: Option<super::tink::AssociatedDataArg>,
         parts: Option<Vec<Part>>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
@@ -134,6 +136,8 @@ impl Stream {
             storage_options,
             cache,
             verify,
+            keyset,
+            associated_data,
         );
         opts.parts = parts;
         if let Some(reader) = reader {
@@ -391,18 +395,22 @@ const OPENED_HERE: usize = 8;
 /// What the URIs hold, from their headers alone (no tensor data read): the JSON object of
 /// `fastload inspect --json`, which `fastload.inspect` parses, so that the two have one shape.
 #[pyfunction]
-#[pyo3(signature = (uris, *, storage_options=None))]
+#[pyo3(signature = (uris, *, storage_options=None, keyset=None, associated_data=None))]
 pub fn inspect_json(
     py: Python<'_>,
     uris: Vec<String>,
     storage_options: Option<StorageOptions>,
+    keyset: Option<super::tink::KeysetArg>,
+    associated_data: Option<super::tink::AssociatedDataArg>,
 ) -> PyResult<String> {
+    let decryption = super::tink::decryption(keyset, associated_data)?;
     let storage_options = storage_options.unwrap_or_default().0;
     let shards = off_thread(py, "inspect", move || {
         crate::source::open::open_all(
             &uris,
             &storage_options,
             &crate::source::cache::CacheSettings::off(),
+            &decryption,
         )
     })??;
     Ok(crate::cli::inspect_json(&shards))

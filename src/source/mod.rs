@@ -18,6 +18,8 @@
 //!   [`open`] applies;
 //! - [`clients`]: the HTTP clients (connection pools) every remote open of a process shares;
 //!   [`descriptors`]: descriptors running out, said as such;
+//! - [`tink`]: files encrypted with Tink's streaming AEAD, read as their plaintext (a
+//!   decorator [`open`] applies over the others when a keyset is given);
 //! - [`identity`]: who a remote object is ([`CacheIdentity`], [`identity::HubLocation`]), the
 //!   plain data that remote sources, the Hub and the cache share.
 //!
@@ -45,6 +47,7 @@ pub(crate) mod local;
 pub mod object;
 pub mod open;
 pub(crate) mod remote;
+pub mod tink;
 
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {

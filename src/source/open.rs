@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use super::cache::{self, CacheSettings};
-use super::{hub, local, object, open_shard, spawn_read, Shard, Source};
+use super::tink::Decryption;
+use super::{hub, local, object, spawn_read, Shard, Source};
 use crate::error::{Error, Result};
 
 /// What a URI names.
@@ -88,11 +89,13 @@ const HEADER_CONCURRENCY: usize = 16;
 /// Resolves the URIs (files, shard directories, index files, object-store prefixes, Hub repos)
 /// and opens every file or object, in a stable order, reading headers concurrently.
 /// `storage_options` configure object stores (see [`object::open`]) and the Hub's retries;
-/// remote sources are cached locally as `cache` says ([`cache::wrap`]).
+/// remote sources are cached locally as `cache` says ([`cache::wrap`]); files are read as
+/// plaintext with `decryption`'s keyset, if any (the cache keeps their ciphertext).
 pub fn open_all(
     uris: &[String],
     storage_options: &[(String, String)],
     cache: &CacheSettings,
+    decryption: &Decryption,
 ) -> Result<Vec<Shard>> {
     if uris.is_empty() {
         return Err(Error::option("uri", "no file given"));
@@ -123,7 +126,7 @@ pub fn open_all(
         }
     }
     sources.extend(local::open(&local_uris)?);
-    read_headers(cache::wrap(sources, cache))
+    read_headers(cache::wrap(sources, cache), decryption)
 }
 
 /// Local files whose headers are read on the calling thread, one after the other: up to this
@@ -132,11 +135,12 @@ const INLINE_HEADERS: usize = 8;
 
 /// Every source's header, in order, [`HEADER_CONCURRENCY`] at a time; a few local files' on the
 /// calling thread (a warm load of one file then starts no thread at all).
-fn read_headers(sources: Vec<Arc<dyn Source>>) -> Result<Vec<Shard>> {
+fn read_headers(sources: Vec<Arc<dyn Source>>, decryption: &Decryption) -> Result<Vec<Shard>> {
     use futures_util::stream::{StreamExt, TryStreamExt};
     use futures_util::FutureExt;
 
-    let inline = sources.len() <= INLINE_HEADERS
+    let inline = !decryption.enabled()
+        && sources.len() <= INLINE_HEADERS
         && sources.iter().all(|s| s.local_path().is_some())
         && tokio::runtime::Handle::try_current().is_err();
     if inline {
@@ -144,19 +148,29 @@ fn read_headers(sources: Vec<Arc<dyn Source>>) -> Result<Vec<Shard>> {
         // source that would wait is read on the runtime instead.
         return sources
             .into_iter()
-            .map(|source| match open_shard(source.clone()).now_or_never() {
-                Some(shard) => shard,
-                None => crate::runtime::block_on("reading headers", open_shard(source)),
-            })
+            .map(
+                |source| match decryption.open_shard(source.clone()).now_or_never() {
+                    Some(shard) => shard,
+                    None => {
+                        crate::runtime::block_on("reading headers", decryption.open_shard(source))
+                    }
+                },
+            )
             .collect();
     }
 
+    let decryption = decryption.clone();
     crate::runtime::block_on("reading headers", async move {
         futures_util::stream::iter(sources)
             // A task each, so that blocking reads (files) run side by side.
             .map(|source| {
                 let name = source.name().to_string();
-                let task = spawn_read(source.as_ref(), open_shard(source.clone()));
+                let decryption = decryption.clone();
+                let opening = {
+                    let source = source.clone();
+                    async move { decryption.open_shard(source).await }
+                };
+                let task = spawn_read(source.as_ref(), opening);
                 // Dropped unfinished (an error elsewhere, an interrupted open): its read stops.
                 let guard = AbortOnDrop(task.abort_handle());
                 async move {

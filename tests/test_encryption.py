@@ -1,0 +1,427 @@
+"""Encrypted checkpoints (``keyset=``): safetensors files encrypted whole by Google's ``tink``
+package (streaming AEAD, ``AES256_GCM_HKDF_1MB`` and ``AES128_GCM_HKDF_4KB``) load bitwise equal
+to the plain file, from local files, S3 (SeaweedFS), plain HTTP, the mock Hub and the local cache;
+a slice reads only the segments holding it (counted at the HTTP server); what fastload encrypts,
+tink decrypts; and every failure (a flipped byte, a truncation, a wrong key, another primitive's
+keyset, no keyset) is a ``FastloadError`` naming the file (and the segment) that hands out no
+tensor from an unauthenticated segment, and never shows the key.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import fastload
+import helpers
+import pytest
+import safetensors.torch
+import torch
+from helpers import assert_same_tensor, assert_same_tensors
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from servers import http as http_server
+from servers import hub as hub_server
+from servers import s3 as s3_server
+
+tink = pytest.importorskip("tink")
+from tink import aead, cleartext_keyset_handle, streaming_aead  # noqa: E402
+
+streaming_aead.register()
+aead.register()
+
+TEMPLATES = streaming_aead.streaming_aead_key_templates
+MIB = 1 << 20
+
+
+def new_keyset(template=TEMPLATES.AES256_GCM_HKDF_1MB) -> tuple[str, object]:
+    """A fresh keyset as cleartext JSON, and tink's StreamingAead of it."""
+    handle = tink.new_keyset_handle(template)
+    out = io.StringIO()
+    cleartext_keyset_handle.write(tink.JsonKeysetWriter(out), handle)
+    return out.getvalue(), handle.primitive(streaming_aead.StreamingAead)
+
+
+def key_values(keyset: str) -> list[str]:
+    """The secret parts of a keyset JSON: each key's base64 protobuf (which holds the key)."""
+    return [k["keyData"]["value"] for k in json.loads(keyset)["key"]]
+
+
+def tink_encrypt(primitive, plain: bytes, associated_data: bytes = b"") -> bytes:
+    class Sink(io.BytesIO):
+        def close(self) -> None:  # tink closes its destination; keep the bytes
+            pass
+
+    sink = Sink()
+    with primitive.new_encrypting_stream(sink, associated_data) as w:
+        w.write(plain)
+    return sink.getvalue()
+
+
+def tink_decrypt(primitive, ciphertext: bytes, associated_data: bytes = b"") -> bytes:
+    with primitive.new_decrypting_stream(io.BytesIO(ciphertext), associated_data) as r:
+        return r.read()
+
+
+@pytest.fixture(scope="module")
+def plain_file(tmp_path_factory) -> Path:
+    """A checkpoint of about 4.2 MB: five 1 MiB segments, a big 2-D tensor across them, and
+    small tensors of several dtypes."""
+    path = tmp_path_factory.mktemp("enc") / "plain.safetensors"
+    tensors = {
+        "w": helpers.pattern((1024, 1024), torch.float32, seed=1),
+        "b": helpers.pattern((1024,), torch.bfloat16, seed=2),
+        "ids": helpers.pattern((7, 3), torch.int64, seed=3),
+        "s": helpers.pattern((), torch.float16, seed=4),
+        "e": helpers.pattern((0, 3), torch.float32),
+    }
+    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def big_keyset():
+    return new_keyset()
+
+
+@pytest.fixture(scope="module")
+def encrypted(plain_file, big_keyset, tmp_path_factory) -> Path:
+    """`plain_file` encrypted by tink with AES256_GCM_HKDF_1MB."""
+    path = tmp_path_factory.mktemp("enc") / "model.safetensors"
+    path.write_bytes(tink_encrypt(big_keyset[1], plain_file.read_bytes()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small(dtypes_file, tmp_path_factory):
+    """The all-dtypes file encrypted with AES128_GCM_HKDF_4KB (many small segments): keyset JSON,
+    primitive, ciphertext."""
+    keyset, primitive = new_keyset(TEMPLATES.AES128_GCM_HKDF_4KB)
+    return keyset, primitive, tink_encrypt(primitive, dtypes_file.read_bytes())
+
+
+def test_tink_files_load_bitwise_through_every_entry_point(plain_file, encrypted, big_keyset):
+    keyset = big_keyset[0]
+    want = helpers.reference(plain_file)
+    assert_same_tensors(fastload.load(encrypted, keyset=keyset), want)
+    assert_same_tensors(dict(fastload.stream(str(encrypted), keyset=keyset)), want)
+    assert_same_tensors(fastload.load_file(encrypted, keyset=keyset), want)
+    assert_same_tensors(fastload.load(encrypted, keyset=keyset, method="mmap"), want)
+    with fastload.safe_open(encrypted, "pt", keyset=keyset) as f:
+        assert f.metadata() == {"format": "pt"}
+        assert sorted(f.keys()) == sorted(want)
+        for name in want:
+            assert_same_tensor(f.get_tensor(name), want[name], name)
+        assert_same_tensor(f.get_slice("w")[1000:1003, 7:9], want["w"][1000:1003, 7:9].clone())
+    report = fastload.inspect(encrypted, keyset=keyset)
+    assert report["files"][0]["size"] == plain_file.stat().st_size
+
+
+def test_small_segments_and_every_keyset_form(dtypes_file, small, tmp_path, monkeypatch):
+    """AES128_GCM_HKDF_4KB (the params come from the key); the keyset as JSON, as a path (str
+    and os.PathLike) and as FASTLOAD_KEYSET."""
+    keyset, _, ciphertext = small
+    path = tmp_path / "small.safetensors"
+    path.write_bytes(ciphertext)
+    want = helpers.reference(dtypes_file)
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(keyset)
+    for form in (keyset, str(keyset_file), keyset_file):
+        assert_same_tensors(fastload.load(path, keyset=form, block_size="4KiB"), want)
+    monkeypatch.setenv("FASTLOAD_KEYSET", str(keyset_file))
+    assert_same_tensors(fastload.load(path), want)
+
+
+def test_associated_data_and_keys_tried_as_tink_does(plain_file, tmp_path):
+    """associated_data= (bytes or str) must match; a keyset of several keys decrypts a file any
+    enabled key encrypted, as tink does (the primary first)."""
+    want = helpers.reference(plain_file)
+    first, _ = new_keyset(TEMPLATES.AES128_GCM_HKDF_4KB)
+    second, primitive = new_keyset()
+    path = tmp_path / "ad.safetensors"
+    path.write_bytes(tink_encrypt(primitive, plain_file.read_bytes(), b"model-v1"))
+    for ad in (b"model-v1", "model-v1"):
+        assert_same_tensors(fastload.load(path, keyset=second, associated_data=ad), want)
+    with pytest.raises(fastload.FormatError) as e:
+        fastload.load(path, keyset=second)
+    assert e.value.segment == 0 and str(path) in str(e.value)
+    both = json.loads(first)
+    both["key"] += json.loads(second)["key"]
+    assert both["primaryKeyId"] == json.loads(first)["primaryKeyId"]
+    got = fastload.load(path, keyset=json.dumps(both), associated_data=b"model-v1")
+    assert_same_tensors(got, want)
+
+
+def test_what_fastload_encrypts_tink_decrypts(plain_file, big_keyset, small, tmp_path):
+    """The write direction (src/source/tink/segment.rs `encrypt`): tink reads it back, with and
+    without associated data, for both templates; fastload loads it too."""
+    plain = plain_file.read_bytes()
+    for keyset, primitive in (big_keyset, small[:2]):
+        for ad in (b"", b"ad"):
+            ciphertext = fastload._fastload._tink_encrypt(keyset, plain, ad)
+            assert ciphertext != fastload._fastload._tink_encrypt(keyset, plain, ad)  # fresh salt
+            assert tink_decrypt(primitive, ciphertext, ad) == plain
+        for data in (b"", b"x", plain[: 4096 - 16 - 24], plain[: 3 * MIB]):
+            assert tink_decrypt(primitive, fastload._fastload._tink_encrypt(keyset, data)) == data
+    path = tmp_path / "ours.safetensors"
+    path.write_bytes(fastload._fastload._tink_encrypt(big_keyset[0], plain))
+    assert_same_tensors(fastload.load(path, keyset=big_keyset[0]), helpers.reference(plain_file))
+
+
+@pytest.fixture
+def served(plain_file, encrypted):
+    server = http_server.start_server({"/model.safetensors": encrypted.read_bytes()})
+    yield server
+    server.close()
+
+
+def data_gets(server) -> list[tuple[int, int]]:
+    """(begin, end) of each ranged GET the server answered so far."""
+    out = []
+    for command, _, rng, status in list(server.behaviour.log):
+        if command == "GET" and rng and status == 206:
+            begin, _, end = rng.removeprefix("bytes=").partition("-")
+            out.append((int(begin), int(end) + 1))
+    return out
+
+
+def test_http_slice_reads_only_its_segments(served, plain_file, big_keyset, encrypted):
+    """A row of `w` (4 KiB in the middle of the file) is one or two 1 MiB segments fetched:
+    counted at the server, beyond what opening reads (the first segment, with the header, and
+    the last, which proves the file whole)."""
+    url = served.url("model.safetensors")
+    want = helpers.reference(plain_file)["w"]
+    with fastload.safe_open(url, "pt", keyset=big_keyset[0]) as f:
+        opened = len(data_gets(served))
+        assert opened <= 3, data_gets(served)
+        row = f.get_slice("w")[600:601]
+        gets = data_gets(served)[opened:]
+    assert_same_tensor(row, want[600:601].clone())
+    size = encrypted.stat().st_size
+    assert 1 <= len(gets) <= 2, gets
+    fetched = sum(e - b for b, e in gets)
+    assert fetched <= 2 * MIB, (fetched, gets)
+    # Segment-aligned: each read starts and ends on the ciphertext's segment boundaries.
+    for b, e in gets:
+        assert b % MIB == 0 and (e % MIB == 0 or e == size), (b, e)
+
+
+def test_http_load_and_cache(served, plain_file, big_keyset, tmp_path):
+    """Over HTTP, and through the local cache: the cache keeps the ciphertext, and a second load
+    reads it (no GET of the object), decrypting it again."""
+    url = served.url("model.safetensors")
+    want = helpers.reference(plain_file)
+    cache = tmp_path / "cache"
+    assert_same_tensors(fastload.load(url, keyset=big_keyset[0], cache=cache), want)
+    copies = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > MIB]
+    assert copies and all(b"__metadata__" not in p.read_bytes() for p in copies)
+    before = len(data_gets(served))
+    assert_same_tensors(fastload.load(url, keyset=big_keyset[0], cache=cache), want)
+    assert len(data_gets(served)) == before
+
+
+def test_s3_seaweed(seaweed, plain_file, encrypted, big_keyset):
+    s3_server.upload(seaweed.client(), s3_server.BUCKET, {"enc/model.safetensors": encrypted})
+    got = fastload.load(
+        f"s3://{s3_server.BUCKET}/enc/model.safetensors",
+        keyset=big_keyset[0],
+        storage_options=seaweed.storage_options(),
+    )
+    assert_same_tensors(got, helpers.reference(plain_file))
+
+
+def test_mock_hub(plain_file, encrypted, big_keyset, tmp_path, monkeypatch):
+    hub = hub_server.MockHub()
+    try:
+        hub.add("org/secret", {"model.safetensors": encrypted.read_bytes()})
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        got = fastload.load(
+            "hf://org/secret/model.safetensors",
+            keyset=big_keyset[0],
+            storage_options={"endpoint": hub.base},
+        )
+    finally:
+        hub.close()
+    assert_same_tensors(got, helpers.reference(plain_file))
+
+
+def failure(fn) -> fastload.FastloadError:
+    with pytest.raises(fastload.FastloadError) as e:
+        fn()
+    return e.value
+
+
+def assert_hides(err: BaseException, keyset: str) -> None:
+    text = str(err) + repr(err) + repr(err.args)
+    for secret in key_values(keyset):
+        assert secret not in text and secret[:16] not in text, text
+
+
+def test_failures_name_the_file_and_segment_and_hide_the_key(encrypted, big_keyset, tmp_path):
+    keyset = big_keyset[0]
+    ciphertext = encrypted.read_bytes()
+    path = tmp_path / "bad.safetensors"
+
+    # No keyset: the file is recognised as Tink's.
+    e = failure(lambda: fastload.load(encrypted))
+    assert isinstance(e, fastload.FormatError) and str(encrypted) in str(e)
+    assert "Tink-encrypted" in str(e) and "keyset=" in str(e)
+
+    # A wrong key.
+    other, _ = new_keyset()
+    e = failure(lambda: fastload.load(encrypted, keyset=other))
+    assert isinstance(e, fastload.FormatError) and e.segment == 0 and str(encrypted) in str(e)
+    assert_hides(e, other)
+
+    # Truncated: by a few bytes, at a segment boundary (the last segment is checked at open).
+    for cut in (ciphertext[:-1000], ciphertext[: 3 * MIB], ciphertext[:30]):
+        path.write_bytes(cut)
+        e = failure(lambda: fastload.load(path, keyset=keyset))
+        assert isinstance(e, fastload.FormatError) and str(path) in str(e), e
+        assert_hides(e, keyset)
+
+    # A flipped byte in the third segment: that segment is named, from load and from a slice.
+    flipped = bytearray(ciphertext)
+    flipped[2 * MIB + 12345] ^= 0x01
+    path.write_bytes(bytes(flipped))
+    e = failure(lambda: fastload.load(path, keyset=keyset))
+    assert isinstance(e, fastload.FormatError) and e.segment == 2 and "segment 2" in str(e)
+    assert_hides(e, keyset)
+    with fastload.safe_open(path, "pt", keyset=keyset) as f:
+        f.get_slice("w")[0:1]  # in the first segment: fine
+        e = failure(lambda: f.get_slice("w")[600:601])
+        assert e.segment == 2
+
+    # A keyset of another primitive (AEAD, not streaming AEAD), and junk: ConfigError.
+    handle = tink.new_keyset_handle(aead.aead_key_templates.AES256_GCM)
+    out = io.StringIO()
+    cleartext_keyset_handle.write(tink.JsonKeysetWriter(out), handle)
+    e = failure(lambda: fastload.load(encrypted, keyset=out.getvalue()))
+    assert isinstance(e, fastload.ConfigError) and e.option == "keyset"
+    assert "AesGcmKey" in str(e) and "AesGcmHkdfStreamingKey" in str(e)
+    assert_hides(e, out.getvalue())
+    broken = keyset.replace('"keyId"', '"keyId" 3')
+    e = failure(lambda: fastload.load(encrypted, keyset=broken))
+    assert isinstance(e, fastload.ConfigError)
+    assert_hides(e, keyset)
+    e = failure(lambda: fastload._fastload.resolve_options(keyset=str(tmp_path / "none.json")))
+    assert isinstance(e, fastload.ConfigError) and "none.json" in str(e)
+
+
+def test_stream_hands_out_only_authenticated_tensors(dtypes_file, small, tmp_path):
+    """A flip in one segment of a many-segment file: the stream may yield tensors of the other
+    segments first, each bitwise right, then raises naming the segment."""
+    keyset, _, ciphertext = small
+    want = helpers.reference(dtypes_file)
+    flipped = bytearray(ciphertext)
+    flipped[len(ciphertext) // 2] ^= 0x80
+    path = tmp_path / "flipped.safetensors"
+    path.write_bytes(bytes(flipped))
+    got = {}
+    with pytest.raises(fastload.FormatError) as e:
+        for name, t in fastload.stream(str(path), keyset=keyset, block_size="4KiB"):
+            got[name] = t
+    assert e.value.segment == (len(ciphertext) // 2) // 4096
+    assert len(got) < len(want)
+    for name, t in got.items():
+        assert_same_tensor(t, want[name], name)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_random_byte_flips_always_fail(small, tmp_path, data):
+    """Any flipped bit anywhere in the file (header, salt, nonce prefix, ciphertext, tags) fails
+    the load with a FormatError naming the file; none loads."""
+    keyset, _, ciphertext = small
+    at = data.draw(st.integers(0, len(ciphertext) - 1), label="offset")
+    bit = data.draw(st.integers(0, 7), label="bit")
+    flipped = bytearray(ciphertext)
+    flipped[at] ^= 1 << bit
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(bytes(flipped))
+    e = failure(lambda: fastload.load(path, keyset=keyset, block_size="4KiB"))
+    assert isinstance(e, fastload.FormatError) and str(path) in str(e), e
+
+
+def test_gpu_staging_reads_plaintext(fake_cuda, plain_file, encrypted, big_keyset, tmp_path):
+    """The GPU path (page-locked ring, copy stream) on the simulated driver (tests/cuda_sim.py):
+    an encrypted file lands bitwise equal to the plain one, with the keyset from
+    FASTLOAD_KEYSET."""
+    import cuda_sim
+    from test_cuda_driver import LOAD
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    code = (
+        LOAD
+        + """
+got, stats = load(sys.argv[1], block_size="256KiB", memory_limit="2MiB")
+emit(ok=got == expected(sys.argv[2]), n=len(got))
+"""
+    )
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, FASTLOAD_KEYSET=str(keyset_file))
+    out = helpers.run_probe(code, str(encrypted), str(plain_file), env=env)
+    assert out["ok"] and out["n"] == 5, out
+    assert cuda_sim.log(log)["violations"] == 0
+
+
+def test_engines_extra_config_takes_the_keyset(big_keyset, tmp_path):
+    """vLLM's and SGLang's model_loader_extra_config: `keyset` and `associated_data` pass on to
+    the load, and a keyset that cannot be used fails at engine start naming the key."""
+    from fastload import _integration
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    extra = {"keyset": str(keyset_file), "associated_data": "v1"}
+    options = _integration.Options.parse("fastload", extra, _integration.KEYS)
+    assert options.stream_kwargs == extra
+    e = failure(
+        lambda: _integration.Options.parse(
+            "fastload", {"keyset": str(tmp_path / "missing.json")}, _integration.KEYS
+        )
+    )
+    assert isinstance(e, fastload.ConfigError) and e.option == "keyset"
+
+
+def test_extra_config_repr_hides_the_keyset(big_keyset):
+    from fastload import _integration
+
+    options = _integration.Options.parse("fastload", {"keyset": big_keyset[0]}, _integration.KEYS)
+    assert_hides(AssertionError(repr(options)), big_keyset[0])
+
+
+def test_sharded_checkpoint_with_a_plain_index(sharded_dir, small, tmp_path):
+    """Every shard encrypted, the index left plain (as docs/encryption.md says to encrypt a
+    checkpoint): the folder loads as the plain one does."""
+    keyset, primitive, _ = small
+    for p in sharded_dir.iterdir():
+        data = p.read_bytes()
+        if p.suffix == ".safetensors":
+            data = tink_encrypt(primitive, data)
+        (tmp_path / p.name).write_bytes(data)
+    want = helpers.reference(*helpers.indexed_files(sharded_dir))
+    assert_same_tensors(fastload.load(tmp_path, keyset=keyset), want)
+
+
+def test_command_line_takes_the_keyset_from_the_environment(encrypted, big_keyset, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    cli = [sys.executable, "-m", "fastload._cli", "inspect", str(encrypted)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    ok = subprocess.run(
+        cli, capture_output=True, text=True, env={**env, "FASTLOAD_KEYSET": str(keyset_file)}
+    )
+    assert ok.returncode == 0 and "[1024, 1024]" in ok.stdout, ok.stderr
+    refused = subprocess.run(cli, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "FASTLOAD_KEYSET" in refused.stderr
