@@ -214,6 +214,7 @@ def test_http_load_and_cache(served, plain_file, big_keyset, tmp_path):
     want = helpers.reference(plain_file)
     cache = tmp_path / "cache"
     assert_same_tensors(fastload.load(url, keyset=big_keyset[0], cache=cache), want)
+    fastload.cache_stats()  # waits for the copy to be published (a load returns before)
     copies = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > MIB]
     assert copies and all(b"__metadata__" not in p.read_bytes() for p in copies)
     before = len(data_gets(served))
