@@ -17,6 +17,7 @@ mod reader;
 mod stream;
 mod wait;
 mod write;
+mod copy;
 
 use crate::format::Dtype;
 use crate::options::Size;
@@ -125,6 +126,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<write::FileWriter>()?;
     m.add_function(wrap_pyfunction!(write::write_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(write::remove, m)?)?;
+    m.add_function(wrap_pyfunction!(copy::copy, m)?)?;
     m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::checkpoint_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;

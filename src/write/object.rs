@@ -89,6 +89,20 @@ pub struct ObjectUpload {
     part_size: usize,
     parts_in_flight: usize,
     overwrite: bool,
+    metadata: Vec<(String, String)>,
+}
+
+/// `metadata` as object_store's attributes.
+fn attributes(metadata: &[(String, String)]) -> object_store::Attributes {
+    metadata
+        .iter()
+        .map(|(k, v)| {
+            (
+                object_store::Attribute::Metadata(k.clone().into()),
+                object_store::AttributeValue::from(v.clone()),
+            )
+        })
+        .collect()
 }
 
 impl ObjectUpload {
@@ -119,7 +133,13 @@ impl ObjectUpload {
             }
             let upload = remote
                 .store
-                .put_multipart_opts(&remote.path, PutMultipartOptions::default())
+                .put_multipart_opts(
+                    &remote.path,
+                    PutMultipartOptions {
+                        attributes: attributes(&options.metadata),
+                        ..Default::default()
+                    },
+                )
                 .await
                 .map_err(|e| storage_error(&remote.uri, e))?;
             Ok(State::Multi(Multi {
@@ -134,6 +154,7 @@ impl ObjectUpload {
             part_size,
             parts_in_flight,
             overwrite: options.overwrite,
+            metadata: options.metadata.clone(),
         })
     }
 
@@ -178,6 +199,7 @@ impl ObjectUpload {
     pub fn finish(mut self) -> Result<()> {
         let remote = self.remote.clone();
         let overwrite = self.overwrite;
+        let attrs = attributes(&self.metadata);
         let out = match std::mem::replace(&mut self.state, State::Done) {
             State::Single(payload) => crate::runtime::block_on(&remote.uri, async {
                 let mode = if overwrite {
@@ -187,6 +209,7 @@ impl ObjectUpload {
                 };
                 let opts = PutOptions {
                     mode,
+                    attributes: attrs,
                     ..Default::default()
                 };
                 match remote

@@ -344,12 +344,74 @@ async fn open_remote(hub: Hub, uri: HubUri, keep: &Keep<'_>) -> Result<Vec<Arc<d
     let uri_ref = &uri;
     futures_util::stream::iter(paths)
         .map(|path| async move {
-            let name = uri_ref.file_uri(commit, &path);
-            let resolve_url = hub_ref.resolve_url(&uri_ref.repo_id, commit, &path);
+            Ok(open_file(hub_ref, uri_ref, commit, &path).await? as Arc<dyn Source>)
+        })
+        .buffered(META_CONCURRENCY)
+        .try_collect()
+        .await
+}
+
+/// Every file of the repo under the URI's path (the path itself when it names a file), for a
+/// copy: `(path relative to the URI's folder, source)` in name order, and whether the URI named
+/// one file (then its name is the file's base name). Each
+/// source's `cache_identity` gives its sha256 or git blob id.
+pub fn open_tree(
+    uri: &str,
+    storage_options: &[(String, String)],
+) -> Result<(bool, Vec<(String, Arc<dyn Source>)>)> {
+    let parsed = HubUri::parse(uri)?;
+    let (retry, rest) = crate::source::object::split_retry_options(storage_options)?;
+    let settings = HubSettings::from_env(&rest)?;
+    let hub = Hub::new(settings, retry)?;
+    crate::runtime::block_on(uri, async move {
+        let info = hub.repo_info(&parsed).await?;
+        let commit = info.commit.as_str();
+        let single = info.files.contains(&parsed.path);
+        let picked: Vec<(String, String)> = if single {
+            let base = parsed.path.rsplit('/').next().unwrap_or(&parsed.path);
+            vec![(base.to_string(), parsed.path.clone())]
+        } else {
+            let folder = if parsed.path.is_empty() {
+                String::new()
+            } else {
+                format!("{}/", parsed.path)
+            };
+            let mut picked: Vec<(String, String)> = info
+                .files
+                .iter()
+                .filter_map(|f| Some((f.strip_prefix(&folder)?.to_string(), f.clone())))
+                .collect();
+            picked.sort();
+            if picked.is_empty() {
+                return Err(Error::NotFound {
+                    path: parsed.file_uri(commit, &parsed.path),
+                });
+            }
+            picked
+        };
+        let (hub_ref, uri_ref) = (&hub, &parsed);
+        let opened: Vec<(String, Arc<dyn Source>)> = futures_util::stream::iter(picked)
+            .map(|(rel, path)| async move {
+                let file = open_file(hub_ref, uri_ref, commit, &path).await?;
+                Ok::<_, Error>((rel, file as Arc<dyn Source>))
+            })
+            .buffered(META_CONCURRENCY)
+            .try_collect()
+            .await?;
+        Ok((single, opened))
+    })
+}
+
+/// One file of the repo at `commit`, its size, ETag and location asked of `resolve/`.
+async fn open_file(hub_ref: &Hub, uri_ref: &HubUri, commit: &str, path: &str) -> Result<Arc<HubFile>> {
+    {
+        {
+            let name = uri_ref.file_uri(commit, path);
+            let resolve_url = hub_ref.resolve_url(&uri_ref.repo_id, commit, path);
             let meta = hub_ref
                 .file_meta(&name, &uri_ref.repo_id, &resolve_url)
                 .await?;
-            let identity = identity(uri_ref, commit, &path, &meta).ok_or_else(|| {
+            let identity = identity(uri_ref, commit, path, &meta).ok_or_else(|| {
                 io_error(
                     &name,
                     io::ErrorKind::InvalidData,
@@ -375,11 +437,9 @@ async fn open_remote(hub: Hub, uri: HubUri, keep: &Keep<'_>) -> Result<Vec<Arc<d
                 pin_host: Mutex::new(pin_host),
                 location: Mutex::new(meta.location),
                 identity,
-            }) as Arc<dyn Source>)
-        })
-        .buffered(META_CONCURRENCY)
-        .try_collect()
-        .await
+            }))
+        }
+    }
 }
 
 /// The files to load: the URI's file; else the folder's index's shards; else the folder's
