@@ -92,6 +92,24 @@ pub struct ObjectUpload {
     metadata: Vec<(String, String)>,
 }
 
+/// The storage options of an upload: to S3, each PUT and part carries `x-amz-checksum-sha256`
+/// (object_store's `checksum_algorithm`), which the store checks on receipt, unless the caller
+/// chose an algorithm (`checksum_algorithm`, `AWS_CHECKSUM_ALGORITHM`). object_store sends no
+/// per-part checksum to GCS or Azure.
+fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String)> {
+    let mut out = options.to_vec();
+    let scheme = uri.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    let s3 = matches!(scheme.as_deref(), Some("s3" | "s3a"));
+    let chosen = options.iter().any(|(k, _)| {
+        let k = k.to_ascii_lowercase();
+        k == "checksum_algorithm" || k == "aws_checksum_algorithm"
+    }) || std::env::var_os("AWS_CHECKSUM_ALGORITHM").is_some();
+    if s3 && !chosen {
+        out.push(("aws_checksum_algorithm".into(), "sha256".into()));
+    }
+    out
+}
+
 /// `metadata` as object_store's attributes.
 fn attributes(metadata: &[(String, String)]) -> object_store::Attributes {
     metadata
@@ -107,7 +125,7 @@ fn attributes(metadata: &[(String, String)]) -> object_store::Attributes {
 
 impl ObjectUpload {
     pub fn create(uri: &str, len: u64, options: &WriteOptions) -> Result<ObjectUpload> {
-        let remote = open(uri, &options.storage_options)?;
+        let remote = open(uri, &with_checksum(uri, &options.storage_options))?;
         if remote.is_prefix {
             return Err(Error::UnsupportedUri {
                 uri: remote.uri.clone(),

@@ -389,6 +389,14 @@ pub fn open_tree(
             }
             picked
         };
+        // Names from the listing become destination paths: a hostile one fails before any
+        // file is opened (the copy checks again when it joins them to the destination).
+        for (rel, path) in &picked {
+            crate::format::check_inside(rel).map_err(|reason| Error::UnsupportedUri {
+                uri: parsed.file_uri(commit, path),
+                message: format!("its name {rel:?} cannot be copied: {reason}; nothing was copied"),
+            })?;
+        }
         let (hub_ref, uri_ref) = (&hub, &parsed);
         let opened: Vec<(String, Arc<dyn Source>)> = futures_util::stream::iter(picked)
             .map(|(rel, path)| async move {
