@@ -325,3 +325,19 @@ async fn refuse_existing(remote: &Remote) -> Result<()> {
         Err(e) => Err(storage_error(&remote.uri, e)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn s3_uploads_carry_sha256_checksums_unless_told_otherwise() {
+        let added = ("aws_checksum_algorithm".to_string(), "sha256".to_string());
+        assert!(with_checksum("s3://b/k", &[]).contains(&added));
+        assert!(with_checksum("S3A://b/k", &[]).contains(&added));
+        let chosen = [("checksum_algorithm".to_string(), "crc64nvme".to_string())];
+        assert_eq!(with_checksum("s3://b/k", &chosen), chosen);
+        assert_eq!(with_checksum("gs://b/k", &[]), []);
+        assert_eq!(with_checksum("az://c/k", &[]), []);
+    }
+}

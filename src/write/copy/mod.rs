@@ -288,3 +288,94 @@ fn pump(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::testing::Bytes as Mem;
+
+    fn item(rel: &str, size: usize) -> Item {
+        Item {
+            rel: rel.into(),
+            source: Arc::new(Mem {
+                name: format!("mem://{rel}"),
+                data: vec![7; size],
+            }),
+            digest: None,
+            id: None,
+        }
+    }
+
+    fn listing(single: bool, names: &[(&str, usize)]) -> Listing {
+        Listing {
+            single,
+            items: names.iter().map(|&(n, s)| item(n, s)).collect(),
+        }
+    }
+
+    #[test]
+    fn ranks_split_the_files_by_size_and_together_cover_them_once() {
+        let l = listing(
+            false,
+            &[("a", 100), ("b", 90), ("c", 10), ("d", 5), ("e", 0), ("f", 80)],
+        );
+        let t = destinations(&l, "s3://b/p/").unwrap();
+        let shares: Vec<Vec<usize>> = (0..3).map(|r| share(&t, r, 3)).collect();
+        let mut all: Vec<usize> = shares.concat();
+        all.sort();
+        assert_eq!(all, (0..6).collect::<Vec<_>>());
+        let load = |s: &Vec<usize>| s.iter().map(|&i| t[i].0.source.size()).sum::<u64>();
+        assert_eq!(shares.iter().map(load).collect::<Vec<_>>(), [100, 95, 90]);
+        assert_eq!(share(&t, 0, 1), (0..6).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn destinations_join_relative_names_and_refuse_hostile_ones() {
+        let l = listing(false, &[("config.json", 1), ("sub/w.safetensors", 1)]);
+        let t = destinations(&l, "s3://b/org/repo/").unwrap();
+        assert_eq!(t[0].1, "s3://b/org/repo/config.json");
+        assert_eq!(t[1].1, "s3://b/org/repo/sub/w.safetensors");
+        for bad in ["../x", "a/../../x", "/etc/passwd", "a/%2e%2e/x", "C:x", "a\\..\\x"] {
+            let l = listing(false, &[("ok", 1), (bad, 1)]);
+            let err = destinations(&l, "/tmp/dst").unwrap_err();
+            assert!(err.to_string().contains("nothing was copied"), "{bad}: {err}");
+        }
+        // One file: the destination itself, or into a folder named with a trailing slash.
+        let one = listing(true, &[("m.safetensors", 1)]);
+        assert_eq!(destinations(&one, "s3://b/x.st").unwrap()[0].1, "s3://b/x.st");
+        assert_eq!(destinations(&one, "s3://b/d/").unwrap()[0].1, "s3://b/d/m.safetensors");
+    }
+
+    #[test]
+    fn a_local_folder_is_copied_then_skipped_and_a_changed_file_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(src.join("sub")).unwrap();
+        std::fs::write(src.join("config.json"), b"{}").unwrap();
+        std::fs::write(src.join("sub/w.bin"), vec![3u8; 3 << 20]).unwrap();
+        let dst = dir.path().join("dst");
+        let (s, d) = (src.to_str().unwrap(), dst.to_str().unwrap());
+        let opts = CopyOptions {
+            block_size: 1 << 20,
+            ..CopyOptions::default()
+        };
+        let first = copy(s, d, &opts).unwrap();
+        assert_eq!(first.copied.len(), 2);
+        assert_eq!(std::fs::read(dst.join("sub/w.bin")).unwrap(), vec![3u8; 3 << 20]);
+        let again = copy(s, d, &opts).unwrap();
+        assert_eq!((again.copied.len(), again.skipped.len()), (0, 2));
+        // The source changed (a new mtime): the old copy is not taken for it.
+        std::fs::write(src.join("config.json"), b"{1}").unwrap();
+        let err = copy(s, d, &opts).unwrap_err();
+        assert!(matches!(err, Error::Exists { .. }), "{err}");
+        let opts = CopyOptions {
+            write: WriteOptions {
+                overwrite: true,
+                ..WriteOptions::default()
+            },
+            ..opts
+        };
+        copy(s, d, &opts).unwrap();
+        assert_eq!(std::fs::read(dst.join("config.json")).unwrap(), b"{1}");
+    }
+}
