@@ -19,8 +19,8 @@ import fastload
 import pytest
 import torch
 from helpers import assert_same_tensors
-from servers.hub import MockHub, lfs_sha256
 from servers import s3 as s3_server
+from servers.hub import MockHub, lfs_sha256
 from servers.s3 import BUCKET, SECRET_KEY, Fault, HttpFaultProxy
 
 aws_env = s3_server.aws_env
@@ -133,7 +133,7 @@ def test_a_poisoned_hub_blob_aborts_that_file_and_names_it(hub, env, s3):
     bad = bytearray(data)
     bad[len(bad) // 2] ^= 0xFF
     hub.storage.poison[lfs_sha256(data)] = bytes(bad)
-    with pytest.raises(fastload.FastloadError, match="big.bin") as e:
+    with pytest.raises(fastload.FastloadError, match=r"big\.bin") as e:
         fastload.copy(
             f"hf://{REPO}/big.bin", f"s3://{BUCKET}/{prefix}", part_size=PART, progress=False
         )
@@ -146,7 +146,7 @@ def test_an_existing_different_file_is_refused_unless_overwrite(hub, env, tmp_pa
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "config.json").write_bytes(b"something else")
-    with pytest.raises(fastload.DestinationExistsError, match="config.json"):
+    with pytest.raises(fastload.DestinationExistsError, match=r"config\.json"):
         fastload.copy(f"hf://{REPO}/config.json", str(dst), progress=False)
     assert (dst / "config.json").read_bytes() == b"something else"
     fastload.copy(f"hf://{REPO}/config.json", str(dst), overwrite=True, progress=False)
@@ -162,7 +162,7 @@ def test_hostile_names_in_the_source_listing_write_nothing(hub, env, tmp_path):
     for repo, name in (("org/hostile", "a/%2e%2e/x.json"), ("org/parent", "../x.json")):
         with pytest.raises(fastload.FastloadError, match="nothing was copied") as e:
             fastload.copy(f"hf://{repo}", str(dst), progress=False)
-        assert repr(name) .replace("'", '"') in str(e.value)
+        assert repr(name).replace("'", '"') in str(e.value)
         assert not (tmp_path / "out").exists()
 
 
@@ -300,7 +300,9 @@ def test_two_ranks_split_the_files(tmp_path):
     src = tmp_path / "src"
     for i, size in enumerate([3 << 20, 2 << 20, 1 << 20, 10, 20]):
         (src / "d").mkdir(parents=True, exist_ok=True)
-        (src / "d" / f"f{i}").write_bytes(hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1))
+        (src / "d" / f"f{i}").write_bytes(
+            hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1)
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -311,3 +313,57 @@ def test_two_ranks_split_the_files(tmp_path):
     mine = [set(o["copied"]) for o in outs]
     assert mine[0] and mine[1] and not (mine[0] & mine[1])
     assert files_of(dst) == files_of(src)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM: `fastload copy hf://... s3://...`, then `vllm serve s3://... --load-format fastload`
+
+try:
+    from test_vllm import (
+        S3_BUCKET,
+        _engine_env,
+        _greedy_tokens,
+        _serving,
+        _tail,
+        _worker_load_lines,
+        needs_vllm,
+        offline,  # noqa: F401 (the module's engines and vLLM's own tokens, as a fixture)
+    )
+except ImportError:  # pragma: no cover
+    needs_vllm = pytest.mark.skip(reason="tests/test_vllm.py not importable")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_copy_from_the_hub_to_s3_then_serve_it_with_vllm(offline, seaweed, tmp_path):
+    """The seeds' flow in one command: ``fastload copy hf://org/tiny-llama s3://models/...``
+    (mock Hub to SeaweedFS, no local staging), then ``vllm serve s3://... --load-format
+    fastload`` answers with the tokens vLLM's own loader gave on the original folder."""
+    from hf_models import engine_hub
+
+    expected, _, work = offline
+    folder = work / "tiny-llama"
+    dst = f"s3://{S3_BUCKET}/copied/tiny-llama/"
+    client = seaweed.client()
+    try:
+        client.create_bucket(Bucket=S3_BUCKET)
+    except Exception as e:
+        if "Bucket" not in type(e).__name__:
+            raise
+    with engine_hub(folder, "org/tiny-llama", tmp_path / "hf_home") as (_, hub_env):
+        env = {**os.environ, **hub_env, **seaweed.env(), "PYTHONPATH": PYTHON}
+        done = subprocess.run(
+            [sys.executable, "-c", "import fastload._cli as c; c.main()", "copy",
+             "hf://org/tiny-llama", dst],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    copied = objects(client, "copied/tiny-llama/")
+    assert copied == {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    model = dst.rstrip("/")
+    env = {**_engine_env(), **seaweed.env(), "VLLM_ASSETS_CACHE": str(tmp_path / "assets")}
+    log = tmp_path / "serve.log"
+    with _serving(model, log, env) as base:
+        assert _greedy_tokens(base, model) == expected["safetensors"][0]
+    output, _ = _worker_load_lines(log)
+    assert "fastload pulled" in output, _tail(output)
