@@ -42,12 +42,11 @@ def _group(process_group: Any) -> tuple[Any, int, int]:
             return None, 0, 1
         return group, dist.get_rank(group), dist.get_world_size(group)
     if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-        return (dist.group.WORLD, dist.get_rank(), world) if world > 1 else (None, 0, 1)
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    if rank is not None and world is not None and rank.isdigit() and world.isdigit():
-        if int(world) > 1 and int(rank) < int(world):
-            return None, int(rank), int(world)
+        size = dist.get_world_size()
+        return (dist.group.WORLD, dist.get_rank(), size) if size > 1 else (None, 0, 1)
+    env_rank, env_world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if env_rank.isdigit() and env_world.isdigit() and int(env_rank) < int(env_world):
+        return None, int(env_rank), int(env_world)
     return None, 0, 1
 
 

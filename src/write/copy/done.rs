@@ -14,9 +14,9 @@ use crate::source::open::{kind, Kind};
 use crate::write::WriteOptions;
 
 /// The metadata key (`x-amz-meta-fastload-source` on S3) a copy records its source's identity
-/// under; locally the extended attribute `user.fastload.source`.
+/// under; locally the extended attribute `user.fastload_source`.
 pub const ID_KEY: &str = "fastload-source";
-const XATTR: &str = "user.fastload.source";
+const XATTR: &str = "user.fastload_source";
 
 /// What is at a destination.
 #[derive(Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 //!   ([`VerifyingSource`]); the read that completes a file with the wrong digest fails, its
 //!   sink is aborted before publishing, and the copy fails naming the file.
 //! - Resumable: the source's identity ([`Item::id`]) is stored with each published file (object
-//!   metadata `fastload-source`; a local file's `user.fastload.source` extended attribute); a
+//!   metadata `fastload-source`; a local file's `user.fastload_source` extended attribute); a
 //!   rerun skips a destination file of the same size and identity (a local one without the
 //!   attribute is hashed when the source has a digest). An existing file that is not a verified
 //!   copy is refused unless `overwrite`.
