@@ -33,7 +33,7 @@ pub(super) struct CopyArgs {
     /// Reads in flight per file [default: 8]
     #[arg(long, value_name = "N")]
     concurrency: Option<usize>,
-    /// Bytes per read request, e.g. 8MiB [default: 8MiB]
+    /// Bytes per read request, e.g. 8MiB [default: 2MiB]
     #[arg(long, value_name = "SIZE")]
     block_size: Option<Size>,
     /// Bytes of upload parts in flight per file (object stores), e.g. 256MiB [default: 256MiB]
@@ -50,9 +50,9 @@ pub(super) struct CopyArgs {
 pub(super) fn run(args: CopyArgs) -> CliResult {
     let mut storage_options = Vec::new();
     for pair in &args.options {
-        let (k, v) = pair.split_once('=').ok_or_else(|| {
-            crate::Error::option("option", format!("{pair:?} is not KEY=VALUE"))
-        })?;
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| crate::Error::option("option", format!("{pair:?} is not KEY=VALUE")))?;
         storage_options.push((k.trim().to_string(), v.to_string()));
     }
     let bar = progress();

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 mod args;
+mod copy;
 mod dlpack;
 mod errors;
 mod gil;
@@ -17,7 +18,6 @@ mod reader;
 mod stream;
 mod wait;
 mod write;
-mod copy;
 
 use crate::format::Dtype;
 use crate::options::Size;

@@ -411,7 +411,12 @@ pub fn open_tree(
 }
 
 /// One file of the repo at `commit`, its size, ETag and location asked of `resolve/`.
-async fn open_file(hub_ref: &Hub, uri_ref: &HubUri, commit: &str, path: &str) -> Result<Arc<HubFile>> {
+async fn open_file(
+    hub_ref: &Hub,
+    uri_ref: &HubUri,
+    commit: &str,
+    path: &str,
+) -> Result<Arc<HubFile>> {
     {
         {
             let name = uri_ref.file_uri(commit, path);

@@ -117,23 +117,14 @@ fn hash_file(path: &str, digest: &Digest) -> Result<String> {
 /// attributes falls back to hashing, or to refusing the file, on the next run).
 pub fn mark_local(dst: &str, id: &str) {
     let path = dst.strip_prefix("file://").unwrap_or(dst);
-    let (Ok(p), Ok(name)) = (
-        std::ffi::CString::new(path),
-        std::ffi::CString::new(XATTR),
-    ) else {
+    let (Ok(p), Ok(name)) = (std::ffi::CString::new(path), std::ffi::CString::new(XATTR)) else {
         return;
     };
     #[allow(unsafe_code)]
     // SAFETY: both names are NUL-terminated C strings that outlive the call; the value pointer
     // and length describe `id`'s bytes.
     unsafe {
-        libc::setxattr(
-            p.as_ptr(),
-            name.as_ptr(),
-            id.as_ptr().cast(),
-            id.len(),
-            0,
-        );
+        libc::setxattr(p.as_ptr(), name.as_ptr(), id.as_ptr().cast(), id.len(), 0);
     }
 }
 
@@ -144,7 +135,14 @@ fn read_xattr(path: &str) -> Option<String> {
     #[allow(unsafe_code)]
     // SAFETY: both names are NUL-terminated C strings that outlive the call; `buf` is writable
     // for its length.
-    let n = unsafe { libc::getxattr(p.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = unsafe {
+        libc::getxattr(
+            p.as_ptr(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
     if n < 0 {
         return None;
     }

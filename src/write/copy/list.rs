@@ -42,9 +42,10 @@ pub fn list(src: &str, storage_options: &[(String, String)]) -> Result<Listing> 
                 .map(|(rel, source)| {
                     let identity = source.cache_identity();
                     let digest = identity.as_ref().and_then(|i| i.digest());
-                    let id = digest.as_ref().map(digest_id).or_else(|| {
-                        identity.and_then(|i| i.etag).map(|e| format!("etag:{e}"))
-                    });
+                    let id = digest
+                        .as_ref()
+                        .map(digest_id)
+                        .or_else(|| identity.and_then(|i| i.etag).map(|e| format!("etag:{e}")));
                     Item {
                         rel,
                         source,
@@ -104,8 +105,8 @@ fn list_objects(src: &str, storage_options: &[(String, String)]) -> Result<Listi
                 .strong_etag()
                 .map(|e| format!("etag:{}", e.trim_matches('"')));
             let (store, retry) = (remote.store.clone(), remote.retry.clone());
-            let source = object::RemoteObject::new(name, store, f.path.clone(), f.size, retry)
-                .pinned_to(&f);
+            let source =
+                object::RemoteObject::new(name, store, f.path.clone(), f.size, retry).pinned_to(&f);
             Item {
                 rel,
                 source: Arc::new(source),
@@ -159,12 +160,16 @@ fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, std::path::PathBuf)>) -> R
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io(&shown, e))? {
         let entry = entry.map_err(|e| Error::io(&shown, e))?;
         let path = entry.path();
-        let name = entry.file_name().to_str().map(str::to_string).ok_or_else(|| {
-            Error::io(
-                &path.display().to_string(),
-                std::io::Error::new(std::io::ErrorKind::InvalidData, "the name is not UTF-8"),
-            )
-        })?;
+        let name = entry
+            .file_name()
+            .to_str()
+            .map(str::to_string)
+            .ok_or_else(|| {
+                Error::io(
+                    &path.display().to_string(),
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "the name is not UTF-8"),
+                )
+            })?;
         if name.ends_with(".fastload-tmp") {
             continue;
         }
