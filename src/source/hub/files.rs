@@ -351,14 +351,14 @@ async fn open_remote(hub: Hub, uri: HubUri, keep: &Keep<'_>) -> Result<Vec<Arc<d
         .await
 }
 
+/// What [`open_tree`] finds: whether the URI named one file, and each file with its name.
+pub type Tree = (bool, Vec<(String, Arc<dyn Source>)>);
+
 /// Every file of the repo under the URI's path (the path itself when it names a file), for a
 /// copy: `(path relative to the URI's folder, source)` in name order, and whether the URI named
 /// one file (then its name is the file's base name). Each
 /// source's `cache_identity` gives its sha256 or git blob id.
-pub fn open_tree(
-    uri: &str,
-    storage_options: &[(String, String)],
-) -> Result<(bool, Vec<(String, Arc<dyn Source>)>)> {
+pub fn open_tree(uri: &str, storage_options: &[(String, String)]) -> Result<Tree> {
     let parsed = HubUri::parse(uri)?;
     let (retry, rest) = crate::source::object::split_retry_options(storage_options)?;
     let settings = HubSettings::from_env(&rest)?;
@@ -417,42 +417,38 @@ async fn open_file(
     commit: &str,
     path: &str,
 ) -> Result<Arc<HubFile>> {
-    {
-        {
-            let name = uri_ref.file_uri(commit, path);
-            let resolve_url = hub_ref.resolve_url(&uri_ref.repo_id, commit, path);
-            let meta = hub_ref
-                .file_meta(&name, &uri_ref.repo_id, &resolve_url)
-                .await?;
-            let identity = identity(uri_ref, commit, path, &meta).ok_or_else(|| {
-                io_error(
-                    &name,
-                    io::ErrorKind::InvalidData,
-                    "the Hub sent no ETag for this file",
-                )
-            })?;
-            // A file the Hub serves itself is pinned to the ETag `resolve/` sent.
-            let same_host = meta.location.same_host;
-            let pin_host = same_host.then(|| meta.location.url.origin().ascii_serialization());
-            let pinned = same_host.then(|| Version {
-                etag: meta.etag_header.clone(),
-                ..Version::default()
-            });
-            Ok(Arc::new(HubFile {
-                name,
-                repo_id: uri_ref.repo_id.clone(),
-                hub: hub_ref.clone(),
-                resolve_url,
-                size: meta.size,
-                etag: meta.etag,
-                // From resolve/'s header: the form the Hub sends with the bytes.
-                pin: Pin::new(Some(meta.size), pinned).confirmed(),
-                pin_host: Mutex::new(pin_host),
-                location: Mutex::new(meta.location),
-                identity,
-            }))
-        }
-    }
+    let name = uri_ref.file_uri(commit, path);
+    let resolve_url = hub_ref.resolve_url(&uri_ref.repo_id, commit, path);
+    let meta = hub_ref
+        .file_meta(&name, &uri_ref.repo_id, &resolve_url)
+        .await?;
+    let identity = identity(uri_ref, commit, path, &meta).ok_or_else(|| {
+        io_error(
+            &name,
+            io::ErrorKind::InvalidData,
+            "the Hub sent no ETag for this file",
+        )
+    })?;
+    // A file the Hub serves itself is pinned to the ETag `resolve/` sent.
+    let same_host = meta.location.same_host;
+    let pin_host = same_host.then(|| meta.location.url.origin().ascii_serialization());
+    let pinned = same_host.then(|| Version {
+        etag: meta.etag_header.clone(),
+        ..Version::default()
+    });
+    Ok(Arc::new(HubFile {
+        name,
+        repo_id: uri_ref.repo_id.clone(),
+        hub: hub_ref.clone(),
+        resolve_url,
+        size: meta.size,
+        etag: meta.etag,
+        // From resolve/'s header: the form the Hub sends with the bytes.
+        pin: Pin::new(Some(meta.size), pinned).confirmed(),
+        pin_host: Mutex::new(pin_host),
+        location: Mutex::new(meta.location),
+        identity,
+    }))
 }
 
 /// The files to load: the URI's file; else the folder's index's shards; else the folder's

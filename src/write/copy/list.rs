@@ -166,7 +166,7 @@ fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, std::path::PathBuf)>) -> R
             .map(str::to_string)
             .ok_or_else(|| {
                 Error::io(
-                    &path.display().to_string(),
+                    path.display().to_string(),
                     std::io::Error::new(std::io::ErrorKind::InvalidData, "the name is not UTF-8"),
                 )
             })?;
