@@ -367,3 +367,33 @@ def test_copy_from_the_hub_to_s3_then_serve_it_with_vllm(offline, seaweed, tmp_p
         assert _greedy_tokens(base, model) == expected["safetensors"][0]
     output, _ = _worker_load_lines(log)
     assert "fastload pulled" in output, _tail(output)
+
+
+def test_the_cli_draws_a_progress_bar_on_a_terminal_only(tmp_path):
+    import pty
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(3 << 20))
+    run = [sys.executable, "-c", "import fastload._cli as c; c.main()", "copy"]
+    env = {**os.environ, "PYTHONPATH": PYTHON}
+    piped = subprocess.run([*run, str(src), str(tmp_path / "a")], env=env, capture_output=True)
+    assert piped.returncode == 0 and b"B/s" not in piped.stderr
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [*run, str(src), str(tmp_path / "b")], env=env, stderr=follower, stdout=subprocess.DEVNULL
+    )
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    assert b"copy 1 file" in seen and b"B/s" in seen, seen
+    assert (tmp_path / "b" / "w.bin").read_bytes() == (src / "w.bin").read_bytes()

@@ -154,7 +154,8 @@ fn list_local(src: &str) -> Result<Listing> {
     Ok(Listing { single, items })
 }
 
-/// Regular files under `dir` (symlinks followed to files; a writer's temporary files left out).
+/// Regular files under `dir` (symlinks to files followed, as in a Hugging Face cache snapshot;
+/// symlinks to folders skipped; a writer's temporary files left out).
 fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, std::path::PathBuf)>) -> Result<()> {
     let shown = dir.display().to_string();
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io(&shown, e))? {
@@ -179,6 +180,11 @@ fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, std::path::PathBuf)>) -> R
             format!("{rel}/{name}")
         };
         let meta = std::fs::metadata(&path).map_err(|e| Error::io(&child, e))?;
+        let link = entry.file_type().is_ok_and(|t| t.is_symlink());
+        if meta.is_dir() && link {
+            // A linked folder may link back up (a cycle): only real folders are walked.
+            continue;
+        }
         if meta.is_dir() {
             walk(&path, &child, out)?;
         } else if meta.is_file() {

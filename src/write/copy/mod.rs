@@ -387,6 +387,8 @@ mod tests {
             std::fs::read(dst.join("sub/w.bin")).unwrap(),
             vec![3u8; 3 << 20]
         );
+        // A folder linked back up is not walked (no endless recursion).
+        std::os::unix::fs::symlink(&src, src.join("sub/loop")).unwrap();
         let again = copy(s, d, &opts).unwrap();
         assert_eq!((again.copied.len(), again.skipped.len()), (0, 2));
         // The source changed (a new mtime): the old copy is not taken for it.
