@@ -3,6 +3,7 @@
     python benches/write_bench.py                    # 256 MiB state dict, 3 rounds (~1 min)
     python benches/write_bench.py --size 2GiB        # the issue's size
     python benches/write_bench.py --no-s3 --reps 5
+    python benches/write_bench.py --reps 1 --copy-size 64MiB   # once, with the copy rows
 
 Rows, each timed in this process with rounds interleaved (order rotated each round), after one
 untimed warm-up round:
@@ -16,6 +17,13 @@ untimed warm-up round:
   16 MiB parts, 10 threads), the way a checkpoint reaches a bucket today. SeaweedFS runs on
   127.0.0.1 (tests/servers/s3.py) and shares the VM's cores with the client: compare rows of
   one run only.
+
+- copy: `fastload.copy("hf://org/bench", "s3://.../")` (each file read once in ranged parallel
+  GETs from the mock Hub, uploaded in parallel parts, sha256 checked in flight) against
+  huggingface_hub's `snapshot_download` into a fresh cache then boto3's `upload_file` of each file
+  (the seeds' `hf download` + `aws s3 sync`). The mock Hub (tests/servers/hub.py) serves a model
+  folder of `--copy-size` bytes (one safetensors file plus config files) from its own process,
+  at `--hub-rate` bytes/s (0: unlimited); the destination prefix is emptied between runs.
 
 Cells are GB/s of tensor bytes (1e9 B/s): median (min-max) over rounds; the ratio is fastload's
 median over the peer's. Results are printed and written to benches/out/write_results.json.
@@ -73,6 +81,64 @@ def summary(rates: list[float]) -> str:
     return f"{statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f})"
 
 
+def copy_rows(args, client, bucket: str, transfer):
+    """The copy rows: a mock Hub in its own process serving a model folder, and the two ways of
+    putting that folder into the bucket. Returns (jobs, bytes of the folder, the Hub process)."""
+    import subprocess
+
+    import fastload
+
+    size = fastload._fastload.parse_size(args.copy_size)
+    src = Path(tempfile.mkdtemp(prefix="write-bench-hub-"))
+    (src / "model.safetensors").write_bytes(os.urandom(size))
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        (src / name).write_bytes(b'{"bench": true}')
+    folder_bytes = sum(p.stat().st_size for p in src.iterdir())
+    rate = str(fastload._fastload.parse_size(args.hub_rate)) if args.hub_rate != "0" else "0"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servers.hub", "--dir", str(src),
+         "--rate", rate],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+    )  # fmt: skip
+    base = proc.stdout.readline().strip()
+    os.environ["HF_ENDPOINT"] = base
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    prefix = "bench-copy/"
+
+    def empty() -> None:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+        if listed:
+            keys = [{"Key": o["Key"]} for o in listed]
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+    def ours_copy() -> None:
+        empty()
+        fastload.copy(
+            "hf://org/bench",
+            f"s3://{bucket}/{prefix}",
+            block_size=args.copy_block_size,
+            progress=False,
+        )
+
+    def theirs_copy() -> None:
+        empty()
+        import huggingface_hub
+
+        cache = tempfile.mkdtemp(prefix="write-bench-snap-")
+        try:
+            local = huggingface_hub.snapshot_download("org/bench", cache_dir=cache, endpoint=base)
+            for p in Path(local).rglob("*"):
+                if p.is_file():
+                    key = prefix + str(p.relative_to(local))
+                    client.upload_file(str(p), bucket, key, Config=transfer)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+
+    jobs = [("copy", "fastload copy", ours_copy), ("copy", "snapshot_download+boto3", theirs_copy)]
+    return jobs, folder_bytes, proc
+
+
 def main() -> None:
     import fastload
     from safetensors.torch import save_file
@@ -82,6 +148,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="rounds (default 3)")
     ap.add_argument("--dir", default=None, help="local destination folder")
     ap.add_argument("--no-s3", action="store_true", help="local rows only")
+    ap.add_argument("--copy-size", default="64MiB", help="bytes of the copied model (64MiB)")
+    ap.add_argument("--hub-rate", default="0", help="mock Hub storage bytes/s (0: unlimited)")
+    ap.add_argument("--no-copy", action="store_true", help="no copy rows")
+    ap.add_argument("--copy-block-size", default=None, help="fastload.copy's block_size")
     args = ap.parse_args()
 
     size = fastload._fastload.parse_size(args.size)
@@ -108,6 +178,8 @@ def main() -> None:
     jobs = [("local", "fastload", ours_local), ("local", "safetensors+fsync", theirs_local)]
 
     server = None
+    hub_proc = None
+    copy_bytes = 0
     if not args.no_s3:
         from servers import s3 as s3_server
 
@@ -138,6 +210,11 @@ def main() -> None:
                 os.remove(dest)
 
             jobs += [("s3", "fastload", ours_s3), ("s3", "save_file+boto3", theirs_s3)]
+            if not args.no_copy:
+                copy_jobs, copy_bytes, hub_proc = copy_rows(
+                    args, client, s3_server.BUCKET, transfer
+                )
+                jobs += copy_jobs
 
     times: dict[tuple[str, str], list[float]] = {(w, n): [] for w, n, _ in jobs}
     try:
@@ -151,6 +228,9 @@ def main() -> None:
                     times[(where, name)].append(time.perf_counter() - start)
         clean()
     finally:
+        if hub_proc is not None:
+            hub_proc.stdin.close()
+            hub_proc.wait(timeout=30)
         if server is not None:
             server.stop()
         if not args.dir:
@@ -159,11 +239,14 @@ def main() -> None:
     print(f"save_file of {total / 1e9:.3f} GB ({len(tensors)} tensors), {args.reps} rounds")
     print("| where | writer | GB/s median (min-max) | vs peer |")
     print("|---|---|---|---|")
-    for where in ("local", "s3"):
+    for where in ("local", "s3", "copy"):
         names = [n for w, n in times if w == where]
         if not names:
             continue
-        rates = {n: [total / t / 1e9 for t in times[(where, n)]] for n in names}
+        size = copy_bytes if where == "copy" else total
+        if where == "copy":
+            print(f"copy of a {size / 1e9:.3f} GB model folder, hf:// (mock Hub) to s3://")
+        rates = {n: [size / t / 1e9 for t in times[(where, n)]] for n in names}
         peer = statistics.median(rates[names[1]])
         for n in names:
             ratio = statistics.median(rates[n]) / peer

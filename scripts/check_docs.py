@@ -7,8 +7,9 @@
 - every `fastload.<name>` Python API they name exists: an attribute of the package, or a
   submodule and a name defined in it (read from its source, so that `fastload.vllm` and
   `fastload.sglang` need neither vLLM nor SGLang installed);
-- every `fastload bench --flag` and `fastload inspect --flag` they use appears in that command's
-  `--help` (from `python -m fastload._cli`, else `cargo run --quiet --`);
+- every `fastload bench --flag`, `fastload inspect --flag` and `fastload copy --flag` they use
+  appears in that command's `--help` (from `python -m fastload._cli`, else `cargo run --quiet
+  --`);
 - `fastload bench`'s labels, as docs/cli-bench.md explains them: the "read from" values and the
   `bound_by` verdicts it lists are the ones src/cli/verdict.rs prints, its sample's table header
   is the one a bench run prints (a tiny run here), and the sample's rows and verdict lines use
@@ -48,7 +49,7 @@ PATH_RE = re.compile(
     r"|(?:" + "|".join(re.escape(f) for f in sorted(TOP_FILES)) + r"))(?:::(\w+))?(?:#([\w-]+))?"
 )
 API_RE = re.compile(r"\bfastload((?:\.\w+)+)")
-FLAG_RE = re.compile(r"\bfastload (bench|inspect)\b([^`\n]*)")
+FLAG_RE = re.compile(r"\bfastload (bench|inspect|copy)\b([^`\n]*)")
 CODE_RE = re.compile(r"`([^`\n]+)`")
 FENCE_RE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
@@ -194,7 +195,7 @@ def help_text(command: str) -> str:
 
 
 def check_flags(pages: dict[Path, str], problems: list[str]) -> None:
-    used: dict[str, set[tuple[str, str]]] = {"bench": set(), "inspect": set()}
+    used: dict[str, set[tuple[str, str]]] = {"bench": set(), "inspect": set(), "copy": set()}
     for page, text in pages.items():
         for span in code_spans(text):
             for line in span.splitlines():

@@ -1,4 +1,4 @@
-//! The `fastload` command line (bench, inspect); shared by the binary and the wheel's script.
+//! The `fastload` command line (bench, inspect, copy); shared by the binary and the wheel's script.
 //!
 //! Parsing never exits the process (the Python console script calls [`run`] in-process): clap's
 //! own messages are printed and its exit code returned; every other failure becomes exactly one
@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod checkpoint;
 mod compare;
+pub(crate) mod copy;
 mod inspect;
 mod limits;
 mod report;
@@ -41,6 +42,7 @@ pub fn run_in(args: Vec<String>, python: Option<String>) -> i32 {
     let result = match cli.command {
         Command::Bench(args) => bench::run(args, python.as_deref()),
         Command::Inspect(args) => inspect::run(args),
+        Command::Copy(args) => copy::run(args),
     };
     match result {
         Ok(()) => 0,
@@ -92,6 +94,11 @@ enum Command {
     /// List every tensor (name, dtype, shape, bytes, file), then each file and the totals;
     /// reads headers only (--json adds offsets and metadata).
     Inspect(inspect::InspectArgs),
+    /// Copy a file or a whole model folder from any store to any store (the Hub, object stores,
+    /// local paths): read once in parallel ranged reads, no local staging, Hub digests checked
+    /// while streaming, each file published whole; a rerun skips files already copied.
+    #[command(after_help = UNITS_HELP)]
+    Copy(copy::CopyArgs),
 }
 
 /// Why a command failed; printed as one line.

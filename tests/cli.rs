@@ -551,3 +551,34 @@ fn run_caches(report: &serde_json::Value) -> Vec<&str> {
         .map(|r| r["cache"].as_str().unwrap())
         .collect()
 }
+
+#[test]
+fn copy_copies_a_folder_skips_it_on_a_rerun_and_refuses_other_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, _) = sample(dir.path());
+    let dst = dir.path().join("out");
+    let (s, d) = (src.to_str().unwrap(), dst.to_str().unwrap());
+    let first = fastload(&["copy", s, &format!("{d}/")], None);
+    assert!(first.status.success(), "{first:?}");
+    let name = src.file_name().unwrap();
+    assert_eq!(fs::read(dst.join(name)).unwrap(), fs::read(&src).unwrap());
+    let text = String::from_utf8(first.stderr).unwrap();
+    assert!(text.contains("copied 1 file"), "{text}");
+    let again = fastload(&["copy", s, &format!("{d}/")], None);
+    let text = String::from_utf8(again.stderr).unwrap();
+    assert!(
+        text.contains("copied 0 files") && text.contains("skipped 1 file"),
+        "{text}"
+    );
+    // Another file where the copy would go: refused, named, left alone.
+    let other = dir.path().join("other.bin");
+    fs::write(&other, b"other").unwrap();
+    let line = error_line(&fastload(&["copy", other.to_str().unwrap(), s], None));
+    assert!(
+        line.contains(s) && line.contains("already exists"),
+        "{line}"
+    );
+    let missing = dir.path().join("missing");
+    let line = error_line(&fastload(&["copy", missing.to_str().unwrap(), d], None));
+    assert!(line.contains("missing"), "{line}");
+}

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
+    from ._copy import copy
     from ._safe_open import SafeSlice, safe_open
     from ._write import save, save_file
     from .distributed import DistributedStream
@@ -56,6 +57,7 @@ __all__ = [
     "__version__",
     "cache_stats",
     "cached_memory",
+    "copy",
     "inspect",
     "load",
     "load_file",
@@ -427,6 +429,7 @@ _LAZY = {
     "SafeSlice": "_safe_open",
     "save_file": "_write",
     "save": "_write",
+    "copy": "_copy",
 }
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "check_inside",
     "checkpoint_tensors",
     "cli_main",
+    "copy",
     "cuda_device_count",
     "fetch_object",
     "index_files",
@@ -359,6 +360,21 @@ def write_bytes(
     storage_options: Mapping[str, object] | None = None,
 ) -> None: ...
 def remove(uri: str, *, storage_options: Mapping[str, object] | None = None) -> None: ...
+def copy(
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool = False,
+    storage_options: Mapping[str, object] | None = None,
+    verify: bool = True,
+    concurrency: int | None = None,
+    block_size: int | None = None,
+    memory_limit: _Size | None = None,
+    part_size: int | None = None,
+    rank: int = 0,
+    world: int = 1,
+    progress: bool = True,
+) -> dict[str, Any]: ...
 def resolve_options(
     uris: list[str] = ...,
     *,

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 mod args;
+mod copy;
 mod dlpack;
 mod errors;
 mod gil;
@@ -126,6 +127,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<write::FileWriter>()?;
     m.add_function(wrap_pyfunction!(write::write_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(write::remove, m)?)?;
+    m.add_function(wrap_pyfunction!(copy::copy, m)?)?;
     m.add_function(wrap_pyfunction!(options::resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::checkpoint_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(ranks::plan_ranks, m)?)?;

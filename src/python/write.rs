@@ -86,6 +86,7 @@ fn options(
         storage_options: storage_options.unwrap_or_default().0,
         memory_limit: memory_limit.map(|m| m.0),
         part_size,
+        metadata: Vec::new(),
     }
 }
 

@@ -16,6 +16,7 @@ use object_store::ObjectStoreExt;
 
 use crate::error::{Error, Result};
 
+pub mod copy;
 mod header;
 mod local;
 mod object;
@@ -36,6 +37,9 @@ pub struct WriteOptions {
     /// Bytes per upload part (object stores); `None`: [`DEFAULT_PART_SIZE`], raised as needed to
     /// stay within the stores' 10,000 parts.
     pub part_size: Option<u64>,
+    /// User metadata stored with an object (`x-amz-meta-<key>` on S3, custom metadata on GCS and
+    /// Azure): a copy records who its source was, so that a rerun can skip it.
+    pub metadata: Vec<(String, String)>,
 }
 
 /// Upload parts in flight at most, whatever the memory limit.

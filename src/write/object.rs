@@ -89,11 +89,43 @@ pub struct ObjectUpload {
     part_size: usize,
     parts_in_flight: usize,
     overwrite: bool,
+    metadata: Vec<(String, String)>,
+}
+
+/// The storage options of an upload: to S3, each PUT and part carries `x-amz-checksum-sha256`
+/// (object_store's `checksum_algorithm`), which the store checks on receipt, unless the caller
+/// chose an algorithm (`checksum_algorithm`, `AWS_CHECKSUM_ALGORITHM`). object_store sends no
+/// per-part checksum to GCS or Azure.
+fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String)> {
+    let mut out = options.to_vec();
+    let scheme = uri.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    let s3 = matches!(scheme.as_deref(), Some("s3" | "s3a"));
+    let chosen = options.iter().any(|(k, _)| {
+        let k = k.to_ascii_lowercase();
+        k == "checksum_algorithm" || k == "aws_checksum_algorithm"
+    }) || std::env::var_os("AWS_CHECKSUM_ALGORITHM").is_some();
+    if s3 && !chosen {
+        out.push(("aws_checksum_algorithm".into(), "sha256".into()));
+    }
+    out
+}
+
+/// `metadata` as object_store's attributes.
+fn attributes(metadata: &[(String, String)]) -> object_store::Attributes {
+    metadata
+        .iter()
+        .map(|(k, v)| {
+            (
+                object_store::Attribute::Metadata(k.clone().into()),
+                object_store::AttributeValue::from(v.clone()),
+            )
+        })
+        .collect()
 }
 
 impl ObjectUpload {
     pub fn create(uri: &str, len: u64, options: &WriteOptions) -> Result<ObjectUpload> {
-        let remote = open(uri, &options.storage_options)?;
+        let remote = open(uri, &with_checksum(uri, &options.storage_options))?;
         if remote.is_prefix {
             return Err(Error::UnsupportedUri {
                 uri: remote.uri.clone(),
@@ -119,7 +151,13 @@ impl ObjectUpload {
             }
             let upload = remote
                 .store
-                .put_multipart_opts(&remote.path, PutMultipartOptions::default())
+                .put_multipart_opts(
+                    &remote.path,
+                    PutMultipartOptions {
+                        attributes: attributes(&options.metadata),
+                        ..Default::default()
+                    },
+                )
                 .await
                 .map_err(|e| storage_error(&remote.uri, e))?;
             Ok(State::Multi(Multi {
@@ -134,6 +172,7 @@ impl ObjectUpload {
             part_size,
             parts_in_flight,
             overwrite: options.overwrite,
+            metadata: options.metadata.clone(),
         })
     }
 
@@ -178,6 +217,7 @@ impl ObjectUpload {
     pub fn finish(mut self) -> Result<()> {
         let remote = self.remote.clone();
         let overwrite = self.overwrite;
+        let attrs = attributes(&self.metadata);
         let out = match std::mem::replace(&mut self.state, State::Done) {
             State::Single(payload) => crate::runtime::block_on(&remote.uri, async {
                 let mode = if overwrite {
@@ -187,6 +227,7 @@ impl ObjectUpload {
                 };
                 let opts = PutOptions {
                     mode,
+                    attributes: attrs,
                     ..Default::default()
                 };
                 match remote
@@ -282,5 +323,21 @@ async fn refuse_existing(remote: &Remote) -> Result<()> {
         }),
         Err(object_store::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(storage_error(&remote.uri, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn s3_uploads_carry_sha256_checksums_unless_told_otherwise() {
+        let added = ("aws_checksum_algorithm".to_string(), "sha256".to_string());
+        assert!(with_checksum("s3://b/k", &[]).contains(&added));
+        assert!(with_checksum("S3A://b/k", &[]).contains(&added));
+        let chosen = [("checksum_algorithm".to_string(), "crc64nvme".to_string())];
+        assert_eq!(with_checksum("s3://b/k", &chosen), chosen);
+        assert_eq!(with_checksum("gs://b/k", &[]), []);
+        assert_eq!(with_checksum("az://c/k", &[]), []);
     }
 }

@@ -344,42 +344,111 @@ async fn open_remote(hub: Hub, uri: HubUri, keep: &Keep<'_>) -> Result<Vec<Arc<d
     let uri_ref = &uri;
     futures_util::stream::iter(paths)
         .map(|path| async move {
-            let name = uri_ref.file_uri(commit, &path);
-            let resolve_url = hub_ref.resolve_url(&uri_ref.repo_id, commit, &path);
-            let meta = hub_ref
-                .file_meta(&name, &uri_ref.repo_id, &resolve_url)
-                .await?;
-            let identity = identity(uri_ref, commit, &path, &meta).ok_or_else(|| {
-                io_error(
-                    &name,
-                    io::ErrorKind::InvalidData,
-                    "the Hub sent no ETag for this file",
-                )
-            })?;
-            // A file the Hub serves itself is pinned to the ETag `resolve/` sent.
-            let same_host = meta.location.same_host;
-            let pin_host = same_host.then(|| meta.location.url.origin().ascii_serialization());
-            let pinned = same_host.then(|| Version {
-                etag: meta.etag_header.clone(),
-                ..Version::default()
-            });
-            Ok(Arc::new(HubFile {
-                name,
-                repo_id: uri_ref.repo_id.clone(),
-                hub: hub_ref.clone(),
-                resolve_url,
-                size: meta.size,
-                etag: meta.etag,
-                // From resolve/'s header: the form the Hub sends with the bytes.
-                pin: Pin::new(Some(meta.size), pinned).confirmed(),
-                pin_host: Mutex::new(pin_host),
-                location: Mutex::new(meta.location),
-                identity,
-            }) as Arc<dyn Source>)
+            Ok(open_file(hub_ref, uri_ref, commit, &path).await? as Arc<dyn Source>)
         })
         .buffered(META_CONCURRENCY)
         .try_collect()
         .await
+}
+
+/// What [`open_tree`] finds: whether the URI named one file, and each file with its name.
+pub type Tree = (bool, Vec<(String, Arc<dyn Source>)>);
+
+/// Every file of the repo under the URI's path (the path itself when it names a file), for a
+/// copy: `(path relative to the URI's folder, source)` in name order, and whether the URI named
+/// one file (then its name is the file's base name). Each
+/// source's `cache_identity` gives its sha256 or git blob id.
+pub fn open_tree(uri: &str, storage_options: &[(String, String)]) -> Result<Tree> {
+    let parsed = HubUri::parse(uri)?;
+    let (retry, rest) = crate::source::object::split_retry_options(storage_options)?;
+    let settings = HubSettings::from_env(&rest)?;
+    let hub = Hub::new(settings, retry)?;
+    crate::runtime::block_on(uri, async move {
+        let info = hub.repo_info(&parsed).await?;
+        let commit = info.commit.as_str();
+        let single = info.files.contains(&parsed.path);
+        let picked: Vec<(String, String)> = if single {
+            let base = parsed.path.rsplit('/').next().unwrap_or(&parsed.path);
+            vec![(base.to_string(), parsed.path.clone())]
+        } else {
+            let folder = if parsed.path.is_empty() {
+                String::new()
+            } else {
+                format!("{}/", parsed.path)
+            };
+            let mut picked: Vec<(String, String)> = info
+                .files
+                .iter()
+                .filter_map(|f| Some((f.strip_prefix(&folder)?.to_string(), f.clone())))
+                .collect();
+            picked.sort();
+            if picked.is_empty() {
+                return Err(Error::NotFound {
+                    path: parsed.file_uri(commit, &parsed.path),
+                });
+            }
+            picked
+        };
+        // Names from the listing become destination paths: a hostile one fails before any
+        // file is opened (the copy checks again when it joins them to the destination).
+        for (rel, path) in &picked {
+            crate::format::check_inside(rel).map_err(|reason| Error::UnsupportedUri {
+                uri: parsed.file_uri(commit, path),
+                message: format!("its name {rel:?} cannot be copied: {reason}; nothing was copied"),
+            })?;
+        }
+        let (hub_ref, uri_ref) = (&hub, &parsed);
+        let opened: Vec<(String, Arc<dyn Source>)> = futures_util::stream::iter(picked)
+            .map(|(rel, path)| async move {
+                let file = open_file(hub_ref, uri_ref, commit, &path).await?;
+                Ok::<_, Error>((rel, file as Arc<dyn Source>))
+            })
+            .buffered(META_CONCURRENCY)
+            .try_collect()
+            .await?;
+        Ok((single, opened))
+    })
+}
+
+/// One file of the repo at `commit`, its size, ETag and location asked of `resolve/`.
+async fn open_file(
+    hub_ref: &Hub,
+    uri_ref: &HubUri,
+    commit: &str,
+    path: &str,
+) -> Result<Arc<HubFile>> {
+    let name = uri_ref.file_uri(commit, path);
+    let resolve_url = hub_ref.resolve_url(&uri_ref.repo_id, commit, path);
+    let meta = hub_ref
+        .file_meta(&name, &uri_ref.repo_id, &resolve_url)
+        .await?;
+    let identity = identity(uri_ref, commit, path, &meta).ok_or_else(|| {
+        io_error(
+            &name,
+            io::ErrorKind::InvalidData,
+            "the Hub sent no ETag for this file",
+        )
+    })?;
+    // A file the Hub serves itself is pinned to the ETag `resolve/` sent.
+    let same_host = meta.location.same_host;
+    let pin_host = same_host.then(|| meta.location.url.origin().ascii_serialization());
+    let pinned = same_host.then(|| Version {
+        etag: meta.etag_header.clone(),
+        ..Version::default()
+    });
+    Ok(Arc::new(HubFile {
+        name,
+        repo_id: uri_ref.repo_id.clone(),
+        hub: hub_ref.clone(),
+        resolve_url,
+        size: meta.size,
+        etag: meta.etag,
+        // From resolve/'s header: the form the Hub sends with the bytes.
+        pin: Pin::new(Some(meta.size), pinned).confirmed(),
+        pin_host: Mutex::new(pin_host),
+        location: Mutex::new(meta.location),
+        identity,
+    }))
 }
 
 /// The files to load: the URI's file; else the folder's index's shards; else the folder's

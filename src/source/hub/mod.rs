@@ -25,7 +25,7 @@ mod files;
 pub mod layout;
 pub mod location;
 
-pub use files::open;
+pub use files::{open, open_tree};
 
 /// The URI scheme.
 pub const SCHEME: &str = "hf";

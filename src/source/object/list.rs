@@ -209,3 +209,19 @@ pub(super) async fn from_index(remote: &Remote, index: &Path, bytes: &[u8]) -> R
         .await;
     sizes.into_iter().collect()
 }
+
+/// Every object under the remote's key taken as a folder, at any depth, in name order (a copy's
+/// source listing); none is an empty list.
+pub async fn list_tree(remote: &Remote) -> Result<Vec<Found>> {
+    use futures_util::TryStreamExt;
+    let prefix = (!remote.path.as_ref().is_empty()).then_some(&remote.path);
+    let mut found: Vec<Found> = remote
+        .store
+        .list(prefix)
+        .map_ok(Found::of)
+        .try_collect()
+        .await
+        .map_err(|e| storage_error(&remote.uri, e))?;
+    found.sort();
+    Ok(found)
+}

@@ -51,7 +51,7 @@ mod tests_pin;
 pub use crate::source::remote::{Decision, ResumeState, RetrySettings};
 pub use config::{install_crypto, open, open_with_env, split_retry_options};
 pub use errors::{io_error, redact_uri, storage_error};
-pub use list::{head, list_folder, list_safetensors, read_small, resolve, Found};
+pub use list::{head, list_folder, list_safetensors, list_tree, read_small, resolve, Found};
 pub use read::{read_pinned, read_range_into};
 pub use small::{read_small_unless, Small};
 pub use source::{open_sources, RemoteObject};

@@ -1,0 +1,127 @@
+"""``fastload.copy``: a file or a whole model folder from any store to any store, through the
+native copy (``_fastload.copy``): read once in parallel ranged reads, no local staging, Hub
+digests checked while streaming, each file published whole, a rerun skipping what is done. In a
+group (``process_group=``, or under ``torchrun``) each rank copies its share of the files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from . import _fastload
+from ._errors import ConfigError
+from ._write import _destination, _part_size
+
+
+def _size(name: str, value: int | str | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(
+            f'invalid option {name}: expected an int or a size like "8MiB", got '
+            f"{type(value).__name__}",
+            option=name,
+        )
+    size = value if isinstance(value, int) else _fastload.parse_size(value)
+    if size <= 0:
+        raise ConfigError(f"invalid option {name}: {value!r} must be positive", option=name)
+    return size
+
+
+def _group(process_group: Any) -> tuple[Any, int, int]:
+    """(group or None, rank, world): an explicit group, else the initialised default group,
+    else torchrun's RANK / WORLD_SIZE, else a single process."""
+    import torch.distributed as dist
+
+    from .distributed import _resolve_group
+
+    if process_group is not None:
+        group = _resolve_group(process_group)
+        if group is None:
+            return None, 0, 1
+        return group, dist.get_rank(group), dist.get_world_size(group)
+    if dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size()
+        return (dist.group.WORLD, dist.get_rank(), size) if size > 1 else (None, 0, 1)
+    env_rank, env_world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if env_rank.isdigit() and env_world.isdigit() and int(env_rank) < int(env_world):
+        return None, int(env_rank), int(env_world)
+    return None, 0, 1
+
+
+def copy(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    storage_options: Mapping[str, object] | None = None,
+    verify: bool = True,
+    concurrency: int | None = None,
+    block_size: int | str | None = None,
+    memory_limit: int | str | None = None,
+    part_size: int | str | None = None,
+    process_group: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Copies ``src`` to ``dst`` (the same as ``fastload copy SRC DST``).
+
+    ``src``: a local file or folder, an object or prefix (``s3://``, ``gs://``, ``az://``), one
+    ``http(s)://`` file, or a Hub repo or folder (``hf://org/repo[@revision][/path]``: every
+    file of the repo under that path, at the commit the revision resolves to). ``dst``: a path
+    or ``file://``, ``s3://``, ``gs://``, ``az://``. A folder's files go under ``dst`` with their
+    relative paths; a single file becomes ``dst``, or goes into it when ``dst`` ends with ``/`` or
+    is an existing local folder.
+
+    Each file is read once (``concurrency`` reads of ``block_size`` bytes in flight) and written
+    as :func:`save_file` writes (temporary file and rename, or a multipart upload of
+    ``part_size`` parts, ``memory_limit`` bytes of them in flight, completed last). With
+    ``verify`` a Hub file's sha256 (LFS) or git blob id is checked while it streams: a mismatch
+    aborts that file (nothing published) and raises naming it. A destination file that is a
+    complete copy of the same source (same size and source identity, recorded with it) is
+    skipped, so a rerun after an interruption finishes the job; any other existing file raises
+    :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``storage_options``
+    configure both stores. In a group each rank copies its share of the files; the call returns
+    on every rank once all ranks finished (an error on any rank is raised on every rank).
+
+    Returns this rank's ``{"copied": [...], "skipped": [...], "bytes": n}``."""
+    if not isinstance(overwrite, bool):
+        raise ConfigError(
+            f"invalid option overwrite: expected a bool, got {type(overwrite).__name__}",
+            option="overwrite",
+        )
+    if concurrency is not None and (
+        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
+    ):
+        raise ConfigError(
+            f"invalid option concurrency: expected a positive int, got {concurrency!r}",
+            option="concurrency",
+        )
+    group, rank, world = _group(process_group)
+    error: BaseException | None = None
+    report: dict[str, Any] = {"copied": [], "skipped": [], "bytes": 0}
+    try:
+        report = _fastload.copy(
+            _destination(src),
+            _destination(dst),
+            overwrite=overwrite,
+            storage_options=storage_options,
+            verify=bool(verify),
+            concurrency=concurrency,
+            block_size=_size("block_size", block_size),
+            memory_limit=memory_limit,
+            part_size=_part_size(part_size),
+            rank=rank,
+            world=world,
+            progress=bool(progress),
+        )
+    except Exception as e:
+        if group is None:
+            raise
+        error = e
+    if group is not None:
+        from .distributed import _gather, _portable, _raise_first
+
+        errors = _gather(_portable(error), group, world)
+        _raise_first(errors, rank, error)
+    return report

@@ -1,0 +1,59 @@
+//! `fastload.copy`: the Rust copy (`crate::write::copy`) run off the GIL, in slices that let
+//! Ctrl-C through (an interrupted copy aborts the file in flight).
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::args::{Bytes as ByteCount, MemoryLimit, StorageOptions};
+use super::wait::off_thread;
+use crate::write::copy::{self as core, CopyOptions};
+use crate::write::WriteOptions;
+
+/// Copies `src` to `dst`; returns `{"copied": [...], "skipped": [...], "bytes": n}` for this
+/// rank's share.
+#[pyfunction]
+#[pyo3(signature = (src, dst, *, overwrite=false, storage_options=None, verify=true,
+                    concurrency=None, block_size=None, memory_limit=None, part_size=None,
+                    rank=0, world=1, progress=true))]
+#[allow(clippy::too_many_arguments)]
+pub fn copy<'py>(
+    py: Python<'py>,
+    src: String,
+    dst: String,
+    overwrite: bool,
+    storage_options: Option<StorageOptions>,
+    verify: bool,
+    concurrency: Option<usize>,
+    block_size: Option<u64>,
+    memory_limit: Option<ByteCount<MemoryLimit>>,
+    part_size: Option<u64>,
+    rank: usize,
+    world: usize,
+    progress: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let options = CopyOptions {
+        write: WriteOptions {
+            overwrite,
+            storage_options: storage_options.unwrap_or_default().0,
+            memory_limit: memory_limit.map(|m| m.0),
+            part_size,
+            metadata: Vec::new(),
+        },
+        concurrency: concurrency.unwrap_or(core::DEFAULT_CONCURRENCY),
+        block_size: block_size.unwrap_or(core::DEFAULT_BLOCK_SIZE),
+        verify,
+        rank,
+        world,
+        progress: if progress {
+            crate::cli::copy::progress()
+        } else {
+            None
+        },
+    };
+    let report = off_thread(py, "copy", move || core::copy(&src, &dst, &options))??;
+    let out = PyDict::new(py);
+    out.set_item("copied", report.copied)?;
+    out.set_item("skipped", report.skipped)?;
+    out.set_item("bytes", report.bytes)?;
+    Ok(out)
+}

@@ -1,0 +1,408 @@
+//! `fastload copy SRC DST`: every file a source names (one file, a folder, a prefix, a Hub repo at
+//! a resolved commit) to a destination folder or file, with no local staging. Each file is read
+//! once, in ranged reads in parallel (the sources' own resumable reads), and its blocks go, in
+//! order, into a [`Sink`] (a temporary file renamed into place, or a multipart upload completed
+//! last): nothing partial is ever visible at the destination.
+//!
+//! - Integrity: a Hub file's sha256 (LFS) or git blob id is checked while it streams
+//!   ([`VerifyingSource`]); the read that completes a file with the wrong digest fails, its
+//!   sink is aborted before publishing, and the copy fails naming the file.
+//! - Resumable: the source's identity ([`Item::id`]) is stored with each published file (object
+//!   metadata `fastload-source`; a local file's `user.fastload_source` extended attribute); a
+//!   rerun skips a destination file of the same size and identity (a local one without the
+//!   attribute is hashed when the source has a digest). An existing file that is not a verified
+//!   copy is refused unless `overwrite`.
+//! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
+//!   split on every rank).
+//! - Names from the listing go through [`crate::format::check_inside`] before anything is written.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{Sink, WriteOptions};
+use crate::error::{Error, Result};
+use crate::source::cache::verify::VerifyingSource;
+use crate::source::Source;
+
+mod done;
+mod list;
+
+pub use done::{Existing, ID_KEY};
+pub use list::{list, Item, Listing};
+
+/// Reads in flight per file, by default.
+pub const DEFAULT_CONCURRENCY: usize = 8;
+/// Bytes per read, by default: with [`DEFAULT_CONCURRENCY`] reads in flight, a window of one
+/// default upload part, so that on a link shared by the reads the first block (the one the
+/// upload waits for) lands early and uploading overlaps downloading (8 MiB blocks measured
+/// 1.49x the wire time against 1.21x with 2 MiB on a 50 MiB/s mock Hub).
+pub const DEFAULT_BLOCK_SIZE: u64 = 2 << 20;
+
+/// What a copy reports as it goes.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// This rank's share: files and bytes.
+    Start { files: usize, bytes: u64 },
+    /// Bytes of a file read and handed to its destination.
+    Bytes(u64),
+    /// A file published (`skipped`: it was there already, verified).
+    Done {
+        dst: String,
+        bytes: u64,
+        skipped: bool,
+    },
+}
+
+/// A copy's settings.
+#[derive(Clone)]
+pub struct CopyOptions {
+    pub write: WriteOptions,
+    /// Reads in flight per file.
+    pub concurrency: usize,
+    pub block_size: u64,
+    /// Check Hub files' sha256 / git blob id while they stream.
+    pub verify: bool,
+    /// This process's rank in a group of `world` copying together.
+    pub rank: usize,
+    pub world: usize,
+    pub progress: Option<Arc<dyn Fn(Event) + Send + Sync>>,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions {
+            write: WriteOptions::default(),
+            concurrency: DEFAULT_CONCURRENCY,
+            block_size: DEFAULT_BLOCK_SIZE,
+            verify: true,
+            rank: 0,
+            world: 1,
+            progress: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for CopyOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyOptions")
+            .field("write", &self.write)
+            .field("concurrency", &self.concurrency)
+            .field("block_size", &self.block_size)
+            .field("verify", &self.verify)
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+/// What a copy did (this rank's share).
+#[derive(Debug, Default, Clone)]
+pub struct Report {
+    /// Destinations written.
+    pub copied: Vec<String>,
+    /// Destinations already complete and verified.
+    pub skipped: Vec<String>,
+    /// Bytes read and written.
+    pub bytes: u64,
+}
+
+/// Copies `src` to `dst` (see the module's documentation).
+pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
+    if options.world == 0 || options.rank >= options.world {
+        return Err(Error::option(
+            "rank",
+            format!("rank {} of a group of {}", options.rank, options.world),
+        ));
+    }
+    if dst.starts_with("hf://") || dst.starts_with("http://") || dst.starts_with("https://") {
+        return Err(Error::UnsupportedUri {
+            uri: crate::source::object::redact_uri(dst),
+            message: "fastload copies to local paths, s3://, gs:// and az://".into(),
+        });
+    }
+    let listing = list(src, &options.write.storage_options)?;
+    let targets = destinations(&listing, dst)?;
+    let mine = share(&targets, options.rank, options.world);
+    let emit = |e: Event| {
+        if let Some(p) = &options.progress {
+            p(e)
+        }
+    };
+    emit(Event::Start {
+        files: mine.len(),
+        bytes: mine.iter().map(|&i| targets[i].0.source.size()).sum(),
+    });
+    let mut report = Report::default();
+    for i in mine {
+        let (item, to) = &targets[i];
+        let size = item.source.size();
+        match done::existing(to, item, &options.write)? {
+            Existing::Done => {
+                emit(Event::Done {
+                    dst: to.clone(),
+                    bytes: size,
+                    skipped: true,
+                });
+                report.skipped.push(to.clone());
+                continue;
+            }
+            Existing::Other if !options.write.overwrite => {
+                return Err(Error::Exists { path: to.clone() })
+            }
+            _ => {}
+        }
+        copy_file(item, to, options, &emit)?;
+        emit(Event::Done {
+            dst: to.clone(),
+            bytes: size,
+            skipped: false,
+        });
+        report.copied.push(to.clone());
+        report.bytes += size;
+    }
+    Ok(report)
+}
+
+/// Each item with its destination URI; a name that would leave the destination fails the copy
+/// before anything is written.
+fn destinations(listing: &Listing, dst: &str) -> Result<Vec<(Item, String)>> {
+    let local = crate::source::open::kind(dst) == crate::source::open::Kind::Local;
+    let into_folder = !listing.single
+        || dst.ends_with('/')
+        || (local && std::path::Path::new(dst.strip_prefix("file://").unwrap_or(dst)).is_dir());
+    if !into_folder {
+        return Ok(listing
+            .items
+            .iter()
+            .map(|item| (item.clone(), dst.to_string()))
+            .collect());
+    }
+    let base = dst.trim_end_matches('/');
+    listing
+        .items
+        .iter()
+        .map(|item| {
+            crate::format::check_inside(&item.rel).map_err(|reason| Error::UnsupportedUri {
+                uri: item.source.name().to_string(),
+                message: format!(
+                    "its name {:?} cannot be copied under {dst}: {reason}; nothing was copied",
+                    item.rel
+                ),
+            })?;
+            Ok((item.clone(), format!("{base}/{}", item.rel)))
+        })
+        .collect()
+}
+
+/// The indices of the targets rank `rank` of `world` copies: largest first to the least loaded
+/// rank (ties to the lowest rank), the same on every rank.
+fn share(targets: &[(Item, String)], rank: usize, world: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..targets.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(targets[i].0.source.size()));
+    let mut load = vec![0u64; world];
+    let mut mine = Vec::new();
+    for i in order {
+        let r = (0..world).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        load[r] += targets[i].0.source.size().max(1);
+        if r == rank {
+            mine.push(i);
+        }
+    }
+    mine.sort();
+    mine
+}
+
+/// One file: its blocks read in parallel, written in order; the sink aborted on any failure.
+fn copy_file(item: &Item, to: &str, options: &CopyOptions, emit: &dyn Fn(Event)) -> Result<()> {
+    let source: Arc<dyn Source> = match (&item.digest, options.verify) {
+        (Some(digest), true) => Arc::new(VerifyingSource::new(item.source.clone(), digest)),
+        _ => item.source.clone(),
+    };
+    let mut write = options.write.clone();
+    if let Some(id) = &item.id {
+        write.metadata.push((ID_KEY.to_string(), id.clone()));
+    }
+    let mut sink = Sink::create(to, source.size(), &write)?;
+    if let Err(e) = pump(&source, &mut sink, options, emit) {
+        let _ = sink.abort();
+        return Err(e);
+    }
+    let local = matches!(sink, Sink::Local(_));
+    sink.finish()?;
+    if local {
+        if let Some(id) = &item.id {
+            done::mark_local(to, id);
+        }
+    }
+    Ok(())
+}
+
+/// Read tasks still running when a copy stops: aborted (their buffers freed) when dropped.
+struct InFlight(VecDeque<tokio::task::JoinHandle<Result<Bytes>>>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+fn pump(
+    source: &Arc<dyn Source>,
+    sink: &mut Sink,
+    options: &CopyOptions,
+    emit: &dyn Fn(Event),
+) -> Result<()> {
+    let runtime = crate::runtime::try_get()?;
+    let size = source.size();
+    let block = options.block_size.max(1);
+    let mut next = 0u64;
+    let mut reads = InFlight(VecDeque::new());
+    loop {
+        while reads.0.len() < options.concurrency.max(1) && next < size {
+            let (offset, len) = (next, block.min(size - next) as usize);
+            next += len as u64;
+            let src = source.clone();
+            let _entered = runtime.enter();
+            reads
+                .0
+                .push_back(crate::source::spawn_read(source.as_ref(), async move {
+                    let mut buf = vec![0u8; len];
+                    src.read_into(offset, &mut buf).await?;
+                    Ok(Bytes::from(buf))
+                }));
+        }
+        let Some(task) = reads.0.pop_front() else {
+            break;
+        };
+        let name = source.name().to_string();
+        let bytes =
+            crate::runtime::block_on(&name, async { crate::source::joined(task.await, &name) })?;
+        let n = bytes.len() as u64;
+        sink.write(bytes)?;
+        emit(Event::Bytes(n));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::testing::Bytes as Mem;
+
+    fn item(rel: &str, size: usize) -> Item {
+        Item {
+            rel: rel.into(),
+            source: Arc::new(Mem {
+                name: format!("mem://{rel}"),
+                data: vec![7; size],
+            }),
+            digest: None,
+            id: None,
+        }
+    }
+
+    fn listing(single: bool, names: &[(&str, usize)]) -> Listing {
+        Listing {
+            single,
+            items: names.iter().map(|&(n, s)| item(n, s)).collect(),
+        }
+    }
+
+    #[test]
+    fn ranks_split_the_files_by_size_and_together_cover_them_once() {
+        let l = listing(
+            false,
+            &[
+                ("a", 100),
+                ("b", 90),
+                ("c", 10),
+                ("d", 5),
+                ("e", 0),
+                ("f", 80),
+            ],
+        );
+        let t = destinations(&l, "s3://b/p/").unwrap();
+        let shares: Vec<Vec<usize>> = (0..3).map(|r| share(&t, r, 3)).collect();
+        let mut all: Vec<usize> = shares.concat();
+        all.sort();
+        assert_eq!(all, (0..6).collect::<Vec<_>>());
+        let load = |s: &Vec<usize>| s.iter().map(|&i| t[i].0.source.size()).sum::<u64>();
+        assert_eq!(shares.iter().map(load).collect::<Vec<_>>(), [100, 95, 90]);
+        assert_eq!(share(&t, 0, 1), (0..6).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn destinations_join_relative_names_and_refuse_hostile_ones() {
+        let l = listing(false, &[("config.json", 1), ("sub/w.safetensors", 1)]);
+        let t = destinations(&l, "s3://b/org/repo/").unwrap();
+        assert_eq!(t[0].1, "s3://b/org/repo/config.json");
+        assert_eq!(t[1].1, "s3://b/org/repo/sub/w.safetensors");
+        for bad in [
+            "../x",
+            "a/../../x",
+            "/etc/passwd",
+            "a/%2e%2e/x",
+            "C:x",
+            "a\\..\\x",
+        ] {
+            let l = listing(false, &[("ok", 1), (bad, 1)]);
+            let err = destinations(&l, "/tmp/dst").unwrap_err();
+            assert!(
+                err.to_string().contains("nothing was copied"),
+                "{bad}: {err}"
+            );
+        }
+        // One file: the destination itself, or into a folder named with a trailing slash.
+        let one = listing(true, &[("m.safetensors", 1)]);
+        assert_eq!(
+            destinations(&one, "s3://b/x.st").unwrap()[0].1,
+            "s3://b/x.st"
+        );
+        assert_eq!(
+            destinations(&one, "s3://b/d/").unwrap()[0].1,
+            "s3://b/d/m.safetensors"
+        );
+    }
+
+    #[test]
+    fn a_local_folder_is_copied_then_skipped_and_a_changed_file_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(src.join("sub")).unwrap();
+        std::fs::write(src.join("config.json"), b"{}").unwrap();
+        std::fs::write(src.join("sub/w.bin"), vec![3u8; 3 << 20]).unwrap();
+        let dst = dir.path().join("dst");
+        let (s, d) = (src.to_str().unwrap(), dst.to_str().unwrap());
+        let opts = CopyOptions {
+            block_size: 1 << 20,
+            ..CopyOptions::default()
+        };
+        let first = copy(s, d, &opts).unwrap();
+        assert_eq!(first.copied.len(), 2);
+        assert_eq!(
+            std::fs::read(dst.join("sub/w.bin")).unwrap(),
+            vec![3u8; 3 << 20]
+        );
+        // A folder linked back up is not walked (no endless recursion).
+        std::os::unix::fs::symlink(&src, src.join("sub/loop")).unwrap();
+        let again = copy(s, d, &opts).unwrap();
+        assert_eq!((again.copied.len(), again.skipped.len()), (0, 2));
+        // The source changed (a new mtime): the old copy is not taken for it.
+        std::fs::write(src.join("config.json"), b"{1}").unwrap();
+        let err = copy(s, d, &opts).unwrap_err();
+        assert!(matches!(err, Error::Exists { .. }), "{err}");
+        let opts = CopyOptions {
+            write: WriteOptions {
+                overwrite: true,
+                ..WriteOptions::default()
+            },
+            ..opts
+        };
+        copy(s, d, &opts).unwrap();
+        assert_eq!(std::fs::read(dst.join("config.json")).unwrap(), b"{1}");
+    }
+}

@@ -1,0 +1,399 @@
+"""`fastload copy` / `fastload.copy`: a Hub repo, an object prefix or a local folder to any store,
+against the mock Hub (servers/hub.py) and SeaweedFS: every file byte for byte, the Hub's digests
+checked in flight (a poisoned blob aborts that file), reruns skipping verified copies, existing
+files refused, hostile names refused, failing parts retried, refused credentials named, a kill -9
+followed by a rerun, and a group of two ranks splitting the files."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fastload
+import pytest
+import torch
+from helpers import assert_same_tensors
+from servers import s3 as s3_server
+from servers.hub import MockHub, lfs_sha256
+from servers.s3 import BUCKET, SECRET_KEY, Fault, HttpFaultProxy
+
+aws_env = s3_server.aws_env
+
+HERE = Path(__file__).resolve().parent
+PYTHON = str(HERE.parent / "python")
+PART = 5 << 20
+REPO = "org/model"
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def model_tree(sharded_dir: Path) -> dict[str, bytes]:
+    """A model folder as the Hub holds one: shards and index, configs, tokenizer, chat template,
+    a LoRA adapter, and one file large enough for a multipart upload."""
+    tree = files_of(sharded_dir)
+    tree.update(
+        {
+            "config.json": b'{"model_type": "llama"}',
+            "generation_config.json": b'{"max_length": 32}',
+            "tokenizer.json": b'{"version": "1.0"}',
+            "tokenizer_config.json": b"{}",
+            "chat_template.jinja": b"{{ messages }}",
+            "adapter/adapter_config.json": b'{"r": 8}',
+            "adapter/adapter_model.safetensors": next(
+                v for k, v in sorted(tree.items()) if k.endswith(".safetensors")
+            ),
+            "big.bin": torch.randint(0, 255, (12 << 20,), dtype=torch.uint8).numpy().tobytes(),
+        }
+    )
+    return tree
+
+
+@pytest.fixture(scope="module")
+def hub(sharded_dir):
+    hub = MockHub()
+    hub.tree = model_tree(sharded_dir)
+    hub.add(REPO, hub.tree)
+    hub.add("org/hostile", {"config.json": b"{}", "a/%2e%2e/x.json": b"{}"})
+    hub.add("org/parent", {"config.json": b"{}", "../x.json": b"{}"})
+    yield hub
+    hub.close()
+
+
+@pytest.fixture
+def env(hub, monkeypatch, tmp_path):
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.base)
+    yield
+    hub.faults.clear()
+    hub.storage.faults.clear()
+    hub.storage.poison.clear()
+
+
+@pytest.fixture
+def s3(seaweed, aws_env):
+    aws_env(seaweed)
+    client = seaweed.client()
+    try:
+        client.create_bucket(Bucket=BUCKET)
+    except Exception as e:
+        if "Bucket" not in type(e).__name__:
+            raise
+    return client
+
+
+def objects(client, prefix: str) -> dict[str, bytes]:
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    return {
+        o["Key"][len(prefix) :]: client.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+        for o in listed
+    }
+
+
+def open_uploads(client, prefix: str) -> list[str]:
+    found = client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+    return [u["Key"] for u in found]
+
+
+def test_copy_a_hub_repo_to_s3_verifies_and_a_rerun_skips_it(hub, env, s3, sharded_dir):
+    prefix = "copy/hub/org/model/"
+    dst = f"s3://{BUCKET}/{prefix}"
+    out = fastload.copy(f"hf://{REPO}", dst, part_size=PART, block_size="1MiB", progress=False)
+    assert sorted(out["copied"]) == sorted(dst + k for k in hub.tree)
+    assert out["bytes"] == sum(map(len, hub.tree.values()))
+    assert objects(s3, prefix) == hub.tree
+    assert open_uploads(s3, prefix) == []
+    # The big file went up in parts; each object records its source's sha256 (LFS) or blob id.
+    head = s3.head_object(Bucket=BUCKET, Key=prefix + "big.bin", PartNumber=1)
+    assert head["ContentLength"] == PART
+    meta = s3.head_object(Bucket=BUCKET, Key=prefix + "big.bin")["Metadata"]
+    assert meta == {"fastload-source": "sha256:" + lfs_sha256(hub.tree["big.bin"])}
+    # The copy loads as the original does.
+    assert_same_tensors(fastload.load(dst), fastload.load(str(sharded_dir)))
+    gets = len(hub.requests(hub.storage))
+    again = fastload.copy(f"hf://{REPO}", dst, progress=False)
+    assert again["copied"] == [] and sorted(again["skipped"]) == sorted(out["copied"])
+    assert len(hub.requests(hub.storage)) == gets  # nothing read again
+
+
+def test_a_poisoned_hub_blob_aborts_that_file_and_names_it(hub, env, s3):
+    prefix = "copy/poison/"
+    data = hub.tree["big.bin"]
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0xFF
+    hub.storage.poison[lfs_sha256(data)] = bytes(bad)
+    with pytest.raises(fastload.FastloadError, match=r"big\.bin") as e:
+        fastload.copy(
+            f"hf://{REPO}/big.bin", f"s3://{BUCKET}/{prefix}", part_size=PART, progress=False
+        )
+    assert "sha256" in str(e.value)
+    assert objects(s3, prefix) == {}
+    assert open_uploads(s3, prefix) == []
+
+
+def test_an_existing_different_file_is_refused_unless_overwrite(hub, env, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "config.json").write_bytes(b"something else")
+    with pytest.raises(fastload.DestinationExistsError, match=r"config\.json"):
+        fastload.copy(f"hf://{REPO}/config.json", str(dst), progress=False)
+    assert (dst / "config.json").read_bytes() == b"something else"
+    fastload.copy(f"hf://{REPO}/config.json", str(dst), overwrite=True, progress=False)
+    assert (dst / "config.json").read_bytes() == hub.tree["config.json"]
+    # A local copy made by something else (no record of its source) is verified by its digest.
+    (dst / "tokenizer.json").write_bytes(hub.tree["tokenizer.json"])
+    out = fastload.copy(f"hf://{REPO}/tokenizer.json", str(dst), progress=False)
+    assert out["skipped"] == [str(dst / "tokenizer.json")]
+
+
+def test_hostile_names_in_the_source_listing_write_nothing(hub, env, tmp_path):
+    dst = tmp_path / "out" / "in"
+    for repo, name in (("org/hostile", "a/%2e%2e/x.json"), ("org/parent", "../x.json")):
+        with pytest.raises(fastload.FastloadError, match="nothing was copied") as e:
+            fastload.copy(f"hf://{repo}", str(dst), progress=False)
+        assert repr(name).replace("'", '"') in str(e.value)
+        assert not (tmp_path / "out").exists()
+
+
+def test_cli_copies_an_s3_prefix_to_a_local_folder_and_help_is_accurate(hub, env, s3, tmp_path):
+    prefix = "copy/cli/"
+    fastload.copy(f"hf://{REPO}", f"s3://{BUCKET}/{prefix}", part_size=PART, progress=False)
+    env_vars = {**os.environ, "PYTHONPATH": PYTHON}
+    run = [sys.executable, "-c", "import fastload._cli as c; c.main()"]
+    done = subprocess.run(
+        [*run, "copy", f"s3://{BUCKET}/{prefix}", str(tmp_path / "m"), "--block-size", "1MiB"],
+        env=env_vars,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"copied {len(hub.tree)} files" in done.stderr
+    assert files_of(tmp_path / "m") == hub.tree
+    again = subprocess.run(
+        [*run, "copy", f"s3://{BUCKET}/{prefix}", str(tmp_path / "m")],
+        env=env_vars,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0 and f"skipped {len(hub.tree)} files" in again.stderr
+    helped = subprocess.run([*run, "copy", "--help"], env=env_vars, capture_output=True, text=True)
+    for flag in ("--overwrite", "--no-verify", "--concurrency", "--block-size", "--part-size"):
+        assert flag in helped.stdout
+
+
+def test_parts_failing_with_500s_are_retried_and_each_carries_a_checksum(
+    hub, env, s3, seaweed, monkeypatch
+):
+    port = int(seaweed.endpoint.rsplit(":", 1)[1])
+    puts: list[dict[str, str]] = []
+
+    def part(method: str, headers: dict[str, str]) -> bool:
+        if method == "PUT":
+            puts.append(headers)
+        return method == "PUT"
+
+    proxy = HttpFaultProxy(("127.0.0.1", port), plan=[Fault("status", status=500)] * 3, match=part)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        prefix = "copy/retried/"
+        fastload.copy(f"hf://{REPO}/big.bin", f"s3://{BUCKET}/{prefix}", part_size=PART,
+                      progress=False)  # fmt: skip
+        assert proxy.served["status"] == 3
+    finally:
+        proxy.close()
+    assert objects(s3, prefix) == {"big.bin": hub.tree["big.bin"]}
+    assert open_uploads(s3, prefix) == []
+    # Every part (retries included) carried its sha256, which SeaweedFS checks on receipt: a
+    # part whose bytes do not match is refused (BadDigest), so a corrupted part never lands.
+    assert len(puts) == 3 + 3  # three parts of big.bin, three refused tries
+    assert all(len(base64.b64decode(h["x-amz-checksum-sha256"])) == 32 for h in puts)
+    upload = s3.create_multipart_upload(Bucket=BUCKET, Key=prefix + "x", ChecksumAlgorithm="SHA256")
+    wrong = base64.b64encode(hashlib.sha256(b"other").digest()).decode()
+    with pytest.raises(Exception, match="BadDigest"):
+        s3.upload_part(Bucket=BUCKET, Key=prefix + "x", UploadId=upload["UploadId"], PartNumber=1,
+                       Body=b"data", ChecksumSHA256=wrong)  # fmt: skip
+    s3.abort_multipart_upload(Bucket=BUCKET, Key=prefix + "x", UploadId=upload["UploadId"])
+    head = s3.head_object(Bucket=BUCKET, Key=prefix + "big.bin", ChecksumMode="ENABLED")
+    assert "ChecksumSHA256" in head
+
+
+def test_refused_credentials_name_the_destination(hub, env, s3, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-" + SECRET_KEY)
+    dst = f"s3://{BUCKET}/copy/denied/"
+    with pytest.raises(fastload.StorageError, match="access denied") as e:
+        fastload.copy(f"hf://{REPO}/config.json", dst, progress=False)
+    assert "copy/denied/config.json" in str(e.value) and SECRET_KEY not in str(e.value)
+
+
+KILLED = """
+import sys, fastload
+print("ready", flush=True)
+fastload.copy(sys.argv[1], sys.argv[2], part_size=5 << 20, concurrency=1, block_size=1 << 20,
+              progress=False)
+print("done", flush=True)
+"""
+
+
+def test_a_copy_killed_midway_is_finished_by_a_rerun(hub, env, s3, tmp_path):
+    prefix = "copy/killed/"
+    dst = f"s3://{BUCKET}/{prefix}"
+    hub.storage.rate = 4 << 20  # slow enough to be killed midway
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, f"hf://{REPO}", dst],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": PYTHON},
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 60
+        while not open_uploads(s3, prefix):  # big.bin (the first file) is going up
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+        hub.storage.rate = 0
+    assert "big.bin" not in objects(s3, prefix)  # nothing partial is visible
+    published = set(objects(s3, prefix))
+    assert "adapter/adapter_config.json" in published  # files before it were done
+    out = fastload.copy(f"hf://{REPO}", dst, part_size=PART, progress=False)
+    assert {k[len(dst) :] for k in out["skipped"]} == published
+    assert objects(s3, prefix) == hub.tree
+    for key in open_uploads(s3, prefix):  # the killed copy's invisible parts
+        for u in s3.list_multipart_uploads(Bucket=BUCKET, Prefix=key)["Uploads"]:
+            s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=u["UploadId"])
+
+
+def _rank(rank: int, world: int, src: str, dst: str, port: str, outs: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        out = fastload.copy(src, dst, process_group="default", progress=False)
+        Path(outs, f"{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_split_the_files(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    src = tmp_path / "src"
+    for i, size in enumerate([3 << 20, 2 << 20, 1 << 20, 10, 20]):
+        (src / "d").mkdir(parents=True, exist_ok=True)
+        (src / "d" / f"f{i}").write_bytes(
+            hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1)
+        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    dst = tmp_path / "dst"
+    mp.start_processes(_rank, args=(2, str(src), str(dst), port, str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    outs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    mine = [set(o["copied"]) for o in outs]
+    assert mine[0] and mine[1] and not (mine[0] & mine[1])
+    assert files_of(dst) == files_of(src)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM: `fastload copy hf://... s3://...`, then `vllm serve s3://... --load-format fastload`
+
+try:
+    from test_vllm import (
+        S3_BUCKET,
+        _engine_env,
+        _greedy_tokens,
+        _serving,
+        _tail,
+        _worker_load_lines,
+        needs_vllm,
+        offline,  # noqa: F401 (the module's engines and vLLM's own tokens, as a fixture)
+    )
+except ImportError:  # pragma: no cover
+    needs_vllm = pytest.mark.skip(reason="tests/test_vllm.py not importable")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_copy_from_the_hub_to_s3_then_serve_it_with_vllm(offline, seaweed, tmp_path):
+    """The seeds' flow in one command: ``fastload copy hf://org/tiny-llama s3://models/...``
+    (mock Hub to SeaweedFS, no local staging), then ``vllm serve s3://... --load-format
+    fastload`` answers with the tokens vLLM's own loader gave on the original folder."""
+    from hf_models import engine_hub
+
+    expected, _, work = offline
+    folder = work / "tiny-llama"
+    dst = f"s3://{S3_BUCKET}/copied/tiny-llama/"
+    client = seaweed.client()
+    try:
+        client.create_bucket(Bucket=S3_BUCKET)
+    except Exception as e:
+        if "Bucket" not in type(e).__name__:
+            raise
+    with engine_hub(folder, "org/tiny-llama", tmp_path / "hf_home") as (_, hub_env):
+        env = {**os.environ, **hub_env, **seaweed.env(), "PYTHONPATH": PYTHON}
+        done = subprocess.run(
+            [sys.executable, "-c", "import fastload._cli as c; c.main()", "copy",
+             "hf://org/tiny-llama", dst],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    copied = objects(client, "copied/tiny-llama/")
+    assert copied == {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    model = dst.rstrip("/")
+    env = {**_engine_env(), **seaweed.env(), "VLLM_ASSETS_CACHE": str(tmp_path / "assets")}
+    log = tmp_path / "serve.log"
+    with _serving(model, log, env) as base:
+        assert _greedy_tokens(base, model) == expected["safetensors"][0]
+    output, _ = _worker_load_lines(log)
+    assert "fastload pulled" in output, _tail(output)
+
+
+def test_the_cli_draws_a_progress_bar_on_a_terminal_only(tmp_path):
+    import pty
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(3 << 20))
+    run = [sys.executable, "-c", "import fastload._cli as c; c.main()", "copy"]
+    env = {**os.environ, "PYTHONPATH": PYTHON}
+    piped = subprocess.run([*run, str(src), str(tmp_path / "a")], env=env, capture_output=True)
+    assert piped.returncode == 0 and b"B/s" not in piped.stderr
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [*run, str(src), str(tmp_path / "b")], env=env, stderr=follower, stdout=subprocess.DEVNULL
+    )
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    assert b"copy 1 file" in seen and b"B/s" in seen, seen
+    assert (tmp_path / "b" / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
