@@ -489,7 +489,11 @@ def test_unknown_extra_config_key(offline):
     assert "unknown model_loader_extra_config key(s) for load format 'fastload': 'concurency'" in (
         error
     ), _tail(output)
-    assert "valid keys: block_size, cache, concurrency" in error
+    # The valid keys, sorted: every option a stream takes, and the loader's own.
+    line = error.split("valid keys: ", 1)[1].splitlines()[0]
+    keys = [k.strip().strip("'\"") for k in line.split(",")]
+    assert keys == sorted(keys), error
+    assert {"block_size", "cache", "concurrency", "keyset", "weights_uri"} <= set(keys), error
 
 
 # `vllm serve`, as the `vllm` script runs it. vLLM's CLI asks for the version of a distribution
