@@ -83,7 +83,8 @@ def summary(rates: list[float]) -> str:
 
 def copy_rows(args, client, bucket: str, transfer):
     """The copy rows: a mock Hub in its own process serving a model folder, and the two ways of
-    putting that folder into the bucket. Returns (jobs, bytes of the folder, the Hub process)."""
+    putting that folder into the bucket. Returns (jobs, bytes of the folder, the Hub process,
+    the Hub's folder)."""
     import subprocess
 
     import fastload
@@ -136,7 +137,7 @@ def copy_rows(args, client, bucket: str, transfer):
             shutil.rmtree(cache, ignore_errors=True)
 
     jobs = [("copy", "fastload copy", ours_copy), ("copy", "snapshot_download+boto3", theirs_copy)]
-    return jobs, folder_bytes, proc
+    return jobs, folder_bytes, proc, src
 
 
 def main() -> None:
@@ -180,6 +181,9 @@ def main() -> None:
     server = None
     hub_proc = None
     copy_bytes = 0
+    # Folders the run makes for its servers (SeaweedFS's data, the mock Hub's files): removed
+    # at the end, as the written files are (each holds a copy of every round's bytes).
+    scratch: list[Path] = []
     if not args.no_s3:
         from servers import s3 as s3_server
 
@@ -187,6 +191,7 @@ def main() -> None:
             print("SeaweedFS `weed` not found: S3 rows skipped", file=sys.stderr)
         else:
             root = Path(tempfile.mkdtemp(prefix="write-bench-weed-"))
+            scratch.append(root)
             server = s3_server.start_seaweed(root)
             client = server.client()
             if s3_server.BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
@@ -211,9 +216,10 @@ def main() -> None:
 
             jobs += [("s3", "fastload", ours_s3), ("s3", "save_file+boto3", theirs_s3)]
             if not args.no_copy:
-                copy_jobs, copy_bytes, hub_proc = copy_rows(
+                copy_jobs, copy_bytes, hub_proc, hub_dir = copy_rows(
                     args, client, s3_server.BUCKET, transfer
                 )
+                scratch.append(hub_dir)
                 jobs += copy_jobs
 
     times: dict[tuple[str, str], list[float]] = {(w, n): [] for w, n, _ in jobs}
@@ -235,6 +241,8 @@ def main() -> None:
             server.stop()
         if not args.dir:
             shutil.rmtree(folder, ignore_errors=True)
+        for path in scratch:
+            shutil.rmtree(path, ignore_errors=True)
 
     print(f"save_file of {total / 1e9:.3f} GB ({len(tensors)} tensors), {args.reps} rounds")
     print("| where | writer | GB/s median (min-max) | vs peer |")
