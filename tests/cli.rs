@@ -245,7 +245,10 @@ fn bench_table_cold_and_sweep() {
             .any(|v| text.contains(v)),
         "{text}"
     );
-    assert!(!text.contains("noise)"), "{text}");
+    // Never the old "at the limit (noise)"; "(at the limit, within noise)" is the verdict of a
+    // run just above its limit, which a cold run here may or may not be (verdict.rs's unit
+    // tests pin where noise ends).
+    assert!(!text.contains("(noise)"), "{text}");
     let no_peer: Vec<&str> = text
         .lines()
         .filter(|l| l.contains("peer") || l.contains("not run"))
