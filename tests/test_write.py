@@ -416,7 +416,10 @@ def test_ctrl_c_aborts_the_upload(proxied, seaweed):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        # Usually seconds. On a loaded machine a Ctrl-C has been seen to leave the abort to the
+        # writer's drop, which waits at most ABORT_ON_DROP (30 s, src/write/object.rs): allow
+        # that, and still require that nothing is published and no upload is left open.
+        _, err = proc.communicate(timeout=90)
     finally:
         proc.kill()
     assert b"KeyboardInterrupt" in err
