@@ -144,23 +144,34 @@ def select_small_files(
             continue
         _fastload.check_inside(name, source)
         if size > max_size:
-            if name in required:
-                raise _too_large(source + name, size, max_size)
-            log.warning(
-                "fastload: skipped %s%s: %d bytes, over the %d-byte limit on small files "
-                "(nothing requires it)",
-                source,
-                name,
-                size,
-                max_size,
-            )
+            _skip_too_large(source, name, size, max_size, required, log)
             continue
         chosen.append(name)
     return chosen
 
 
-def _too_large(uri: str, size: int, limit: int) -> StorageError:
-    return StorageError(f"{uri}: {size} bytes, more than the {limit}-byte limit on small files")
+def _skip_too_large(
+    base: str,
+    name: str,
+    size: int,
+    limit: int,
+    required: Collection[str],
+    log: logging.Logger,
+) -> None:
+    """A small file of ``size`` bytes, over ``limit``: an error when ``required``, else skipped
+    with a log line."""
+    if name in required:
+        raise StorageError(
+            f"{base}{name}: {size} bytes, more than the {limit}-byte limit on small files"
+        )
+    log.warning(
+        "fastload: skipped %s%s: %d bytes, over the %d-byte limit on small files "
+        "(nothing requires it)",
+        base,
+        name,
+        size,
+        limit,
+    )
 
 
 # ------------------------------------------------------------------ writing inside a destination
@@ -351,16 +362,7 @@ def fetch_small_files(
             _forget(root, name)
             return None
         if what == "too_large":
-            if name in required:
-                raise _too_large(base + name, size, max_size)
-            logger.warning(
-                "fastload: skipped %s%s: %d bytes, over the %d-byte limit on small files "
-                "(nothing requires it)",
-                base,
-                name,
-                size,
-                max_size,
-            )
+            _skip_too_large(base, name, size, max_size, required, logger)
             return None
         if data is not None:
             write_inside(root, name, data)
