@@ -611,6 +611,44 @@ mod tests {
         assert!(most as u64 <= limit / block);
     }
 
+    #[test]
+    fn the_ring_is_sized_by_concurrency_not_by_the_memory_limit() {
+        // A copy thread held up by a slow first allocation while 2 reads at a time run ahead:
+        // the ring holds 2 x 2 blocks, whatever the limit lets it (64 MiB: 1024 blocks here).
+        struct SlowFirst(bool);
+        impl Allocator for SlowFirst {
+            fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+                if !std::mem::replace(&mut self.0, true) {
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+                HostAllocator.allocate(tensors)
+            }
+        }
+        let sizes = [256usize << 10; 16];
+        let block = 64u64 << 10;
+        let o = LoadOptions {
+            block_size: Some(block),
+            memory_limit: Some(64 << 20),
+            concurrency: Some(2),
+            ..Default::default()
+        };
+        let (got, data, loader) = run(
+            &sizes,
+            o,
+            Arc::new(HostEngine::new()),
+            Box::new(SlowFirst(false)),
+        );
+        assert_eq!(got, expected(&sizes, &data));
+        let peak = loader.stats().staging_peak.load(Ordering::Relaxed);
+        assert!(
+            peak <= 4 * block,
+            "staging peak {peak} over 2 x concurrency blocks"
+        );
+        assert_eq!(ring_slots(64 << 20, block, 2), 4);
+        assert_eq!(ring_slots(1 << 20, 512 << 10, 16), 2);
+        assert_eq!(ring_slots(1 << 30, 8 << 20, 16), 32);
+    }
+
     struct FailingAllocator {
         after: usize,
     }
