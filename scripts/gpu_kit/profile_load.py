@@ -208,14 +208,63 @@ def row_costs(job: dict) -> dict:
         out[label] = time.perf_counter() - t0
         del ts
     torch.cuda.empty_cache()
+    kept = []  # torch caches freed page-locked blocks: keep them, so each size is pinned anew
     for n, label in ((256 * MiB, "pin_256MiB_s"), (GiB, "pin_1GiB_s")):
         t0 = time.perf_counter()
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        kept.append(torch.empty(n, dtype=torch.uint8, pin_memory=True))
         out[label] = time.perf_counter() - t0
         out[label.replace("_s", "_gb_per_s")] = n / out[label] / 1e9
+    del kept
+    for huge in (False, True):
+        key = "register_1GiB_thp" if huge else "register_1GiB"
+        try:
+            out[key] = _register(GiB, huge)
+        except Exception as e:  # an experiment: its failure is a number too
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            out["thp"] = f.read().strip()
+    except OSError as e:
+        out["thp"] = str(e)
+    return out
+
+
+def _register(n: int, huge: bool) -> dict:
+    """The other way to page-lock memory: anonymous memory (with transparent huge pages asked for,
+    or not) faulted in, then ``cuMemHostRegister``: the time of each step. Huge pages may pin much
+    faster than cuMemHostAlloc's 4 KiB pages (a candidate for fastload's staging)."""
+    import ctypes
+    import mmap
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    register, unregister = cuda.cuMemHostRegister_v2, cuda.cuMemHostUnregister
+    register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    unregister.argtypes = [ctypes.c_void_p]
+    mm = mmap.mmap(-1, n + 2 * MiB)
+    if huge:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    addr = (base + 2 * MiB - 1) // (2 * MiB) * (2 * MiB)  # 2 MiB aligned, for huge pages
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    ctypes.memset(addr, 1, n)
+    out["touch_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    code = register(addr, n, 1)  # CU_MEMHOSTREGISTER_PORTABLE
+    out["register_s"] = time.perf_counter() - t0
+    out["register_gb_per_s"] = n / out["register_s"] / 1e9
+    out["code"] = code
+    if code == 0:
         t0 = time.perf_counter()
-        del host
-        out[label.replace("pin_", "unpin_")] = time.perf_counter() - t0
+        out["unregister_code"] = unregister(addr)
+        out["unregister_s"] = time.perf_counter() - t0
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            out["anon_huge_kib"] = next(
+                int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")
+            )
+    except (OSError, StopIteration):
+        pass
     return out
 
 
@@ -373,6 +422,13 @@ def summary(rows: dict) -> str:
             f"{costs['alloc_cached_s']:.3f} s; pin 256 MiB {costs['pin_256MiB_s']:.3f} s, 1 GiB "
             f"{costs['pin_1GiB_s']:.3f} s ({costs['pin_1GiB_gb_per_s']:.1f} GB/s)"
         )
+        for key in ("register_1GiB", "register_1GiB_thp"):
+            r = costs.get(key, {})
+            if "register_s" in r:
+                parts.append(
+                    f"{key}: touch {r['touch_s']:.3f} s + cuMemHostRegister "
+                    f"{r['register_s']:.3f} s (code {r['code']})"
+                )
     copies = rows.get("profile", {}).get("copies")
     if copies:
         parts.append(
