@@ -312,7 +312,7 @@ def profile_load(ctx: Ctx, check: Check) -> dict:
     env = ctx.driver_env(check.name)
     argv = [
         ctx.python, str(HERE / "profile_load.py"), "--work", str(ctx.work),
-        "--out", str(ctx.out or ctx.work), "--timeout", str(min(90.0, check.timeout / 3)),
+        "--out", str(ctx.out or ctx.work), "--timeout", str(min(60.0, check.timeout / 3)),
     ]  # fmt: skip
     code, out = ctx.run(argv, env, check.timeout)
     res = parse_result(code, out, check.timeout)
