@@ -80,7 +80,8 @@ def env(
     removed). `memory` is each device's capacity in bytes; `fail` is e.g. "cuEventSynchronize:3";
     `extra` adds or overrides variables: FAKE_CUDA_LAG_US (how late queued work runs at the
     earliest, default 2000) and FAKE_CUDA_COPY_RATE (bytes a second a stream carries, default
-    unlimited) make late work later, for tests that must see a skipped wait."""
+    unlimited) make late work later, for tests that must see a skipped wait; FAKE_CUDA_PIN_RATE
+    (bytes a second cuMemHostAlloc pins, default unlimited) makes pinning cost time."""
     out = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_CUDA_")}
     out.pop("CUDA_VISIBLE_DEVICES", None)
     if lib_dir is not None:
@@ -100,8 +101,21 @@ def env(
 
 
 def log(path: Path) -> dict[str, int]:
-    """The counters the simulator wrote at exit to `path` (FAKE_CUDA_LOG)."""
+    """The counters the simulator wrote at exit to `path` (FAKE_CUDA_LOG): LOG_KEYS, then
+    `calls.NAME` for every entry point called."""
     fields = Path(path).read_text().split()
+    return {k: int(v) for k, v in (f.split("=", 1) for f in fields)}
+
+
+def calls(name: str = "libcuda.so.1") -> dict[str, int]:
+    """Inside a process on the simulator: how many times each driver entry point was called so
+    far (`{"cuMemHostAlloc": 3, ...}`; names without their _v2 suffix). The difference of two
+    calls counts what happened between them (one load)."""
+    fn = ctypes.CDLL(name).fake_cuda_calls
+    fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int
+    buf = ctypes.create_string_buffer(8192)
+    n = fn(buf, len(buf))
+    fields = buf.raw[:n].decode().split()
     return {k: int(v) for k, v in (f.split("=", 1) for f in fields)}
 
 

@@ -93,7 +93,8 @@ def _cli_bench(path, env, *options: str) -> subprocess.CompletedProcess:
 
 def test_ring_pins_at_most_the_memory_limit_with_small_blocks(fake_cuda, eight_mib, tmp_path):
     # A slow first allocation holds the copy thread while reads fill the whole ring: 256 slots of
-    # 4 KiB under a 1 MiB limit. Each buffer must count what it pins (a page here, not 64 KiB).
+    # 4 KiB under a 1 MiB limit (concurrency 128: the ring has 2 x 128 slots at most). Each buffer
+    # must count what it pins (a page here, not 64 KiB).
     code = (
         LOAD
         + """
@@ -103,7 +104,8 @@ def slow_allocate(sizes):
         first[0] = False
         time.sleep(1.5)
     return host_allocate(sizes)
-got, stats = load(sys.argv[1], slow_allocate, block_size="4KiB", memory_limit="1MiB")
+got, stats = load(sys.argv[1], slow_allocate, block_size="4KiB", memory_limit="1MiB",
+                  concurrency=128)
 emit(ok=got == expected(sys.argv[1]), stats=stats)
 """
     )
@@ -139,6 +141,52 @@ emit(ok=ok, cached=fastload.cached_memory())
     counters = cuda_sim.log(log)
     assert counters["host_allocs"] <= 4 + 16, counters
     assert counters["host_frees"] <= 4, counters
+    assert counters["pinned_peak"] <= 4 << 20, counters
+    assert counters["violations"] == 0, counters
+
+
+def test_first_load_pins_a_ring_for_its_reads_not_the_memory_limit(
+    fake_cuda, sixteen_mib, tmp_path
+):
+    # The default 1 GiB limit and 1 MiB blocks, 2 reads at a time, and a copy thread held up by a
+    # slow first allocation while the reads run ahead: the ring pins 2 x concurrency buffers (4
+    # MiB), not a buffer per block read ahead (all 16 MiB of the file; up to 1 GiB for a bigger
+    # one, which the first GPU load of every process paid for at the driver's pinning rate). The
+    # second load pins nothing: the buffers stay cached. stats() reports what each load pinned.
+    code = (
+        LOAD
+        + """
+from cuda_sim import calls
+first = [True]
+def slow_allocate(sizes):
+    if first[0]:
+        first[0] = False
+        time.sleep(1.5)
+    return host_allocate(sizes)
+want = expected(sys.argv[1])
+out = []
+for allocate in (slow_allocate, host_allocate):
+    before = calls().get("cuMemHostAlloc", 0)
+    got, stats = load(sys.argv[1], allocate, block_size="1MiB", concurrency=2)
+    out.append({"ok": got == want, "pins": calls().get("cuMemHostAlloc", 0) - before,
+                "pinned_bytes": stats["pinned_bytes"], "pinned_ms": stats["pinned_ms"],
+                "peak": stats["staging_peak_bytes"], "limit": stats["memory_limit"]})
+emit(loads=out, cached=fastload.cached_memory()["pinned"])
+"""
+    )
+    log = tmp_path / "log"
+    out = run_probe(code, sixteen_mib, env=cuda_sim.env(fake_cuda, log))
+    first, second = out["loads"]
+    assert first["ok"] and second["ok"], out
+    assert first["limit"] == 1 << 30, out
+    assert 1 <= first["pins"] <= 4, out
+    assert first["pinned_bytes"] == first["pins"] << 20 and first["pinned_ms"] > 0, out
+    assert first["peak"] <= 4 << 20, out
+    assert second["pins"] == 0 and second["pinned_bytes"] == 0, out
+    assert second["pinned_ms"] == 0, out
+    assert out["cached"] == first["pins"] << 20, out
+    counters = cuda_sim.log(log)
+    assert counters["host_allocs"] == first["pins"], counters
     assert counters["pinned_peak"] <= 4 << 20, counters
     assert counters["violations"] == 0, counters
 

@@ -102,6 +102,19 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
     assert child["released"]["pinned"] == 0
     rows = report["storage_to_gpu"]  # the CLI's row, without a copy rate to compare it with
     assert [r["cache"] for r in rows] == ["warm"] and rows[0]["of_pinned_copy"] is None
+    # profile_load's fastload rows: the first load of a process pins its ring (2 x concurrency
+    # blocks at most, not memory_limit), the second reuses it, and after release_memory() a load
+    # pins again; its JSON lands in the report folder.
+    profile = json.loads((tmp_path / "profile_load.json").read_text())
+    first, second, again = profile["rows"]["fastload"]["loads"]
+    block = first["block_size"]
+    assert first["memory_limit"] == 1 << 30 and first["concurrency"] == 16
+    assert 0 < first["pinned_bytes"] <= min(32 * block, profile["bytes"] + block), first
+    assert first["staging_peak_bytes"] <= 32 * block, first
+    assert second["pinned_bytes"] == 0 and second["cached_after"]["pinned"] > 0, second
+    assert again["pinned_bytes"] > 0, again
+    assert first["bytes"] == second["bytes"] == again["bytes"] > 0
+    assert checks["profile_load"]["numbers"]["rows"]["fastload"]["loads"] == [first, second, again]
 
 
 def test_a_failing_check_does_not_stop_the_others(fake_cuda, tmp_path):

@@ -187,6 +187,13 @@ class Stats:
     def staging_peak_bytes(self) -> int:
         """Staged loads: the most staging memory held at once."""
     @property
+    def pinned_bytes(self) -> int:
+        """GPU loads: page-locked staging memory this load allocated (``cuMemHostAlloc``), i.e.
+        what the buffers cached by earlier loads of the process did not cover."""
+    @property
+    def pinned_ms(self) -> float:
+        """GPU loads: wall-clock milliseconds during which some of those allocations ran."""
+    @property
     def bytes_cached(self) -> int:
         """mmap loads: bytes whose pages were all in the page cache already, so they were mapped
         and left to fault in on first access instead of being populated (counted in

@@ -48,6 +48,7 @@ class Ctx:
     python: str
     env: dict  # the children's environment: the installed wheels on PYTHONPATH
     sim: Path | None
+    out: Path | None = None  # the report folder, where checks that write files put them
     probe: dict = field(default_factory=dict)
     wheels: Path | None = None
     setup: dict = field(default_factory=dict)  # what was installed where
@@ -304,6 +305,22 @@ def gpu_bench(ctx: Ctx, check: Check) -> dict:
     )
 
 
+def profile_load(ctx: Ctx, check: Check) -> dict:
+    """profile_load.py: where the time of load(device="cuda") goes, beside safetensors; its JSON
+    (and a torch.profiler trace) go to the report folder. On the simulated driver, a small
+    checkpoint and fastload's rows only."""
+    env = ctx.driver_env(check.name)
+    argv = [
+        ctx.python, str(HERE / "profile_load.py"), "--work", str(ctx.work),
+        "--out", str(ctx.out or ctx.work), "--timeout", str(min(60.0, check.timeout / 3)),
+    ]  # fmt: skip
+    code, out = ctx.run(argv, env, check.timeout)
+    res = parse_result(code, out, check.timeout)
+    if ctx.sim is not None:
+        simulated(ctx, check.name, res)
+    return res
+
+
 _D, _G = "checks_driver.py", "checks_gpu.py"
 CHECKS = [
     Check("wheels_offline", "The kit's wheels install offline; dependencies import alone",
@@ -347,6 +364,8 @@ CHECKS = [
           script_check(_D, "cli_bench_cuda"), 420),
     Check("gpu_bench", "benches/gpu_bench.py: storage to GPU beside its peers", "gpu",
           gpu_bench, 570),
+    Check("profile_load", "Where load(device='cuda') spends its time: first and later loads, "
+          "pinning, torch allocations, copies; beside safetensors", "driver", profile_load, 300),
 ]  # fmt: skip
 
 
@@ -501,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
     env.update(PYTHONUNBUFFERED="1", FASTLOAD_CACHE_DIR=str(work / "cache"))
     ctx = Ctx(root=root, work=work, python=sys.executable, env=env,
-              sim=Path(args.sim).resolve() if args.sim else None)  # fmt: skip
+              sim=Path(args.sim).resolve() if args.sim else None, out=out_dir)  # fmt: skip
     started = time.time()
     try:
         if not args.no_install:

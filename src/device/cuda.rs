@@ -358,6 +358,9 @@ pub struct Pinned {
     addr: usize,
     cap: usize,
     gpu: Arc<Gpu>,
+    /// How long `cuMemHostAlloc` took, when this buffer was allocated for its load rather than
+    /// taken from the pool.
+    pinned_in: Option<std::time::Duration>,
 }
 
 impl Drop for Pinned {
@@ -401,6 +404,7 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
                 addr: c.addr,
                 cap: c.cap,
                 gpu: c.gpu,
+                pinned_in: None,
             });
         }
         // None of this size: the cached ones are another load's, and would only add to what
@@ -410,6 +414,7 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
     free_all(evicted);
     let api = gpu.api;
     let mut ptr = std::ptr::null_mut();
+    let started = std::time::Instant::now();
     // SAFETY: allocates `cap` bytes of page-locked memory, usable from every context.
     check(api, "cuMemHostAlloc (page-locked staging memory)", unsafe {
         (api.cuMemHostAlloc)(&mut ptr, cap, driver::CU_MEMHOSTALLOC_PORTABLE)
@@ -418,6 +423,7 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
         addr: ptr as usize,
         cap,
         gpu: gpu.clone(),
+        pinned_in: Some(started.elapsed()),
     })
 }
 
@@ -498,6 +504,7 @@ impl Engine for CudaEngine {
         Ok(Staging {
             ptr: NonNull::new(memory.addr as *mut u8).expect("cuMemHostAlloc returned null"),
             len: memory.cap,
+            pinned_in: memory.pinned_in,
             _memory: StagingMemory::Pinned(memory),
         })
     }

@@ -139,6 +139,9 @@ enum StagingMemory {
 pub struct Staging {
     ptr: NonNull<u8>,
     len: usize,
+    /// How long allocating it took, when the engine had to allocate page-locked memory for it
+    /// (none of its cached buffers was free): what a load's `pinned_*` counters add up.
+    pinned_in: Option<std::time::Duration>,
     _memory: StagingMemory,
 }
 
@@ -156,12 +159,19 @@ impl Staging {
         Ok(Staging {
             ptr: NonNull::new(buffer.as_ptr()).expect("host buffer is not null"),
             len: buffer.len(),
+            pinned_in: None,
             _memory: StagingMemory::Host(buffer),
         })
     }
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether this buffer was page-locked for its load (not reused from the cache), and how
+    /// long that took.
+    pub fn pinned_in(&self) -> Option<std::time::Duration> {
+        self.pinned_in
     }
 
     pub fn is_empty(&self) -> bool {

@@ -63,6 +63,11 @@ pub struct Stats {
     /// Staged loads: bytes copied to destinations, and the most staging memory held at once.
     pub bytes_copied: AtomicU64,
     pub staging_peak: AtomicU64,
+    /// Staged loads: page-locked staging memory this load had to allocate (what the buffers
+    /// cached by earlier loads did not cover), and the wall-clock time during which some of it
+    /// was being allocated (`cuMemHostAlloc`).
+    pub pinned_bytes: AtomicU64,
+    pub pinned_ns: AtomicU64,
     /// Bytes of mapped segments whose pages were all in the page cache already: mapped and
     /// left to fault in on first access, not populated (they count as read too).
     pub bytes_cached: AtomicU64,

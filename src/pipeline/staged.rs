@@ -24,6 +24,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -40,10 +41,54 @@ fn block_for(opts: &Resolved) -> u64 {
     opts.block_size.min(half).max(4096)
 }
 
+/// Slots of the staging ring for buffers of `slot` bytes: one per read in flight (`concurrency`)
+/// and as many again for blocks waiting for their copies, within `memory_limit` (at least two).
+///
+/// Not `memory_limit / slot`: a GPU's staging buffers are page-locked, which the first load of a
+/// process pays for at a few GB/s (`cuMemHostAlloc`, one allocation at a time in the driver), and
+/// a ring grows to whatever the reads got ahead of the copies. A 1 GiB ring (the default limit)
+/// cost about 0.4 s on an H100 machine, more than the rest of a warm 2 GiB load, while copies
+/// drain a buffer in a fraction of the time a read takes to fill one: more slots than reads in
+/// flight only let reads run further ahead of a stalled copy thread. Device memory of segments
+/// not yet handed over is bounded by its own budget, not by this ring.
+fn ring_slots(memory_limit: u64, slot: u64, concurrency: usize) -> usize {
+    let wanted = 2 * concurrency as u64;
+    (memory_limit / slot)
+        .min(wanted)
+        .clamp(2, Semaphore::MAX_PERMITS as u64) as usize
+}
+
 struct Shared {
     plan: Arc<Plan>,
     engine: Arc<dyn Engine>,
     feed: Arc<Feed>,
+    pinning: Mutex<Pinning>,
+}
+
+/// When this load was allocating page-locked staging memory: the intervals of the allocations
+/// that had to pin (merged where they overlap, as reads waiting for the driver's lock do), so that
+/// `pinned_ns` is wall-clock time the load spent pinning, not the waits added up.
+#[derive(Default)]
+struct Pinning {
+    /// Disjoint, sorted by start.
+    spans: Vec<(Instant, Instant)>,
+}
+
+impl Pinning {
+    /// Adds `[start, end)`; returns the total length of the union so far.
+    fn add(&mut self, start: Instant, end: Instant) -> Duration {
+        let at = self.spans.partition_point(|s| s.0 < start);
+        self.spans.insert(at, (start, end));
+        let mut merged: Vec<(Instant, Instant)> = Vec::with_capacity(self.spans.len());
+        for &(a, b) in &self.spans {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        self.spans = merged;
+        self.spans.iter().map(|&(a, b)| b - a).sum()
+    }
 }
 
 /// One segment in flight.
@@ -71,7 +116,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let block = block_for(&opts);
     // The ring counts what a staging buffer really takes, so the limit holds for any block size.
     let slot = (engine.staging_size(block as usize) as u64).max(block);
-    let slots = (opts.memory_limit / slot).clamp(2, Semaphore::MAX_PERMITS as u64) as usize;
+    let slots = ring_slots(opts.memory_limit, slot, opts.concurrency);
     engine.keep_staging(slots as u64 * slot);
     crate::memory::set_pool_limit(opts.memory_limit);
     let ring = Arc::new(Semaphore::new(slots));
@@ -95,6 +140,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         plan: loader.plan.clone(),
         engine,
         feed,
+        pinning: Mutex::new(Pinning::default()),
     });
     let (copy_tx, copy_rx) = std_mpsc::channel::<Block>();
     let (done_tx, done_rx) = std_mpsc::channel::<(Fence, Block, Option<Error>)>();
@@ -241,6 +287,21 @@ async fn read_block(
         engine.staging(block as usize)
     })
     .await?;
+    if let Some(took) = staging.pinned_in() {
+        let end = Instant::now();
+        let total = shared
+            .pinning
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add(end - took, end);
+        let stats = &shared.feed.stats;
+        stats
+            .pinned_bytes
+            .fetch_add(staging.len() as u64, Ordering::Relaxed);
+        stats
+            .pinned_ns
+            .fetch_max(total.as_nanos() as u64, Ordering::Relaxed);
+    }
     shard
         .source
         .read_into(seg.start + off, staging.slice_mut(len as usize))
@@ -548,6 +609,44 @@ mod tests {
             "copies never overlapped reads (max in flight {most})"
         );
         assert!(most as u64 <= limit / block);
+    }
+
+    #[test]
+    fn the_ring_is_sized_by_concurrency_not_by_the_memory_limit() {
+        // A copy thread held up by a slow first allocation while 2 reads at a time run ahead:
+        // the ring holds 2 x 2 blocks, whatever the limit lets it (64 MiB: 1024 blocks here).
+        struct SlowFirst(bool);
+        impl Allocator for SlowFirst {
+            fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+                if !std::mem::replace(&mut self.0, true) {
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+                HostAllocator.allocate(tensors)
+            }
+        }
+        let sizes = [256usize << 10; 16];
+        let block = 64u64 << 10;
+        let o = LoadOptions {
+            block_size: Some(block),
+            memory_limit: Some(64 << 20),
+            concurrency: Some(2),
+            ..Default::default()
+        };
+        let (got, data, loader) = run(
+            &sizes,
+            o,
+            Arc::new(HostEngine::new()),
+            Box::new(SlowFirst(false)),
+        );
+        assert_eq!(got, expected(&sizes, &data));
+        let peak = loader.stats().staging_peak.load(Ordering::Relaxed);
+        assert!(
+            peak <= 4 * block,
+            "staging peak {peak} over 2 x concurrency blocks"
+        );
+        assert_eq!(ring_slots(64 << 20, block, 2), 4);
+        assert_eq!(ring_slots(1 << 20, 512 << 10, 16), 2);
+        assert_eq!(ring_slots(1 << 30, 8 << 20, 16), 32);
     }
 
     struct FailingAllocator {

@@ -65,6 +65,10 @@ pub struct Stats {
     pub target: Option<String>,
     pub bytes_copied: u64,
     pub staging_peak_bytes: u64,
+    /// Page-locked staging memory this load allocated (not reused from earlier loads' cache),
+    /// and the wall-clock milliseconds during which some of it was being allocated.
+    pub pinned_bytes: u64,
+    pub pinned_ms: f64,
     /// Bytes mapped from the page cache without populating (every page was cached already).
     pub bytes_cached: u64,
 }
@@ -88,6 +92,8 @@ impl Stats {
             target: l.engine().map(str::to_owned),
             bytes_copied: s.bytes_copied.load(Relaxed),
             staging_peak_bytes: s.staging_peak.load(Relaxed),
+            pinned_bytes: s.pinned_bytes.load(Relaxed),
+            pinned_ms: s.pinned_ns.load(Relaxed) as f64 / 1e6,
             bytes_cached: s.bytes_cached.load(Relaxed),
         }
     }
@@ -117,6 +123,8 @@ impl Stats {
             target,
             bytes_copied,
             staging_peak_bytes,
+            pinned_bytes,
+            pinned_ms,
             bytes_cached
         );
         Ok(d)

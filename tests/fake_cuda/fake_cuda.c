@@ -35,7 +35,9 @@
  * - Memory. Each device holds FAKE_CUDA_DEVICE_MEMORY bytes (default 1 TiB): cuMemAlloc beyond
  *   that fails with CUDA_ERROR_OUT_OF_MEMORY (2); cuMemAlloc of 0 bytes is
  *   CUDA_ERROR_INVALID_VALUE.
- *   The peak per device is logged. Page-locked memory comes from cuMemHostAlloc. An async copy
+ *   The peak per device is logged. Page-locked memory comes from cuMemHostAlloc, which pins
+ *   FAKE_CUDA_PIN_RATE bytes a second (default unlimited), one allocation at a time, as the driver
+ *   does (a few GB/s on real machines: a load that pins per run pays it). An async copy
  *   whose host side is not page-locked (or page-locked by another context without
  *   CU_MEMHOSTALLOC_PORTABLE, which the driver then treats as pageable) is carried out
  *   synchronously, as the driver does, and counted as a violation: staging must be page-locked.
@@ -67,7 +69,9 @@
  * whose error a caller ignores (a destructor's) still shows. At exit, FAKE_CUDA_LOG=path receives
  * one line: copies bytes pinned_peak pinned_now host_allocs host_frees device_peak device_now
  * violations (copies and bytes count host-to-device copies; device_peak is the most bytes
- * allocated at once on any one device).
+ * allocated at once on any one device), then calls.NAME=N for every entry point called (N calls
+ * that got past initialisation and fault injection); fake_cuda_calls() returns those counts
+ * in-process, so a test can count what one load costs.
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -177,7 +181,7 @@ static struct pinned **pins;
 static size_t npins, cap_pins;
 static struct dalloc *dallocs;
 static size_t ndallocs, cap_dallocs;
-static uint64_t lag_us = 2000, copy_rate; /* bytes per second, 0: unlimited */
+static uint64_t lag_us = 2000, copy_rate, pin_rate; /* bytes per second, 0: unlimited */
 static size_t device_capacity = (size_t)1 << 40;
 
 static unsigned long long copies, copied_bytes, host_allocs, host_frees, violations;
@@ -232,11 +236,41 @@ static int injected(const char *name) {
     return hit;
 }
 
+/* Calls per entry point (those that pass ENTER), for tests that count what a load costs:
+ * written to FAKE_CUDA_LOG as calls.NAME=N and readable in-process with fake_cuda_calls(). */
+enum { MAX_CALLED = 64 };
+static struct { const char *name; unsigned long long n; } called[MAX_CALLED];
+
+static void count_call(const char *name) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_CALLED; i++) {
+        if (!called[i].name) called[i].name = name;
+        if (called[i].name == name || !strcmp(called[i].name, name)) {
+            called[i].n++;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* Writes "NAME=N NAME=N ..." (every entry point called so far) into buf; returns its length. */
+int fake_cuda_calls(char *buf, size_t len) {
+    size_t at = 0;
+    if (len) buf[0] = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_CALLED && called[i].name && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, "%s%s=%llu", at ? " " : "", called[i].name,
+                               called[i].n);
+    pthread_mutex_unlock(&lock);
+    return (int)(at < len ? at : len);
+}
+
 /* Every entry point but the version and error texts starts here. */
 #define ENTER(name)                                               \
     do {                                                          \
         if (forked || !initialised) return NOT_INITIALIZED;       \
         if (injected(name)) return UNKNOWN;                       \
+        count_call(name);                                         \
     } while (0)
 
 #define LIVE_EVENT(e, name)                                                          \
@@ -410,9 +444,12 @@ static void report(void) {
     if (f) {
         fprintf(f,
                 "copies=%llu bytes=%llu pinned_peak=%zu pinned_now=%zu host_allocs=%llu "
-                "host_frees=%llu device_peak=%zu device_now=%zu violations=%llu\n",
+                "host_frees=%llu device_peak=%zu device_now=%zu violations=%llu",
                 copies, copied_bytes, pinned_peak, pinned_now, host_allocs, host_frees,
                 device_peak, now, violations);
+        for (int i = 0; i < MAX_CALLED && called[i].name; i++)
+            fprintf(f, " calls.%s=%llu", called[i].name, called[i].n);
+        fputc('\n', f);
         fclose(f);
     }
     pthread_mutex_unlock(&lock);
@@ -455,6 +492,7 @@ CUresult cuInit(unsigned flags) {
         }
         lag_us = env_number("FAKE_CUDA_LAG_US", 2000);
         copy_rate = env_number("FAKE_CUDA_COPY_RATE", 0);
+        pin_rate = env_number("FAKE_CUDA_PIN_RATE", 0);
         device_capacity = env_number("FAKE_CUDA_DEVICE_MEMORY", (size_t)1 << 40);
         pthread_condattr_t attr;
         pthread_condattr_init(&attr);
@@ -684,6 +722,14 @@ CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
     NEED_CONTEXT("cuMemHostAlloc");
     if (flags & ~(unsigned)(HOST_PORTABLE | HOST_DEVICEMAP | HOST_WRITECOMBINED))
         return violation(INVALID_VALUE, "cuMemHostAlloc flags %#x", flags);
+    if (pin_rate) { /* pinning takes time, one allocation at a time, as in the driver */
+        static pthread_mutex_t pinning = PTHREAD_MUTEX_INITIALIZER;
+        uint64_t us = (uint64_t)((double)len * 1e6 / (double)pin_rate);
+        struct timespec t = {(time_t)(us / 1000000u), (long)(us % 1000000u) * 1000};
+        pthread_mutex_lock(&pinning);
+        nanosleep(&t, NULL);
+        pthread_mutex_unlock(&pinning);
+    }
     struct pinned *pin = calloc(1, sizeof *pin);
     void *mem = malloc(len ? len : 1);
     if (!pin || !mem) {

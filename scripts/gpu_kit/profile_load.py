@@ -1,0 +1,513 @@
+"""Where the time of ``fastload.load(device="cuda")`` goes, beside safetensors on the same file.
+
+    python kit/profile_load.py --work DIR [--out DIR] [--size 2GiB]     # standalone, in gpu-kit/
+    bash run.sh --only profile_load                                     # as a check of the kit
+
+A llama-like checkpoint (benches/make_checkpoint.py, as benches/gpu_bench.py loads), page cache
+warm. Every row runs in a fresh process whose CUDA context exists before the clock starts (as in
+gpu_bench.py, and in a server), each load timed until its tensors are on the device
+(``torch.cuda.synchronize``):
+
+- ``fastload``: three loads in one process: the first (what gpu_bench.py and a server measure:
+  page-locked staging pinned, torch's allocator empty), a second (both reused), and a third after
+  ``fastload.release_memory()`` and ``torch.cuda.empty_cache()`` (pinning and device allocation
+  paid again, the process's other one-time costs not). Each with ``stats()`` (``pinned_bytes``,
+  ``pinned_ms``: what that load pinned and how long it took; ``staging_peak_bytes``;
+  ``first_segment_ms``) and when its tensors arrived (first, half and all of the bytes).
+- ``fastload_b4``: the same first and second loads with ``block_size="4MiB"``: a 128 MiB ring
+  (2 x 16 blocks) instead of 256 MiB, half the pinning, smaller reads.
+- ``fastload_c64``: the same first and second loads with ``concurrency=64``: a 1 GiB ring (2 x 64
+  blocks of 8 MiB), as every GPU load had before the ring was sized by ``concurrency``.
+- ``safetensors``: ``load_file(device=...)`` twice in one process.
+- ``costs``: the pieces on their own, in a fresh process: torch allocating the checkpoint's
+  tensors on the device one ``torch.empty`` each (what fastload's allocator does, cold then from
+  torch's cache), and pinning 256 MiB and 1 GiB (``torch.empty(pin_memory=True)``, the driver's
+  ``cuMemHostAlloc`` as fastload's staging uses it).
+- ``profile``: one first load under ``torch.profiler`` (CPU and CUDA activities): the host-to-device
+  copies on the GPU (count, busy time, first start and last end after the load started) and the
+  CUDA API calls seen (count and time per name); the trace is written beside the JSON.
+
+Writes ``profile_load.json`` (and ``profile_load_trace.json``) to ``--out`` ($OUT if set, else
+the work folder); the last line is the kit's result line. On the simulated driver (GPU_KIT_SIM=1,
+torch without CUDA) the fastload rows load through the native stream into host memory and the
+torch-only rows are skipped: that runs the script in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+# In the kit: kit/ beside benches/; in the repository: scripts/gpu_kit/ two levels below it.
+for _benches in (HERE.parent / "benches", HERE.parent.parent / "benches"):
+    if (_benches / "make_checkpoint.py").exists():
+        sys.path.insert(0, str(_benches))
+        break
+
+from kit_common import RESULT_TAG, result, short, simulated  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# In a child process: one row
+
+
+def _torch_on(device: str):
+    """torch, with the CUDA context created (not timed); None for the device on the simulator."""
+    import torch
+
+    if simulated():
+        return torch, None
+    dev = torch.device(device)
+    torch.empty(1, device=dev)
+    torch.cuda.synchronize(dev)
+    return torch, dev
+
+
+def _sync(torch, dev) -> None:
+    if dev is not None:
+        torch.cuda.synchronize(dev)
+
+
+def _fastload_load(path: str, dev, options: dict) -> tuple[dict, dict, list[tuple[float, int]]]:
+    """One load: its tensors, its stats() and (seconds since the start, bytes so far) per tensor.
+    The clock starts before the stream is opened."""
+    import fastload
+
+    t0 = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    got: dict = {}
+    total = 0
+    if dev is None:  # the simulated driver: host tensors stand in for device memory
+        import torch
+        from fastload import _fastload, _torch
+
+        def allocate(sizes):
+            ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            return None, [(t, t.data_ptr()) for t in ts]
+
+        s = _fastload.Stream([path], target="cuda:0", allocate=allocate, **options)
+        for batch in s:
+            for item in batch:
+                got[item.name] = _torch.from_bytes(item.dtype, item.shape, item.data, path)
+                total += item.data.nbytes
+                arrivals.append((time.perf_counter() - t0, total))
+        stats = dict(s.stats().as_dict())
+        s.close()
+        return got, stats, arrivals
+    with fastload.stream(path, device=dev, **options) as s:
+        for name, t in s:
+            got[name] = t
+            total += t.nbytes
+            arrivals.append((time.perf_counter() - t0, total))
+        stats = s.stats()
+    return got, stats, arrivals
+
+
+def _timeline(arrivals: list[tuple[float, int]]) -> dict:
+    """When the first tensor, half of the bytes and all of them had arrived (seconds)."""
+    if not arrivals:
+        return {}
+    total = arrivals[-1][1]
+    half = next(t for t, b in arrivals if b >= total / 2)
+    return {"first_tensor_s": arrivals[0][0], "half_bytes_s": half, "all_s": arrivals[-1][0]}
+
+
+STAT_KEYS = (
+    "pinned_bytes",
+    "pinned_ms",
+    "staging_peak_bytes",
+    "first_segment_ms",
+    "concurrency",
+    "block_size",
+    "memory_limit",
+    "bytes_copied",
+)
+
+
+def row_fastload(job: dict) -> dict:
+    import fastload
+
+    torch, dev = _torch_on(job["device"])
+    loads = []
+    for label in job["loads"]:
+        released = None
+        if label == "after_release":
+            t0 = time.perf_counter()
+            freed = fastload.release_memory()
+            if dev is not None:
+                torch.cuda.empty_cache()
+            released = {**freed, "seconds": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        got, stats, arrivals = _fastload_load(job["path"], dev, job["options"])
+        _sync(torch, dev)
+        seconds = time.perf_counter() - t0
+        nbytes = sum(t.nbytes for t in got.values())
+        loads.append(
+            {
+                "load": label,
+                "seconds": seconds,
+                "gb_per_s": nbytes / seconds / 1e9,
+                "bytes": nbytes,
+                "tensors": len(got),
+                **{k: stats.get(k) for k in STAT_KEYS},
+                **_timeline(arrivals),
+                "cached_after": fastload.cached_memory(),
+                **({"released_before": released} if released else {}),
+            }
+        )
+        del got
+    return {"loads": loads}
+
+
+def row_safetensors(job: dict) -> dict:
+    from safetensors.torch import load_file
+
+    torch, dev = _torch_on(job["device"])
+    loads = []
+    for label in ("first", "second"):
+        t0 = time.perf_counter()
+        got = load_file(job["path"], device=str(dev) if dev is not None else "cpu")
+        _sync(torch, dev)
+        seconds = time.perf_counter() - t0
+        nbytes = sum(t.nbytes for t in got.values())
+        loads.append({"load": label, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9})
+        del got
+    return {"loads": loads}
+
+
+def _tensor_bytes(path: str) -> list[int]:
+    """Each tensor's size in bytes, in file order, from the safetensors header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    return [end - begin for begin, end in spans]
+
+
+def row_costs(job: dict) -> dict:
+    """torch's device allocations for the checkpoint's tensors, and pinning, each on its own."""
+    torch, dev = _torch_on(job["device"])
+    if dev is None:
+        return {"skipped": "simulated driver: torch has no CUDA here"}
+    nbytes = _tensor_bytes(job["path"])
+    out: dict[str, Any] = {"tensors": len(nbytes), "bytes": sum(nbytes)}
+    for label in ("alloc_cold_s", "alloc_cached_s"):
+        t0 = time.perf_counter()
+        ts = [torch.empty(n, dtype=torch.uint8, device=dev) for n in nbytes]
+        torch.cuda.synchronize(dev)
+        out[label] = time.perf_counter() - t0
+        del ts
+    torch.cuda.empty_cache()
+    kept = []  # torch caches freed page-locked blocks: keep them, so each size is pinned anew
+    for n, label in ((256 * MiB, "pin_256MiB_s"), (GiB, "pin_1GiB_s")):
+        t0 = time.perf_counter()
+        kept.append(torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        out[label] = time.perf_counter() - t0
+        out[label.replace("_s", "_gb_per_s")] = n / out[label] / 1e9
+    del kept
+    for huge in (False, True):
+        key = "register_1GiB_thp" if huge else "register_1GiB"
+        try:
+            out[key] = _register(GiB, huge)
+        except Exception as e:  # an experiment: its failure is a number too
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            out["thp"] = f.read().strip()
+    except OSError as e:
+        out["thp"] = str(e)
+    return out
+
+
+def _register(n: int, huge: bool) -> dict:
+    """The other way to page-lock memory: anonymous memory (with transparent huge pages asked for,
+    or not) faulted in, then ``cuMemHostRegister``: the time of each step. Huge pages may pin much
+    faster than cuMemHostAlloc's 4 KiB pages (a candidate for fastload's staging)."""
+    import ctypes
+    import mmap
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    register, unregister = cuda.cuMemHostRegister_v2, cuda.cuMemHostUnregister
+    register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    unregister.argtypes = [ctypes.c_void_p]
+    mm = mmap.mmap(-1, n + 2 * MiB)
+    if huge:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    addr = (base + 2 * MiB - 1) // (2 * MiB) * (2 * MiB)  # 2 MiB aligned, for huge pages
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    ctypes.memset(addr, 1, n)
+    out["touch_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    code = register(addr, n, 1)  # CU_MEMHOSTREGISTER_PORTABLE
+    out["register_s"] = time.perf_counter() - t0
+    out["register_gb_per_s"] = n / out["register_s"] / 1e9
+    out["code"] = code
+    if code == 0:
+        t0 = time.perf_counter()
+        out["unregister_code"] = unregister(addr)
+        out["unregister_s"] = time.perf_counter() - t0
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            out["anon_huge_kib"] = next(
+                int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")
+            )
+    except (OSError, StopIteration):
+        pass
+    return out
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def row_profile(job: dict) -> dict:
+    """One first load under torch.profiler: the copies on the GPU and the CUDA API calls."""
+    torch, dev = _torch_on(job["device"])
+    if dev is None:
+        return {"skipped": "simulated driver: torch has no CUDA here"}
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
+        with record_function("fastload_load"):
+            t0 = time.perf_counter()
+            got, stats, _ = _fastload_load(job["path"], dev, job["options"])
+            torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - t0
+    out: dict[str, Any] = {"seconds": seconds, "pinned_ms": stats.get("pinned_ms")}
+    del got
+    events = list(prof.events())
+    load = next((e for e in events if e.name == "fastload_load"), None)
+    base = load.time_range.start if load is not None else 0.0
+    copies = [
+        (e.time_range.start - base, e.time_range.end - base)
+        for e in events
+        if "memcpy" in e.name.lower()
+        and "htod" in e.name.lower().replace(" ", "")
+        and e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    if copies:
+        out["copies"] = {
+            "count": len(copies),
+            "busy_ms": _union(copies) / 1e3,
+            "first_start_ms": min(a for a, _ in copies) / 1e3,
+            "last_end_ms": max(b for _, b in copies) / 1e3,
+        }
+    calls: dict[str, list[float]] = {}
+    for e in events:
+        if e.name.startswith("cu") and e.device_type == torch.autograd.DeviceType.CPU:
+            calls.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    out["api_calls"] = {
+        name: {"count": len(d), "ms": sum(d) / 1e3}
+        for name, d in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:25]
+    }
+    empties = [e for e in events if e.name == "aten::empty"]
+    out["aten_empty"] = {
+        "count": len(empties),
+        "ms": sum(e.time_range.end - e.time_range.start for e in empties) / 1e3,
+    }
+    trace = job.get("trace")
+    if trace:
+        try:
+            prof.export_chrome_trace(trace)
+            out["trace"] = trace
+        except Exception as e:  # the numbers above stand without it
+            out["trace_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+ROWS = {
+    "fastload": row_fastload,
+    "safetensors": row_safetensors,
+    "costs": row_costs,
+    "profile": row_profile,
+}
+
+
+def child(job: dict) -> None:
+    try:
+        out = ROWS[job["row"]](job)
+    except Exception as e:
+        import traceback
+
+        out = {"error": f"{type(e).__name__}: {e}", "traceback": short(traceback.format_exc())}
+    # A normal exit: the simulated driver writes its counters at exit.
+    print("ROW " + json.dumps(out, default=str), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: checkpoint, rows, summary
+
+
+def run_row(job: dict, timeout: float, sim_log: Path | None) -> dict:
+    """One row in a fresh process (page cache warmed first). On the simulated driver each row's
+    process writes its counters to a log of its own (`sim_log`), merged by `merge_sim_logs`."""
+    from fastload import _pagecache
+
+    _pagecache.warm(job["path"])
+    env = dict(os.environ)
+    if sim_log is not None:
+        env["FAKE_CUDA_LOG"] = str(sim_log)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(job)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+    if not lines:
+        return {"error": f"exit {proc.returncode}: {short(proc.stdout + proc.stderr)}"}
+    out = json.loads(lines[-1][4:])
+    out["process_s"] = time.perf_counter() - t0
+    return out
+
+
+def merge_sim_logs(target: Path, logs: list[Path]) -> None:
+    """The simulated driver's counters of every row's process, in one log where the runner reads
+    them (FAKE_CUDA_LOG): peaks are the highest, the other counters add up."""
+    total: dict[str, int] = {}
+    for log in logs:
+        if not log.exists():
+            continue
+        for k, v in (f.split("=", 1) for f in log.read_text().split() if "=" in f):
+            total[k] = max(total.get(k, 0), int(v)) if "peak" in k else total.get(k, 0) + int(v)
+    if total:
+        target.write_text(" ".join(f"{k}={v}" for k, v in total.items()) + "\n")
+
+
+def _first(row: dict, load: str = "first") -> dict:
+    return next((x for x in row.get("loads", []) if x["load"] == load), {})
+
+
+def summary(rows: dict) -> str:
+    """One line: each fastload load, safetensors, and the costs on their own."""
+    parts = []
+    for name in ("fastload", "fastload_b4", "fastload_c64"):
+        for ld in rows.get(name, {}).get("loads", []):
+            pinned = ld.get("pinned_bytes") or 0
+            parts.append(
+                f"{name} {ld['load']} {ld['seconds']:.3f} s ({ld['gb_per_s']:.2f} GB/s; pinned "
+                f"{pinned / MiB:.0f} MiB in {ld.get('pinned_ms') or 0:.0f} ms, staging peak "
+                f"{(ld.get('staging_peak_bytes') or 0) / MiB:.0f} MiB)"
+            )
+    for ld in rows.get("safetensors", {}).get("loads", []):
+        parts.append(f"safetensors {ld['load']} {ld['seconds']:.3f} s ({ld['gb_per_s']:.2f} GB/s)")
+    costs = rows.get("costs", {})
+    if "alloc_cold_s" in costs:
+        parts.append(
+            f"torch.empty x{costs['tensors']} cold {costs['alloc_cold_s']:.3f} s, cached "
+            f"{costs['alloc_cached_s']:.3f} s; pin 256 MiB {costs['pin_256MiB_s']:.3f} s, 1 GiB "
+            f"{costs['pin_1GiB_s']:.3f} s ({costs['pin_1GiB_gb_per_s']:.1f} GB/s)"
+        )
+        for key in ("register_1GiB", "register_1GiB_thp"):
+            r = costs.get(key, {})
+            if "register_s" in r:
+                parts.append(
+                    f"{key}: touch {r['touch_s']:.3f} s + cuMemHostRegister "
+                    f"{r['register_s']:.3f} s (code {r['code']})"
+                )
+    copies = rows.get("profile", {}).get("copies")
+    if copies:
+        parts.append(
+            f"profiled first load: {copies['count']} copies busy {copies['busy_ms']:.0f} ms, "
+            f"from {copies['first_start_ms']:.0f} to {copies['last_end_ms']:.0f} ms"
+        )
+    return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help="checkpoint folder [a temporary one]")
+    ap.add_argument("--out", help="where the JSON goes [$OUT, else --work]")
+    ap.add_argument("--size", help="checkpoint size [2GiB; 64MiB on the simulated driver]")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--rows", default="fastload,fastload_b4,fastload_c64,safetensors,costs,profile")
+    ap.add_argument("--timeout", type=float, default=60, help="seconds per row")
+    args = ap.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+
+    import tempfile
+
+    from make_checkpoint import checkpoint_files, generate, make_spec, parse_size
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="profile_load."))
+    out_dir = Path(args.out or os.environ.get("OUT") or work)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    size = args.size or ("64MiB" if simulated() else "2GiB")
+    started = time.perf_counter()
+    spec = make_spec(size=parse_size(size), dtype="bf16")
+    # gpu_bench.py's folder in a kit run: one of the two checks writes the checkpoint.
+    files = checkpoint_files(generate(spec, work / "gpu_bench_ckpt", quiet=True))
+    path = files[0]
+    report: dict[str, Any] = {
+        "file": path,
+        "bytes": os.path.getsize(path),
+        "checkpoint_s": time.perf_counter() - started,
+        "simulated": simulated(),
+        "rows": {},
+    }
+    base = {"path": path, "device": args.device}
+    jobs = {
+        "fastload": {"row": "fastload", "options": {},
+                     "loads": ["first", "second", "after_release"]},
+        "fastload_b4": {"row": "fastload", "options": {"block_size": "4MiB"},
+                        "loads": ["first", "second"]},
+        "fastload_c64": {"row": "fastload", "options": {"concurrency": 64},
+                         "loads": ["first", "second"]},
+        "safetensors": {"row": "safetensors"},
+        "costs": {"row": "costs"},
+        "profile": {"row": "profile", "options": {},
+                    "trace": str(out_dir / "profile_load_trace.json")},
+    }  # fmt: skip
+    names = [r for r in args.rows.split(",") if r]
+    if simulated():  # torch has no CUDA there: only fastload's rows mean anything
+        names = [n for n in names if n.startswith("fastload")]
+    sim_target = os.environ.get("FAKE_CUDA_LOG")
+    sim_logs = []
+    for name in names:
+        sim_log = Path(f"{sim_target}.{name}") if sim_target else None
+        report["rows"][name] = run_row({**base, **jobs[name]}, args.timeout, sim_log)
+        sim_logs += [sim_log] if sim_log else []
+        print(f"profile_load: {name}: {json.dumps(report['rows'][name])[:300]}", file=sys.stderr)
+    if sim_target:
+        merge_sim_logs(Path(sim_target), sim_logs)
+    report["seconds"] = time.perf_counter() - started
+    (out_dir / "profile_load.json").write_text(json.dumps(report, indent=1, default=str))
+    errors = {k: v["error"] for k, v in report["rows"].items() if "error" in v}
+    first = _first(report["rows"].get("fastload", {}))
+    ok = not errors and bool(first)
+    details = summary(report["rows"]) if ok else f"rows failed: {errors}"
+    report["json"] = str(out_dir / "profile_load.json")
+    res = result("pass" if ok else "fail", details, **report)
+    print(RESULT_TAG + json.dumps(res, default=str), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
