@@ -32,6 +32,8 @@ import test_vllm as tv
 # The layers' sizes: hidden 64, 4 query heads of 16 and 1 KV head (replicated at TP 2),
 # intermediate 128, a vocabulary of 100 (padded to 64 per rank: 128 rows at TP 2).
 H, HEAD, HEADS, KV_HEADS, INTER, VOCAB = 64, 16, 4, 1, 128, 100
+# Plain HTTP has no listing: the engines' weights are named by their index.
+INDEX = "model.safetensors.index.json"
 
 
 # ---------------------------------------------------------------- driver (runs in .venv-vllm)
@@ -81,10 +83,9 @@ LOADS = [
 def _layers(tp: int, rank: int):
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers import vocab_parallel_embedding as vpe
-
-    from vllm.distributed import parallel_state
 
     # vLLM's functions read the group's rank and size; nothing here communicates.
     parallel_state._TP = SimpleNamespace(rank_in_group=rank, world_size=tp)
@@ -170,9 +171,142 @@ def run_layers(work: Path, result_path: Path) -> None:
     result_path.write_text(json.dumps(results))
 
 
+def _write_model(out: Path) -> None:
+    """The engines' tiny Llama (tests/hf_models.py) with one KV head (replicated at TP 2) and a
+    vocabulary of 500 (padded at TP 2), in 1 MB shards."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=500,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
+
+
+def run_engines(work: Path, result_path: Path) -> None:
+    """TP 2 then PP 2, each with vLLM's safetensors loader (the reference), and fastload from
+    the HTTP server at TEST_SLICES_URL (under tp2/ and pp2/, so the server's log tells the two
+    apart); TP 2 from the local folder too. Workers are vLLM's ``mp`` processes."""
+    model = work / "tiny-llama"
+    results: dict = {}
+    url = os.environ["TEST_SLICES_URL"]
+
+    def step(name: str, load_format: str, **kwargs) -> None:
+        tv._generate(name, model, load_format, results, distributed_executor_backend="mp", **kwargs)
+        result_path.write_text(json.dumps(results))
+
+    tp2 = {"tensor_parallel_size": 2}
+    step("tp2_safetensors", "safetensors", **tp2)
+    step("tp2_local", "fastload", **tp2)
+    extra = {"weights_uri": url + "tp2/" + INDEX}
+    step("tp2_http", "fastload", model_loader_extra_config=extra, **tp2)
+    # vLLM's CPU build loads a pipeline-parallel model but fails its first forward pass (an
+    # assertion in gpu_model_runner's sync_and_gather_intermediate_tensors, whatever the
+    # loader): each stage's state, as loaded, is compared instead of tokens.
+    pp2 = {"pipeline_parallel_size": 2}
+    results["pp2_safetensors"] = _states(model, "safetensors", **pp2)
+    extra = {"weights_uri": url + "pp2/" + INDEX}
+    results["pp2_http"] = _states(model, "fastload", model_loader_extra_config=extra, **pp2)
+    result_path.write_text(json.dumps(results))
+
+
+def _write_moe(out: Path) -> None:
+    """A tiny Mixtral: 4 experts, 2 per token, in 1 MB shards."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = MixtralForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
+
+
+def _digests(worker) -> dict[str, str]:
+    """Runs in each worker: the sha256 of every tensor of its model's state, as loaded."""
+    import hashlib
+
+    import torch
+
+    out = {}
+    for name, t in worker.model_runner.get_model().state_dict().items():
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        out[name] = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    return out
+
+
+def _states(model: Path, load_format: str, **kwargs) -> list[dict[str, str]]:
+    """Starts an engine (``mp`` workers), returns each worker's ``_digests``, stops it."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model),
+        load_format=load_format,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        enforce_eager=True,
+        distributed_executor_backend="mp",
+        **kwargs,
+    )
+    try:
+        return llm.collective_rpc(_digests)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def run_moe(work: Path, result_path: Path) -> None:
+    """A Mixtral at TP 2 with expert parallelism, loaded by vLLM's safetensors loader and by
+    fastload: each worker's state, digested (vLLM's CPU MoE kernel crashes on this model in a
+    forward pass whatever the loader, so no tokens)."""
+    model = work / "tiny-mixtral"
+    _write_moe(model)
+    results: dict = {}
+    for load_format in ("safetensors", "fastload"):
+        results[load_format] = _states(
+            model, load_format, tensor_parallel_size=2, enable_expert_parallel=True
+        )
+        result_path.write_text(json.dumps(results))
+
+
 if __name__ == "__main__":
-    commands = {"layers": run_layers}
-    commands[sys.argv[1]](*map(Path, sys.argv[2:4]))
+    commands = {
+        "layers": run_layers,
+        "engines": run_engines,
+        "model": _write_model,
+        "moe": run_moe,
+    }
+    commands[sys.argv[1]](*map(Path, sys.argv[2:4]))  # type: ignore[operator]
 
 
 # ---------------------------------------------------------------- tests (run by pytest)
@@ -281,3 +415,141 @@ def _tensor_shapes():
         "head": torch.empty(VOCAB, H),
         "unknown": torch.empty(16, 32),
     }
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """The tiny model written, served under tp2/ and pp2/, and the engines run in turn.
+    Returns (results, output, the model's files, the server's log)."""
+    from servers.http import Behaviour, RangeServer
+
+    work = tmp_path_factory.mktemp("vllm_slices")
+    model = work / "tiny-llama"
+    proc = subprocess.run(
+        [str(tv.VENV_PYTHON), __file__, "model", str(model)],
+        capture_output=True,
+        text=True,
+        env={**tv._engine_env(), "PYTHONPATH": str(tv.ROOT / "python")},
+        cwd=tv.ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    files = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
+    server = RangeServer(
+        {f"{prefix}/{name}": data for prefix in ("tp2", "pp2") for name, data in files.items()},
+        Behaviour(),
+    )
+    try:
+        env = {
+            "TEST_SLICES_URL": server.url(""),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function
+            # One core per worker: vLLM's CPU workers bind their threads, one NUMA node each
+            # by default, which a small machine does not have.
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
+        }
+        results, output = _run("engines", work, timeout=tv.ENGINE_TIMEOUT_S, **env)
+        yield results, output, files, list(server.behaviour.log)
+    finally:
+        server.close()
+
+
+def _sent(log, prefix: str) -> int:
+    """Bytes the server sent in ranged GETs under ``prefix``."""
+    total = 0
+    for method, path, rng, status in log:
+        if method == "GET" and path.startswith(f"/{prefix}/") and status == 206:
+            a, b = rng.removeprefix("bytes=").split("-")
+            total += int(b) - int(a) + 1
+    return total
+
+
+def _stat_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "fastload sliced reads on" in line]
+
+
+@pytest.mark.slow
+@tv.needs_vllm
+def test_tensor_parallel_2_reads_each_ranks_part(engines):
+    """TP 2 with a replicated KV head and a padded vocabulary: the tokens of vLLM's own loader,
+    from a local folder and over HTTP; the two workers together fetch about the checkpoint once
+    (whole-tensor reads would fetch it twice)."""
+    results, output, files, log = engines
+    want = results["tp2_safetensors"]
+    assert len(want) == len(tv.PROMPTS) and all(len(t) == tv.MAX_TOKENS for t in want)
+    assert results.get("tp2_local") == want, output[-8000:]
+    assert results.get("tp2_http") == want, output[-8000:]
+    weights = sum(len(d) for n, d in files.items() if n.endswith(".safetensors"))
+    sent = _sent(log, "tp2")
+    print(f"TP 2 over HTTP: the server sent {sent} bytes, {sent / weights:.2f}x the weights")
+    assert weights < sent <= 1.3 * weights
+    # One line per worker and load (local, then HTTP), each rank reading part of the bytes.
+    lines = [line for line in _stat_lines(output) if "pp rank 0/1" in line]
+    assert len(lines) == 4, output[-8000:]
+    assert {line.split("tp rank ")[1][:3] for line in lines} == {"0/2", "1/2"}, lines
+
+
+@pytest.mark.slow
+@tv.needs_vllm
+def test_pipeline_parallel_2_reads_each_stages_layers(engines):
+    """PP 2 over HTTP: each stage's weights, as loaded, are those vLLM's own loader gives it;
+    each stage leaves the other stage's layers unread, so the two stages together fetch the
+    checkpoint about once."""
+    results, output, files, log = engines
+    want = results["pp2_safetensors"]
+    assert len(want) == 2 and all(want) and want[0].keys() != want[1].keys(), want
+    assert results.get("pp2_http") == want, output[-8000:]
+    weights = sum(len(d) for n, d in files.items() if n.endswith(".safetensors"))
+    sent = _sent(log, "pp2")
+    print(f"PP 2 over HTTP: the server sent {sent} bytes, {sent / weights:.2f}x the weights")
+    assert weights * 0.99 <= sent <= 1.1 * weights
+    lines = [line for line in _stat_lines(output) if "pp rank" in line and "tp rank 0/1" in line]
+    assert len(lines) == 2, output[-8000:]
+    for line in lines:
+        skipped = int(line.split(" tensors not read")[0].rsplit(" ", 1)[1])
+        assert skipped > 0, line
+
+
+@pytest.mark.slow
+@tv.needs_vllm
+def test_expert_parallel_reads_only_the_ranks_experts(tmp_path):
+    """A tiny Mixtral at TP 2 with expert parallelism: each worker's weights, as loaded, equal
+    those vLLM's own loader gives it, and each leaves the other worker's experts unread."""
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
+    }
+    results, output = _run("moe", tmp_path, timeout=tv.ENGINE_TIMEOUT_S, **env)
+    want, got = results["safetensors"], results.get("fastload")
+    assert len(want) == 2 and all(want), want
+    assert got == want, output[-8000:]
+    lines = _stat_lines(output)
+    assert len(lines) == 2, output[-8000:]
+    # 2 layers x 4 experts x 3 weights; each worker keeps 2 experts and never reads the others.
+    for line in lines:
+        skipped = int(line.split(" tensors not read")[0].rsplit(" ", 1)[1])
+        assert skipped == 12, line
+
+
+def test_slices_key_is_checked():
+    """``slices``: true, false or absent (the loader decides), for load format fastload only,
+    and not with ``distributed: true``."""
+    from fastload import ConfigError, vllm
+
+    def parse(extra, load_format="fastload"):
+        allowed = vllm._SHARDED_KEYS if load_format == "fastload_sharded" else vllm._KEYS
+        return vllm._Options.parse(load_format, extra, allowed)
+
+    assert parse({}).slices is None
+    assert parse({"slices": False}).slices is False
+    assert parse({"slices": True}).slices is True
+    assert parse({"slices": False, "distributed": True}).distributed is True
+    with pytest.raises(ConfigError) as info:
+        parse({"slices": "yes"})
+    assert info.value.option == "slices"
+    with pytest.raises(ConfigError, match="slices and distributed cannot both be true") as info:
+        parse({"slices": True, "distributed": True})
+    assert info.value.option == "slices"
+    with pytest.raises(ConfigError, match="'slices' belongs to load format 'fastload'"):
+        parse({"slices": True}, "fastload_sharded")

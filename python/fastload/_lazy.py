@@ -91,8 +91,19 @@ class Stats:
 class _Source:
     """One tensor of a file: where its bytes are, and what has been read of it."""
 
-    __slots__ = ("at", "cost", "counted", "dtype", "name", "nbytes", "reader", "shape", "shard")
-    __slots__ += ("stats", "whole")
+    __slots__ = (
+        "at",
+        "cost",
+        "counted",
+        "dtype",
+        "name",
+        "nbytes",
+        "reader",
+        "shape",
+        "shard",
+        "stats",
+        "whole",
+    )
 
     def __init__(
         self,
@@ -178,11 +189,13 @@ class LazyTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, source: _Source, items: tuple[Any, ...]) -> LazyTensor:
         shape = [_size(it) for it in items if not isinstance(it, int)]
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=source.dtype, device="cpu")
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=source.dtype, device=torch.device("cpu")
+        )
         t._source, t._items, t._value = source, items, None
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @property
     def tensor_name(self) -> str:
@@ -209,13 +222,13 @@ class LazyTensor(torch.Tensor):
             self._value = self._source.read(self._index(), self._full())
         return self._value
 
-    def __repr__(self) -> str:  # no read for a repr
+    def __repr__(self) -> str:  # type: ignore[override]  # no read for a repr
         region = "whole" if self._full() else str(self._index())
         shape = tuple(self.shape)
         return f"LazyTensor({self._source.name!r}, {region}, shape={shape}, dtype={self.dtype})"
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
