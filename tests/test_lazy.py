@@ -298,3 +298,29 @@ def test_a_checkpoint_folder_with_an_index_yields_every_tensor_in_file_order(tmp
     assert sorted(n for n, _ in got) == sorted(ref)
     for name, lazy in got:
         assert_bitwise(torch.empty_like(ref[name]).copy_(lazy), ref[name], name)
+
+
+def test_a_hub_repo_streams_lazily_reading_only_what_is_copied(tmp_path, monkeypatch):
+    """``hf://ORG/REPO``, as the vLLM loader passes a repo id: every tensor of every shard, and
+    a row slice of one reads those rows' bytes only."""
+    from hf_models import use_hub, write_llama
+    from servers.hub import MockHub
+
+    folder = write_llama(tmp_path / "llama", max_shard_size="20KB")
+    hub = MockHub()
+    try:
+        hub.add("org/llama", {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+        use_hub(hub, monkeypatch, tmp_path)
+        ckpt = Checkpoint("hf://org/llama")
+        got = dict(ckpt)
+        ref = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safetensors.safe_open(str(f), "pt") as s:
+                ref.update({k: s.get_tensor(k) for k in s.keys()})
+        assert sorted(got) == sorted(ref) and ckpt.bytes_read == 0
+        name = "model.layers.0.mlp.down_proj.weight"
+        rows = torch.empty(16, 64, dtype=torch.bfloat16).copy_(got[name][16:])
+        assert_bitwise(rows, ref[name][16:], name)
+        assert ckpt.bytes_read == ref[name][16:].nbytes
+    finally:
+        hub.close()

@@ -454,14 +454,32 @@ def engines(tmp_path_factory):
         server.close()
 
 
-def _sent(log, prefix: str) -> int:
-    """Bytes the server sent in ranged GETs under ``prefix``."""
-    total = 0
+def _sent(log, prefix: str, files: dict[str, bytes]) -> tuple[int, int]:
+    """Bytes the server sent in ranged GETs under ``prefix``: of tensor data (ranges from a
+    file's data on), and in all (with the reads of headers, a first 256 KiB of each file by
+    each worker, a large share of these 1 MB files)."""
+    data_start = {
+        name: 8 + int.from_bytes(body[:8], "little")
+        for name, body in files.items()
+        if name.endswith(".safetensors")
+    }
+    data = total = 0
     for method, path, rng, status in log:
         if method == "GET" and path.startswith(f"/{prefix}/") and status == 206:
-            a, b = rng.removeprefix("bytes=").split("-")
-            total += int(b) - int(a) + 1
-    return total
+            a, b = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+            total += b - a + 1
+            if a >= data_start.get(path.rsplit("/", 1)[1], 0):
+                data += b - a + 1
+    return data, total
+
+
+def _weights(files: dict[str, bytes]) -> int:
+    """Tensor bytes of the checkpoint (its files less their headers)."""
+    return sum(
+        len(body) - 8 - int.from_bytes(body[:8], "little")
+        for name, body in files.items()
+        if name.endswith(".safetensors")
+    )
 
 
 def _stat_lines(output: str) -> list[str]:
@@ -472,17 +490,21 @@ def _stat_lines(output: str) -> list[str]:
 @tv.needs_vllm
 def test_tensor_parallel_2_reads_each_ranks_part(engines):
     """TP 2 with a replicated KV head and a padded vocabulary: the tokens of vLLM's own loader,
-    from a local folder and over HTTP; the two workers together fetch about the checkpoint once
-    (whole-tensor reads would fetch it twice)."""
+    from a local folder and over HTTP, the two workers together fetching well under the twice
+    the checkpoint that whole-tensor reads fetch."""
     results, output, files, log = engines
     want = results["tp2_safetensors"]
     assert len(want) == len(tv.PROMPTS) and all(len(t) == tv.MAX_TOKENS for t in want)
     assert results.get("tp2_local") == want, output[-8000:]
     assert results.get("tp2_http") == want, output[-8000:]
-    weights = sum(len(d) for n, d in files.items() if n.endswith(".safetensors"))
-    sent = _sent(log, "tp2")
-    print(f"TP 2 over HTTP: the server sent {sent} bytes, {sent / weights:.2f}x the weights")
-    assert weights < sent <= 1.3 * weights
+    weights = _weights(files)
+    sent, total = _sent(log, "tp2", files)
+    print(f"TP 2 over HTTP: {sent} bytes of tensor data sent, {sent / weights:.2f}x the weights")
+    print(f"  ({total} bytes with the headers' reads)")
+    # Whole-tensor reads would send 2x. Column-parallel tensors are read once over the two
+    # workers, the one KV head and the norms by both, and row-parallel ones (o_proj, down_proj:
+    # a short run per row) as the span of the rows, nearly whole, by both: about 1.33x here.
+    assert weights < sent <= 1.4 * weights
     # One line per worker and load (local, then HTTP), each rank reading part of the bytes.
     lines = [line for line in _stat_lines(output) if "pp rank 0/1" in line]
     assert len(lines) == 4, output[-8000:]
@@ -499,10 +521,11 @@ def test_pipeline_parallel_2_reads_each_stages_layers(engines):
     want = results["pp2_safetensors"]
     assert len(want) == 2 and all(want) and want[0].keys() != want[1].keys(), want
     assert results.get("pp2_http") == want, output[-8000:]
-    weights = sum(len(d) for n, d in files.items() if n.endswith(".safetensors"))
-    sent = _sent(log, "pp2")
-    print(f"PP 2 over HTTP: the server sent {sent} bytes, {sent / weights:.2f}x the weights")
-    assert weights * 0.99 <= sent <= 1.1 * weights
+    weights = _weights(files)
+    sent, total = _sent(log, "pp2", files)
+    print(f"PP 2 over HTTP: {sent} bytes of tensor data sent, {sent / weights:.2f}x the weights")
+    print(f"  ({total} bytes with the headers' reads)")
+    assert weights * 0.99 <= sent <= 1.05 * weights
     lines = [line for line in _stat_lines(output) if "pp rank" in line and "tp rank 0/1" in line]
     assert len(lines) == 2, output[-8000:]
     for line in lines:
