@@ -324,3 +324,23 @@ def test_a_hub_repo_streams_lazily_reading_only_what_is_copied(tmp_path, monkeyp
         assert ckpt.bytes_read == ref[name][16:].nbytes
     finally:
         hub.close()
+
+
+def test_every_other_use_reads_and_gives_the_values(tmp_path):
+    """Scalars, lists, numpy, comparisons, dtype views, iteration: what a weight loader may do
+    besides narrowing, each on the values read."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    path = tmp_path / "w.safetensors"
+    save_file({"s": torch.tensor(3.5), "w": w}, str(path))
+    got = dict(Checkpoint(path))
+    s, lazy = got["s"], got["w"]
+    assert s.item() == 3.5 and float(s) == 3.5 and bool(s)
+    assert lazy.tolist() == w.tolist() and lazy[1:].tolist() == w[1:].tolist()
+    assert (lazy[:, 2:].numpy() == w[:, 2:].numpy()).all()
+    assert torch.equal(lazy, w) and int((lazy == 5).sum()) == 1
+    assert torch.equal(lazy.view(torch.int32), w.view(torch.int32))
+    assert [r.tolist() for r in lazy] == w.tolist()
+    assert torch.equal(s.reshape(1), torch.tensor([3.5]))
+    # Already on the CPU and contiguous: still lazy, nothing read.
+    fresh = dict(Checkpoint(path))["w"]
+    assert all(isinstance(t, LazyTensor) for t in (fresh.cpu(), fresh.contiguous()))

@@ -222,6 +222,13 @@ class LazyTensor(torch.Tensor):
             self._value = self._source.read(self._index(), self._full())
         return self._value
 
+    # torch refuses these on tensor subclasses: on the region read, as any other use.
+    def tolist(self) -> Any:
+        return self.materialize().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.materialize().numpy(force=force)
+
     def __repr__(self) -> str:  # type: ignore[override]  # no read for a repr
         region = "whole" if self._full() else str(self._index())
         shape = tuple(self.shape)
