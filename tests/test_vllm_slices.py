@@ -7,12 +7,14 @@ weight loader of the usual layers (column/row parallel, QKV and merged column fr
 fused tensors, KV heads replicated, vocab-parallel embedding and LM head with padding, an
 unknown weight loader that transforms its tensor) fed lazy tensors gives the parameters it gives
 with whole tensors, bitwise, reading exactly the regions below (the pin: a vLLM that stops
-narrowing before it copies reads more, and fails here). Then real engines at tensor parallel 2
-and pipeline parallel 2 (vLLM's CPU build, ``mp`` workers): the tokens of vLLM's own loader,
-from a local folder and over HTTP, with the bytes the server sent counted.
+narrowing before it copies reads more, and fails here). Then real engines (vLLM's CPU build,
+``mp`` workers, one core each): tensor parallel 2 gives the tokens of vLLM's own loader, from a
+local folder and over HTTP, with the tensor data the server sent counted; pipeline parallel 2
+over HTTP and a Mixtral at TP 2 with expert parallelism give each worker the state vLLM's own
+loader gives it (the CPU build fails their forward passes whatever the loader).
 
 Like tests/test_vllm.py, this file is also the script the vLLM venv runs
-(``.venv-vllm/bin/python tests/test_vllm_slices.py layers|engines WORK RESULT.json``).
+(``.venv-vllm/bin/python tests/test_vllm_slices.py layers|engines|moe WORK RESULT.json``).
 """
 
 from __future__ import annotations
