@@ -43,6 +43,10 @@ class Options:
     # Out of repr: it may hold a keyset (``keyset``), which no log line may show.
     stream_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     distributed: bool = False
+    # Sliced reads (lazy tensors, each worker reading what it keeps): None lets the loader
+    # decide (on where the model is split, off with ``distributed``); only loaders that list the
+    # key "slices" take it.
+    slices: bool | None = None
 
     @classmethod
     def parse(cls: type[_O], load_format: str, extra: Any, allowed: frozenset[str]) -> _O:
@@ -70,6 +74,17 @@ class Options:
                 f"distributed must be true or false, got {distributed!r}", option="distributed"
             )
 
+        slices = extra.get("slices")
+        if slices is not None and not isinstance(slices, bool):
+            raise ConfigError(f"slices must be true or false, got {slices!r}", option="slices")
+        if slices and distributed:
+            raise ConfigError(
+                "slices and distributed cannot both be true: with slices each worker reads only "
+                "the bytes it keeps (about the checkpoint once over a tensor-parallel group); "
+                "distributed reads whole tensors once and sends them to every worker. Pick one",
+                option="slices",
+            )
+
         stream_kwargs = {k: extra[k] for k in LOAD_KEYS if extra.get(k) is not None}
         # Checked now, at engine start, by the same code that reads them at load time (a bad
         # value raises ConfigError naming the key).
@@ -83,7 +98,7 @@ class Options:
                 )
             weights_uri = os.fspath(weights_uri)
         pattern = extra.get("pattern")
-        return cls(load_format, weights_uri, pattern, stream_kwargs, distributed)
+        return cls(load_format, weights_uri, pattern, stream_kwargs, distributed, slices)
 
     @classmethod
     def unknown_key_hints(cls, load_format: str) -> Mapping[str, str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from . import _fastload, _options
@@ -213,9 +213,6 @@ class safe_open:
             )
         _check_backend(backend)
         self._glue = _torch_glue()
-        if not _CARRIERS:
-            t = self._glue.torch
-            _CARRIERS.update({1: t.uint8, 2: t.int16, 4: t.int32, 8: t.int64})
         self._device, self._target = _target_for(_device(device), options.get("method"))
         self._uri = _uris(filename)
         self._options = options
@@ -350,6 +347,39 @@ class safe_open:
         self.close()
 
 
+def read_index(
+    torch: Any,
+    read: Callable[[list[tuple[int, int]]], torch.Tensor],
+    tdtype: torch.dtype,
+    tshape: tuple[int, ...],
+    nbytes: int,
+    index: Any,
+    read_cost: int,
+) -> torch.Tensor:
+    """``tensor[index]`` of a C-contiguous tensor of ``tshape`` and ``tdtype`` (``nbytes`` long)
+    on the host, reading only what :func:`plan` picks through ``read`` (``(offset, len)`` ranges
+    from the tensor's start, one after the other as a uint8 tensor); an index that is not basic
+    reads the whole tensor and lets torch index it."""
+    if _basic(index, len(tshape)) is None:
+        # Lists, tensors, booleans: torch indexes the whole tensor.
+        whole = read([(0, nbytes)]).view(tdtype).reshape(tshape)
+        return whole[index]
+    # torch's own errors, and the result's shape, before anything is read.
+    want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
+    p = plan(tshape, tdtype.itemsize, index, read_cost)
+    if p is None:
+        return torch.empty(want, dtype=tdtype)
+    # Strided views and copies of plain integers of the same width: every dtype (fp8, fp4,
+    # bool) moves as its bits.
+    if not _CARRIERS:
+        _CARRIERS.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+    raw = read(p.ranges).view(_CARRIERS[tdtype.itemsize])
+    out = raw.as_strided(p.size, p.stride)[p.view]
+    if not (out.is_contiguous() and out.numel() == raw.numel()):
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out.view(tdtype)
+
+
 class SafeSlice:
     """A tensor of a :class:`safe_open` not read yet; indexing it reads what the index selects.
     safetensors' ``PySafeSlice``: ``get_shape()``, ``get_dtype()`` and ``[...]``. It holds the
@@ -371,29 +401,15 @@ class SafeSlice:
     def __getitem__(self, index: Any) -> torch.Tensor:
         f = self._file
         begin, end = self._span
-        torch = f._glue.torch
-        tdtype = f._torch_dtype(self._name, self._dtype)
-        tshape = f._torch_shape(self._dtype, self._shape)
-        if _basic(index, len(tshape)) is None:
-            # Lists, tensors, booleans: torch indexes the whole tensor.
-            whole = f._read(begin, [(0, end - begin)], self._reader)
-            whole = whole.view(tdtype).reshape(tshape)
-            out = whole[index]
-        else:
-            # torch's own errors, and the result's shape, before anything is read.
-            want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
-            cost = REMOTE_READ_COST if f._remote else LOCAL_READ_COST
-            p = plan(tshape, tdtype.itemsize, index, cost)
-            if p is None:
-                out = torch.empty(want, dtype=tdtype)
-            else:
-                # Strided views and copies of plain integers of the same width: every dtype
-                # (fp8, fp4, bool) moves as its bits.
-                raw = f._read(begin, p.ranges, self._reader).view(_CARRIERS[tdtype.itemsize])
-                out = raw.as_strided(p.size, p.stride)[p.view]
-                if not (out.is_contiguous() and out.numel() == raw.numel()):
-                    out = out.clone(memory_format=torch.contiguous_format)
-                out = out.view(tdtype)
+        out = read_index(
+            f._glue.torch,
+            lambda ranges: f._read(begin, ranges, self._reader),
+            f._torch_dtype(self._name, self._dtype),
+            f._torch_shape(self._dtype, self._shape),
+            end - begin,
+            index,
+            REMOTE_READ_COST if f._remote else LOCAL_READ_COST,
+        )
         if f._target is not None:
             out = out.to(f._device)
         return out

@@ -10,7 +10,15 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
 ``storage_options``, ``cache`` (a local copy of remote weights, written while they stream:
 ``True`` or a directory; see ``fastload.Options``), ``verify``, ``keyset`` and
 ``associated_data`` (a Tink-encrypted checkpoint: docs/encryption.md) as ``fastload.load`` does,
-plus ``weights_uri`` and ``distributed``.
+plus ``weights_uri``, ``distributed`` and ``slices``.
+
+Where the model is split over workers (tensor or pipeline parallel, experts spread), ``fastload``
+hands ``model.load_weights`` lazy tensors (``fastload._lazy``): vLLM's weight loaders narrow each
+to the rank's rows or columns before they copy it, and only those bytes are read; tensors of
+layers on other pipeline stages, or of other ranks' experts, are never read; anything else
+(a weight loader that transforms a tensor first) reads the region it asks for, whole at worst.
+``slices: false`` streams whole tensors instead (as ``distributed: true`` does, which shares
+them over the group); ``slices: true`` reads lazily on a lone worker too.
 
 ``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the
 Hub as ``hf://ORG/REPO@REVISION`` without writing the weights to disk, an object-store model path
@@ -44,7 +52,7 @@ from functools import cache
 from typing import Any
 
 from . import _integration
-from ._integration import KEYS as _KEYS
+from ._integration import KEYS as _LOAD_KEYS
 from ._integration import is_url as _is_url
 
 __all__ = ["LOAD_FORMAT", "SHARDED_LOAD_FORMAT", "register"]
@@ -61,7 +69,9 @@ TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 _PATTERN_FIELDS = frozenset({"rank", "tp_rank", "pp_rank", "part"})
 
-_SHARDED_KEYS = _KEYS | {"pattern"}
+# ``slices`` is the plain format's (sliced reads, see _sliced); ``pattern`` the sharded one's.
+_KEYS = _LOAD_KEYS | {"slices"}
+_SHARDED_KEYS = _LOAD_KEYS | {"pattern"}
 
 # vLLM's loader registry. Importing it costs about 2 s and 700 modules, which the processes that
 # never load weights (API server, engine core) would otherwise pay for the plugin alone.
@@ -301,7 +311,10 @@ class _Options(_integration.Options):
     def unknown_key_hints(cls, load_format: str) -> Mapping[str, str]:
         if load_format == LOAD_FORMAT:
             return {"pattern": f"'pattern' belongs to load format {SHARDED_LOAD_FORMAT!r}"}
-        return {}
+        return {
+            "slices": f"'slices' belongs to load format {LOAD_FORMAT!r}: each worker of "
+            f"{SHARDED_LOAD_FORMAT!r} reads only its own files anyway"
+        }
 
     def __post_init__(self) -> None:
         # The last check (parse builds the options once every other key passed it), in the
@@ -386,6 +399,32 @@ def _stream(uri: Any, device: Any, options: _Options, prefix: str = "") -> Itera
     return _integration.stream(uri, device, options, group, prefix)
 
 
+def _sliced(options: _Options, parallel_config: Any) -> bool:
+    """Whether a load reads lazily, each worker only what it keeps: ``slices`` as given, else
+    where the model is split over workers (tensor or pipeline parallel, or experts spread) and
+    ``distributed`` is off (with it, whole tensors are read once and shared, as before). A
+    worker that keeps every tensor whole streams them instead: the stream reads ahead in
+    parallel, where lazy tensors are read one after the other as the model asks."""
+    if options.slices is not None:
+        return options.slices
+    if options.distributed:
+        return False
+    from vllm.distributed import (  # type: ignore[import-not-found]
+        get_pp_group,
+        get_tensor_model_parallel_world_size,
+    )
+
+    split = get_tensor_model_parallel_world_size() > 1 or get_pp_group().world_size > 1
+    return split or bool(getattr(parallel_config, "enable_expert_parallel", False))
+
+
+def _rank_name() -> str:
+    from vllm.distributed import get_pp_group, get_tp_group  # type: ignore[import-not-found]
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return f"tp rank {tp.rank_in_group}/{tp.world_size}, pp rank {pp.rank_in_group}/{pp.world_size}"
+
+
 def _released() -> AbstractContextManager[None]:
     return _integration.released(logger)
 
@@ -423,11 +462,15 @@ def _loader_classes() -> dict[str, type]:
                 load_config.load_format, load_config.model_loader_extra_config, self._allowed
             )
             self._load_device: Any = None
+            self._parallel_config: Any = None
+            # What the last sliced load read (Stats.as_dict()), None after a whole-tensor one.
+            self.stats: dict[str, Any] | None = None
 
         def load_model(self, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
             # load_weights() is not told the device; vLLM builds the model on this one.
             load_device = getattr(vllm_config.load_config, "device", None)
             self._load_device = load_device or vllm_config.device_config.device
+            self._parallel_config = getattr(vllm_config, "parallel_config", None)
             return super().load_model(vllm_config, *args, **kwargs)
 
         def _location(self, model_config: Any, index: bool) -> str:
@@ -481,18 +524,44 @@ def _loader_classes() -> dict[str, type]:
             return root
 
         def load_weights(self, model: Any, model_config: Any) -> None:
-            device = _integration.target_device(self._load_device, model)
             sources = self._sources(model, model_config)
+            if _sliced(self.options, self._parallel_config):
+                loaded = self._load_sliced(model, sources)
+            else:
+                device = _integration.target_device(self._load_device, model)
+                meter = _integration.Meter(logger)
+
+                def weights() -> Iterator[tuple[str, Any]]:
+                    for uri, prefix in sources:
+                        yield from _stream(uri, device, self.options, prefix)
+
+                with _released():
+                    loaded = model.load_weights(meter.count(weights()))
+                meter.log()
+                self.stats = None
+            _check_all_loaded(model, model_config, loaded)
+
+        def _load_sliced(self, model: Any, sources: list[tuple[Any, str]]) -> Any:
+            """``model.load_weights`` fed lazy tensors: each read when a weight loader copies
+            it, only the part it narrowed it to (fastload._lazy)."""
+            from . import _lazy
+
+            stats = _lazy.Stats()
             meter = _integration.Meter(logger)
 
             def weights() -> Iterator[tuple[str, Any]]:
                 for uri, prefix in sources:
-                    yield from _stream(uri, device, self.options, prefix)
+                    checkpoint = _lazy.Checkpoint(uri, stats, **self.options.stream_kwargs)
+                    for name, tensor in checkpoint:
+                        yield prefix + name, tensor
 
             with _released():
-                loaded = model.load_weights(meter.count(weights()))
+                loaded = model.load_weights(weights())
+            meter.bytes = stats.read_bytes
             meter.log()
-            _check_all_loaded(model, model_config, loaded)
+            logger.info("fastload sliced reads on %s: %s", _rank_name(), stats.line())
+            self.stats = stats.as_dict()
+            return loaded
 
     class FastloadShardedStateLoader(_Loader):
         """``load_format="fastload_sharded"``: the files vLLM's ``save_sharded_state`` wrote,

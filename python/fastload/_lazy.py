@@ -1,0 +1,446 @@
+"""Lazy tensors: checkpoint tensors handed out before any byte of them is read, for code that
+narrows a tensor before it copies it (the serving engines' ``weight_loader``s), so that each
+worker reads only the rows and columns it keeps.
+
+A :class:`LazyTensor` has the shape, dtype and device (``cpu``) of its tensor and no storage.
+View ops (``narrow``, basic indexing and slicing, ``select``, ``split``/``chunk``, ``unbind``,
+``unsqueeze``/``squeeze``, ``detach``, a ``view`` to its own shape) compose into a new lazy
+tensor of the same file region, still unread; any other op (``copy_`` into a parameter, ``to``,
+``t()``, arithmetic, ...) reads the region the lazy tensor covers (only its byte ranges, planned
+by ``_safe_open.plan``) and runs on what was read. So a tensor nobody asks for is never read, a
+``narrow(...).copy_`` reads the narrowed rows (or columns), and code that does anything else
+still gets the right values, from a whole read. In-place ops act on the region once read (the
+lazy tensor keeps it): later uses of the same lazy tensor see them.
+
+:class:`Checkpoint` opens the files of a checkpoint once (one native ``Reader``: every URI
+fastload reads, pinned to the versions it opened) and hands out a lazy tensor per tensor;
+:class:`Stats` counts what was read, as slices and whole, and what was never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import _fastload, _options, _torch_glue, _uris
+from ._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, read_index, safe_open
+
+__all__ = ["Checkpoint", "LazyTensor", "Stats"]
+
+# The options a Reader takes (src/options.rs marks them Taker::Reader).
+READER_OPTIONS = _options.taken_by("reader")
+
+_aten = torch.ops.aten
+
+
+@dataclass
+class Stats:
+    """What the lazy tensors of a load read. A tensor counts as ``whole`` when a read of it
+    covered all its bytes, else ``sliced``; ``skipped`` were never read. ``fallbacks``: ops other
+    than views and ``copy_`` that read a region, by name (a weight loader that does more than
+    narrow and copy)."""
+
+    tensors: int = 0
+    bytes: int = 0
+    sliced_tensors: int = 0
+    sliced_bytes: int = 0
+    whole_tensors: int = 0
+    whole_bytes: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def read_bytes(self) -> int:
+        return self.sliced_bytes + self.whole_bytes
+
+    @property
+    def skipped_tensors(self) -> int:
+        return self.tensors - self.sliced_tensors - self.whole_tensors
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "read_bytes": self.read_bytes,
+            "sliced_tensors": self.sliced_tensors,
+            "sliced_bytes": self.sliced_bytes,
+            "whole_tensors": self.whole_tensors,
+            "whole_bytes": self.whole_bytes,
+            "skipped_tensors": self.skipped_tensors,
+            "fallbacks": dict(self.fallbacks),
+        }
+
+    def line(self) -> str:
+        """One line for a log: what was read, of how much, and how."""
+        share = self.read_bytes / self.bytes if self.bytes else 0.0
+        out = (
+            f"read {self.read_bytes} of {self.bytes} checkpoint bytes ({share:.0%}): "
+            f"{self.sliced_bytes} bytes as slices of {self.sliced_tensors} tensors, "
+            f"{self.whole_bytes} bytes as {self.whole_tensors} whole tensors, "
+            f"{self.skipped_tensors} tensors not read"
+        )
+        if self.fallbacks:
+            ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
+            out += f"; read for other ops: {ops}"
+        return out
+
+
+class _Source:
+    """One tensor of a file: where its bytes are, and what has been read of it."""
+
+    __slots__ = (
+        "at",
+        "cost",
+        "counted",
+        "dtype",
+        "name",
+        "nbytes",
+        "reader",
+        "shape",
+        "shard",
+        "stats",
+        "whole",
+    )
+
+    def __init__(
+        self,
+        reader: Any,
+        shard: int,
+        at: int,
+        nbytes: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        cost: int,
+        stats: Stats,
+        name: str,
+    ) -> None:
+        self.reader, self.shard, self.at, self.nbytes = reader, shard, at, nbytes
+        self.dtype, self.shape, self.cost, self.stats, self.name = dtype, shape, cost, stats, name
+        self.whole: torch.Tensor | None = None  # once read whole: later regions view it
+        self.counted: str | None = None  # "sliced" or "whole", once read
+
+    def read(self, index: tuple[Any, ...], full: bool) -> torch.Tensor:
+        """``tensor[index]`` (a basic index); ``full``: the index selects the whole tensor."""
+        if self.whole is not None:
+            return self.whole[index]
+        got = 0
+
+        def read(ranges: list[tuple[int, int]]) -> torch.Tensor:
+            nonlocal got
+            got += sum(n for _, n in ranges)
+            capsule = self.reader.read(self.shard, [(self.at + o, n) for o, n in ranges])
+            return torch.from_dlpack(capsule)
+
+        out = read_index(torch, read, self.dtype, self.shape, self.nbytes, index, self.cost)
+        self._count(got)
+        if full:
+            self.whole = out
+        return out
+
+    def _count(self, got: int) -> None:
+        if not got:
+            return
+        s = self.stats
+        whole = got >= self.nbytes
+        if whole:
+            s.whole_bytes += got
+            if self.counted != "whole":
+                s.whole_tensors += 1
+                if self.counted == "sliced":
+                    s.sliced_tensors -= 1
+                self.counted = "whole"
+        else:
+            s.sliced_bytes += got
+            if self.counted is None:
+                s.sliced_tensors += 1
+                self.counted = "sliced"
+
+
+def _range_item(it: Any) -> bool:
+    return isinstance(it, range)
+
+
+class _Empty:
+    """A dim added by ``unsqueeze`` and sliced to nothing (the tensor is empty: never read)."""
+
+    def __repr__(self) -> str:
+        return "_EMPTY"
+
+
+_EMPTY = _Empty()
+
+
+def _size(it: Any) -> int:
+    return len(it) if _range_item(it) else 0 if it is _EMPTY else 1
+
+
+class LazyTensor(torch.Tensor):
+    """A region of a checkpoint tensor, read when an op other than a view needs it (see the
+    module's doc). ``_items``: one entry per dim of the file's tensor (an int that dropped it, or
+    the ``range`` of indices kept) plus ``None`` for each dim added, in order."""
+
+    _source: _Source
+    _items: tuple[Any, ...]
+    _value: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, source: _Source, items: tuple[Any, ...]) -> LazyTensor:
+        shape = [_size(it) for it in items if not isinstance(it, int)]
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=source.dtype, device=torch.device("cpu")
+        )
+        t._source, t._items, t._value = source, items, None
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @property
+    def tensor_name(self) -> str:
+        """The checkpoint's name for the tensor this is a region of."""
+        return self._source.name
+
+    def _index(self) -> tuple[Any, ...]:
+        return tuple(
+            slice(it.start, it.stop, it.step) if _range_item(it) else it for it in self._items
+        )
+
+    def _full(self) -> bool:
+        dims = [it for it in self._items if it is not None and it is not _EMPTY]
+        return all(
+            _range_item(it) and it.start == 0 and it.step == 1 and len(it) == n
+            for it, n in zip(dims, self._source.shape)
+        )
+
+    def materialize(self) -> torch.Tensor:
+        """The region as a plain CPU tensor (read on first call, then kept)."""
+        if self._value is None and self.numel() == 0:
+            self._value = torch.empty(self.shape, dtype=self.dtype)
+        if self._value is None:
+            self._value = self._source.read(self._index(), self._full())
+        return self._value
+
+    # torch refuses these on tensor subclasses: on the region read, as any other use.
+    def tolist(self) -> Any:
+        return self.materialize().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.materialize().numpy(force=force)
+
+    def __repr__(self) -> str:  # type: ignore[override]  # no read for a repr
+        region = "whole" if self._full() else str(self._index())
+        shape = tuple(self.shape)
+        return f"LazyTensor({self._source.name!r}, {region}, shape={shape}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, LazyTensor) and first._value is None:
+            view = _VIEWS.get(func)
+            if view is not None:
+                try:
+                    return view(first, *args[1:], **kwargs)
+                except _Unplanned:
+                    pass  # torch's own rules (and errors) on the region read
+            if func is not _aten.copy_.default:
+                name = func.overloadpacket.__name__
+                stats = first._source.stats
+                stats.fallbacks[name] = stats.fallbacks.get(name, 0) + 1
+
+        def real(x: Any) -> Any:
+            return x.materialize() if isinstance(x, LazyTensor) else x
+
+        return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+
+class _Unplanned(Exception):
+    """A view this module does not compose (out of range, odd arguments): read and let torch."""
+
+
+def _pos(t: LazyTensor, dim: int) -> int:
+    """The position in ``t._items`` of ``t``'s dim ``dim``."""
+    ndim = t.dim()
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise _Unplanned
+    dim %= ndim
+    seen = -1
+    for i, it in enumerate(t._items):
+        if not isinstance(it, int):
+            seen += 1
+            if seen == dim:
+                return i
+    raise _Unplanned
+
+
+def _with(t: LazyTensor, at: int, item: Any, drop: bool = False) -> LazyTensor:
+    items = list(t._items)
+    if drop:
+        del items[at]
+    else:
+        items[at] = item
+    return LazyTensor(t._source, tuple(items))
+
+
+def _as_range(it: Any) -> range:
+    return range(1) if it is None else range(0) if it is _EMPTY else it
+
+
+def _added(it: Any) -> bool:
+    return it is None or it is _EMPTY
+
+
+def _slice(t: LazyTensor, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Any:
+    at = _pos(t, dim)
+    if not all(v is None or isinstance(v, int) for v in (start, end)) or not (
+        isinstance(step, int) and step > 0
+    ):
+        raise _Unplanned
+    kept = _as_range(t._items[at])[start:end:step]
+    if _added(t._items[at]):
+        return _with(t, at, None if len(kept) else _EMPTY)
+    return _with(t, at, kept)
+
+
+def _select(t: LazyTensor, dim: int, index: int) -> LazyTensor:
+    at = _pos(t, dim)
+    if not isinstance(index, int):
+        raise _Unplanned
+    try:
+        picked = _as_range(t._items[at])[index]
+    except IndexError:
+        raise _Unplanned from None
+    if _added(t._items[at]):
+        return _with(t, at, None, drop=True)
+    return _with(t, at, picked)
+
+
+def _split_sizes(t: LazyTensor, sizes: list[int], dim: int) -> list[LazyTensor]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(_slice(t, dim, start, start + n))
+        start += n
+    return out
+
+
+def _split(t: LazyTensor, split_size: int, dim: int = 0) -> list[LazyTensor]:
+    _pos(t, dim)
+    n = t.size(dim)
+    if not isinstance(split_size, int) or split_size <= 0 or n == 0:
+        raise _Unplanned
+    return _split_sizes(t, [min(split_size, n - s) for s in range(0, n, split_size)], dim)
+
+
+def _split_with_sizes(t: LazyTensor, split_sizes: list[int], dim: int = 0) -> list[LazyTensor]:
+    _pos(t, dim)
+    if sum(split_sizes) != t.size(dim) or any(s < 0 for s in split_sizes):
+        raise _Unplanned
+    return _split_sizes(t, list(split_sizes), dim)
+
+
+def _unbind(t: LazyTensor, dim: int = 0) -> list[LazyTensor]:
+    return [_select(t, dim, i) for i in range(t.size(dim))]
+
+
+def _unsqueeze(t: LazyTensor, dim: int) -> LazyTensor:
+    ndim = t.dim()
+    if not isinstance(dim, int) or not -ndim - 1 <= dim <= ndim:
+        raise _Unplanned
+    dim %= ndim + 1
+    items = list(t._items)
+    at = _pos(t, dim) if dim < ndim else len(items)
+    items.insert(at, None)
+    return LazyTensor(t._source, tuple(items))
+
+
+def _squeeze_dims(t: LazyTensor, dims: Any = None) -> LazyTensor:
+    ndim = t.dim()
+    dims = range(ndim) if dims is None else [dims] if isinstance(dims, int) else dims
+    ats = {_pos(t, d) for d in dims if ndim} if ndim else set()
+    items: list[Any] = []
+    for i, it in enumerate(t._items):
+        if i in ats and it is None:
+            continue
+        if i in ats and _range_item(it) and len(it) == 1:
+            items.append(it[0])
+        else:
+            items.append(it)
+    return LazyTensor(t._source, tuple(items))
+
+
+def _same(t: LazyTensor, *_: Any) -> LazyTensor:
+    return LazyTensor(t._source, t._items)
+
+
+def _view(t: LazyTensor, size: Any) -> LazyTensor:
+    if list(size) != list(t.shape):
+        raise _Unplanned
+    return _same(t)
+
+
+_VIEWS: dict[Any, Any] = {
+    _aten.slice.Tensor: _slice,
+    _aten.select.int: _select,
+    _aten.split.Tensor: _split,
+    _aten.split_with_sizes.default: _split_with_sizes,
+    _aten.unbind.int: _unbind,
+    _aten.unsqueeze.default: _unsqueeze,
+    _aten.squeeze.default: _squeeze_dims,
+    _aten.squeeze.dim: _squeeze_dims,
+    _aten.squeeze.dims: _squeeze_dims,
+    _aten.alias.default: _same,
+    _aten.detach.default: _same,
+    _aten.view.default: _view,
+}
+
+
+class Checkpoint:
+    """The tensors of a checkpoint (a file, a folder, an index, a list of files: any ``uri``
+    ``fastload.load`` takes) as lazy tensors, in file order. ``options``: those a native
+    ``Reader`` takes (``concurrency``, ``block_size``, ``storage_options``, ``cache``,
+    ``verify``, ``keyset``, ``associated_data``); others are ignored. ``stats`` may be shared by
+    several checkpoints of one load."""
+
+    def __init__(self, uri: Any, stats: Stats | None = None, **options: Any) -> None:
+        self._glue = _torch_glue()
+        native = {k: v for k, v in options.items() if k in READER_OPTIONS and v is not None}
+        self.reader = _fastload.Reader(_uris(uri), **native)
+        self.stats = stats if stats is not None else Stats()
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes this checkpoint's reader read (every lazy tensor's regions)."""
+        return int(self.reader.bytes_read)
+
+    def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
+        for shard, header in enumerate(self.reader.headers()):
+            file = header["file"]
+            remote = _fastload.is_remote_uri(file) or file.startswith("hf://")
+            cost = REMOTE_READ_COST if remote else LOCAL_READ_COST
+            for name, dtype, shape, begin, end in header["tensors"]:
+                tdtype = self._glue.DTYPES.get(dtype)
+                if tdtype is None:
+                    from ._errors import FormatError
+
+                    raise FormatError(
+                        self._glue.UnsupportedDtype(dtype, name).describe(file), path=file
+                    )
+                tshape = safe_open._torch_shape(dtype, tuple(shape))
+                source = _Source(
+                    self.reader,
+                    shard,
+                    header["data_start"] + begin,
+                    end - begin,
+                    tdtype,
+                    tshape,
+                    cost,
+                    self.stats,
+                    name,
+                )
+                self.stats.tensors += 1
+                self.stats.bytes += end - begin
+                yield name, LazyTensor(source, tuple(range(n) for n in tshape))

@@ -1,0 +1,346 @@
+"""fastload._lazy: lazy checkpoint tensors (the sliced reads of the serving-engine loaders).
+Random chains of views (narrow, indexing, select, chunk, split, unsqueeze, squeeze, detach) on
+a lazy tensor of every dtype come out bitwise equal to the same chain on the tensor safetensors
+loads, and read exactly the bytes the planner picks for the region (of a local file, and over
+HTTP, where the server's log is the count); any other op reads the region and runs on it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import safetensors
+import torch
+from fastload._lazy import Checkpoint, LazyTensor, Stats
+from fastload._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, plan
+from helpers import DTYPES, pattern
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+# F4 packs two values a byte (torch's shape is not the file's): not sliced here.
+LAZY_DTYPES = sorted(k for k in DTYPES if k != "F4")
+_names = itertools.count()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))
+    return flat.view(torch.uint8) if t.numel() else flat.to(torch.uint8)
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert type(got) is torch.Tensor, (what, type(got))
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), what
+    assert torch.equal(_bits(got), _bits(want)), what
+
+
+@st.composite
+def view_op(draw, shape: tuple[int, ...]):
+    """One view on a tensor of ``shape``, valid there: (name, args)."""
+    ndim = len(shape)
+    kinds = ["unsqueeze", "detach", "data"]
+    if ndim:
+        kinds += ["narrow", "getitem", "select", "chunk", "split", "squeeze", "unbind"]
+    kind = draw(st.sampled_from(kinds))
+    dim = draw(st.integers(-ndim, ndim - 1)) if ndim else 0
+    n = shape[dim] if ndim else 0
+    if kind == "narrow":
+        start = draw(st.integers(0, n))
+        return kind, (dim, start, draw(st.integers(0, n - start)))
+    if kind in ("select", "unbind"):
+        if n == 0:
+            return "detach", ()
+        return kind, (dim, draw(st.integers(-n, n - 1)))
+    if kind == "chunk":
+        if n == 0:
+            return "detach", ()
+        k = draw(st.integers(1, n))
+        pieces = len(torch.empty(shape, device="meta").chunk(k, dim))
+        return kind, (k, dim, draw(st.integers(0, pieces - 1)))
+    if kind == "split":
+        if n == 0:
+            return "detach", ()
+        if draw(st.booleans()):
+            size = draw(st.integers(1, n))
+            return kind, (size, dim, draw(st.integers(0, (n + size - 1) // size - 1)))
+        cuts = sorted(draw(st.lists(st.integers(0, n), max_size=3)))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+        return kind, (sizes, dim, draw(st.integers(0, len(sizes) - 1)))
+    if kind == "unsqueeze":
+        return kind, (draw(st.integers(-ndim - 1, ndim)),)
+    if kind == "squeeze":
+        return kind, (dim,)
+    if kind == "getitem":
+        items: list = []
+        for d in range(draw(st.integers(1, ndim))):
+            m = shape[d]
+            if m and draw(st.booleans()):
+                items.append(draw(st.integers(-m, m - 1)))
+            else:
+                part = st.one_of(st.none(), st.integers(-m - 2, m + 2))
+                items.append(slice(draw(part), draw(part), draw(st.sampled_from([None, 1, 2, 3]))))
+        if draw(st.booleans()):
+            items.append(Ellipsis)  # (ints drawn for the leading dims keep their meaning)
+        if draw(st.integers(0, 3)) == 0:
+            items.insert(draw(st.integers(0, len(items))), None)
+        return kind, (tuple(items),)
+    return kind, ()
+
+
+def apply(t: torch.Tensor, op) -> torch.Tensor:
+    kind, args = op
+    if kind == "narrow":
+        return t.narrow(*args)
+    if kind == "getitem":
+        return t[args[0]]
+    if kind == "select":
+        return t.select(*args)
+    if kind == "unbind":
+        return t.unbind(args[0])[args[1]]
+    if kind == "chunk":
+        return t.chunk(args[0], args[1])[args[2]]
+    if kind == "split":
+        return t.split(args[0], args[1])[args[2]]
+    if kind == "unsqueeze":
+        return t.unsqueeze(*args)
+    if kind == "squeeze":
+        return t.squeeze(*args)
+    if kind == "data":
+        return t.data
+    return t.detach()
+
+
+@st.composite
+def chains(draw, shape: tuple[int, ...]):
+    ops, current = [], torch.empty(shape, device="meta")
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(view_op(tuple(current.shape)))
+        ops.append(op)
+        current = apply(current, op)
+    return ops
+
+
+@st.composite
+def specs(draw):
+    dtype = draw(st.sampled_from(LAZY_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 7), max_size=4)))
+    return dtype, shape
+
+
+def _check_chain(uri, ref_path, dtype, shape, ops, cost, end) -> Checkpoint:
+    """Opens ``uri`` lazily, applies ``ops`` then ``end`` (``copy`` into a tensor, or an op that
+    is not a view); checks bits, and that a copy read exactly the planned bytes."""
+    want_full = safetensors.safe_open(str(ref_path), "pt").get_tensor("t")
+    ckpt = Checkpoint(uri)
+    (name, lazy), *_ = list(ckpt)
+    assert name == "t" and isinstance(lazy, LazyTensor)
+    assert (lazy.shape, lazy.dtype, lazy.device.type) == (want_full.shape, DTYPES[dtype], "cpu")
+    got, want = lazy, want_full
+    for op in ops:
+        got, want = apply(got, op), apply(want, op)
+        assert isinstance(got, LazyTensor) and got.shape == want.shape, op
+    assert ckpt.bytes_read == 0, "a view read something"
+    what = f"{dtype}{shape} {ops} {end}"
+    if end == "copy":
+        out = torch.full(want.shape, 0, dtype=want.dtype) if want.dtype != torch.bool else None
+        out = torch.zeros(want.shape, dtype=want.dtype) if out is None else out
+        out.copy_(got)
+        assert_bitwise(out, want, what)
+        p = plan(tuple(lazy.shape), want.element_size(), got._index(), cost)
+        planned = sum(n for _, n in p.ranges) if p else 0
+        assert ckpt.bytes_read == planned, what
+        whole = planned == want_full.numel() * want_full.element_size() and planned > 0
+        assert ckpt.stats.whole_tensors == int(whole), (what, ckpt.stats)
+        assert ckpt.stats.sliced_tensors == int(bool(planned) and not whole), (what, ckpt.stats)
+    else:
+        assert_bitwise(end(got), end(want), what)
+    return ckpt
+
+
+_ENDS = [
+    "copy",
+    "copy",
+    lambda t: t.clone(),
+    lambda t: torch.stack([t, t]),
+    lambda t: t.mT if t.dim() >= 2 else t.t(),
+]
+
+
+@settings(
+    max_examples=250,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data(), spec=specs())
+def test_random_views_of_a_local_file_match_safetensors(tmp_path, data, spec):
+    dtype, shape = spec
+    path = tmp_path / f"{next(_names)}.safetensors"
+    save_file({"t": pattern(shape, DTYPES[dtype], seed=5)}, str(path))
+    ops = data.draw(chains(shape), label="ops")
+    end = data.draw(st.sampled_from(_ENDS), label="end")
+    _check_chain(path, path, dtype, shape, ops, LOCAL_READ_COST, end)
+
+
+def _served(log, path, since):
+    out = []
+    for method, p, rng, _ in log[since:]:
+        if method == "GET" and p == path:
+            a, b = rng.removeprefix("bytes=").split("-")
+            out.append((int(a), int(b) - int(a) + 1))
+    return out
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data(), spec=specs())
+def test_random_views_over_http_read_only_their_region(range_server, tmp_path, data, spec):
+    dtype, shape = spec
+    name = f"lazy-{next(_names)}.safetensors"
+    path = tmp_path / name
+    save_file({"t": pattern(shape, DTYPES[dtype], seed=7)}, str(path))
+    range_server.put({name: path})
+    ops = data.draw(chains(shape), label="ops")
+    log = range_server.behaviour.log
+    since = len(log)
+    ckpt = _check_chain(range_server.url(name), path, dtype, shape, ops, REMOTE_READ_COST, "copy")
+    # What the server sent for tensor data is what the reader counted (the header aside).
+    served = _served(log, "/" + name, since)
+    header = path.stat().st_size - pattern(shape, DTYPES[dtype]).numel() * DTYPES[dtype].itemsize
+    data_gets = [(o, n) for o, n in served if o >= header]
+    assert sum(n for _, n in data_gets) == ckpt.bytes_read, served
+
+
+def test_untouched_tensors_are_never_read_and_stats_say_what_was(tmp_path):
+    """A loader's view of a load: column slice, row slice, whole, never touched; the stats line
+    (what the engines log) counts each."""
+    tensors = {
+        "col": pattern((16, 8), torch.bfloat16, seed=1),
+        "row": pattern((16, 8), torch.bfloat16, seed=2),
+        "norm": pattern((8,), torch.float32, seed=3),
+        "other_stage": pattern((64, 8), torch.float32, seed=4),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    stats = Stats()
+    got = dict(Checkpoint(path, stats))
+    a = torch.empty(4, 8, dtype=torch.bfloat16).copy_(got["col"].narrow(0, 4, 4))
+    b = torch.empty(16, 2, dtype=torch.bfloat16).copy_(got["row"].narrow(1, 6, 2))
+    c = torch.empty(8).copy_(got["norm"])
+    assert_bitwise(a, tensors["col"][4:8], "col")
+    assert_bitwise(b, tensors["row"][:, 6:8], "row")
+    assert_bitwise(c, tensors["norm"], "norm")
+    assert stats.tensors == 4 and stats.bytes == sum(t.nbytes for t in tensors.values())
+    assert (stats.sliced_tensors, stats.whole_tensors, stats.skipped_tensors) == (2, 1, 1)
+    columns = plan((16, 8), 2, (slice(None), slice(6, 8)), LOCAL_READ_COST)
+    assert stats.sliced_bytes == 4 * 8 * 2 + sum(n for _, n in columns.ranges) < 2 * 16 * 8 * 2
+    assert stats.whole_bytes == 32 and stats.fallbacks == {}
+    line = stats.line()
+    assert f"read {stats.read_bytes} of {stats.bytes} checkpoint bytes" in line
+    assert "1 tensors not read" in line and "other ops" not in line
+    # An op that is not a view reads (the region only) and says which op it was.
+    doubled = got["other_stage"][:2] * 2
+    assert_bitwise(doubled, tensors["other_stage"][:2] * 2, "doubled")
+    assert stats.fallbacks == {"mul": 1} and "mul x1" in stats.line()
+
+
+def test_a_tensor_read_whole_is_read_once(tmp_path):
+    w = pattern((32, 4), torch.float16, seed=3)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": w}, str(path))
+    ckpt = Checkpoint(path)
+    lazy = dict(ckpt)["w"]
+    assert_bitwise(lazy.t(), w.t(), "t")  # a fallback: the whole tensor
+    assert_bitwise(lazy.clone(), w, "clone")
+    # Once read whole, its regions come from what was read.
+    assert_bitwise(torch.empty(2, 4, dtype=torch.float16).copy_(lazy[3:5]), w[3:5], "rows")
+    assert ckpt.bytes_read == w.nbytes and ckpt.stats.whole_tensors == 1
+
+
+def test_in_place_ops_act_on_the_region_read(tmp_path):
+    w = pattern((6, 4), torch.float32, seed=2)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": w}, str(path))
+    lazy = dict(Checkpoint(path))["w"][1:3]
+    lazy.mul_(2)
+    assert_bitwise(torch.empty(2, 4).copy_(lazy), w[1:3] * 2, "mul_")
+
+
+def test_views_torch_refuses_raise_torchs_errors(tmp_path):
+    w = pattern((6, 4), torch.float32, seed=2)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": w}, str(path))
+    lazy = dict(Checkpoint(path))["w"]
+    for fn in (
+        lambda t: t.narrow(0, 5, 3),
+        lambda t: t.select(1, 4),
+        lambda t: t[7],
+        lambda t: t.split([2, 2], 0),
+    ):
+        with pytest.raises((IndexError, RuntimeError)) as want:
+            fn(w)
+        with pytest.raises(type(want.value)) as got:
+            fn(lazy)
+        assert str(got.value) == str(want.value)
+
+
+def test_a_checkpoint_folder_with_an_index_yields_every_tensor_in_file_order(tmp_path):
+    from hf_models import write_llama
+
+    folder = write_llama(tmp_path / "llama", max_shard_size="20KB")
+    ref = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safetensors.safe_open(str(f), "pt") as s:
+            ref.update({k: s.get_tensor(k) for k in s.offset_keys()})
+    got = list(Checkpoint(folder))
+    assert sorted(n for n, _ in got) == sorted(ref)
+    for name, lazy in got:
+        assert_bitwise(torch.empty_like(ref[name]).copy_(lazy), ref[name], name)
+
+
+def test_a_hub_repo_streams_lazily_reading_only_what_is_copied(tmp_path, monkeypatch):
+    """``hf://ORG/REPO``, as the vLLM loader passes a repo id: every tensor of every shard, and
+    a row slice of one reads those rows' bytes only."""
+    from hf_models import use_hub, write_llama
+    from servers.hub import MockHub
+
+    folder = write_llama(tmp_path / "llama", max_shard_size="20KB")
+    hub = MockHub()
+    try:
+        hub.add("org/llama", {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+        use_hub(hub, monkeypatch, tmp_path)
+        ckpt = Checkpoint("hf://org/llama")
+        got = dict(ckpt)
+        ref = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safetensors.safe_open(str(f), "pt") as s:
+                ref.update({k: s.get_tensor(k) for k in s.keys()})
+        assert sorted(got) == sorted(ref) and ckpt.bytes_read == 0
+        name = "model.layers.0.mlp.down_proj.weight"
+        rows = torch.empty(16, 64, dtype=torch.bfloat16).copy_(got[name][16:])
+        assert_bitwise(rows, ref[name][16:], name)
+        assert ckpt.bytes_read == ref[name][16:].nbytes
+    finally:
+        hub.close()
+
+
+def test_every_other_use_reads_and_gives_the_values(tmp_path):
+    """Scalars, lists, numpy, comparisons, dtype views, iteration: what a weight loader may do
+    besides narrowing, each on the values read."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    path = tmp_path / "w.safetensors"
+    save_file({"s": torch.tensor(3.5), "w": w}, str(path))
+    got = dict(Checkpoint(path))
+    s, lazy = got["s"], got["w"]
+    assert s.item() == 3.5 and float(s) == 3.5 and bool(s)
+    assert lazy.tolist() == w.tolist() and lazy[1:].tolist() == w[1:].tolist()
+    assert (lazy[:, 2:].numpy() == w[:, 2:].numpy()).all()
+    assert torch.equal(lazy, w) and int((lazy == 5).sum()) == 1
+    assert torch.equal(lazy.view(torch.int32), w.view(torch.int32))
+    assert [r.tolist() for r in lazy] == w.tolist()
+    assert torch.equal(s.reshape(1), torch.tensor([3.5]))
+    # Already on the CPU and contiguous: still lazy, nothing read.
+    fresh = dict(Checkpoint(path))["w"]
+    assert all(isinstance(t, LazyTensor) for t in (fresh.cpu(), fresh.contiguous()))
