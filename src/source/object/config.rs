@@ -17,6 +17,7 @@ use super::azure::azure_builder;
 use super::errors::*;
 use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
+use super::part_checksums::{AzureSigning, ChecksumConnector, PartChecksum};
 use super::s3::s3_builder;
 use super::*;
 use crate::error::{Error, Result};
@@ -76,7 +77,7 @@ pub fn open_with_env(
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
-                .with_http_connector(SharedStoreClients)
+                .with_http_connector(ChecksumConnector(PartChecksum::Crc32c))
                 .build()
                 .map(|s| Arc::new(s) as _)
         }
@@ -93,10 +94,14 @@ pub fn open_with_env(
                 )
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
+            let signing = Arc::new(AzureSigning::default());
             b.with_retry(retry.request_config())
-                .with_http_connector(SharedStoreClients)
+                .with_http_connector(ChecksumConnector(PartChecksum::Md5(signing.clone())))
                 .build()
-                .map(|s| Arc::new(s) as _)
+                .map(|s| {
+                    let _ = signing.credentials.set(s.credentials().clone());
+                    Arc::new(s) as _
+                })
         }
         ObjectStoreScheme::Http => {
             let base = &url[..url::Position::BeforePath];

@@ -37,6 +37,7 @@ mod errors;
 mod gcs;
 mod keys;
 mod list;
+mod part_checksums;
 mod read;
 mod s3;
 mod small;
