@@ -35,7 +35,9 @@ And what its client sends to write (https://learn.microsoft.com/rest/api/storage
   starts sending it is noticed here rather than trusted.
 Writes are authenticated like reads (public containers are read-only to anonymous clients).
 `put()` stores blobs in-process (fixtures); `fail_blocks = n` answers the next n Put Block
-requests with 500 (a store that fails parts); `stats.writes` records each write's headers.
+requests with 500 (a store that fails parts); `corrupt_uploads = n` flips a byte of the next n
+Put Block / Put Blob bodies before they are checked and stored (corruption on the way);
+`stats.writes` records each write's headers.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class AzureBlobServer(Server):
         self.public: set[tuple[str, str]] = set()
         self.stats = Stats()
         self.fail_blocks = 0
+        self.corrupt_uploads = 0
         self.lock = threading.Lock()
         super().__init__(_Handler)
 
@@ -357,6 +360,12 @@ class _Handler(Handler):
         blobs = server.containers[(account, container)]
         blocks_key = (account, container, name)
         what = comp or "blob"
+        if comp in ("", "block") and body:
+            with server.lock:
+                corrupt = server.corrupt_uploads > 0
+                server.corrupt_uploads -= corrupt
+            if corrupt:
+                body = bytes([body[0] ^ 0x01]) + body[1:]
 
         def refuse(status, code, message):
             self._noted(what, name, status)

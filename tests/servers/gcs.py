@@ -319,7 +319,9 @@ class WriteRelay(Server):
     `md5=` with hashlib, `crc32c=` with the CRC32C fake-gcs-server computes for the bytes (they
     are stored under a scratch name, its `crc32c` read, the scratch object deleted). With
     `public_key` or `tokens`, writes need a valid `Authorization: Bearer` as AuthProxy checks it.
-    `fail_parts = n` answers the next n part uploads with 503."""
+    `fail_parts = n` answers the next n part uploads with 503; `corrupt_uploads = n` flips a byte
+    of the next n PUT bodies (objects and parts) before they are checked and stored (corruption
+    on the way)."""
 
     def __init__(self, target: tuple[str, int], public_key=None, tokens=(), email=SA_EMAIL):
         self.target = target
@@ -329,6 +331,7 @@ class WriteRelay(Server):
         self.email = email
         self.uploads: dict[str, dict] = {}
         self.fail_parts = 0
+        self.corrupt_uploads = 0
         self.stats = WriteStats()
         self.lock = threading.Lock()
         super().__init__(_WriteHandler)
@@ -456,6 +459,12 @@ class _WriteHandler(Handler):
         server = self.server
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
+        if self.command == "PUT" and body:
+            with server.lock:
+                corrupt = server.corrupt_uploads > 0
+                server.corrupt_uploads -= corrupt
+            if corrupt:
+                body = bytes([body[0] ^ 0x01]) + body[1:]
         raw_path, _, query = self.path.partition("?")
         params = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
         bucket, _, quoted = raw_path.lstrip("/").partition("/")
