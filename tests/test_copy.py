@@ -216,10 +216,10 @@ def test_parts_failing_with_500s_are_retried_and_each_carries_a_checksum(
         proxy.close()
     assert objects(s3, prefix) == {"big.bin": hub.tree["big.bin"]}
     assert open_uploads(s3, prefix) == []
-    # Every part (retries included) carried its sha256, which SeaweedFS checks on receipt: a
+    # Every part (retries included) carried its CRC64NVME, which SeaweedFS checks on receipt: a
     # part whose bytes do not match is refused (BadDigest), so a corrupted part never lands.
     assert len(puts) == 3 + 3  # three parts of big.bin, three refused tries
-    assert all(len(base64.b64decode(h["x-amz-checksum-sha256"])) == 32 for h in puts)
+    assert all(len(base64.b64decode(h["x-amz-checksum-crc64nvme"])) == 8 for h in puts)
     upload = s3.create_multipart_upload(Bucket=BUCKET, Key=prefix + "x", ChecksumAlgorithm="SHA256")
     wrong = base64.b64encode(hashlib.sha256(b"other").digest()).decode()
     with pytest.raises(Exception, match="BadDigest"):

@@ -1,6 +1,8 @@
 """Writes to gs:// and az:// through object_store's real GCS and Azure clients: save_file, save
 and copy produce the bytes safetensors writes, never a partial object, refuse to overwrite, and
-every upload carries the checksum its store verifies on receipt.
+every upload carries the checksum its store verifies on receipt. And `verify=True` on reads of
+s3://, gs:// and az:// objects: the bytes are checked against the whole-object checksum each
+store keeps (SeaweedFS's CRC64NVME / sha256, GCS's crc32c, Azure's Content-MD5).
 
 - az://: servers/azure.py, ours, with the write API object_store's Azure client uses (Put Blob,
   Put Block, Put Block List; SharedKey signatures verified; Content-MD5 checked).
@@ -20,8 +22,11 @@ import torch
 from helpers import assert_same_tensors, pattern
 from safetensors.torch import save
 from servers import gcs as gcs_server
+from servers import s3 as s3_server
 from servers.azure import AzureBlobServer
-from servers.s3 import closed_port
+from servers.s3 import Fault, HttpFaultProxy, closed_port
+
+aws_env = s3_server.aws_env
 
 PART = 5 << 20
 ACCOUNT = "fastloadwrites"
@@ -337,5 +342,111 @@ def test_azure_writes_are_signed(prefix):
         assert uri in str(e.value)
         assert store.objects(prefix) == {}
         assert store.open_uploads(prefix) == []
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# verify=True: the store's checksum of the whole object
+
+
+def data_gets(method: str, headers: dict[str, str]) -> bool:
+    """Ranged GETs past the header probe (which reads from byte 0)."""
+    return method == "GET" and "range" in headers and not headers["range"].startswith("bytes=0-")
+
+
+FLIP_AT = 300_000  # a body offset past the 256 KiB header probe: tensor bytes
+
+
+@pytest.mark.parametrize(
+    "algorithm,part_size",
+    [("crc64nvme", PART), ("crc64nvme", None), ("sha256", None)],
+    ids=["crc64nvme-multipart", "crc64nvme-one-put", "sha256-one-put"],
+)
+def test_verify_checks_s3_objects_against_their_stored_checksum(
+    seaweed, aws_env, algorithm, part_size, capfd
+):
+    aws_env(seaweed)
+    client = seaweed.client()
+    try:
+        client.create_bucket(Bucket=s3_server.BUCKET)
+    except Exception as e:
+        if "Bucket" not in type(e).__name__:
+            raise
+    key = f"verify/{algorithm}-{part_size}/model.safetensors"
+    uri = f"s3://{s3_server.BUCKET}/{key}"
+    tensors = big_tensors()
+    fastload.save_file(tensors, uri, part_size=part_size, overwrite=True,
+                       storage_options={"checksum_algorithm": algorithm})  # fmt: skip
+    head = client.head_object(Bucket=s3_server.BUCKET, Key=key, ChecksumMode="ENABLED")
+    assert f"x-amz-checksum-{algorithm}" in head["ResponseMetadata"]["HTTPHeaders"]
+    assert_same_tensors(fastload.load(uri, verify=True), tensors)
+    assert "not verified" not in capfd.readouterr().err
+    port = int(seaweed.endpoint.rsplit(":", 1)[1])
+    with HttpFaultProxy(("127.0.0.1", port), then=Fault("flip", after=FLIP_AT),
+                        match=data_gets) as proxy:  # fmt: skip
+        opts = {"endpoint": proxy.endpoint}
+        # Unchecked, the flipped byte goes unnoticed: it lands in a tensor.
+        got = fastload.load(uri, storage_options=opts)
+        assert any(not torch.equal(got[k], tensors[k]) for k in tensors)
+        with pytest.raises(fastload.FastloadError) as e:
+            fastload.load(uri, storage_options=opts, verify=True)
+    assert uri in str(e.value) and f"stored {algorithm} mismatch" in str(e.value)
+
+
+def test_verify_passes_an_s3_object_with_only_a_composite_checksum_with_a_note(
+    seaweed, aws_env, capfd
+):
+    aws_env(seaweed)
+    uri = f"s3://{s3_server.BUCKET}/verify/composite/model.safetensors"
+    tensors = big_tensors()
+    fastload.save_file(tensors, uri, part_size=PART, overwrite=True,
+                       storage_options={"checksum_algorithm": "sha256"})  # fmt: skip
+    assert_same_tensors(fastload.load(uri, verify=True), tensors)
+    err = capfd.readouterr().err
+    assert f"{uri}: not verified" in err and "composite sha256 of its 2 upload parts" in err
+
+
+def test_verify_checks_gcs_objects_against_their_crc32c(fake_gcs, prefix):
+    store = Gs(fake_gcs)
+    try:
+        uri = store.uri(prefix + "model.safetensors")
+        tensors = big_tensors()
+        fastload.save_file(tensors, uri, part_size=PART, storage_options=store.options)
+        got = fastload.load(uri, storage_options=store.options, verify=True)
+        assert_same_tensors(got, tensors)
+        store.relay.flip_reads_at = FLIP_AT
+        with pytest.raises(fastload.FastloadError) as e:
+            fastload.load(uri, storage_options=store.options, verify=True)
+        assert uri in str(e.value) and "stored crc32c mismatch" in str(e.value)
+    finally:
+        store.close()
+
+
+def test_verify_checks_azure_blobs_against_their_content_md5(prefix, capfd):
+    store = Az()
+    try:
+        tensors = big_tensors()
+        one = store.uri(prefix + "one.safetensors")
+        blocks = store.uri(prefix + "blocks.safetensors")
+        # Put Blob: the service keeps the blob's MD5. Put Block List: no MD5 unless the writer
+        # sets one, which object_store cannot.
+        fastload.save_file(tensors, one, storage_options=store.options, part_size=64 << 20)
+        fastload.save_file(tensors, blocks, storage_options=store.options, part_size=PART)
+        assert_same_tensors(fastload.load(one, storage_options=store.options, verify=True),
+                            tensors)  # fmt: skip
+        assert "not verified" not in capfd.readouterr().err
+        assert_same_tensors(fastload.load(blocks, storage_options=store.options, verify=True),
+                            tensors)  # fmt: skip
+        err = capfd.readouterr().err
+        assert f"{blocks}: not verified: its store reports no checksum" in err
+        # A byte changed at rest, the stored MD5 kept.
+        blob = store.server.containers[(ACCOUNT, CONTAINER)][prefix + "one.safetensors"]
+        blob.data = (
+            blob.data[:FLIP_AT] + bytes([blob.data[FLIP_AT] ^ 0xFF]) + blob.data[FLIP_AT + 1 :]
+        )
+        with pytest.raises(fastload.FastloadError) as e:
+            fastload.load(one, storage_options=store.options, verify=True)
+        assert one in str(e.value) and "stored MD5 mismatch" in str(e.value)
     finally:
         store.close()

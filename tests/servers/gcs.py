@@ -321,7 +321,8 @@ class WriteRelay(Server):
     `public_key` or `tokens`, writes need a valid `Authorization: Bearer` as AuthProxy checks it.
     `fail_parts = n` answers the next n part uploads with 503; `corrupt_uploads = n` flips a byte
     of the next n PUT bodies (objects and parts) before they are checked and stored (corruption
-    on the way)."""
+    on the way); `flip_reads_at = offset` inverts that byte of every GET body relayed (reads
+    corrupted on the way)."""
 
     def __init__(self, target: tuple[str, int], public_key=None, tokens=(), email=SA_EMAIL):
         self.target = target
@@ -332,6 +333,7 @@ class WriteRelay(Server):
         self.uploads: dict[str, dict] = {}
         self.fail_parts = 0
         self.corrupt_uploads = 0
+        self.flip_reads_at: int | None = None
         self.stats = WriteStats()
         self.lock = threading.Lock()
         super().__init__(_WriteHandler)
@@ -583,6 +585,9 @@ class _WriteHandler(Handler):
             length = resp.getheader("Content-Length")
             self.send_header("Content-Length", length if length is not None else str(len(body)))
             self.end_headers()
+            at = self.server.flip_reads_at
+            if at is not None and at < len(body):
+                body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1 :]
             if send_body:
                 self.wfile.write(body)
         finally:

@@ -17,7 +17,7 @@ use super::azure::azure_builder;
 use super::errors::*;
 use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
-use super::part_checksums::{AzureSigning, ChecksumConnector, PartChecksum};
+use super::checksums::{AwsSigning, AzureSigning, ChecksumConnector, StoreChecksums};
 use super::s3::s3_builder;
 use super::*;
 use crate::error::{Error, Result};
@@ -58,10 +58,14 @@ pub fn open_with_env(
             let key = AmazonS3ConfigKey::Endpoint;
             let from = || endpoint_source(&key, &store_options, &env, &["AWS_"], "endpoint_url");
             check_store_endpoint(b.get_config_value(&key), from)?;
+            let signing = Arc::new(AwsSigning::default());
             b.with_retry(retry.request_config())
-                .with_http_connector(SharedStoreClients)
+                .with_http_connector(ChecksumConnector(StoreChecksums::S3(signing.clone())))
                 .build()
-                .map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
+                .map(|s| {
+                    let _ = signing.credentials.set(s.credentials().clone());
+                    Arc::new(s) as Arc<dyn ObjectStore>
+                })
         }
         ObjectStoreScheme::GoogleCloudStorage => {
             let b = gcs_builder(uri, &store_options, &env)?;
@@ -77,7 +81,7 @@ pub fn open_with_env(
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
-                .with_http_connector(ChecksumConnector(PartChecksum::Crc32c))
+                .with_http_connector(ChecksumConnector(StoreChecksums::Gcs))
                 .build()
                 .map(|s| Arc::new(s) as _)
         }
@@ -96,7 +100,7 @@ pub fn open_with_env(
             check_store_endpoint(b.get_config_value(&key), from)?;
             let signing = Arc::new(AzureSigning::default());
             b.with_retry(retry.request_config())
-                .with_http_connector(ChecksumConnector(PartChecksum::Md5(signing.clone())))
+                .with_http_connector(ChecksumConnector(StoreChecksums::Azure(signing.clone())))
                 .build()
                 .map(|s| {
                     let _ = signing.credentials.set(s.credentials().clone());
