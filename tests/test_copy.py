@@ -226,8 +226,11 @@ def test_parts_failing_with_500s_are_retried_and_each_carries_a_checksum(
         s3.upload_part(Bucket=BUCKET, Key=prefix + "x", UploadId=upload["UploadId"], PartNumber=1,
                        Body=b"data", ChecksumSHA256=wrong)  # fmt: skip
     s3.abort_multipart_upload(Bucket=BUCKET, Key=prefix + "x", UploadId=upload["UploadId"])
+    # The object keeps a CRC64NVME of its whole content (what verify=True checks on reads).
     head = s3.head_object(Bucket=BUCKET, Key=prefix + "big.bin", ChecksumMode="ENABLED")
-    assert "ChecksumSHA256" in head
+    headers = head["ResponseMetadata"]["HTTPHeaders"]
+    assert "x-amz-checksum-crc64nvme" in headers
+    assert headers.get("x-amz-checksum-type") == "FULL_OBJECT"
 
 
 def test_refused_credentials_name_the_destination(hub, env, s3, monkeypatch):

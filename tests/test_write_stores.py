@@ -448,5 +448,9 @@ def test_verify_checks_azure_blobs_against_their_content_md5(prefix, capfd):
         with pytest.raises(fastload.FastloadError) as e:
             fastload.load(one, storage_options=store.options, verify=True)
         assert one in str(e.value) and "stored MD5 mismatch" in str(e.value)
+        # A reader of parts reads the blob whole and checks it when it opens.
+        with pytest.raises(fastload.FastloadError, match="stored MD5 mismatch"):
+            with fastload.safe_open(one, storage_options=store.options, verify=True) as f:
+                f.get_tensor("step")
     finally:
         store.close()

@@ -61,7 +61,10 @@ pub enum StoredChecksum {
     /// S3's checksum of a multipart upload's part checksums (`<base64>-<parts>`,
     /// `x-amz-checksum-type: COMPOSITE`): checking it needs each part's size, which a HEAD
     /// does not give.
-    Composite { algorithm: String, parts: u32 },
+    Composite {
+        algorithm: String,
+        parts: u32,
+    },
 }
 
 impl StoredChecksum {

@@ -335,7 +335,10 @@ mod tests {
 
     #[test]
     fn s3_uploads_carry_crc64nvme_checksums_unless_told_otherwise() {
-        let added = ("aws_checksum_algorithm".to_string(), "crc64nvme".to_string());
+        let added = (
+            "aws_checksum_algorithm".to_string(),
+            "crc64nvme".to_string(),
+        );
         assert!(with_checksum("s3://b/k", &[]).contains(&added));
         assert!(with_checksum("S3A://b/k", &[]).contains(&added));
         let chosen = [("checksum_algorithm".to_string(), "sha256".to_string())];

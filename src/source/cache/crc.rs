@@ -107,14 +107,23 @@ impl CrcSource {
             }
             if s.done >= size && !s.unjudged {
                 s.ahead.clear();
-                s.outcome = Some(if s.crc == self.want { Ok(()) } else { Err(s.crc) });
+                s.outcome = Some(if s.crc == self.want {
+                    Ok(())
+                } else {
+                    Err(s.crc)
+                });
             }
         }
         match s.outcome {
             Some(Err(got)) => {
                 let (want, got) = (self.shown(self.want), self.shown(got));
                 let what = format!("stored {}", self.name);
-                Err(super::verify::mismatch_of(self.inner.name(), &what, &want, &got))
+                Err(super::verify::mismatch_of(
+                    self.inner.name(),
+                    &what,
+                    &want,
+                    &got,
+                ))
             }
             _ => Ok(()),
         }
@@ -187,7 +196,12 @@ mod tests {
     async fn blocks_in_any_order_combine_into_the_whole_objects_crc() {
         let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
         // The header probe, then blocks out of order, one overlapping the probe.
-        let order = [(0, 4096), (60_000, 40_000), (1000, 29_000), (30_000, 30_000)];
+        let order = [
+            (0, 4096),
+            (60_000, 40_000),
+            (1000, 29_000),
+            (30_000, 30_000),
+        ];
         for (algorithm, want) in [
             (CrcAlgorithm::Crc64Nvme, None),
             (CrcAlgorithm::Crc32Iscsi, None),
@@ -214,7 +228,10 @@ mod tests {
             let bad = CrcSource::new(Arc::new(Bytes(bad)), &stored).unwrap();
             let err = read_all(&bad, &order).await.unwrap_err().to_string();
             assert!(err.contains("mem://x") && err.contains("mismatch"), "{err}");
-            assert!(read_all(&bad, &[(0, 10)]).await.is_err(), "later reads fail too");
+            assert!(
+                read_all(&bad, &[(0, 10)]).await.is_err(),
+                "later reads fail too"
+            );
         }
         // A file read in part is never judged.
         let stored = StoredChecksum::Crc32c(0);

@@ -24,9 +24,9 @@ use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
 
+pub mod crc;
 pub mod entry;
 mod fill;
-pub mod crc;
 pub mod verify;
 
 /// A cache decorator around a source ([`FillingSource`], [`verify::VerifyingSource`]): it reads

@@ -157,12 +157,14 @@ impl HttpService for Checksummed {
                 request.headers_mut().insert(CONTENT_MD5, value);
                 resign_azure(&mut request, signing).await?;
             }
-            StoreChecksums::S3(signing) if want => {
-                if !request.headers().contains_key("x-amz-s3session-token") {
-                    let enabled = HeaderValue::from_static("ENABLED");
-                    request.headers_mut().insert(CHECKSUM_MODE, enabled);
-                    resign_aws(&mut request, signing).await?;
-                }
+            // S3 Express session requests are signed with a session token this module does
+            // not re-create: they go as they are.
+            StoreChecksums::S3(signing)
+                if want && !request.headers().contains_key("x-amz-s3session-token") =>
+            {
+                let enabled = HeaderValue::from_static("ENABLED");
+                request.headers_mut().insert(CHECKSUM_MODE, enabled);
+                resign_aws(&mut request, signing).await?;
             }
             _ => {}
         }
@@ -218,8 +220,12 @@ fn reported(headers: &HeaderMap, kind: &StoreChecksums) -> Option<StoredChecksum
                     });
                 }
                 return match algorithm {
-                    "crc64nvme" => decode(value).map(|b| StoredChecksum::Crc64Nvme(u64::from_be_bytes(b))),
-                    "crc32c" => decode(value).map(|b| StoredChecksum::Crc32c(u32::from_be_bytes(b))),
+                    "crc64nvme" => {
+                        decode(value).map(|b| StoredChecksum::Crc64Nvme(u64::from_be_bytes(b)))
+                    }
+                    "crc32c" => {
+                        decode(value).map(|b| StoredChecksum::Crc32c(u32::from_be_bytes(b)))
+                    }
                     "crc32" => decode(value).map(|b| StoredChecksum::Crc32(u32::from_be_bytes(b))),
                     "sha256" => decode(value).map(StoredChecksum::Sha256),
                     _ => None,
@@ -323,7 +329,9 @@ async fn resign_aws(request: &mut HttpRequest, signing: &AwsSigning) -> Result<(
         .flatten();
     match digest {
         Some(digest) => authorizer.try_authorize(request, Some(&digest)),
-        None => authorizer.with_sign_payload(false).try_authorize(request, None),
+        None => authorizer
+            .with_sign_payload(false)
+            .try_authorize(request, None),
     }
     .map_err(failed)
 }
@@ -349,11 +357,23 @@ mod tests {
                 .body(bytes::Bytes::from_static(body).into())
                 .unwrap()
         };
-        assert!(is_data_upload(&req(Method::PUT, "http://h/c/b?comp=block&blockid=QQ", b"x")));
+        assert!(is_data_upload(&req(
+            Method::PUT,
+            "http://h/c/b?comp=block&blockid=QQ",
+            b"x"
+        )));
         assert!(is_data_upload(&req(Method::PUT, "http://h/b/o", b"x")));
-        assert!(!is_data_upload(&req(Method::PUT, "http://h/c/b?comp=blocklist", b"<x/>")));
+        assert!(!is_data_upload(&req(
+            Method::PUT,
+            "http://h/c/b?comp=blocklist",
+            b"<x/>"
+        )));
         assert!(!is_data_upload(&req(Method::PUT, "http://h/b/o", b"")));
-        assert!(!is_data_upload(&req(Method::POST, "http://h/b/o?uploads", b"x")));
+        assert!(!is_data_upload(&req(
+            Method::POST,
+            "http://h/b/o?uploads",
+            b"x"
+        )));
         assert!(!is_data_upload(&req(Method::GET, "http://h/b/o", b"")));
     }
 
@@ -369,26 +389,50 @@ mod tests {
         let s3 = StoreChecksums::S3(Arc::default());
         let got = reported(&headers(&[("x-amz-checksum-crc32c", "4waSgw==")]), &s3);
         assert_eq!(got, Some(StoredChecksum::Crc32c(0xE306_9283)));
-        let got = reported(&headers(&[("x-amz-checksum-crc64nvme", "rosUhgp5mIg=")]), &s3);
+        let got = reported(
+            &headers(&[("x-amz-checksum-crc64nvme", "rosUhgp5mIg=")]),
+            &s3,
+        );
         assert_eq!(got, Some(StoredChecksum::Crc64Nvme(0xAE8B_1486_0A79_9888)));
         let composite = [
-            ("x-amz-checksum-sha256", "X2xVbDgfqxC4Crnz0iRiVdplfva7ILBOxgwkVgUO6Oc=-2"),
+            (
+                "x-amz-checksum-sha256",
+                "X2xVbDgfqxC4Crnz0iRiVdplfva7ILBOxgwkVgUO6Oc=-2",
+            ),
             ("x-amz-checksum-type", "COMPOSITE"),
         ];
         let got = reported(&headers(&composite), &s3);
         let algorithm = "sha256".to_string();
-        assert_eq!(got, Some(StoredChecksum::Composite { algorithm, parts: 2 }));
+        assert_eq!(
+            got,
+            Some(StoredChecksum::Composite {
+                algorithm,
+                parts: 2
+            })
+        );
         assert_eq!(reported(&headers(&[("etag", "\"x\"")]), &s3), None);
 
         let gcs = StoreChecksums::Gcs;
-        let both = [("x-goog-hash", "md5=XrY7u+Ae7tCTyyK7j1rNww=="), ("x-goog-hash", "crc32c=4waSgw==")];
-        assert_eq!(reported(&headers(&both), &gcs), Some(StoredChecksum::Crc32c(0xE306_9283)));
+        let both = [
+            ("x-goog-hash", "md5=XrY7u+Ae7tCTyyK7j1rNww=="),
+            ("x-goog-hash", "crc32c=4waSgw=="),
+        ];
+        assert_eq!(
+            reported(&headers(&both), &gcs),
+            Some(StoredChecksum::Crc32c(0xE306_9283))
+        );
         let md5 = [("x-goog-hash", "md5=XrY7u+Ae7tCTyyK7j1rNww==")];
-        assert!(matches!(reported(&headers(&md5), &gcs), Some(StoredChecksum::Md5(_))));
+        assert!(matches!(
+            reported(&headers(&md5), &gcs),
+            Some(StoredChecksum::Md5(_))
+        ));
 
         let az = StoreChecksums::Azure(Arc::default());
         let md5 = [("content-md5", "XrY7u+Ae7tCTyyK7j1rNww==")];
-        assert!(matches!(reported(&headers(&md5), &az), Some(StoredChecksum::Md5(_))));
+        assert!(matches!(
+            reported(&headers(&md5), &az),
+            Some(StoredChecksum::Md5(_))
+        ));
         assert_eq!(reported(&headers(&[]), &az), None);
     }
 }

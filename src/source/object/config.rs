@@ -14,10 +14,10 @@ use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 use url::Url;
 
 use super::azure::azure_builder;
+use super::checksums::{AwsSigning, AzureSigning, ChecksumConnector, StoreChecksums};
 use super::errors::*;
 use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
-use super::checksums::{AwsSigning, AzureSigning, ChecksumConnector, StoreChecksums};
 use super::s3::s3_builder;
 use super::*;
 use crate::error::{Error, Result};

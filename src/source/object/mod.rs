@@ -32,12 +32,12 @@ macro_rules! assert_value {
 mod aws_credentials;
 mod aws_profile;
 mod azure;
+mod checksums;
 mod config;
 mod errors;
 mod gcs;
 mod keys;
 mod list;
-mod checksums;
 mod read;
 mod s3;
 mod small;
