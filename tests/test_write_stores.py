@@ -275,18 +275,23 @@ def test_an_existing_object_is_refused_unless_overwrite(store, prefix):
     assert store.objects(prefix) == {"model.safetensors": save({"x": torch.zeros(2)})}
 
 
-def test_an_object_created_during_a_single_put_is_not_replaced(store, prefix):
+@pytest.mark.parametrize("size", [1000, 3 << 20], ids=["one-put", "multipart"])
+def test_an_object_created_while_writing_is_not_replaced(store, prefix, size):
     # After the writer's first check: its one PUT is conditional (If-None-Match: * on Azure,
-    # x-goog-if-generation-match: 0 on GCS), and the store refuses it.
+    # x-goog-if-generation-match: 0 on GCS), and the store refuses it; a multipart upload is
+    # checked again before it completes.
     key = prefix + "model.safetensors"
     writer = fastload._fastload.FileWriter(
-        store.uri(key), [("a", "F32", [1000])], storage_options=store.options
+        store.uri(key), [("a", "F32", [size])], storage_options=store.options, part_size=PART
     )
-    writer.write(torch.zeros(1000))
+    writer.write(torch.zeros(size))
     store.put(key, b"theirs")
     with pytest.raises(fastload.DestinationExistsError):
         writer.finish()
+    del writer
     assert store.objects(prefix) == {"model.safetensors": b"theirs"}
+    if store.name == "gs":
+        assert store.open_uploads(prefix) == []
 
 
 def test_a_store_that_keeps_failing_parts_leaves_no_object(store, prefix):
