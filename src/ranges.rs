@@ -151,7 +151,8 @@ pub fn verify_whole(
     for shard in shards {
         let identity = shard.source.cache_identity();
         let digest = identity.as_ref().and_then(|i| i.digest());
-        if !cache.verify || shard.source.local_path().is_some() || digest.is_none() {
+        let checkable = digest.is_some() || shard.source.stored_checksum().is_some();
+        if !cache.verify || shard.source.local_path().is_some() || !checkable {
             continue;
         }
         read_whole(shard.source.clone(), block, concurrency)?;

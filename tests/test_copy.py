@@ -216,18 +216,21 @@ def test_parts_failing_with_500s_are_retried_and_each_carries_a_checksum(
         proxy.close()
     assert objects(s3, prefix) == {"big.bin": hub.tree["big.bin"]}
     assert open_uploads(s3, prefix) == []
-    # Every part (retries included) carried its sha256, which SeaweedFS checks on receipt: a
+    # Every part (retries included) carried its CRC64NVME, which SeaweedFS checks on receipt: a
     # part whose bytes do not match is refused (BadDigest), so a corrupted part never lands.
     assert len(puts) == 3 + 3  # three parts of big.bin, three refused tries
-    assert all(len(base64.b64decode(h["x-amz-checksum-sha256"])) == 32 for h in puts)
+    assert all(len(base64.b64decode(h["x-amz-checksum-crc64nvme"])) == 8 for h in puts)
     upload = s3.create_multipart_upload(Bucket=BUCKET, Key=prefix + "x", ChecksumAlgorithm="SHA256")
     wrong = base64.b64encode(hashlib.sha256(b"other").digest()).decode()
     with pytest.raises(Exception, match="BadDigest"):
         s3.upload_part(Bucket=BUCKET, Key=prefix + "x", UploadId=upload["UploadId"], PartNumber=1,
                        Body=b"data", ChecksumSHA256=wrong)  # fmt: skip
     s3.abort_multipart_upload(Bucket=BUCKET, Key=prefix + "x", UploadId=upload["UploadId"])
+    # The object keeps a CRC64NVME of its whole content (what verify=True checks on reads).
     head = s3.head_object(Bucket=BUCKET, Key=prefix + "big.bin", ChecksumMode="ENABLED")
-    assert "ChecksumSHA256" in head
+    headers = head["ResponseMetadata"]["HTTPHeaders"]
+    assert "x-amz-checksum-crc64nvme" in headers
+    assert headers.get("x-amz-checksum-type") == "FULL_OBJECT"
 
 
 def test_refused_credentials_name_the_destination(hub, env, s3, monkeypatch):

@@ -16,7 +16,8 @@ Option inputs, as the native module converts them (``src/python/args.rs``); ``No
   ``"true"``/``"false"``. Default: none (the environment configures object stores).
 - ``cache``: ``True`` (the default directory), ``False`` (off), a ``str`` or ``os.PathLike`` (that
   directory). Default ``FASTLOAD_CACHE`` (``0``/``1`` or a directory), else off.
-- ``verify``: ``True`` or ``False``: check sha256s where the store gives them (Hub LFS files).
+- ``verify``: ``True`` or ``False``: check sha256s where the store gives them (Hub LFS files)
+  and S3/GCS/Azure objects against their stores' whole-object checksums.
   Default ``FASTLOAD_VERIFY`` (``0``/``1``), else off.
 - ``keyset``: a Tink cleartext JSON keyset (a ``str`` starting with ``{``) or the path of one
   (``str`` or ``os.PathLike``): the files are Tink streaming-AEAD ciphertext, read as their

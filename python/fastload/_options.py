@@ -82,8 +82,9 @@ class Options(TypedDict, total=False):
     (same ETag or sha256) reads the copy.
     ``verify``: ``True`` checks the sha256 of every object whose store gives one (Hugging Face
     Hub LFS files) wherever its bytes come from (the network, the Hugging Face cache, a cached
-    copy); a mismatch raises ``StorageError`` (a bad cached copy is removed and read again from
-    the network); default ``FASTLOAD_VERIFY`` (``0``/``1``), else off.
+    copy), and S3, GCS and Azure objects against the whole-object checksum their store keeps
+    (CRC64NVME, CRC32C, sha256, MD5); a mismatch raises ``StorageError`` (a bad cached copy is
+    removed and read again from the network); default ``FASTLOAD_VERIFY`` (``0``/``1``), else off.
     ``keyset``: the files are encrypted with Tink's streaming AEAD (``AES256_GCM_HKDF_1MB``):
     a cleartext JSON keyset, or the path of a file holding one (``str`` or ``os.PathLike``);
     default ``FASTLOAD_KEYSET``, else the files are read as they are. Never shown in messages.

@@ -188,9 +188,9 @@ class safe_open:
     ``options`` are fastload's (:class:`fastload.Options`): ``concurrency``, ``block_size``,
     ``storage_options``, ``cache`` and ``verify`` for the reads; the others apply to a GPU
     ``get_tensor`` and to ``get_tensors``, which are loads (of the version this handle opened).
-    ``verify=True`` checks the file whole against its store's digest (Hub files) when the handle
-    opens, before any byte of it is served. ``backend`` is accepted for safetensors' signature and
-    changes nothing.
+    ``verify=True`` checks the file whole against its store's digest (Hub files, S3/GCS/Azure
+    objects' stored checksums) when the handle opens, before any byte of it is served.
+    ``backend`` is accepted for safetensors' signature and changes nothing.
     """
 
     def __init__(

@@ -96,6 +96,12 @@ pub trait Source: Send + Sync + fmt::Debug {
     fn cache_identity(&self) -> Option<CacheIdentity> {
         None
     }
+
+    /// The whole object's checksum as its store keeps it (object stores, when asked for with
+    /// `verify=True`); `verify=True` checks every byte read against it.
+    fn stored_checksum(&self) -> Option<identity::StoredChecksum> {
+        None
+    }
 }
 
 /// One safetensors file or object, opened, with its validated header.

@@ -120,7 +120,7 @@ pub fn open_all(
             }
             Kind::ObjectStore => {
                 sources.extend(local::open(&std::mem::take(&mut local_uris))?);
-                sources.extend(object::open_sources(uri, storage_options)?);
+                sources.extend(object::open_sources(uri, storage_options, cache.verify)?);
             }
             Kind::Local => local_uris.push(uri.clone()),
         }

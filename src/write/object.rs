@@ -92,10 +92,13 @@ pub struct ObjectUpload {
     metadata: Vec<(String, String)>,
 }
 
-/// The storage options of an upload: to S3, each PUT and part carries `x-amz-checksum-sha256`
-/// (object_store's `checksum_algorithm`), which the store checks on receipt, unless the caller
-/// chose an algorithm (`checksum_algorithm`, `AWS_CHECKSUM_ALGORITHM`). object_store sends no
-/// per-part checksum to GCS or Azure.
+/// The storage options of an upload: to S3, each PUT and part carries
+/// `x-amz-checksum-crc64nvme` (object_store's `checksum_algorithm`), which the store checks on
+/// receipt, unless the caller chose an algorithm (`checksum_algorithm`, `AWS_CHECKSUM_ALGORITHM`).
+/// CRC64NVME rather than sha256: S3 then keeps a full-object CRC64NVME of a multipart object too
+/// (`x-amz-checksum-type: FULL_OBJECT`), which `verify=True` checks on reads; a multipart
+/// object uploaded with sha256 has only a composite checksum of its parts. GCS and Azure get
+/// their checksums from the store's HTTP client (`source::object::checksums`).
 fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String)> {
     let mut out = options.to_vec();
     let scheme = uri.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
@@ -105,7 +108,7 @@ fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String
         k == "checksum_algorithm" || k == "aws_checksum_algorithm"
     }) || std::env::var_os("AWS_CHECKSUM_ALGORITHM").is_some();
     if s3 && !chosen {
-        out.push(("aws_checksum_algorithm".into(), "sha256".into()));
+        out.push(("aws_checksum_algorithm".into(), "crc64nvme".into()));
     }
     out
 }
@@ -331,11 +334,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn s3_uploads_carry_sha256_checksums_unless_told_otherwise() {
-        let added = ("aws_checksum_algorithm".to_string(), "sha256".to_string());
+    fn s3_uploads_carry_crc64nvme_checksums_unless_told_otherwise() {
+        let added = (
+            "aws_checksum_algorithm".to_string(),
+            "crc64nvme".to_string(),
+        );
         assert!(with_checksum("s3://b/k", &[]).contains(&added));
         assert!(with_checksum("S3A://b/k", &[]).contains(&added));
-        let chosen = [("checksum_algorithm".to_string(), "crc64nvme".to_string())];
+        let chosen = [("checksum_algorithm".to_string(), "sha256".to_string())];
         assert_eq!(with_checksum("s3://b/k", &chosen), chosen);
         assert_eq!(with_checksum("gs://b/k", &[]), []);
         assert_eq!(with_checksum("az://c/k", &[]), []);

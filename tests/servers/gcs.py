@@ -17,6 +17,7 @@ point the metadata-server variables at a closed local port.
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import json
 import subprocess
@@ -278,6 +279,315 @@ class _ProxyHandler(Handler):
             length = resp.getheader("Content-Length")
             self.send_header("Content-Length", length if length is not None else str(len(body)))
             self.end_headers()
+            if send_body:
+                self.wfile.write(body)
+        finally:
+            conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Writes: the XML API's uploads, which fake-gcs-server does not serve
+
+
+@dataclass
+class WriteStats:
+    # Each write as received: (kind, object name, {header: value} of its x-goog-* headers,
+    # status); kind is "put", "initiate", "part", "complete", "abort" or "delete".
+    writes: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WriteRelay(Server):
+    """Stands in front of fake-gcs-server (`target`: host, port) and serves the XML API's writes
+    that object_store's GCS client sends and fake-gcs-server answers 400 ("invalid uploadType"):
+
+    - `PUT /{bucket}/{object}`: the object at once; `x-goog-if-generation-match: 0`
+      (object_store's `PutMode::Create`) refuses an existing object with 412
+      `PreconditionFailed`, as GCS does;
+    - XML multipart uploads (https://cloud.google.com/storage/docs/multipart-uploads):
+      `POST ?uploads` → `<InitiateMultipartUploadResult>`; `PUT ?partNumber=&uploadId=` → the
+      part's `ETag` (its MD5); `POST ?uploadId=` with `<CompleteMultipartUpload>` → the object,
+      the listed parts in order, at once (400 `InvalidPart` for a part not uploaded or of another
+      ETag); `DELETE ?uploadId=` → 204, the parts dropped. `open_uploads()` lists the uploads
+      neither completed nor aborted;
+    - `DELETE /{bucket}/{object}` → 204 (404 `NoSuchKey`);
+    - `x-goog-meta-*` headers (on the PUT or the initiation) become the object's custom metadata.
+
+    Objects are stored in fake-gcs-server through its JSON API (an upload with the metadata), so
+    reads (relayed unchanged) and listings see them there. `x-goog-hash` on a PUT or a part is
+    checked against the body when sent, as GCS checks it (400 `BadDigest`, nothing stored):
+    `md5=` with hashlib, `crc32c=` with the CRC32C fake-gcs-server computes for the bytes (they
+    are stored under a scratch name, its `crc32c` read, the scratch object deleted). With
+    `public_key` or `tokens`, writes need a valid `Authorization: Bearer` as AuthProxy checks it.
+    `fail_parts = n` answers the next n part uploads with 503; `corrupt_uploads = n` flips a byte
+    of the next n PUT bodies (objects and parts) before they are checked and stored (corruption
+    on the way); `flip_reads_at = offset` inverts that byte of every GET body relayed (reads
+    corrupted on the way)."""
+
+    def __init__(self, target: tuple[str, int], public_key=None, tokens=(), email=SA_EMAIL):
+        self.target = target
+        self.auth = AuthProxy.check.__get__(self) if (public_key is not None or tokens) else None
+        self.public_key = public_key
+        self.tokens = set(tokens)
+        self.email = email
+        self.uploads: dict[str, dict] = {}
+        self.fail_parts = 0
+        self.corrupt_uploads = 0
+        self.flip_reads_at: int | None = None
+        self.stats = WriteStats()
+        self.lock = threading.Lock()
+        super().__init__(_WriteHandler)
+
+    @property
+    def endpoint(self) -> str:
+        return self.base
+
+    def open_uploads(self) -> list[str]:
+        with self.lock:
+            return sorted(u["name"] for u in self.uploads.values())
+
+    # -- fake-gcs-server's JSON API ------------------------------------------------------------
+
+    def _json(self, method: str, path: str, body: bytes | None = None, headers=None):
+        host, port = self.target
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, (json.loads(data) if data.strip().startswith(b"{") else None)
+        finally:
+            conn.close()
+
+    def stat(self, bucket: str, name: str) -> dict | None:
+        quoted = urllib.parse.quote(name, safe="")
+        status, info = self._json("GET", f"/storage/v1/b/{bucket}/o/{quoted}")
+        return info if status == 200 else None
+
+    def store(self, bucket: str, name: str, data: bytes, meta: dict[str, str], ctype: str):
+        boundary = f"fastload-{time.time_ns()}"
+        info = {"name": name, "contentType": ctype}
+        if meta:
+            info["metadata"] = meta
+        body = (
+            (
+                f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+                f"{json.dumps(info)}\r\n--{boundary}\r\nContent-Type: {ctype}\r\n\r\n"
+            ).encode()
+            + data
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
+        status, out = self._json(
+            "POST",
+            f"/upload/storage/v1/b/{bucket}/o?uploadType=multipart",
+            body,
+            {"Content-Type": f"multipart/related; boundary={boundary}"},
+        )
+        if status != 200 or out is None:
+            raise RuntimeError(f"fake-gcs-server refused an upload: {status} {out}")
+        return out
+
+    def delete(self, bucket: str, name: str) -> bool:
+        quoted = urllib.parse.quote(name, safe="")
+        status, _ = self._json("DELETE", f"/storage/v1/b/{bucket}/o/{quoted}")
+        return status in (200, 204)
+
+    def crc32c(self, bucket: str, data: bytes) -> str:
+        """The base64 CRC32C of `data`, as fake-gcs-server computes it."""
+        scratch = f".fastload-crc32c-{time.time_ns()}-{threading.get_ident()}"
+        info = self.store(bucket, scratch, data, {}, "application/octet-stream")
+        self.delete(bucket, scratch)
+        return info["crc32c"]
+
+
+def _xml_error(code: str, message: str) -> bytes:
+    return (
+        f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+        f"<Message>{message}</Message></Error>"
+    ).encode()
+
+
+class _WriteHandler(Handler):
+    server: WriteRelay
+
+    def do_GET(self):
+        self._relay(send_body=True)
+
+    def do_HEAD(self):
+        self._relay(send_body=False)
+
+    def do_PUT(self):
+        self._write()
+
+    def do_POST(self):
+        self._write()
+
+    def do_DELETE(self):
+        self._write()
+
+    def _reply(self, status: int, body: bytes = b"", headers=(), kind="", name="") -> None:
+        if kind:
+            shown = {
+                k.lower(): v for k, v in self.headers.items() if k.lower().startswith("x-goog")
+            }
+            with self.server.stats.lock:
+                self.server.stats.writes.append((kind, name, shown, status))
+        self.send_response(status)
+        for k, v in headers:
+            self.send_header(k, v)
+        if body:
+            self.send_header("Content-Type", "application/xml; charset=UTF-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _bad_digest(self, bucket: str, body: bytes) -> str | None:
+        sent = self.headers.get("x-goog-hash")
+        if sent is None:
+            return None
+        for item in sent.split(","):
+            algo, _, value = item.strip().partition("=")
+            if algo == "md5":
+                got = base64.b64encode(hashlib.md5(body).digest()).decode()
+            elif algo == "crc32c":
+                got = self.server.crc32c(bucket, body)
+            else:
+                return f"unknown hash {algo}"
+            if got != value:
+                return f"the {algo} sent, {value}, is not the body's {got}"
+        return None
+
+    def _write(self) -> None:
+        server = self.server
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        if self.command == "PUT" and body:
+            with server.lock:
+                corrupt = server.corrupt_uploads > 0
+                server.corrupt_uploads -= corrupt
+            if corrupt:
+                body = bytes([body[0] ^ 0x01]) + body[1:]
+        raw_path, _, query = self.path.partition("?")
+        params = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+        bucket, _, quoted = raw_path.lstrip("/").partition("/")
+        name = urllib.parse.unquote(quoted)
+        if server.auth is not None:
+            why = server.auth(self.headers.get("Authorization"))
+            if why is not None:
+                return self._reply(401, _INVALID % why.encode(), kind="denied", name=name)
+        meta = {
+            k.lower()[len("x-goog-meta-") :]: v
+            for k, v in self.headers.items()
+            if k.lower().startswith("x-goog-meta-")
+        }
+        ctype = self.headers.get("Content-Type") or "application/octet-stream"
+        create_only = self.headers.get("x-goog-if-generation-match") == "0"
+        exists = _xml_error("PreconditionFailed", "At least one of the pre-conditions you "
+                            "specified did not hold.")  # fmt: skip
+        if self.command == "PUT" and "uploadId" in params:
+            with server.lock:
+                upload = server.uploads.get(params["uploadId"])
+                failing = server.fail_parts > 0
+                server.fail_parts -= failing
+            if upload is None or upload["name"] != name:
+                return self._reply(404, _xml_error("NoSuchUpload", "No such upload."), kind="part")
+            if failing:
+                return self._reply(503, _xml_error("ServiceUnavailable", "Injected."), kind="part")
+            why = self._bad_digest(bucket, body)
+            if why is not None:
+                return self._reply(400, _xml_error("BadDigest", why), kind="part", name=name)
+            etag = f'"{hashlib.md5(body).hexdigest()}"'
+            with server.lock:
+                upload["parts"][int(params["partNumber"])] = (etag, body)
+            return self._reply(200, headers=[("ETag", etag)], kind="part", name=name)
+        if self.command == "PUT":
+            why = self._bad_digest(bucket, body)
+            if why is not None:
+                return self._reply(400, _xml_error("BadDigest", why), kind="put", name=name)
+            with server.lock:
+                if create_only and server.stat(bucket, name) is not None:
+                    return self._reply(412, exists, kind="put", name=name)
+                info = server.store(bucket, name, body, meta, ctype)
+            headers = [("ETag", f'"{hashlib.md5(body).hexdigest()}"'),
+                       ("x-goog-generation", str(info.get("generation", "1")))]  # fmt: skip
+            return self._reply(200, headers=headers, kind="put", name=name)
+        if self.command == "POST" and "uploads" in params:
+            upload_id = f"fastload-{time.time_ns()}"
+            with server.lock:
+                server.uploads[upload_id] = {
+                    "name": name, "bucket": bucket, "meta": meta, "ctype": ctype, "parts": {}
+                }  # fmt: skip
+            out = (
+                "<?xml version='1.0' encoding='UTF-8'?><InitiateMultipartUploadResult "
+                "xmlns='http://s3.amazonaws.com/doc/2006-03-01/'>"
+                f"<Bucket>{bucket}</Bucket><Key>{name}</Key><UploadId>{upload_id}</UploadId>"
+                "</InitiateMultipartUploadResult>"
+            ).encode()
+            return self._reply(200, out, kind="initiate", name=name)
+        if self.command == "POST" and "uploadId" in params:
+            import xml.etree.ElementTree as ET
+
+            try:
+                listed = [
+                    (int(p.findtext("PartNumber") or 0), (p.findtext("ETag") or "").strip())
+                    for p in ET.fromstring(body)
+                ]
+            except ET.ParseError:
+                return self._reply(400, _xml_error("MalformedXML", "Not XML."), kind="complete")
+            with server.lock:
+                upload = server.uploads.get(params["uploadId"])
+                if upload is None or upload["name"] != name:
+                    out = _xml_error("NoSuchUpload", "No such upload.")
+                    return self._reply(404, out, kind="complete", name=name)
+                parts = upload["parts"]
+                if any(n not in parts or parts[n][0] != tag for n, tag in listed):
+                    out = _xml_error("InvalidPart", "A listed part was not uploaded.")
+                    return self._reply(400, out, kind="complete", name=name)
+                if create_only and server.stat(bucket, name) is not None:
+                    return self._reply(412, exists, kind="complete", name=name)
+                data = b"".join(parts[n][1] for n, _ in listed)
+                server.store(bucket, name, data, upload["meta"], upload["ctype"])
+                del server.uploads[params["uploadId"]]
+            etag = f'"{hashlib.md5(data).hexdigest()}-{len(listed)}"'
+            out = (
+                "<?xml version='1.0' encoding='UTF-8'?><CompleteMultipartUploadResult>"
+                f"<Bucket>{bucket}</Bucket><Key>{name}</Key><ETag>{etag}</ETag>"
+                "</CompleteMultipartUploadResult>"
+            ).encode()
+            return self._reply(200, out, kind="complete", name=name)
+        if self.command == "DELETE" and "uploadId" in params:
+            with server.lock:
+                server.uploads.pop(params["uploadId"], None)
+            return self._reply(204, kind="abort", name=name)
+        if self.command == "DELETE":
+            if not server.delete(bucket, name):
+                return self._reply(404, _xml_error("NoSuchKey", "No such object."), kind="delete")
+            return self._reply(204, kind="delete", name=name)
+        return self._reply(405, _xml_error("MethodNotAllowed", self.command))
+
+    def _relay(self, send_body: bool) -> None:
+        host, port = self.server.target
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        try:
+            headers = {
+                k: v
+                for k, v in self.headers.items()
+                if k.lower() in ("range", "if-match", "if-none-match", "accept-encoding")
+            }
+            headers["Host"] = f"{host}:{port}"
+            conn.request(self.command, self.path, headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("content-length", "connection", "transfer-encoding", "date"):
+                    self.send_header(k, v)
+            length = resp.getheader("Content-Length")
+            self.send_header("Content-Length", length if length is not None else str(len(body)))
+            self.end_headers()
+            at = self.server.flip_reads_at
+            if at is not None and at < len(body):
+                body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1 :]
             if send_body:
                 self.wfile.write(body)
         finally:

@@ -437,7 +437,9 @@ class Fault:
     - "stall": relay the head and `after` body bytes, then send nothing for `seconds` (the
       connection stays open), then close;
     - "stall_head": send nothing at all for `seconds` (not even the response head), then close;
-    - "trickle": relay the head and `after` body bytes, then the rest at `rate` bytes a second.
+    - "trickle": relay the head and `after` body bytes, then the rest at `rate` bytes a second;
+    - "flip": relay the whole response with the body's byte at offset `after` inverted (bytes
+      corrupted on the way; nothing when the body is shorter).
     """
 
     kind: str
@@ -604,7 +606,8 @@ class HttpFaultProxy(_Relay):
             if fault is not None and fault.kind == "trickle":
                 self._trickle(upstream, conn, resp_rest, fault)
                 return
-            budget = None if fault is None else fault.after
+            flip = fault.after if fault is not None and fault.kind == "flip" else None
+            budget = None if fault is None or flip is not None else fault.after
             sent = 0
             pending = resp_rest
             deadline = time.monotonic() + self.lifetime
@@ -616,6 +619,9 @@ class HttpFaultProxy(_Relay):
                 if budget is not None and sent + len(pending) >= budget:
                     conn.sendall(pending[: budget - sent])
                     break
+                if flip is not None and sent <= flip < sent + len(pending):
+                    at = flip - sent
+                    pending = pending[:at] + bytes([pending[at] ^ 0xFF]) + pending[at + 1 :]
                 conn.sendall(pending)
                 sent += len(pending)
                 pending = b""

@@ -24,6 +24,7 @@ use crate::source::Source;
 use entry::Entry;
 use fill::FillingSource;
 
+pub mod crc;
 pub mod entry;
 mod fill;
 pub mod verify;
@@ -76,6 +77,10 @@ impl<D: Decorator> Source for D {
 
     fn reads_block(&self) -> bool {
         self.inner().reads_block()
+    }
+
+    fn stored_checksum(&self) -> Option<crate::source::identity::StoredChecksum> {
+        self.inner().stored_checksum()
     }
 
     fn cache_identity(&self) -> Option<CacheIdentity> {
@@ -149,6 +154,37 @@ pub fn default_dir() -> PathBuf {
     }
 }
 
+/// `source` checked against the whole-object checksum its store reported
+/// ([`Source::stored_checksum`]): a CRC by [`crc::CrcSource`], a sha256 or MD5 by
+/// [`verify::VerifyingSource`]. An object whose store keeps none, or one that cannot be checked
+/// from the bytes alone (S3's composite checksum of a multipart upload's parts), is read
+/// unchecked, with a note on stderr saying so.
+fn by_stored_checksum(source: Arc<dyn Source>) -> Arc<dyn Source> {
+    let note = |why: String| {
+        let message = format!("{}: not verified: {why}", source.name());
+        eprintln!("fastload: note: {}", crate::error::scrub(&message));
+    };
+    let Some(want) = source.stored_checksum() else {
+        if source.cache_identity().is_some() {
+            note("its store reports no checksum of the whole object".into());
+        }
+        return source;
+    };
+    if let Some(crc) = crc::CrcSource::new(source.clone(), &want) {
+        return Arc::new(crc);
+    }
+    if let Some(digest) = verify::VerifyingSource::stored(source.clone(), &want) {
+        return Arc::new(digest);
+    }
+    if let crate::source::identity::StoredChecksum::Composite { algorithm, parts } = &want {
+        note(format!(
+            "its store keeps a composite {algorithm} of its {parts} upload parts, which needs \
+             the parts' sizes to check"
+        ));
+    }
+    source
+}
+
 /// Each source with an identity becomes a local source when a verified copy is cached, or a
 /// filling source when caching is on (and no other process is filling that object: then it is
 /// read from the network only); others are returned as they are. With caching off, only Hub
@@ -174,6 +210,8 @@ pub fn wrap(sources: Vec<Arc<dyn Source>>, settings: &CacheSettings) -> Vec<Arc<
                     Some(want @ Digest::GitBlob(_)) if settings.verify => {
                         Arc::new(verify::VerifyingSource::new(source, &want))
                     }
+                    // Objects: the checksum their store keeps, asked for by `verify`.
+                    None if settings.verify => by_stored_checksum(source),
                     _ => source,
                 }
             };

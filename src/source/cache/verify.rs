@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use super::entry::hex;
 use super::Decorator;
 use crate::error::{Error, Result};
-use crate::source::identity::{CacheIdentity, Digest};
+use crate::source::identity::{CacheIdentity, Digest, StoredChecksum};
 use crate::source::Source;
 
 /// A source whose bytes are hashed as they are read and checked against `want` once every byte
@@ -30,8 +30,31 @@ pub struct VerifyingSource {
     state: Mutex<Hashing>,
 }
 
+/// The digest being computed.
+enum Hasher {
+    Ring(ring::digest::Context),
+    Md5(md5::Md5),
+}
+
+impl Hasher {
+    fn update(&mut self, bytes: &[u8]) {
+        match self {
+            Hasher::Ring(ctx) => ctx.update(bytes),
+            Hasher::Md5(ctx) => md5::Digest::update(ctx, bytes),
+        }
+    }
+
+    fn finish(self) -> Vec<u8> {
+        match self {
+            Hasher::Ring(ctx) => ctx.finish().as_ref().to_vec(),
+            Hasher::Md5(ctx) => md5::Digest::finalize(ctx).to_vec(),
+        }
+    }
+}
+
 struct Hashing {
-    ctx: ring::digest::Context,
+    /// `None` once the outcome is known.
+    ctx: Option<Hasher>,
     /// `[0, hashed)` went into `ctx`.
     hashed: u64,
     /// Pieces read beyond `hashed`, by offset.
@@ -63,12 +86,37 @@ impl VerifyingSource {
         };
         let mut ctx = ring::digest::Context::new(algorithm);
         ctx.update(prefix.as_bytes());
+        VerifyingSource::with(inner, Hasher::Ring(ctx), want.to_ascii_lowercase(), what)
+    }
+
+    /// Checks the bytes against the sha256 or MD5 of the whole object that its store keeps
+    /// (`verify=True` on an object store: S3's `x-amz-checksum-sha256` of an object put whole,
+    /// GCS's and Azure's MD5); `None` for other checksums ([`super::crc::CrcSource`] checks
+    /// CRCs).
+    pub fn stored(inner: Arc<dyn Source>, want: &StoredChecksum) -> Option<VerifyingSource> {
+        let (ctx, want, what) = match want {
+            StoredChecksum::Sha256(want) => (
+                Hasher::Ring(ring::digest::Context::new(&ring::digest::SHA256)),
+                hex(want),
+                "stored sha256",
+            ),
+            StoredChecksum::Md5(want) => (
+                Hasher::Md5(<md5::Md5 as md5::Digest>::new()),
+                hex(want),
+                "stored MD5",
+            ),
+            _ => return None,
+        };
+        Some(VerifyingSource::with(inner, ctx, want, what))
+    }
+
+    fn with(inner: Arc<dyn Source>, ctx: Hasher, want: String, what: &'static str) -> Self {
         VerifyingSource {
             inner,
-            want: want.to_ascii_lowercase(),
+            want,
             what,
             state: Mutex::new(Hashing {
-                ctx,
+                ctx: Some(ctx),
                 hashed: 0,
                 ahead: BTreeMap::new(),
                 outcome: None,
@@ -84,10 +132,13 @@ impl VerifyingSource {
         let s = &mut *guard;
         if s.outcome.is_none() {
             let end = offset + bytes.len() as u64;
+            let Some(ctx) = s.ctx.as_mut() else {
+                return Ok(());
+            };
             if offset <= s.hashed {
                 if end > s.hashed {
                     let from = (s.hashed - offset) as usize;
-                    s.ctx.update(&bytes[from..]);
+                    ctx.update(&bytes[from..]);
                     s.hashed = end;
                 }
                 // Pieces that waited for this one.
@@ -99,7 +150,7 @@ impl VerifyingSource {
                     let piece_end = at + piece.len() as u64;
                     if piece_end > s.hashed {
                         let from = (s.hashed - at) as usize;
-                        s.ctx.update(&piece[from..]);
+                        ctx.update(&piece[from..]);
                         s.hashed = piece_end;
                     }
                 }
@@ -107,9 +158,7 @@ impl VerifyingSource {
                 s.ahead.insert(offset, bytes.to_vec());
             }
             if s.hashed >= size {
-                let fresh = ring::digest::Context::new(s.ctx.algorithm());
-                let ctx = std::mem::replace(&mut s.ctx, fresh);
-                let got = hex(ctx.finish().as_ref());
+                let got = hex(&s.ctx.take().map(Hasher::finish).unwrap_or_default());
                 s.ahead.clear();
                 s.outcome = Some(if got == self.want { Ok(()) } else { Err(got) });
             } else {

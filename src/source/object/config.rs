@@ -14,6 +14,7 @@ use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 use url::Url;
 
 use super::azure::azure_builder;
+use super::checksums::{AwsSigning, AzureSigning, ChecksumConnector, StoreChecksums};
 use super::errors::*;
 use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
@@ -57,10 +58,14 @@ pub fn open_with_env(
             let key = AmazonS3ConfigKey::Endpoint;
             let from = || endpoint_source(&key, &store_options, &env, &["AWS_"], "endpoint_url");
             check_store_endpoint(b.get_config_value(&key), from)?;
+            let signing = Arc::new(AwsSigning::default());
             b.with_retry(retry.request_config())
-                .with_http_connector(SharedStoreClients)
+                .with_http_connector(ChecksumConnector(StoreChecksums::S3(signing.clone())))
                 .build()
-                .map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
+                .map(|s| {
+                    let _ = signing.credentials.set(s.credentials().clone());
+                    Arc::new(s) as Arc<dyn ObjectStore>
+                })
         }
         ObjectStoreScheme::GoogleCloudStorage => {
             let b = gcs_builder(uri, &store_options, &env)?;
@@ -76,7 +81,7 @@ pub fn open_with_env(
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
             b.with_retry(retry.request_config())
-                .with_http_connector(SharedStoreClients)
+                .with_http_connector(ChecksumConnector(StoreChecksums::Gcs))
                 .build()
                 .map(|s| Arc::new(s) as _)
         }
@@ -93,10 +98,14 @@ pub fn open_with_env(
                 )
             };
             check_store_endpoint(b.get_config_value(&key), from)?;
+            let signing = Arc::new(AzureSigning::default());
             b.with_retry(retry.request_config())
-                .with_http_connector(SharedStoreClients)
+                .with_http_connector(ChecksumConnector(StoreChecksums::Azure(signing.clone())))
                 .build()
-                .map(|s| Arc::new(s) as _)
+                .map(|s| {
+                    let _ = signing.credentials.set(s.credentials().clone());
+                    Arc::new(s) as _
+                })
         }
         ObjectStoreScheme::Http => {
             let base = &url[..url::Position::BeforePath];

@@ -32,6 +32,7 @@ macro_rules! assert_value {
 mod aws_credentials;
 mod aws_profile;
 mod azure;
+mod checksums;
 mod config;
 mod errors;
 mod gcs;
@@ -49,6 +50,7 @@ mod tests_cloud;
 mod tests_pin;
 
 pub use crate::source::remote::{Decision, ResumeState, RetrySettings};
+pub use checksums::stored_checksum;
 pub use config::{install_crypto, open, open_with_env, split_retry_options};
 pub use errors::{io_error, redact_uri, storage_error};
 pub use list::{head, list_folder, list_safetensors, list_tree, read_small, resolve, Found};

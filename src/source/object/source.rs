@@ -10,7 +10,7 @@ use object_store::ObjectStore;
 
 use super::RetrySettings;
 use crate::error::Result;
-use crate::source::identity::CacheIdentity;
+use crate::source::identity::{CacheIdentity, StoredChecksum};
 use crate::source::remote::Pin;
 use crate::source::Source;
 
@@ -27,6 +27,8 @@ pub struct RemoteObject {
     etag: Option<String>,
     /// The version every read is pinned to: that ETag, else the one the first response brings.
     pin: Pin,
+    /// The whole object's checksum as its store reported it (asked for by `verify=True`).
+    checksum: Option<StoredChecksum>,
 }
 
 impl RemoteObject {
@@ -47,6 +49,7 @@ impl RemoteObject {
             retry,
             etag: None,
             pin: Pin::new(Some(size), None),
+            checksum: None,
         }
     }
 
@@ -82,6 +85,10 @@ impl Source for RemoteObject {
         ))
     }
 
+    fn stored_checksum(&self) -> Option<StoredChecksum> {
+        self.checksum.clone()
+    }
+
     fn cache_identity(&self) -> Option<CacheIdentity> {
         // A query (a presigned URL's signature) changes between loads of the same object.
         let uri = self.name.split(['?', '#']).next().unwrap_or(&self.name);
@@ -98,19 +105,44 @@ impl Source for RemoteObject {
 }
 
 /// Lists what an object-store URI names (a prefix, an index, one object): one source per object.
+/// With `checksums` (`verify=True`), each object's stored checksum is asked for with a HEAD
+/// ([`super::stored_checksum`], [`super::HEAD_CONCURRENCY`] at a time).
 pub fn open_sources(
     uri: &str,
     storage_options: &[(String, String)],
+    checksums: bool,
 ) -> Result<Vec<Arc<dyn Source>>> {
+    use futures_util::stream::{self, StreamExt, TryStreamExt};
+
     let remote = super::open(uri, storage_options)?;
     let objects = crate::runtime::block_on(uri, super::resolve(&remote))?;
-    Ok(objects
+    let objects: Vec<RemoteObject> = objects
         .into_iter()
         .map(|found| {
             let name = remote.uri_of(&found.path);
             let (store, retry) = (remote.store.clone(), remote.retry.clone());
             let object = RemoteObject::new(name, store, found.path.clone(), found.size, retry);
-            Arc::new(object.pinned_to(&found)) as Arc<dyn Source>
+            object.pinned_to(&found)
         })
+        .collect();
+    let objects = if checksums {
+        crate::runtime::block_on(uri, async {
+            stream::iter(objects)
+                .map(|mut object| async move {
+                    object.checksum = super::stored_checksum(object.store.as_ref(), &object.path)
+                        .await
+                        .map_err(|e| super::storage_error(&object.name, e))?;
+                    Ok::<_, crate::error::Error>(object)
+                })
+                .buffered(super::HEAD_CONCURRENCY)
+                .try_collect()
+                .await
+        })?
+    } else {
+        objects
+    };
+    Ok(objects
+        .into_iter()
+        .map(|o| Arc::new(o) as Arc<dyn Source>)
         .collect())
 }
