@@ -227,7 +227,7 @@ class Stream:
                 reader_options = {k: native[k] for k in _READER if k in native}
                 _reader = _fastload.Reader(self._uris, **reader_options)
             self._parts = _parts.Parts(
-                list(_reader.headers()), parts, native.pop("names", None), self._uris[0]
+                _reader.headers(), parts, native.pop("names", None), self._uris[0]
             )
             native["parts"] = self._parts.ranges
             self._pending_parts: deque[tuple[str, torch.Tensor]] = deque(self._parts.empty)

@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 else:
     EllipsisType = type(Ellipsis)
 
-
     class _Torch:
         """Stands for the ``torch`` module in this module's annotations at run time, importing it
         only when something resolves them (``typing.get_type_hints(fastload.Options)``), so that

@@ -22,7 +22,7 @@ a part of several is assembled as its pieces land, each copied once into the par
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import _safe_open
@@ -114,7 +114,7 @@ class Parts:
 
     def __init__(
         self,
-        headers: list[dict[str, Any]],
+        headers: Sequence[Mapping[str, Any]],
         parts: Any,
         names: Iterable[str] | str | None,
         uri_hint: str,
@@ -152,7 +152,9 @@ class Parts:
                 )
         missing = sorted({n for n in [*wanted, *parts] if n not in table})
         if missing:
-            where = uri_hint if len(headers) <= 1 else f"{uri_hint} and {len(headers) - 1} more files"
+            where = (
+                uri_hint if len(headers) <= 1 else f"{uri_hint} and {len(headers) - 1} more files"
+            )
             raise TensorNotFoundError(
                 f"tensors not found in {where}: " + ", ".join(repr(n) for n in missing),
                 names=missing,
