@@ -33,7 +33,8 @@ _CARRIER_NAMES = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 class _Part(NamedTuple):
-    """A tensor of the load: read whole (``plan`` None) or a part of it."""
+    """A tensor of the load: read whole (``plan`` None) or a part of it, with what putting it
+    together takes, worked out once."""
 
     name: str
     dtype: str  # safetensors'
@@ -41,6 +42,9 @@ class _Part(NamedTuple):
     plan: _safe_open.Plan | None
     out_shape: tuple[int, ...]  # of the result
     runs: int  # pieces it arrives in
+    tdtype: Any = None  # torch's
+    carrier: Any = None  # the integer dtype of its width: its elements move as their bits
+    lead: int = 0  # dims that pick the run (the rest lie within one)
 
 
 def _describe(index: Any) -> str:
@@ -205,7 +209,11 @@ class Parts:
             self._parts[name] = _Part(name, dtype, shape, None, out_shape, 0)
             self.empty.append((name, torch.empty(out_shape, dtype=tdtype)))
             return
-        self._parts[name] = _Part(name, dtype, shape, plan, out_shape, len(plan.ranges))
+        carrier = getattr(torch, _CARRIER_NAMES[tdtype.itemsize])
+        lead = _lead_dims(plan.size, len(plan.ranges))
+        self._parts[name] = _Part(
+            name, dtype, shape, plan, out_shape, len(plan.ranges), tdtype, carrier, lead
+        )
         self._offsets[name] = {begin: i for i, (begin, _len) in enumerate(plan.ranges)}
         for begin, length in plan.ranges:
             self.ranges.append((name, begin, begin + length))
@@ -215,22 +223,20 @@ class Parts:
         """The tensor ``name`` once this piece (``raw``, flat uint8 bytes ``begin..`` of it)
         completes it, else ``None``."""
         p = self._parts[name]
-        if p.plan is None:
-            return self._from_bytes(p.dtype, p.shape, raw, name)
-        torch = self._torch
-        carrier = getattr(torch, _CARRIER_NAMES[self._itemsize(p)])
         plan = p.plan
-        size, stride = plan.size, plan.stride
+        if plan is None:
+            return self._from_bytes(p.dtype, p.shape, raw, name)
+        size, stride, carrier = plan.size, plan.stride, p.carrier
         if p.runs == 1:
             out = raw.view(carrier).as_strided(size, stride)
-            if not (out.is_contiguous() and out.numel() == raw.numel() // carrier.itemsize):
-                out = out.clone(memory_format=torch.contiguous_format)
-            return self._finish(p, out)
-        # Several runs: the first `lead` dims pick the run, the rest are within it.
-        lead = _lead_dims(size, p.runs)
+            if not (out.is_contiguous() and out.numel() * carrier.itemsize == raw.numel()):
+                out = out.clone(memory_format=self._torch.contiguous_format)
+            return out.view(p.tdtype).reshape(p.out_shape)
+        # Several runs: the first `lead` dims pick the run, the rest lie within it.
+        lead = p.lead
         buffer, left = self._pending.get(name, (None, p.runs))
         if buffer is None:
-            buffer = torch.empty(size, dtype=carrier, device=raw.device)
+            buffer = self._torch.empty(size, dtype=carrier, device=raw.device)
         j = self._offsets[name][begin or 0]
         inner = raw.view(carrier).as_strided(size[lead:], stride[lead:])
         buffer.view(-1, *size[lead:])[j].copy_(inner)
@@ -238,19 +244,8 @@ class Parts:
         if left:
             self._pending[name] = (buffer, left)
             return None
-        self._pending.pop(name, None)
-        return self._finish(p, buffer)
-
-    def _itemsize(self, p: _Part) -> int:
-        return int(self._from_dtype(p.dtype).itemsize)
-
-    def _from_dtype(self, dtype: str) -> Any:
-        from . import _torch_glue
-
-        return _torch_glue().DTYPES[dtype]
-
-    def _finish(self, p: _Part, out: Any) -> Any:
-        return out.view(self._from_dtype(p.dtype)).reshape(p.out_shape)
+        del self._pending[name]
+        return buffer.view(p.tdtype).reshape(p.out_shape)
 
     def stats(self) -> dict[str, int]:
         """What the plan reads as parts and as whole tensors."""
