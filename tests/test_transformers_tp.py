@@ -1,13 +1,15 @@
 """``fastload.transformers.from_pretrained(..., tp_plan="auto")`` under ``torchrun`` (2 ranks,
-gloo on the CPU): each rank reads only its shards, from a local folder and over HTTP, and the
+gloo on the CPU): each rank reads only its shards, from a local folder, over HTTP and from S3
+(SeaweedFS), and the
 model computes exactly the logits of transformers' own tensor-parallel load (and those of a load
 without tensor parallelism, up to the order of the reductions).
 
 This file is also the ranks' script: ``python -m torch.distributed.run ... test_transformers_tp.py
-worker FOLDER URL OUT``."""
+worker FOLDER URL S3_URI S3_OPTIONS OUT``."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,7 +52,7 @@ def _logits(model) -> torch.Tensor:
         return model(torch.tensor([IDS])).logits.float()
 
 
-def _worker(folder: str, url: str, out: str) -> None:
+def _worker(folder: str, url: str, s3_uri: str, s3_options: str, out: str) -> None:
     import fastload.transformers
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -61,9 +63,12 @@ def _worker(folder: str, url: str, out: str) -> None:
     shard = ref.model.layers[0].mlp.down_proj.weight
     result["sharded"] = type(shard).__name__ == "DTensor" and shard.to_local().shape != shard.shape
     del ref
-    for where, uri in (("local", folder), ("http", url)):
+    sources = (("local", folder, None), ("http", url, None), ("s3", s3_uri, json.loads(s3_options)))
+    for where, uri, storage_options in sources:
         dist.barrier()
-        model = fastload.transformers.from_pretrained(AutoModelForCausalLM, uri, tp_plan="auto")
+        model = fastload.transformers.from_pretrained(
+            AutoModelForCausalLM, uri, tp_plan="auto", storage_options=storage_options
+        )
         result[where] = _logits(model)
         result[f"{where}_stats"] = model._fastload_stats
         del model
@@ -72,7 +77,7 @@ def _worker(folder: str, url: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _run_group(folder: Path, url: str, out: Path) -> list[dict]:
+def _run_group(folder: Path, url: str, s3_uri: str, s3_options: dict, out: Path) -> list[dict]:
     import fastload
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTLOAD_", "TORCH"))}
@@ -92,6 +97,8 @@ def _run_group(folder: Path, url: str, out: Path) -> list[dict]:
         WORKER,
         str(folder),
         url,
+        s3_uri,
+        json.dumps(s3_options),
         str(out),
     ]
     done = subprocess.run(
@@ -111,25 +118,28 @@ def _served_bytes(log, path: str, since: int) -> int:
     return total
 
 
-def test_tp_ranks_read_only_their_shards(range_server, tmp_path):
+def test_tp_ranks_read_only_their_shards(range_server, seaweed, tmp_path):
+    from servers import s3 as s3_server
     from transformers import AutoModelForCausalLM
 
     folder = write_model(tmp_path / "llama")
     files = {f"tp/{p.name}": p for p in folder.iterdir()}
     range_server.put(files)
     url = range_server.url("tp/")
+    s3_server.upload(seaweed.client(), s3_server.BUCKET, files)
+    s3_uri = f"s3://{s3_server.BUCKET}/tp/"
     weights = (folder / "model.safetensors").stat().st_size
     log = range_server.behaviour.log
     since = len(log)
     out = tmp_path / "out"
     out.mkdir()
-    ranks = _run_group(folder, url, out)
+    ranks = _run_group(folder, url, s3_uri, seaweed.storage_options(), out)
     served = _served_bytes(log, "/tp/model.safetensors", since)
 
     whole = _logits(AutoModelForCausalLM.from_pretrained(folder))
     for r, res in enumerate(ranks):
         assert res["sharded"], "transformers did not shard down_proj: no tensor parallelism"
-        for where in ("local", "http"):
+        for where in ("local", "http", "s3"):
             assert torch.equal(res[where], res["transformers"]), (r, where)
             torch.testing.assert_close(res[where], whole, rtol=1e-4, atol=1e-5)
             stats = res[f"{where}_stats"]
@@ -142,5 +152,5 @@ def test_tp_ranks_read_only_their_shards(range_server, tmp_path):
     assert served >= weights, (served, weights)
 
 
-if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == WORKER:
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == WORKER:
     _worker(*sys.argv[2:])
