@@ -306,3 +306,25 @@ def test_parts_is_a_typed_load_option():
         p = inspect.signature(fn).parameters["parts"]
         assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
     assert "parts" in fastload.Options.__annotations__
+
+
+def test_threads_sharing_a_stream_of_parts(tmp_path):
+    """Threads take from one stream as from a queue: each part comes out once and whole, though
+    its pieces (a run per row) land in different threads' hands."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = {f"w{i}": pattern((96, 64), torch.float32, seed=i) for i in range(8)}
+    path = tmp_path / "threads.safetensors"
+    safetensors.torch.save_file(tensors, str(path))
+    parts = {n: (slice(None), slice(16, 40)) for n in tensors}
+    with fastload.stream(path, parts=parts, block_size="4KiB", memory_limit="1MiB") as s:
+
+        def drain(_):
+            return list(s)
+
+        with ThreadPoolExecutor(4) as pool:
+            got = [kv for chunk in pool.map(drain, range(4)) for kv in chunk]
+    assert sorted(n for n, _ in got) == sorted(tensors)
+    full = safetensors.torch.load_file(str(path))
+    for n, t in got:
+        _same(t, full[n][:, 16:40], n)

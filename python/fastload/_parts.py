@@ -22,6 +22,7 @@ a part of several is assembled as its pieces land, each copied once into the par
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -170,7 +171,9 @@ class Parts:
         self.empty: list[tuple[str, Any]] = []  # results of no bytes, handed out first
         self._parts: dict[str, _Part] = {}
         self._offsets: dict[str, dict[int, int]] = {}
-        self._pending: dict[str, tuple[Any, int]] = {}  # sliced tensor -> (its buffer, pieces left)
+        self._lock = threading.Lock()
+        self._buffers: dict[str, Any] = {}  # part of several runs -> the tensor they land in
+        self._left: dict[str, int] = {}  # part of several runs -> its runs not landed yet
         self.part_tensors = self.part_bytes = self.part_full_bytes = 0
         self.whole_tensors = self.whole_bytes = 0
         for tname in wanted:
@@ -232,19 +235,25 @@ class Parts:
             if not (out.is_contiguous() and out.numel() * carrier.itemsize == raw.numel()):
                 out = out.clone(memory_format=self._torch.contiguous_format)
             return out.view(p.tdtype).reshape(p.out_shape)
-        # Several runs: the first `lead` dims pick the run, the rest lie within it.
+        # Several runs: the first `lead` dims pick the run, the rest lie within it. Threads that
+        # share the stream may bring pieces of one part at once: each copies its own run, the
+        # buffer and the count are taken and updated under the lock.
         lead = p.lead
-        buffer, left = self._pending.get(name, (None, p.runs))
-        if buffer is None:
-            buffer = self._torch.empty(size, dtype=carrier, device=raw.device)
+        with self._lock:
+            buffer = self._buffers.get(name)
+            if buffer is None:
+                buffer = self._torch.empty(size, dtype=carrier, device=raw.device)
+                self._buffers[name] = buffer
         j = self._offsets[name][begin or 0]
         inner = raw.view(carrier).as_strided(size[lead:], stride[lead:])
         buffer.view(-1, *size[lead:])[j].copy_(inner)
-        left -= 1
-        if left:
-            self._pending[name] = (buffer, left)
-            return None
-        del self._pending[name]
+        with self._lock:
+            left = self._left.get(name, p.runs) - 1
+            if left:
+                self._left[name] = left
+                return None
+            del self._buffers[name]
+            self._left.pop(name, None)
         return buffer.view(p.tdtype).reshape(p.out_shape)
 
     def stats(self) -> dict[str, int]:
