@@ -319,7 +319,7 @@ class Stream:
         return StreamClosedError(
             "the stream was closed before it finished: "
             f"{stats.tensors_delivered - self._cut_items} of {stats.tensor_count} "
-            "tensors delivered"
+            + ("tensors delivered" if self._parts is None else "reads of tensors and parts done")
         )
 
     def _in_file(self, e: Any) -> tuple[str, str | None]:
