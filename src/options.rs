@@ -322,6 +322,18 @@ pub const NAMES: OptionDef = OptionDef {
            is read",
     takers: &[Native],
 };
+pub const PARTS: OptionDef = OptionDef {
+    name: "parts",
+    python_type: "Mapping[str, Index] | None",
+    signature_default: None,
+    default: "none (whole tensors)",
+    env: None,
+    help: "load only a part of these tensors: `{name: index}`, the index as torch takes it \
+           with ints, slices (steps >= 1) and `...`; only the bytes each part needs are read; \
+           see \"Parts of tensors\"",
+    // Planned in Python (`fastload._parts`) into the native load's byte ranges.
+    takers: &[],
+};
 pub const METHOD: OptionDef = OptionDef {
     name: "method",
     python_type: "str | None",
@@ -392,6 +404,7 @@ pub const OPTIONS: &[OptionDef] = &[
     BLOCK_SIZE,
     MEMORY_LIMIT,
     NAMES,
+    PARTS,
     METHOD,
     STORAGE_OPTIONS,
     CACHE,

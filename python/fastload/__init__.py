@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
+    from . import _parts
     from ._copy import copy
     from ._safe_open import SafeSlice, safe_open
     from ._write import save, save_file
@@ -111,6 +112,9 @@ def _uris(uri: Uri) -> list[str]:
         raise ConfigError("invalid option uri: the list of files is empty", option="uri")
     return out
 
+
+# The options a Reader takes (the headers of a load with parts are read through one).
+_READER = _options.taken_by("reader")
 
 # Device types tensors can be delivered to. "cuda" goes through page-locked staging buffers and
 # asynchronous copies into memory torch allocates on the device (see _fastload.Stream).
@@ -212,6 +216,21 @@ class Stream:
         self._storage_options = native.get("storage_options")
         if target is not None:
             native.pop("method", None)  # staged loads read one way
+        # parts=: the headers first (through a Reader whose files the load then reads, pinned
+        # to the versions it saw), planned into byte ranges of the native load (see _parts).
+        self._parts: _parts.Parts | None = None
+        parts = options.get("parts")
+        if parts is not None and not (isinstance(parts, Mapping) and not parts):
+            from . import _parts
+
+            if _reader is None:
+                reader_options = {k: native[k] for k in _READER if k in native}
+                _reader = _fastload.Reader(self._uris, **reader_options)
+            self._parts = _parts.Parts(
+                _reader.headers(), parts, native.pop("names", None), self._uris[0]
+            )
+            native["parts"] = self._parts.ranges
+            self._pending_parts: deque[tuple[str, torch.Tensor]] = deque(self._parts.empty)
         self._native = _fastload.Stream(
             self._uris,
             **native,
@@ -237,6 +256,8 @@ class Stream:
     def __next__(self) -> tuple[str, torch.Tensor]:
         if self._pid != os.getpid():
             next(self._native)  # raises FastloadError: a forked child cannot use it
+        if self._parts is not None:
+            return self._next_part(self._parts)
         try:
             item = self._pending.popleft()
         except IndexError:
@@ -247,6 +268,28 @@ class Stream:
             self.close()
             message, file = self._in_file(e)
             raise FormatError(message, path=file) from None
+
+    def _next_part(self, parts: _parts.Parts) -> tuple[str, torch.Tensor]:
+        """The next tensor of a load with ``parts``: one read whole, or a part once its last
+        piece landed (results of no bytes first)."""
+        while True:
+            try:
+                return self._pending_parts.popleft()
+            except IndexError:
+                pass
+            try:
+                item = self._pending.popleft()
+            except IndexError:
+                item = self._next_item()
+            try:
+                raw = self._to_tensor(item.dtype, item.shape, item.data, item.name)
+                done = parts.take(item.name, item.begin, raw)
+            except _torch_glue().UnsupportedDtype as e:
+                self.close()
+                message, file = self._in_file(e)
+                raise FormatError(message, path=file) from None
+            if done is not None:
+                return item.name, done
 
     def _next_item(self) -> _fastload.Item:
         """The first item of the next segment (the rest queued for whoever asks next)."""
@@ -276,7 +319,7 @@ class Stream:
         return StreamClosedError(
             "the stream was closed before it finished: "
             f"{stats.tensors_delivered - self._cut_items} of {stats.tensor_count} "
-            "tensors delivered"
+            + ("tensors delivered" if self._parts is None else "reads of tensors and parts done")
         )
 
     def _in_file(self, e: Any) -> tuple[str, str | None]:
@@ -296,7 +339,18 @@ class Stream:
         """Bytes and tensors planned, read and delivered so far; time to the first tensor; the
         method and options in force. After ``close()``, the counters as they were then (so the
         caller can tell how far a closed stream got)."""
-        return dict(self._native.stats().as_dict())
+        stats = dict(self._native.stats().as_dict())
+        if self._parts is not None:
+            stats.update(self._parts.stats())
+        else:
+            stats.update(
+                part_tensors=0,
+                part_bytes=0,
+                part_tensor_bytes=0,
+                whole_tensors=stats["tensor_count"],
+                whole_bytes=stats["total_bytes"],
+            )
+        return stats
 
     def close(self) -> None:
         """Cancels outstanding reads and frees buffers no tensor uses. Safe from any thread: it
@@ -366,6 +420,7 @@ def stream(
     if process_group is not None:
         from . import distributed
 
+        distributed.refuse_parts(options)
         return distributed.stream(uri, process_group=process_group, **options)
     return Stream(uri, **options)
 

@@ -37,8 +37,11 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Union
 from . import _fastload
 
 if TYPE_CHECKING:
+    from types import EllipsisType
+
     import torch
 else:
+    EllipsisType = type(Ellipsis)
 
     class _Torch:
         """Stands for the ``torch`` module in this module's annotations at run time, importing it
@@ -56,6 +59,10 @@ else:
 
 Device = Union[str, "torch.device"]
 Size = Union[int, str]
+# One index of a part (``parts=``): an int, a slice of ints (steps >= 1) or ``...``; a tuple of
+# them indexes several dims.
+IndexItem = Union[int, slice, "EllipsisType"]
+Index = Union[IndexItem, "tuple[IndexItem, ...]"]
 
 
 class Options(TypedDict, total=False):
@@ -70,6 +77,13 @@ class Options(TypedDict, total=False):
     ``FASTLOAD_MEMORY_LIMIT``, else 1 GiB (at least 1 MiB).
     ``names``: load only these tensors (any iterable of str, or one str for one tensor;
     duplicates are ignored); default every tensor.
+    ``parts``: load only a part of these tensors, ``{name: index}``: ``index`` as torch's basic
+    indexing takes it, with ints, slices of ints (steps >= 1; bounds clamped as torch clamps
+    them) and one ``...`` (a tuple of them for several dims), e.g. ``{"w": (slice(None),
+    slice(0, 2048))}`` for ``w[:, 0:2048]``. Each part comes back bitwise equal to indexing the
+    whole tensor, and only the bytes it needs are read. Tensors without a part load whole (every
+    tensor, or ``names``, which must then include each part's tensor). Anything else is refused
+    with ``ConfigError`` (``option="parts"``) before anything is read.
     ``method``: how local files are read to CPU: ``"auto"`` (default, ``FASTLOAD_METHOD``: maps
     files on a local filesystem, reads files on network and FUSE filesystems), ``"mmap"`` or
     ``"read"``; ``stats()["method_reason"]`` says why a method ran.
@@ -99,6 +113,7 @@ class Options(TypedDict, total=False):
     block_size: Size | None
     memory_limit: Size | None
     names: Iterable[str] | None
+    parts: Mapping[str, Index] | None
     method: str | None
     storage_options: Mapping[str, object] | None
     cache: bool | str | os.PathLike[str] | None

@@ -45,7 +45,7 @@ import pickle
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -155,12 +155,23 @@ def _finish(u8: torch.Tensor, dtype: str, shape: tuple[int, ...], hint: str) -> 
 # The stream
 
 
+def refuse_parts(options: Mapping[str, Any]) -> None:
+    """``parts`` is not shared over a group (yet): each rank loads its own parts without one."""
+    if options.get("parts"):
+        raise ConfigError(
+            "invalid option parts: a load with a process_group shares whole tensors; load "
+            "each rank's parts without process_group (each rank then reads only its own bytes)",
+            option="parts",
+        )
+
+
 class DistributedStream:
     """Iterator of ``(name, tensor)`` on one rank of a group; see :func:`stream`."""
 
     @_options.spelled_out
     def __init__(self, uri: Any, *, group: Any, **options: Unpack[Options]) -> None:
         _options.check("DistributedStream", options)
+        refuse_parts(options)
         self._started = time.monotonic()
         self._group = group
         self._rank = dist.get_rank(group)

@@ -387,6 +387,169 @@ def from_pretrained(
     return model
 
 
+# transformers' arguments that shard the model over a device mesh as it loads (tensor
+# parallelism): each rank then indexes the checkpoint's tensors for its shard.
+_TP_KWARGS = ("tp_plan", "tp_size", "device_mesh", "distributed_config")
+
+
+def _tensor_parallel(kwargs: Mapping[str, Any]) -> bool:
+    return any(kwargs.get(k) is not None for k in _TP_KWARGS)
+
+
+class _File:
+    """One weight file opened once (``fastload.safe_open``: its source and header, pinned to the
+    version it saw); :meth:`read` loads a tensor or a part of it through that handle, reading
+    only the part's bytes (``parts=``). Counts what it read as parts and whole."""
+
+    def __init__(self, uri: str, options: Mapping[str, Any], counts: dict[str, int]) -> None:
+        from . import _options
+        from ._safe_open import safe_open
+
+        taken = _options.taken_by("safe_open")
+        self._handle = safe_open(uri, **{k: v for k, v in options.items() if k in taken})
+        self._options = {k: v for k, v in options.items() if k not in ("names", "parts")}
+        self._counts = counts
+        self._lock = threading.Lock()
+
+    def slices(self) -> dict[str, _Slice]:
+        h = self._handle
+        return {
+            name: _Slice(self, name, dtype, shape)
+            for name, (dtype, shape, _b, _e) in h._tensors.items()
+        }
+
+    def read(self, name: str, index: Any) -> Any:
+        from . import Stream
+
+        whole = index is Ellipsis or (
+            isinstance(index, tuple) and all(i is Ellipsis for i in index)
+        )
+        parts = None
+        if not whole:
+            from ._parts import normalize
+
+            dtype, shape, _b, _e = self._handle._tensors[name]
+            try:
+                normalize(name, index, self._handle._torch_shape(dtype, shape))
+                parts = {name: index}
+            except ConfigError:
+                parts = (
+                    None  # not a box of the tensor (None, lists, ...): whole, then torch indexes it
+                )
+        h = self._handle
+        with Stream(h._uri, _reader=h._open(), names=[name], parts=parts, **self._options) as s:
+            tensor = dict(s)[name]
+            stats = s.stats()
+        with self._lock:
+            for key in (
+                "part_tensors",
+                "part_bytes",
+                "part_tensor_bytes",
+                "whole_tensors",
+                "whole_bytes",
+            ):
+                self._counts[key] = self._counts.get(key, 0) + int(stats[key])
+        if parts is None and not whole:
+            tensor = tensor[index]
+        return tensor
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class _Slice:
+    """A checkpoint tensor not read yet, handed to transformers in the state dict where a load from
+    files hands it ``safetensors``' ``get_slice``: tensor parallelism indexes it for the rank's
+    shard (``slice[rows, cols]``), and only that part's bytes are read; ``slice[...]`` reads it
+    whole. ``dtype``, ``shape`` and ``is_floating_point`` answer what transformers asks of a state
+    dict's tensors before reading them."""
+
+    __slots__ = ("_dtype", "_file", "_name", "_shape")
+
+    def __init__(self, file: _File, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        self._file, self._name, self._dtype, self._shape = file, name, dtype, shape
+
+    def get_shape(self) -> list[int]:
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        return self._dtype
+
+    @property
+    def dtype(self) -> Any:
+        from . import _torch_glue
+
+        return _torch_glue().DTYPES[self._dtype]
+
+    @property
+    def shape(self) -> Any:
+        import torch
+
+        return torch.Size(self._shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def is_floating_point(self) -> bool:
+        return bool(self.dtype.is_floating_point)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._file.read(self._name, index)
+
+    def __repr__(self) -> str:
+        return f"fastload slice {self._name!r} ({self._dtype}, {list(self._shape)})"
+
+
+def _from_slices(
+    cls_args: tuple[Any, Path, tuple[Any, ...]],
+    uris: list[str],
+    options: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A tensor-parallel load: transformers builds the sharded model and indexes each checkpoint
+    tensor for this rank's shard (its shard-on-read, which indexes ``safetensors``' slices in a
+    load from files); the state dict it is given holds fastload slices (:class:`_Slice`), so each
+    rank reads only the bytes of its shards (and the replicated tensors whole)."""
+    import logging
+
+    model_class, folder, model_args = cls_args
+    counts: dict[str, int] = {}
+    files = [_File(u, options, counts) for u in uris]
+    try:
+        state_dict: dict[str, Any] = {}
+        for f in files:
+            state_dict.update(f.slices())
+        config = kwargs.pop("config", None)
+        if _is_auto_class(model_class):
+            cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
+            kwargs["_from_auto"] = True
+        else:
+            cls = model_class
+            if config is None:
+                config = str(folder)
+        model = cls.from_pretrained(
+            None, *model_args, config=config, state_dict=state_dict, **kwargs
+        )
+    finally:
+        for f in files:
+            f.close()
+    del state_dict
+    logging.getLogger("fastload").info(
+        "fastload: read %d bytes as parts of %d tensors (%d bytes whole), and %d tensors whole "
+        "(%d bytes)",
+        counts.get("part_bytes", 0),
+        counts.get("part_tensors", 0),
+        counts.get("part_tensor_bytes", 0),
+        counts.get("whole_tensors", 0),
+        counts.get("whole_bytes", 0),
+    )
+    model._fastload_stats = dict(counts)
+    if kwargs.get("generation_config") is None:
+        _load_generation_config(model, folder, kwargs)
+    return model
+
+
 class _Prefetch:
     """``fastload.load(uris, **options)`` in a thread: the stream opens here (so that bad options
     raise here, and a CUDA stream's memory belongs to the caller's current stream), its tensors
@@ -454,6 +617,10 @@ def _from_checkpoint(
     device = options.pop("device", None) or _single_device(kwargs.get("device_map"))
     if ckpt.storage_options is not None:
         options.setdefault("storage_options", ckpt.storage_options)
+    if _tensor_parallel(kwargs):
+        return _from_slices(
+            cls_args=(model_class, folder, model_args), uris=uris, options=options, kwargs=kwargs
+        )
     # The weights stream in while transformers reads the config and imports the model's code
     # (seconds of Python for a first load in a process).
     with _Prefetch(uris, device=device or "cpu", **options) as weights:
