@@ -339,6 +339,7 @@ mod tests {
                 },
                 key_value: Zeroizing::new(vec![byte; 16]),
             }],
+            primary_key_id: Some(7),
         }
     }
 
