@@ -207,6 +207,50 @@ def test_http_slice_reads_only_its_segments(served, plain_file, big_keyset, encr
         assert b % MIB == 0 and (e % MIB == 0 or e == size), (b, e)
 
 
+def test_http_load_fetches_each_segment_once(served, plain_file, big_keyset, encrypted):
+    """A whole load over HTTP with 2 MiB blocks: the blocks are cut between segments, so no
+    segment is fetched by two reads (counted at the server: the GETs' ranges never overlap, and
+    add up to no more than the file)."""
+    url = served.url("model.safetensors")
+    got = fastload.load(url, keyset=big_keyset[0], block_size="2MiB", concurrency=4)
+    assert_same_tensors(got, helpers.reference(plain_file))
+    gets = sorted(data_gets(served))
+    for (_, e1), (b2, _) in zip(gets, gets[1:]):
+        assert e1 <= b2, gets
+    assert sum(e - b for b, e in gets) <= encrypted.stat().st_size, gets
+
+
+def test_auto_reads_encrypted_local_files_and_says_why(encrypted, plain_file, big_keyset):
+    with fastload.stream(str(encrypted), keyset=big_keyset[0]) as s:
+        got = dict(s)
+        stats = s.stats()
+    assert stats["method"] == "read", stats
+    assert "encrypted" in stats["method_reason"] and str(encrypted) in stats["method_reason"]
+    assert_same_tensors(got, helpers.reference(plain_file))
+
+
+def test_bench_cold_evicts_encrypted_local_files(encrypted, big_keyset, tmp_path):
+    """`fastload bench --cold` of an encrypted local file treats it as the local file it is
+    (evicted before each run), not as an object read over the network."""
+    import os
+    import subprocess
+    import sys
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    env["FASTLOAD_KEYSET"] = str(keyset_file)
+    argv = ["bench", str(encrypted), "--cold", "--repeat", "1", "--compare", "none", "--json"]
+    run = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", *argv], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "evicts local files only" not in run.stderr, run.stderr
+    report = json.loads(run.stdout)
+    assert report["modes"]["cold"]["read_from"] in ("storage", "page cache"), report["modes"]
+    assert big_keyset[0] not in run.stdout + run.stderr
+
+
 def test_http_load_and_cache(served, plain_file, big_keyset, tmp_path):
     """Over HTTP, and through the local cache: the cache keeps the ciphertext, and a second load
     reads it (no GET of the object), decrypting it again."""
