@@ -639,3 +639,30 @@ def test_command_line_copy_encrypts_with_the_environment_keyset(sharded_dir, sma
             assert tink_decrypt(primitive, got) == p.read_bytes()
         else:
             assert got == p.read_bytes()
+
+
+def test_transformers_from_pretrained_with_load_options_keyset(small, tmp_path):
+    """A sharded transformers checkpoint whose shards tink encrypted (index and configs plain):
+    fastload.transformers.from_pretrained(..., load_options={"keyset": ...}) builds the same model
+    as transformers from the plain folder; without the keyset it fails asking for one."""
+    pytest.importorskip("transformers")
+    import fastload.transformers
+    from hf_models import assert_same_state, write_llama
+    from transformers import LlamaForCausalLM
+
+    keyset, primitive, _ = small
+    plain = write_llama(tmp_path / "plain", max_shard_size="20KB")
+    enc = tmp_path / "enc"
+    enc.mkdir()
+    for p in plain.iterdir():
+        data = p.read_bytes()
+        (enc / p.name).write_bytes(
+            tink_encrypt(primitive, data) if p.suffix == ".safetensors" else data
+        )
+    assert len(list(enc.glob("*.safetensors"))) > 2
+    got = fastload.transformers.from_pretrained(
+        LlamaForCausalLM, enc, load_options={"keyset": keyset}
+    )
+    assert_same_state(got, LlamaForCausalLM.from_pretrained(plain))
+    err = failure(lambda: fastload.transformers.from_pretrained(LlamaForCausalLM, enc))
+    assert "keyset" in str(err)
