@@ -254,8 +254,17 @@ mod tests {
     #[test]
     fn writes_what_decrypts_for_every_length_and_chunking() {
         let dir = tempfile::tempdir().unwrap();
-        let enc = Encryption::new(&keyset_json(64), Some(b"ad"), "keyset").unwrap();
-        assert!(!format!("{enc:?}").contains("AQID"));
+        let json = keyset_json(64);
+        let enc = Encryption::new(&json, Some(b"ad"), "keyset").unwrap();
+        let value = json
+            .split(r#""value": ""#)
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        assert_eq!(format!("{enc:?}"), "Encryption { key_id: Some(9) }");
+        assert!(!value.is_empty());
         let p = 64 - TAG;
         let h = 24;
         for len in [0, 1, p - h, p - h + 1, 3 * p, 3 * p + 5, 1000] {
@@ -280,6 +289,32 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn only_a_streaming_primary_key_encrypts() {
+        let json = keyset_json(64);
+        // The primary is another key (say an AEAD key, ignored for reading): no key to write with.
+        let other = json.replace(r#""primaryKeyId": 9"#, r#""primaryKeyId": 10"#);
+        let err = Encryption::new(&other, None, "keyset")
+            .unwrap_err()
+            .to_string();
+        let value = json
+            .split(r#""value": ""#)
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        assert!(
+            err.contains("primary key 10") && !err.contains(value),
+            "{err}"
+        );
+        let none = json.replace(r#""primaryKeyId": 9, "#, "");
+        let err = Encryption::new(&none, None, "keyset")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("primaryKeyId"), "{err}");
     }
 
     #[test]
