@@ -11,7 +11,9 @@ each ``--reps`` times (best and median), the plain file against the encrypted on
 - ``s3`` (with ``--s3``): ``fastload.load("s3://...")`` from a local SeaweedFS (``weed mini``,
   tests/servers/s3.py), SigV4 signed;
 
-cold (the file evicted from the page cache before each run) and warm. Every run reads every page
+cold (the file evicted from the page cache before each run) and warm; with ``--save`` also
+``save_file``: the checkpoint's tensors (in memory) written plain against written with
+``keyset=`` (each run syncs the file to the disk, overwriting the last). Every run reads every page
 of every tensor inside the clock (``fastload._peers.touch``). Beside them, the CPU's AES-GCM rate:
 one thread decrypting the whole encrypted file in memory (``_fastload._tink_decrypt``, the same
 code a load runs per segment, into one reused segment buffer so that page faults are not timed),
@@ -20,7 +22,7 @@ the bound a load with ``concurrency`` readers divides among them.
 No key material is printed: the keyset lives in memory only.
 
     python benches/encryption_bench.py                 # 256 MiB
-    python benches/encryption_bench.py --size 2GiB --reps 3 --s3
+    python benches/encryption_bench.py --size 2GiB --reps 3 --s3 --save
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def timed(fn, reps: int, before=None) -> dict:
             before()
         t0 = time.perf_counter()
         out = fn()
-        touch(out.values())
+        if out is not None:
+            touch(out.values())
         runs.append(time.perf_counter() - t0)
         del out
     return {"best_s": min(runs), "median_s": statistics.median(runs), "runs": runs}
@@ -104,6 +107,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--s3", action="store_true", help="also load both from a local SeaweedFS")
+    ap.add_argument("--save", action="store_true", help="also time save_file, plain and encrypted")
     args = ap.parse_args()
     size = fastload._fastload.parse_size(args.size)
     with tempfile.TemporaryDirectory(prefix="fastload-encryption-bench-") as tmp:
@@ -164,6 +168,17 @@ def main() -> None:
                 ),
                 **s3,
             }
+            if args.save:
+                tensors = fastload.load(plain)
+                out = work / "saved.safetensors"
+                cases["save_file plain"] = (
+                    lambda: fastload.save_file(tensors, out, overwrite=True),
+                    None,
+                )
+                cases["save_file encrypted"] = (
+                    lambda: fastload.save_file(tensors, out, overwrite=True, keyset=keyset),
+                    None,
+                )
             results: dict = {
                 "bytes": plain.stat().st_size,
                 "encrypted_bytes": enc.stat().st_size,

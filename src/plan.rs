@@ -289,6 +289,26 @@ pub fn blocks(start: u64, len: u64, block: u64) -> impl Iterator<Item = (u64, u6
     })
 }
 
+/// [`blocks`] for a source whose reads are best cut on a grid (`Source::grid`: units starting
+/// at offsets `k * unit - shift`): reads of whole units, at most `block` bytes, cut only at grid
+/// points, so that no two reads share a unit; the first and last may be short. A `block` smaller
+/// than a unit (reads must not exceed it: a staging slot) is cut as [`blocks`] cuts.
+pub fn blocks_on(
+    start: u64,
+    len: u64,
+    block: u64,
+    grid: Option<(u64, u64)>,
+) -> impl Iterator<Item = (u64, u64)> {
+    match grid {
+        Some((unit, shift)) if unit > 0 && unit <= block => {
+            let block = block / unit * unit;
+            // Cut points `o` with (o + shift) % block == 0: the same cuts, shifted.
+            blocks(start + shift % block, len, block)
+        }
+        _ => blocks(start, len, block),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -468,5 +488,29 @@ mod tests {
         assert_eq!(b, vec![(0, 2), (2, 4), (6, 4)]);
         let b: Vec<_> = blocks(8, 3, 4).collect();
         assert_eq!(b, vec![(0, 3)]);
+    }
+
+    #[test]
+    fn blocks_on_a_grid_cut_only_between_units() {
+        // Units of 10 from offset 7 on (an encrypted file: segment k ≥ 1 at 10k - 3).
+        let b: Vec<_> = blocks_on(0, 60, 25, Some((10, 3))).collect();
+        assert_eq!(b, vec![(0, 17), (17, 20), (37, 20), (57, 3)]);
+        for (start, len, block) in [
+            (5u64, 200u64, 25u64),
+            (0, 9, 14),
+            (33, 77, 100),
+            (7, 50, 10),
+        ] {
+            let b: Vec<_> = blocks_on(start, len, block, Some((10, 3))).collect();
+            assert_eq!(b.iter().map(|p| p.1).sum::<u64>(), len);
+            assert!(b.iter().all(|p| p.1 <= block));
+            for w in b.windows(2) {
+                let cut = start + w[1].0;
+                assert_eq!((cut + 3) % 10, 0, "{start} {len} {block}: {b:?}");
+            }
+        }
+        assert!(blocks_on(6, 10, 4, None).eq(blocks(6, 10, 4)));
+        // Units larger than the block: never a read above the block.
+        assert!(blocks_on(6, 100, 4, Some((10, 3))).eq(blocks(6, 100, 4)));
     }
 }

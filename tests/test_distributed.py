@@ -73,6 +73,8 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
         memory_limit=sc.get("memory_limit"),
         storage_options=sc.get("storage_options"),
     )
+    if sc.get("keyset"):
+        opts["keyset"] = sc["keyset"]
     out: dict = {"id": sc["id"], "rank": rank, "uri": uri}
     started = time.monotonic()
     patch = mock.patch.object(fastload._fastload, "Stream", _FailingStream)
@@ -224,7 +226,10 @@ def local(tmp_path_factory, dtypes_file, sharded_dir):
     tiny_file = write_many_tiny(root / "tiny.safetensors", count=4000)
     corrupt = root / "corrupt.safetensors"
     corrupt.write_bytes((10**9).to_bytes(8, "little") + b'{"x": garbage')
+    keyset = encrypt_folder(sharded_dir, root / "encrypted")
     return {
+        "encrypted": (str(root / "encrypted"), [str(p) for p in indexed_files(sharded_dir)]),
+        "keyset": keyset,
         "single": (str(dtypes_file), [str(dtypes_file)]),
         "sharded": (str(sharded_dir), [str(p) for p in indexed_files(sharded_dir)]),
         "tiny": (str(tiny_file), [str(tiny_file)]),
@@ -234,7 +239,30 @@ def local(tmp_path_factory, dtypes_file, sharded_dir):
     }
 
 
-PARITY = ["single", "sharded", "tiny", "split", "split-rounds", "stream", "threads"]
+def encrypt_folder(src: Path, dst: Path) -> str:
+    """`src` with each .safetensors file encrypted by the `tink` package (AES128_GCM_HKDF_4KB:
+    many segments per tensor), other files as they are, into `dst`; returns the keyset JSON."""
+    import io
+
+    tink = pytest.importorskip("tink")
+    from tink import cleartext_keyset_handle, streaming_aead
+
+    streaming_aead.register()
+    handle = tink.new_keyset_handle(streaming_aead.streaming_aead_key_templates.AES128_GCM_HKDF_4KB)
+    out = io.StringIO()
+    cleartext_keyset_handle.write(tink.JsonKeysetWriter(out), handle)
+    primitive = handle.primitive(streaming_aead.StreamingAead)
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.suffix != ".safetensors":
+            (dst / p.name).write_bytes(p.read_bytes())
+            continue
+        with (dst / p.name).open("wb") as f, primitive.new_encrypting_stream(f, b"") as w:
+            w.write(p.read_bytes())
+    return out.getvalue()
+
+
+PARITY = ["single", "sharded", "tiny", "split", "split-rounds", "stream", "threads", "encrypted"]
 FAILURES = {"missing": "NotFoundError", "corrupt": "FormatError", "read": "StorageError"}
 
 
@@ -247,6 +275,10 @@ def local_scenarios(ck: dict, world: int) -> list[dict]:
     scenarios.append(
         {**scenarios[1], "id": "threads", "api": "stream", "threads": 4, "memory_limit": "1MiB"}
     )
+    # The sharded checkpoint encrypted (keyset=): each rank decrypts only the segments of its
+    # share, and together they read each plaintext byte once.
+    scenarios.append({**scenarios[1], "id": "encrypted", "uri": ck["encrypted"][0],
+                      "keyset": ck["keyset"], "memory_limit": "1MiB"})  # fmt: skip
     sharded_names = sorted(reference(*ck["sharded"][1]))
     # Rank r wants every world-th tensor from r on, and every rank wants "embed.weight".
     names = {str(r): sorted({*sharded_names[r::world], "embed.weight"}) for r in range(world)}
@@ -333,9 +365,12 @@ def check_parity(results: list[dict], total: int, world: int) -> None:
 @pytest.mark.parametrize("scenario", PARITY)
 def test_every_rank_gets_every_tensor_read_once(group, scenario):
     world, ck, results, _ = group
-    key = {"split-rounds": "split", "stream": "sharded", "threads": "sharded"}.get(
-        scenario, scenario
-    )
+    key = {
+        "split-rounds": "split",
+        "stream": "sharded",
+        "threads": "sharded",
+        "encrypted": "sharded",
+    }.get(scenario, scenario)
     check_parity(results[scenario], tensor_bytes(ck[key][0]), world)
     if scenario == "split-rounds":
         assert results[scenario][0]["stats"]["rounds"] > 1

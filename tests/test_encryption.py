@@ -207,6 +207,50 @@ def test_http_slice_reads_only_its_segments(served, plain_file, big_keyset, encr
         assert b % MIB == 0 and (e % MIB == 0 or e == size), (b, e)
 
 
+def test_http_load_fetches_each_segment_once(served, plain_file, big_keyset, encrypted):
+    """A whole load over HTTP with 2 MiB blocks: the blocks are cut between segments, so no
+    segment is fetched by two reads (counted at the server: the GETs' ranges never overlap, and
+    add up to no more than the file)."""
+    url = served.url("model.safetensors")
+    got = fastload.load(url, keyset=big_keyset[0], block_size="2MiB", concurrency=4)
+    assert_same_tensors(got, helpers.reference(plain_file))
+    gets = sorted(data_gets(served))
+    for (_, e1), (b2, _) in zip(gets, gets[1:]):
+        assert e1 <= b2, gets
+    assert sum(e - b for b, e in gets) <= encrypted.stat().st_size, gets
+
+
+def test_auto_reads_encrypted_local_files_and_says_why(encrypted, plain_file, big_keyset):
+    with fastload.stream(str(encrypted), keyset=big_keyset[0]) as s:
+        got = dict(s)
+        stats = s.stats()
+    assert stats["method"] == "read", stats
+    assert "encrypted" in stats["method_reason"] and str(encrypted) in stats["method_reason"]
+    assert_same_tensors(got, helpers.reference(plain_file))
+
+
+def test_bench_cold_evicts_encrypted_local_files(encrypted, big_keyset, tmp_path):
+    """`fastload bench --cold` of an encrypted local file treats it as the local file it is
+    (evicted before each run), not as an object read over the network."""
+    import os
+    import subprocess
+    import sys
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    env["FASTLOAD_KEYSET"] = str(keyset_file)
+    argv = ["bench", str(encrypted), "--cold", "--repeat", "1", "--compare", "none", "--json"]
+    run = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", *argv], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "evicts local files only" not in run.stderr, run.stderr
+    report = json.loads(run.stdout)
+    assert report["modes"]["cold"]["read_from"] in ("storage", "page cache"), report["modes"]
+    assert big_keyset[0] not in run.stdout + run.stderr
+
+
 def test_http_load_and_cache(served, plain_file, big_keyset, tmp_path):
     """Over HTTP, and through the local cache: the cache keeps the ciphertext, and a second load
     reads it (no GET of the object), decrypting it again."""
@@ -426,3 +470,199 @@ def test_command_line_takes_the_keyset_from_the_environment(encrypted, big_keyse
     assert ok.returncode == 0 and "[1024, 1024]" in ok.stdout, ok.stderr
     refused = subprocess.run(cli, capture_output=True, text=True, env=env)
     assert refused.returncode != 0 and "FASTLOAD_KEYSET" in refused.stderr
+
+
+# Writing encrypted files: save_file / save / copy with keyset=.
+
+aws_env = s3_server.aws_env
+
+
+@pytest.fixture(scope="module")
+def to_save() -> dict[str, torch.Tensor]:
+    """About 10 MB: more than one 8 MiB batch of segments the writer seals at a time, a tensor
+    across many 1 MiB segments, and small tensors of several dtypes."""
+    return {
+        "w": helpers.pattern((2560, 1024), torch.float32, seed=5),
+        "b": helpers.pattern((1000,), torch.bfloat16, seed=6),
+        "ids": helpers.pattern((7, 3), torch.int64, seed=7),
+        "e": helpers.pattern((0, 3), torch.float32),
+    }
+
+
+def test_save_file_with_a_keyset_writes_what_tink_decrypts(to_save, big_keyset, small, tmp_path):
+    """save_file(keyset=...) writes Tink's streaming AEAD of the very bytes safetensors writes
+    (both templates, with and without associated data, an empty file too); fastload reads it back
+    with the keyset, and refuses the wrong key or associated data naming the segment."""
+    want = safetensors.torch.save(to_save)
+    cases = ((big_keyset, b""), (small[:2], b"v1"), (big_keyset, "v2"))
+    for i, ((keyset, primitive), ad) in enumerate(cases):
+        path = tmp_path / f"m{i}.safetensors"
+        fastload.save_file(to_save, path, keyset=keyset, associated_data=ad or None)
+        data = path.read_bytes()
+        assert b"__metadata__" not in data and b'"ids"' not in data
+        ad_bytes = ad.encode() if isinstance(ad, str) else ad
+        assert tink_decrypt(primitive, data, ad_bytes) == want
+        assert_same_tensors(fastload.load(path, keyset=keyset, associated_data=ad or None), to_save)
+    empty = tmp_path / "empty.safetensors"
+    fastload.save_file({}, empty, keyset=big_keyset[0])
+    assert tink_decrypt(big_keyset[1], empty.read_bytes()) == safetensors.torch.save({})
+    # Tink's file of the same plaintext has the same size (the same segmentation).
+    first = tmp_path / "m0.safetensors"
+    assert first.stat().st_size == len(tink_encrypt(big_keyset[1], want))
+    err = failure(lambda: fastload.load(first, keyset=small[0]))
+    assert str(first) in str(err)
+    assert getattr(err, "segment", None) == 0
+    err = failure(lambda: fastload.load(first, keyset=big_keyset[0], associated_data=b"other"))
+    assert getattr(err, "segment", None) == 0
+
+
+def test_writing_with_a_bad_keyset_fails_before_writing_and_hides_it(to_save, tmp_path):
+    """A keyset of another primitive, or associated_data without a keyset: a ConfigError naming
+    the option, nothing written, no key in the message."""
+    handle = tink.new_keyset_handle(aead.aead_key_templates.AES256_GCM)
+    out = io.StringIO()
+    cleartext_keyset_handle.write(tink.JsonKeysetWriter(out), handle)
+    other = out.getvalue()
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.save_file(to_save, path, keyset=other)
+    assert e.value.option == "keyset" and "AesGcmHkdfStreamingKey" in str(e.value)
+    assert_hides(e.value, other)
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.save_file(to_save, path, associated_data=b"x")
+    assert e.value.option == "associated_data"
+    with pytest.raises(fastload.ConfigError):
+        fastload.copy(tmp_path, tmp_path / "out", keyset=other, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_to_s3_encrypts_the_shards_and_leaves_the_index_plain(
+    seaweed, to_save, big_keyset, tmp_path
+):
+    """save(keyset=...) to SeaweedFS, a shard large enough for a multipart upload: each shard is
+    tink's encryption of the shard a plain save writes; the index is the same plain JSON (it
+    names the tensors); the folder loads back with the keyset."""
+    client = seaweed.client()
+    s3_server.upload(client, s3_server.BUCKET, {})
+    prefix = "enc-save/"
+    common = {"max_shard_size": 6 * MIB, "metadata": {"run": "1"}}
+    names = fastload.save(
+        to_save,
+        f"s3://{s3_server.BUCKET}/{prefix}",
+        keyset=big_keyset[0],
+        storage_options=seaweed.storage_options(),
+        part_size="5MiB",
+        **common,
+    )
+    assert names[-1] == "model.safetensors.index.json" and len(names) == 3
+    fastload.save(to_save, tmp_path, **common)
+    for name in names:
+        got = client.get_object(Bucket=s3_server.BUCKET, Key=prefix + name)["Body"].read()
+        plain = (tmp_path / name).read_bytes()
+        if name.endswith(".safetensors"):
+            assert tink_decrypt(big_keyset[1], got) == plain
+        else:
+            assert got == plain and b'"ids"' in got
+    got = fastload.load(
+        f"s3://{s3_server.BUCKET}/{prefix}",
+        keyset=big_keyset[0],
+        storage_options=seaweed.storage_options(),
+    )
+    assert_same_tensors(got, to_save)
+
+
+def test_copy_from_the_hub_to_s3_with_a_keyset_then_load_it(
+    sharded_dir, small, big_keyset, seaweed, aws_env, tmp_path, monkeypatch
+):
+    """copy(hf://..., s3://..., keyset=...): the shards arrive encrypted (tink decrypts them to
+    the Hub's bytes), the index and config as they are; the copy loads with the keyset, and a
+    wrong key fails naming a segment; a rerun skips every file; copying the encrypted folder
+    again with a keyset is refused (no double encryption), without one it is copied as is."""
+    keyset, primitive, _ = small
+    tree = {p.name: p.read_bytes() for p in sharded_dir.iterdir()}
+    tree["config.json"] = b'{"model_type": "llama"}'
+    hub = hub_server.MockHub()
+    try:
+        hub.add("org/plain", tree)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+        monkeypatch.setenv("HF_ENDPOINT", hub.base)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        aws_env(seaweed)
+        client = seaweed.client()
+        s3_server.upload(client, s3_server.BUCKET, {})
+        dst = f"s3://{s3_server.BUCKET}/enc-copy/"
+        out = fastload.copy("hf://org/plain", dst, keyset=keyset, progress=False)
+        assert len(out["copied"]) == len(tree)
+        for name, plain in tree.items():
+            got = client.get_object(Bucket=s3_server.BUCKET, Key="enc-copy/" + name)["Body"].read()
+            if name.endswith(".safetensors"):
+                assert got != plain and tink_decrypt(primitive, got) == plain
+            else:
+                assert got == plain
+        want = helpers.reference(*helpers.indexed_files(sharded_dir))
+        assert_same_tensors(fastload.load(dst, keyset=keyset), want)
+        err = failure(lambda: fastload.load(dst, keyset=big_keyset[0]))
+        assert getattr(err, "segment", None) == 0 and "enc-copy/" in str(err)
+        again = fastload.copy("hf://org/plain", dst, keyset=keyset, progress=False)
+        assert again["copied"] == [] and len(again["skipped"]) == len(tree)
+    finally:
+        hub.close()
+    with pytest.raises(fastload.ConfigError, match="already"):
+        fastload.copy(dst, tmp_path / "twice", keyset=keyset, progress=False)
+    fastload.copy(dst, tmp_path / "as-is", progress=False)
+    assert_same_tensors(fastload.load(tmp_path / "as-is", keyset=keyset), want)
+
+
+def test_command_line_copy_encrypts_with_the_environment_keyset(sharded_dir, small, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    keyset, primitive, _ = small
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(keyset)
+    cli = [sys.executable, "-m", "fastload._cli", "copy", str(sharded_dir), str(tmp_path / "o")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    refused = subprocess.run([*cli, "--encrypt"], capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "FASTLOAD_KEYSET" in refused.stderr
+    assert not (tmp_path / "o").exists()
+    ok = subprocess.run(
+        [*cli, "--encrypt"],
+        capture_output=True,
+        text=True,
+        env={**env, "FASTLOAD_KEYSET": str(keyset_file)},
+    )
+    assert ok.returncode == 0, ok.stderr
+    for p in sharded_dir.iterdir():
+        got = (tmp_path / "o" / p.name).read_bytes()
+        if p.suffix == ".safetensors":
+            assert tink_decrypt(primitive, got) == p.read_bytes()
+        else:
+            assert got == p.read_bytes()
+
+
+def test_transformers_from_pretrained_with_load_options_keyset(small, tmp_path):
+    """A sharded transformers checkpoint whose shards tink encrypted (index and configs plain):
+    fastload.transformers.from_pretrained(..., load_options={"keyset": ...}) builds the same model
+    as transformers from the plain folder; without the keyset it fails asking for one."""
+    pytest.importorskip("transformers")
+    import fastload.transformers
+    from hf_models import assert_same_state, write_llama
+    from transformers import LlamaForCausalLM
+
+    keyset, primitive, _ = small
+    plain = write_llama(tmp_path / "plain", max_shard_size="20KB")
+    enc = tmp_path / "enc"
+    enc.mkdir()
+    for p in plain.iterdir():
+        data = p.read_bytes()
+        (enc / p.name).write_bytes(
+            tink_encrypt(primitive, data) if p.suffix == ".safetensors" else data
+        )
+    assert len(list(enc.glob("*.safetensors"))) > 2
+    got = fastload.transformers.from_pretrained(
+        LlamaForCausalLM, enc, load_options={"keyset": keyset}
+    )
+    assert_same_state(got, LlamaForCausalLM.from_pretrained(plain))
+    err = failure(lambda: fastload.transformers.from_pretrained(LlamaForCausalLM, enc))
+    assert "keyset" in str(err)

@@ -63,6 +63,8 @@ def copy(
     part_size: int | str | None = None,
     process_group: Any = None,
     progress: bool = True,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> dict[str, Any]:
     """Copies ``src`` to ``dst`` (the same as ``fastload copy SRC DST``).
 
@@ -83,6 +85,12 @@ def copy(
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``storage_options``
     configure both stores. In a group each rank copies its share of the files; the call returns
     on every rank once all ranks finished (an error on any rank is raised on every rank).
+
+    With ``keyset`` (a Tink cleartext JSON keyset or its path) every ``.safetensors`` file is
+    encrypted on its way with the keyset's primary key and ``associated_data``, as
+    :func:`save_file` encrypts; other files (the index, configs) are copied as they are. A source
+    file that is already Tink-encrypted is refused (copy it without ``keyset`` to keep it
+    encrypted as it is). Without ``keyset`` bytes are copied as they are, encrypted or not.
 
     Returns this rank's ``{"copied": [...], "skipped": [...], "bytes": n}``."""
     if not isinstance(overwrite, bool):
@@ -114,6 +122,8 @@ def copy(
             rank=rank,
             world=world,
             progress=bool(progress),
+            keyset=keyset,
+            associated_data=associated_data,
         )
     except Exception as e:
         if group is None:

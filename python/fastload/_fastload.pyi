@@ -349,6 +349,8 @@ class FileWriter:
         storage_options: Mapping[str, object] | None = None,
         memory_limit: int | str | None = None,
         part_size: int | None = None,
+        keyset: str | os.PathLike[str] | None = None,
+        associated_data: bytes | str | None = None,
     ) -> FileWriter: ...
     @property
     def order(self) -> list[int]:
@@ -382,6 +384,8 @@ def copy(
     rank: int = 0,
     world: int = 1,
     progress: bool = True,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> dict[str, Any]: ...
 def resolve_options(
     uris: list[str] = ...,

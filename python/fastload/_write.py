@@ -190,6 +190,8 @@ def save_file(
     storage_options: Mapping[str, object] | None = None,
     memory_limit: int | str | None = None,
     part_size: int | str | None = None,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> None:
     """Writes ``tensors`` as one safetensors file at ``uri`` (a path, ``file://``, ``s3://``,
     ``gs://`` or ``az://``): the same bytes ``safetensors.torch.save_file`` writes.
@@ -200,7 +202,13 @@ def save_file(
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``memory_limit`` bounds
     the bytes of upload parts in flight, ``part_size`` the bytes per part (16 MiB by default, at
     least 5 MiB, raised to keep a file within 9,000 parts). CPU tensors are written from their
-    own memory; tensors on a GPU are copied to the host one at a time."""
+    own memory; tensors on a GPU are copied to the host one at a time.
+
+    With ``keyset`` (a Tink cleartext JSON keyset, or the path of a file holding it) the file is
+    encrypted whole with the keyset's primary key, as Tink's streaming AEAD encrypts
+    (``AesGcmHkdfStreaming``), with ``associated_data`` (empty by default): Tink decrypts it, and
+    ``fastload.load(..., keyset=...)`` reads it. ``FASTLOAD_KEYSET`` never makes a write
+    encrypted. See docs/encryption.md."""
     checked = check_tensors(tensors)
     if not isinstance(overwrite, bool):
         raise ConfigError(
@@ -216,6 +224,8 @@ def save_file(
         storage_options=storage_options,
         memory_limit=memory_limit,
         part_size=_part_size(part_size),
+        keyset=keyset,
+        associated_data=associated_data,
     )
     try:
         for i in writer.order:
@@ -341,13 +351,17 @@ def save(
     storage_options: Mapping[str, object] | None = None,
     memory_limit: int | str | None = None,
     part_size: int | str | None = None,
+    keyset: str | os.PathLike[str] | None = None,
+    associated_data: bytes | str | None = None,
 ) -> list[str]:
     """Writes ``state_dict`` into the folder (or prefix) ``uri`` as transformers'
     ``save_pretrained`` does: ``model.safetensors`` when it fits in one shard, else
     ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``, written after
     every shard is complete. Tied weights (tensors that are the same memory) are written once,
     under their first name. Each file carries ``{"format": "pt"}`` and ``metadata`` in its
-    header. Returns the names of the files written, the index last."""
+    header. With ``keyset`` every shard is encrypted as :func:`save_file` encrypts; the index
+    stays in the clear (loaders read it so): it lists the tensor names, not their shapes or
+    bytes. Returns the names of the files written, the index last."""
     folder = _destination(uri)
     tensors = _drop_tied(check_tensors_for_save(state_dict))
     limit = _shard_size(max_shard_size)
@@ -374,6 +388,8 @@ def save(
             storage_options=storage_options,
             memory_limit=memory_limit,
             part_size=part_size,
+            keyset=keyset,
+            associated_data=associated_data,
         )
     if len(shards) == 1:
         _remove_stale(folder, earlier, names, storage_options)

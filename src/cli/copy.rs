@@ -9,7 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{decimal_bytes, plural, CliResult};
-use crate::options::Size;
+use crate::options::{Size, ENV_KEYSET};
 use crate::write::copy::{self, CopyOptions, Event};
 use crate::write::WriteOptions;
 
@@ -42,6 +42,11 @@ pub(super) struct CopyArgs {
     /// Bytes per upload part (object stores) [default: 16MiB]
     #[arg(long, value_name = "SIZE")]
     part_size: Option<Size>,
+    /// Encrypt every .safetensors file with the primary key of the Tink keyset in
+    /// FASTLOAD_KEYSET (its JSON or a path), as Tink's streaming AEAD with empty associated data;
+    /// other files are copied as they are
+    #[arg(long)]
+    encrypt: bool,
     /// A storage option KEY=VALUE for both stores (as storage_options= in Python), repeatable
     #[arg(long = "option", value_name = "KEY=VALUE")]
     options: Vec<String>,
@@ -55,6 +60,25 @@ pub(super) fn run(args: CopyArgs) -> CliResult {
             .ok_or_else(|| crate::Error::option("option", format!("{pair:?} is not KEY=VALUE")))?;
         storage_options.push((k.trim().to_string(), v.to_string()));
     }
+    let encryption = if args.encrypt {
+        let keyset = std::env::var(ENV_KEYSET).unwrap_or_default();
+        if keyset.trim().is_empty() {
+            return Err(crate::Error::option(
+                "encrypt",
+                format!("--encrypt takes the keyset from {ENV_KEYSET}, which is not set"),
+            )
+            .into());
+        }
+        let keyset = zeroize::Zeroizing::new(keyset);
+        if keyset.trim_start().starts_with('{') {
+            crate::error::remember_secret(&keyset);
+        }
+        Some(crate::source::tink::Encryption::new(
+            &keyset, None, ENV_KEYSET,
+        )?)
+    } else {
+        None
+    };
     let bar = progress();
     let options = CopyOptions {
         write: WriteOptions {
@@ -63,6 +87,7 @@ pub(super) fn run(args: CopyArgs) -> CliResult {
             memory_limit: args.memory_limit.map(|s| s.0),
             part_size: args.part_size.map(|s| s.0),
             metadata: Vec::new(),
+            encryption,
         },
         concurrency: args.concurrency.unwrap_or(copy::DEFAULT_CONCURRENCY),
         block_size: args.block_size.map_or(copy::DEFAULT_BLOCK_SIZE, |s| s.0),

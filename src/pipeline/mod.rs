@@ -250,6 +250,11 @@ fn plan_shards(
 }
 
 /// Permits are KiB so that a u32 acquire covers any segment.
+/// The grid the reads of `seg` are cut on (its file's source: an encrypted file's segments).
+fn grid(plan: &Plan, seg: &plan::Segment) -> Option<(u64, u64)> {
+    plan.shards[seg.shard].source.grid()
+}
+
 fn kib(bytes: u64) -> u32 {
     bytes.div_ceil(1024).min(u32::MAX as u64) as u32
 }
@@ -420,8 +425,13 @@ impl Driver {
                 job.publish();
                 continue;
             }
-            let blocks: Vec<(u64, u64)> =
-                plan::blocks(seg.start, seg.len, self.opts.block_size).collect();
+            let blocks: Vec<(u64, u64)> = plan::blocks_on(
+                seg.start,
+                seg.len,
+                self.opts.block_size,
+                grid(&self.plan, seg),
+            )
+            .collect();
             let job = Arc::new(SegmentJob {
                 plan: self.plan.clone(),
                 index,
@@ -501,9 +511,20 @@ fn publish_cached(plan: &Plan, feed: &Feed) -> usize {
 /// mapping page-cache pages costs no copy and no zeroing of fresh memory, and the benchmark
 /// (benches/run.py) shows it ahead cold and warm. Everything else is read in blocks into pooled
 /// buffers: objects cannot be mapped, and on network and FUSE filesystems a page fault is a small
-/// synchronous round trip (see `source::fs`).
+/// synchronous round trip (see `source::fs`). Encrypted files are read too: their bytes are
+/// decrypted, never mapped.
 fn auto_method(plan: &Plan) -> (Method, String) {
     for shard in &plan.shards {
+        if shard.source.grid().is_some() {
+            return (
+                Method::Read,
+                format!(
+                    "{} is encrypted: read in blocks of whole segments and decrypted (it \
+                     cannot be mapped)",
+                    shard.name
+                ),
+            );
+        }
         let Some(path) = shard.source.local_path() else {
             return (
                 Method::Read,

@@ -203,7 +203,8 @@ async fn drive(
         if shared.feed.cancelled() {
             return;
         }
-        let blocks: Vec<(u64, u64)> = plan::blocks(seg.start, seg.len, block).collect();
+        let grid = super::grid(&plan, seg);
+        let blocks: Vec<(u64, u64)> = plan::blocks_on(seg.start, seg.len, block, grid).collect();
         let job = Arc::new(Job {
             index,
             remaining: AtomicUsize::new(blocks.len().max(1)),

@@ -14,7 +14,7 @@ use crate::write::WriteOptions;
 #[pyfunction]
 #[pyo3(signature = (src, dst, *, overwrite=false, storage_options=None, verify=true,
                     concurrency=None, block_size=None, memory_limit=None, part_size=None,
-                    rank=0, world=1, progress=true))]
+                    rank=0, world=1, progress=true, keyset=None, associated_data=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn copy<'py>(
     py: Python<'py>,
@@ -30,6 +30,8 @@ pub fn copy<'py>(
     rank: usize,
     world: usize,
     progress: bool,
+    keyset: Option<super::tink::KeysetArg>,
+    associated_data: Option<super::tink::AssociatedDataArg>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = CopyOptions {
         write: WriteOptions {
@@ -38,6 +40,7 @@ pub fn copy<'py>(
             memory_limit: memory_limit.map(|m| m.0),
             part_size,
             metadata: Vec::new(),
+            encryption: super::write::encryption(keyset, associated_data)?,
         },
         concurrency: concurrency.unwrap_or(core::DEFAULT_CONCURRENCY),
         block_size: block_size.unwrap_or(core::DEFAULT_BLOCK_SIZE),

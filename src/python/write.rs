@@ -9,6 +9,7 @@ use bytes::Bytes;
 use pyo3::prelude::*;
 
 use super::args::{Bytes as ByteCount, MemoryLimit, StorageOptions};
+use super::tink::{AssociatedDataArg, KeysetArg};
 use super::wait::off_thread;
 use crate::format::Dtype;
 use crate::write::{FileWriter as Writer, TensorSpec, WriteOptions};
@@ -87,6 +88,28 @@ fn options(
         memory_limit: memory_limit.map(|m| m.0),
         part_size,
         metadata: Vec::new(),
+        encryption: None,
+    }
+}
+
+/// The encryption `keyset=` and `associated_data=` ask for (none without a keyset; the
+/// environment's `FASTLOAD_KEYSET` is for reading and never makes a write encrypted).
+pub(crate) fn encryption(
+    keyset: Option<KeysetArg>,
+    associated_data: Option<AssociatedDataArg>,
+) -> crate::Result<Option<crate::source::tink::Encryption>> {
+    match (keyset, associated_data) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => Err(Error::option(
+            "associated_data",
+            "given without keyset= (nothing is encrypted)",
+        )),
+        (Some(k), ad) => crate::source::tink::Encryption::new(
+            &k.0 .0,
+            ad.as_ref().map(|a| a.0 .0.as_slice()),
+            "keyset",
+        )
+        .map(Some),
     }
 }
 
@@ -127,7 +150,7 @@ impl FileWriter {
     /// `tensors`: `(name, dtype, shape)` with safetensors dtype names ("F32", "BF16", ...).
     #[new]
     #[pyo3(signature = (uri, tensors, metadata=None, *, overwrite=false, storage_options=None,
-                        memory_limit=None, part_size=None))]
+                        memory_limit=None, part_size=None, keyset=None, associated_data=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -138,6 +161,8 @@ impl FileWriter {
         storage_options: Option<StorageOptions>,
         memory_limit: Option<ByteCount<MemoryLimit>>,
         part_size: Option<u64>,
+        keyset: Option<KeysetArg>,
+        associated_data: Option<AssociatedDataArg>,
     ) -> PyResult<Self> {
         let mut specs = Vec::with_capacity(tensors.len());
         for (name, dtype, shape) in tensors {
@@ -149,7 +174,8 @@ impl FileWriter {
             })?;
             specs.push(TensorSpec { name, dtype, shape });
         }
-        let opts = options(overwrite, storage_options, memory_limit, part_size);
+        let mut opts = options(overwrite, storage_options, memory_limit, part_size);
+        opts.encryption = encryption(keyset, associated_data)?;
         let shown = crate::source::object::redact_uri(&uri);
         let writer = off_thread(py, "save_file", move || {
             Writer::create(&uri, &specs, metadata.as_deref(), &opts)

@@ -72,6 +72,14 @@ pub trait Source: Send + Sync + fmt::Debug {
         false
     }
 
+    /// Where reads of this source are best cut: `Some((unit, shift))` when its bytes come in
+    /// units that are fetched and checked whole (an encrypted file's segments, starting at
+    /// offsets `k * unit - shift`), so that two reads cut inside one unit would each fetch it.
+    /// `None`: anywhere ([`crate::plan::blocks_on`] cuts on this grid).
+    fn grid(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// A private mapping of `len` bytes at `offset`, whose pages are faulted in later with
     /// `HostBuffer::populate`; `None` when this source cannot be mapped (then it is read).
     fn map(&self, _offset: u64, _len: usize) -> Option<Result<HostBuffer>> {

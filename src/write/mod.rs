@@ -17,10 +17,12 @@ use object_store::ObjectStoreExt;
 use crate::error::{Error, Result};
 
 pub mod copy;
+mod encrypt;
 mod header;
 mod local;
 mod object;
 
+pub use encrypt::EncryptingSink;
 pub use header::{layout, Layout, LayoutError, TensorSpec};
 pub use local::LocalFile;
 pub use object::ObjectUpload;
@@ -40,6 +42,9 @@ pub struct WriteOptions {
     /// User metadata stored with an object (`x-amz-meta-<key>` on S3, custom metadata on GCS and
     /// Azure): a copy records who its source was, so that a rerun can skip it.
     pub metadata: Vec<(String, String)>,
+    /// Encrypt the file as Tink's streaming AEAD with this keyset's primary key (`None`: write
+    /// the bytes as they are). What [`write_all`] writes (an index, a config) is never encrypted.
+    pub encryption: Option<crate::source::tink::Encryption>,
 }
 
 /// Upload parts in flight at most, whatever the memory limit.
@@ -57,13 +62,24 @@ pub const MIN_PART_SIZE: u64 = 5 << 20;
 pub enum Sink {
     Local(LocalFile),
     Object(Box<ObjectUpload>),
+    /// The bytes encrypted on their way to a local file or an object.
+    Encrypted(Box<EncryptingSink>),
 }
 
 impl Sink {
     /// Opens `uri` (a path, `file://`, `s3://`, `gs://`, `az://`) for a file of `len` bytes.
     /// Nothing is visible at `uri` until [`Sink::finish`]; with `overwrite` false an existing
-    /// destination is refused now (and again when the file is published).
+    /// destination is refused now (and again when the file is published). With
+    /// `options.encryption`, `len` is the plaintext's length; the file holds its ciphertext.
     pub fn create(uri: &str, len: u64, options: &WriteOptions) -> Result<Sink> {
+        if let Some(encryption) = &options.encryption {
+            let plain = WriteOptions {
+                encryption: None,
+                ..options.clone()
+            };
+            return EncryptingSink::create(len, encryption, |n| Sink::create(uri, n, &plain))
+                .map(|e| Sink::Encrypted(Box::new(e)));
+        }
         if crate::source::open::is_remote(uri) {
             if uri.starts_with("http://") || uri.starts_with("https://") {
                 return Err(Error::UnsupportedUri {
@@ -84,6 +100,16 @@ impl Sink {
         match self {
             Sink::Local(f) => f.shown(),
             Sink::Object(o) => o.uri(),
+            Sink::Encrypted(e) => e.uri(),
+        }
+    }
+
+    /// Whether the destination is a local file.
+    pub fn is_local(&self) -> bool {
+        match self {
+            Sink::Local(_) => true,
+            Sink::Object(_) => false,
+            Sink::Encrypted(e) => e.is_local(),
         }
     }
 
@@ -92,6 +118,7 @@ impl Sink {
         match self {
             Sink::Local(f) => f.write(&data),
             Sink::Object(o) => o.write(data),
+            Sink::Encrypted(e) => e.write(&data),
         }
     }
 
@@ -101,6 +128,7 @@ impl Sink {
         match self {
             Sink::Local(f) => f.finish(),
             Sink::Object(o) => o.finish(),
+            Sink::Encrypted(e) => e.finish(),
         }
     }
 
@@ -109,13 +137,18 @@ impl Sink {
         match self {
             Sink::Local(f) => f.abort(),
             Sink::Object(o) => o.abort(),
+            Sink::Encrypted(e) => e.abort(),
         }
     }
 }
 
 /// Writes `data` to `uri` whole, as [`Sink`] does (an index file, a config).
 pub fn write_all(uri: &str, data: Bytes, options: &WriteOptions) -> Result<()> {
-    let mut sink = Sink::create(uri, data.len() as u64, options)?;
+    let options = WriteOptions {
+        encryption: None,
+        ..options.clone()
+    };
+    let mut sink = Sink::create(uri, data.len() as u64, &options)?;
     sink.write(data)?;
     sink.finish()
 }

@@ -57,6 +57,8 @@ impl fmt::Debug for StreamingKey {
 /// Tink tries them when decrypting.
 pub struct Keyset {
     pub keys: Vec<StreamingKey>,
+    /// The keyset's primary key id: the key Tink encrypts with.
+    pub primary_key_id: Option<u32>,
 }
 
 impl fmt::Debug for Keyset {
@@ -153,7 +155,24 @@ impl Keyset {
                 keys.insert(0, k);
             }
         }
-        Ok(Keyset { keys })
+        Ok(Keyset {
+            keys,
+            primary_key_id: parsed.primary_key_id,
+        })
+    }
+
+    /// The key that encrypts, as Tink picks it: the primary, which must be an enabled
+    /// `AesGcmHkdfStreamingKey`. Errors say why without quoting the keyset.
+    pub fn primary(&self) -> Result<&StreamingKey, String> {
+        let Some(id) = self.primary_key_id else {
+            return Err("the keyset names no primary key (primaryKeyId), which encrypts".into());
+        };
+        match self.keys.first() {
+            Some(k) if k.key_id == id => Ok(k),
+            _ => Err(format!(
+                "its primary key {id} is not an enabled AesGcmHkdfStreamingKey: it cannot encrypt"
+            )),
+        }
     }
 
     /// The JSON keyset itself (text starting with `{`) or the path of a file holding it.

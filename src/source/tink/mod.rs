@@ -89,6 +89,49 @@ impl Decryption {
     }
 }
 
+/// How a writer encrypts: the keyset's primary key (an `AesGcmHkdfStreamingKey`) and the
+/// associated data, as Tink's streaming AEAD encrypts (see `crate::write`). `Debug` shows the
+/// key id only.
+#[derive(Clone)]
+pub struct Encryption {
+    keyset: Arc<Keyset>,
+    associated_data: Arc<Zeroizing<Vec<u8>>>,
+}
+
+impl std::fmt::Debug for Encryption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let id = self.keyset.keys.first().map(|k| k.key_id);
+        write!(f, "Encryption {{ key_id: {id:?} }}")
+    }
+}
+
+impl Encryption {
+    /// The encryption with `keyset` (the JSON or the path of a file holding it) and
+    /// `associated_data` (`None`: empty); errors name `option` (where the keyset came from).
+    pub fn new(keyset: &str, associated_data: Option<&[u8]>, option: &str) -> Result<Encryption> {
+        let keyset = Keyset::from_spec(keyset).map_err(|e| Error::option(option, e))?;
+        keyset.primary().map_err(|e| Error::option(option, e))?;
+        Ok(Encryption {
+            keyset: Arc::new(keyset),
+            associated_data: Arc::new(Zeroizing::new(associated_data.unwrap_or_default().to_vec())),
+        })
+    }
+
+    /// The key files are encrypted with (the primary).
+    pub fn key(&self) -> &keyset::StreamingKey {
+        &self.keyset.keys[0]
+    }
+
+    pub fn associated_data(&self) -> &[u8] {
+        &self.associated_data
+    }
+
+    /// The layout of the encryption of a `plain_size`-byte file.
+    pub fn geometry(&self, plain_size: u64) -> segment::Geometry {
+        segment::Geometry::for_plaintext(&self.key().params, plain_size)
+    }
+}
+
 impl Decryption {
     /// Opens `source` and reads its header, as plaintext when a keyset is given. Without one, a
     /// file whose header is not safetensors but looks like Tink's fails saying so (and to pass

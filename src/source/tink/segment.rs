@@ -90,6 +90,31 @@ impl Geometry {
         begin..((i + 1) * p - self.header_len).min(self.plain_size)
     }
 
+    /// The ciphertext size of a `plain_size`-byte plaintext, as Tink's encrypting stream writes
+    /// it: the first segment holds `segment_size - TAG - header` bytes, the others
+    /// `segment_size - TAG`, the last one what remains (an empty plaintext: one empty segment).
+    pub fn for_plaintext(params: &Params, plain_size: u64) -> Geometry {
+        let c = params.segment_size;
+        let h = header_len(params.derived_key_size) as u64;
+        let p = c - TAG as u64;
+        let segments = if plain_size <= p - h {
+            1
+        } else {
+            1 + (plain_size - (p - h)).div_ceil(p)
+        };
+        Geometry {
+            segment_size: c,
+            header_len: h,
+            segments,
+            plain_size,
+        }
+    }
+
+    /// The whole ciphertext's size.
+    pub fn ciphertext_size(&self) -> u64 {
+        self.header_len + self.plain_size + self.segments * TAG as u64
+    }
+
     /// The segments holding plaintext bytes `offset..offset + len` (`len` > 0).
     pub fn segments_for(&self, offset: u64, len: u64) -> std::ops::RangeInclusive<u64> {
         let p = self.plain_segment();
@@ -193,6 +218,19 @@ impl SegmentKey {
             .seal_in_place_separate_tag(self.nonce(index, last), Aad::empty(), segment)
             .expect("AES-GCM seals any segment of a u32-numbered stream");
         segment.extend_from_slice(tag.as_ref());
+    }
+}
+
+impl SegmentKey {
+    /// Encrypts segment `index` in place: `segment` is its plaintext followed by [`TAG`] bytes,
+    /// which receive the tag.
+    pub fn seal_into(&self, index: u64, last: bool, segment: &mut [u8]) {
+        let (plain, tag_out) = segment.split_at_mut(segment.len() - TAG);
+        let tag = self
+            .key
+            .seal_in_place_separate_tag(self.nonce(index, last), Aad::empty(), plain)
+            .expect("AES-GCM seals any segment of a u32-numbered stream");
+        tag_out.copy_from_slice(tag.as_ref());
     }
 }
 
@@ -333,6 +371,12 @@ mod tests {
                 );
                 assert!(decrypt_checked(&k, b"other", &ct).is_err());
                 let g = Geometry::new(&k.params, ct.len() as u64).unwrap();
+                assert_eq!(
+                    Geometry::for_plaintext(&k.params, len as u64),
+                    g,
+                    "len={len}"
+                );
+                assert_eq!(g.ciphertext_size(), ct.len() as u64);
                 if len > 0 {
                     for (o, n) in [(0, len), (len - 1, 1), (len / 2, len - len / 2)] {
                         let segs = g.segments_for(o as u64, n as u64);

@@ -318,6 +318,18 @@ impl Source for DecryptingSource {
     fn reads_block(&self) -> bool {
         self.inner.reads_block()
     }
+
+    /// The encrypted file's path: `fastload bench --cold` evicts it from the page cache. (It is
+    /// never mapped: `map` stays `None`, its bytes are decrypted.)
+    fn local_path(&self) -> Option<&std::path::Path> {
+        self.inner.local_path()
+    }
+
+    /// Segment `k` (k ≥ 1) holds plaintext from `k * (segment_size - TAG) - header_len`.
+    fn grid(&self) -> Option<(u64, u64)> {
+        let unit = self.geometry.segment_size - super::segment::TAG as u64;
+        Some((unit, self.geometry.header_len))
+    }
 }
 
 #[cfg(test)]
@@ -339,6 +351,7 @@ mod tests {
                 },
                 key_value: Zeroizing::new(vec![byte; 16]),
             }],
+            primary_key_id: Some(7),
         }
     }
 

@@ -27,6 +27,7 @@ use crate::source::cache::verify::VerifyingSource;
 use crate::source::Source;
 
 mod done;
+mod encrypted;
 mod list;
 
 pub use done::{Existing, ID_KEY};
@@ -138,7 +139,8 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
     for i in mine {
         let (item, to) = &targets[i];
         let size = item.source.size();
-        match done::existing(to, item, &options.write)? {
+        let (check, write) = encrypted::target(item, &options.write)?;
+        match done::existing(to, &check, &write)? {
             Existing::Done => {
                 emit(Event::Done {
                     dst: to.clone(),
@@ -153,7 +155,7 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
             }
             _ => {}
         }
-        copy_file(item, to, options, &emit)?;
+        copy_file(item, check.id.as_deref(), to, &write, options, &emit)?;
         emit(Event::Done {
             dst: to.clone(),
             bytes: size,
@@ -214,25 +216,33 @@ fn share(targets: &[(Item, String)], rank: usize, world: usize) -> Vec<usize> {
     mine
 }
 
-/// One file: its blocks read in parallel, written in order; the sink aborted on any failure.
-fn copy_file(item: &Item, to: &str, options: &CopyOptions, emit: &dyn Fn(Event)) -> Result<()> {
+/// One file: its blocks read in parallel, written in order with `write`, `id` recorded with it;
+/// the sink aborted on any failure.
+fn copy_file(
+    item: &Item,
+    id: Option<&str>,
+    to: &str,
+    write: &WriteOptions,
+    options: &CopyOptions,
+    emit: &dyn Fn(Event),
+) -> Result<()> {
     let source: Arc<dyn Source> = match (&item.digest, options.verify) {
         (Some(digest), true) => Arc::new(VerifyingSource::new(item.source.clone(), digest)),
         _ => item.source.clone(),
     };
-    let mut write = options.write.clone();
-    if let Some(id) = &item.id {
-        write.metadata.push((ID_KEY.to_string(), id.clone()));
+    let mut write = write.clone();
+    if let Some(id) = id {
+        write.metadata.push((ID_KEY.to_string(), id.to_string()));
     }
     let mut sink = Sink::create(to, source.size(), &write)?;
     if let Err(e) = pump(&source, &mut sink, options, emit) {
         let _ = sink.abort();
         return Err(e);
     }
-    let local = matches!(sink, Sink::Local(_));
+    let local = sink.is_local();
     sink.finish()?;
     if local {
-        if let Some(id) = &item.id {
+        if let Some(id) = id {
             done::mark_local(to, id);
         }
     }
