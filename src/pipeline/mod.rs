@@ -20,6 +20,7 @@
 //! memory (a GPU's), allocated when a segment's first block lands. Taking the budget in plan order
 //! keeps it deadlock-free: every segment holding some was fully started before the next asks.
 
+pub mod save;
 mod staged;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
