@@ -245,7 +245,7 @@ mod tests {
         assert_eq!(block_size(1 << 20), 256 << 10);
         assert_eq!(block_size(256 << 20), MAX_BLOCK);
         assert_eq!(block_size(100), PAGE);
-        assert_eq!(block_size((1 << 20) + 5000), 257 << 10);
+        assert_eq!(block_size((2 << 20) + (16 << 10)), 516 << 10);
     }
 
     #[test]
