@@ -89,7 +89,8 @@ cpu = {{
     "e.empty": torch.zeros(0, 4, dtype=torch.float16),
     "f.u8": torch.randint(0, 255, (600_001,), dtype=torch.uint8, generator=g),
 }}
-where = {{"a.f32": 0, "b.bf16": devices - 1, "d.i64": 0, "e.empty": devices - 1, "f.u8": devices - 1}}
+last = devices - 1
+where = {{"a.f32": 0, "b.bf16": last, "d.i64": 0, "e.empty": last, "f.u8": last}}
 tensors = {{n: on_device(t, where[n]) if n in where else t for n, t in cpu.items()}}
 assert tensors["a.f32"].device.type == "cuda" and type(tensors["c.cpu"]) is torch.Tensor
 
@@ -125,7 +126,9 @@ def test_gpu_tensors_are_copied_out_in_page_locked_blocks(fake_cuda, tmp_path, d
     limit = 1 << 20
     out, counters = _save(fake_cuda, tmp_path, limit, devices)
     # The bytes safetensors writes for the CPU copies: the copies waited for the producer.
-    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert (tmp_path / "ours.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
     # Each GPU tensor in blocks of a quarter of memory_limit, asynchronously; never a
     # synchronous copy (torch's .to("cpu") on the simulator would be one, and the tensors refuse
     # .to/.cpu anyway).
