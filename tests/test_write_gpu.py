@@ -13,6 +13,10 @@ from __future__ import annotations
 import cuda_sim
 import pytest
 from helpers import run_probe
+from servers import s3 as s3_server
+from servers.s3 import BUCKET
+
+aws_env = s3_server.aws_env
 
 # Late work: a producer copy of a few MiB lands well after save_file starts reading.
 SLOW = {"FAKE_CUDA_LAG_US": "20000", "FAKE_CUDA_COPY_RATE": str(16 << 20)}
@@ -25,6 +29,7 @@ from fastload import _write
 from safetensors.torch import save_file as reference_save
 
 out, limit, devices, no_order = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+dest, part_size = sys.argv[5], int(sys.argv[6]) or None
 cu = Driver()
 cu.init()
 contexts = [cu.context(k) for k in range(devices)]
@@ -89,14 +94,16 @@ cpu = {{
     "e.empty": torch.zeros(0, 4, dtype=torch.float16),
     "f.u8": torch.randint(0, 255, (600_001,), dtype=torch.uint8, generator=g),
 }}
+if part_size:  # a file of several upload parts
+    cpu["g.big"] = torch.randn(3 * part_size // 2 // 4, generator=g)
 last = devices - 1
-where = {{"a.f32": 0, "b.bf16": last, "d.i64": 0, "e.empty": last, "f.u8": last}}
+where = {{"a.f32": 0, "b.bf16": last, "d.i64": 0, "e.empty": last, "f.u8": last, "g.big": 0}}
 tensors = {{n: on_device(t, where[n]) if n in where else t for n, t in cpu.items()}}
 assert tensors["a.f32"].device.type == "cuda" and type(tensors["c.cpu"]) is torch.Tensor
 
 _write._cuda_stream = (lambda device: None) if no_order else (lambda device: streams[device.index])
 before = calls()
-fastload.save_file(tensors, out + "/ours.safetensors", {{"k": "v"}}, memory_limit=limit)
+fastload.save_file(tensors, dest, {{"k": "v"}}, memory_limit=limit, part_size=part_size)
 after = calls()
 reference_save(cpu, out + "/ref.safetensors", {{"k": "v"}})
 dtoh = after.get("cuMemcpyDtoHAsync", 0) - before.get("cuMemcpyDtoHAsync", 0)
@@ -113,11 +120,13 @@ emit(
 """
 
 
-def _save(fake_cuda, tmp_path, limit, devices=1, no_order=False):
+def _save(fake_cuda, tmp_path, limit, devices=1, no_order=False, dest=None, part_size=0):
     log = tmp_path / "log"
     env = cuda_sim.env(fake_cuda, log, devices=devices, **SLOW)
     code = SAVE.format(helpers=cuda_sim.__file__)
-    out = run_probe(code, tmp_path, limit, devices, int(no_order), env=env, timeout=120)
+    dest = dest or str(tmp_path / "ours.safetensors")
+    args = (tmp_path, limit, devices, int(no_order), dest, part_size)
+    out = run_probe(code, *args, env=env, timeout=120)
     return out, cuda_sim.log(log)
 
 
@@ -149,3 +158,26 @@ def test_copies_wait_for_the_callers_stream(fake_cuda, tmp_path):
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours != (tmp_path / "ref.safetensors").read_bytes()
     assert b"\xee" * 4096 in ours
+
+
+def test_gpu_tensors_upload_to_s3_in_parts_within_the_limit(fake_cuda, tmp_path, seaweed, aws_env):
+    # An object store holds each block until its part is uploaded, and a part being filled until
+    # more blocks complete it: the page-locked budget is raised to one part and two blocks.
+    aws_env(seaweed)
+    client = seaweed.client()
+    try:
+        client.create_bucket(Bucket=BUCKET)
+    except Exception as e:  # BucketAlreadyOwnedByYou and friends
+        if "Bucket" not in type(e).__name__:
+            raise
+    part, limit = 5 << 20, 1 << 20
+    key = "w/gpu/model.safetensors"
+    out, counters = _save(fake_cuda, tmp_path, limit, dest=f"s3://{BUCKET}/{key}", part_size=part)
+    body = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    assert body == (tmp_path / "ref.safetensors").read_bytes()
+    assert client.head_object(Bucket=BUCKET, Key=key, PartNumber=1)["ContentLength"] == part
+    want = sum(-(-n // out["block"]) for n in out["sizes"].values())
+    assert out["dtoh"] == want and out["sync"] == 0, out
+    budget = max(limit, part + 2 * out["block"])
+    assert 0 < counters["pinned_peak"] - out["producer_pinned"] <= budget, (out, counters)
+    assert counters["violations"] == 0, counters
