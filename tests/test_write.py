@@ -462,6 +462,10 @@ def test_gpu_tensors_produced_by_kernels_are_saved_bitwise(tmp_path):
         fastload.save_file(tensors, tmp_path / "ours.safetensors", memory_limit="4MiB")
         fastload.save(tensors, tmp_path / "saved", max_shard_size="10MB", memory_limit="4MiB")
     torch.cuda.synchronize()
+    # A view that is not contiguous is refused as on the CPU (nothing written).
+    with pytest.raises(fastload.ConfigError, match="not contiguous"):
+        fastload.save_file({"t": a.t()}, tmp_path / "view.safetensors")
+    assert not (tmp_path / "view.safetensors").exists()
     host = {k: v.cpu() for k, v in tensors.items()}
     save_file(host, str(tmp_path / "ref.safetensors"))
     ours = (tmp_path / "ours.safetensors").read_bytes()
