@@ -5,7 +5,8 @@
 //! safetensors' own writer produces) → a [`Sink`] (the bytes of one destination file: `local`
 //! writes a temporary file beside the destination, syncs it and renames it into place; `object`
 //! uploads parts in parallel through object_store's multipart API and completes the upload last)
-//! → [`FileWriter`] (a safetensors file: the header, then each tensor's bytes in header order).
+//! → [`FileWriter`] (a safetensors file: the header, then each tensor's bytes in header order,
+//! whole or in pieces: a GPU tensor's come block by block as they are copied out).
 //!
 //! Bytes travel as [`Bytes`]: a caller's buffer (a tensor's memory, held by its owner) goes to the
 //! disk or the network without a copy. A sink dropped before [`Sink::finish`] aborts: the temporary
