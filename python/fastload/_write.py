@@ -190,7 +190,8 @@ def _write_tensor(writer: Any, t: torch.Tensor) -> None:
     ``memory_limit``) while earlier blocks are written, after the work queued on torch's current
     stream, and held until every copy from it is done; any other device's through a host copy."""
     t = _plain(t)
-    if t.device.type == "cuda":
+    # ROCm builds of torch call their GPUs "cuda" too, without NVIDIA's driver: a host copy there.
+    if t.device.type == "cuda" and getattr(torch.version, "hip", None) is None:
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         writer.write_device(t.data_ptr(), t.nbytes, index, _cuda_stream(t.device), t)
         return
