@@ -15,7 +15,7 @@ from pathlib import Path
 import fastload
 import pytest
 import torch
-from helpers import assert_same_tensors, pattern
+from helpers import assert_same_tensors, pattern, raw_bytes
 from safetensors.torch import load_file, save_file
 from servers import s3 as s3_server
 from servers.s3 import BUCKET, SECRET_KEY, Fault
@@ -436,6 +436,47 @@ def test_gpu_tensors_are_written_as_their_host_copies(tmp_path):
     fastload.save_file(tensors, tmp_path / "ours.safetensors")
     ref = (tmp_path / "ref.safetensors").read_bytes()
     assert (tmp_path / "ours.safetensors").read_bytes() == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gpu_tensors_produced_by_kernels_are_saved_bitwise(tmp_path):
+    # Tensors whose kernels are still queued on torch's current stream (a side stream here) when
+    # save_file starts: its device-to-host copies must wait for them. Small memory_limit: many
+    # 1 MiB blocks through the page-locked ring.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        a = torch.randn(2048, 2048, device="cuda", generator=g)
+        b = torch.randn(2048, 2048, device="cuda", generator=g)
+        for _ in range(8):
+            a = (a @ b).tanh_()
+        tensors = {
+            "mm.f32": a,
+            "mm.bf16": (a @ b).to(torch.bfloat16),
+            "bias": b[0].clone(),
+            "cpu": torch.arange(1000, dtype=torch.int32),
+            "empty": torch.empty(0, 3, device="cuda"),
+        }
+        fastload.save_file(tensors, tmp_path / "ours.safetensors", memory_limit="4MiB")
+        fastload.save(tensors, tmp_path / "saved", max_shard_size="10MB", memory_limit="4MiB")
+    torch.cuda.synchronize()
+    # A view that is not contiguous is refused as on the CPU (nothing written).
+    with pytest.raises(fastload.ConfigError, match="not contiguous"):
+        fastload.save_file({"t": a.t()}, tmp_path / "view.safetensors")
+    assert not (tmp_path / "view.safetensors").exists()
+    host = {k: v.cpu() for k, v in tensors.items()}
+    save_file(host, str(tmp_path / "ref.safetensors"))
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "ref.safetensors").read_bytes()
+    loaded: dict[str, torch.Tensor] = {}
+    for f in sorted((tmp_path / "saved").glob("model-*.safetensors")):
+        loaded.update(load_file(f))
+    assert sorted(loaded) == sorted(host)
+    for k, v in host.items():
+        assert loaded[k].dtype == v.dtype, k
+        assert torch.equal(raw_bytes(loaded[k]), raw_bytes(v)), k
 
 
 def test_a_new_save_replaces_every_file_of_the_earlier_one(tmp_path):

@@ -359,6 +359,15 @@ class FileWriter:
     def uri(self) -> str: ...
     def write(self, data: Any) -> None:
         """The bytes of the next tensor in ``order``: a contiguous CPU torch tensor."""
+    def write_device(
+        self, ptr: int, nbytes: int, device: int, stream: int | None, owner: object
+    ) -> None:
+        """The bytes of the next tensor in ``order`` from CUDA device ``device``'s memory at
+        ``ptr``, copied out in page-locked blocks after the work queued on ``stream``; ``owner``
+        is held until every copy from it is done."""
+    @property
+    def device_block_size(self) -> int:
+        """Bytes per device-to-host copy of ``write_device``."""
     def finish(self) -> None: ...
     def abort(self) -> None: ...
 

@@ -168,17 +168,37 @@ def _spec(name: str, t: torch.Tensor) -> tuple[str, str, list[int]]:
     return (name, _NAMES[t.dtype], shape)
 
 
-def _host_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a contiguous CPU tensor: itself when it is one (no copy)."""
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor with its conjugate and negative bits resolved (the bytes it stands for)."""
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    return t
+
+
+def _cuda_stream(device: torch.device) -> int:
+    """The handle of torch's current stream on ``device``: the copies out of a GPU tensor wait
+    for the work queued on it (the kernels that produce the tensor)."""
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _write_tensor(writer: Any, t: torch.Tensor) -> None:
+    """Gives ``t``'s bytes to ``writer``: a CPU tensor's memory as it is (no copy); a CUDA
+    tensor's copied out by the native module in blocks through page-locked memory (within
+    ``memory_limit``) while earlier blocks are written, after the work queued on torch's current
+    stream, and held until every copy from it is done; any other device's through a host copy."""
+    t = _plain(t)
+    # ROCm builds of torch call their GPUs "cuda" too, without NVIDIA's driver: a host copy there.
+    if t.device.type == "cuda" and getattr(torch.version, "hip", None) is None:
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        writer.write_device(t.data_ptr(), t.nbytes, index, _cuda_stream(t.device), t)
+        return
     if t.device.type != "cpu":
         # One tensor at a time; the host copy lives until its bytes are written or uploaded.
         t = t.to("cpu")
-    return t
+    writer.write(t)
 
 
 def save_file(
@@ -202,7 +222,9 @@ def save_file(
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``memory_limit`` bounds
     the bytes of upload parts in flight, ``part_size`` the bytes per part (16 MiB by default, at
     least 5 MiB, raised to keep a file within 9,000 parts). CPU tensors are written from their
-    own memory; tensors on a GPU are copied to the host one at a time.
+    own memory; CUDA tensors are copied out in blocks through page-locked memory (at most
+    ``memory_limit`` of it, with an upload part and two blocks at the least) while earlier blocks
+    are written or uploaded, after the work queued on torch's current stream.
 
     With ``keyset`` (a Tink cleartext JSON keyset, or the path of a file holding it) the file is
     encrypted whole with the keyset's primary key, as Tink's streaming AEAD encrypts
@@ -229,7 +251,7 @@ def save_file(
     )
     try:
         for i in writer.order:
-            writer.write(_host_bytes(checked[names[i]]))
+            _write_tensor(writer, checked[names[i]])
         writer.finish()
     except BaseException:
         writer.abort()

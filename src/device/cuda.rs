@@ -10,8 +10,8 @@
 //!   bodies are written into it by ordinary CPU copies) and kept in a process-wide pool, so a
 //!   second load reuses the pinned memory of the first instead of pinning again (pinning runs at a
 //!   few GB/s and would otherwise be paid per load).
-//! - Copies: `cuMemcpyHtoDAsync` on one non-blocking stream per engine; a fence is an event
-//!   recorded after a block's copies.
+//! - Copies: `cuMemcpyHtoDAsync` (loads) and `cuMemcpyDtoHAsync` (saves) on one non-blocking
+//!   stream per engine; a fence is an event recorded after a block's copies.
 //! - Fork: CUDA cannot be used in a child forked after it was initialised; every entry point
 //!   checks the process id before calling the driver and gives a clear error, and the parent's
 //!   page-locked buffers are neither counted nor freed there.
@@ -543,6 +543,16 @@ impl Engine for CudaEngine {
         // and `dst` is device memory of this context.
         check(api, "cuMemcpyHtoDAsync", unsafe {
             (api.cuMemcpyHtoDAsync_v2)(dst, src as *const c_void, len, self.stream())
+        })
+    }
+
+    unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        self.gpu.bind()?;
+        let api = self.gpu.api;
+        // SAFETY: the caller keeps `dst` (page-locked staging) alive and unread until a later
+        // fence passed, and `src` is device memory of this context that stays allocated.
+        check(api, "cuMemcpyDtoHAsync", unsafe {
+            (api.cuMemcpyDtoHAsync_v2)(dst as *mut c_void, src, len, self.stream())
         })
     }
 

@@ -64,6 +64,20 @@ pub trait Engine: Send + Sync {
     /// `[dst, dst + len)` must be destination memory nobody else writes meanwhile.
     #[allow(unsafe_code)]
     unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()>;
+    /// Enqueues a copy of `len` bytes from device address `src` to host memory `dst` (a staging
+    /// buffer), in the same queue as [`Engine::copy`]: the way out, for writers.
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` must stay valid, and unread, until a fence recorded after this call
+    /// passed, and `[src, src + len)` must be device memory of this engine that stays allocated
+    /// (and unwritten) until then.
+    #[allow(unsafe_code)]
+    unsafe fn copy_to_host(&self, _dst: *mut u8, _src: u64, _len: usize) -> Result<()> {
+        Err(Error::device(format!(
+            "{}: copies to the host are not supported",
+            self.name()
+        )))
+    }
     /// A fence after the copies enqueued so far.
     fn record(&self) -> Result<Fence>;
     /// Blocks until `fence` passed.
@@ -273,6 +287,16 @@ impl Engine for HostEngine {
 
     #[allow(unsafe_code)]
     unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.send(HostJob::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            len,
+        })
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        // Host "device memory" is host memory: the same job, the other way.
         self.send(HostJob::Copy {
             dst: dst as usize,
             src: src as usize,

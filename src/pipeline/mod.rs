@@ -12,6 +12,9 @@
 //!
 //! Both publish through one `Feed` (the consumer's channel, the cancel flag, the counters).
 //!
+//! The way out ([`save`]): a writer's GPU tensors are copied to the host by the same engines,
+//! block by block through page-locked staging, each block written while the next are copied.
+//!
 //! Memory fastload allocated for data the consumer has not been handed yet is bounded by
 //! `memory_limit`, counted per segment with a semaphore (the budget): the driver acquires a
 //! segment's share in plan order before its first read, and the consumer gives it back when it
@@ -20,6 +23,7 @@
 //! memory (a GPU's), allocated when a segment's first block lands. Taking the budget in plan order
 //! keeps it deadlock-free: every segment holding some was fully started before the next asks.
 
+pub mod save;
 mod staged;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -3,6 +3,7 @@
 //! buffer's owner stays alive until its bytes are written or uploaded) and publishes the file on
 //! `finish`. Every wait runs off the GIL, in slices that let Ctrl-C through.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -11,7 +12,9 @@ use pyo3::prelude::*;
 use super::args::{Bytes as ByteCount, MemoryLimit, StorageOptions};
 use super::tink::{AssociatedDataArg, KeysetArg};
 use super::wait::off_thread;
+use crate::device::Engine;
 use crate::format::Dtype;
+use crate::pipeline::save::{DeviceBytes, DeviceSaver};
 use crate::write::{FileWriter as Writer, TensorSpec, WriteOptions};
 use crate::Error;
 
@@ -66,7 +69,19 @@ fn held(tensor: &Bound<'_, PyAny>) -> PyResult<Bytes> {
     }))
 }
 
+/// A Python object (a GPU tensor) kept alive while copies read its memory; released with the GIL.
+struct Owner(Option<Py<PyAny>>);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        if let Some(obj) = self.0.take() {
+            super::gil::attach(move |_| drop(obj));
+        }
+    }
+}
+
 type Shared = Arc<Mutex<Option<Writer>>>;
+type Engines = Arc<Mutex<HashMap<usize, Arc<dyn Engine>>>>;
 
 /// One safetensors file being written (see `fastload.save_file`).
 #[pyclass(module = "fastload._fastload", frozen)]
@@ -74,6 +89,10 @@ pub struct FileWriter {
     inner: Shared,
     order: Vec<usize>,
     uri: String,
+    /// Copies GPU tensors out (`write_device`), within `memory_limit`.
+    saver: Arc<DeviceSaver>,
+    /// One copy engine per CUDA device, opened by the first tensor of that device.
+    engines: Engines,
 }
 
 fn options(
@@ -176,6 +195,9 @@ impl FileWriter {
         }
         let mut opts = options(overwrite, storage_options, memory_limit, part_size);
         opts.encryption = encryption(keyset, associated_data)?;
+        let limit = opts
+            .memory_limit
+            .unwrap_or(crate::write::DEFAULT_MEMORY_LIMIT);
         let shown = crate::source::object::redact_uri(&uri);
         let writer = off_thread(py, "save_file", move || {
             Writer::create(&uri, &specs, metadata.as_deref(), &opts)
@@ -183,6 +205,8 @@ impl FileWriter {
         Ok(FileWriter {
             order: writer.order().to_vec(),
             uri: shown,
+            saver: Arc::new(DeviceSaver::new(limit, writer.holds_at_most())),
+            engines: Arc::default(),
             inner: Arc::new(Mutex::new(Some(writer))),
         })
     }
@@ -206,6 +230,52 @@ impl FileWriter {
         with_writer(py, &self.inner, "save_file", move |w| {
             w.as_mut().ok_or_else(|| closed(&uri))?.write_tensor(bytes)
         })
+    }
+
+    /// The bytes of the next tensor in `order` from CUDA device memory: `nbytes` bytes at device
+    /// address `ptr` of device `device`, read once the work queued so far on `stream` (a
+    /// `CUstream` handle, 0 for the legacy default stream; None: no wait) is done. They are
+    /// copied out block by block into page-locked buffers while earlier blocks are written;
+    /// `owner` (the tensor) is held until every copy from it is done.
+    #[pyo3(signature = (ptr, nbytes, device, stream, owner))]
+    fn write_device(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: u64,
+        device: usize,
+        stream: Option<u64>,
+        owner: Py<PyAny>,
+    ) -> PyResult<()> {
+        let tensor = DeviceBytes {
+            addr: ptr,
+            len: nbytes,
+            stream,
+            owner: Box::new(Owner(Some(owner))),
+        };
+        let uri = self.uri.clone();
+        let (saver, engines) = (self.saver.clone(), self.engines.clone());
+        with_writer(py, &self.inner, "save_file", move |w| {
+            let w = w.as_mut().ok_or_else(|| closed(&uri))?;
+            let engine = {
+                let mut engines = engines.lock().unwrap_or_else(|e| e.into_inner());
+                match engines.get(&device) {
+                    Some(e) => e.clone(),
+                    None => {
+                        let e = crate::device::engine(&format!("cuda:{device}"))?;
+                        engines.insert(device, e.clone());
+                        e
+                    }
+                }
+            };
+            saver.write(w, engine.as_ref(), tensor)
+        })
+    }
+
+    /// Bytes per device-to-host copy of `write_device`.
+    #[getter]
+    fn device_block_size(&self) -> usize {
+        self.saver.block_size()
     }
 
     /// Publishes the file (renamed into place, or the upload completed).

@@ -5,7 +5,8 @@
 //! safetensors' own writer produces) → a [`Sink`] (the bytes of one destination file: `local`
 //! writes a temporary file beside the destination, syncs it and renames it into place; `object`
 //! uploads parts in parallel through object_store's multipart API and completes the upload last)
-//! → [`FileWriter`] (a safetensors file: the header, then each tensor's bytes in header order).
+//! → [`FileWriter`] (a safetensors file: the header, then each tensor's bytes in header order,
+//! whole or in pieces: a GPU tensor's come block by block as they are copied out).
 //!
 //! Bytes travel as [`Bytes`]: a caller's buffer (a tensor's memory, held by its owner) goes to the
 //! disk or the network without a copy. A sink dropped before [`Sink::finish`] aborts: the temporary
@@ -113,6 +114,17 @@ impl Sink {
         }
     }
 
+    /// Bytes of the caller's buffers this sink may hold besides the parts it is uploading (the
+    /// part being filled, for object stores; a local file holds nothing once written).
+    pub fn holds_at_most(&self) -> u64 {
+        match self {
+            Sink::Local(_) => 0,
+            Sink::Object(o) => o.part_size() as u64,
+            // Plaintext is copied into the sink's own batches as it arrives.
+            Sink::Encrypted(_) => 0,
+        }
+    }
+
     /// Appends `data`; may wait for earlier parts to finish uploading (memory limit).
     pub fn write(&mut self, data: Bytes) -> Result<()> {
         match self {
@@ -160,6 +172,8 @@ pub struct FileWriter {
     sink: Sink,
     layout: Layout,
     next: usize,
+    /// Bytes of tensor `next` written so far by [`FileWriter::write_part`].
+    filled: u64,
 }
 
 impl FileWriter {
@@ -180,6 +194,7 @@ impl FileWriter {
             sink,
             layout,
             next: 0,
+            filled: 0,
         })
     }
 
@@ -193,8 +208,54 @@ impl FileWriter {
         self.sink.uri()
     }
 
+    /// The sink's [`Sink::holds_at_most`].
+    pub fn holds_at_most(&self) -> u64 {
+        self.sink.holds_at_most()
+    }
+
+    /// The size in bytes of the next tensor in [`FileWriter::order`] (`None` once all were
+    /// written).
+    pub fn next_len(&self) -> Option<u64> {
+        let at = *self.layout.order.get(self.next)?;
+        Some(self.layout.sizes[at])
+    }
+
+    /// The next piece of the next tensor's bytes (a GPU tensor's, block by block): the tensor is
+    /// done once its size was given.
+    pub fn write_part(&mut self, data: Bytes) -> Result<()> {
+        let Some(want) = self.next_len() else {
+            return Err(self.invalid(format!(
+                "all {} tensors were written already",
+                self.layout.order.len()
+            )));
+        };
+        let len = data.len() as u64;
+        if self.filled + len > want {
+            return Err(self.invalid(format!(
+                "tensor {} of the file's order: {} bytes given, {want} expected",
+                self.next,
+                self.filled + len
+            )));
+        }
+        self.filled += len;
+        if self.filled == want {
+            self.next += 1;
+            self.filled = 0;
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.sink.write(data)
+    }
+
     /// The bytes of the next tensor in [`FileWriter::order`].
     pub fn write_tensor(&mut self, data: Bytes) -> Result<()> {
+        if self.filled > 0 {
+            return Err(self.invalid(format!(
+                "tensor {} of the file's order is written in parts: {} bytes of it so far",
+                self.next, self.filled
+            )));
+        }
         let Some(&at) = self.layout.order.get(self.next) else {
             return Err(self.invalid(format!(
                 "all {} tensors were written already",

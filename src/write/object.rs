@@ -183,6 +183,11 @@ impl ObjectUpload {
         &self.remote.uri
     }
 
+    /// Bytes per part (the most a part being filled holds).
+    pub fn part_size(&self) -> usize {
+        self.part_size
+    }
+
     /// Queues `data`; each full part starts uploading at once, after waiting while
     /// `parts_in_flight` parts are still going up.
     pub fn write(&mut self, mut data: Bytes) -> Result<()> {

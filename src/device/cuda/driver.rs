@@ -87,6 +87,7 @@ entry_points! {
     cuMemAlloc_v2: fn(*mut DevicePtr, usize);
     cuMemFree_v2: fn(DevicePtr);
     cuMemcpyHtoDAsync_v2: fn(DevicePtr, *const c_void, usize, Stream);
+    cuMemcpyDtoHAsync_v2: fn(*mut c_void, DevicePtr, usize, Stream);
     cuGetErrorName: fn(Status, *mut *const c_char);
     cuGetErrorString: fn(Status, *mut *const c_char);
 }
