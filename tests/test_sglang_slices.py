@@ -1,0 +1,350 @@
+"""Sliced reads in SGLang (``fastload.sglang`` where the model is split over workers): each
+worker reads only the bytes it keeps (fastload._lazy), as far as SGLang runs on CPU.
+
+SGLang's tensor parallelism over 2+ ranks cannot start here (every such group gets a
+``PyNcclCommunicator``), so each rank of a tensor-parallel 2 run is played in one process:
+SGLang's parallel context published for ``tp_size=2`` at that rank, as its launcher publishes
+it, and no process group built. SGLang's own layers then partition their weights by SGLang's
+``_LogicalGroup`` (its stand-in for a group not built yet); the whole ``LlamaForCausalLM`` also
+asks for the group handles, which get a stand-in of the same shape (rank and size, nothing that
+communicates: loading weights does not).
+
+- ``layers``: SGLang's QKV (separate q/k/v with the KV head replicated, and fused), merged
+  column (gate/up), row, column (with bias), vocab-parallel embedding and LM head (vocabulary
+  padded) and an unknown weight loader that transposes: every rank's parameters fed lazy tensors
+  are bitwise those fed whole tensors, and each tensor's reads are exactly the regions the rank
+  keeps (the pin: an SGLang whose loaders stop narrowing before they copy reads more, and fails
+  here);
+- ``model``: SGLang's ``LlamaForCausalLM`` built and loaded by ``FastloadModelLoader.load_model``
+  at fake TP 2, ranks 0 and 1: every parameter bitwise what SGLang's ``DefaultModelLoader``
+  loads on that rank, reading about half of the checkpoint per rank.
+
+SGLang keeps process-wide state, so the loads run in a subprocess: this file is also the script
+it runs (``python tests/test_sglang_slices.py MODE WORK RESULT.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_sglang as ts
+import test_vllm_slices as tvs
+
+# The layers' sizes and checkpoint: those of tests/test_vllm_slices.py (hidden 64, 4 query heads
+# of 16 and 1 KV head, intermediate 128, vocabulary 100: SGLang pads it to 64 per rank too).
+H, HEAD, HEADS, KV_HEADS, INTER, VOCAB = (
+    tvs.H,
+    tvs.HEAD,
+    tvs.HEADS,
+    tvs.KV_HEADS,
+    tvs.INTER,
+    tvs.VOCAB,
+)
+
+
+# ---------------------------------------------------------------- driver (runs in a subprocess)
+
+
+class _Group:
+    """A stand-in for one of SGLang's group coordinators: the rank and size its layers read;
+    nothing that communicates."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank_in_group, self.world_size = rank, size
+        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
+        self.cpu_group = self.device_group = None
+
+
+def _context(model: Path, tp: int, rank: int, groups: bool = False) -> None:
+    """SGLang's parallel context of rank ``rank`` of ``tp`` (no process group built)."""
+    import sglang.srt.layers.rotary_embedding.base as rope
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    rope._is_cpu = True  # see tests/test_sglang.py::init_sglang
+    reset_context()
+    args = ServerArgs(model_path=str(model), device="cpu", tp_size=tp)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
+    if groups:
+        tp_group, one = _Group(rank, tp), _Group(0, 1)
+        get_parallel().override_permanently(
+            world_group=tp_group,
+            tp_group=tp_group,
+            attn_tp_group=tp_group,
+            moe_tp_group=tp_group,
+            shared_experts_tp_group=tp_group,
+            pp_group=one,
+            moe_ep_group=one,
+            moe_dp_group=one,
+            attn_cp_group=one,
+            dcp_group=one,
+        )
+
+
+def _layers(model: Path, tp: int, rank: int) -> dict:
+    import torch
+    from sglang.srt.layers import linear
+    from sglang.srt.layers import vocab_parallel_embedding as vpe
+
+    _context(model, tp, rank)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layers = {
+            "qkv": linear.QKVParallelLinear(H, HEAD, HEADS, KV_HEADS, bias=False),
+            "qkv_fused": linear.QKVParallelLinear(H, HEAD, HEADS, KV_HEADS, bias=False),
+            "gate_up": linear.MergedColumnParallelLinear(H, [INTER, INTER], bias=False),
+            "down": linear.RowParallelLinear(INTER, H, bias=False),
+            "col": linear.ColumnParallelLinear(H, INTER, bias=True),
+            "emb": vpe.VocabParallelEmbedding(VOCAB, H),
+            "head": vpe.ParallelLMHead(VOCAB, H),
+        }
+    finally:
+        torch.set_default_dtype(torch.float32)
+    groups = {name: repr(getattr(layer, "tp_group", None)) for name, layer in layers.items()}
+    # A layer SGLang does not know: its loader transposes and scales (not a narrow then a copy).
+    unknown = torch.nn.Module()
+    unknown.weight = torch.nn.Parameter(torch.empty(32, 16), requires_grad=False)
+
+    def transposing_loader(param, loaded):
+        param.data.copy_(loaded.t().to(torch.float32) * 2)
+
+    unknown.weight.weight_loader = transposing_loader
+    layers["unknown"] = unknown
+    for layer in layers.values():
+        for p in layer.parameters():
+            p.data.fill_(0)
+    layers["_groups"] = groups
+    return layers
+
+
+def run_layers(work: Path, result_path: Path) -> None:
+    """For TP 1 and 2, each rank: SGLang's layers loaded from whole tensors and from lazy ones."""
+    from fastload._lazy import Checkpoint
+    from safetensors.torch import save_file
+
+    tensors = tvs._checkpoint_tensors()
+    path = work / "layers.safetensors"
+    save_file(tensors, str(path))
+    results: dict = {}
+    for tp in (1, 2):
+        for rank in range(tp):
+            eager = _layers(work / "llama", tp, rank)
+            groups = eager.pop("_groups")
+            tvs._load(eager, tensors)
+            lazy = _layers(work / "llama", tp, rank)
+            lazy.pop("_groups")
+            checkpoint = Checkpoint(path)
+            read: dict[str, int] = {}
+            tvs._load(lazy, dict(checkpoint), read, checkpoint.reader)
+            differ = [
+                f"{name}.{p}"
+                for name in eager
+                for p, want in eager[name].named_parameters()
+                if not ts.same_bits(want.data, getattr(lazy[name], p).data)
+            ]
+            results[f"{tp}/{rank}"] = {
+                "groups": groups,
+                "shapes": {
+                    f"{name}.{p}": list(param.shape)
+                    for name, layer in lazy.items()
+                    for p, param in layer.named_parameters()
+                },
+                "differ": differ,
+                "read": read,
+                "stats": checkpoint.stats.as_dict(),
+                "loaded_nonzero": all(
+                    bool(p.data.abs().sum() > 0)
+                    for layer in lazy.values()
+                    for p in layer.parameters()
+                ),
+            }
+    result_path.write_text(json.dumps(results))
+
+
+def run_model(work: Path, result_path: Path) -> None:
+    """SGLang's LlamaForCausalLM at fake TP 2, ranks 0 and 1 (and at TP 1): SGLang's own loader,
+    then fastload's with its default options (sliced at TP 2) and with ``slices: false``."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    model = work / "llama"
+    results: dict = {}
+
+    def load(load_format, extra=None):
+        model_config = ModelConfig(str(model), dtype="bfloat16")
+        load_config = LoadConfig(load_format=load_format, model_loader_extra_config=extra or {})
+        loader = get_model_loader(load_config, model_config)
+        built = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+        assert type(built).__module__ == "sglang.srt.models.llama", type(built)
+        params = {name: p.detach().clone() for name, p in built.named_parameters()}
+        return loader, params
+
+    from fastload.sglang import FastloadModelLoader
+
+    for tp in (1, 2):
+        for rank in range(tp):
+            _context(model, tp, rank, groups=True)
+            _, reference = load("auto")
+            got: dict = {"shapes": {n: list(p.shape) for n, p in reference.items()}}
+            for step, extra in (("default", None), ("whole", {"slices": False})):
+                loader, params = load(FastloadModelLoader, extra)
+                got[step] = {"differ": ts.compare(reference, params), "stats": loader.stats}
+            results[f"{tp}/{rank}"] = got
+    result_path.write_text(json.dumps(results, default=str))
+
+
+# ---------------------------------------------------------------- tests (run in the test venv)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("sglang_slices")
+    tvs._write_model(work / "llama")  # one KV head (replicated at TP 2), vocabulary 500 (padded)
+    return work
+
+
+def _driver(mode: str, work: Path) -> dict:
+    out = work / f"{mode}.json"
+    proc = subprocess.run(
+        [sys.executable, __file__, mode, str(work), str(out)],
+        env=ts._env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def layers(work):
+    return _driver("layers", work)
+
+
+@ts.needs_sglang
+def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
+    import torch
+    from fastload._safe_open import LOCAL_READ_COST, plan
+
+    shapes = {k: tuple(v.shape) for k, v in tvs._tensor_shapes().items()}
+    for tp in (1, 2):
+        for rank in range(tp):
+            got = layers[f"{tp}/{rank}"]
+            assert got["differ"] == [], (tp, rank, got["differ"])
+            assert got["loaded_nonzero"], (tp, rank)
+            for name, regions in tvs._expected_regions(tp, rank).items():
+                want = sum(
+                    sum(n for _, n in plan(shapes[name], 2, index, LOCAL_READ_COST).ranges)
+                    for index in regions
+                )
+                assert got["read"][name] == want, (tp, rank, name, got["read"][name], want)
+            total = sum(got["read"].values())
+            assert got["stats"]["read_bytes"] == total
+            # The unknown loader's transpose read its tensor whole (the fallback), and still
+            # matched the whole-tensor load.
+            assert got["stats"]["fallbacks"] == {"t": 1}, got["stats"]
+    # The pins: at TP 2 SGLang's layers partition by its logical group, the KV head replicated
+    # (q: 2 heads of 16, k and v: 1 each) and the vocabulary padded to 64 rows per rank.
+    for rank in (0, 1):
+        got = layers[f"2/{rank}"]
+        assert set(got["groups"].values()) == {
+            f"_LogicalGroup(rank_in_group={rank}, world_size=2)"
+        }, got["groups"]
+        assert got["shapes"]["qkv.weight"] == [(2 + 2) * HEAD, H]
+        assert got["shapes"]["emb.weight"] == [64, H]
+        assert got["shapes"]["down.weight"] == [H, INTER // 2]
+    whole = sum(torch.Size(s).numel() * 2 for s in shapes.values())
+    for rank in (0, 1):
+        assert layers[f"2/{rank}"]["stats"]["read_bytes"] < 0.7 * whole, layers[f"2/{rank}"]
+
+
+@pytest.fixture(scope="module")
+def model(work):
+    return _driver("model", work)
+
+
+def _model_regions(name: str, shape: tuple, rank: int) -> tuple:
+    """What rank ``rank`` of 2 keeps of the test Llama's tensor ``name`` (4 query heads and 1 KV
+    head of 64, intermediate 512, vocabulary 500 padded to 256 rows per rank)."""
+    half = shape[0] // 2
+    if name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
+        return (slice(rank * half, (rank + 1) * half),)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):  # row parallel: columns
+        cols = shape[1] // 2
+        return (slice(None), slice(rank * cols, (rank + 1) * cols))
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return (slice(rank * 256, min((rank + 1) * 256, shape[0])),)
+    return (slice(None),)  # norms, and k/v: the one KV head, replicated on both ranks
+
+
+@ts.needs_sglang
+def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
+    from fastload._safe_open import LOCAL_READ_COST, plan
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in (work / "llama").glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys()})
+    checkpoint = sum(2 * math.prod(s) for s in shapes.values())
+    # At TP 1 the default reads whole tensors (streamed, no lazy tensors).
+    assert model["1/0"]["default"] == {"differ": [], "stats": None}, model["1/0"]
+    assert model["1/0"]["whole"] == {"differ": [], "stats": None}, model["1/0"]
+    read = 0
+    for rank in (0, 1):
+        got = model[f"2/{rank}"]
+        # The rank's partition (qkv: 2 query heads and the replicated KV head, of 64).
+        assert got["shapes"]["model.layers.0.self_attn.qkv_proj.weight"] == [4 * 64, 256]
+        assert got["shapes"]["lm_head.weight"] == [256, 256]
+        assert got["default"]["differ"] == [], got
+        assert got["whole"] == {"differ": [], "stats": None}, got
+        stats = got["default"]["stats"]
+        assert stats["skipped_tensors"] == 0 and stats["fallbacks"] == {}, stats
+        want = sum(
+            sum(
+                n
+                for _, n in plan(
+                    shape, 2, _model_regions(name, shape, rank), LOCAL_READ_COST
+                ).ranges
+            )
+            for name, shape in shapes.items()
+        )
+        assert stats["bytes"] == checkpoint and stats["read_bytes"] == want, (stats, want)
+        # q, o, gate, up, down of 2 layers, the embeddings and lm_head: slices; the 5 norms and
+        # the k/v of 2 layers (one KV head, which both ranks keep): whole.
+        assert stats["sliced_tensors"] == 12 and stats["whole_tensors"] == 9, stats
+        assert stats["read_bytes"] < 0.7 * checkpoint, stats
+        read += stats["read_bytes"]
+    assert read < 1.4 * checkpoint, (read, checkpoint)
+
+
+def test_slices_key_is_checked():
+    """``slices``: true, false or absent (the loader decides), not with ``distributed: true``;
+    checked when SGLang builds its LoadConfig (the plugin's hook parses with these keys)."""
+    from fastload import ConfigError, sglang
+
+    def parse(extra):
+        return sglang._integration.Options.parse("fastload", extra, sglang.KEYS)
+
+    assert parse({}).slices is None
+    assert parse({"slices": False}).slices is False
+    assert parse({"slices": True}).slices is True
+    with pytest.raises(ConfigError) as info:
+        parse({"slices": "yes"})
+    assert info.value.option == "slices"
+    with pytest.raises(ConfigError, match="slices and distributed cannot both be true"):
+        parse({"slices": True, "distributed": True})
+
+
+if __name__ == "__main__":
+    mode, work_dir, result = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    {"layers": run_layers, "model": run_model}[mode](work_dir, result)
