@@ -15,6 +15,8 @@ communicates: loading weights does not).
   are bitwise those fed whole tensors, and each tensor's reads are exactly the regions the rank
   keeps (the pin: an SGLang whose loaders stop narrowing before they copy reads more, and fails
   here);
+- ``moe``: SGLang's ``FusedMoE`` at TP 2 with its experts split (each rank its rows of gate/up,
+  its columns of down) and spread (EP 2: its two experts whole, the others never read);
 - ``model``: SGLang's ``LlamaForCausalLM`` built and loaded by ``FastloadModelLoader.load_model``
   at fake TP 2, ranks 0 and 1: every parameter bitwise what SGLang's ``DefaultModelLoader``
   loads on that rank, reading about half of the checkpoint per rank.
@@ -122,6 +124,91 @@ def _layers(model: Path, tp: int, rank: int) -> dict:
             p.data.fill_(0)
     layers["_groups"] = groups
     return layers
+
+
+# SGLang's FusedMoE: 4 experts of hidden 64 and intermediate 128, from per-expert tensors.
+EXPERTS, MOE_INTER = 4, 128
+# (parameter, checkpoint tensor, shard id) per expert, as SGLang's models map them.
+MOE_LOADS = [
+    ("w13_weight", "gate_proj", "w1"),
+    ("w13_weight", "up_proj", "w3"),
+    ("w2_weight", "down_proj", "w2"),
+]
+
+
+def _moe_tensors() -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for e in range(EXPERTS):
+        for _, name, _ in MOE_LOADS:
+            shape = (H, MOE_INTER) if name == "down_proj" else (MOE_INTER, H)
+            out[f"experts.{e}.{name}.weight"] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _moe(model: Path, ep: int, rank: int):
+    """SGLang's FusedMoE on rank ``rank`` of tensor parallel 2, experts spread over ``ep``."""
+    import torch
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    reset_context()
+    args = ServerArgs(model_path=str(model), device="cpu", tp_size=2, ep_size=ep)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = FusedMoE(EXPERTS, H, MOE_INTER, layer_id=0, top_k=2)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for p in layer.parameters():
+        p.data.fill_(0)
+    return layer
+
+
+def _load_moe(layer, tensors, read=None, reader=None) -> None:
+    for e in range(EXPERTS):
+        for param_name, name, shard in MOE_LOADS:
+            param = getattr(layer, param_name)
+            key = f"experts.{e}.{name}.weight"
+            before = reader.bytes_read if reader is not None else 0
+            param.weight_loader(param, tensors[key], key, shard, e)
+            if read is not None:
+                read[key] = reader.bytes_read - before
+
+
+def run_moe(work: Path, result_path: Path) -> None:
+    """SGLang's FusedMoE at TP 2, its experts' weights split (EP 1) or spread (EP 2), each rank:
+    loaded from whole tensors and from lazy ones."""
+    from fastload._lazy import Checkpoint
+    from safetensors.torch import save_file
+
+    tensors = _moe_tensors()
+    path = work / "moe.safetensors"
+    save_file(tensors, str(path))
+    results: dict = {}
+    for ep in (1, 2):
+        for rank in (0, 1):
+            eager = _moe(work / "llama", ep, rank)
+            _load_moe(eager, tensors)
+            lazy = _moe(work / "llama", ep, rank)
+            checkpoint = Checkpoint(path)
+            read: dict[str, int] = {}
+            _load_moe(lazy, dict(checkpoint), read, checkpoint.reader)
+            results[f"{ep}/{rank}"] = {
+                "shapes": {n: list(p.shape) for n, p in lazy.named_parameters()},
+                "differ": [
+                    n
+                    for n, p in eager.named_parameters()
+                    if not ts.same_bits(p.data, getattr(lazy, n).data)
+                ],
+                "read": read,
+                "stats": checkpoint.stats.as_dict(),
+                "loaded_nonzero": all(bool(p.data.abs().sum() > 0) for p in lazy.parameters()),
+            }
+    result_path.write_text(json.dumps(results))
 
 
 def run_layers(work: Path, result_path: Path) -> None:
@@ -268,6 +355,47 @@ def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
 
 
 @pytest.fixture(scope="module")
+def moe(work):
+    return _driver("moe", work)
+
+
+@ts.needs_sglang
+def test_sglang_fused_moe_reads_only_each_ranks_part(moe):
+    """SGLang's FusedMoE weight loader: at TP 2 (experts split) each rank reads its rows of
+    gate/up and its columns of down; at EP 2 its two experts whole and the others not at all."""
+    from fastload._safe_open import LOCAL_READ_COST, plan
+
+    half = MOE_INTER // 2
+    for ep in (1, 2):
+        for rank in (0, 1):
+            got = moe[f"{ep}/{rank}"]
+            assert got["differ"] == [] and got["loaded_nonzero"], (ep, rank, got)
+            assert got["stats"]["fallbacks"] == {}, got["stats"]
+            for e in range(EXPERTS):
+                for _, name, _ in MOE_LOADS:
+                    shape = (H, MOE_INTER) if name == "down_proj" else (MOE_INTER, H)
+                    if ep == 2:
+                        mine = e // (EXPERTS // 2) == rank
+                        index = (slice(None),) if mine else None
+                    elif name == "down_proj":
+                        index = (slice(None), slice(rank * half, (rank + 1) * half))
+                    else:
+                        index = (slice(rank * half, (rank + 1) * half),)
+                    want = (
+                        0
+                        if index is None
+                        else sum(n for _, n in plan(shape, 2, index, LOCAL_READ_COST).ranges)
+                    )
+                    key = f"experts.{e}.{name}.weight"
+                    assert got["read"][key] == want, (ep, rank, key, got["read"][key], want)
+            if ep == 2:
+                assert got["shapes"]["w13_weight"] == [2, 2 * MOE_INTER, H], got["shapes"]
+                assert got["stats"]["skipped_tensors"] == 6, got["stats"]
+            else:
+                assert got["shapes"]["w13_weight"] == [EXPERTS, MOE_INTER, H], got["shapes"]
+
+
+@pytest.fixture(scope="module")
 def model(work):
     return _driver("model", work)
 
@@ -347,4 +475,4 @@ def test_slices_key_is_checked():
 
 if __name__ == "__main__":
     mode, work_dir, result = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    {"layers": run_layers, "model": run_model}[mode](work_dir, result)
+    {"layers": run_layers, "moe": run_moe, "model": run_model}[mode](work_dir, result)
