@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -277,12 +278,16 @@ def run_model(work: Path, result_path: Path) -> None:
 
     from fastload.sglang import FastloadModelLoader
 
+    url = os.environ["TEST_SLICES_URL"]
     for tp in (1, 2):
         for rank in range(tp):
             _context(model, tp, rank, groups=True)
             _, reference = load("auto")
             got: dict = {"shapes": {n: list(p.shape) for n, p in reference.items()}}
-            for step, extra in (("default", None), ("whole", {"slices": False})):
+            steps: list = [("default", None), ("whole", {"slices": False})]
+            if tp == 2:  # the weights over HTTP (the server counts what it sent)
+                steps.append(("http", {"weights_uri": f"{url}tp2/{tvs.INDEX}"}))
+            for step, extra in steps:
                 loader, params = load(FastloadModelLoader, extra)
                 got[step] = {"differ": ts.compare(reference, params), "stats": loader.stats}
             results[f"{tp}/{rank}"] = got
@@ -299,11 +304,11 @@ def work(tmp_path_factory):
     return work
 
 
-def _driver(mode: str, work: Path) -> dict:
+def _driver(mode: str, work: Path, **env: str) -> dict:
     out = work / f"{mode}.json"
     proc = subprocess.run(
         [sys.executable, __file__, mode, str(work), str(out)],
-        env=ts._env(),
+        env=ts._env(**env),
         capture_output=True,
         text=True,
         timeout=600,
@@ -397,7 +402,17 @@ def test_sglang_fused_moe_reads_only_each_ranks_part(moe):
 
 @pytest.fixture(scope="module")
 def model(work):
-    return _driver("model", work)
+    """The model's loads, its files also served over HTTP under tp2/; returns (results, the
+    files, the server's log)."""
+    from servers.http import Behaviour, RangeServer
+
+    files = {p.name: p.read_bytes() for p in (work / "llama").iterdir() if p.is_file()}
+    server = RangeServer({f"tp2/{name}": data for name, data in files.items()}, Behaviour())
+    try:
+        results = _driver("model", work, TEST_SLICES_URL=server.url(""))
+        yield results, files, list(server.behaviour.log)
+    finally:
+        server.close()
 
 
 def _model_regions(name: str, shape: tuple, rank: int) -> tuple:
@@ -416,43 +431,50 @@ def _model_regions(name: str, shape: tuple, rank: int) -> tuple:
 
 @ts.needs_sglang
 def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
-    from fastload._safe_open import LOCAL_READ_COST, plan
+    """SGLang's LlamaForCausalLM at fake TP 2: each rank's parameters bitwise those of SGLang's
+    own loader on that rank, from a local folder and over HTTP, each rank reading exactly the
+    regions it keeps (the server sending those bytes of tensor data, no more)."""
+    from fastload._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, plan
     from safetensors import safe_open
 
+    results, files, log = model
     shapes = {}
     for f in (work / "llama").glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys()})
     checkpoint = sum(2 * math.prod(s) for s in shapes.values())
+    assert checkpoint == tvs._weights(files)
+
+    def regions_bytes(rank: int, cost: int) -> int:
+        return sum(
+            sum(n for _, n in plan(shape, 2, _model_regions(name, shape, rank), cost).ranges)
+            for name, shape in shapes.items()
+        )
+
     # At TP 1 the default reads whole tensors (streamed, no lazy tensors).
-    assert model["1/0"]["default"] == {"differ": [], "stats": None}, model["1/0"]
-    assert model["1/0"]["whole"] == {"differ": [], "stats": None}, model["1/0"]
-    read = 0
+    assert results["1/0"]["default"] == {"differ": [], "stats": None}, results["1/0"]
+    assert results["1/0"]["whole"] == {"differ": [], "stats": None}, results["1/0"]
+    over_http = 0
     for rank in (0, 1):
-        got = model[f"2/{rank}"]
+        got = results[f"2/{rank}"]
         # The rank's partition (qkv: 2 query heads and the replicated KV head, of 64).
         assert got["shapes"]["model.layers.0.self_attn.qkv_proj.weight"] == [4 * 64, 256]
         assert got["shapes"]["lm_head.weight"] == [256, 256]
-        assert got["default"]["differ"] == [], got
         assert got["whole"] == {"differ": [], "stats": None}, got
-        stats = got["default"]["stats"]
-        assert stats["skipped_tensors"] == 0 and stats["fallbacks"] == {}, stats
-        want = sum(
-            sum(
-                n
-                for _, n in plan(
-                    shape, 2, _model_regions(name, shape, rank), LOCAL_READ_COST
-                ).ranges
-            )
-            for name, shape in shapes.items()
-        )
-        assert stats["bytes"] == checkpoint and stats["read_bytes"] == want, (stats, want)
-        # q, o, gate, up, down of 2 layers, the embeddings and lm_head: slices; the 5 norms and
-        # the k/v of 2 layers (one KV head, which both ranks keep): whole.
-        assert stats["sliced_tensors"] == 12 and stats["whole_tensors"] == 9, stats
-        assert stats["read_bytes"] < 0.7 * checkpoint, stats
-        read += stats["read_bytes"]
-    assert read < 1.4 * checkpoint, (read, checkpoint)
+        for step, cost in (("default", LOCAL_READ_COST), ("http", REMOTE_READ_COST)):
+            assert got[step]["differ"] == [], (step, got)
+            stats = got[step]["stats"]
+            assert stats["skipped_tensors"] == 0 and stats["fallbacks"] == {}, stats
+            want = regions_bytes(rank, cost)
+            assert stats["bytes"] == checkpoint and stats["read_bytes"] == want, (stats, want)
+            # q, o, gate, up, down of 2 layers, the embeddings and lm_head: slices; the 5 norms
+            # and the k/v of 2 layers (one KV head, which both ranks keep): whole.
+            assert stats["sliced_tensors"] == 12 and stats["whole_tensors"] == 9, stats
+            assert stats["read_bytes"] < 0.7 * checkpoint, stats
+        over_http += got["http"]["stats"]["read_bytes"]
+    data, _ = tvs._sent(log, "tp2", files)
+    assert data == over_http, (data, over_http)
+    assert data < 1.4 * checkpoint, (data, checkpoint)
 
 
 def test_slices_key_is_checked():
