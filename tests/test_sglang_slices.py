@@ -477,6 +477,32 @@ def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
     assert data < 1.4 * checkpoint, (data, checkpoint)
 
 
+@ts.needs_sglang
+def test_sliced_by_default_where_sglang_splits_the_model(monkeypatch):
+    """Lazy tensors by default where SGLang's parallel context has a tensor, pipeline or expert
+    parallel width above 1 (the names pinned: a SGLang that renames them fails here), not with
+    ``distributed``; ``slices`` overrides."""
+    from types import SimpleNamespace
+
+    from fastload import sglang as fs
+    from sglang.srt import runtime_context
+
+    fields = runtime_context._parallel_fields()
+    for name in (*fs.PARALLEL_WIDTHS, "tp_rank", "pp_rank"):
+        assert name in fields, name
+
+    def sliced(extra, **widths):
+        context = SimpleNamespace(**{**dict.fromkeys(fs.PARALLEL_WIDTHS, 1), **widths})
+        monkeypatch.setattr(runtime_context, "get_parallel", lambda: context)
+        return fs._sliced(fs._integration.Options.parse("fastload", extra, fs.KEYS))
+
+    assert not sliced({})
+    assert sliced({}, tp_size=2) and sliced({}, pp_size=2) and sliced({}, moe_ep_size=4)
+    assert not sliced({"distributed": True}, tp_size=2)
+    assert not sliced({"slices": False}, tp_size=2)
+    assert sliced({"slices": True})
+
+
 def test_slices_key_is_checked():
     """``slices``: true, false or absent (the loader decides), not with ``distributed: true``;
     checked when SGLang builds its LoadConfig (the plugin's hook parses with these keys)."""
