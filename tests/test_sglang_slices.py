@@ -11,7 +11,8 @@ communicates: loading weights does not).
 
 - ``layers``: SGLang's QKV (separate q/k/v with the KV head replicated, and fused), merged
   column (gate/up), row, column (with bias), vocab-parallel embedding and LM head (vocabulary
-  padded) and an unknown weight loader that transposes: every rank's parameters fed lazy tensors
+  padded), FP8 QKV and row-parallel layers (``Fp8Config``: ``weight_loader_v2`` and SGLang's
+  parameter classes, per-tensor scales) and an unknown weight loader that transposes: every rank's parameters fed lazy tensors
   are bitwise those fed whole tensors, and each tensor's reads are exactly the regions the rank
   keeps (the pin: an SGLang whose loaders stop narrowing before they copy reads more, and fails
   here);
@@ -95,8 +96,10 @@ def _layers(model: Path, tp: int, rank: int) -> dict:
     import torch
     from sglang.srt.layers import linear
     from sglang.srt.layers import vocab_parallel_embedding as vpe
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
 
     _context(model, tp, rank)
+    fp8 = Fp8Config(is_checkpoint_fp8_serialized=True)
     torch.set_default_dtype(torch.bfloat16)
     try:
         layers = {
@@ -107,6 +110,10 @@ def _layers(model: Path, tp: int, rank: int) -> dict:
             "col": linear.ColumnParallelLinear(H, INTER, bias=True),
             "emb": vpe.VocabParallelEmbedding(VOCAB, H),
             "head": vpe.ParallelLMHead(VOCAB, H),
+            "fp8_qkv": linear.QKVParallelLinear(
+                H, HEAD, HEADS, KV_HEADS, bias=False, quant_config=fp8
+            ),
+            "fp8_down": linear.RowParallelLinear(INTER, H, bias=False, quant_config=fp8),
         }
     finally:
         torch.set_default_dtype(torch.float32)
@@ -125,6 +132,49 @@ def _layers(model: Path, tp: int, rank: int) -> dict:
             p.data.fill_(0)
     layers["_groups"] = groups
     return layers
+
+
+# SGLang's FP8 layers (Fp8Config, a serialized FP8 checkpoint: per-tensor scales), whose
+# parameters load through weight_loader_v2 and SGLang's parameter classes.
+FP8_LOADS = [
+    ("fp8_qkv", "weight", "fp8.q", "q"),
+    ("fp8_qkv", "weight", "fp8.k", "k"),
+    ("fp8_qkv", "weight", "fp8.v", "v"),
+    ("fp8_qkv", "weight_scale", "fp8.q_scale", "q"),
+    ("fp8_qkv", "weight_scale", "fp8.k_scale", "k"),
+    ("fp8_qkv", "weight_scale", "fp8.v_scale", "v"),
+    ("fp8_down", "weight", "fp8.down", None),
+    ("fp8_down", "weight_scale", "fp8.down_scale", None),
+]
+
+
+def _fp8_tensors() -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+
+    def fp8(*shape):
+        return torch.randn(*shape, generator=g).to(torch.float8_e4m3fn)
+
+    return {
+        "fp8.q": fp8(HEADS * HEAD, H),
+        "fp8.k": fp8(KV_HEADS * HEAD, H),
+        "fp8.v": fp8(KV_HEADS * HEAD, H),
+        "fp8.down": fp8(H, INTER),
+        **{f"fp8.{n}_scale": torch.rand((), generator=g) + 0.5 for n in ("q", "k", "v", "down")},
+    }
+
+
+def _load_all(layers, tensors, per_tensor_bytes=None, reader=None) -> None:
+    """tests/test_vllm_slices.py's loads (SGLang's weight loaders take the same arguments),
+    then the FP8 layers'."""
+    tvs._load(layers, tensors, per_tensor_bytes, reader)
+    for layer, param_name, tensor, shard in FP8_LOADS:
+        param = getattr(layers[layer], param_name)
+        before = reader.bytes_read if reader is not None else 0
+        param.weight_loader(param, tensors[tensor], *(() if shard is None else (shard,)))
+        if per_tensor_bytes is not None:
+            per_tensor_bytes[tensor] = per_tensor_bytes.get(tensor, 0) + reader.bytes_read - before
 
 
 # SGLang's FusedMoE: 4 experts of hidden 64 and intermediate 128, from per-expert tensors.
@@ -214,10 +264,11 @@ def run_moe(work: Path, result_path: Path) -> None:
 
 def run_layers(work: Path, result_path: Path) -> None:
     """For TP 1 and 2, each rank: SGLang's layers loaded from whole tensors and from lazy ones."""
+    import torch
     from fastload._lazy import Checkpoint
     from safetensors.torch import save_file
 
-    tensors = tvs._checkpoint_tensors()
+    tensors = {**tvs._checkpoint_tensors(), **_fp8_tensors()}
     path = work / "layers.safetensors"
     save_file(tensors, str(path))
     results: dict = {}
@@ -225,12 +276,12 @@ def run_layers(work: Path, result_path: Path) -> None:
         for rank in range(tp):
             eager = _layers(work / "llama", tp, rank)
             groups = eager.pop("_groups")
-            tvs._load(eager, tensors)
+            _load_all(eager, tensors)
             lazy = _layers(work / "llama", tp, rank)
             lazy.pop("_groups")
             checkpoint = Checkpoint(path)
             read: dict[str, int] = {}
-            tvs._load(lazy, dict(checkpoint), read, checkpoint.reader)
+            _load_all(lazy, dict(checkpoint), read, checkpoint.reader)
             differ = [
                 f"{name}.{p}"
                 for name in eager
@@ -248,7 +299,9 @@ def run_layers(work: Path, result_path: Path) -> None:
                 "read": read,
                 "stats": checkpoint.stats.as_dict(),
                 "loaded_nonzero": all(
-                    bool(p.data.abs().sum() > 0)
+                    bool(p.data.view(torch.uint8).sum() > 0)
+                    if p.dtype == torch.float8_e4m3fn
+                    else bool(p.data.abs().sum() > 0)
                     for layer in lazy.values()
                     for p in layer.parameters()
                 ),
@@ -324,7 +377,6 @@ def layers(work):
 
 @ts.needs_sglang
 def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
-    import torch
     from fastload._safe_open import LOCAL_READ_COST, plan
 
     shapes = {k: tuple(v.shape) for k, v in tvs._tensor_shapes().items()}
@@ -339,11 +391,20 @@ def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
                     for index in regions
                 )
                 assert got["read"][name] == want, (tp, rank, name, got["read"][name], want)
+                if name in ("q", "k", "v", "down"):  # the FP8 tensor: 1 byte an element
+                    fp8 = sum(
+                        sum(n for _, n in plan(shapes[name], 1, index, LOCAL_READ_COST).ranges)
+                        for index in regions
+                    )
+                    assert got["read"][f"fp8.{name}"] == fp8, (tp, rank, name, got["read"])
+                    # A per-tensor scale: one float32, read whole.
+                    assert got["read"][f"fp8.{name}_scale"] == 4, (tp, rank, name, got["read"])
             total = sum(got["read"].values())
             assert got["stats"]["read_bytes"] == total
-            # The unknown loader's transpose read its tensor whole (the fallback), and still
-            # matched the whole-tensor load.
-            assert got["stats"]["fallbacks"] == {"t": 1}, got["stats"]
+            # The unknown loader's transpose read its tensor whole (the fallback), as did the
+            # reshape of the row-parallel FP8 layer's scalar scale to (1,) (SGLang's
+            # load_row_parallel_weight), and both still matched the whole-tensor loads.
+            assert got["stats"]["fallbacks"] == {"t": 1, "view": 1}, got["stats"]
     # The pins: at TP 2 SGLang's layers partition by its logical group, the KV head replicated
     # (q: 2 heads of 16, k and v: 1 each) and the vocabulary padded to 64 rows per rank.
     for rank in (0, 1):
@@ -354,9 +415,11 @@ def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
         assert got["shapes"]["qkv.weight"] == [(2 + 2) * HEAD, H]
         assert got["shapes"]["emb.weight"] == [64, H]
         assert got["shapes"]["down.weight"] == [H, INTER // 2]
-    whole = sum(torch.Size(s).numel() * 2 for s in shapes.values())
+        assert got["shapes"]["fp8_qkv.weight"] == [(2 + 2) * HEAD, H]
+        assert got["shapes"]["fp8_down.weight"] == [H, INTER // 2]
     for rank in (0, 1):
-        assert layers[f"2/{rank}"]["stats"]["read_bytes"] < 0.7 * whole, layers[f"2/{rank}"]
+        stats = layers[f"2/{rank}"]["stats"]
+        assert stats["read_bytes"] < 0.7 * stats["bytes"], stats
 
 
 @pytest.fixture(scope="module")
