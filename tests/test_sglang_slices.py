@@ -12,18 +12,19 @@ communicates: loading weights does not).
 - ``layers``: SGLang's QKV (separate q/k/v with the KV head replicated, and fused), merged
   column (gate/up), row, column (with bias), vocab-parallel embedding and LM head (vocabulary
   padded), FP8 QKV and row-parallel layers (``Fp8Config``: ``weight_loader_v2`` and SGLang's
-  parameter classes, per-tensor scales) and an unknown weight loader that transposes: every rank's parameters fed lazy tensors
-  are bitwise those fed whole tensors, and each tensor's reads are exactly the regions the rank
-  keeps (the pin: an SGLang whose loaders stop narrowing before they copy reads more, and fails
-  here);
+  parameter classes, per-tensor scales) and an unknown weight loader that transposes: every
+  rank's parameters fed lazy tensors are bitwise those fed whole tensors, and each tensor's
+  reads are exactly the regions the rank keeps (the pin: an SGLang whose loaders stop narrowing
+  before they copy reads more, and fails here);
 - ``moe``: SGLang's ``FusedMoE`` at TP 2 with its experts split (each rank its rows of gate/up,
   its columns of down) and spread (EP 2: its two experts whole, the others never read);
 - ``model``: SGLang's ``LlamaForCausalLM`` built and loaded by ``FastloadModelLoader.load_model``
-  at fake TP 2, ranks 0 and 1: every parameter bitwise what SGLang's ``DefaultModelLoader``
-  loads on that rank, reading about half of the checkpoint per rank.
+  at fake TP 2, ranks 0 and 1, from a local folder and over HTTP: every parameter bitwise what
+  SGLang's ``DefaultModelLoader`` loads on that rank, each rank reading exactly its regions (the
+  server's count of tensor data sent agrees).
 
 SGLang keeps process-wide state, so the loads run in a subprocess: this file is also the script
-it runs (``python tests/test_sglang_slices.py MODE WORK RESULT.json``).
+it runs (``python tests/test_sglang_slices.py all WORK RESULT.json``).
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def _load_moe(layer, tensors, read=None, reader=None) -> None:
                 read[key] = reader.bytes_read - before
 
 
-def run_moe(work: Path, result_path: Path) -> None:
+def run_moe(work: Path) -> dict:
     """SGLang's FusedMoE at TP 2, its experts' weights split (EP 1) or spread (EP 2), each rank:
     loaded from whole tensors and from lazy ones."""
     from fastload._lazy import Checkpoint
@@ -259,10 +260,10 @@ def run_moe(work: Path, result_path: Path) -> None:
                 "stats": checkpoint.stats.as_dict(),
                 "loaded_nonzero": all(bool(p.data.abs().sum() > 0) for p in lazy.parameters()),
             }
-    result_path.write_text(json.dumps(results))
+    return results
 
 
-def run_layers(work: Path, result_path: Path) -> None:
+def run_layers(work: Path) -> dict:
     """For TP 1 and 2, each rank: SGLang's layers loaded from whole tensors and from lazy ones."""
     import torch
     from fastload._lazy import Checkpoint
@@ -306,10 +307,10 @@ def run_layers(work: Path, result_path: Path) -> None:
                     for p in layer.parameters()
                 ),
             }
-    result_path.write_text(json.dumps(results))
+    return results
 
 
-def run_model(work: Path, result_path: Path) -> None:
+def run_model(work: Path) -> dict:
     """SGLang's LlamaForCausalLM at fake TP 2, ranks 0 and 1 (and at TP 1): SGLang's own loader,
     then fastload's with its default options (sliced at TP 2) and with ``slices: false``."""
     from sglang.srt.configs.device_config import DeviceConfig
@@ -344,7 +345,7 @@ def run_model(work: Path, result_path: Path) -> None:
                 loader, params = load(FastloadModelLoader, extra)
                 got[step] = {"differ": ts.compare(reference, params), "stats": loader.stats}
             results[f"{tp}/{rank}"] = got
-    result_path.write_text(json.dumps(results, default=str))
+    return results
 
 
 # ---------------------------------------------------------------- tests (run in the test venv)
@@ -371,8 +372,23 @@ def _driver(mode: str, work: Path, **env: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def layers(work):
-    return _driver("layers", work)
+def loads(work):
+    """The driver's loads (one process: SGLang's import is most of its time), the model's files
+    also served over HTTP under tp2/; returns (results, the model's files, the server's log)."""
+    from servers.http import Behaviour, RangeServer
+
+    files = {p.name: p.read_bytes() for p in (work / "llama").iterdir() if p.is_file()}
+    server = RangeServer({f"tp2/{name}": data for name, data in files.items()}, Behaviour())
+    try:
+        results = _driver("all", work, TEST_SLICES_URL=server.url(""))
+        yield results, files, list(server.behaviour.log)
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def layers(loads):
+    return loads[0]["layers"]
 
 
 @ts.needs_sglang
@@ -423,8 +439,8 @@ def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
 
 
 @pytest.fixture(scope="module")
-def moe(work):
-    return _driver("moe", work)
+def moe(loads):
+    return loads[0]["moe"]
 
 
 @ts.needs_sglang
@@ -464,18 +480,9 @@ def test_sglang_fused_moe_reads_only_each_ranks_part(moe):
 
 
 @pytest.fixture(scope="module")
-def model(work):
-    """The model's loads, its files also served over HTTP under tp2/; returns (results, the
-    files, the server's log)."""
-    from servers.http import Behaviour, RangeServer
-
-    files = {p.name: p.read_bytes() for p in (work / "llama").iterdir() if p.is_file()}
-    server = RangeServer({f"tp2/{name}": data for name, data in files.items()}, Behaviour())
-    try:
-        results = _driver("model", work, TEST_SLICES_URL=server.url(""))
-        yield results, files, list(server.behaviour.log)
-    finally:
-        server.close()
+def model(loads):
+    results, files, log = loads
+    return results["model"], files, log
 
 
 def _model_regions(name: str, shape: tuple, rank: int) -> tuple:
@@ -584,6 +591,11 @@ def test_slices_key_is_checked():
         parse({"slices": True, "distributed": True})
 
 
+def run_all(work: Path, result_path: Path) -> None:
+    results = {"layers": run_layers(work), "moe": run_moe(work), "model": run_model(work)}
+    result_path.write_text(json.dumps(results, default=str))
+
+
 if __name__ == "__main__":
     mode, work_dir, result = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    {"layers": run_layers, "moe": run_moe, "model": run_model}[mode](work_dir, result)
+    {"all": run_all}[mode](work_dir, result)
