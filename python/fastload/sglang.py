@@ -19,8 +19,15 @@ other small files come through fastload's object-store client into SGLang's cach
 object-store models, the weights stream). ``--model-loader-extra-config`` takes ``concurrency``,
 ``block_size``, ``memory_limit``, ``storage_options``, ``cache``, ``verify``, ``keyset`` and
 ``associated_data`` as ``fastload.load`` does, plus ``weights_uri`` (weights kept apart from the
-config) and ``distributed`` (every worker of SGLang's tensor-parallel group reads 1/N of the bytes
-and gets the rest from the others).
+config), ``distributed`` (every worker of SGLang's tensor-parallel group reads 1/N of the bytes
+and gets the rest from the others) and ``slices``.
+
+Where the model is split over workers (tensor or pipeline parallel, experts spread), the loader
+hands ``model.load_weights`` lazy tensors (``fastload._lazy``), as ``fastload.vllm`` does: SGLang's
+weight loaders narrow each to the rank's rows or columns before they copy it, and only those
+bytes are read; anything else reads the region it asks for, whole at worst. ``slices: false``
+streams whole tensors instead (as ``distributed: true`` does, which shares them over the group);
+``slices: true`` reads lazily on a lone worker too.
 
 Importing this module imports neither sglang nor torch.
 """
@@ -49,6 +56,12 @@ RESOLUTION_STEPS = ("handle_model_source_paths", "handle_load_format")
 # SGLang's object-store schemes (sglang.srt.utils.runai_utils.SUPPORTED_SCHEMES): a model path
 # with one of them gets its config from SGLang's cache folder for object-store models.
 OBJECT_STORE_SCHEMES = ("s3://", "gs://", "az://")
+# The widths of SGLang's parallel context (``sglang.srt.runtime_context.get_parallel()``) that
+# split a model's weights over workers: sliced reads default on where one is above 1.
+PARALLEL_WIDTHS = ("tp_size", "pp_size", "moe_ep_size")
+
+# The extra config keys: fastload.load's, weights_uri, distributed, and slices (sliced reads).
+KEYS = _integration.KEYS | {"slices"}
 
 _state = {"registered": False}
 
@@ -105,9 +118,7 @@ def _verify_load_format(original: Any, load_config: Any, *args: Any, **kwargs: A
     ``get_model_loader`` instantiates. The extra config is checked here, when the config is
     built (a bad key raises ``ConfigError`` naming it)."""
     if _is_ours(load_config.load_format):
-        _integration.Options.parse(
-            LOAD_FORMAT, load_config.model_loader_extra_config, _integration.KEYS
-        )
+        _integration.Options.parse(LOAD_FORMAT, load_config.model_loader_extra_config, KEYS)
         load_config.load_format = _loader_class()
         return None
     return original(load_config, *args, **kwargs)
@@ -140,7 +151,7 @@ def _model_source_paths(server_args: Any, previous: Any) -> None:
         previous(server_args)
         return
     options = _integration.Options.parse(
-        LOAD_FORMAT, _extra_config(cfg.model_loader_extra_config), _integration.KEYS
+        LOAD_FORMAT, _extra_config(cfg.model_loader_extra_config), KEYS
     )
     storage_options = options.stream_kwargs.get("storage_options")
     for path in remote:
@@ -193,6 +204,30 @@ def _weights_location(options: _integration.Options, model_config: Any) -> str:
     )
 
 
+def _sliced(options: _integration.Options) -> bool:
+    """Whether a load reads lazily, each worker only what it keeps: ``slices`` as given, else
+    where the model is split over workers (SGLang's tensor, pipeline or expert parallel width
+    above 1) and ``distributed`` is off (with it, whole tensors are read once and shared). A
+    worker that keeps every tensor whole streams them instead (the stream reads ahead)."""
+    if options.slices is not None:
+        return options.slices
+    if options.distributed:
+        return False
+    # SGLang's parallel context: the widths its layers partition their weights by
+    # (tests/test_sglang_slices.py pins the names).
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return any(getattr(parallel, width) > 1 for width in PARALLEL_WIDTHS)
+
+
+def _rank_name() -> str:
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    return f"tp rank {p.tp_rank}/{p.tp_size}, pp rank {p.pp_rank}/{p.pp_size}"
+
+
 @cache
 def _loader_class() -> type:
     import torch
@@ -218,8 +253,10 @@ def _loader_class() -> type:
         def __init__(self, load_config: Any) -> None:
             super().__init__(load_config)
             self.options = _integration.Options.parse(
-                LOAD_FORMAT, load_config.model_loader_extra_config, _integration.KEYS
+                LOAD_FORMAT, load_config.model_loader_extra_config, KEYS
             )
+            # What the last sliced load read (Stats.as_dict()), None after a whole-tensor one.
+            self.stats: dict[str, Any] | None = None
 
         def _resolve(self, where: str, revision: str | None) -> str:
             """A path or URL fastload reads: repo ids stream from the Hub (``hf://``), or are
@@ -298,29 +335,47 @@ def _loader_class() -> type:
             return model.eval()
 
         def load_weights(self, model: Any, model_config: Any, target: Any) -> None:
-            """Streams the weights into ``model.load_weights`` and post-processes them as
+            """Streams the weights into ``model.load_weights`` (lazy tensors where the model is
+            split: see ``_sliced``) and post-processes them as
             ``DefaultModelLoader.load_weights_and_postprocess`` does."""
-            device = _integration.target_device(target, model)
             sources = self._sources(model, model_config)
-            group = None
-            if self.options.distributed:
-                # SGLang's tensor-parallel group: its workers load the same checkpoint.
-                group = _integration.group_for(get_tp_group(), device)
             draft = self.load_config.draft_model_idx
             meter = _integration.Meter(logger)
+            stats = None
+            if _sliced(self.options):
+                from . import _lazy
+
+                stats = sliced = _lazy.Stats()
+
+                def items(uri: Any) -> Iterator[tuple[str, Any]]:
+                    # Each read when a weight loader copies it, only the part it narrowed it to.
+                    yield from _lazy.Checkpoint(uri, sliced, **self.options.stream_kwargs)
+            else:
+                device = _integration.target_device(target, model)
+                group = None
+                if self.options.distributed:
+                    # SGLang's tensor-parallel group: its workers load the same checkpoint.
+                    group = _integration.group_for(get_tp_group(), device)
+
+                def items(uri: Any) -> Iterator[tuple[str, Any]]:
+                    return meter.count(_integration.stream(uri, device, self.options, group))
 
             def weights() -> Iterator[tuple[str, Any]]:
                 for uri, prefix in sources:
-                    items = _integration.stream(uri, device, self.options, group)
                     if draft is not None:
                         # Multi-layer MTP drafts: only this draft's layer, renamed to layer 0.
-                        yield from default._filter_mtp_weights(items, prefix, draft)
+                        yield from default._filter_mtp_weights(items(uri), prefix, draft)
                     else:
-                        yield from ((prefix + name, tensor) for name, tensor in items)
+                        yield from ((prefix + name, tensor) for name, tensor in items(uri))
 
             with _integration.released(logger):
-                default.load_weights_and_postprocess(model, meter.count(weights()), target)
+                default.load_weights_and_postprocess(model, weights(), target)
+            if stats is not None:
+                meter.bytes = stats.read_bytes
             meter.log()
+            if stats is not None:
+                logger.info("fastload sliced reads on %s: %s", _rank_name(), stats.line())
+            self.stats = stats.as_dict() if stats is not None else None
 
     FastloadModelLoader.__module__ = __name__
     FastloadModelLoader.__qualname__ = FastloadModelLoader.__name__

@@ -1,0 +1,601 @@
+"""Sliced reads in SGLang (``fastload.sglang`` where the model is split over workers): each
+worker reads only the bytes it keeps (fastload._lazy), as far as SGLang runs on CPU.
+
+SGLang's tensor parallelism over 2+ ranks cannot start here (every such group gets a
+``PyNcclCommunicator``), so each rank of a tensor-parallel 2 run is played in one process:
+SGLang's parallel context published for ``tp_size=2`` at that rank, as its launcher publishes
+it, and no process group built. SGLang's own layers then partition their weights by SGLang's
+``_LogicalGroup`` (its stand-in for a group not built yet); the whole ``LlamaForCausalLM`` also
+asks for the group handles, which get a stand-in of the same shape (rank and size, nothing that
+communicates: loading weights does not).
+
+- ``layers``: SGLang's QKV (separate q/k/v with the KV head replicated, and fused), merged
+  column (gate/up), row, column (with bias), vocab-parallel embedding and LM head (vocabulary
+  padded), FP8 QKV and row-parallel layers (``Fp8Config``: ``weight_loader_v2`` and SGLang's
+  parameter classes, per-tensor scales) and an unknown weight loader that transposes: every
+  rank's parameters fed lazy tensors are bitwise those fed whole tensors, and each tensor's
+  reads are exactly the regions the rank keeps (the pin: an SGLang whose loaders stop narrowing
+  before they copy reads more, and fails here);
+- ``moe``: SGLang's ``FusedMoE`` at TP 2 with its experts split (each rank its rows of gate/up,
+  its columns of down) and spread (EP 2: its two experts whole, the others never read);
+- ``model``: SGLang's ``LlamaForCausalLM`` built and loaded by ``FastloadModelLoader.load_model``
+  at fake TP 2, ranks 0 and 1, from a local folder and over HTTP: every parameter bitwise what
+  SGLang's ``DefaultModelLoader`` loads on that rank, each rank reading exactly its regions (the
+  server's count of tensor data sent agrees).
+
+SGLang keeps process-wide state, so the loads run in a subprocess: this file is also the script
+it runs (``python tests/test_sglang_slices.py all WORK RESULT.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_sglang as ts
+import test_vllm_slices as tvs
+
+# The layers' sizes and checkpoint: those of tests/test_vllm_slices.py (hidden 64, 4 query heads
+# of 16 and 1 KV head, intermediate 128, vocabulary 100: SGLang pads it to 64 per rank too).
+H, HEAD, HEADS, KV_HEADS, INTER, VOCAB = (
+    tvs.H,
+    tvs.HEAD,
+    tvs.HEADS,
+    tvs.KV_HEADS,
+    tvs.INTER,
+    tvs.VOCAB,
+)
+
+
+# ---------------------------------------------------------------- driver (runs in a subprocess)
+
+
+class _Group:
+    """A stand-in for one of SGLang's group coordinators: the rank and size its layers read;
+    nothing that communicates."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank_in_group, self.world_size = rank, size
+        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
+        self.cpu_group = self.device_group = None
+
+
+def _context(model: Path, tp: int, rank: int, groups: bool = False) -> None:
+    """SGLang's parallel context of rank ``rank`` of ``tp`` (no process group built)."""
+    import sglang.srt.layers.rotary_embedding.base as rope
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    rope._is_cpu = True  # see tests/test_sglang.py::init_sglang
+    reset_context()
+    args = ServerArgs(model_path=str(model), device="cpu", tp_size=tp)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
+    if groups:
+        tp_group, one = _Group(rank, tp), _Group(0, 1)
+        get_parallel().override_permanently(
+            world_group=tp_group,
+            tp_group=tp_group,
+            attn_tp_group=tp_group,
+            moe_tp_group=tp_group,
+            shared_experts_tp_group=tp_group,
+            pp_group=one,
+            moe_ep_group=one,
+            moe_dp_group=one,
+            attn_cp_group=one,
+            dcp_group=one,
+        )
+
+
+def _layers(model: Path, tp: int, rank: int) -> dict:
+    import torch
+    from sglang.srt.layers import linear
+    from sglang.srt.layers import vocab_parallel_embedding as vpe
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    _context(model, tp, rank)
+    fp8 = Fp8Config(is_checkpoint_fp8_serialized=True)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layers = {
+            "qkv": linear.QKVParallelLinear(H, HEAD, HEADS, KV_HEADS, bias=False),
+            "qkv_fused": linear.QKVParallelLinear(H, HEAD, HEADS, KV_HEADS, bias=False),
+            "gate_up": linear.MergedColumnParallelLinear(H, [INTER, INTER], bias=False),
+            "down": linear.RowParallelLinear(INTER, H, bias=False),
+            "col": linear.ColumnParallelLinear(H, INTER, bias=True),
+            "emb": vpe.VocabParallelEmbedding(VOCAB, H),
+            "head": vpe.ParallelLMHead(VOCAB, H),
+            "fp8_qkv": linear.QKVParallelLinear(
+                H, HEAD, HEADS, KV_HEADS, bias=False, quant_config=fp8
+            ),
+            "fp8_down": linear.RowParallelLinear(INTER, H, bias=False, quant_config=fp8),
+        }
+    finally:
+        torch.set_default_dtype(torch.float32)
+    groups = {name: repr(getattr(layer, "tp_group", None)) for name, layer in layers.items()}
+    # A layer SGLang does not know: its loader transposes and scales (not a narrow then a copy).
+    unknown = torch.nn.Module()
+    unknown.weight = torch.nn.Parameter(torch.empty(32, 16), requires_grad=False)
+
+    def transposing_loader(param, loaded):
+        param.data.copy_(loaded.t().to(torch.float32) * 2)
+
+    unknown.weight.weight_loader = transposing_loader
+    layers["unknown"] = unknown
+    for layer in layers.values():
+        for p in layer.parameters():
+            p.data.fill_(0)
+    layers["_groups"] = groups
+    return layers
+
+
+# SGLang's FP8 layers (Fp8Config, a serialized FP8 checkpoint: per-tensor scales), whose
+# parameters load through weight_loader_v2 and SGLang's parameter classes.
+FP8_LOADS = [
+    ("fp8_qkv", "weight", "fp8.q", "q"),
+    ("fp8_qkv", "weight", "fp8.k", "k"),
+    ("fp8_qkv", "weight", "fp8.v", "v"),
+    ("fp8_qkv", "weight_scale", "fp8.q_scale", "q"),
+    ("fp8_qkv", "weight_scale", "fp8.k_scale", "k"),
+    ("fp8_qkv", "weight_scale", "fp8.v_scale", "v"),
+    ("fp8_down", "weight", "fp8.down", None),
+    ("fp8_down", "weight_scale", "fp8.down_scale", None),
+]
+
+
+def _fp8_tensors() -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+
+    def fp8(*shape):
+        return torch.randn(*shape, generator=g).to(torch.float8_e4m3fn)
+
+    return {
+        "fp8.q": fp8(HEADS * HEAD, H),
+        "fp8.k": fp8(KV_HEADS * HEAD, H),
+        "fp8.v": fp8(KV_HEADS * HEAD, H),
+        "fp8.down": fp8(H, INTER),
+        **{f"fp8.{n}_scale": torch.rand((), generator=g) + 0.5 for n in ("q", "k", "v", "down")},
+    }
+
+
+def _load_all(layers, tensors, per_tensor_bytes=None, reader=None) -> None:
+    """tests/test_vllm_slices.py's loads (SGLang's weight loaders take the same arguments),
+    then the FP8 layers'."""
+    tvs._load(layers, tensors, per_tensor_bytes, reader)
+    for layer, param_name, tensor, shard in FP8_LOADS:
+        param = getattr(layers[layer], param_name)
+        before = reader.bytes_read if reader is not None else 0
+        param.weight_loader(param, tensors[tensor], *(() if shard is None else (shard,)))
+        if per_tensor_bytes is not None:
+            per_tensor_bytes[tensor] = per_tensor_bytes.get(tensor, 0) + reader.bytes_read - before
+
+
+# SGLang's FusedMoE: 4 experts of hidden 64 and intermediate 128, from per-expert tensors.
+EXPERTS, MOE_INTER = 4, 128
+# (parameter, checkpoint tensor, shard id) per expert, as SGLang's models map them.
+MOE_LOADS = [
+    ("w13_weight", "gate_proj", "w1"),
+    ("w13_weight", "up_proj", "w3"),
+    ("w2_weight", "down_proj", "w2"),
+]
+
+
+def _moe_tensors() -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for e in range(EXPERTS):
+        for _, name, _ in MOE_LOADS:
+            shape = (H, MOE_INTER) if name == "down_proj" else (MOE_INTER, H)
+            out[f"experts.{e}.{name}.weight"] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _moe(model: Path, ep: int, rank: int):
+    """SGLang's FusedMoE on rank ``rank`` of tensor parallel 2, experts spread over ``ep``."""
+    import torch
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    reset_context()
+    args = ServerArgs(model_path=str(model), device="cpu", tp_size=2, ep_size=ep)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = FusedMoE(EXPERTS, H, MOE_INTER, layer_id=0, top_k=2)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for p in layer.parameters():
+        p.data.fill_(0)
+    return layer
+
+
+def _load_moe(layer, tensors, read=None, reader=None) -> None:
+    for e in range(EXPERTS):
+        for param_name, name, shard in MOE_LOADS:
+            param = getattr(layer, param_name)
+            key = f"experts.{e}.{name}.weight"
+            before = reader.bytes_read if reader is not None else 0
+            param.weight_loader(param, tensors[key], key, shard, e)
+            if read is not None:
+                read[key] = reader.bytes_read - before
+
+
+def run_moe(work: Path) -> dict:
+    """SGLang's FusedMoE at TP 2, its experts' weights split (EP 1) or spread (EP 2), each rank:
+    loaded from whole tensors and from lazy ones."""
+    from fastload._lazy import Checkpoint
+    from safetensors.torch import save_file
+
+    tensors = _moe_tensors()
+    path = work / "moe.safetensors"
+    save_file(tensors, str(path))
+    results: dict = {}
+    for ep in (1, 2):
+        for rank in (0, 1):
+            eager = _moe(work / "llama", ep, rank)
+            _load_moe(eager, tensors)
+            lazy = _moe(work / "llama", ep, rank)
+            checkpoint = Checkpoint(path)
+            read: dict[str, int] = {}
+            _load_moe(lazy, dict(checkpoint), read, checkpoint.reader)
+            results[f"{ep}/{rank}"] = {
+                "shapes": {n: list(p.shape) for n, p in lazy.named_parameters()},
+                "differ": [
+                    n
+                    for n, p in eager.named_parameters()
+                    if not ts.same_bits(p.data, getattr(lazy, n).data)
+                ],
+                "read": read,
+                "stats": checkpoint.stats.as_dict(),
+                "loaded_nonzero": all(bool(p.data.abs().sum() > 0) for p in lazy.parameters()),
+            }
+    return results
+
+
+def run_layers(work: Path) -> dict:
+    """For TP 1 and 2, each rank: SGLang's layers loaded from whole tensors and from lazy ones."""
+    import torch
+    from fastload._lazy import Checkpoint
+    from safetensors.torch import save_file
+
+    tensors = {**tvs._checkpoint_tensors(), **_fp8_tensors()}
+    path = work / "layers.safetensors"
+    save_file(tensors, str(path))
+    results: dict = {}
+    for tp in (1, 2):
+        for rank in range(tp):
+            eager = _layers(work / "llama", tp, rank)
+            groups = eager.pop("_groups")
+            _load_all(eager, tensors)
+            lazy = _layers(work / "llama", tp, rank)
+            lazy.pop("_groups")
+            checkpoint = Checkpoint(path)
+            read: dict[str, int] = {}
+            _load_all(lazy, dict(checkpoint), read, checkpoint.reader)
+            differ = [
+                f"{name}.{p}"
+                for name in eager
+                for p, want in eager[name].named_parameters()
+                if not ts.same_bits(want.data, getattr(lazy[name], p).data)
+            ]
+            results[f"{tp}/{rank}"] = {
+                "groups": groups,
+                "shapes": {
+                    f"{name}.{p}": list(param.shape)
+                    for name, layer in lazy.items()
+                    for p, param in layer.named_parameters()
+                },
+                "differ": differ,
+                "read": read,
+                "stats": checkpoint.stats.as_dict(),
+                "loaded_nonzero": all(
+                    bool(p.data.view(torch.uint8).sum() > 0)
+                    if p.dtype == torch.float8_e4m3fn
+                    else bool(p.data.abs().sum() > 0)
+                    for layer in lazy.values()
+                    for p in layer.parameters()
+                ),
+            }
+    return results
+
+
+def run_model(work: Path) -> dict:
+    """SGLang's LlamaForCausalLM at fake TP 2, ranks 0 and 1 (and at TP 1): SGLang's own loader,
+    then fastload's with its default options (sliced at TP 2) and with ``slices: false``."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    model = work / "llama"
+    results: dict = {}
+
+    def load(load_format, extra=None):
+        model_config = ModelConfig(str(model), dtype="bfloat16")
+        load_config = LoadConfig(load_format=load_format, model_loader_extra_config=extra or {})
+        loader = get_model_loader(load_config, model_config)
+        built = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+        assert type(built).__module__ == "sglang.srt.models.llama", type(built)
+        params = {name: p.detach().clone() for name, p in built.named_parameters()}
+        return loader, params
+
+    from fastload.sglang import FastloadModelLoader
+
+    url = os.environ["TEST_SLICES_URL"]
+    for tp in (1, 2):
+        for rank in range(tp):
+            _context(model, tp, rank, groups=True)
+            _, reference = load("auto")
+            got: dict = {"shapes": {n: list(p.shape) for n, p in reference.items()}}
+            steps: list = [("default", None), ("whole", {"slices": False})]
+            if tp == 2:  # the weights over HTTP (the server counts what it sent)
+                steps.append(("http", {"weights_uri": f"{url}tp2/{tvs.INDEX}"}))
+            for step, extra in steps:
+                loader, params = load(FastloadModelLoader, extra)
+                got[step] = {"differ": ts.compare(reference, params), "stats": loader.stats}
+            results[f"{tp}/{rank}"] = got
+    return results
+
+
+# ---------------------------------------------------------------- tests (run in the test venv)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("sglang_slices")
+    tvs._write_model(work / "llama")  # one KV head (replicated at TP 2), vocabulary 500 (padded)
+    return work
+
+
+def _driver(mode: str, work: Path, **env: str) -> dict:
+    out = work / f"{mode}.json"
+    proc = subprocess.run(
+        [sys.executable, __file__, mode, str(work), str(out)],
+        env=ts._env(**env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def loads(work):
+    """The driver's loads (one process: SGLang's import is most of its time), the model's files
+    also served over HTTP under tp2/; returns (results, the model's files, the server's log)."""
+    from servers.http import Behaviour, RangeServer
+
+    files = {p.name: p.read_bytes() for p in (work / "llama").iterdir() if p.is_file()}
+    server = RangeServer({f"tp2/{name}": data for name, data in files.items()}, Behaviour())
+    try:
+        results = _driver("all", work, TEST_SLICES_URL=server.url(""))
+        yield results, files, list(server.behaviour.log)
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def layers(loads):
+    return loads[0]["layers"]
+
+
+@ts.needs_sglang
+def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
+    from fastload._safe_open import LOCAL_READ_COST, plan
+
+    shapes = {k: tuple(v.shape) for k, v in tvs._tensor_shapes().items()}
+    for tp in (1, 2):
+        for rank in range(tp):
+            got = layers[f"{tp}/{rank}"]
+            assert got["differ"] == [], (tp, rank, got["differ"])
+            assert got["loaded_nonzero"], (tp, rank)
+            for name, regions in tvs._expected_regions(tp, rank).items():
+                want = sum(
+                    sum(n for _, n in plan(shapes[name], 2, index, LOCAL_READ_COST).ranges)
+                    for index in regions
+                )
+                assert got["read"][name] == want, (tp, rank, name, got["read"][name], want)
+                if name in ("q", "k", "v", "down"):  # the FP8 tensor: 1 byte an element
+                    fp8 = sum(
+                        sum(n for _, n in plan(shapes[name], 1, index, LOCAL_READ_COST).ranges)
+                        for index in regions
+                    )
+                    assert got["read"][f"fp8.{name}"] == fp8, (tp, rank, name, got["read"])
+                    # A per-tensor scale: one float32, read whole.
+                    assert got["read"][f"fp8.{name}_scale"] == 4, (tp, rank, name, got["read"])
+            total = sum(got["read"].values())
+            assert got["stats"]["read_bytes"] == total
+            # The unknown loader's transpose read its tensor whole (the fallback), as did the
+            # reshape of the row-parallel FP8 layer's scalar scale to (1,) (SGLang's
+            # load_row_parallel_weight), and both still matched the whole-tensor loads.
+            assert got["stats"]["fallbacks"] == {"t": 1, "view": 1}, got["stats"]
+    # The pins: at TP 2 SGLang's layers partition by its logical group, the KV head replicated
+    # (q: 2 heads of 16, k and v: 1 each) and the vocabulary padded to 64 rows per rank.
+    for rank in (0, 1):
+        got = layers[f"2/{rank}"]
+        assert set(got["groups"].values()) == {
+            f"_LogicalGroup(rank_in_group={rank}, world_size=2)"
+        }, got["groups"]
+        assert got["shapes"]["qkv.weight"] == [(2 + 2) * HEAD, H]
+        assert got["shapes"]["emb.weight"] == [64, H]
+        assert got["shapes"]["down.weight"] == [H, INTER // 2]
+        assert got["shapes"]["fp8_qkv.weight"] == [(2 + 2) * HEAD, H]
+        assert got["shapes"]["fp8_down.weight"] == [H, INTER // 2]
+    for rank in (0, 1):
+        stats = layers[f"2/{rank}"]["stats"]
+        assert stats["read_bytes"] < 0.7 * stats["bytes"], stats
+
+
+@pytest.fixture(scope="module")
+def moe(loads):
+    return loads[0]["moe"]
+
+
+@ts.needs_sglang
+def test_sglang_fused_moe_reads_only_each_ranks_part(moe):
+    """SGLang's FusedMoE weight loader: at TP 2 (experts split) each rank reads its rows of
+    gate/up and its columns of down; at EP 2 its two experts whole and the others not at all."""
+    from fastload._safe_open import LOCAL_READ_COST, plan
+
+    half = MOE_INTER // 2
+    for ep in (1, 2):
+        for rank in (0, 1):
+            got = moe[f"{ep}/{rank}"]
+            assert got["differ"] == [] and got["loaded_nonzero"], (ep, rank, got)
+            assert got["stats"]["fallbacks"] == {}, got["stats"]
+            for e in range(EXPERTS):
+                for _, name, _ in MOE_LOADS:
+                    shape = (H, MOE_INTER) if name == "down_proj" else (MOE_INTER, H)
+                    if ep == 2:
+                        mine = e // (EXPERTS // 2) == rank
+                        index = (slice(None),) if mine else None
+                    elif name == "down_proj":
+                        index = (slice(None), slice(rank * half, (rank + 1) * half))
+                    else:
+                        index = (slice(rank * half, (rank + 1) * half),)
+                    want = (
+                        0
+                        if index is None
+                        else sum(n for _, n in plan(shape, 2, index, LOCAL_READ_COST).ranges)
+                    )
+                    key = f"experts.{e}.{name}.weight"
+                    assert got["read"][key] == want, (ep, rank, key, got["read"][key], want)
+            if ep == 2:
+                assert got["shapes"]["w13_weight"] == [2, 2 * MOE_INTER, H], got["shapes"]
+                assert got["stats"]["skipped_tensors"] == 6, got["stats"]
+            else:
+                assert got["shapes"]["w13_weight"] == [EXPERTS, MOE_INTER, H], got["shapes"]
+
+
+@pytest.fixture(scope="module")
+def model(loads):
+    results, files, log = loads
+    return results["model"], files, log
+
+
+def _model_regions(name: str, shape: tuple, rank: int) -> tuple:
+    """What rank ``rank`` of 2 keeps of the test Llama's tensor ``name`` (4 query heads and 1 KV
+    head of 64, intermediate 512, vocabulary 500 padded to 256 rows per rank)."""
+    half = shape[0] // 2
+    if name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
+        return (slice(rank * half, (rank + 1) * half),)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):  # row parallel: columns
+        cols = shape[1] // 2
+        return (slice(None), slice(rank * cols, (rank + 1) * cols))
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return (slice(rank * 256, min((rank + 1) * 256, shape[0])),)
+    return (slice(None),)  # norms, and k/v: the one KV head, replicated on both ranks
+
+
+@ts.needs_sglang
+def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
+    """SGLang's LlamaForCausalLM at fake TP 2: each rank's parameters bitwise those of SGLang's
+    own loader on that rank, from a local folder and over HTTP, each rank reading exactly the
+    regions it keeps (the server sending those bytes of tensor data, no more)."""
+    from fastload._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, plan
+    from safetensors import safe_open
+
+    results, files, log = model
+    shapes = {}
+    for f in (work / "llama").glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys()})
+    checkpoint = sum(2 * math.prod(s) for s in shapes.values())
+    assert checkpoint == tvs._weights(files)
+
+    def regions_bytes(rank: int, cost: int) -> int:
+        return sum(
+            sum(n for _, n in plan(shape, 2, _model_regions(name, shape, rank), cost).ranges)
+            for name, shape in shapes.items()
+        )
+
+    # At TP 1 the default reads whole tensors (streamed, no lazy tensors).
+    assert results["1/0"]["default"] == {"differ": [], "stats": None}, results["1/0"]
+    assert results["1/0"]["whole"] == {"differ": [], "stats": None}, results["1/0"]
+    over_http = 0
+    for rank in (0, 1):
+        got = results[f"2/{rank}"]
+        # The rank's partition (qkv: 2 query heads and the replicated KV head, of 64).
+        assert got["shapes"]["model.layers.0.self_attn.qkv_proj.weight"] == [4 * 64, 256]
+        assert got["shapes"]["lm_head.weight"] == [256, 256]
+        assert got["whole"] == {"differ": [], "stats": None}, got
+        for step, cost in (("default", LOCAL_READ_COST), ("http", REMOTE_READ_COST)):
+            assert got[step]["differ"] == [], (step, got)
+            stats = got[step]["stats"]
+            assert stats["skipped_tensors"] == 0 and stats["fallbacks"] == {}, stats
+            want = regions_bytes(rank, cost)
+            assert stats["bytes"] == checkpoint and stats["read_bytes"] == want, (stats, want)
+            # q, o, gate, up, down of 2 layers, the embeddings and lm_head: slices; the 5 norms
+            # and the k/v of 2 layers (one KV head, which both ranks keep): whole.
+            assert stats["sliced_tensors"] == 12 and stats["whole_tensors"] == 9, stats
+            assert stats["read_bytes"] < 0.7 * checkpoint, stats
+        over_http += got["http"]["stats"]["read_bytes"]
+    data, _ = tvs._sent(log, "tp2", files)
+    assert data == over_http, (data, over_http)
+    assert data < 1.4 * checkpoint, (data, checkpoint)
+
+
+@ts.needs_sglang
+def test_sliced_by_default_where_sglang_splits_the_model(monkeypatch):
+    """Lazy tensors by default where SGLang's parallel context has a tensor, pipeline or expert
+    parallel width above 1 (the names pinned: a SGLang that renames them fails here), not with
+    ``distributed``; ``slices`` overrides."""
+    from types import SimpleNamespace
+
+    from fastload import sglang as fs
+    from sglang.srt import runtime_context
+
+    fields = runtime_context._parallel_fields()
+    for name in (*fs.PARALLEL_WIDTHS, "tp_rank", "pp_rank"):
+        assert name in fields, name
+
+    def sliced(extra, **widths):
+        context = SimpleNamespace(**{**dict.fromkeys(fs.PARALLEL_WIDTHS, 1), **widths})
+        monkeypatch.setattr(runtime_context, "get_parallel", lambda: context)
+        return fs._sliced(fs._integration.Options.parse("fastload", extra, fs.KEYS))
+
+    assert not sliced({})
+    assert sliced({}, tp_size=2) and sliced({}, pp_size=2) and sliced({}, moe_ep_size=4)
+    assert not sliced({"distributed": True}, tp_size=2)
+    assert not sliced({"slices": False}, tp_size=2)
+    assert sliced({"slices": True})
+
+
+def test_slices_key_is_checked():
+    """``slices``: true, false or absent (the loader decides), not with ``distributed: true``;
+    checked when SGLang builds its LoadConfig (the plugin's hook parses with these keys)."""
+    from fastload import ConfigError, sglang
+
+    def parse(extra):
+        return sglang._integration.Options.parse("fastload", extra, sglang.KEYS)
+
+    assert parse({}).slices is None
+    assert parse({"slices": False}).slices is False
+    assert parse({"slices": True}).slices is True
+    with pytest.raises(ConfigError) as info:
+        parse({"slices": "yes"})
+    assert info.value.option == "slices"
+    with pytest.raises(ConfigError, match="slices and distributed cannot both be true"):
+        parse({"slices": True, "distributed": True})
+
+
+def run_all(work: Path, result_path: Path) -> None:
+    results = {"layers": run_layers(work), "moe": run_moe(work), "model": run_model(work)}
+    result_path.write_text(json.dumps(results, default=str))
+
+
+if __name__ == "__main__":
+    mode, work_dir, result = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    {"all": run_all}[mode](work_dir, result)
