@@ -372,8 +372,10 @@ pub const VERIFY: OptionDef = OptionDef {
     default: "`False`",
     env: Some(ENV_VERIFY),
     help: "`True`: check Hub files against their sha256 (LFS) or git blob id wherever their \
-           bytes come from (network, Hugging Face cache, local cache), a file read in part \
-           whole before any byte of it is served; see \"Checking content\"",
+           bytes come from (network, Hugging Face cache, local cache), and S3, GCS and Azure \
+           objects against the whole-object checksum their store keeps \
+           (CRC64NVME/CRC32C/sha256/MD5), a file read in part whole before any byte of it is \
+           served; see \"Checking content\"",
     takers: &[Native, Reader, SafeOpen, ExtraConfig],
 };
 pub const KEYSET: OptionDef = OptionDef {
