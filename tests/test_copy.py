@@ -259,7 +259,9 @@ def test_a_copy_killed_midway_is_finished_by_a_rerun(hub, env, s3, tmp_path):
     try:
         assert proc.stdout.readline() == b"ready\n"
         deadline = time.monotonic() + 60
-        while not open_uploads(s3, prefix):  # big.bin (the first file) is going up
+        # big.bin (the largest file, started first) is going up, and files copied beside it
+        # were published.
+        while not (open_uploads(s3, prefix) and objects(s3, prefix)):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
@@ -268,13 +270,83 @@ def test_a_copy_killed_midway_is_finished_by_a_rerun(hub, env, s3, tmp_path):
         hub.storage.rate = 0
     assert "big.bin" not in objects(s3, prefix)  # nothing partial is visible
     published = set(objects(s3, prefix))
-    assert "adapter/adapter_config.json" in published  # files before it were done
+    assert published and published < set(hub.tree)
     out = fastload.copy(f"hf://{REPO}", dst, part_size=PART, progress=False)
     assert {k[len(dst) :] for k in out["skipped"]} == published
     assert objects(s3, prefix) == hub.tree
     for key in open_uploads(s3, prefix):  # the killed copy's invisible parts
         for u in s3.list_multipart_uploads(Bucket=BUCKET, Prefix=key)["Uploads"]:
             s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=u["UploadId"])
+
+
+def test_files_are_copied_side_by_side_and_the_index_after_its_shards(
+    hub, env, s3, seaweed, monkeypatch
+):
+    # The order in which SeaweedFS receives the requests (the relay's log): another file's
+    # requests arrive while big.bin's multipart upload is open (from its creation to its
+    # completion), and the index only after every shard is complete.
+    port = int(seaweed.endpoint.rsplit(":", 1)[1])
+    prefix = "copy/overlap/"
+    hub.storage.rate = 8 << 20  # big.bin's 12 MiB take a while; the small files are not LFS
+    with HttpFaultProxy(("127.0.0.1", port), match=lambda m, h: False) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        try:
+            out = fastload.copy(f"hf://{REPO}", f"s3://{BUCKET}/{prefix}", part_size=PART,
+                                progress=False)  # fmt: skip
+        finally:
+            hub.storage.rate = 0
+        log = [(method, target.split("?")[0].split(prefix, 1)[-1], target)
+               for method, target, _ in proxy.log if prefix in target]  # fmt: skip
+    assert objects(s3, prefix) == hub.tree and len(out["copied"]) == len(hub.tree)
+    # big.bin's multipart upload: created (POST ?uploads) ... completed (POST ?uploadId=).
+    big = [i for i, (m, key, _) in enumerate(log) if key == "big.bin" and m == "POST"]
+    assert len(big) == 2
+    beside = {key for _, key, _ in log[big[0] : big[-1]]} - {"big.bin"}
+    assert beside, log
+    shards = [k for k in hub.tree if k.startswith("model-")]
+    index = next(
+        i for i, (m, key, _) in enumerate(log) if m == "PUT" and key.endswith(".index.json")
+    )
+    for shard in shards:
+        assert max(i for i, (_, key, _) in enumerate(log) if key == shard) < index, log
+
+
+INTERRUPTED = """
+import os, sys, fastload
+print("ready", flush=True)
+try:
+    fastload.copy(sys.argv[1], sys.argv[2], part_size=5 << 20, progress=False)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    os._exit(3)  # no teardown: what the copy left undone when it raised stays undone
+print("done", flush=True)
+"""
+
+
+def test_ctrl_c_aborts_the_uploads_of_the_files_in_flight(hub, env, s3):
+    prefix = "copy/interrupted/"
+    dst = f"s3://{BUCKET}/{prefix}"
+    hub.storage.rate = 4 << 20
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED, f"hf://{REPO}", dst],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": PYTHON},
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 60
+        while not open_uploads(s3, prefix):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        hub.storage.rate = 0
+    assert (proc.returncode, out) == (3, b"interrupted\n"), err.decode()[-2000:]
+    assert open_uploads(s3, prefix) == []
+    assert "big.bin" not in objects(s3, prefix)
 
 
 def _rank(rank: int, world: int, src: str, dst: str, port: str, outs: str) -> None:
