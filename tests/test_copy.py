@@ -392,9 +392,11 @@ def test_two_ranks_split_the_files(tmp_path):
 
 try:
     from test_vllm import (
+        LOG_LINE,
         S3_BUCKET,
         _engine_env,
         _greedy_tokens,
+        _run_driver,
         _serving,
         _tail,
         _worker_load_lines,
@@ -439,6 +441,36 @@ def test_copy_from_the_hub_to_s3_then_serve_it_with_vllm(offline, seaweed, tmp_p
         assert _greedy_tokens(base, model) == expected["safetensors"][0]
     output, _ = _worker_load_lines(log)
     assert "fastload pulled" in output, _tail(output)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_model_and_its_lora_adapter_copied_to_s3_serve_with_vllm(seaweed, tmp_path):
+    """Tensorizer's flow: the model with its LoRA adapter files beside it goes to S3 with
+    fastload.copy; vLLM serves the weights from S3 (load_format="fastload") with the adapter
+    (copied back bitwise) enabled, and gives the tokens its own loader gives on the originals,
+    which the adapter changes."""
+    client = seaweed.client()
+    try:
+        client.create_bucket(Bucket=S3_BUCKET)
+    except Exception as e:
+        if "Bucket" not in type(e).__name__:
+            raise
+    results, output = _run_driver("lora", tmp_path, **seaweed.env())
+    stored = objects(client, "lora/tiny-llama/adapter/")
+    adapter = tmp_path / "tiny-llama" / "adapter"
+    assert stored == {p.name: p.read_bytes() for p in adapter.iterdir()}
+    assert results["adapter_bitwise"] == {
+        "adapter_config.json": True,
+        "adapter_model.safetensors": True,
+    }
+    assert results["fastload_s3_base"] == results["reference_base"], _tail(output)
+    assert results["fastload_s3_lora"] == results["reference_lora"], _tail(output)
+    assert results["reference_lora"] != results["reference_base"]
+    # The second engine's weights came through fastload's loader (vLLM's logs its own line).
+    assert any(LOG_LINE in line and "[vllm.py:" in line for line in output.splitlines()), _tail(
+        output
+    )
 
 
 def test_the_cli_draws_a_progress_bar_on_a_terminal_only(tmp_path):
