@@ -240,7 +240,7 @@ fn run(
             // A thread that cannot start leaves its files to the others.
             let _ = std::thread::Builder::new()
                 .name(format!("fastload-copy-{n}"))
-                .spawn_scoped(s, &work);
+                .spawn_scoped(s, work);
         }
         work();
     });
