@@ -30,7 +30,8 @@ untimed warm-up round:
   GETs from the mock Hub, uploaded in parallel parts, sha256 checked in flight) against
   huggingface_hub's `snapshot_download` into a fresh cache then boto3's `upload_file` of each file
   (the seeds' `hf download` + `aws s3 sync`). The mock Hub (tests/servers/hub.py) serves a model
-  folder of `--copy-size` bytes (one safetensors file plus config files) from its own process,
+  folder of `--copy-size` bytes (one safetensors file, or `--copy-files` shards and an index,
+  plus config files) from its own process,
   at `--hub-rate` bytes/s (0: unlimited); the destination prefix is emptied between runs. With a
   rate, the table also gives each copy's time against the Hub link's wire time (folder bytes /
   rate), the issue's "slower link".
@@ -153,7 +154,15 @@ def copy_rows(args, client, bucket: str, transfer, server):
 
     size = fastload._fastload.parse_size(args.copy_size)
     src = Path(tempfile.mkdtemp(prefix="write-bench-hub-"))
-    (src / "model.safetensors").write_bytes(os.urandom(size))
+    if args.copy_files <= 1:
+        (src / "model.safetensors").write_bytes(os.urandom(size))
+    else:  # shards of equal size and their index, as a sharded Hub repo holds them
+        n = args.copy_files
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for name in names:
+            (src / name).write_bytes(os.urandom(size // n))
+        index = {"metadata": {}, "weight_map": {f"w{i}": name for i, name in enumerate(names)}}
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         (src / name).write_bytes(b'{"bench": true}')
     folder_bytes = sum(p.stat().st_size for p in src.iterdir())
@@ -222,6 +231,7 @@ def main() -> None:
     ap.add_argument("--hub-rate", default="0", help="mock Hub storage bytes/s (0: unlimited)")
     ap.add_argument("--no-copy", action="store_true", help="no copy rows")
     ap.add_argument("--copy-block-size", default=None, help="fastload.copy's block_size")
+    ap.add_argument("--copy-files", type=int, default=1, help="shards of the copied model (1)")
     ap.add_argument("--rtt-ms", default="0", help="S3 round trips to measure, e.g. 0,20 (ms)")
     ap.add_argument("--raw-threads", type=int, default=32, help="raw multipart client's threads")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
