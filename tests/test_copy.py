@@ -142,6 +142,23 @@ def test_a_poisoned_hub_blob_aborts_that_file_and_names_it(hub, env, s3):
     assert open_uploads(s3, prefix) == []
 
 
+def test_a_poisoned_blob_in_a_whole_repo_copy_stops_the_files_beside_it(hub, env, s3):
+    # Several files are in flight when big.bin's digest fails: the copy raises naming big.bin,
+    # and no file is left half-uploaded (the others in flight are aborted or completed whole).
+    prefix = "copy/poison-repo/"
+    data = hub.tree["big.bin"]
+    bad = bytearray(data)
+    bad[-1] ^= 0xFF
+    hub.storage.poison[lfs_sha256(data)] = bytes(bad)
+    with pytest.raises(fastload.FastloadError, match=r"big\.bin") as e:
+        fastload.copy(f"hf://{REPO}", f"s3://{BUCKET}/{prefix}", part_size=PART, progress=False)
+    assert "sha256" in str(e.value)
+    stored = objects(s3, prefix)
+    assert "big.bin" not in stored
+    assert all(stored[k] == hub.tree[k] for k in stored)
+    assert open_uploads(s3, prefix) == []
+
+
 def test_an_existing_different_file_is_refused_unless_overwrite(hub, env, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
