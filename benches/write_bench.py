@@ -4,6 +4,8 @@
     python benches/write_bench.py --size 2GiB        # the issue's size
     python benches/write_bench.py --no-s3 --reps 5
     python benches/write_bench.py --reps 1 --copy-size 64MiB   # once, with the copy rows
+    python benches/write_bench.py --size 2GiB --reps 1 --warmup 0 --rtt-ms 0,20 \
+        --copy-size 1GiB --hub-rate 100MiB      # the issue's table
 
 Rows, each timed in this process with rounds interleaved (order rotated each round), after one
 untimed warm-up round:
@@ -14,16 +16,25 @@ untimed warm-up round:
   of benches/out/), the file removed between runs.
 - s3: `fastload.save_file(tensors, "s3://...")` (parallel multipart upload straight from the
   tensors' memory) against `save_file` to a local file then boto3's `upload_file` (multipart,
-  16 MiB parts, 10 threads), the way a checkpoint reaches a bucket today. SeaweedFS runs on
-  127.0.0.1 (tests/servers/s3.py) and shares the VM's cores with the client: compare rows of
-  one run only.
+  16 MiB parts, 10 threads), the way a checkpoint reaches a bucket today, and against a raw
+  parallel multipart client: the file's bytes already in memory (`safetensors.torch.save`,
+  untimed), then `create_multipart_upload`, 16 MiB `upload_part` calls from a pool of
+  `--raw-threads` threads (32), `complete_multipart_upload`: what the link and the server allow
+  with no serialisation at all. SeaweedFS runs on 127.0.0.1 (tests/servers/s3.py) and shares the
+  VM's cores with the client: compare rows of one run only. `--rtt-ms 0,20` repeats the S3 rows
+  through a delaying TCP proxy (benches/latency_proxy.py, in its own process: half the round
+  trip each way); the object is deleted and SeaweedFS's volumes vacuumed after each upload, so a
+  2 GiB run does not fill the disk.
 
 - copy: `fastload.copy("hf://org/bench", "s3://.../")` (each file read once in ranged parallel
   GETs from the mock Hub, uploaded in parallel parts, sha256 checked in flight) against
   huggingface_hub's `snapshot_download` into a fresh cache then boto3's `upload_file` of each file
   (the seeds' `hf download` + `aws s3 sync`). The mock Hub (tests/servers/hub.py) serves a model
-  folder of `--copy-size` bytes (one safetensors file plus config files) from its own process,
-  at `--hub-rate` bytes/s (0: unlimited); the destination prefix is emptied between runs.
+  folder of `--copy-size` bytes (one safetensors file, or `--copy-files` shards and an index,
+  plus config files) from its own process,
+  at `--hub-rate` bytes/s (0: unlimited); the destination prefix is emptied between runs. With a
+  rate, the table also gives each copy's time against the Hub link's wire time (folder bytes /
+  rate), the issue's "slower link".
 
 Cells are GB/s of tensor bytes (1e9 B/s): median (min-max) over rounds; the ratio is fastload's
 median over the peer's. Results are printed and written to benches/out/write_results.json.
@@ -81,7 +92,59 @@ def summary(rates: list[float]) -> str:
     return f"{statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f})"
 
 
-def copy_rows(args, client, bucket: str, transfer):
+def raw_multipart(client, bucket: str, key: str, blob: bytes, part: int, threads: int) -> None:
+    """`blob` up as one object: parts of `part` bytes from a pool of `threads` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    view = memoryview(blob)
+
+    def one(n: int) -> dict:
+        body = view[n * part : (n + 1) * part].tobytes()
+        got = client.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload, PartNumber=n + 1, Body=body
+        )
+        return {"PartNumber": n + 1, "ETag": got["ETag"]}
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            parts = list(pool.map(one, range(-(-len(blob) // part))))
+        client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+        )
+    except BaseException:
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+        raise
+
+
+def delay_line(port: int, rtt_ms: float):
+    """A delaying proxy in front of 127.0.0.1:`port` in its own process: (endpoint, process)."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "latency_proxy.py"), "--target", f"127.0.0.1:{port}",
+         "--delay-ms", str(rtt_ms / 2)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    line = proc.stdout.readline().split()
+    if line[:1] != ["PORT"]:
+        proc.kill()
+        raise RuntimeError(f"latency proxy did not start: {line}")
+    return f"http://127.0.0.1:{line[1]}", proc
+
+
+def vacuum(server) -> None:
+    """Has SeaweedFS reclaim the space of deleted objects now (it would keep it for a while)."""
+    import urllib.request
+
+    args = server.proc.args if server.proc is not None else []
+    port = next((a.split("=", 1)[1] for a in args if a.startswith("-master.port=")), None)
+    if port is not None:
+        url = f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.0001"
+        urllib.request.urlopen(url, timeout=120).read()
+
+
+def copy_rows(args, client, bucket: str, transfer, server):
     """The copy rows: a mock Hub in its own process serving a model folder, and the two ways of
     putting that folder into the bucket. Returns (jobs, bytes of the folder, the Hub process,
     the Hub's folder)."""
@@ -91,7 +154,15 @@ def copy_rows(args, client, bucket: str, transfer):
 
     size = fastload._fastload.parse_size(args.copy_size)
     src = Path(tempfile.mkdtemp(prefix="write-bench-hub-"))
-    (src / "model.safetensors").write_bytes(os.urandom(size))
+    if args.copy_files <= 1:
+        (src / "model.safetensors").write_bytes(os.urandom(size))
+    else:  # shards of equal size and their index, as a sharded Hub repo holds them
+        n = args.copy_files
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for name in names:
+            (src / name).write_bytes(os.urandom(size // n))
+        index = {"metadata": {}, "weight_map": {f"w{i}": name for i, name in enumerate(names)}}
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         (src / name).write_bytes(b'{"bench": true}')
     folder_bytes = sum(p.stat().st_size for p in src.iterdir())
@@ -136,7 +207,14 @@ def copy_rows(args, client, bucket: str, transfer):
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    jobs = [("copy", "fastload copy", ours_copy), ("copy", "snapshot_download+boto3", theirs_copy)]
+    def tidy() -> None:
+        empty()
+        vacuum(server)
+
+    jobs = [
+        ("copy", "fastload copy", ours_copy, tidy),
+        ("copy", "snapshot_download+boto3", theirs_copy, tidy),
+    ]
     return jobs, folder_bytes, proc, src
 
 
@@ -153,6 +231,10 @@ def main() -> None:
     ap.add_argument("--hub-rate", default="0", help="mock Hub storage bytes/s (0: unlimited)")
     ap.add_argument("--no-copy", action="store_true", help="no copy rows")
     ap.add_argument("--copy-block-size", default=None, help="fastload.copy's block_size")
+    ap.add_argument("--copy-files", type=int, default=1, help="shards of the copied model (1)")
+    ap.add_argument("--rtt-ms", default="0", help="S3 round trips to measure, e.g. 0,20 (ms)")
+    ap.add_argument("--raw-threads", type=int, default=32, help="raw multipart client's threads")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     args = ap.parse_args()
 
     size = fastload._fastload.parse_size(args.size)
@@ -176,7 +258,11 @@ def main() -> None:
         fsync(dest)
 
     rows: dict[str, dict[str, object]] = {}
-    jobs = [("local", "fastload", ours_local), ("local", "safetensors+fsync", theirs_local)]
+    jobs = [
+        ("local", "fastload", ours_local, clean),
+        ("local", "safetensors+fsync", theirs_local, clean),
+    ]
+    delay_procs: list = []
 
     server = None
     hub_proc = None
@@ -201,39 +287,70 @@ def main() -> None:
             key = "bench/model.safetensors"
             uri = f"s3://{s3_server.BUCKET}/{key}"
             from boto3.s3.transfer import TransferConfig
+            from safetensors.torch import save as save_bytes
 
             transfer = TransferConfig(
                 multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=10
             )
+            blob = save_bytes(tensors)  # the raw client's input, made once, untimed
+            s3_port = int(server.endpoint.rsplit(":", 1)[1])
 
-            def ours_s3() -> None:
-                fastload.save_file(tensors, uri, overwrite=True)
+            def s3_jobs(where: str, endpoint: str):
+                c = s3_server.client(endpoint)
+                opts = {"endpoint": endpoint}
 
-            def theirs_s3() -> None:
-                save_file(tensors, dest)
-                client.upload_file(dest, s3_server.BUCKET, key, Config=transfer)
-                os.remove(dest)
+                def reclaim() -> None:
+                    c.delete_object(Bucket=s3_server.BUCKET, Key=key)
+                    vacuum(server)
 
-            jobs += [("s3", "fastload", ours_s3), ("s3", "save_file+boto3", theirs_s3)]
+                def ours_s3() -> None:
+                    fastload.save_file(tensors, uri, overwrite=True, storage_options=opts)
+
+                def theirs_s3() -> None:
+                    save_file(tensors, dest)
+                    c.upload_file(dest, s3_server.BUCKET, key, Config=transfer)
+                    os.remove(dest)
+
+                def raw_s3() -> None:
+                    raw_multipart(c, s3_server.BUCKET, key, blob, 16 * MiB, args.raw_threads)
+
+                return [
+                    (where, "fastload", ours_s3, reclaim),
+                    (where, "save_file+boto3", theirs_s3, reclaim),
+                    (where, "raw multipart", raw_s3, reclaim),
+                ]
+
+            for rtt in [float(x) for x in args.rtt_ms.split(",") if x.strip()]:
+                if rtt == 0:
+                    jobs += s3_jobs("s3", server.endpoint)
+                else:
+                    endpoint, proxy = delay_line(s3_port, rtt)
+                    delay_procs.append(proxy)
+                    jobs += s3_jobs(f"s3 +{rtt:g}ms RTT", endpoint)
             if not args.no_copy:
                 copy_jobs, copy_bytes, hub_proc, hub_dir = copy_rows(
-                    args, client, s3_server.BUCKET, transfer
+                    args, client, s3_server.BUCKET, transfer, server
                 )
                 scratch.append(hub_dir)
                 jobs += copy_jobs
 
-    times: dict[tuple[str, str], list[float]] = {(w, n): [] for w, n, _ in jobs}
+    times: dict[tuple[str, str], list[float]] = {(w, n): [] for w, n, _, _ in jobs}
     try:
-        for r in range(-1, args.reps):  # round -1 warms up (page cache, connections)
+        # Negative rounds warm up (page cache, connections), untimed.
+        for r in range(-args.warmup, args.reps):
             order = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
-            for where, name, fn in order:
+            for where, name, fn, after in order:
                 clean()
                 start = time.perf_counter()
                 fn()
                 if r >= 0:
                     times[(where, name)].append(time.perf_counter() - start)
+                    print(f"{where} | {name}: {times[(where, name)][-1]:.2f} s", flush=True)
+                after()
         clean()
     finally:
+        for p in delay_procs:
+            p.kill()
         if hub_proc is not None:
             hub_proc.stdin.close()
             hub_proc.wait(timeout=30)
@@ -245,21 +362,26 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
     print(f"save_file of {total / 1e9:.3f} GB ({len(tensors)} tensors), {args.reps} rounds")
-    print("| where | writer | GB/s median (min-max) | vs peer |")
+    print("| where | writer | GB/s median (min-max) | fastload vs this row |")
     print("|---|---|---|---|")
-    for where in ("local", "s3", "copy"):
+    wheres = list(dict.fromkeys(w for w, _ in times))
+    for where in wheres:
         names = [n for w, n in times if w == where]
-        if not names:
-            continue
         size = copy_bytes if where == "copy" else total
         if where == "copy":
             print(f"copy of a {size / 1e9:.3f} GB model folder, hf:// (mock Hub) to s3://")
         rates = {n: [size / t / 1e9 for t in times[(where, n)]] for n in names}
-        peer = statistics.median(rates[names[1]])
+        ours = statistics.median(rates[names[0]])
         for n in names:
-            ratio = statistics.median(rates[n]) / peer
+            # fastload's row against each peer: fastload's median rate / the peer's.
+            ratio = ours / statistics.median(rates[n])
             print(f"| {where} | {n} | {summary(rates[n])} | {ratio:.2f}x |")
-            rows[f"{where}/{n}"] = {"gb_per_s": rates[n], "ratio": ratio}
+            rows[f"{where}/{n}"] = {"gb_per_s": rates[n], "fastload_vs": ratio}
+        if where == "copy" and args.hub_rate != "0":
+            wire = size / fastload._fastload.parse_size(args.hub_rate)
+            for n in names:
+                t = statistics.median(times[(where, n)])
+                print(f"  {n}: {t:.2f} s = {t / wire:.2f}x the Hub link's wire time ({wire:.2f} s)")
     (out_dir / "write_results.json").write_text(
         json.dumps({"bytes": total, "reps": args.reps, "rows": rows}, indent=2)
     )

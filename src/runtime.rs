@@ -66,6 +66,12 @@ impl Abort {
         ABORT.with(|a| *a.borrow_mut() = Some(self.clone()));
     }
 
+    /// The switch installed on the calling thread, if any: to install it on threads that work
+    /// for this one (a copy's files in flight).
+    pub fn installed() -> Option<Arc<Abort>> {
+        ABORT.with(|a| a.borrow().clone())
+    }
+
     /// Sets the switch; returns whether it was set already.
     pub fn trigger(&self) -> bool {
         let was = self.set.swap(true, Ordering::SeqCst);

@@ -142,6 +142,23 @@ def test_a_poisoned_hub_blob_aborts_that_file_and_names_it(hub, env, s3):
     assert open_uploads(s3, prefix) == []
 
 
+def test_a_poisoned_blob_in_a_whole_repo_copy_stops_the_files_beside_it(hub, env, s3):
+    # Several files are in flight when big.bin's digest fails: the copy raises naming big.bin,
+    # and no file is left half-uploaded (the others in flight are aborted or completed whole).
+    prefix = "copy/poison-repo/"
+    data = hub.tree["big.bin"]
+    bad = bytearray(data)
+    bad[-1] ^= 0xFF
+    hub.storage.poison[lfs_sha256(data)] = bytes(bad)
+    with pytest.raises(fastload.FastloadError, match=r"big\.bin") as e:
+        fastload.copy(f"hf://{REPO}", f"s3://{BUCKET}/{prefix}", part_size=PART, progress=False)
+    assert "sha256" in str(e.value)
+    stored = objects(s3, prefix)
+    assert "big.bin" not in stored
+    assert all(stored[k] == hub.tree[k] for k in stored)
+    assert open_uploads(s3, prefix) == []
+
+
 def test_an_existing_different_file_is_refused_unless_overwrite(hub, env, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
@@ -262,7 +279,9 @@ def test_a_copy_killed_midway_is_finished_by_a_rerun(hub, env, s3, tmp_path):
     try:
         assert proc.stdout.readline() == b"ready\n"
         deadline = time.monotonic() + 60
-        while not open_uploads(s3, prefix):  # big.bin (the first file) is going up
+        # big.bin (the largest file, started first) is going up, and files copied beside it
+        # were published.
+        while not (open_uploads(s3, prefix) and objects(s3, prefix)):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
@@ -271,13 +290,83 @@ def test_a_copy_killed_midway_is_finished_by_a_rerun(hub, env, s3, tmp_path):
         hub.storage.rate = 0
     assert "big.bin" not in objects(s3, prefix)  # nothing partial is visible
     published = set(objects(s3, prefix))
-    assert "adapter/adapter_config.json" in published  # files before it were done
+    assert published and published < set(hub.tree)
     out = fastload.copy(f"hf://{REPO}", dst, part_size=PART, progress=False)
     assert {k[len(dst) :] for k in out["skipped"]} == published
     assert objects(s3, prefix) == hub.tree
     for key in open_uploads(s3, prefix):  # the killed copy's invisible parts
         for u in s3.list_multipart_uploads(Bucket=BUCKET, Prefix=key)["Uploads"]:
             s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=u["UploadId"])
+
+
+def test_files_are_copied_side_by_side_and_the_index_after_its_shards(
+    hub, env, s3, seaweed, monkeypatch
+):
+    # The order in which SeaweedFS receives the requests (the relay's log): another file's
+    # requests arrive while big.bin's multipart upload is open (from its creation to its
+    # completion), and the index only after every shard is complete.
+    port = int(seaweed.endpoint.rsplit(":", 1)[1])
+    prefix = "copy/overlap/"
+    hub.storage.rate = 8 << 20  # big.bin's 12 MiB take a while; the small files are not LFS
+    with HttpFaultProxy(("127.0.0.1", port), match=lambda m, h: False) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        try:
+            out = fastload.copy(f"hf://{REPO}", f"s3://{BUCKET}/{prefix}", part_size=PART,
+                                progress=False)  # fmt: skip
+        finally:
+            hub.storage.rate = 0
+        log = [(method, target.split("?")[0].split(prefix, 1)[-1], target)
+               for method, target, _ in proxy.log if prefix in target]  # fmt: skip
+    assert objects(s3, prefix) == hub.tree and len(out["copied"]) == len(hub.tree)
+    # big.bin's multipart upload: created (POST ?uploads) ... completed (POST ?uploadId=).
+    big = [i for i, (m, key, _) in enumerate(log) if key == "big.bin" and m == "POST"]
+    assert len(big) == 2
+    beside = {key for _, key, _ in log[big[0] : big[-1]]} - {"big.bin"}
+    assert beside, log
+    shards = [k for k in hub.tree if k.startswith("model-")]
+    index = next(
+        i for i, (m, key, _) in enumerate(log) if m == "PUT" and key.endswith(".index.json")
+    )
+    for shard in shards:
+        assert max(i for i, (_, key, _) in enumerate(log) if key == shard) < index, log
+
+
+INTERRUPTED = """
+import os, sys, fastload
+print("ready", flush=True)
+try:
+    fastload.copy(sys.argv[1], sys.argv[2], part_size=5 << 20, progress=False)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    os._exit(3)  # no teardown: what the copy left undone when it raised stays undone
+print("done", flush=True)
+"""
+
+
+def test_ctrl_c_aborts_the_uploads_of_the_files_in_flight(hub, env, s3):
+    prefix = "copy/interrupted/"
+    dst = f"s3://{BUCKET}/{prefix}"
+    hub.storage.rate = 4 << 20
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED, f"hf://{REPO}", dst],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": PYTHON},
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 60
+        while not open_uploads(s3, prefix):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        hub.storage.rate = 0
+    assert (proc.returncode, out) == (3, b"interrupted\n"), err.decode()[-2000:]
+    assert open_uploads(s3, prefix) == []
+    assert "big.bin" not in objects(s3, prefix)
 
 
 def _rank(rank: int, world: int, src: str, dst: str, port: str, outs: str) -> None:
@@ -323,9 +412,11 @@ def test_two_ranks_split_the_files(tmp_path):
 
 try:
     from test_vllm import (
+        LOG_LINE,
         S3_BUCKET,
         _engine_env,
         _greedy_tokens,
+        _run_driver,
         _serving,
         _tail,
         _worker_load_lines,
@@ -370,6 +461,36 @@ def test_copy_from_the_hub_to_s3_then_serve_it_with_vllm(offline, seaweed, tmp_p
         assert _greedy_tokens(base, model) == expected["safetensors"][0]
     output, _ = _worker_load_lines(log)
     assert "fastload pulled" in output, _tail(output)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_model_and_its_lora_adapter_copied_to_s3_serve_with_vllm(seaweed, tmp_path):
+    """Tensorizer's flow: the model with its LoRA adapter files beside it goes to S3 with
+    fastload.copy; vLLM serves the weights from S3 (load_format="fastload") with the adapter
+    (copied back bitwise) enabled, and gives the tokens its own loader gives on the originals,
+    which the adapter changes."""
+    client = seaweed.client()
+    try:
+        client.create_bucket(Bucket=S3_BUCKET)
+    except Exception as e:
+        if "Bucket" not in type(e).__name__:
+            raise
+    results, output = _run_driver("lora", tmp_path, **seaweed.env())
+    stored = objects(client, "lora/tiny-llama/adapter/")
+    adapter = tmp_path / "tiny-llama" / "adapter"
+    assert stored == {p.name: p.read_bytes() for p in adapter.iterdir()}
+    assert results["adapter_bitwise"] == {
+        "adapter_config.json": True,
+        "adapter_model.safetensors": True,
+    }
+    assert results["fastload_s3_base"] == results["reference_base"], _tail(output)
+    assert results["fastload_s3_lora"] == results["reference_lora"], _tail(output)
+    assert results["reference_lora"] != results["reference_base"]
+    # The second engine's weights came through fastload's loader (vLLM's logs its own line).
+    assert any(LOG_LINE in line and "[vllm.py:" in line for line in output.splitlines()), _tail(
+        output
+    )
 
 
 def test_the_cli_draws_a_progress_bar_on_a_terminal_only(tmp_path):

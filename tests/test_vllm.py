@@ -189,6 +189,84 @@ def run_offline(work: Path, result_path: Path) -> None:
         result_path.write_text(json.dumps(results))
 
 
+def write_lora_adapter(out: Path, rank: int = 8) -> None:
+    """A PEFT LoRA adapter for the tiny Llama (q_proj and v_proj of both layers), as PEFT saves
+    one: adapter_config.json and adapter_model.safetensors, weights large enough to change the
+    greedy tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for layer in range(2):
+        for proj, width in (("q_proj", 256), ("v_proj", 128)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, 256, generator=g) * 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(width, rank, generator=g) * 0.5
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": "tiny-llama",
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+
+
+def run_lora(work: Path, result_path: Path) -> None:
+    """Tensorizer's flow with fastload (issue 31): the model with its LoRA adapter files beside
+    it (``adapter/``) copied to S3 with ``fastload.copy``; the adapter copied back from S3; vLLM
+    serving the base weights from S3 with load_format="fastload" and the adapter enabled gives
+    the tokens vLLM's own loader gives with the original folder and adapter. (vLLM reads adapters
+    from local folders or Hub repos only, so the adapter comes back from S3 with fastload.copy.)
+    S3 settings: the AWS_* variables."""
+    import fastload
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    folder = work / "tiny-llama"
+    make_model(folder)
+    write_lora_adapter(folder / "adapter")
+    dst = f"s3://{S3_BUCKET}/lora/tiny-llama/"
+    results: dict[str, object] = {"copied": fastload.copy(str(folder), dst, progress=False)}
+    back = work / "adapter-from-s3"
+    fastload.copy(dst + "adapter/", str(back), progress=False)
+    results["adapter_bitwise"] = {
+        f.name: (back / f.name).read_bytes() == f.read_bytes()
+        for f in (folder / "adapter").iterdir()
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            detokenize=False)  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for name, model, load_format, adapter in [
+        ("reference", str(folder), "safetensors", folder / "adapter"),
+        ("fastload_s3", dst.rstrip("/"), "fastload", back),
+    ]:
+        llm = LLM(model=model, load_format=load_format, skip_tokenizer_init=True,
+                  dtype="bfloat16", max_model_len=256, max_num_seqs=4, enforce_eager=True,
+                  seed=0, enable_lora=True, max_lora_rank=8, max_loras=1,
+                  distributed_executor_backend="uni")  # fmt: skip
+        try:
+            lora = LoRARequest("adapter", 1, str(adapter))
+            for with_lora in (False, True):
+                outs = llm.generate(prompts, params, use_tqdm=False,
+                                    lora_request=lora if with_lora else None)  # fmt: skip
+                key = f"{name}_{'lora' if with_lora else 'base'}"
+                results[key] = [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+        result_path.write_text(json.dumps(results))
+
+
 def run_s3(work: Path, result_path: Path) -> None:
     """Weights from object storage, config and tokenizer from a local directory without weights:
     ``weights_uri`` for fastload and fastload_sharded (the objects test_weights_uri_from_s3
@@ -699,7 +777,8 @@ if __name__ == "__mp_main__" and os.environ.get(_SAVE_SHARDED_TO):
     _register_saving_loader(Path(os.environ[_SAVE_SHARDED_TO]))
 
 if __name__ == "__main__":
-    commands = {"offline": run_offline, "s3": run_s3, "hub": run_hub, "objects": run_objects}
+    commands = {"offline": run_offline, "s3": run_s3, "hub": run_hub, "objects": run_objects,
+                "lora": run_lora}  # fmt: skip
     commands[sys.argv[1]](*map(Path, sys.argv[2:4]))
 
 

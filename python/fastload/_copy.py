@@ -77,7 +77,10 @@ def copy(
 
     Each file is read once (``concurrency`` reads of ``block_size`` bytes in flight) and written
     as :func:`save_file` writes (temporary file and rename, or a multipart upload of
-    ``part_size`` parts, ``memory_limit`` bytes of them in flight, completed last). With
+    ``part_size`` parts, completed last). Up to 4 files are copied at once, the largest first,
+    sharing ``memory_limit`` (the bytes of parts in flight); indexes (``*.index.json``) go last,
+    after the shards they name. A Ctrl-C aborts the uploads of the files in flight before the
+    ``KeyboardInterrupt`` is raised. With
     ``verify`` a Hub file's sha256 (LFS) or git blob id is checked while it streams: a mismatch
     aborts that file (nothing published) and raises naming it. A destination file that is a
     complete copy of the same source (same size and source identity, recorded with it) is

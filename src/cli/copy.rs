@@ -36,7 +36,8 @@ pub(super) struct CopyArgs {
     /// Bytes per read request, e.g. 8MiB [default: 2MiB]
     #[arg(long, value_name = "SIZE")]
     block_size: Option<Size>,
-    /// Bytes of upload parts in flight per file (object stores), e.g. 256MiB [default: 256MiB]
+    /// Bytes of upload parts in flight (object stores), shared by the files copied at once,
+    /// e.g. 256MiB [default: 256MiB]
     #[arg(long, value_name = "SIZE")]
     memory_limit: Option<Size>,
     /// Bytes per upload part (object stores) [default: 16MiB]

@@ -1,13 +1,16 @@
 //! `fastload.copy`: the Rust copy (`crate::write::copy`) run off the GIL, in slices that let
-//! Ctrl-C through (an interrupted copy aborts the file in flight).
+//! Ctrl-C through (an interrupted copy aborts the files in flight before the KeyboardInterrupt).
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::{Bytes as ByteCount, MemoryLimit, StorageOptions};
-use super::wait::off_thread;
+use super::wait::off_thread_cleaning_up;
 use crate::write::copy::{self as core, CopyOptions};
 use crate::write::WriteOptions;
+
+/// How long an interrupted copy may take to abort the uploads of its files in flight.
+const CLEANUP: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Copies `src` to `dst`; returns `{"copied": [...], "skipped": [...], "bytes": n}` for this
 /// rank's share.
@@ -53,7 +56,10 @@ pub fn copy<'py>(
             None
         },
     };
-    let report = off_thread(py, "copy", move || core::copy(&src, &dst, &options))??;
+    // On Ctrl-C the files in flight abort their uploads before the KeyboardInterrupt is raised.
+    let report = off_thread_cleaning_up(py, "copy", CLEANUP, move || {
+        core::copy(&src, &dst, &options)
+    })??;
     let out = PyDict::new(py);
     out.set_item("copied", report.copied)?;
     out.set_item("skipped", report.skipped)?;

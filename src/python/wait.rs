@@ -25,6 +25,28 @@ pub fn off_thread<T: Send + 'static>(
     what: &str,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> PyResult<T> {
+    wait_for(py, what, Duration::ZERO, work)
+}
+
+/// [`off_thread`], except that on Ctrl-C `work` gets up to `grace` to wind down before the
+/// KeyboardInterrupt is raised: its cleanup (a copy's multipart uploads aborted) is done by the
+/// time the caller sees the exception, rather than cut off by the interpreter's exit. A second
+/// Ctrl-C raises at once.
+pub fn off_thread_cleaning_up<T: Send + 'static>(
+    py: Python<'_>,
+    what: &str,
+    grace: Duration,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> PyResult<T> {
+    wait_for(py, what, grace, work)
+}
+
+fn wait_for<T: Send + 'static>(
+    py: Python<'_>,
+    what: &str,
+    grace: Duration,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> PyResult<T> {
     let (tx, rx) = sync_channel(1);
     let abort = Arc::new(Abort::default());
     let installed = abort.clone();
@@ -47,6 +69,9 @@ pub fn off_thread<T: Send + 'static>(
             Err(RecvTimeoutError::Timeout) => {
                 if let Err(interrupt) = py.check_signals() {
                     let _ = abort.trigger();
+                    if !grace.is_zero() {
+                        wind_down(py, rx, grace);
+                    }
                     return Err(interrupt);
                 }
             }
@@ -56,6 +81,19 @@ pub fn off_thread<T: Send + 'static>(
                 }
                 .into())
             }
+        }
+    }
+}
+
+/// Waits (GIL released, in slices) until the worker behind `rx` is done, `grace` is over, or
+/// another signal's handler raises.
+fn wind_down<T: Send>(py: Python<'_>, mut rx: std::sync::mpsc::Receiver<T>, grace: Duration) {
+    let until = std::time::Instant::now() + grace;
+    while std::time::Instant::now() < until {
+        let (waited, back) = super::gil::detach(py, move || (rx.recv_timeout(SLICE), rx));
+        rx = back;
+        if !matches!(waited, Err(RecvTimeoutError::Timeout)) || py.check_signals().is_err() {
+            return;
         }
     }
 }

@@ -155,12 +155,18 @@ fn closed(uri: &str) -> Error {
 
 impl Drop for FileWriter {
     /// A writer dropped unfinished aborts (see `crate::write`), with the GIL released: the parts
-    /// it cancels hold tensors, whose release takes the GIL on the runtime's threads.
+    /// it cancels hold tensors, whose release takes the GIL on the runtime's threads. The lock is
+    /// taken with the GIL released too: a call cut short by Ctrl-C may still hold it while its
+    /// worker aborts the upload, and that abort needs the GIL to release the tensors (holding the
+    /// GIL here stalled the drop until the abort gave up, after `ABORT_ON_DROP`).
     fn drop(&mut self) {
-        let unfinished = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(writer) = unfinished {
-            Python::attach(|py| super::gil::detach(py, move || drop(writer)));
-        }
+        let inner = self.inner.clone();
+        Python::attach(|py| {
+            super::gil::detach(py, move || {
+                let unfinished = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+                drop(unfinished);
+            })
+        });
     }
 }
 

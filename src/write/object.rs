@@ -285,12 +285,21 @@ impl ObjectUpload {
         out
     }
 
+    /// Aborts the multipart upload. Not cut short by a Ctrl-C (an installed
+    /// [`crate::runtime::Abort`]): aborting is what the Ctrl-C asked for. Bounded by
+    /// `ABORT_ON_DROP`.
     pub fn abort(mut self) -> Result<()> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Multi(multi) => {
                 let uri = self.remote.uri.clone();
-                crate::runtime::block_on(&uri, async {
-                    multi.abort().await.map_err(|e| storage_error(&uri, e))
+                let runtime = crate::runtime::try_get()?;
+                runtime.block_on(async {
+                    match tokio::time::timeout(ABORT_ON_DROP, multi.abort()).await {
+                        Ok(done) => done.map_err(|e| storage_error(&uri, e)),
+                        Err(_) => Err(Error::Cancelled {
+                            what: format!("{uri}: aborting the multipart upload (timed out)"),
+                        }),
+                    }
                 })
             }
             _ => Ok(()),

@@ -12,16 +12,18 @@
 //!   rerun skips a destination file of the same size and identity (a local one without the
 //!   attribute is hashed when the source has a digest). An existing file that is not a verified
 //!   copy is refused unless `overwrite`.
+//! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), largest first, indexes last (see [`run`]).
 //! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
 //!   split on every rank).
 //! - Names from the listing go through [`crate::format::check_inside`] before anything is written.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
-use super::{Sink, WriteOptions};
+use super::{Sink, WriteOptions, DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE, MIN_PART_SIZE};
 use crate::error::{Error, Result};
 use crate::source::cache::verify::VerifyingSource;
 use crate::source::Source;
@@ -126,45 +128,161 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
     let listing = list(src, &options.write.storage_options)?;
     let targets = destinations(&listing, dst)?;
     let mine = share(&targets, options.rank, options.world);
-    let emit = |e: Event| {
-        if let Some(p) = &options.progress {
-            p(e)
-        }
-    };
-    emit(Event::Start {
-        files: mine.len(),
-        bytes: mine.iter().map(|&i| targets[i].0.source.size()).sum(),
-    });
+    emit(
+        options,
+        Event::Start {
+            files: mine.len(),
+            bytes: mine.iter().map(|&i| targets[i].0.source.size()).sum(),
+        },
+    );
+    let (first, last) = schedule(&targets, &mine);
+    let outcomes = Mutex::new(vec![None; targets.len()]);
+    run(&targets, &first, options, &outcomes)?;
+    run(&targets, &last, options, &outcomes)?;
+    let outcomes = outcomes.into_inner().unwrap_or_else(|e| e.into_inner());
     let mut report = Report::default();
     for i in mine {
         let (item, to) = &targets[i];
-        let size = item.source.size();
-        let (check, write) = encrypted::target(item, &options.write)?;
-        match done::existing(to, &check, &write)? {
-            Existing::Done => {
-                emit(Event::Done {
+        match outcomes[i] {
+            Some(true) => report.skipped.push(to.clone()),
+            Some(false) => {
+                report.copied.push(to.clone());
+                report.bytes += item.source.size();
+            }
+            None => {}
+        }
+    }
+    Ok(report)
+}
+
+fn emit(options: &CopyOptions, event: Event) {
+    if let Some(p) = &options.progress {
+        p(event)
+    }
+}
+
+/// The order this rank copies its files in: the largest first (the long transfers start early,
+/// the small files fill in beside them), and the indexes (`*.index.json`) after all the others,
+/// so that an index is published only once the shards it names are.
+fn schedule(targets: &[(Item, String)], mine: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let (last, mut first): (Vec<usize>, Vec<usize>) = mine
+        .iter()
+        .partition(|&&i| targets[i].0.rel.ends_with(".index.json"));
+    first.sort_by_key(|&i| std::cmp::Reverse(targets[i].0.source.size()));
+    (first, last)
+}
+
+/// Files copied at once, at most: enough that one file's fixed costs (the check of what is at the
+/// destination, the first part waiting for its reads, completing the upload) overlap the others'
+/// transfers, so that a folder of many files moves at the link's rate.
+pub const MAX_FILES_IN_FLIGHT: usize = 4;
+
+/// How many of `count` files are copied at once: each keeps at least two upload parts going
+/// within its share of the memory limit.
+fn files_in_flight(count: usize, write: &WriteOptions) -> usize {
+    let limit = write.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
+    let part = write
+        .part_size
+        .unwrap_or(DEFAULT_PART_SIZE)
+        .max(MIN_PART_SIZE);
+    let by_memory = usize::try_from(limit / (2 * part)).unwrap_or(usize::MAX);
+    count.min(MAX_FILES_IN_FLIGHT).min(by_memory).max(1)
+}
+
+/// Copies the files `order` names, several at once (the calling thread and up to
+/// [`MAX_FILES_IN_FLIGHT`]` - 1` more, each taking the next file when it is done with one; the
+/// memory limit shared between them). The first failure stops the others: files in flight are
+/// aborted (nothing published), files not started are left; that failure is returned. A Ctrl-C
+/// (the caller's installed [`crate::runtime::Abort`]) reaches every thread.
+fn run(
+    targets: &[(Item, String)],
+    order: &[usize],
+    options: &CopyOptions,
+    outcomes: &Mutex<Vec<Option<bool>>>,
+) -> Result<()> {
+    if order.is_empty() {
+        return Ok(());
+    }
+    let files = files_in_flight(order.len(), &options.write);
+    let mut each = options.clone();
+    if files > 1 {
+        let limit = options.write.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
+        each.write.memory_limit = Some(limit / files as u64);
+    }
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    let abort = crate::runtime::Abort::installed();
+    let work = || {
+        if let Some(a) = &abort {
+            a.install();
+        }
+        while !stop.load(Ordering::SeqCst) {
+            let Some(&i) = order.get(next.fetch_add(1, Ordering::SeqCst)) else {
+                break;
+            };
+            match copy_one(&targets[i], &each, &stop) {
+                Ok(skipped) => {
+                    outcomes.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(skipped);
+                }
+                Err(e) => {
+                    let mut first = failed.lock().unwrap_or_else(|e| e.into_inner());
+                    if first.is_none() {
+                        *first = Some(e);
+                    }
+                    stop.store(true, Ordering::SeqCst);
+                    break;
+                }
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        for n in 1..files {
+            // A thread that cannot start leaves its files to the others.
+            let _ = std::thread::Builder::new()
+                .name(format!("fastload-copy-{n}"))
+                .spawn_scoped(s, work);
+        }
+        work();
+    });
+    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// One file: skipped when the destination is a verified copy already (`Ok(true)`), refused when
+/// it holds something else (unless overwriting), else copied (`Ok(false)`).
+fn copy_one((item, to): &(Item, String), options: &CopyOptions, stop: &AtomicBool) -> Result<bool> {
+    let size = item.source.size();
+    let (check, write) = encrypted::target(item, &options.write)?;
+    match done::existing(to, &check, &write)? {
+        Existing::Done => {
+            emit(
+                options,
+                Event::Done {
                     dst: to.clone(),
                     bytes: size,
                     skipped: true,
-                });
-                report.skipped.push(to.clone());
-                continue;
-            }
-            Existing::Other if !options.write.overwrite => {
-                return Err(Error::Exists { path: to.clone() })
-            }
-            _ => {}
+                },
+            );
+            return Ok(true);
         }
-        copy_file(item, check.id.as_deref(), to, &write, options, &emit)?;
-        emit(Event::Done {
+        Existing::Other if !options.write.overwrite => {
+            return Err(Error::Exists { path: to.clone() })
+        }
+        _ => {}
+    }
+    copy_file(item, check.id.as_deref(), to, &write, options, stop)?;
+    emit(
+        options,
+        Event::Done {
             dst: to.clone(),
             bytes: size,
             skipped: false,
-        });
-        report.copied.push(to.clone());
-        report.bytes += size;
-    }
-    Ok(report)
+        },
+    );
+    Ok(false)
 }
 
 /// Each item with its destination URI; a name that would leave the destination fails the copy
@@ -224,7 +342,7 @@ fn copy_file(
     to: &str,
     write: &WriteOptions,
     options: &CopyOptions,
-    emit: &dyn Fn(Event),
+    stop: &AtomicBool,
 ) -> Result<()> {
     let source: Arc<dyn Source> = match (&item.digest, options.verify) {
         (Some(digest), true) => Arc::new(VerifyingSource::new(item.source.clone(), digest)),
@@ -235,7 +353,7 @@ fn copy_file(
         write.metadata.push((ID_KEY.to_string(), id.to_string()));
     }
     let mut sink = Sink::create(to, source.size(), &write)?;
-    if let Err(e) = pump(&source, &mut sink, options, emit) {
+    if let Err(e) = pump(&source, &mut sink, options, stop) {
         let _ = sink.abort();
         return Err(e);
     }
@@ -260,11 +378,13 @@ impl Drop for InFlight {
     }
 }
 
+/// Reads `source` in blocks (`concurrency` in flight) into `sink`, in order; ends early (an
+/// error) when `stop` is set (another file failed).
 fn pump(
     source: &Arc<dyn Source>,
     sink: &mut Sink,
     options: &CopyOptions,
-    emit: &dyn Fn(Event),
+    stop: &AtomicBool,
 ) -> Result<()> {
     let runtime = crate::runtime::try_get()?;
     let size = source.size();
@@ -272,6 +392,11 @@ fn pump(
     let mut next = 0u64;
     let mut reads = InFlight(VecDeque::new());
     loop {
+        if stop.load(Ordering::SeqCst) {
+            return Err(Error::Cancelled {
+                what: format!("{}: another file of the copy failed", source.name()),
+            });
+        }
         while reads.0.len() < options.concurrency.max(1) && next < size {
             let (offset, len) = (next, block.min(size - next) as usize);
             next += len as u64;
@@ -293,7 +418,7 @@ fn pump(
             crate::runtime::block_on(&name, async { crate::source::joined(task.await, &name) })?;
         let n = bytes.len() as u64;
         sink.write(bytes)?;
-        emit(Event::Bytes(n));
+        emit(options, Event::Bytes(n));
     }
     Ok(())
 }
@@ -343,6 +468,34 @@ mod tests {
         let load = |s: &Vec<usize>| s.iter().map(|&i| t[i].0.source.size()).sum::<u64>();
         assert_eq!(shares.iter().map(load).collect::<Vec<_>>(), [100, 95, 90]);
         assert_eq!(share(&t, 0, 1), (0..6).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn the_largest_files_go_first_and_indexes_last_within_the_memory_limit() {
+        let l = listing(
+            false,
+            &[
+                ("config.json", 10),
+                ("model-00001-of-00002.safetensors", 500),
+                ("model.safetensors.index.json", 900),
+                ("model-00002-of-00002.safetensors", 700),
+            ],
+        );
+        let t = destinations(&l, "s3://b/p/").unwrap();
+        assert_eq!(schedule(&t, &[0, 1, 2, 3]), (vec![3, 1, 0], vec![2]));
+        let write = |limit: u64, part: u64| WriteOptions {
+            memory_limit: Some(limit),
+            part_size: Some(part),
+            ..WriteOptions::default()
+        };
+        assert_eq!(
+            files_in_flight(10, &WriteOptions::default()),
+            MAX_FILES_IN_FLIGHT
+        );
+        assert_eq!(files_in_flight(2, &WriteOptions::default()), 2);
+        assert_eq!(files_in_flight(10, &write(64 << 20, 16 << 20)), 2);
+        assert_eq!(files_in_flight(10, &write(16 << 20, 16 << 20)), 1);
+        assert_eq!(files_in_flight(0, &WriteOptions::default()), 1);
     }
 
     #[test]
