@@ -16,7 +16,7 @@ use crc_fast::CrcAlgorithm;
 
 use super::Decorator;
 use crate::error::Result;
-use crate::source::identity::{CacheIdentity, StoredChecksum};
+use crate::source::identity::StoredChecksum;
 use crate::source::Source;
 
 /// A source whose bytes are checked against the CRC its store keeps for the whole object.
@@ -152,10 +152,6 @@ impl Decorator for CrcSource {
 
     fn after_read(&self, offset: u64, bytes: &[u8]) -> Result<()> {
         self.take(offset, bytes)
-    }
-
-    fn identity(&self) -> Option<CacheIdentity> {
-        self.inner.cache_identity()
     }
 }
 

@@ -69,8 +69,10 @@ trait Decorator: Send + Sync + fmt::Debug {
     /// Called when the inner source failed to read a block (its error is the read's).
     fn read_failed(&self) {}
 
-    /// The [`Source::cache_identity`] of the decorated source.
-    fn identity(&self) -> Option<CacheIdentity>;
+    /// The [`Source::cache_identity`] of the decorated source: by default its inner source's.
+    fn identity(&self) -> Option<CacheIdentity> {
+        self.inner().cache_identity()
+    }
 }
 
 impl<D: Decorator> Source for D {

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use super::entry::hex;
 use super::Decorator;
 use crate::error::{Error, Result};
-use crate::source::identity::{CacheIdentity, Digest, StoredChecksum};
+use crate::source::identity::{Digest, StoredChecksum};
 use crate::source::Source;
 
 /// A source whose bytes are hashed as they are read and checked against `want` once every byte
@@ -191,10 +191,6 @@ impl Decorator for VerifyingSource {
 
     fn after_read(&self, offset: u64, bytes: &[u8]) -> Result<()> {
         self.take(offset, bytes)
-    }
-
-    fn identity(&self) -> Option<CacheIdentity> {
-        self.inner.cache_identity()
     }
 }
 
