@@ -201,24 +201,8 @@ def _digests(worker) -> dict[str, str]:
 
 def _states(model: Path, load_format: str, **kwargs) -> list[dict[str, str]]:
     """Starts an engine (``mp`` workers), returns each worker's ``_digests``, stops it."""
-    from vllm import LLM
-
-    llm = LLM(
-        model=str(model),
-        load_format=load_format,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=4,
-        enforce_eager=True,
-        distributed_executor_backend="mp",
-        **kwargs,
-    )
-    try:
+    with tv._engine(model, load_format, distributed_executor_backend="mp", **kwargs) as llm:
         return llm.collective_rpc(_digests)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
 
 
 def run_moe(work: Path, result_path: Path) -> None:
