@@ -103,39 +103,35 @@ def touch(tensors) -> None:
     touch_pages(list(tensors))
 
 
+def _streamed(job: dict, **kwargs) -> tuple[dict, dict]:
+    """``fastload.stream`` of the job's file (``kwargs``: its options), every page touched: the
+    row's figures, and the stream's stats."""
+    import fastload
+
+    start = time.perf_counter()
+    with fastload.stream(_file(job), storage_options=_storage_options(job), **kwargs) as s:
+        got = dict(s)
+        stats = s.stats()
+    touch(got.values())
+    row = {
+        "seconds": time.perf_counter() - start,
+        "bytes_read": stats["bytes_read"],
+        "tensors": len(got),
+    }
+    return row, stats
+
+
 def row_parts(job: dict) -> dict:
     import fastload
 
-    so = _storage_options(job)
-    tensors = fastload.inspect(_file(job), storage_options=so)["tensors"]
+    tensors = fastload.inspect(_file(job), storage_options=_storage_options(job))["tensors"]
     parts = llama_parts(tensors, job["rank"], job["world"])
-    start = time.perf_counter()
-    with fastload.stream(_file(job), parts=parts, storage_options=so) as s:
-        got = dict(s)
-        stats = s.stats()
-    touch(got.values())
-    return {
-        "seconds": time.perf_counter() - start,
-        "bytes_read": stats["bytes_read"],
-        "tensors": len(got),
-        "part_bytes": stats["part_bytes"],
-        "whole_bytes": stats["whole_bytes"],
-    }
+    row, stats = _streamed(job, parts=parts)
+    return {**row, "part_bytes": stats["part_bytes"], "whole_bytes": stats["whole_bytes"]}
 
 
 def row_whole(job: dict) -> dict:
-    import fastload
-
-    start = time.perf_counter()
-    with fastload.stream(_file(job), storage_options=_storage_options(job)) as s:
-        got = dict(s)
-        stats = s.stats()
-    touch(got.values())
-    return {
-        "seconds": time.perf_counter() - start,
-        "bytes_read": stats["bytes_read"],
-        "tensors": len(got),
-    }
+    return _streamed(job)[0]
 
 
 def _tf_tp(job: dict, slices: bool) -> dict:

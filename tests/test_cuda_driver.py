@@ -36,6 +36,16 @@ def host_allocate(sizes):
     ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
     return None, [(t, t.data_ptr()) for t in ts]
 
+def slow_first_allocate():
+    # host_allocate, its first call held up 1.5 s (the copy thread waits, the reads run ahead).
+    first = [True]
+    def allocate(sizes):
+        if first[0]:
+            first[0] = False
+            time.sleep(1.5)
+        return host_allocate(sizes)
+    return allocate
+
 def load(path, allocate=host_allocate, target="cuda:0", **opts):
     s = _fastload.Stream([path], target=target, allocate=allocate, **opts)
     got = {}
@@ -98,13 +108,7 @@ def test_ring_pins_at_most_the_memory_limit_with_small_blocks(fake_cuda, eight_m
     code = (
         LOAD
         + """
-first = [True]
-def slow_allocate(sizes):
-    if first[0]:
-        first[0] = False
-        time.sleep(1.5)
-    return host_allocate(sizes)
-got, stats = load(sys.argv[1], slow_allocate, block_size="4KiB", memory_limit="1MiB",
+got, stats = load(sys.argv[1], slow_first_allocate(), block_size="4KiB", memory_limit="1MiB",
                   concurrency=128)
 emit(ok=got == expected(sys.argv[1]), stats=stats)
 """
@@ -157,15 +161,9 @@ def test_first_load_pins_a_ring_for_its_reads_not_the_memory_limit(
         LOAD
         + """
 from cuda_sim import calls
-first = [True]
-def slow_allocate(sizes):
-    if first[0]:
-        first[0] = False
-        time.sleep(1.5)
-    return host_allocate(sizes)
 want = expected(sys.argv[1])
 out = []
-for allocate in (slow_allocate, host_allocate):
+for allocate in (slow_first_allocate(), host_allocate):
     before = calls().get("cuMemHostAlloc", 0)
     got, stats = load(sys.argv[1], allocate, block_size="1MiB", concurrency=2)
     out.append({"ok": got == want, "pins": calls().get("cuMemHostAlloc", 0) - before,

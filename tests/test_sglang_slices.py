@@ -39,20 +39,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import slices_helpers as sh
 import test_sglang as ts
 import test_vllm_slices as tvs
 
-# The layers' sizes and checkpoint: those of tests/test_vllm_slices.py (hidden 64, 4 query heads
-# of 16 and 1 KV head, intermediate 128, vocabulary 100: SGLang pads it to 64 per rank too).
-H, HEAD, HEADS, KV_HEADS, INTER, VOCAB = (
-    tvs.H,
-    tvs.HEAD,
-    tvs.HEADS,
-    tvs.KV_HEADS,
-    tvs.INTER,
-    tvs.VOCAB,
-)
-
+# The layers' sizes and checkpoint: those of tests/test_vllm_slices.py, in tests/slices_helpers.py
+# (hidden 64, 4 query heads of 16 and 1 KV head, intermediate 128, vocabulary 100: SGLang pads
+# it to 64 per rank too).
+from slices_helpers import HEAD, HEADS, INTER, KV_HEADS, VOCAB, H
 
 # ---------------------------------------------------------------- driver (runs in a subprocess)
 
@@ -119,18 +113,7 @@ def _layers(model: Path, tp: int, rank: int) -> dict:
     finally:
         torch.set_default_dtype(torch.float32)
     groups = {name: repr(getattr(layer, "tp_group", None)) for name, layer in layers.items()}
-    # A layer SGLang does not know: its loader transposes and scales (not a narrow then a copy).
-    unknown = torch.nn.Module()
-    unknown.weight = torch.nn.Parameter(torch.empty(32, 16), requires_grad=False)
-
-    def transposing_loader(param, loaded):
-        param.data.copy_(loaded.t().to(torch.float32) * 2)
-
-    unknown.weight.weight_loader = transposing_loader
-    layers["unknown"] = unknown
-    for layer in layers.values():
-        for p in layer.parameters():
-            p.data.fill_(0)
+    sh.add_unknown_and_zero(layers)
     layers["_groups"] = groups
     return layers
 
@@ -169,13 +152,8 @@ def _fp8_tensors() -> dict:
 def _load_all(layers, tensors, per_tensor_bytes=None, reader=None) -> None:
     """tests/test_vllm_slices.py's loads (SGLang's weight loaders take the same arguments),
     then the FP8 layers'."""
-    tvs._load(layers, tensors, per_tensor_bytes, reader)
-    for layer, param_name, tensor, shard in FP8_LOADS:
-        param = getattr(layers[layer], param_name)
-        before = reader.bytes_read if reader is not None else 0
-        param.weight_loader(param, tensors[tensor], *(() if shard is None else (shard,)))
-        if per_tensor_bytes is not None:
-            per_tensor_bytes[tensor] = per_tensor_bytes.get(tensor, 0) + reader.bytes_read - before
+    sh.load(layers, tensors, per_tensor_bytes, reader)
+    sh.load(layers, tensors, per_tensor_bytes, reader, loads=FP8_LOADS)
 
 
 # SGLang's FusedMoE: 4 experts of hidden 64 and intermediate 128, from per-expert tensors.
@@ -269,7 +247,7 @@ def run_layers(work: Path) -> dict:
     from fastload._lazy import Checkpoint
     from safetensors.torch import save_file
 
-    tensors = {**tvs._checkpoint_tensors(), **_fp8_tensors()}
+    tensors = {**sh.checkpoint_tensors(), **_fp8_tensors()}
     path = work / "layers.safetensors"
     save_file(tensors, str(path))
     results: dict = {}
@@ -283,12 +261,6 @@ def run_layers(work: Path) -> dict:
             checkpoint = Checkpoint(path)
             read: dict[str, int] = {}
             _load_all(lazy, dict(checkpoint), read, checkpoint.reader)
-            differ = [
-                f"{name}.{p}"
-                for name in eager
-                for p, want in eager[name].named_parameters()
-                if not ts.same_bits(want.data, getattr(lazy[name], p).data)
-            ]
             results[f"{tp}/{rank}"] = {
                 "groups": groups,
                 "shapes": {
@@ -296,7 +268,7 @@ def run_layers(work: Path) -> dict:
                     for name, layer in lazy.items()
                     for p, param in layer.named_parameters()
                 },
-                "differ": differ,
+                "differ": sh.differ(eager, lazy, ts.same_bits),
                 "read": read,
                 "stats": checkpoint.stats.as_dict(),
                 "loaded_nonzero": all(
@@ -393,25 +365,17 @@ def layers(loads):
 
 @ts.needs_sglang
 def test_sglang_weight_loaders_read_only_each_ranks_part(layers):
-    from fastload._safe_open import LOCAL_READ_COST, plan
-
-    shapes = {k: tuple(v.shape) for k, v in tvs._tensor_shapes().items()}
+    shapes = sh.tensor_shapes()
     for tp in (1, 2):
         for rank in range(tp):
             got = layers[f"{tp}/{rank}"]
             assert got["differ"] == [], (tp, rank, got["differ"])
             assert got["loaded_nonzero"], (tp, rank)
-            for name, regions in tvs._expected_regions(tp, rank).items():
-                want = sum(
-                    sum(n for _, n in plan(shapes[name], 2, index, LOCAL_READ_COST).ranges)
-                    for index in regions
-                )
+            for name, regions in sh.expected_regions(tp, rank).items():
+                want = sh.regions_read(shapes[name], 2, regions)
                 assert got["read"][name] == want, (tp, rank, name, got["read"][name], want)
                 if name in ("q", "k", "v", "down"):  # the FP8 tensor: 1 byte an element
-                    fp8 = sum(
-                        sum(n for _, n in plan(shapes[name], 1, index, LOCAL_READ_COST).ranges)
-                        for index in regions
-                    )
+                    fp8 = sh.regions_read(shapes[name], 1, regions)
                     assert got["read"][f"fp8.{name}"] == fp8, (tp, rank, name, got["read"])
                     # A per-tensor scale: one float32, read whole.
                     assert got["read"][f"fp8.{name}_scale"] == 4, (tp, rank, name, got["read"])

@@ -89,11 +89,11 @@ def make_model(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _generate(step: str, path: Path, load_format: str, results: dict, **kwargs) -> None:
-    """Starts an engine, puts its greedy tokens for PROMPTS in ``results[step]``, stops it."""
-    from vllm import LLM, SamplingParams
+@contextmanager
+def _engine(path: Path, load_format: str, **kwargs) -> Iterator:
+    """A small engine (``vllm.LLM``) on the model at ``path``, stopped on exit."""
+    from vllm import LLM
 
-    started = time.perf_counter()
     llm = LLM(
         model=str(path),
         load_format=load_format,
@@ -102,10 +102,23 @@ def _generate(step: str, path: Path, load_format: str, results: dict, **kwargs) 
         max_model_len=256,
         max_num_seqs=4,
         enforce_eager=True,
-        seed=0,
         **kwargs,
     )
     try:
+        yield llm
+    finally:
+        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm
+
+
+def _generate(step: str, path: Path, load_format: str, results: dict, **kwargs) -> None:
+    """Starts an engine, puts its greedy tokens for PROMPTS in ``results[step]``, stops it."""
+    from vllm import SamplingParams
+
+    started = time.perf_counter()
+    with _engine(path, load_format, seed=0, **kwargs) as llm:
         params = SamplingParams(
             temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
         )
@@ -113,11 +126,6 @@ def _generate(step: str, path: Path, load_format: str, results: dict, **kwargs) 
         outputs = llm.generate(prompts, params, use_tqdm=False)
         results[step] = [list(o.outputs[0].token_ids) for o in outputs]
         results[step + "_seconds"] = round(time.perf_counter() - started, 1)
-    finally:
-        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        del llm
 
 
 _SAVE_SHARDED_TO = "TEST_VLLM_SAVE_SHARDED_TO"

@@ -29,57 +29,15 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import slices_helpers as sh
 import test_vllm as tv
+from slices_helpers import HEAD, HEADS, INTER, KV_HEADS, VOCAB, H
 
-# The layers' sizes: hidden 64, 4 query heads of 16 and 1 KV head (replicated at TP 2),
-# intermediate 128, a vocabulary of 100 (padded to 64 per rank: 128 rows at TP 2).
-H, HEAD, HEADS, KV_HEADS, INTER, VOCAB = 64, 16, 4, 1, 128, 100
 # Plain HTTP has no listing: the engines' weights are named by their index.
 INDEX = "model.safetensors.index.json"
 
 
 # ---------------------------------------------------------------- driver (runs in .venv-vllm)
-
-
-def _checkpoint_tensors():
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to(torch.bfloat16)
-
-    return {
-        "q": randn(HEADS * HEAD, H),
-        "k": randn(KV_HEADS * HEAD, H),
-        "v": randn(KV_HEADS * HEAD, H),
-        "qkv": randn((HEADS + 2 * KV_HEADS) * HEAD, H),
-        "gate": randn(INTER, H),
-        "up": randn(INTER, H),
-        "down": randn(H, INTER),
-        "col.weight": randn(INTER, H),
-        "col.bias": randn(INTER),
-        "emb": randn(VOCAB, H),
-        "head": randn(VOCAB, H),
-        "unknown": randn(16, 32),
-    }
-
-
-# (layer, parameter, checkpoint tensor, shard id) in load order.
-LOADS = [
-    ("qkv", "weight", "q", "q"),
-    ("qkv", "weight", "k", "k"),
-    ("qkv", "weight", "v", "v"),
-    ("qkv_fused", "weight", "qkv", None),
-    ("gate_up", "weight", "gate", 0),
-    ("gate_up", "weight", "up", 1),
-    ("down", "weight", "down", None),
-    ("col", "weight", "col.weight", None),
-    ("col", "bias", "col.bias", None),
-    ("emb", "weight", "emb", None),
-    ("head", "weight", "head", None),
-    ("unknown", "weight", "unknown", None),
-]
 
 
 def _layers(tp: int, rank: int):
@@ -106,62 +64,38 @@ def _layers(tp: int, rank: int):
             "head": vpe.ParallelLMHead(VOCAB, H),
         }
         torch.set_default_dtype(torch.float32)
-    # A layer vLLM does not know: its loader transposes and scales (not a narrow then a copy).
-    unknown = torch.nn.Module()
-    unknown.weight = torch.nn.Parameter(torch.empty(32, 16), requires_grad=False)
-
-    def transposing_loader(param, loaded):
-        param.data.copy_(loaded.t().to(torch.float32) * 2)
-
-    unknown.weight.weight_loader = transposing_loader
-    layers["unknown"] = unknown
-    for layer in layers.values():
-        for p in layer.parameters():
-            p.data.fill_(0)
+    sh.add_unknown_and_zero(layers)
     return layers
 
 
-def _load(layers, tensors, per_tensor_bytes=None, reader=None):
-    for layer, param_name, tensor, shard in LOADS:
-        param = getattr(layers[layer], param_name)
-        before = reader.bytes_read if reader is not None else 0
-        args = () if shard is None else (shard,)
-        param.weight_loader(param, tensors[tensor], *args)
-        if per_tensor_bytes is not None:
-            per_tensor_bytes[tensor] = per_tensor_bytes.get(tensor, 0) + reader.bytes_read - before
+def _same(want, got) -> bool:
+    """bfloat16 parameters bitwise equal, others equal."""
+    import torch
+
+    if want.dtype == torch.bfloat16:
+        return torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    return torch.equal(want, got)
 
 
 def run_layers(work: Path, result_path: Path) -> None:
     """For TP 1 and 2, each rank: the layers loaded from whole tensors and from lazy ones."""
-    import torch
     from fastload._lazy import Checkpoint
     from safetensors.torch import save_file
 
-    tensors = _checkpoint_tensors()
+    tensors = sh.checkpoint_tensors()
     path = work / "layers.safetensors"
     save_file(tensors, str(path))
     results: dict = {}
     for tp in (1, 2):
         for rank in range(tp):
             eager = _layers(tp, rank)
-            _load(eager, tensors)
+            sh.load(eager, tensors)
             lazy = _layers(tp, rank)
             checkpoint = Checkpoint(path)
             read: dict[str, int] = {}
-            _load(lazy, dict(checkpoint), read, checkpoint.reader)
-            differ = [
-                f"{name}.{p}"
-                for name in eager
-                for p, want in eager[name].named_parameters()
-                if not torch.equal(
-                    want.data.view(torch.uint8) if want.dtype == torch.bfloat16 else want.data,
-                    getattr(lazy[name], p).data.view(torch.uint8)
-                    if want.dtype == torch.bfloat16
-                    else getattr(lazy[name], p).data,
-                )
-            ]
+            sh.load(lazy, dict(checkpoint), read, checkpoint.reader)
             results[f"{tp}/{rank}"] = {
-                "differ": differ,
+                "differ": sh.differ(eager, lazy, _same),
                 "read": read,
                 "stats": checkpoint.stats.as_dict(),
                 "loaded_nonzero": all(
@@ -267,24 +201,8 @@ def _digests(worker) -> dict[str, str]:
 
 def _states(model: Path, load_format: str, **kwargs) -> list[dict[str, str]]:
     """Starts an engine (``mp`` workers), returns each worker's ``_digests``, stops it."""
-    from vllm import LLM
-
-    llm = LLM(
-        model=str(model),
-        load_format=load_format,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=4,
-        enforce_eager=True,
-        distributed_executor_backend="mp",
-        **kwargs,
-    )
-    try:
+    with tv._engine(model, load_format, distributed_executor_backend="mp", **kwargs) as llm:
         return llm.collective_rpc(_digests)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
 
 
 def run_moe(work: Path, result_path: Path) -> None:
@@ -332,41 +250,6 @@ def _run(command: str, work: Path, timeout: int = 600, **env: str) -> tuple[dict
     return json.loads(result.read_text()), output
 
 
-def _rows(n: int, start: int, count: int) -> tuple:
-    return (slice(start, start + count),)
-
-
-def _expected_regions(tp: int, rank: int) -> dict[str, list[tuple]]:
-    """The regions vLLM's weight loaders narrow each tensor to on ``rank`` of ``tp`` (what the
-    rank keeps), as indices of the checkpoint tensor; several for a fused tensor."""
-    q_rows = HEADS * HEAD // tp
-    kv_rank = rank // max(1, tp // KV_HEADS)  # KV heads replicated when tp > KV_HEADS
-    kv_rows = max(1, KV_HEADS // tp) * HEAD
-    pad_vocab = -(-VOCAB // (64 * tp)) * 64 * tp // tp  # rows per rank, padding included
-    vocab_rows = max(0, min(pad_vocab, VOCAB - rank * pad_vocab))
-    q = _rows(0, rank * q_rows, q_rows)
-    kv = _rows(0, kv_rank * kv_rows, kv_rows)
-    k_in_fused = (slice(HEADS * HEAD + kv[0].start, HEADS * HEAD + kv[0].stop),)
-    v_in_fused = (
-        slice((HEADS + KV_HEADS) * HEAD + kv[0].start, (HEADS + KV_HEADS) * HEAD + kv[0].stop),
-    )
-    inter = INTER // tp
-    return {
-        "q": [q],
-        "k": [kv],
-        "v": [kv],
-        "qkv": [q, k_in_fused, v_in_fused],
-        "gate": [_rows(0, rank * inter, inter)],
-        "up": [_rows(0, rank * inter, inter)],
-        "down": [(slice(None), slice(rank * inter, (rank + 1) * inter))],
-        "col.weight": [_rows(0, rank * inter, inter)],
-        "col.bias": [_rows(0, rank * inter, inter)],
-        "emb": [_rows(0, rank * pad_vocab, vocab_rows)],
-        "head": [_rows(0, rank * pad_vocab, vocab_rows)],
-        "unknown": [(slice(None),)],  # read whole: its loader transposes first
-    }
-
-
 @pytest.fixture(scope="module")
 def layers(tmp_path_factory):
     return _run("layers", tmp_path_factory.mktemp("vllm_layers"))
@@ -375,20 +258,16 @@ def layers(tmp_path_factory):
 @tv.needs_vllm
 def test_vllm_weight_loaders_read_only_each_ranks_part(layers):
     import torch
-    from fastload._safe_open import LOCAL_READ_COST, plan
 
     results, _ = layers
-    shapes = {k: tuple(v.shape) for k, v in _tensor_shapes().items()}
+    shapes = sh.tensor_shapes()
     for tp in (1, 2):
         for rank in range(tp):
             got = results[f"{tp}/{rank}"]
             assert got["differ"] == [], (tp, rank, got["differ"])
             assert got["loaded_nonzero"], (tp, rank)
-            for name, regions in _expected_regions(tp, rank).items():
-                want = sum(
-                    sum(n for _, n in plan(shapes[name], 2, index, LOCAL_READ_COST).ranges)
-                    for index in regions
-                )
+            for name, regions in sh.expected_regions(tp, rank).items():
+                want = sh.regions_read(shapes[name], 2, regions)
                 assert got["read"][name] == want, (tp, rank, name, got["read"][name], want)
             total = sum(got["read"].values())
             assert got["stats"]["read_bytes"] == total
@@ -398,25 +277,6 @@ def test_vllm_weight_loaders_read_only_each_ranks_part(layers):
     whole = sum(torch.Size(s).numel() * 2 for s in shapes.values())
     for rank in (0, 1):
         assert results[f"2/{rank}"]["stats"]["read_bytes"] < 0.7 * whole, results[f"2/{rank}"]
-
-
-def _tensor_shapes():
-    import torch
-
-    return {
-        "q": torch.empty(HEADS * HEAD, H),
-        "k": torch.empty(KV_HEADS * HEAD, H),
-        "v": torch.empty(KV_HEADS * HEAD, H),
-        "qkv": torch.empty((HEADS + 2 * KV_HEADS) * HEAD, H),
-        "gate": torch.empty(INTER, H),
-        "up": torch.empty(INTER, H),
-        "down": torch.empty(H, INTER),
-        "col.weight": torch.empty(INTER, H),
-        "col.bias": torch.empty(INTER),
-        "emb": torch.empty(VOCAB, H),
-        "head": torch.empty(VOCAB, H),
-        "unknown": torch.empty(16, 32),
-    }
 
 
 @pytest.fixture(scope="module")

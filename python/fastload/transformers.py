@@ -178,6 +178,23 @@ def _is_auto_class(model_class: Any) -> bool:
     return isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass)
 
 
+def _class_and_config(
+    model_class: Any, folder: Path, kwargs: dict[str, Any]
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The class ``from_pretrained(None, ...)`` is called on, its ``config`` (``kwargs``' own, or
+    the folder's) and the rest of ``kwargs``: an auto class resolved as ``AutoModel...`` does it
+    (:func:`_resolve_auto`)."""
+    config = kwargs.pop("config", None)
+    if _is_auto_class(model_class):
+        cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
+        kwargs["_from_auto"] = True
+    else:
+        cls = model_class
+        if config is None:
+            config = str(folder)
+    return cls, config, kwargs
+
+
 def _resolve_auto(
     model_class: Any, folder: Path, config: Any, kwargs: dict[str, Any]
 ) -> tuple[Any, Any, dict[str, Any]]:
@@ -520,14 +537,7 @@ def _from_slices(
         state_dict: dict[str, Any] = {}
         for f in files:
             state_dict.update(f.slices())
-        config = kwargs.pop("config", None)
-        if _is_auto_class(model_class):
-            cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
-            kwargs["_from_auto"] = True
-        else:
-            cls = model_class
-            if config is None:
-                config = str(folder)
+        cls, config, kwargs = _class_and_config(model_class, folder, kwargs)
         model = cls.from_pretrained(
             None, *model_args, config=config, state_dict=state_dict, **kwargs
         )
@@ -624,14 +634,7 @@ def _from_checkpoint(
     # The weights stream in while transformers reads the config and imports the model's code
     # (seconds of Python for a first load in a process).
     with _Prefetch(uris, device=device or "cpu", **options) as weights:
-        config = kwargs.pop("config", None)
-        if _is_auto_class(model_class):
-            cls, config, kwargs = _resolve_auto(model_class, folder, config, kwargs)
-            kwargs["_from_auto"] = True
-        else:
-            cls = model_class
-            if config is None:
-                config = str(folder)
+        cls, config, kwargs = _class_and_config(model_class, folder, kwargs)
         state_dict = weights.result()
     if _major() < 5:
         # 4.x first asks the Hub for `pretrained_model_name_or_path`'s config.json (here None:

@@ -251,18 +251,22 @@ mod tests {
         )
     }
 
+    /// The base64 key material in `keyset_json`'s keyset (a secret no message may show).
+    fn key_value(json: &str) -> &str {
+        json.split(r#""value": ""#)
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap()
+    }
+
     #[test]
     fn writes_what_decrypts_for_every_length_and_chunking() {
         let dir = tempfile::tempdir().unwrap();
         let json = keyset_json(64);
         let enc = Encryption::new(&json, Some(b"ad"), "keyset").unwrap();
-        let value = json
-            .split(r#""value": ""#)
-            .nth(1)
-            .unwrap()
-            .split('"')
-            .next()
-            .unwrap();
+        let value = key_value(&json);
         assert_eq!(format!("{enc:?}"), "Encryption { key_id: Some(9) }");
         assert!(!value.is_empty());
         let p = 64 - TAG;
@@ -299,13 +303,7 @@ mod tests {
         let err = Encryption::new(&other, None, "keyset")
             .unwrap_err()
             .to_string();
-        let value = json
-            .split(r#""value": ""#)
-            .nth(1)
-            .unwrap()
-            .split('"')
-            .next()
-            .unwrap();
+        let value = key_value(&json);
         assert!(
             err.contains("primary key 10") && !err.contains(value),
             "{err}"

@@ -233,6 +233,38 @@ class AuthProxy(Server):
         return verify_jwt(token, self.public_key, self.email)
 
 
+def _forward(
+    handler: Handler, target: tuple[str, int], send_body: bool, flip_at: int | None = None
+) -> None:
+    """Relays `handler`'s GET/HEAD to `target` (host, port) and its answer back; `flip_at`
+    inverts that byte of the body relayed."""
+    host, port = target
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        headers = {
+            k: v
+            for k, v in handler.headers.items()
+            if k.lower() in ("range", "if-match", "if-none-match", "accept-encoding")
+        }
+        headers["Host"] = f"{host}:{port}"
+        conn.request(handler.command, handler.path, headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        handler.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("content-length", "connection", "transfer-encoding", "date"):
+                handler.send_header(k, v)
+        length = resp.getheader("Content-Length")
+        handler.send_header("Content-Length", length if length is not None else str(len(body)))
+        handler.end_headers()
+        if flip_at is not None and flip_at < len(body):
+            body = body[:flip_at] + bytes([body[flip_at] ^ 0xFF]) + body[flip_at + 1 :]
+        if send_body:
+            handler.wfile.write(body)
+    finally:
+        conn.close()
+
+
 class _ProxyHandler(Handler):
     server: AuthProxy
 
@@ -260,29 +292,7 @@ class _ProxyHandler(Handler):
             if send_body:
                 self.wfile.write(body)
             return
-        host, port = self.server.target
-        conn = http.client.HTTPConnection(host, port, timeout=30)
-        try:
-            headers = {
-                k: v
-                for k, v in self.headers.items()
-                if k.lower() in ("range", "if-match", "if-none-match", "accept-encoding")
-            }
-            headers["Host"] = f"{host}:{port}"
-            conn.request(self.command, self.path, headers=headers)
-            resp = conn.getresponse()
-            body = resp.read()
-            self.send_response(resp.status)
-            for k, v in resp.getheaders():
-                if k.lower() not in ("content-length", "connection", "transfer-encoding", "date"):
-                    self.send_header(k, v)
-            length = resp.getheader("Content-Length")
-            self.send_header("Content-Length", length if length is not None else str(len(body)))
-            self.end_headers()
-            if send_body:
-                self.wfile.write(body)
-        finally:
-            conn.close()
+        _forward(self, self.server.target, send_body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,29 +576,4 @@ class _WriteHandler(Handler):
         return self._reply(405, _xml_error("MethodNotAllowed", self.command))
 
     def _relay(self, send_body: bool) -> None:
-        host, port = self.server.target
-        conn = http.client.HTTPConnection(host, port, timeout=30)
-        try:
-            headers = {
-                k: v
-                for k, v in self.headers.items()
-                if k.lower() in ("range", "if-match", "if-none-match", "accept-encoding")
-            }
-            headers["Host"] = f"{host}:{port}"
-            conn.request(self.command, self.path, headers=headers)
-            resp = conn.getresponse()
-            body = resp.read()
-            self.send_response(resp.status)
-            for k, v in resp.getheaders():
-                if k.lower() not in ("content-length", "connection", "transfer-encoding", "date"):
-                    self.send_header(k, v)
-            length = resp.getheader("Content-Length")
-            self.send_header("Content-Length", length if length is not None else str(len(body)))
-            self.end_headers()
-            at = self.server.flip_reads_at
-            if at is not None and at < len(body):
-                body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1 :]
-            if send_body:
-                self.wfile.write(body)
-        finally:
-            conn.close()
+        _forward(self, self.server.target, send_body, flip_at=self.server.flip_reads_at)

@@ -16,7 +16,7 @@ use crc_fast::CrcAlgorithm;
 
 use super::Decorator;
 use crate::error::Result;
-use crate::source::identity::{CacheIdentity, StoredChecksum};
+use crate::source::identity::StoredChecksum;
 use crate::source::Source;
 
 /// A source whose bytes are checked against the CRC its store keeps for the whole object.
@@ -153,44 +153,12 @@ impl Decorator for CrcSource {
     fn after_read(&self, offset: u64, bytes: &[u8]) -> Result<()> {
         self.take(offset, bytes)
     }
-
-    fn identity(&self) -> Option<CacheIdentity> {
-        self.inner.cache_identity()
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use futures_util::future::BoxFuture;
-
+    use super::super::testing::{mem, read_all};
     use super::*;
-
-    #[derive(Debug)]
-    struct Bytes(Vec<u8>);
-
-    impl Source for Bytes {
-        fn name(&self) -> &str {
-            "mem://x"
-        }
-        fn size(&self) -> u64 {
-            self.0.len() as u64
-        }
-        fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-            Box::pin(async move {
-                let at = offset as usize;
-                dst.copy_from_slice(&self.0[at..at + dst.len()]);
-                Ok(())
-            })
-        }
-    }
-
-    async fn read_all(source: &CrcSource, pieces: &[(usize, usize)]) -> Result<()> {
-        for &(at, len) in pieces {
-            let mut buf = vec![0u8; len];
-            source.read_into(at as u64, &mut buf).await?;
-        }
-        Ok(())
-    }
 
     #[tokio::test]
     async fn blocks_in_any_order_combine_into_the_whole_objects_crc() {
@@ -219,13 +187,13 @@ mod tests {
                 CrcAlgorithm::Crc32Iscsi => StoredChecksum::Crc32c(crc as u32),
                 _ => StoredChecksum::Crc32(crc as u32),
             };
-            let good = CrcSource::new(Arc::new(Bytes(data.clone())), &stored).unwrap();
+            let good = CrcSource::new(mem(data.clone()), &stored).unwrap();
             read_all(&good, &order).await.unwrap();
             assert_eq!(good.judged(), Some(true), "{algorithm:?}");
 
             let mut bad = data.clone();
             bad[77_777] ^= 0x10;
-            let bad = CrcSource::new(Arc::new(Bytes(bad)), &stored).unwrap();
+            let bad = CrcSource::new(mem(bad), &stored).unwrap();
             let err = read_all(&bad, &order).await.unwrap_err().to_string();
             assert!(err.contains("mem://x") && err.contains("mismatch"), "{err}");
             assert!(
@@ -235,7 +203,7 @@ mod tests {
         }
         // A file read in part is never judged.
         let stored = StoredChecksum::Crc32c(0);
-        let part = CrcSource::new(Arc::new(Bytes(data)), &stored).unwrap();
+        let part = CrcSource::new(mem(data), &stored).unwrap();
         read_all(&part, &[(0, 1000), (2000, 1000)]).await.unwrap();
         assert_eq!(part.judged(), None);
     }

@@ -29,6 +29,33 @@ pub mod entry;
 mod fill;
 pub mod verify;
 
+/// What the tests of the cache's decorators share.
+#[cfg(test)]
+mod testing {
+    use std::sync::Arc;
+
+    use crate::error::Result;
+    use crate::source::testing::Bytes;
+    use crate::source::Source;
+
+    /// An in-memory file named `mem://x`.
+    pub fn mem(data: Vec<u8>) -> Arc<dyn Source> {
+        Arc::new(Bytes {
+            name: "mem://x".into(),
+            data,
+        })
+    }
+
+    /// Reads `source`'s `(offset, length)` pieces, in order.
+    pub async fn read_all(source: &dyn Source, pieces: &[(usize, usize)]) -> Result<()> {
+        for &(at, len) in pieces {
+            let mut buf = vec![0u8; len];
+            source.read_into(at as u64, &mut buf).await?;
+        }
+        Ok(())
+    }
+}
+
 /// A cache decorator around a source ([`FillingSource`], [`verify::VerifyingSource`]): it reads
 /// through its inner source and works on each block read (writes the copy, hashes it). As a
 /// [`Source`] it is its inner source but for `read_into` (the block is read, then handed to
@@ -42,8 +69,10 @@ trait Decorator: Send + Sync + fmt::Debug {
     /// Called when the inner source failed to read a block (its error is the read's).
     fn read_failed(&self) {}
 
-    /// The [`Source::cache_identity`] of the decorated source.
-    fn identity(&self) -> Option<CacheIdentity>;
+    /// The [`Source::cache_identity`] of the decorated source: by default its inner source's.
+    fn identity(&self) -> Option<CacheIdentity> {
+        self.inner().cache_identity()
+    }
 }
 
 impl<D: Decorator> Source for D {

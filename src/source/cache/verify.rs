@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use super::entry::hex;
 use super::Decorator;
 use crate::error::{Error, Result};
-use crate::source::identity::{CacheIdentity, Digest, StoredChecksum};
+use crate::source::identity::{Digest, StoredChecksum};
 use crate::source::Source;
 
 /// A source whose bytes are hashed as they are read and checked against `want` once every byte
@@ -192,44 +192,12 @@ impl Decorator for VerifyingSource {
     fn after_read(&self, offset: u64, bytes: &[u8]) -> Result<()> {
         self.take(offset, bytes)
     }
-
-    fn identity(&self) -> Option<CacheIdentity> {
-        self.inner.cache_identity()
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use futures_util::future::BoxFuture;
-
+    use super::super::testing::{mem, read_all};
     use super::*;
-
-    #[derive(Debug)]
-    struct Bytes(Vec<u8>);
-
-    impl Source for Bytes {
-        fn name(&self) -> &str {
-            "mem://x"
-        }
-        fn size(&self) -> u64 {
-            self.0.len() as u64
-        }
-        fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-            Box::pin(async move {
-                let at = offset as usize;
-                dst.copy_from_slice(&self.0[at..at + dst.len()]);
-                Ok(())
-            })
-        }
-    }
-
-    async fn read_all(source: &VerifyingSource, pieces: &[(usize, usize)]) -> Result<()> {
-        for &(at, len) in pieces {
-            let mut buf = vec![0u8; len];
-            source.read_into(at as u64, &mut buf).await?;
-        }
-        Ok(())
-    }
 
     #[tokio::test]
     async fn out_of_order_overlapping_reads_hash_the_file_once_in_order() {
@@ -237,13 +205,13 @@ mod tests {
         let want = hex(&super::super::entry::sha256(&data));
         let order = [(0, 1000), (6000, 4000), (500, 2000), (2500, 3500)];
         let want = Digest::Sha256(want);
-        let good = VerifyingSource::new(Arc::new(Bytes(data.clone())), &want);
+        let good = VerifyingSource::new(mem(data.clone()), &want);
         read_all(&good, &order).await.unwrap();
         assert!(good.state.lock().unwrap().ahead.is_empty());
 
         let mut bad = data.clone();
         bad[7000] ^= 1;
-        let bad = VerifyingSource::new(Arc::new(Bytes(bad)), &want);
+        let bad = VerifyingSource::new(mem(bad), &want);
         let err = read_all(&bad, &order).await.unwrap_err().to_string();
         let Digest::Sha256(hex) = &want else {
             unreachable!()
@@ -256,7 +224,7 @@ mod tests {
         assert!(read_all(&bad, &[(0, 10)]).await.is_err());
 
         // A file read in part is never judged.
-        let part = VerifyingSource::new(Arc::new(Bytes(data)), &Digest::Sha256("0".repeat(64)));
+        let part = VerifyingSource::new(mem(data), &Digest::Sha256("0".repeat(64)));
         read_all(&part, &[(0, 1000), (2000, 1000)]).await.unwrap();
     }
 
@@ -267,11 +235,11 @@ mod tests {
         ctx.update(format!("blob {}\0", data.len()).as_bytes());
         ctx.update(&data);
         let want = Digest::GitBlob(hex(ctx.finish().as_ref()));
-        let good = VerifyingSource::new(Arc::new(Bytes(data.clone())), &want);
+        let good = VerifyingSource::new(mem(data.clone()), &want);
         read_all(&good, &[(0, data.len())]).await.unwrap();
         let mut bad = data.clone();
         bad[3] ^= 1;
-        let bad = VerifyingSource::new(Arc::new(Bytes(bad)), &want);
+        let bad = VerifyingSource::new(mem(bad), &want);
         let err = read_all(&bad, &[(0, data.len())]).await.unwrap_err();
         assert!(err.to_string().contains("git blob id mismatch"), "{err}");
     }
