@@ -207,6 +207,11 @@ pub struct Resolved {
     pub method: Method,
     /// Why `method` is what it is (`stats()["method_reason"]`).
     pub method_reason: String,
+    /// The block size of a staged (GPU) load: `block_size` where the caller or
+    /// `FASTLOAD_BLOCK_SIZE` chose it, else [`DEFAULT_STAGED_LOCAL_BLOCK_SIZE`] for local files
+    /// (a smaller page-locked ring for a process's first load to pin; measured on an H100,
+    /// docs/benchmarks.md) and `block_size` for object stores (fewer, larger requests).
+    pub staged_block_size: u64,
 }
 
 pub const ENV_CONCURRENCY: &str = "FASTLOAD_CONCURRENCY";
@@ -442,6 +447,8 @@ pub const DEFAULT_CONCURRENCY: usize = 16;
 /// rate at 16 (benches/s3_bench.py).
 pub const DEFAULT_REMOTE_CONCURRENCY: usize = 64;
 pub const DEFAULT_BLOCK_SIZE: u64 = 8 << 20;
+/// Staged (GPU) loads of local files, unless a block size is given: see [`Resolved::staged_block_size`].
+pub const DEFAULT_STAGED_LOCAL_BLOCK_SIZE: u64 = 4 << 20;
 pub const DEFAULT_MEMORY_LIMIT: u64 = 1 << 30;
 
 fn env_value<T: FromStr<Err = String>>(var: &str) -> Result<Option<T>> {
@@ -538,12 +545,19 @@ impl LoadOptions {
                 format!("{} is below the 1MiB minimum", Size(memory_limit)),
             ));
         }
+        let given = self.block_size.is_some() || block_size_from == ENV_BLOCK_SIZE;
+        let staged_block_size = if given || remote {
+            block_size
+        } else {
+            DEFAULT_STAGED_LOCAL_BLOCK_SIZE
+        };
         Ok(Resolved {
             concurrency,
             block_size,
             memory_limit,
             method,
             method_reason,
+            staged_block_size,
         })
     }
 }

@@ -442,6 +442,7 @@ mod tests {
                 memory_limit: 1 << 30,
                 method: crate::Method::Auto,
                 method_reason: String::new(),
+                staged_block_size: 8 << 20,
             }],
             repeat: 1,
             modes: vec!["warm"],

@@ -35,10 +35,11 @@ use crate::options::{Method, Resolved};
 use crate::plan::{self, Plan};
 use crate::source;
 
-/// The block size of a staged load: the requested one, shrunk so the ring has at least two slots.
+/// The block size of a staged load: [`Resolved::staged_block_size`], shrunk so the ring has at
+/// least two slots.
 fn block_for(opts: &Resolved) -> u64 {
     let half = (opts.memory_limit / 2) / 4096 * 4096;
-    opts.block_size.min(half).max(4096)
+    opts.staged_block_size.min(half).max(4096)
 }
 
 /// Slots of the staging ring for buffers of `slot` bytes: one per read in flight (`concurrency`)
