@@ -12,12 +12,28 @@ use crate::write::WriteOptions;
 /// How long an interrupted copy may take to abort the uploads of its files in flight.
 const CLEANUP: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Copies `src` to `dst`; returns `{"copied": [...], "skipped": [...], "bytes": n}` for this
-/// rank's share.
+/// The group's all-gather as the copy calls it (from its own thread): `exchange(str) -> list[str]`.
+fn all_gather(exchange: Py<PyAny>) -> core::Exchange {
+    std::sync::Arc::new(move |message: String| {
+        super::gil::attach(|py| {
+            exchange
+                .call1(py, (message,))
+                .and_then(|all| all.extract::<Vec<String>>(py))
+                .map_err(|e| crate::Error::Internal {
+                    message: format!("the copy's exchange between ranks failed: {e}"),
+                })
+        })
+    })
+}
+
+/// Copies `src` to `dst`; returns `{"copied": [...], "skipped": [...], "bytes": n, "stopped":
+/// None or why}` for this rank's share. `exchange` (an all-gather of one str per rank) lets the
+/// ranks split large files into parts.
 #[pyfunction]
 #[pyo3(signature = (src, dst, *, overwrite=false, storage_options=None, verify=true,
                     concurrency=None, block_size=None, memory_limit=None, part_size=None,
-                    rank=0, world=1, progress=true, keyset=None, associated_data=None))]
+                    rank=0, world=1, progress=true, keyset=None, associated_data=None,
+                    exchange=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn copy<'py>(
     py: Python<'py>,
@@ -35,6 +51,7 @@ pub fn copy<'py>(
     progress: bool,
     keyset: Option<super::tink::KeysetArg>,
     associated_data: Option<super::tink::AssociatedDataArg>,
+    exchange: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = CopyOptions {
         write: WriteOptions {
@@ -55,6 +72,7 @@ pub fn copy<'py>(
         } else {
             None
         },
+        exchange: exchange.map(all_gather),
     };
     // On Ctrl-C the files in flight abort their uploads before the KeyboardInterrupt is raised.
     let report = off_thread_cleaning_up(py, "copy", CLEANUP, move || {
@@ -64,5 +82,6 @@ pub fn copy<'py>(
     out.set_item("copied", report.copied)?;
     out.set_item("skipped", report.skipped)?;
     out.set_item("bytes", report.bytes)?;
+    out.set_item("stopped", report.stopped)?;
     Ok(out)
 }
