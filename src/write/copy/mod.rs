@@ -198,7 +198,7 @@ fn whole(
             bytes: mine.iter().map(|&i| targets[i].0.source.size()).sum(),
         },
     );
-    let (first, last) = schedule(&targets, &mine);
+    let (first, last) = schedule(targets, &mine);
     let outcomes = Mutex::new(vec![None; targets.len()]);
     run(targets, &first, options, &outcomes)?;
     run(targets, &last, options, &outcomes)?;
