@@ -169,6 +169,7 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
             }
             Ok(true) => {}
         }
+        start(&targets, &split, options);
         let files: Vec<&(Item, String)> = split.iter().map(|&i| &targets[i]).collect();
         let stop = AtomicBool::new(false);
         if let Err(split::Stopped(s)) = split::run(&files, options, exchange, &stop, &mut report)? {
@@ -178,8 +179,37 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
         whole(&targets, &split, options, report)
     } else {
         let (targets, _) = planned?;
+        start(&targets, &[], options);
         whole(&targets, &[], options, report)
     }
+}
+
+/// This rank's share of the files not in `split` (copied whole).
+fn whole_share(targets: &[(Item, String)], split: &[usize], options: &CopyOptions) -> Vec<usize> {
+    let candidates: Vec<usize> = (0..targets.len()).filter(|i| !split.contains(i)).collect();
+    share(targets, &candidates, options.rank, options.world)
+}
+
+/// Announces this rank's share: its whole files, and its parts of the split files (whose files
+/// rank 0 counts).
+fn start(targets: &[(Item, String)], split: &[usize], options: &CopyOptions) {
+    let mine = whole_share(targets, split, options);
+    let parts: u64 = split
+        .iter()
+        .map(|&i| split::my_bytes(targets[i].0.source.size(), options))
+        .sum();
+    let split_files = if options.rank == 0 { split.len() } else { 0 };
+    emit(
+        options,
+        Event::Start {
+            files: mine.len() + split_files,
+            bytes: mine
+                .iter()
+                .map(|&i| targets[i].0.source.size())
+                .sum::<u64>()
+                + parts,
+        },
+    );
 }
 
 /// Copies this rank's share of the files not in `split`, whole, adding to `report`.
@@ -189,15 +219,7 @@ fn whole(
     options: &CopyOptions,
     mut report: Report,
 ) -> Result<Report> {
-    let candidates: Vec<usize> = (0..targets.len()).filter(|i| !split.contains(i)).collect();
-    let mine = share(targets, &candidates, options.rank, options.world);
-    emit(
-        options,
-        Event::Start {
-            files: mine.len(),
-            bytes: mine.iter().map(|&i| targets[i].0.source.size()).sum(),
-        },
-    );
+    let mine = whole_share(targets, split, options);
     let (first, last) = schedule(targets, &mine);
     let outcomes = Mutex::new(vec![None; targets.len()]);
     run(targets, &first, options, &outcomes)?;

@@ -76,6 +76,17 @@ pub(super) fn splits(item: &Item, to: &str, options: &CopyOptions) -> bool {
         && size >= 2 * options.world as u64 * part_size(size, options)
 }
 
+/// The bytes of a split file of `size` bytes that this rank reads and uploads.
+pub(super) fn my_bytes(size: u64, options: &CopyOptions) -> u64 {
+    let part_size = part_size(size, options);
+    let parts = usize::try_from(size.div_ceil(part_size)).unwrap_or(usize::MAX);
+    range_bytes(
+        &my_parts(parts, options.rank, options.world),
+        part_size,
+        size,
+    )
+}
+
 /// The parts (indexes from 0) rank `rank` of `world` uploads of a file of `parts` parts: a
 /// contiguous range, the ranges of all ranks covering every part once.
 pub(super) fn my_parts(parts: usize, rank: usize, world: usize) -> Range<usize> {
@@ -236,15 +247,15 @@ fn one(
     if first == "skip" {
         if rank == 0 {
             report.skipped.push(to.to_string());
-            emit(
-                options,
-                Event::Done {
-                    dst: to.to_string(),
-                    bytes: size,
-                    skipped: true,
-                },
-            );
         }
+        emit(
+            options,
+            Event::Done {
+                dst: to.to_string(),
+                bytes: my_bytes(size, options),
+                skipped: true,
+            },
+        );
         return Ok(Ok(()));
     }
     let Some(id) = first.strip_prefix("id:") else {
