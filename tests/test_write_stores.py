@@ -77,8 +77,8 @@ class Az:
         found = self.server.uncommitted(ACCOUNT, CONTAINER)
         return sorted(k for k in found if k.startswith(prefix))
 
-    def set_corrupt(self, n: int) -> None:
-        self.server.corrupt_uploads = n
+    def set_corrupt(self, n: int, prefix: str = "") -> None:
+        self.server.corrupt_uploads, self.server.corrupt_prefix = n, prefix
 
     def data_writes(self, prefix: str) -> list[dict]:
         return [
@@ -129,8 +129,8 @@ class Gs:
     def open_uploads(self, prefix: str) -> list[str]:
         return [k for k in self.relay.open_uploads() if k.startswith(prefix)]
 
-    def set_corrupt(self, n: int) -> None:
-        self.relay.corrupt_uploads = n
+    def set_corrupt(self, n: int, prefix: str = "") -> None:
+        self.relay.corrupt_uploads, self.relay.corrupt_prefix = n, prefix
 
     def data_writes(self, prefix: str) -> list[dict]:
         return [
@@ -216,8 +216,9 @@ def test_a_part_corrupted_on_the_way_is_refused_and_nothing_is_published(store, 
     assert uri in str(e.value)
     assert "Md5Mismatch" in str(e.value) or "BadDigest" in str(e.value)
     assert store.objects(prefix) == {}
-    # A small object's one PUT is checked the same way.
-    store.set_corrupt(1)
+    # A small object's one PUT is checked the same way (only its upload is flipped: the first
+    # writer's other parts may still arrive, and once took the flip themselves).
+    store.set_corrupt(1, prefix + "s")
     try:
         with pytest.raises(fastload.StorageError):
             fastload.save_file(tensors | {"small": torch.ones(3)}, store.uri(prefix + "s"),

@@ -155,6 +155,7 @@ class AzureBlobServer(Server):
         self.stats = Stats()
         self.fail_blocks = 0
         self.corrupt_uploads = 0
+        self.corrupt_prefix = ""  # only uploads to blobs whose names start with it
         self.lock = threading.Lock()
         super().__init__(_Handler)
 
@@ -360,7 +361,7 @@ class _Handler(Handler):
         blobs = server.containers[(account, container)]
         blocks_key = (account, container, name)
         what = comp or "blob"
-        if comp in ("", "block") and body:
+        if comp in ("", "block") and body and name.startswith(server.corrupt_prefix):
             with server.lock:
                 corrupt = server.corrupt_uploads > 0
                 server.corrupt_uploads -= corrupt

@@ -343,6 +343,7 @@ class WriteRelay(Server):
         self.uploads: dict[str, dict] = {}
         self.fail_parts = 0
         self.corrupt_uploads = 0
+        self.corrupt_prefix = ""  # only uploads to objects whose names start with it
         self.flip_reads_at: int | None = None
         self.stats = WriteStats()
         self.lock = threading.Lock()
@@ -471,15 +472,16 @@ class _WriteHandler(Handler):
         server = self.server
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        if self.command == "PUT" and body:
-            with server.lock:
-                corrupt = server.corrupt_uploads > 0
-                server.corrupt_uploads -= corrupt
-            if corrupt:
-                body = bytes([body[0] ^ 0x01]) + body[1:]
         raw_path, _, query = self.path.partition("?")
         params = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
         bucket, _, quoted = raw_path.lstrip("/").partition("/")
+        if self.command == "PUT" and body:
+            named = urllib.parse.unquote(quoted).startswith(server.corrupt_prefix)
+            with server.lock:
+                corrupt = named and server.corrupt_uploads > 0
+                server.corrupt_uploads -= corrupt
+            if corrupt:
+                body = bytes([body[0] ^ 0x01]) + body[1:]
         name = urllib.parse.unquote(quoted)
         if server.auth is not None:
             why = server.auth(self.headers.get("Authorization"))
