@@ -10,7 +10,6 @@ use object_store::aws::AmazonS3ConfigKey;
 use object_store::azure::AzureConfigKey;
 use object_store::gcp::GoogleConfigKey;
 use object_store::http::HttpBuilder;
-use object_store::multipart::MultipartStore;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 use url::Url;
 
@@ -21,7 +20,6 @@ use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
 use super::s3::s3_builder;
 use super::*;
-
 use crate::error::{Error, Result};
 use crate::options::Size;
 use crate::source::clients::SharedStoreClients;
@@ -66,11 +64,7 @@ pub fn open_with_env(
                 .build()
                 .map(|s| {
                     let _ = signing.credentials.set(s.credentials().clone());
-                    let s = Arc::new(s);
-                    (
-                        s.clone() as Arc<dyn ObjectStore>,
-                        Some(Multipart(s as Arc<dyn MultipartStore>)),
-                    )
+                    Arc::new(s) as Arc<dyn ObjectStore>
                 })
         }
         ObjectStoreScheme::GoogleCloudStorage => {
@@ -89,13 +83,7 @@ pub fn open_with_env(
             b.with_retry(retry.request_config())
                 .with_http_connector(ChecksumConnector(StoreChecksums::Gcs))
                 .build()
-                .map(|s| {
-                    let s = Arc::new(s);
-                    (
-                        s.clone() as Arc<dyn ObjectStore>,
-                        Some(Multipart(s as Arc<dyn MultipartStore>)),
-                    )
-                })
+                .map(|s| Arc::new(s) as _)
         }
         ObjectStoreScheme::MicrosoftAzure => {
             let b = azure_builder(uri, &store_options, &env)?;
@@ -116,7 +104,7 @@ pub fn open_with_env(
                 .build()
                 .map(|s| {
                     let _ = signing.credentials.set(s.credentials().clone());
-                    (Arc::new(s) as Arc<dyn ObjectStore>, None)
+                    Arc::new(s) as _
                 })
         }
         ObjectStoreScheme::Http => {
@@ -134,11 +122,11 @@ pub fn open_with_env(
             b.with_retry(retry.request_config())
                 .with_http_connector(SharedStoreClients)
                 .build()
-                .map(|s| (Arc::new(s) as Arc<dyn ObjectStore>, None))
+                .map(|s| Arc::new(s) as _)
         }
         _ => return Err(unsupported(&shown, "not an object-store URL")),
     };
-    let (store, multipart) = built.map_err(|e| build_error(&shown, e))?;
+    let store = built.map_err(|e| build_error(&shown, e))?;
     let is_prefix = url.path().ends_with('/') || path.as_ref().is_empty();
     Ok(Remote {
         store,
@@ -146,7 +134,6 @@ pub fn open_with_env(
         uri: shown,
         is_prefix,
         retry,
-        multipart,
     })
 }
 

@@ -80,7 +80,6 @@ mod tests {
             uri: "memory:///m/".into(),
             is_prefix: true,
             retry: Default::default(),
-            multipart: None,
         }
     }
 
