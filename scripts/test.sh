@@ -67,5 +67,6 @@ echo "== transformers 4.x: its own venv (.venv-tf4: transformers 4.57 and huggin
 echo "   seeing .venv's torch and fastload) for tests/test_transformers4.py"
 bash scripts/setup_transformers4.sh
 
-echo "== python: tests"
+echo "== python: tests (disk free where they write: the suite needs a few GB at a time)"
+df -h . "${TMPDIR:-/tmp}" | sed 1d
 .venv/bin/python -m pytest -q tests "$@"

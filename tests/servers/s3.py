@@ -223,6 +223,11 @@ def seaweed_command(weed: str, data: Path, config: Path, ports: dict[str, int]) 
         "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",
         "-master.telemetry=false",
+        # Small volumes and a fixed count: left to itself, `weed mini` sizes volumes from the disk
+        # (1 GiB on a large one) and counts them from its free space, so a CI machine with 1.6 GiB
+        # free started with no volume at all and every write timed out ("assign volume").
+        "-master.volumeSizeLimitMB=64",
+        "-volume.max=64",
         f"-s3.config={config}",
         f"-master.port={ports['master']}",
         f"-master.port.grpc={ports['master'] + GRPC_OFFSET}",
