@@ -21,7 +21,8 @@ communicates: loading weights does not).
 - ``model``: SGLang's ``LlamaForCausalLM`` built and loaded by ``FastloadModelLoader.load_model``
   at fake TP 2, ranks 0 and 1, from a local folder and over HTTP: every parameter bitwise what
   SGLang's ``DefaultModelLoader`` loads on that rank, each rank reading exactly its regions (the
-  server's count of tensor data sent agrees).
+  server's count of tensor data sent agrees); and at fake pipeline parallel 2, each stage
+  reading only the tensors of its layers (and the embeddings, norm or head it keeps).
 
 SGLang keeps process-wide state, so the loads run in a subprocess: this file is also the script
 it runs (``python tests/test_sglang_slices.py all WORK RESULT.json``).
@@ -61,25 +62,28 @@ class _Group:
         self.cpu_group = self.device_group = None
 
 
-def _context(model: Path, tp: int, rank: int, groups: bool = False) -> None:
-    """SGLang's parallel context of rank ``rank`` of ``tp`` (no process group built)."""
+def _context(model: Path, tp: int, rank: int, groups: bool = False, pp: int = 1) -> None:
+    """SGLang's parallel context of rank ``rank`` of ``tp`` (or, with ``pp`` > 1, of stage
+    ``rank`` of ``pp`` at TP 1; no process group built)."""
     import sglang.srt.layers.rotary_embedding.base as rope
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     rope._is_cpu = True  # see tests/test_sglang.py::init_sglang
     reset_context()
-    args = ServerArgs(model_path=str(model), device="cpu", tp_size=tp)
+    args = ServerArgs(model_path=str(model), device="cpu", tp_size=tp, pp_size=pp)
     publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
     if groups:
-        tp_group, one = _Group(rank, tp), _Group(0, 1)
+        one = _Group(0, 1)
+        tp_group = _Group(rank, tp) if pp == 1 else one
+        pp_group = _Group(rank, pp) if pp > 1 else one
         get_parallel().override_permanently(
-            world_group=tp_group,
+            world_group=_Group(rank, tp * pp),
             tp_group=tp_group,
             attn_tp_group=tp_group,
             moe_tp_group=tp_group,
             shared_experts_tp_group=tp_group,
-            pp_group=one,
+            pp_group=pp_group,
             moe_ep_group=one,
             moe_dp_group=one,
             attn_cp_group=one,
@@ -317,6 +321,17 @@ def run_model(work: Path) -> dict:
                 loader, params = load(FastloadModelLoader, extra)
                 got[step] = {"differ": ts.compare(reference, params), "stats": loader.stats}
             results[f"{tp}/{rank}"] = got
+    # Pipeline parallel 2 (TP 1): each stage builds only its layers (SGLang's PPMissingLayer for
+    # the others) and its load_weights skips the rest, which a lazy tensor then never reads.
+    for rank in range(2):
+        _context(model, 1, rank, groups=True, pp=2)
+        _, reference = load("auto")
+        loader, params = load(FastloadModelLoader)
+        results[f"pp2/{rank}"] = {
+            "params": sorted(reference),
+            "differ": ts.compare(reference, params),
+            "stats": loader.stats,
+        }
     return results
 
 
@@ -509,6 +524,52 @@ def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
     data, _ = tvs._sent(log, "tp2", files)
     assert data == over_http, (data, over_http)
     assert data < 1.4 * checkpoint, (data, checkpoint)
+
+
+# A checkpoint tensor's parameter in SGLang's Llama (q/k/v and gate/up are fused).
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"} | {
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+@ts.needs_sglang
+def test_sglang_pipeline_stages_read_only_their_layers(model, work):
+    """SGLang's LlamaForCausalLM at pipeline parallel 2: each stage's parameters bitwise those
+    of SGLang's own loader on that stage, and the stage reads exactly the checkpoint tensors its
+    parameters are loaded from (its layer, and the embeddings, final norm or LM head it keeps),
+    skipping every other tensor unread."""
+    from safetensors import safe_open
+
+    results, _, _ = model
+    sizes = {}
+    for f in (work / "llama").glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            sizes.update({n: 2 * math.prod(st.get_slice(n).get_shape()) for n in st.keys()})
+    checkpoint = sum(sizes.values())
+
+    def param(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(FUSED.get(part, part) for part in parts)
+
+    layers_read = []
+    for rank in (0, 1):
+        got = results[f"pp2/{rank}"]
+        assert got["differ"] == [], got
+        kept = {n for n in sizes if param(n) in got["params"]}
+        stats = got["stats"]
+        assert stats is not None, "a pipeline stage reads lazily by default"
+        assert stats["read_bytes"] == sum(sizes[n] for n in kept), (stats, sorted(kept))
+        assert stats["skipped_tensors"] == len(sizes) - len(kept), stats
+        assert stats["fallbacks"] == {}, stats
+        layers_read.append({n.split(".")[2] for n in kept if n.startswith("model.layers.")})
+    # Stage 0 holds layer 0, stage 1 layer 1: no layer is read by both.
+    assert layers_read == [{"0"}, {"1"}], layers_read
+    total = results["pp2/0"]["stats"]["read_bytes"] + results["pp2/1"]["stats"]["read_bytes"]
+    # What both stages keep (here SGLang's LM head) is read by both; nothing else twice.
+    both = set(results["pp2/0"]["params"]) & set(results["pp2/1"]["params"])
+    twice = sum(sizes[n] for n in sizes if param(n) in both)
+    assert total == checkpoint + twice, (total, checkpoint, twice)
 
 
 @ts.needs_sglang
