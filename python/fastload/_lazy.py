@@ -133,7 +133,7 @@ class _Source:
         self.dtype, self.shape, self.cost, self.stats, self.name = dtype, shape, cost, stats, name
         self.exchange = exchange  # a _exchange.ColumnExchange, or None
         self.whole: torch.Tensor | None = None  # once read whole: later regions view it
-        self.counted: str | None = None  # "sliced" or "whole", once read
+        self.counted: str | None = None  # "sliced", "whole" or "exchanged", once read
 
     def read(self, index: tuple[Any, ...], full: bool) -> torch.Tensor:
         """``tensor[index]`` (a basic index); ``full``: the index selects the whole tensor."""

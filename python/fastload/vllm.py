@@ -15,8 +15,10 @@ plus ``weights_uri``, ``distributed`` and ``slices``.
 Where the model is split over workers (tensor or pipeline parallel, experts spread), ``fastload``
 hands ``model.load_weights`` lazy tensors (``fastload._lazy``): vLLM's weight loaders narrow each
 to the rank's rows or columns before they copy it, and only those bytes are read; tensors of
-layers on other pipeline stages, or of other ranks' experts, are never read; anything else
-(a weight loader that transforms a tensor first) reads the region it asks for, whole at worst.
+layers on other pipeline stages, or of other ranks' experts, are never read; row-parallel
+weights (a column block per rank) are read once over the tensor-parallel group, each rank a block
+of rows, and exchanged (``fastload._exchange``); anything else (a weight loader that transforms
+a tensor first) reads the region it asks for, whole at worst.
 ``slices: false`` streams whole tensors instead (as ``distributed: true`` does, which shares
 them over the group); ``slices: true`` reads lazily on a lone worker too.
 
