@@ -40,9 +40,10 @@ _aten = torch.ops.aten
 @dataclass
 class Stats:
     """What the lazy tensors of a load read. A tensor counts as ``whole`` when a read of it
-    covered all its bytes, else ``sliced``; ``skipped`` were never read. ``fallbacks``: ops other
-    than views and ``copy_`` that read a region, by name (a weight loader that does more than
-    narrow and copy)."""
+    covered all its bytes, ``exchanged`` when this rank read a block of its rows for the group
+    and got its columns from the others (``fastload._exchange``), else ``sliced``; ``skipped``
+    were never read. ``fallbacks``: ops other than views and ``copy_`` that read a region, by
+    name (a weight loader that does more than narrow and copy)."""
 
     tensors: int = 0
     bytes: int = 0
@@ -50,15 +51,17 @@ class Stats:
     sliced_bytes: int = 0
     whole_tensors: int = 0
     whole_bytes: int = 0
+    exchanged_tensors: int = 0
+    exchanged_bytes: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     @property
     def read_bytes(self) -> int:
-        return self.sliced_bytes + self.whole_bytes
+        return self.sliced_bytes + self.whole_bytes + self.exchanged_bytes
 
     @property
     def skipped_tensors(self) -> int:
-        return self.tensors - self.sliced_tensors - self.whole_tensors
+        return self.tensors - self.sliced_tensors - self.whole_tensors - self.exchanged_tensors
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +72,8 @@ class Stats:
             "sliced_bytes": self.sliced_bytes,
             "whole_tensors": self.whole_tensors,
             "whole_bytes": self.whole_bytes,
+            "exchanged_tensors": self.exchanged_tensors,
+            "exchanged_bytes": self.exchanged_bytes,
             "skipped_tensors": self.skipped_tensors,
             "fallbacks": dict(self.fallbacks),
         }
@@ -80,8 +85,13 @@ class Stats:
             f"read {self.read_bytes} of {self.bytes} checkpoint bytes ({share:.0%}): "
             f"{self.sliced_bytes} bytes as slices of {self.sliced_tensors} tensors, "
             f"{self.whole_bytes} bytes as {self.whole_tensors} whole tensors, "
-            f"{self.skipped_tensors} tensors not read"
         )
+        if self.exchanged_tensors:
+            out += (
+                f"{self.exchanged_bytes} bytes as row blocks of {self.exchanged_tensors} "
+                "tensors exchanged over the group, "
+            )
+        out += f"{self.skipped_tensors} tensors not read"
         if self.fallbacks:
             ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
             out += f"; read for other ops: {ops}"
@@ -96,6 +106,7 @@ class _Source:
         "cost",
         "counted",
         "dtype",
+        "exchange",
         "name",
         "nbytes",
         "reader",
@@ -116,29 +127,52 @@ class _Source:
         cost: int,
         stats: Stats,
         name: str,
+        exchange: Any = None,
     ) -> None:
         self.reader, self.shard, self.at, self.nbytes = reader, shard, at, nbytes
         self.dtype, self.shape, self.cost, self.stats, self.name = dtype, shape, cost, stats, name
+        self.exchange = exchange  # a _exchange.ColumnExchange, or None
         self.whole: torch.Tensor | None = None  # once read whole: later regions view it
-        self.counted: str | None = None  # "sliced" or "whole", once read
+        self.counted: str | None = None  # "sliced", "whole" or "exchanged", once read
 
     def read(self, index: tuple[Any, ...], full: bool) -> torch.Tensor:
         """``tensor[index]`` (a basic index); ``full``: the index selects the whole tensor."""
         if self.whole is not None:
             return self.whole[index]
+        if self.exchange is not None:
+            exchanged = self.exchange.read(self, index)
+            if exchanged is not None:
+                return exchanged
         got = 0
 
         def read(ranges: list[tuple[int, int]]) -> torch.Tensor:
             nonlocal got
             got += sum(n for _, n in ranges)
-            capsule = self.reader.read(self.shard, [(self.at + o, n) for o, n in ranges])
-            return torch.from_dlpack(capsule)
+            return self.raw(ranges)
 
         out = read_index(torch, read, self.dtype, self.shape, self.nbytes, index, self.cost)
         self._count(got)
         if full:
             self.whole = out
         return out
+
+    def raw(self, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The bytes of ``ranges`` (``(offset, len)`` from the tensor's start), one after the
+        other, as a uint8 tensor; not counted."""
+        capsule = self.reader.read(self.shard, [(self.at + o, n) for o, n in ranges])
+        return torch.from_dlpack(capsule)
+
+    def count_exchanged(self, got: int, exchanged: bool = True) -> None:
+        """``got`` bytes read as this rank's row block of an exchange (``exchanged``: false
+        where the group then did not exchange, and the read counts as a slice)."""
+        if not exchanged:
+            self._count(got)
+            return
+        s = self.stats
+        s.exchanged_bytes += got
+        if self.counted is None:
+            s.exchanged_tensors += 1
+            self.counted = "exchanged"
 
     def _count(self, got: int) -> None:
         if not got:
@@ -151,6 +185,8 @@ class _Source:
                 s.whole_tensors += 1
                 if self.counted == "sliced":
                     s.sliced_tensors -= 1
+                elif self.counted == "exchanged":
+                    s.exchanged_tensors -= 1
                 self.counted = "whole"
         else:
             s.sliced_bytes += got
@@ -403,13 +439,19 @@ class Checkpoint:
     ``fastload.load`` takes) as lazy tensors, in file order. ``options``: those a native
     ``Reader`` takes (``concurrency``, ``block_size``, ``storage_options``, ``cache``,
     ``verify``, ``keyset``, ``associated_data``); others are ignored. ``stats`` may be shared by
-    several checkpoints of one load."""
+    several checkpoints of one load. ``exchange``: a ``fastload._exchange.ColumnExchange`` over
+    the tensor-parallel group, through which the group reads the tensors each rank keeps a column
+    block of once between them (every rank of the group must load the same tensors in the same
+    order)."""
 
-    def __init__(self, uri: Any, stats: Stats | None = None, **options: Any) -> None:
+    def __init__(
+        self, uri: Any, stats: Stats | None = None, exchange: Any = None, **options: Any
+    ) -> None:
         self._glue = _torch_glue()
         native = {k: v for k, v in options.items() if k in READER_OPTIONS and v is not None}
         self.reader = _fastload.Reader(_uris(uri), **native)
         self.stats = stats if stats is not None else Stats()
+        self.exchange = exchange
 
     @property
     def bytes_read(self) -> int:
@@ -440,6 +482,7 @@ class Checkpoint:
                     cost,
                     self.stats,
                     name,
+                    self.exchange,
                 )
                 self.stats.tensors += 1
                 self.stats.bytes += end - begin

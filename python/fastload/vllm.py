@@ -15,8 +15,10 @@ plus ``weights_uri``, ``distributed`` and ``slices``.
 Where the model is split over workers (tensor or pipeline parallel, experts spread), ``fastload``
 hands ``model.load_weights`` lazy tensors (``fastload._lazy``): vLLM's weight loaders narrow each
 to the rank's rows or columns before they copy it, and only those bytes are read; tensors of
-layers on other pipeline stages, or of other ranks' experts, are never read; anything else
-(a weight loader that transforms a tensor first) reads the region it asks for, whole at worst.
+layers on other pipeline stages, or of other ranks' experts, are never read; row-parallel
+weights (a column block per rank) are read once over the tensor-parallel group, each rank a block
+of rows, and exchanged (``fastload._exchange``); anything else (a weight loader that transforms
+a tensor first) reads the region it asks for, whole at worst.
 ``slices: false`` streams whole tensors instead (as ``distributed: true`` does, which shares
 them over the group); ``slices: true`` reads lazily on a lone worker too.
 
@@ -418,6 +420,28 @@ def _sliced(options: _Options, parallel_config: Any) -> bool:
     return split or bool(getattr(parallel_config, "enable_expert_parallel", False))
 
 
+def _column_exchange(parallel_config: Any) -> Any:
+    """The tensor-parallel group's exchange of row-parallel weights (``fastload._exchange``:
+    each rank reads a block of rows and gets its columns of the others'), or None at TP 1.
+    Every rank of a TP group is on one pipeline stage and runs the same weight loaders in the
+    same order, which the exchange needs; expert weights are left out where experts are spread
+    (ranks load different ones)."""
+    from vllm.distributed import get_tp_group  # type: ignore[import-not-found]
+
+    from ._exchange import ColumnExchange
+
+    tp = get_tp_group()
+    if tp.world_size <= 1:
+        return None
+    experts = bool(getattr(parallel_config, "enable_expert_parallel", False))
+    skip = _is_expert_weight if experts else None
+    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip)
+
+
+def _is_expert_weight(name: str) -> bool:
+    return ".experts." in name
+
+
 def _rank_name() -> str:
     from vllm.distributed import get_pp_group, get_tp_group  # type: ignore[import-not-found]
 
@@ -548,15 +572,22 @@ def _loader_classes() -> dict[str, type]:
 
             stats = _lazy.Stats()
             meter = _integration.Meter(logger)
+            exchange = _column_exchange(self._parallel_config)
 
             def weights() -> Iterator[tuple[str, Any]]:
                 for uri, prefix in sources:
-                    checkpoint = _lazy.Checkpoint(uri, stats, **self.options.stream_kwargs)
+                    checkpoint = _lazy.Checkpoint(
+                        uri, stats, exchange, **self.options.stream_kwargs
+                    )
                     for name, tensor in checkpoint:
                         yield prefix + name, tensor
 
-            with _released():
-                loaded = model.load_weights(weights())
+            try:
+                with _released():
+                    loaded = model.load_weights(weights())
+            finally:
+                if exchange is not None:
+                    exchange.close()
             meter.bytes = stats.read_bytes
             meter.log()
             logger.info("fastload sliced reads on %s: %s", _rank_name(), stats.line())

@@ -1,0 +1,172 @@
+"""Row-parallel weights read once over a tensor-parallel group.
+
+A row-parallel weight (``o_proj``, ``down_proj``: split on its input dim, dim 1) is a row-major
+``(R, C)`` matrix of which tensor-parallel rank ``r`` of ``T`` keeps the column block
+``[:, r*C/T : (r+1)*C/T]``: one short run per row, which a planner that pays per request reads
+as the span of the rows, nearly the whole tensor, on every rank. Through a
+:class:`ColumnExchange` the group reads such a tensor once between them: rank ``r`` reads the
+contiguous block of rows ``[r*R//T, (r+1)*R//T)`` (full width, one range), and one
+``all_to_all`` hands each rank its own columns of every row block, so no rank receives columns it
+does not keep.
+
+Every rank of the group must take part in each exchange, in the same order. Two rules make that
+safe with engine code this module does not control:
+
+- Whether a region is exchanged is a pure function of the tensor and the narrow call (a 2-D
+  tensor, all its rows, the column block of this rank's index, ``C`` divisible by ``T``, a
+  planner that would read more than the block, a name that ``skip`` lets through), so ranks that
+  run the same weight loaders on the same checkpoint decide alike.
+- Before the data moves, the ranks compare what each is about to exchange (a hash of the
+  tensor's name, its offset, shape and element size) and whether its own read succeeded, with one
+  small ``all_gather``. Any difference (a rank at another tensor, or done, or failed) turns the
+  exchange off on every rank at once, for the rest of the load: each rank reads its columns
+  itself, as without the exchange, and the error of a failed read is raised where it happened.
+  :meth:`ColumnExchange.close` (once the load is over, or failed) takes part as "done", so a rank
+  still waiting for a partner is answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._safe_open import plan
+
+__all__ = ["ColumnExchange"]
+
+logger = logging.getLogger(__name__)
+
+# The first entry of what a rank announces: a tensor it is about to exchange, or the load's end.
+_TENSOR, _DONE = 1, 0
+
+
+class ColumnExchange:
+    """Exchanges of column blocks over ``group`` (a torch.distributed group of ``world`` ranks
+    whose tensors live on the host: gloo), this process being ``rank`` of it. ``skip(name)``:
+    tensors never exchanged (experts, where ranks load different ones). ``received_bytes``:
+    what other ranks sent this one."""
+
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        world: int,
+        skip: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.group, self.rank, self.world = group, rank, world
+        self.skip = skip
+        self.enabled = world > 1
+        self.exchanges = 0
+        self.received_bytes = 0
+
+    def wants(self, source: Any, index: tuple[Any, ...]) -> bool:
+        """Whether ``source[index]`` is this rank's column block of a tensor the group reads
+        once; the same answer on every rank of the group (see the module's doc)."""
+        shape = source.shape
+        if not self.enabled or len(shape) != 2 or len(index) != 2:
+            return False
+        rows, cols = shape
+        width = cols // self.world
+        if width == 0 or cols % self.world or rows == 0:
+            return False
+        if index[0] != slice(0, rows, 1):
+            return False
+        if index[1] != slice(self.rank * width, (self.rank + 1) * width, 1):
+            return False
+        if self.skip is not None and self.skip(source.name):
+            return False
+        # Rank 0's block stands for every rank's: the choice must not depend on the rank.
+        first = plan(shape, source.dtype.itemsize, (slice(None), slice(0, width)), source.cost)
+        assert first is not None
+        return sum(n for _, n in first.ranges) > rows * width * source.dtype.itemsize
+
+    def read(self, source: Any, index: tuple[Any, ...]) -> torch.Tensor | None:
+        """``source[index]`` through an exchange, or None where this region is not exchanged
+        (or the ranks disagree): the caller reads it itself."""
+        if not self.wants(source, index):
+            return None
+        rows, cols = source.shape
+        size = source.dtype.itemsize
+        bounds = [rows * i // self.world for i in range(self.world + 1)]
+        mine = bounds[self.rank + 1] - bounds[self.rank]
+        row_bytes = cols * size
+        block: torch.Tensor | None = None
+        error: BaseException | None = None
+        if mine:
+            try:
+                block = source.raw([(bounds[self.rank] * row_bytes, mine * row_bytes)])
+            except Exception as e:  # raised below, once the others know
+                error = e
+        agreed = self._agree(self._announce(_TENSOR, source, ok=error is None))
+        if block is not None:
+            source.count_exchanged(mine * row_bytes, agreed)
+        if not agreed:
+            if error is not None:
+                raise error
+            return None
+        if not mine:
+            source.count_exchanged(0)  # no rows of its own: still a tensor read this way
+        out = self._all_to_all(block, bounds, mine, cols // self.world * size)
+        self.exchanges += 1
+        return out.view(rows, -1).view(source.dtype)
+
+    def _all_to_all(
+        self, block: torch.Tensor | None, bounds: list[int], mine: int, piece: int
+    ) -> torch.Tensor:
+        """Rank i's rows, this rank's ``piece`` bytes of each, from every rank i, in row order
+        (``block``: this rank's rows, whole, as bytes)."""
+        import torch.distributed as dist
+
+        if block is None:
+            send = torch.empty(0, dtype=torch.uint8)
+        else:
+            # (rows, T, piece) -> (T, rows, piece): what goes to each rank, one after the other.
+            send = block.view(mine, self.world, piece).transpose(0, 1).contiguous().view(-1)
+        counts = [bounds[i + 1] - bounds[i] for i in range(self.world)]
+        out = torch.empty(bounds[-1] * piece, dtype=torch.uint8)
+        dist.all_to_all_single(
+            out,
+            send,
+            output_split_sizes=[n * piece for n in counts],
+            input_split_sizes=[mine * piece] * self.world,
+            group=self.group,
+        )
+        self.received_bytes += (bounds[-1] - mine) * piece
+        return out
+
+    def _announce(self, kind: int, source: Any = None, ok: bool = True) -> list[int]:
+        if source is None:
+            return [kind, 0, 0, 0, 0, 0, int(ok)]
+        rows, cols = source.shape
+        name = zlib.crc32(source.name.encode())
+        return [kind, name, source.shard, source.at, rows * cols, source.dtype.itemsize, int(ok)]
+
+    def _agree(self, mine: list[int]) -> bool:
+        """Whether every rank announced the same, all reads fine; if not, the exchange is off
+        from now on, on every rank (all see the same announcements)."""
+        import torch.distributed as dist
+
+        here = torch.tensor(mine, dtype=torch.int64)
+        every = [torch.empty_like(here) for _ in range(self.world)]
+        dist.all_gather(every, here, group=self.group)
+        same = all(torch.equal(e, every[0]) for e in every) and bool(every[0][-1])
+        if not same:
+            self.enabled = False
+            if mine[0] == _TENSOR and all(bool(e[-1]) for e in every):
+                logger.warning(
+                    "fastload: the tensor-parallel ranks did not load the same tensor at the "
+                    "same time (%s); each reads its columns itself from here on",
+                    [e.tolist()[:2] for e in every],
+                )
+        return same
+
+    def close(self) -> None:
+        """The load is over (or failed) on this rank: answers any rank still waiting for an
+        exchange, then turns the exchange off. Call it on every rank, in a ``finally``."""
+        if self.enabled:
+            self.enabled = False
+            self._agree(self._announce(_DONE))

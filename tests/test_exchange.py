@@ -1,0 +1,354 @@
+"""Row-parallel weights read once over a tensor-parallel group (fastload._exchange): real CPU
+processes on a gloo group (env:// rendezvous on 127.0.0.1), each a rank that narrows every
+tensor of a checkpoint to its column block and copies it out, as vLLM's ``RowParallelLinear``
+weight loader does.
+
+Generated cases (shapes, dtypes, group sizes 2 to 4, rows fewer than ranks or not divisible by
+them) check each rank's block bit for bit against ``safetensors.torch.load_file(...)``'s tensor
+``.narrow(1, ...)``; the tensors the group exchanges are read once between the ranks (each its
+block of rows); those it must not exchange (one row, columns not divisible by the group, 3-D,
+rows wide enough to read exactly) are read by each rank alone. A rank that skips a tensor the
+others exchange, or whose read fails, turns the exchange off on every rank without a hang or a
+wrong value. Over HTTP, the server sends the checkpoint's tensor bytes once over the group.
+
+Run as a script (``python test_exchange.py WORKER JOB OUT``), this file is one rank's worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = "--fastload-exchange-worker"
+GROUP_DEADLINE = 120.0
+
+DTYPES = [
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "uint8",
+    "int32",
+    "int64",
+    "bool",
+    "float8_e4m3fn",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker (one rank)
+
+
+class _FailingReader:
+    """Stands in for one tensor's native reader: storage fails."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def read(self, shard, ranges):
+        raise OSError(f"injected failure reading {self.name}")
+
+
+def _scenario(sc: dict, group, rank: int) -> dict:
+    from fastload._exchange import ColumnExchange
+    from fastload._lazy import Checkpoint
+    from safetensors.torch import load_file
+
+    world = sc["world"]
+    want = load_file(sc["reference"])
+    exchange = ColumnExchange(group, rank, world) if sc["exchange"] else None
+    checkpoint = Checkpoint(sc["uri"], exchange=exchange)
+    out: dict = {"id": sc["id"], "equal": {}, "errors": {}}
+    try:
+        for name, lazy in checkpoint:
+            if sc.get("skip") == [rank, name]:
+                continue
+            if sc.get("fail") == [rank, name]:
+                lazy._source.reader = _FailingReader(name)
+            width = lazy.shape[1] // world
+            region = lazy.narrow(1, rank * width, width)
+            got = torch.empty(region.shape, dtype=lazy.dtype)
+            try:
+                got.copy_(region)
+            except OSError as e:
+                out["errors"][name] = str(e)
+                continue
+            ref = want[name].narrow(1, rank * width, width).contiguous()
+            out["equal"][name] = got.shape == ref.shape and torch.equal(
+                got.view(torch.uint8), ref.view(torch.uint8)
+            )
+        out["enabled"] = exchange.enabled if exchange else False
+    finally:
+        if exchange is not None:
+            exchange.close()
+    out["stats"] = checkpoint.stats.as_dict()
+    out["bytes_read"] = checkpoint.bytes_read
+    out["received"] = exchange.received_bytes if exchange else 0
+    return out
+
+
+def _worker(job: str, result: str) -> None:
+    """One process of a group of 4; a scenario of ``world`` ranks runs on the first ``world``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    groups = {n: dist.new_group(list(range(n))) for n in range(2, dist.get_world_size())}
+    groups[dist.get_world_size()] = None  # the default group
+    results = [
+        _scenario(sc, groups[sc["world"]], rank)
+        for sc in json.loads(Path(job).read_text())
+        if rank < sc["world"]
+    ]
+    Path(result).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching a group
+
+
+def run_group(world: int, scenarios: list[dict], tmp: Path) -> dict:
+    """Runs ``scenarios`` on ``world`` fresh processes; {scenario id: [result per rank]}."""
+    from servers.s3 import free_port
+
+    job = tmp / "job.json"
+    job.write_text(json.dumps(scenarios))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTLOAD_", "TORCH"))}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    procs = []
+    for r in range(world):
+        with open(tmp / f"rank{r}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, WORKER, str(job), str(tmp / f"rank{r}.json")],
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=Path(__file__).parent,
+                )
+            )
+    deadline = time.monotonic() + GROUP_DEADLINE
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def tail(r: int) -> str:
+        return (tmp / f"rank{r}.log").read_text(errors="replace")[-3000:]
+
+    assert not hung, f"ranks {hung} still running after {GROUP_DEADLINE:.0f} s:\n{tail(hung[0])}"
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{tail(r)}"
+    by_id: dict = {}
+    for r in range(world):
+        for res in json.loads((tmp / f"rank{r}.json").read_text()):
+            by_id.setdefault(res["id"], []).append(res)
+    return by_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _tensor(shape: tuple[int, ...], dtype: str, rng: random.Random) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    raw = torch.randint(0, 256, (*shape, getattr(torch, dtype).itemsize), generator=g)
+    t = raw.to(torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+    return (t != 0) if dtype == "bool" else t
+
+
+def cases(world: int, seed: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Tensors for a group of ``world``, and the names the group must exchange: random 2-D ones
+    (short rows, so each rank's block is a short run per row that a planner reads as the rows'
+    span) plus those it must read each rank alone."""
+    rng = random.Random(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    exchanged: set[str] = set()
+    for i in range(14):
+        rows = rng.choice([rng.randint(2, 40), rng.randint(2, world + 1)])
+        cols = world * rng.randint(1, 9)
+        dtype = rng.choice(DTYPES)
+        name = f"layers.{i}.o_proj.weight"
+        tensors[name] = _tensor((rows, cols), dtype, rng)
+        exchanged.add(name)
+    # One row: the block is one run, read exactly by each rank.
+    tensors["one_row"] = _tensor((1, world * 5), "bfloat16", rng)
+    # Columns not divisible by the group.
+    tensors["uneven_cols"] = _tensor((6, world * 3 + 1), "float32", rng)
+    # Three dims: not a row-parallel matrix.
+    tensors["three_d"] = _tensor((3, world * 2, 4), "float16", rng)
+    # Rows of 24,000 bytes a rank: one read per row costs less than the span (local files).
+    tensors["wide"] = _tensor((3, world * 6000), "float32", rng)
+    return tensors, exchanged
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
+
+
+def _check(results: list[dict], tensors: dict, exchanged: set[str], world: int) -> None:
+    assert len(results) == world
+    for r, res in enumerate(results):
+        assert res["errors"] == {}, (r, res["errors"])
+        assert res["equal"] == dict.fromkeys(tensors, True), (r, res["equal"])
+        assert res["enabled"], r
+        assert res["stats"]["exchanged_tensors"] == len(exchanged), (r, res["stats"])
+    nbytes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    # The exchanged tensors' bytes, read once over the group: each rank its block of rows.
+    total = sum(res["stats"]["exchanged_bytes"] for res in results)
+    assert total == sum(nbytes[n] for n in exchanged)
+    # ... and each rank got the others' rows of its columns only.
+    received = sum(res["received"] for res in results)
+    assert received == sum(nbytes[n] * (world - 1) // world for n in exchanged)
+
+
+def _http_tensors(seed: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Row-parallel tensors only, with two larger than the first 256 KiB each rank fetches with
+    the header (the server's count leaves that read out)."""
+    tensors, exchanged = cases(2, seed)
+    tensors = {n: t for n, t in tensors.items() if n in exchanged}
+    rng = random.Random(seed)
+    for i, (shape, dtype) in enumerate([((512, 1024), "bfloat16"), ((301, 1400), "float32")]):
+        name = f"big.{i}.down_proj.weight"
+        tensors[name] = _tensor(shape, dtype, rng)
+        exchanged.add(name)
+    return tensors, exchanged
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """One launch of 4 ranks runs every scenario (a torch import per process is the slow part):
+    generated cases on groups of 2, 3 and 4; ranks out of step on 2; HTTP on 2. Returns
+    ({scenario id: [result per rank]}, {scenario id: (tensors, exchanged)}, the HTTP facts)."""
+    from servers.http import Behaviour, RangeServer
+
+    tmp = tmp_path_factory.mktemp("exchange")
+    scenarios, made = [], {}
+    for world in (2, 3, 4):
+        tensors, exchanged = cases(world, seed=world)
+        path = _write(tmp / f"w{world}" / "model.safetensors", tensors)
+        made[f"w{world}"] = (tensors, exchanged)
+        base = {"uri": str(path), "reference": str(path), "exchange": True, "world": world}
+        scenarios.append({**base, "id": f"w{world}"})
+    tensors, exchanged = cases(2, seed=7)
+    path = _write(tmp / "desync" / "model.safetensors", tensors)
+    names = list(tensors)
+    base = {"uri": str(path), "reference": str(path), "exchange": True, "world": 2}
+    scenarios += [
+        {**base, "id": "skip", "skip": [1, names[3]]},
+        {**base, "id": "fail", "fail": [0, names[5]]},
+        {**base, "id": "after"},
+    ]
+    for key in ("skip", "fail", "after"):
+        made[key] = (tensors, exchanged)
+    tensors, exchanged = _http_tensors(seed=11)
+    path = _write(tmp / "http" / "model.safetensors", tensors)
+    body = path.read_bytes()
+    made["http"] = made["http_plain"] = (tensors, exchanged)
+    server = RangeServer({"a/model.safetensors": body, "b/model.safetensors": body}, Behaviour())
+    base = {"reference": str(path), "exchange": True, "world": 2}
+    scenarios += [
+        {**base, "id": "http", "uri": server.url("a/model.safetensors")},
+        {**base, "id": "http_plain", "uri": server.url("b/model.safetensors"), "exchange": False},
+    ]
+    try:
+        results = run_group(4, scenarios, tmp)
+        log = list(server.behaviour.log)
+    finally:
+        server.close()
+    return results, made, (log, body)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchanged_blocks_equal_narrowed_tensors(group, world):
+    """Every rank's column block of every tensor, bitwise, for generated shapes and dtypes; the
+    row-parallel ones read once over the group, the others by each rank alone."""
+    results, made, _ = group
+    tensors, exchanged = made[f"w{world}"]
+    _check(results[f"w{world}"], tensors, exchanged, world)
+    for r, res in enumerate(results[f"w{world}"]):
+        # Each rank read its own blocks of the others, and the exchanged ones' row blocks.
+        alone = res["stats"]["sliced_bytes"] + res["stats"]["whole_bytes"]
+        assert res["bytes_read"] == alone + res["stats"]["exchanged_bytes"], r
+        assert res["stats"]["sliced_tensors"] + res["stats"]["whole_tensors"] == 4, res
+
+
+def test_a_rank_out_of_step_turns_the_exchange_off_everywhere(group):
+    """One rank skips a tensor the others exchange (then, in a second load, a rank's read
+    fails): no hang, every value right, the exchange off on every rank from there on, the
+    failed read's error raised on its rank only; a next load exchanges again."""
+    results, made, _ = group
+    tensors, exchanged = made["skip"]
+    names = list(tensors)
+    for scenario, (rank_out, name_out) in (("skip", (1, names[3])), ("fail", (0, names[5]))):
+        for r, res in enumerate(results[scenario]):
+            want = {n: True for n in names if (r, n) != (rank_out, name_out)}
+            if scenario == "fail" and r == rank_out:
+                assert list(res["errors"]) == [name_out], res["errors"]
+                assert "injected failure" in res["errors"][name_out]
+            else:
+                assert res["errors"] == {}, (scenario, r, res["errors"])
+            assert res["equal"] == want, (scenario, r)
+            assert not res["enabled"], (scenario, r)
+            # Exchanged up to the tensor where they parted, read alone after it.
+            assert 0 < res["stats"]["exchanged_tensors"] < len(exchanged), (scenario, r)
+    _check(results["after"], tensors, exchanged, 2)
+
+
+def test_over_http_the_group_reads_the_weights_once(group):
+    """Over HTTP (a planner that reads the span of a row-parallel block's rows): with the
+    exchange the server sends the checkpoint's tensor bytes once over two ranks; without it,
+    each rank fetches nearly every row-parallel byte."""
+    results, made, (log, body) = group
+    tensors, exchanged = made["http"]
+    _check(results["http"], tensors, exchanged, 2)
+    for res in results["http_plain"]:
+        assert res["equal"] == dict.fromkeys(tensors, True)
+    data_start = 8 + int.from_bytes(body[:8], "little")
+
+    def sent(prefix: str) -> int:
+        n = 0
+        for method, p, rng, status in log:
+            if method == "GET" and p.startswith(f"/{prefix}/") and status == 206:
+                a, b = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+                if a >= data_start:  # not the header's read
+                    n += b + 1 - a
+        return n
+
+    weights = len(body) - data_start
+    print(f"sent with the exchange {sent('a') / weights:.3f}x, without {sent('b') / weights:.3f}x")
+    assert sent("a") <= weights, (sent("a"), weights)
+    assert sent("b") > 1.5 * weights, (sent("b"), weights)
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == WORKER:
+    _worker(sys.argv[2], sys.argv[3])
