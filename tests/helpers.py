@@ -412,3 +412,51 @@ def drain_by_threads(stream, workers: int, take) -> list[BaseException | None]:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a consumer hung"
     return raised
+
+
+def run_ranks(
+    world: int, argv: list[str], logs: Path, env: dict, deadline: float, cwd=None
+) -> None:
+    """Runs ``argv`` as ranks 0 to ``world - 1`` of a torch.distributed group (``env://`` on
+    127.0.0.1: ``MASTER_ADDR``/``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` set
+    over ``env``), each logging to ``logs/rank{r}.log``. Ranks still running after ``deadline``
+    seconds are killed; fails naming a rank stuck or exited with an error, with its log's tail."""
+    from servers.s3 import free_port
+
+    env = {
+        **env,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+    }
+    procs = []
+    for r in range(world):
+        with open(logs / f"rank{r}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd,
+                )
+            )
+    end = time.monotonic() + deadline
+    try:
+        for p in procs:
+            p.wait(timeout=max(end - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def tail(r: int) -> str:
+        return (logs / f"rank{r}.log").read_text(errors="replace")[-3000:]
+
+    assert not hung, f"ranks {hung} still running after {deadline:.0f} s:\n{tail(hung[0])}"
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{tail(r)}"

@@ -11,7 +11,7 @@ rows wide enough to read exactly) are read by each rank alone. A rank that skips
 others exchange, or whose read fails, turns the exchange off on every rank without a hang or a
 wrong value. Over HTTP, the server sends the checkpoint's tensor bytes once over the group.
 
-Run as a script (``python test_exchange.py WORKER JOB OUT``), this file is one rank's worker.
+Run as a script (``python test_exchange.py WORKER JOB OUT_DIR``), this file is one rank's worker.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -96,8 +94,9 @@ def _scenario(sc: dict, group, rank: int) -> dict:
     return out
 
 
-def _worker(job: str, result: str) -> None:
-    """One process of a group of 4; a scenario of ``world`` ranks runs on the first ``world``."""
+def _worker(job: str, out: str) -> None:
+    """One process of a group of 4; a scenario of ``world`` ranks runs on the first ``world``.
+    Writes its results to ``out/rank{RANK}.json``."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -111,7 +110,7 @@ def _worker(job: str, result: str) -> None:
         for sc in json.loads(Path(job).read_text())
         if rank < sc["world"]
     ]
-    Path(result).write_text(json.dumps(results))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -122,48 +121,14 @@ def _worker(job: str, result: str) -> None:
 
 def run_group(world: int, scenarios: list[dict], tmp: Path) -> dict:
     """Runs ``scenarios`` on ``world`` fresh processes; {scenario id: [result per rank]}."""
-    from servers.s3 import free_port
+    from helpers import run_ranks
 
     job = tmp / "job.json"
     job.write_text(json.dumps(scenarios))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTLOAD_", "TORCH"))}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
-    procs = []
-    for r in range(world):
-        with open(tmp / f"rank{r}.log", "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, WORKER, str(job), str(tmp / f"rank{r}.json")],
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=Path(__file__).parent,
-                )
-            )
-    deadline = time.monotonic() + GROUP_DEADLINE
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-    def tail(r: int) -> str:
-        return (tmp / f"rank{r}.log").read_text(errors="replace")[-3000:]
-
-    assert not hung, f"ranks {hung} still running after {GROUP_DEADLINE:.0f} s:\n{tail(hung[0])}"
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{tail(r)}"
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, __file__, WORKER, str(job), str(tmp)]
+    run_ranks(world, argv, tmp, env, GROUP_DEADLINE, cwd=Path(__file__).parent)
     by_id: dict = {}
     for r in range(world):
         for res in json.loads((tmp / f"rank{r}.json").read_text()):

@@ -25,7 +25,10 @@ and gets the rest from the others) and ``slices``.
 Where the model is split over workers (tensor or pipeline parallel, experts spread), the loader
 hands ``model.load_weights`` lazy tensors (``fastload._lazy``), as ``fastload.vllm`` does: SGLang's
 weight loaders narrow each to the rank's rows or columns before they copy it, and only those
-bytes are read; anything else reads the region it asks for, whole at worst. ``slices: false``
+bytes are read; anything else reads the region it asks for, whole at worst. Row-parallel weights
+(each rank keeps a block of columns) are read once over the tensor-parallel group: each rank reads
+a block of whole rows and one ``all_to_all`` over the group's gloo group hands each its columns
+(``fastload._exchange``). ``slices: false``
 streams whole tensors instead (as ``distributed: true`` does, which shares them over the group);
 ``slices: true`` reads lazily on a lone worker too.
 
@@ -221,6 +224,30 @@ def _sliced(options: _integration.Options) -> bool:
     return any(getattr(parallel, width) > 1 for width in PARALLEL_WIDTHS)
 
 
+def _column_exchange() -> Any:
+    """The tensor-parallel group's exchange of row-parallel weights (``fastload._exchange``:
+    each rank reads a block of rows and gets its columns of the others' over the group's gloo
+    group), or None at TP 1 or where no process group was built. Every rank of a TP group is on
+    one pipeline stage and runs the same weight loaders in the same order, which the exchange
+    needs; expert weights are left out where experts are spread (ranks load different ones).
+    Weights partitioned by a narrower group (attention under DP attention, experts by their MoE
+    TP group) narrow to other column blocks, which the exchange leaves to each rank."""
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.runtime_context import get_parallel
+
+    from ._exchange import ColumnExchange
+
+    tp = get_tp_group()
+    if tp.world_size <= 1 or tp.cpu_group is None:
+        return None
+    skip = _is_expert_weight if get_parallel().moe_ep_size > 1 else None
+    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip)
+
+
+def _is_expert_weight(name: str) -> bool:
+    return ".experts." in name
+
+
 def _rank_name() -> str:
     from sglang.srt.runtime_context import get_parallel
 
@@ -341,15 +368,17 @@ def _loader_class() -> type:
             sources = self._sources(model, model_config)
             draft = self.load_config.draft_model_idx
             meter = _integration.Meter(logger)
-            stats = None
+            stats = exchange = None
             if _sliced(self.options):
                 from . import _lazy
 
                 stats = sliced = _lazy.Stats()
+                exchange = _column_exchange()
 
                 def items(uri: Any) -> Iterator[tuple[str, Any]]:
-                    # Each read when a weight loader copies it, only the part it narrowed it to.
-                    yield from _lazy.Checkpoint(uri, sliced, **self.options.stream_kwargs)
+                    # Each read when a weight loader copies it, only the part it narrowed it to
+                    # (row-parallel weights: read once over the group and exchanged).
+                    yield from _lazy.Checkpoint(uri, sliced, exchange, **self.options.stream_kwargs)
             else:
                 device = _integration.target_device(target, model)
                 group = None
@@ -367,9 +396,17 @@ def _loader_class() -> type:
                         yield from default._filter_mtp_weights(items(uri), prefix, draft)
                     else:
                         yield from ((prefix + name, tensor) for name, tensor in items(uri))
+                if exchange is not None:
+                    # The weights are in: answers a rank still waiting for an exchange before
+                    # the post-processing (which may use the group) starts.
+                    exchange.close()
 
-            with _integration.released(logger):
-                default.load_weights_and_postprocess(model, weights(), target)
+            try:
+                with _integration.released(logger):
+                    default.load_weights_and_postprocess(model, weights(), target)
+            finally:
+                if exchange is not None:
+                    exchange.close()
             if stats is not None:
                 meter.bytes = stats.read_bytes
             meter.log()
