@@ -19,11 +19,12 @@ This module imports transformers when called, never at import.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -413,12 +414,85 @@ def _tensor_parallel(kwargs: Mapping[str, Any]) -> bool:
     return any(kwargs.get(k) is not None for k in _TP_KWARGS)
 
 
+# transformers 5.x reads a load's tensors in a pool of threads unless this is set (read when the
+# load starts): the row-block exchange needs every rank to read them in one order.
+_SERIAL_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
+
+
+class _Exchange:
+    """The column exchange (``fastload._exchange``) of a tensor-parallel load, over the default
+    torch.distributed group where it is the tensor-parallel group and gloo: bound at the first
+    read, as transformers initialises torch.distributed inside ``from_pretrained``. Reads go
+    through it one at a time (a lock), so that ranks that read in threads still pair their
+    collectives (they then disagree on the order, and the exchange turns itself off)."""
+
+    def __init__(self, tp_size: int | None) -> None:
+        self._tp_size = tp_size
+        self._lock = threading.Lock()
+        self._bound = False
+        self.exchange: Any = None
+
+    def _bind(self) -> Any:
+        if not self._bound:
+            self._bound = True
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+                world = dist.get_world_size()
+                if world > 1 and self._tp_size in (None, world):
+                    from ._exchange import ColumnExchange
+
+                    self.exchange = ColumnExchange(None, dist.get_rank(), world)
+        return self.exchange
+
+    def read(self, source: _ExchangeSource, index: Any) -> Any:
+        """``source[index]`` exchanged over the group, or None (the caller reads it)."""
+        with self._lock:
+            exchange = self._bind()
+            if exchange is None or not exchange.enabled:
+                return None
+            return exchange.read(source, index)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.exchange is not None:
+                self.exchange.close()
+
+
+def _exchangeable(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a tensor-parallel load with these arguments may exchange row blocks: transformers
+    shards over one mesh dim spanning every rank (no ``device_mesh``, or a 1-D one; no
+    ``distributed_config``), and the ranks talk over gloo (torch.distributed already so, or to be
+    initialised by transformers on a machine without an accelerator)."""
+    import torch
+
+    mesh = kwargs.get("device_mesh")
+    if kwargs.get("distributed_config") is not None or (mesh is not None and mesh.ndim != 1):
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return bool(dist.get_backend() == "gloo")
+    return bool(torch._C._get_accelerator().type == "cpu")
+
+
 class _File:
     """One weight file opened once (``fastload.safe_open``: its source and header, pinned to the
     version it saw); :meth:`read` loads a tensor or a part of it through that handle, reading
-    only the part's bytes (``parts=``). Counts what it read as parts and whole."""
+    only the part's bytes (``parts=``), or, through ``exchange``, a row-parallel weight's columns
+    from a block of rows read once over the group. Counts what it read as parts, whole and
+    exchanged."""
 
-    def __init__(self, uri: str, options: Mapping[str, Any], counts: dict[str, int]) -> None:
+    def __init__(
+        self,
+        uri: str,
+        options: Mapping[str, Any],
+        counts: dict[str, int],
+        shard: int = 0,
+        exchange: _Exchange | None = None,
+    ) -> None:
         from . import _options
         from ._safe_open import safe_open
 
@@ -427,6 +501,26 @@ class _File:
         self._options = {k: v for k, v in options.items() if k not in ("names", "parts")}
         self._counts = counts
         self._lock = threading.Lock()
+        self._shard = shard
+        self._exchange = exchange
+
+    def _count(self, **got: int) -> None:
+        with self._lock:
+            for key, n in got.items():
+                self._counts[key] = self._counts.get(key, 0) + n
+
+    def _exchanged(self, name: str, index: Any) -> Any:
+        """``name[index]`` through the exchange, or None."""
+        if self._exchange is None or not isinstance(index, tuple):
+            return None
+        dtype, shape, begin, end = self._handle._tensors[name]
+        tshape = self._handle._torch_shape(dtype, shape)
+        if len(index) != len(tshape) or not all(isinstance(i, slice) for i in index):
+            return None
+        # transformers' slices (``slice(a, b)``) as the exchange compares them: steps explicit.
+        norm = tuple(slice(*i.indices(n)) for i, n in zip(index, tshape))
+        source = _ExchangeSource(self, name, dtype, tshape, begin, end)
+        return self._exchange.read(source, norm)
 
     def slices(self) -> dict[str, _Slice]:
         h = self._handle
@@ -438,6 +532,9 @@ class _File:
     def read(self, name: str, index: Any) -> Any:
         from . import Stream
 
+        exchanged = self._exchanged(name, index)
+        if exchanged is not None:
+            return exchanged
         whole = index is Ellipsis or (
             isinstance(index, tuple) and all(i is Ellipsis for i in index)
         )
@@ -457,21 +554,45 @@ class _File:
         with Stream(h._uri, _reader=h._open(), names=[name], parts=parts, **self._options) as s:
             tensor = dict(s)[name]
             stats = s.stats()
-        with self._lock:
-            for key in (
-                "part_tensors",
-                "part_bytes",
-                "part_tensor_bytes",
-                "whole_tensors",
-                "whole_bytes",
-            ):
-                self._counts[key] = self._counts.get(key, 0) + int(stats[key])
+        keys = ("part_tensors", "part_bytes", "part_tensor_bytes", "whole_tensors", "whole_bytes")
+        self._count(**{key: int(stats[key]) for key in keys})
         if parts is None and not whole:
             tensor = tensor[index]
         return tensor
 
     def close(self) -> None:
         self._handle.close()
+
+
+class _ExchangeSource:
+    """A tensor of a :class:`_File` as ``fastload._exchange`` reads it: its name, shape, dtype,
+    place (file and offset: what ranks compare before an exchange), the read cost of its source,
+    and its raw byte ranges."""
+
+    __slots__ = ("_begin", "_file", "at", "cost", "dtype", "name", "nbytes", "shape", "shard")
+
+    def __init__(
+        self, file: _File, name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int
+    ) -> None:
+        from ._safe_open import LOCAL_READ_COST, REMOTE_READ_COST
+
+        h = file._handle
+        self._file, self._begin = file, begin
+        self.name, self.shape, self.shard, self.at = name, shape, file._shard, begin
+        self.dtype = h._torch_dtype(name, dtype)
+        self.nbytes = end - begin
+        self.cost = REMOTE_READ_COST if h._remote else LOCAL_READ_COST
+
+    def raw(self, ranges: list[tuple[int, int]]) -> Any:
+        return self._file._handle._read(self._begin, ranges)
+
+    def count_exchanged(self, got: int, exchanged: bool = True) -> None:
+        """``got`` bytes read as this rank's block of rows (``exchanged``: false where the ranks
+        then did not exchange, and the caller reads its part itself)."""
+        if exchanged:
+            self._file._count(exchanged_tensors=1, exchanged_bytes=got)
+        else:
+            self._file._count(part_bytes=got)
 
 
 class _Slice:
@@ -532,32 +653,52 @@ def _from_slices(
 
     model_class, folder, model_args = cls_args
     counts: dict[str, int] = {}
-    files = [_File(u, options, counts) for u in uris]
+    exchange = _Exchange(kwargs.get("tp_size")) if _exchangeable(kwargs) else None
+    files = [_File(u, options, counts, i, exchange) for i, u in enumerate(uris)]
     try:
         state_dict: dict[str, Any] = {}
         for f in files:
             state_dict.update(f.slices())
         cls, config, kwargs = _class_and_config(model_class, folder, kwargs)
-        model = cls.from_pretrained(
-            None, *model_args, config=config, state_dict=state_dict, **kwargs
-        )
+        with _serial_load(exchange is not None):
+            model = cls.from_pretrained(
+                None, *model_args, config=config, state_dict=state_dict, **kwargs
+            )
     finally:
+        if exchange is not None:
+            exchange.close()
         for f in files:
             f.close()
     del state_dict
     logging.getLogger("fastload").info(
-        "fastload: read %d bytes as parts of %d tensors (%d bytes whole), and %d tensors whole "
-        "(%d bytes)",
+        "fastload: read %d bytes as parts of %d tensors (%d bytes whole), %d tensors whole "
+        "(%d bytes), and %d bytes as row blocks of %d tensors exchanged over the group",
         counts.get("part_bytes", 0),
         counts.get("part_tensors", 0),
         counts.get("part_tensor_bytes", 0),
         counts.get("whole_tensors", 0),
         counts.get("whole_bytes", 0),
+        counts.get("exchanged_bytes", 0),
+        counts.get("exchanged_tensors", 0),
     )
     model._fastload_stats = dict(counts)
     if kwargs.get("generation_config") is None:
         _load_generation_config(model, folder, kwargs)
     return model
+
+
+@contextlib.contextmanager
+def _serial_load(on: bool) -> Iterator[None]:
+    """transformers reading the load's tensors one after the other, in its order (the state
+    dict's keys sorted), the same on every rank: what the exchange needs."""
+    if not on or os.environ.get(_SERIAL_LOAD_ENV) is not None:
+        yield
+        return
+    os.environ[_SERIAL_LOAD_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(_SERIAL_LOAD_ENV, None)
 
 
 class _Prefetch:
