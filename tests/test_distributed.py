@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import indexed_files, pattern, reference
+from helpers import indexed_files, pattern, reference, run_ranks
 
 WORKER = "--fastload-dist-worker"
 # One group launch (process start, torch import, every scenario) must end within this.
@@ -124,7 +123,7 @@ def _worker(job: str, result: str) -> None:
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     results = [_run_scenario(sc, rank, world) for sc in json.loads(Path(job).read_text())]
-    Path(result).write_text(json.dumps(results))
+    (Path(result) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -135,52 +134,16 @@ def _worker(job: str, result: str) -> None:
 
 def run_group(world: int, scenarios: list[dict], tmp: Path, env: dict | None = None) -> dict:
     """Runs `scenarios` on `world` fresh processes; returns {scenario id: [result per rank]}."""
-    from servers.s3 import free_port
 
     tmp.mkdir(parents=True, exist_ok=True)
     job = tmp / "job.json"
     job.write_text(json.dumps(scenarios))
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FASTLOAD_", "TORCH"))}
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
+    base.update(OMP_NUM_THREADS="1", AWS_EC2_METADATA_DISABLED="true")
     base.update(env or {})
-    procs = []
-    for r in range(world):
-        log = open(tmp / f"rank{r}.log", "wb")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, WORKER, str(job), str(tmp / f"rank{r}.json")],
-                env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=Path(__file__).parent,
-            )
-        )
-        log.close()
-    deadline = time.monotonic() + GROUP_DEADLINE
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-    def tail(r: int) -> str:
-        return (tmp / f"rank{r}.log").read_text(errors="replace")[-3000:]
-
-    assert not hung, f"ranks {hung} still running after {GROUP_DEADLINE:.0f} s:\n{tail(hung[0])}"
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{tail(r)}"
+    # Each rank writes its results to rank{r}.json in tmp, beside its log.
+    argv = [sys.executable, __file__, WORKER, str(job), str(tmp)]
+    run_ranks(world, argv, tmp, base, GROUP_DEADLINE, Path(__file__).parent)
     by_id: dict = {}
     for r in range(world):
         for res in json.loads((tmp / f"rank{r}.json").read_text()):
