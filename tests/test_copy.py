@@ -414,19 +414,50 @@ def test_two_ranks_split_the_files(tmp_path):
 def _split_rank(rank: int, world: int, src: str, dst: str, port: str, outs: str,
                 endpoints: list[str]) -> None:  # fmt: skip
     import json
+    import threading
 
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
+    # Every collective of the copy is run by the thread that called it (none from a thread of
+    # fastload's, where it could be left in flight, or meet another CUDA device).
+    threads = set()
+    all_gather_object = dist.all_gather_object
+
+    def recorded(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return all_gather_object(*args, **kwargs)
+
+    dist.all_gather_object = recorded
+    kept = None
     try:
         out = fastload.copy(src, dst, process_group="default", progress=False, part_size=PART,
                             storage_options={"endpoint": endpoints[rank]})  # fmt: skip
     except Exception as e:
+        kept = e  # as pytest.raises or a log keeps an error
         out = {"error": f"{type(e).__name__}: {e}"}
     finally:
+        before = _gloo_threads()
         dist.destroy_process_group()
+    # The group's threads end with destroy_process_group(): fastload keeps no reference to it
+    # (a group left alive into interpreter exit aborted the process: gloo's thread, dropping a
+    # finished all-gather's tensors, took the GIL while the interpreter finalised).
+    out["gloo_threads"] = [before, _gloo_threads()]
+    out["collective_threads"] = sorted(threads)
+    del kept
     Path(outs, f"{rank}.json").write_text(json.dumps(out))
+
+
+def _gloo_threads() -> int:
+    """How many of this process's threads are torch.distributed's gloo group's (by their names)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
 
 
 def _split_copy(tmp_path: Path, seaweed, dst: str, plans: list[list[Fault]]):
@@ -467,6 +498,8 @@ def test_two_ranks_split_one_big_file_into_parts(seaweed, s3, tmp_path):
     dst = f"s3://{BUCKET}/{prefix}big.bin"
     src, outs, parts = _split_copy(tmp_path, seaweed, dst, [[], []])
     assert all("error" not in o for o in outs), outs
+    assert all(o["gloo_threads"][0] > 0 and o["gloo_threads"][1] == 0 for o in outs), outs
+    assert all(o["collective_threads"] == ["MainThread"] for o in outs), outs
     # Five parts: rank 0 uploaded parts 1-2, rank 1 parts 3-5; each byte read once in all.
     assert parts == [2, 3]
     assert [o["copied"] for o in outs] == [[dst], []]
@@ -491,6 +524,9 @@ def test_a_rank_failing_its_parts_fails_every_rank_and_aborts_the_upload(seaweed
     assert all("error" in o for o in outs), outs
     assert outs[0]["error"] == outs[1]["error"]
     assert outs[0]["error"].startswith(f"StorageError: {dst}: access denied")
+    # Though each rank keeps its error, the group is gone with destroy_process_group().
+    assert all(o["gloo_threads"][0] > 0 and o["gloo_threads"][1] == 0 for o in outs), outs
+    assert all(o["collective_threads"] == ["MainThread"] for o in outs), outs
     assert objects(s3, prefix) == {}
     assert open_uploads(s3, prefix) == []
 

@@ -120,7 +120,7 @@ def copy(
     if group is not None:
         import torch.distributed as dist
 
-        def exchange(message: str) -> list[str]:
+        def exchange(message: str) -> list[str]:  # called back on this thread, by _fastload.copy
             out: list[Any] = [None] * world
             dist.all_gather_object(out, message, group=group)
             return [str(m) for m in out]
@@ -153,7 +153,16 @@ def copy(
         from .distributed import _gather, _portable, _raise_first
 
         errors = _gather(_portable(error), group, world)
-        _raise_first(errors, rank, error)
+        # The raised error's traceback keeps this frame: neither the group nor the error itself
+        # is left in it. Otherwise the group outlives destroy_process_group() (in a cycle only the
+        # garbage collector breaks, or for as long as the caller keeps the error), and gloo's
+        # threads, still running at interpreter exit, abort the process when one of them needs
+        # the GIL ("terminate called without an active exception").
+        del group, exchange
+        try:
+            _raise_first(errors, rank, error)
+        finally:
+            del errors, error
     stopped = report.pop("stopped", None)
     if stopped is not None:
         # Another rank failed, and its error was raised above on every rank; should none have

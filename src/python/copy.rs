@@ -5,40 +5,40 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::{Bytes as ByteCount, MemoryLimit, StorageOptions};
-use super::wait::off_thread_cleaning_up;
+use super::wait::{off_thread_serving, Ask};
 use crate::write::copy::{self as core, CopyOptions};
 use crate::write::WriteOptions;
 
 /// How long an interrupted copy may take to abort the uploads of its files in flight.
 const CLEANUP: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The caller's `exchange` callable, held where the copy's threads reach it and taken back (its
-/// reference dropped with the GIL held) by the call that lent it: a reference left to a worker
-/// thread would be released only whenever pyo3 next holds the GIL, keeping the process group it
-/// captures alive past `destroy_process_group()` into interpreter exit (gloo then aborted the
-/// process: "terminate called without an active exception").
-type Lent = std::sync::Arc<std::sync::Mutex<Option<Py<PyAny>>>>;
+/// A question from the copy's thread for the calling thread: this rank's message for the
+/// all-gather; the answer is every rank's, or why the exchange failed.
+type Gathered = Result<Vec<String>, String>;
 
-/// The group's all-gather as the copy calls it (from its own thread): `exchange(str) -> list[str]`.
-fn all_gather(exchange: Lent) -> core::Exchange {
+/// Runs the caller's `exchange(message) -> list[str]` (on the calling thread, GIL held): an
+/// ordinary Python exception is the answer's error; a KeyboardInterrupt or SystemExit met
+/// meanwhile ends the copy as a Ctrl-C does.
+fn gather(py: Python<'_>, exchange: &Py<PyAny>, message: String) -> PyResult<Gathered> {
+    match exchange
+        .call1(py, (message,))
+        .and_then(|all| all.extract::<Vec<String>>(py))
+    {
+        Ok(all) => Ok(Ok(all)),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyException>(py) => Ok(Err(e.to_string())),
+        Err(e) => Err(e),
+    }
+}
+
+/// The group's all-gather as the copy's thread calls it: asked of the calling thread, which runs
+/// the collective (see [`off_thread_serving`]).
+fn all_gather(ask: Ask<String, Gathered>) -> core::Exchange {
     std::sync::Arc::new(move |message: String| {
-        super::gil::attach(|py| {
-            let callable = exchange
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .as_ref()
-                .map(|c| c.clone_ref(py));
-            let Some(callable) = callable else {
-                return Err(crate::Error::Internal {
-                    message: "the copy's exchange between ranks was used after the copy".into(),
-                });
-            };
-            callable
-                .call1(py, (message,))
-                .and_then(|all| all.extract::<Vec<String>>(py))
-                .map_err(|e| crate::Error::Internal {
-                    message: format!("the copy's exchange between ranks failed: {e}"),
-                })
+        let answer = ask(message).ok_or_else(|| crate::Error::Cancelled {
+            what: "the copy's exchange between ranks (the call stopped waiting)".into(),
+        })?;
+        answer.map_err(|e| crate::Error::Internal {
+            message: format!("the copy's exchange between ranks failed: {e}"),
         })
     })
 }
@@ -70,8 +70,7 @@ pub fn copy<'py>(
     associated_data: Option<super::tink::AssociatedDataArg>,
     exchange: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let lent: Option<Lent> = exchange.map(|e| std::sync::Arc::new(std::sync::Mutex::new(Some(e))));
-    let options = CopyOptions {
+    let mut options = CopyOptions {
         write: WriteOptions {
             overwrite,
             storage_options: storage_options.unwrap_or_default().0,
@@ -90,16 +89,21 @@ pub fn copy<'py>(
         } else {
             None
         },
-        exchange: lent.clone().map(all_gather),
+        exchange: None,
     };
+    let grouped = exchange.is_some();
     // On Ctrl-C the files in flight abort their uploads before the KeyboardInterrupt is raised.
-    let report = off_thread_cleaning_up(py, "copy", CLEANUP, move || {
+    // The exchange's collectives run here, on the calling thread, as the copy asks for them.
+    let serve = |py: Python<'_>, message: String| match &exchange {
+        Some(exchange) => gather(py, exchange, message),
+        None => Ok(Err("no exchange was given".into())),
+    };
+    let report = off_thread_serving(py, "copy", CLEANUP, serve, move |ask| {
+        if grouped {
+            options.exchange = Some(all_gather(ask));
+        }
         core::copy(&src, &dst, &options)
-    });
-    if let Some(lent) = lent {
-        drop(lent.lock().unwrap_or_else(|e| e.into_inner()).take());
-    }
-    let report = report??;
+    })??;
     let out = PyDict::new(py);
     out.set_item("copied", report.copied)?;
     out.set_item("skipped", report.skipped)?;
