@@ -45,7 +45,8 @@ fn all_gather(ask: Ask<String, Gathered>) -> core::Exchange {
 
 /// Copies `src` to `dst`; returns `{"copied": [...], "skipped": [...], "bytes": n, "stopped":
 /// None or why}` for this rank's share. `exchange` (an all-gather of one str per rank) lets the
-/// ranks split large files into parts.
+/// ranks split large files into parts; it is called on this thread (the caller's), while the copy
+/// waits for it.
 #[pyfunction]
 #[pyo3(signature = (src, dst, *, overwrite=false, storage_options=None, verify=true,
                     concurrency=None, block_size=None, memory_limit=None, part_size=None,

@@ -25,7 +25,9 @@ pub fn off_thread<T: Send + 'static>(
     what: &str,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> PyResult<T> {
-    wait_for(py, what, Duration::ZERO, no_questions, |_: Ask<(), ()>| work())
+    wait_for(py, what, Duration::ZERO, no_questions, |_: Ask<(), ()>| {
+        work()
+    })
 }
 
 /// The `serve` of work that asks nothing.
