@@ -411,6 +411,126 @@ def test_two_ranks_split_the_files(tmp_path):
     assert files_of(dst) == files_of(src)
 
 
+def _split_rank(rank: int, world: int, src: str, dst: str, port: str, outs: str,
+                endpoints: list[str]) -> None:  # fmt: skip
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    # Every collective of the copy is run by the thread that called it (none from a thread of
+    # fastload's, where it could be left in flight, or meet another CUDA device).
+    threads = set()
+    all_gather_object = dist.all_gather_object
+
+    def recorded(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return all_gather_object(*args, **kwargs)
+
+    dist.all_gather_object = recorded
+    kept = None
+    try:
+        out = fastload.copy(src, dst, process_group="default", progress=False, part_size=PART,
+                            storage_options={"endpoint": endpoints[rank]})  # fmt: skip
+    except Exception as e:
+        kept = e  # as pytest.raises or a log keeps an error
+        out = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        before = _gloo_threads()
+        dist.destroy_process_group()
+    # The group's threads end with destroy_process_group(): fastload keeps no reference to it
+    # (a group left alive into interpreter exit aborted the process: gloo's thread, dropping a
+    # finished all-gather's tensors, took the GIL while the interpreter finalised).
+    out["gloo_threads"] = [before, _gloo_threads()]
+    out["collective_threads"] = sorted(threads)
+    del kept
+    Path(outs, f"{rank}.json").write_text(json.dumps(out))
+
+
+def _gloo_threads() -> int:
+    """How many of this process's threads are torch.distributed's gloo group's (by their names)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
+
+
+def _split_copy(tmp_path: Path, seaweed, dst: str, plans: list[list[Fault]]):
+    """Two ranks copy one 21 MiB local file (five parts) to `dst`, rank r through a relay that
+    injects `plans[r]` into its part uploads: (each rank's result, each rank's part PUTs)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    src = tmp_path / "big.bin"
+    if not src.exists():
+        src.write_bytes(
+            torch.randint(0, 255, ((21 << 20) + 5,), dtype=torch.uint8).numpy().tobytes()
+        )
+    port = int(seaweed.endpoint.rsplit(":", 1)[1])
+    proxies = [
+        HttpFaultProxy(("127.0.0.1", port), plan=plan, match=lambda m, h: m == "PUT")
+        for plan in plans
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rdv = str(s.getsockname()[1])
+    try:
+        endpoints = [p.endpoint for p in proxies]
+        mp.start_processes(_split_rank, args=(2, str(src), dst, rdv, str(tmp_path), endpoints),
+                           nprocs=2, start_method="spawn")  # fmt: skip
+    finally:
+        for p in proxies:
+            p.close()
+    outs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    parts = [sum("partNumber=" in target for _, target, _ in p.log) for p in proxies]
+    return src, outs, parts
+
+
+def test_two_ranks_split_one_big_file_into_parts(seaweed, s3, tmp_path):
+    prefix = "copy/split/"
+    dst = f"s3://{BUCKET}/{prefix}big.bin"
+    src, outs, parts = _split_copy(tmp_path, seaweed, dst, [[], []])
+    assert all("error" not in o for o in outs), outs
+    assert all(o["gloo_threads"][0] > 0 and o["gloo_threads"][1] == 0 for o in outs), outs
+    assert all(o["collective_threads"] == ["MainThread"] for o in outs), outs
+    # Five parts: rank 0 uploaded parts 1-2, rank 1 parts 3-5; each byte read once in all.
+    assert parts == [2, 3]
+    assert [o["copied"] for o in outs] == [[dst], []]
+    assert sum(o["bytes"] for o in outs) == src.stat().st_size
+    assert objects(s3, prefix) == {"big.bin": src.read_bytes()}
+    assert open_uploads(s3, prefix) == []
+    # The upload carried the source's identity: a rerun (one process) skips the copy.
+    again = fastload.copy(str(src), dst, part_size=PART, progress=False)
+    assert (again["copied"], again["skipped"]) == ([], [dst])
+    # So does the group: rank 0 finds the copy done, and no rank uploads anything.
+    _, outs, parts = _split_copy(tmp_path, seaweed, dst, [[], []])
+    assert [o["skipped"] for o in outs] == [[dst], []] and parts == [0, 0]
+
+
+def test_a_rank_failing_its_parts_fails_every_rank_and_aborts_the_upload(seaweed, s3, tmp_path):
+    prefix = "copy/split-failed/"
+    dst = f"s3://{BUCKET}/{prefix}big.bin"
+    denied = Fault("status", status=403, code="AccessDenied")
+    _, outs, parts = _split_copy(tmp_path, seaweed, dst, [[], [denied] * 10])
+    assert parts[1] >= 1
+    # Rank 1's error, raised on both ranks; nothing published, the upload aborted.
+    assert all("error" in o for o in outs), outs
+    assert outs[0]["error"] == outs[1]["error"]
+    assert outs[0]["error"].startswith(f"StorageError: {dst}: access denied")
+    # Though each rank keeps its error, the group is gone with destroy_process_group().
+    assert all(o["gloo_threads"][0] > 0 and o["gloo_threads"][1] == 0 for o in outs), outs
+    assert all(o["collective_threads"] == ["MainThread"] for o in outs), outs
+    assert objects(s3, prefix) == {}
+    assert open_uploads(s3, prefix) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM: `fastload copy hf://... s3://...`, then `vllm serve s3://... --load-format fastload`
 

@@ -1,7 +1,9 @@
 """``fastload.copy``: a file or a whole model folder from any store to any store, through the
 native copy (``_fastload.copy``): read once in parallel ranged reads, no local staging, Hub
 digests checked while streaming, each file published whole, a rerun skipping what is done. In a
-group (``process_group=``, or under ``torchrun``) each rank copies its share of the files."""
+group (``process_group=``, or under ``torchrun``) each rank copies its share of the files, and a
+large file going to S3 or GCS is split into part ranges that every rank uploads (the ranks
+all-gather through ``exchange``: the upload id, the parts' ids, the outcome)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import _fastload
-from ._errors import ConfigError
+from ._errors import ConfigError, FastloadError
 from ._write import _destination, _part_size
 
 
@@ -87,7 +89,12 @@ def copy(
     skipped, so a rerun after an interruption finishes the job; any other existing file raises
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``storage_options``
     configure both stores. In a group each rank copies its share of the files; the call returns
-    on every rank once all ranks finished (an error on any rank is raised on every rank).
+    on every rank once all ranks finished (an error on any rank is raised on every rank). A file
+    of at least two parts per rank going to S3 or GCS is split: every rank reads and uploads its
+    own range of its parts (rank 0 creates the upload and completes it once every part is up, or
+    aborts it when any rank failed). Not split: Hub files whose digest is checked (``verify``;
+    the digest needs the whole file in order, so with ``verify=False`` they are split), files
+    encrypted on their way, and other destinations; they go whole to one rank.
 
     With ``keyset`` (a Tink cleartext JSON keyset or its path) every ``.safetensors`` file is
     encrypted on its way with the keyset's primary key and ``associated_data``, as
@@ -109,6 +116,15 @@ def copy(
             option="concurrency",
         )
     group, rank, world = _group(process_group)
+    exchange = None
+    if group is not None:
+        import torch.distributed as dist
+
+        def exchange(message: str) -> list[str]:  # called back on this thread, by _fastload.copy
+            out: list[Any] = [None] * world
+            dist.all_gather_object(out, message, group=group)
+            return [str(m) for m in out]
+
     error: BaseException | None = None
     report: dict[str, Any] = {"copied": [], "skipped": [], "bytes": 0}
     try:
@@ -127,6 +143,7 @@ def copy(
             progress=bool(progress),
             keyset=keyset,
             associated_data=associated_data,
+            exchange=exchange,
         )
     except Exception as e:
         if group is None:
@@ -136,5 +153,19 @@ def copy(
         from .distributed import _gather, _portable, _raise_first
 
         errors = _gather(_portable(error), group, world)
-        _raise_first(errors, rank, error)
+        # The raised error's traceback keeps this frame: neither the group nor the error itself
+        # is left in it. Otherwise the group outlives destroy_process_group() (in a cycle only the
+        # garbage collector breaks, or for as long as the caller keeps the error), and gloo's
+        # threads, still running at interpreter exit, abort the process when one of them needs
+        # the GIL ("terminate called without an active exception").
+        del group, exchange
+        try:
+            _raise_first(errors, rank, error)
+        finally:
+            del errors, error
+    stopped = report.pop("stopped", None)
+    if stopped is not None:
+        # Another rank failed, and its error was raised above on every rank; should none have
+        # been, a stopped copy is still never reported as done.
+        raise FastloadError(f"copy stopped: {stopped}")
     return report

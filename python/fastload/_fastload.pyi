@@ -395,6 +395,7 @@ def copy(
     progress: bool = True,
     keyset: str | os.PathLike[str] | None = None,
     associated_data: bytes | str | None = None,
+    exchange: Callable[[str], list[str]] | None = None,
 ) -> dict[str, Any]: ...
 def resolve_options(
     uris: list[str] = ...,

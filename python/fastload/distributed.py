@@ -112,7 +112,8 @@ def _portable(exc: BaseException | None) -> BaseException | None:
 
 
 def _raise_first(errors: list[Any], rank: int, own: BaseException | None) -> None:
-    """Raises the lowest rank's error on every rank (the original object on that rank)."""
+    """Raises the lowest rank's error on every rank (the original object on that rank). This
+    frame, kept by the error's traceback, is left holding no error: no reference cycle."""
     for r, err in enumerate(errors):
         if err is not None:
             if r == rank and own is not None:
@@ -121,7 +122,10 @@ def _raise_first(errors: list[Any], rank: int, own: BaseException | None) -> Non
                 err.add_note(
                     f"(raised on rank {r} of {len(errors)}; fastload raised it on every rank)"
                 )
-            raise err
+            try:
+                raise err
+            finally:
+                del err, errors, own
 
 
 def _gather(obj: Any, group: Any, world: int) -> list[Any]:

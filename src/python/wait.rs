@@ -3,7 +3,7 @@
 //! server) would hold Ctrl-C for a minute. Every blocking call of the module therefore waits in
 //! [`SLICE`]s with the GIL released and runs the handlers between them.
 
-use std::sync::mpsc::{sync_channel, RecvTimeoutError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,36 +25,80 @@ pub fn off_thread<T: Send + 'static>(
     what: &str,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> PyResult<T> {
-    wait_for(py, what, Duration::ZERO, work)
+    wait_for(py, what, Duration::ZERO, no_questions, |_: Ask<(), ()>| {
+        work()
+    })
 }
+
+/// The `serve` of work that asks nothing.
+fn no_questions(_: Python<'_>, _: ()) -> PyResult<()> {
+    Ok(())
+}
+
+/// How work run by [`off_thread_serving`] asks the calling thread something: blocks until the
+/// calling thread answered, or `None` once it stopped waiting (the work is done with, Ctrl-C).
+pub type Ask<Q, A> = Arc<dyn Fn(Q) -> Option<A> + Send + Sync>;
 
 /// [`off_thread`], except that on Ctrl-C `work` gets up to `grace` to wind down before the
 /// KeyboardInterrupt is raised: its cleanup (a copy's multipart uploads aborted) is done by the
 /// time the caller sees the exception, rather than cut off by the interpreter's exit. A second
 /// Ctrl-C raises at once.
-pub fn off_thread_cleaning_up<T: Send + 'static>(
+///
+/// And for work that needs Python run for it: `work` gets an [`Ask`], and each question it asks
+/// is answered by `serve` on the calling thread (GIL held) while that thread waits. So the
+/// work's Python calls run on the thread that called in, never on a thread of ours: a
+/// torch.distributed collective, say, runs where the caller's other collectives, its CUDA device
+/// and its signal handling are, and none is left in flight on a thread of ours when the call
+/// returns or the interpreter exits. `serve` returning an error (a Ctrl-C met while it ran Python) ends the wait as a
+/// Ctrl-C does; questions asked while winding down, or after, get `None`.
+pub fn off_thread_serving<T, Q, A>(
     py: Python<'_>,
     what: &str,
     grace: Duration,
-    work: impl FnOnce() -> T + Send + 'static,
-) -> PyResult<T> {
-    wait_for(py, what, grace, work)
+    serve: impl FnMut(Python<'_>, Q) -> PyResult<A>,
+    work: impl FnOnce(Ask<Q, A>) -> T + Send + 'static,
+) -> PyResult<T>
+where
+    T: Send + 'static,
+    Q: Send + 'static,
+    A: Send + 'static,
+{
+    wait_for(py, what, grace, serve, work)
 }
 
-fn wait_for<T: Send + 'static>(
+/// What the worker thread sends the waiting one: a question, or its result.
+enum Message<T, Q, A> {
+    Ask(Q, SyncSender<A>),
+    Done(T),
+}
+
+fn wait_for<T, Q, A>(
     py: Python<'_>,
     what: &str,
     grace: Duration,
-    work: impl FnOnce() -> T + Send + 'static,
-) -> PyResult<T> {
-    let (tx, rx) = sync_channel(1);
+    mut serve: impl FnMut(Python<'_>, Q) -> PyResult<A>,
+    work: impl FnOnce(Ask<Q, A>) -> T + Send + 'static,
+) -> PyResult<T>
+where
+    T: Send + 'static,
+    Q: Send + 'static,
+    A: Send + 'static,
+{
+    let (tx, rx) = sync_channel::<Message<T, Q, A>>(1);
+    let asks = tx.clone();
+    let ask: Ask<Q, A> = Arc::new(move |question| {
+        let (reply, answer) = sync_channel(1);
+        asks.send(Message::Ask(question, reply)).ok()?;
+        answer.recv().ok()
+    });
     let abort = Arc::new(Abort::default());
     let installed = abort.clone();
     std::thread::Builder::new()
         .name(format!("fastload-{what}"))
         .spawn(move || {
             installed.install();
-            let _ = tx.send(work());
+            let out = work(ask);
+            let _ = tx.send(Message::Done(out));
         })
         .map_err(|e| crate::Error::Internal {
             message: format!("{what}: cannot start a thread: {e}"),
@@ -64,36 +108,50 @@ fn wait_for<T: Send + 'static>(
         // The receiver travels into the wait and back (it cannot be shared across threads).
         let (waited, back) = super::gil::detach(py, move || (rx.recv_timeout(SLICE), rx));
         rx = back;
-        match waited {
-            Ok(out) => return Ok(out),
-            Err(RecvTimeoutError::Timeout) => {
-                if let Err(interrupt) = py.check_signals() {
-                    let _ = abort.trigger();
-                    if !grace.is_zero() {
-                        wind_down(py, rx, grace);
-                    }
-                    return Err(interrupt);
+        let interrupt = match waited {
+            Ok(Message::Done(out)) => return Ok(out),
+            Ok(Message::Ask(question, reply)) => match serve(py, question) {
+                Ok(answer) => {
+                    let _ = reply.send(answer);
+                    continue;
                 }
-            }
+                Err(e) => e,
+            },
+            Err(RecvTimeoutError::Timeout) => match py.check_signals() {
+                Ok(()) => continue,
+                Err(e) => e,
+            },
             Err(RecvTimeoutError::Disconnected) => {
                 return Err(crate::Error::Internal {
                     message: format!("{what}: the worker thread panicked"),
                 }
                 .into())
             }
+        };
+        let _ = abort.trigger();
+        if !grace.is_zero() {
+            wind_down(py, rx, grace);
         }
+        return Err(interrupt);
     }
 }
 
 /// Waits (GIL released, in slices) until the worker behind `rx` is done, `grace` is over, or
 /// another signal's handler raises.
-fn wind_down<T: Send>(py: Python<'_>, mut rx: std::sync::mpsc::Receiver<T>, grace: Duration) {
+/// Questions asked meanwhile are not answered (their [`Ask`] returns `None`).
+fn wind_down<T: Send, Q: Send, A: Send>(
+    py: Python<'_>,
+    mut rx: Receiver<Message<T, Q, A>>,
+    grace: Duration,
+) {
     let until = std::time::Instant::now() + grace;
     while std::time::Instant::now() < until {
         let (waited, back) = super::gil::detach(py, move || (rx.recv_timeout(SLICE), rx));
         rx = back;
-        if !matches!(waited, Err(RecvTimeoutError::Timeout)) || py.check_signals().is_err() {
-            return;
+        match waited {
+            Ok(Message::Ask(..)) => continue, // the reply dropped: the question gets `None`
+            Err(RecvTimeoutError::Timeout) if py.check_signals().is_ok() => continue,
+            _ => return,
         }
     }
 }

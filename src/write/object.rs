@@ -99,7 +99,7 @@ pub struct ObjectUpload {
 /// (`x-amz-checksum-type: FULL_OBJECT`), which `verify=True` checks on reads; a multipart
 /// object uploaded with sha256 has only a composite checksum of its parts. GCS and Azure get
 /// their checksums from the store's HTTP client (`source::object::checksums`).
-fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String)> {
+pub(super) fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String)> {
     let mut out = options.to_vec();
     let scheme = uri.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
     let s3 = matches!(scheme.as_deref(), Some("s3" | "s3a"));
@@ -114,7 +114,7 @@ fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String
 }
 
 /// `metadata` as object_store's attributes.
-fn attributes(metadata: &[(String, String)]) -> object_store::Attributes {
+pub(super) fn attributes(metadata: &[(String, String)]) -> object_store::Attributes {
     metadata
         .iter()
         .map(|(k, v)| {
@@ -333,7 +333,7 @@ fn abort_detached(multi: Multi) {
 }
 
 /// [`Error::Exists`] when the object is there.
-async fn refuse_existing(remote: &Remote) -> Result<()> {
+pub(super) async fn refuse_existing(remote: &Remote) -> Result<()> {
     match remote.store.head(&remote.path).await {
         Ok(_) => Err(Error::Exists {
             path: remote.uri.clone(),

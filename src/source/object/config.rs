@@ -10,6 +10,7 @@ use object_store::aws::AmazonS3ConfigKey;
 use object_store::azure::AzureConfigKey;
 use object_store::gcp::GoogleConfigKey;
 use object_store::http::HttpBuilder;
+use object_store::multipart::MultipartStore;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme};
 use url::Url;
 
@@ -20,6 +21,7 @@ use super::gcs::gcs_builder;
 use super::keys::{parse_key, CLIENT_DEFAULTS};
 use super::s3::s3_builder;
 use super::*;
+
 use crate::error::{Error, Result};
 use crate::options::Size;
 use crate::source::clients::SharedStoreClients;
@@ -64,7 +66,11 @@ pub fn open_with_env(
                 .build()
                 .map(|s| {
                     let _ = signing.credentials.set(s.credentials().clone());
-                    Arc::new(s) as Arc<dyn ObjectStore>
+                    let s = Arc::new(s);
+                    (
+                        s.clone() as Arc<dyn ObjectStore>,
+                        Some(Multipart(s as Arc<dyn MultipartStore>)),
+                    )
                 })
         }
         ObjectStoreScheme::GoogleCloudStorage => {
@@ -83,7 +89,13 @@ pub fn open_with_env(
             b.with_retry(retry.request_config())
                 .with_http_connector(ChecksumConnector(StoreChecksums::Gcs))
                 .build()
-                .map(|s| Arc::new(s) as _)
+                .map(|s| {
+                    let s = Arc::new(s);
+                    (
+                        s.clone() as Arc<dyn ObjectStore>,
+                        Some(Multipart(s as Arc<dyn MultipartStore>)),
+                    )
+                })
         }
         ObjectStoreScheme::MicrosoftAzure => {
             let b = azure_builder(uri, &store_options, &env)?;
@@ -104,7 +116,7 @@ pub fn open_with_env(
                 .build()
                 .map(|s| {
                     let _ = signing.credentials.set(s.credentials().clone());
-                    Arc::new(s) as _
+                    (Arc::new(s) as Arc<dyn ObjectStore>, None)
                 })
         }
         ObjectStoreScheme::Http => {
@@ -122,11 +134,11 @@ pub fn open_with_env(
             b.with_retry(retry.request_config())
                 .with_http_connector(SharedStoreClients)
                 .build()
-                .map(|s| Arc::new(s) as _)
+                .map(|s| (Arc::new(s) as Arc<dyn ObjectStore>, None))
         }
         _ => return Err(unsupported(&shown, "not an object-store URL")),
     };
-    let store = built.map_err(|e| build_error(&shown, e))?;
+    let (store, multipart) = built.map_err(|e| build_error(&shown, e))?;
     let is_prefix = url.path().ends_with('/') || path.as_ref().is_empty();
     Ok(Remote {
         store,
@@ -134,6 +146,7 @@ pub fn open_with_env(
         uri: shown,
         is_prefix,
         retry,
+        multipart,
     })
 }
 

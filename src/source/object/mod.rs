@@ -73,6 +73,20 @@ pub struct Remote {
     pub is_prefix: bool,
     /// How reads of this store retry and resume (object_store's own retries were built from it).
     pub retry: RetrySettings,
+    /// The same store's low-level multipart API (S3 and GCS, whose uploads take the object's
+    /// metadata when they are created; `None` for other stores): several processes upload parts
+    /// of one object ([`crate::write::copy`]'s split files).
+    pub multipart: Option<Multipart>,
+}
+
+/// A store's [`object_store::multipart::MultipartStore`] (shown as its kind in `Debug`).
+#[derive(Clone)]
+pub struct Multipart(pub Arc<dyn object_store::multipart::MultipartStore>);
+
+impl std::fmt::Debug for Multipart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MultipartStore")
+    }
 }
 
 impl Remote {

@@ -80,6 +80,7 @@ mod tests {
             uri: "memory:///m/".into(),
             is_prefix: true,
             retry: Default::default(),
+            multipart: None,
         }
     }
 

@@ -264,6 +264,7 @@ fn remote(store: Arc<dyn ObjectStore>, path: &str, is_prefix: bool) -> Remote {
         uri: format!("s3://bucket/{path}{}", if is_prefix { "/" } else { "" }),
         is_prefix,
         retry: RetrySettings::default(),
+        multipart: None,
     }
 }
 

@@ -14,7 +14,8 @@
 //!   copy is refused unless `overwrite`.
 //! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), largest first, indexes last (see [`run`]).
 //! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
-//!   split on every rank).
+//!   split on every rank); with an [`Exchange`] between the ranks, a file of at least two parts
+//!   per rank going to S3 or GCS is split into part ranges that every rank uploads (split.rs).
 //! - Names from the listing go through [`crate::format::check_inside`] before anything is written.
 
 use std::collections::VecDeque;
@@ -31,9 +32,11 @@ use crate::source::Source;
 mod done;
 mod encrypted;
 mod list;
+mod split;
 
 pub use done::{Existing, ID_KEY};
 pub use list::{list, Item, Listing};
+pub use split::Exchange;
 
 /// Reads in flight per file, by default.
 pub const DEFAULT_CONCURRENCY: usize = 8;
@@ -71,6 +74,9 @@ pub struct CopyOptions {
     pub rank: usize,
     pub world: usize,
     pub progress: Option<Arc<dyn Fn(Event) + Send + Sync>>,
+    /// How the ranks of a group talk (an all-gather): with it, large files are split into parts
+    /// across the ranks.
+    pub exchange: Option<Exchange>,
 }
 
 impl Default for CopyOptions {
@@ -83,6 +89,7 @@ impl Default for CopyOptions {
             rank: 0,
             world: 1,
             progress: None,
+            exchange: None,
         }
     }
 }
@@ -96,6 +103,7 @@ impl std::fmt::Debug for CopyOptions {
             .field("verify", &self.verify)
             .field("rank", &self.rank)
             .field("world", &self.world)
+            .field("exchange", &self.exchange.is_some())
             .finish()
     }
 }
@@ -109,6 +117,9 @@ pub struct Report {
     pub skipped: Vec<String>,
     /// Bytes read and written.
     pub bytes: u64,
+    /// Another rank of the group failed (its error is raised there, and by the group on every
+    /// rank): this rank stopped.
+    pub stopped: Option<String>,
 }
 
 /// Copies `src` to `dst` (see the module's documentation).
@@ -125,22 +136,95 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
             message: "fastload copies to local paths, s3://, gs:// and az://".into(),
         });
     }
-    let listing = list(src, &options.write.storage_options)?;
-    let targets = destinations(&listing, dst)?;
-    let mine = share(&targets, options.rank, options.world);
+    let planned = list(src, &options.write.storage_options)
+        .and_then(|listing| destinations(&listing, dst))
+        .map(|targets| {
+            let split: Vec<usize> = (0..targets.len())
+                .filter(|&i| split::splits(&targets[i].0, &targets[i].1, options))
+                .collect();
+            (targets, split)
+        });
+    let mut report = Report::default();
+    if let (Some(exchange), true) = (&options.exchange, options.world > 1) {
+        let plan = match &planned {
+            Ok((targets, split)) => Ok(split
+                .iter()
+                .map(|&i| (targets[i].1.clone(), targets[i].0.source.size()))
+                .collect()),
+            Err(e) => Err(e.to_string()),
+        };
+        let agreed = split::agree(plan, exchange)?;
+        let (targets, split) = planned?;
+        match agreed {
+            Err(split::Stopped(s)) => {
+                report.stopped = Some(s);
+                return Ok(report);
+            }
+            Ok(false) => {
+                return Err(Error::Internal {
+                    message: "the ranks of the copy listed different files to split (did the \
+                              source change while they listed it?); nothing was copied"
+                        .into(),
+                })
+            }
+            Ok(true) => {}
+        }
+        start(&targets, &split, options);
+        let files: Vec<&(Item, String)> = split.iter().map(|&i| &targets[i]).collect();
+        let stop = AtomicBool::new(false);
+        if let Err(split::Stopped(s)) = split::run(&files, options, exchange, &stop, &mut report)? {
+            report.stopped = Some(s);
+            return Ok(report);
+        }
+        whole(&targets, &split, options, report)
+    } else {
+        let (targets, _) = planned?;
+        start(&targets, &[], options);
+        whole(&targets, &[], options, report)
+    }
+}
+
+/// This rank's share of the files not in `split` (copied whole).
+fn whole_share(targets: &[(Item, String)], split: &[usize], options: &CopyOptions) -> Vec<usize> {
+    let candidates: Vec<usize> = (0..targets.len()).filter(|i| !split.contains(i)).collect();
+    share(targets, &candidates, options.rank, options.world)
+}
+
+/// Announces this rank's share: its whole files, and its parts of the split files (whose files
+/// rank 0 counts).
+fn start(targets: &[(Item, String)], split: &[usize], options: &CopyOptions) {
+    let mine = whole_share(targets, split, options);
+    let parts: u64 = split
+        .iter()
+        .map(|&i| split::my_bytes(targets[i].0.source.size(), options))
+        .sum();
+    let split_files = if options.rank == 0 { split.len() } else { 0 };
     emit(
         options,
         Event::Start {
-            files: mine.len(),
-            bytes: mine.iter().map(|&i| targets[i].0.source.size()).sum(),
+            files: mine.len() + split_files,
+            bytes: mine
+                .iter()
+                .map(|&i| targets[i].0.source.size())
+                .sum::<u64>()
+                + parts,
         },
     );
-    let (first, last) = schedule(&targets, &mine);
+}
+
+/// Copies this rank's share of the files not in `split`, whole, adding to `report`.
+fn whole(
+    targets: &[(Item, String)],
+    split: &[usize],
+    options: &CopyOptions,
+    mut report: Report,
+) -> Result<Report> {
+    let mine = whole_share(targets, split, options);
+    let (first, last) = schedule(targets, &mine);
     let outcomes = Mutex::new(vec![None; targets.len()]);
-    run(&targets, &first, options, &outcomes)?;
-    run(&targets, &last, options, &outcomes)?;
+    run(targets, &first, options, &outcomes)?;
+    run(targets, &last, options, &outcomes)?;
     let outcomes = outcomes.into_inner().unwrap_or_else(|e| e.into_inner());
-    let mut report = Report::default();
     for i in mine {
         let (item, to) = &targets[i];
         match outcomes[i] {
@@ -316,10 +400,15 @@ fn destinations(listing: &Listing, dst: &str) -> Result<Vec<(Item, String)>> {
         .collect()
 }
 
-/// The indices of the targets rank `rank` of `world` copies: largest first to the least loaded
-/// rank (ties to the lowest rank), the same on every rank.
-fn share(targets: &[(Item, String)], rank: usize, world: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..targets.len()).collect();
+/// The indices of the `candidates` rank `rank` of `world` copies: largest first to the least
+/// loaded rank (ties to the lowest rank), the same on every rank.
+fn share(
+    targets: &[(Item, String)],
+    candidates: &[usize],
+    rank: usize,
+    world: usize,
+) -> Vec<usize> {
+    let mut order: Vec<usize> = candidates.to_vec();
     order.sort_by_key(|&i| std::cmp::Reverse(targets[i].0.source.size()));
     let mut load = vec![0u64; world];
     let mut mine = Vec::new();
@@ -353,7 +442,13 @@ fn copy_file(
         write.metadata.push((ID_KEY.to_string(), id.to_string()));
     }
     let mut sink = Sink::create(to, source.size(), &write)?;
-    if let Err(e) = pump(&source, &mut sink, options, stop) {
+    if let Err(e) = pump(
+        &source,
+        0..source.size(),
+        &mut |b| sink.write(b),
+        options,
+        stop,
+    ) {
         let _ = sink.abort();
         return Err(e);
     }
@@ -378,18 +473,19 @@ impl Drop for InFlight {
     }
 }
 
-/// Reads `source` in blocks (`concurrency` in flight) into `sink`, in order; ends early (an
-/// error) when `stop` is set (another file failed).
+/// Reads the bytes `range` of `source` in blocks (`concurrency` in flight) into `write`, in
+/// order; ends early (an error) when `stop` is set (another file failed).
 fn pump(
     source: &Arc<dyn Source>,
-    sink: &mut Sink,
+    range: std::ops::Range<u64>,
+    write: &mut dyn FnMut(Bytes) -> Result<()>,
     options: &CopyOptions,
     stop: &AtomicBool,
 ) -> Result<()> {
     let runtime = crate::runtime::try_get()?;
-    let size = source.size();
+    let size = range.end;
     let block = options.block_size.max(1);
-    let mut next = 0u64;
+    let mut next = range.start;
     let mut reads = InFlight(VecDeque::new());
     loop {
         if stop.load(Ordering::SeqCst) {
@@ -417,7 +513,7 @@ fn pump(
         let bytes =
             crate::runtime::block_on(&name, async { crate::source::joined(task.await, &name) })?;
         let n = bytes.len() as u64;
-        sink.write(bytes)?;
+        write(bytes)?;
         emit(options, Event::Bytes(n));
     }
     Ok(())
@@ -461,13 +557,15 @@ mod tests {
             ],
         );
         let t = destinations(&l, "s3://b/p/").unwrap();
-        let shares: Vec<Vec<usize>> = (0..3).map(|r| share(&t, r, 3)).collect();
+        let all: Vec<usize> = (0..6).collect();
+        let shares: Vec<Vec<usize>> = (0..3).map(|r| share(&t, &all, r, 3)).collect();
         let mut all: Vec<usize> = shares.concat();
         all.sort();
         assert_eq!(all, (0..6).collect::<Vec<_>>());
         let load = |s: &Vec<usize>| s.iter().map(|&i| t[i].0.source.size()).sum::<u64>();
         assert_eq!(shares.iter().map(load).collect::<Vec<_>>(), [100, 95, 90]);
-        assert_eq!(share(&t, 0, 1), (0..6).collect::<Vec<_>>());
+        assert_eq!(share(&t, &all, 0, 1), all);
+        assert_eq!(share(&t, &[1, 2], 1, 2), [2]);
     }
 
     #[test]

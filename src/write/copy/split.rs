@@ -1,0 +1,479 @@
+//! Split files: in a group, a file of at least `2 × world` parts going to S3 or GCS is uploaded by
+//! every rank together, through the store's low-level multipart API
+//! ([`object_store::multipart::MultipartStore`]), so that one large file (or fewer files than
+//! ranks) still keeps the whole fleet busy. The ranks talk through an [`Exchange`] (an all-gather
+//! of one string per rank; the Python side passes torch.distributed's `all_gather_object`):
+//!
+//! 1. every rank lists the source and sends the split files it found ([`agree`]); a rank that
+//!    failed stops every rank, and ranks that found different files all fail;
+//! 2. per split file, rank 0 checks the destination (skipped when done, refused when it holds
+//!    something else) and creates the upload, with the source's identity in its metadata (the
+//!    mark a rerun skips it by); the upload id goes to every rank;
+//! 3. each rank reads its contiguous range of parts (each source byte read once in all) and
+//!    uploads them with their part numbers; the part ids (ETags) are all-gathered;
+//! 4. rank 0 completes the upload with every rank's parts in order, or aborts it when any rank
+//!    failed; the outcome goes to every rank.
+//!
+//! A rank whose own step failed returns that error; the others stop with [`Stopped`] and the
+//! caller's group raises the failing rank's error on every rank. Nothing is published unless every
+//! part of every rank went up, and a failed file's upload is aborted (none left open).
+//!
+//! Not split: files encrypted on their way (the stream is sequential), Hub files checked in flight
+//! (`verify`: the digest needs the whole file in order; with `verify=False` they are split), and
+//! destinations other than S3 and GCS (Azure's block uploads take no metadata when created, so a
+//! rerun could not recognise the copy; local files): those go whole to one rank, as before.
+
+use std::ops::Range;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::{PutMultipartOptions, PutPayloadMut};
+use tokio::task::JoinSet;
+
+use super::{done, emit, encrypted, pump, CopyOptions, Event, Existing, Item, Report};
+use crate::error::{Error, Result};
+use crate::source::object::{open, storage_error, Remote};
+use crate::source::Source;
+use crate::write::object::{attributes, refuse_existing, with_checksum};
+use crate::write::{DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE, MAX_PARTS_IN_FLIGHT, MIN_PART_SIZE};
+
+/// An all-gather across the group: this rank's string in, every rank's out (in rank order).
+pub type Exchange = Arc<dyn Fn(String) -> Result<Vec<String>> + Send + Sync>;
+
+/// S3's limit on parts per upload, with room to spare (as [`crate::write::ObjectUpload`]).
+const MAX_PARTS: u64 = 9_000;
+
+/// How long aborting an upload may take.
+const ABORT: Duration = Duration::from_secs(30);
+
+/// Another rank failed (its error is raised by the group); this rank stopped.
+#[derive(Debug)]
+pub struct Stopped(pub String);
+
+/// Bytes per part of a split file of `size` bytes.
+pub(super) fn part_size(size: u64, options: &CopyOptions) -> u64 {
+    options
+        .write
+        .part_size
+        .unwrap_or(DEFAULT_PART_SIZE)
+        .max(MIN_PART_SIZE)
+        .max(size.div_ceil(MAX_PARTS))
+}
+
+/// Whether `item`, going to `to`, is split across the ranks (see the module's documentation).
+pub(super) fn splits(item: &Item, to: &str, options: &CopyOptions) -> bool {
+    let scheme = to.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    let store = matches!(scheme.as_deref(), Some("s3" | "s3a" | "gs"));
+    let size = item.source.size();
+    options.world > 1
+        && options.exchange.is_some()
+        && store
+        && options.write.encryption.is_none()
+        && !(options.verify && item.digest.is_some())
+        && size >= 2 * options.world as u64 * part_size(size, options)
+}
+
+/// The bytes of a split file of `size` bytes that this rank reads and uploads.
+pub(super) fn my_bytes(size: u64, options: &CopyOptions) -> u64 {
+    let part_size = part_size(size, options);
+    let parts = usize::try_from(size.div_ceil(part_size)).unwrap_or(usize::MAX);
+    range_bytes(
+        &my_parts(parts, options.rank, options.world),
+        part_size,
+        size,
+    )
+}
+
+/// The parts (indexes from 0) rank `rank` of `world` uploads of a file of `parts` parts: a
+/// contiguous range, the ranges of all ranks covering every part once.
+pub(super) fn my_parts(parts: usize, rank: usize, world: usize) -> Range<usize> {
+    parts * rank / world..parts * (rank + 1) / world
+}
+
+/// Step 1: every rank's plan (the split files: destination and size, or this rank's failure to
+/// list) compared. `Err(Stopped)`: a rank failed to plan (this one included: the caller returns
+/// its own error then); `Ok(false)`: the ranks disagree.
+pub(super) fn agree(
+    planned: std::result::Result<Vec<(String, u64)>, String>,
+    exchange: &Exchange,
+) -> Result<std::result::Result<bool, Stopped>> {
+    let mine = match planned {
+        Ok(files) => format!(
+            "plan:{}",
+            serde_json::to_string(&files).unwrap_or_else(|e| e.to_string())
+        ),
+        Err(e) => format!("err:{e}"),
+    };
+    let all = exchange(mine.clone())?;
+    if let Some(stopped) = failure(&all) {
+        return Ok(Err(stopped));
+    }
+    Ok(Ok(all.iter().all(|p| *p == mine)))
+}
+
+/// The first rank's failure in `all` (messages `err:...`).
+fn failure(all: &[String]) -> Option<Stopped> {
+    all.iter().enumerate().find_map(|(r, m)| {
+        m.strip_prefix("err:")
+            .map(|e| Stopped(format!("rank {r} of {}: {e}", all.len())))
+    })
+}
+
+/// Steps 2 to 4 for each of `files` (in that order, all ranks together). Adds this rank's share to
+/// `report`.
+pub(super) fn run(
+    files: &[&(Item, String)],
+    options: &CopyOptions,
+    exchange: &Exchange,
+    stop: &AtomicBool,
+    report: &mut Report,
+) -> Result<std::result::Result<(), Stopped>> {
+    for (item, to) in files {
+        if let Err(stopped) = one(item, to, options, exchange, stop, report)? {
+            return Ok(Err(stopped));
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// An upload of a split file.
+struct Upload {
+    remote: Remote,
+    store: Arc<dyn MultipartStore>,
+    id: String,
+}
+
+impl Upload {
+    /// Opens `to` with the same store settings as [`crate::write::ObjectUpload`] (S3 parts carry
+    /// their CRC64NVME; GCS's crc32c comes from the store's client).
+    fn open(to: &str, options: &CopyOptions, id: String) -> Result<Upload> {
+        let remote = open(to, &with_checksum(to, &options.write.storage_options))?;
+        let store = remote
+            .multipart
+            .clone()
+            .map(|m| m.0)
+            .ok_or_else(|| Error::UnsupportedUri {
+                uri: remote.uri.clone(),
+                message: "this store has no multipart API to split a file across ranks".into(),
+            })?;
+        Ok(Upload { remote, store, id })
+    }
+
+    /// Aborts the upload; not cut short by a Ctrl-C (aborting is what it asks for).
+    fn abort(&self) -> Result<()> {
+        let runtime = crate::runtime::try_get()?;
+        let uri = &self.remote.uri;
+        runtime.block_on(async {
+            let abort = self.store.abort_multipart(&self.remote.path, &self.id);
+            match tokio::time::timeout(ABORT, abort).await {
+                Ok(done) => done.map_err(|e| storage_error(uri, e)),
+                Err(_) => Err(Error::Cancelled {
+                    what: format!("{uri}: aborting the multipart upload (timed out)"),
+                }),
+            }
+        })
+    }
+}
+
+/// Rank 0's step 2: `None` when the destination is already a complete copy, else the upload.
+fn create(item: &Item, to: &str, options: &CopyOptions) -> Result<Option<Upload>> {
+    let (check, write) = encrypted::target(item, &options.write)?;
+    match done::existing(to, &check, &write)? {
+        Existing::Done => return Ok(None),
+        Existing::Other if !options.write.overwrite => {
+            return Err(Error::Exists {
+                path: to.to_string(),
+            })
+        }
+        _ => {}
+    }
+    let mut upload = Upload::open(to, options, String::new())?;
+    let metadata: Vec<(String, String)> = check
+        .id
+        .iter()
+        .map(|id| (done::ID_KEY.to_string(), id.clone()))
+        .collect();
+    let (store, remote) = (&upload.store, &upload.remote);
+    upload.id = crate::runtime::block_on(&remote.uri, async {
+        let opts = PutMultipartOptions {
+            attributes: attributes(&metadata),
+            ..Default::default()
+        };
+        store
+            .create_multipart_opts(&remote.path, opts)
+            .await
+            .map_err(|e| storage_error(&remote.uri, e))
+    })?;
+    Ok(Some(upload))
+}
+
+fn exchanged(exchange: &Exchange, message: String, upload: Option<&Upload>) -> Result<Vec<String>> {
+    exchange(message).inspect_err(|_| {
+        if let Some(u) = upload {
+            let _ = u.abort();
+        }
+    })
+}
+
+/// One split file, steps 2 to 4. Every rank makes the same three exchanges (two when the upload
+/// was not created).
+fn one(
+    item: &Item,
+    to: &str,
+    options: &CopyOptions,
+    exchange: &Exchange,
+    stop: &AtomicBool,
+    report: &mut Report,
+) -> Result<std::result::Result<(), Stopped>> {
+    let (rank, size) = (options.rank, item.source.size());
+    // Step 2: rank 0 creates the upload; every rank learns its id.
+    let (created, message) = match (rank == 0).then(|| create(item, to, options)) {
+        None => (None, String::new()),
+        Some(Ok(None)) => (None, "skip".into()),
+        Some(Ok(Some(u))) => {
+            let m = format!("id:{}", u.id);
+            (Some(u), m)
+        }
+        Some(Err(e)) => {
+            exchange(format!("err:{e}"))?;
+            return Err(e);
+        }
+    };
+    let all = exchanged(exchange, message, created.as_ref())?;
+    let first = all.first().cloned().unwrap_or_default();
+    if first == "skip" {
+        if rank == 0 {
+            report.skipped.push(to.to_string());
+        }
+        emit(
+            options,
+            Event::Done {
+                dst: to.to_string(),
+                bytes: my_bytes(size, options),
+                skipped: true,
+            },
+        );
+        return Ok(Ok(()));
+    }
+    let Some(id) = first.strip_prefix("id:") else {
+        return Ok(Err(failure(&all[..1]).unwrap_or(Stopped(first))));
+    };
+    // Step 3: this rank's parts.
+    let opened = match created {
+        Some(u) => Ok(u),
+        None => Upload::open(to, options, id.to_string()),
+    };
+    let part_size = part_size(size, options);
+    let parts = usize::try_from(size.div_ceil(part_size)).unwrap_or(usize::MAX);
+    let range = my_parts(parts, rank, options.world);
+    let (upload, uploaded) = match opened {
+        Ok(u) => {
+            let done = put_parts(&item.source, &u, range.clone(), part_size, options, stop);
+            (Some(u), done)
+        }
+        Err(e) => (None, Err(e)),
+    };
+    let message = match &uploaded {
+        Ok(ids) => format!(
+            "ok:{}",
+            serde_json::to_string(ids).unwrap_or_else(|e| e.to_string())
+        ),
+        Err(e) => format!("err:{e}"),
+    };
+    let all = exchanged(exchange, message, upload.as_ref().filter(|_| rank == 0))?;
+    let mut failed = failure(&all);
+    let mut ids = Vec::with_capacity(parts);
+    for m in &all {
+        let part: Vec<String> = m
+            .strip_prefix("ok:")
+            .and_then(|j| serde_json::from_str(j).ok())
+            .unwrap_or_default();
+        ids.extend(part.into_iter().map(|content_id| PartId { content_id }));
+    }
+    if failed.is_none() && ids.len() != parts {
+        failed = Some(Stopped(format!(
+            "{to}: the ranks reported {} parts of {parts}",
+            ids.len()
+        )));
+    }
+    // Step 4: rank 0 completes the upload (or aborts it); every rank learns the outcome.
+    let completed = match (&upload, &failed) {
+        (Some(u), None) if rank == 0 => Some(complete(u, ids, options.write.overwrite)),
+        (Some(u), Some(_)) if rank == 0 => {
+            let _ = u.abort();
+            None
+        }
+        _ => None,
+    };
+    let message = match (&uploaded, &completed) {
+        (Err(e), _) | (_, Some(Err(e))) => format!("err:{e}"),
+        _ => "ok".into(),
+    };
+    let all = exchange(message)?;
+    uploaded?;
+    if let Some(Err(e)) = completed {
+        return Err(e);
+    }
+    if let Some(stopped) = failed.or_else(|| failure(&all)) {
+        return Ok(Err(stopped));
+    }
+    report.bytes += range_bytes(&range, part_size, size);
+    if rank == 0 {
+        report.copied.push(to.to_string());
+        emit(
+            options,
+            Event::Done {
+                dst: to.to_string(),
+                bytes: size,
+                skipped: false,
+            },
+        );
+    }
+    Ok(Ok(()))
+}
+
+/// The bytes of a file of `size` bytes that the parts `range` hold.
+pub(super) fn range_bytes(range: &Range<usize>, part_size: u64, size: u64) -> u64 {
+    let end = (range.end as u64 * part_size).min(size);
+    end.saturating_sub(range.start as u64 * part_size)
+}
+
+/// Rank 0: completes the upload with every part (refusing an object that appeared meanwhile,
+/// unless overwriting); aborts it on failure.
+fn complete(upload: &Upload, parts: Vec<PartId>, overwrite: bool) -> Result<()> {
+    let remote = &upload.remote;
+    let done = crate::runtime::block_on(&remote.uri, async {
+        if !overwrite {
+            refuse_existing(remote).await?;
+        }
+        upload
+            .store
+            .complete_multipart(&remote.path, &upload.id, parts)
+            .await
+            .map_err(|e| storage_error(&remote.uri, e))
+    });
+    if done.is_err() {
+        let _ = upload.abort();
+    }
+    done.map(|_| ())
+}
+
+/// Reads the parts `parts` of `source` and uploads them (up to the memory limit's worth at a
+/// time); their ids, in order.
+fn put_parts(
+    source: &Arc<dyn Source>,
+    upload: &Upload,
+    parts: Range<usize>,
+    part_size: u64,
+    options: &CopyOptions,
+    stop: &AtomicBool,
+) -> Result<Vec<String>> {
+    let size = source.size();
+    let bytes =
+        (parts.start as u64 * part_size).min(size)..(parts.end as u64 * part_size).min(size);
+    let limit = options.write.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
+    let in_flight = usize::try_from(limit / part_size)
+        .map_or(MAX_PARTS_IN_FLIGHT, |n| n.clamp(1, MAX_PARTS_IN_FLIGHT));
+    let full = usize::try_from(part_size).unwrap_or(usize::MAX);
+    let uri = upload.remote.uri.clone();
+    let mut ids: Vec<Option<String>> = vec![None; parts.len()];
+    let mut tasks: JoinSet<object_store::Result<(usize, PartId)>> = JoinSet::new();
+    let mut buffer = PutPayloadMut::new();
+    let mut next = parts.start;
+    let start = |buffer: &mut PutPayloadMut, tasks: &mut JoinSet<_>, idx: usize| {
+        let payload = std::mem::take(buffer).freeze();
+        let (store, path, id) = (
+            upload.store.clone(),
+            upload.remote.path.clone(),
+            upload.id.clone(),
+        );
+        tasks.spawn(async move {
+            let part = store.put_part(&path, &id, idx, payload).await?;
+            Ok((idx, part))
+        });
+    };
+    {
+        let mut write = |mut data: Bytes| -> Result<()> {
+            crate::runtime::block_on(&uri, async {
+                while !data.is_empty() {
+                    let room = full - buffer.content_length();
+                    buffer.push(data.split_to(data.len().min(room)));
+                    if buffer.content_length() == full {
+                        drain(&mut tasks, &mut ids, parts.start, in_flight, &uri).await?;
+                        start(&mut buffer, &mut tasks, next);
+                        next += 1;
+                    }
+                }
+                Ok(())
+            })
+        };
+        pump(source, bytes, &mut write, options, stop)?;
+    }
+    crate::runtime::block_on(&uri, async {
+        if buffer.content_length() > 0 {
+            start(&mut buffer, &mut tasks, next);
+        }
+        drain(&mut tasks, &mut ids, parts.start, 0, &uri).await
+    })?;
+    ids.into_iter()
+        .collect::<Option<Vec<String>>>()
+        .ok_or_else(|| Error::Internal {
+            message: format!("{uri}: a part of this rank was not uploaded"),
+        })
+}
+
+/// Waits until fewer than `n` parts are uploading (0: none), recording their ids; the first
+/// failure ends it.
+async fn drain(
+    tasks: &mut JoinSet<object_store::Result<(usize, PartId)>>,
+    ids: &mut [Option<String>],
+    first: usize,
+    n: usize,
+    uri: &str,
+) -> Result<()> {
+    while !tasks.is_empty() && tasks.len() >= n {
+        match tasks.join_next().await {
+            Some(Ok(Ok((idx, part)))) => {
+                if let Some(slot) = ids.get_mut(idx - first) {
+                    *slot = Some(part.content_id);
+                }
+            }
+            Some(Ok(Err(e))) => return Err(storage_error(uri, e)),
+            Some(Err(e)) => {
+                return Err(Error::Internal {
+                    message: format!("{uri}: a part upload ended: {e}"),
+                })
+            }
+            None => break,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ranks_part_ranges_cover_every_part_once_in_order() {
+        for parts in [4, 5, 7, 100] {
+            for world in [2, 3, 4] {
+                let ranges: Vec<_> = (0..world).map(|r| my_parts(parts, r, world)).collect();
+                assert_eq!(ranges[0].start, 0);
+                assert_eq!(ranges[world - 1].end, parts);
+                for w in ranges.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                }
+                assert!(ranges.iter().all(|r| r.len() >= parts / world));
+            }
+        }
+        let size = 10 * (5 << 20) + 7;
+        let total: u64 = (0..3)
+            .map(|r| range_bytes(&my_parts(11, r, 3), 5 << 20, size))
+            .sum();
+        assert_eq!(total, size);
+    }
+}
