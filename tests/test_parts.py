@@ -224,8 +224,7 @@ def test_merge_runs_groups_every_run_once_and_bounds_what_it_adds(runs, cost):
     # Only gaps under a read's cost are read, and touching runs are one read.
     assert all(g < cost.read or g == 0 for g in added)
     assert all(
-        ranges[first][0] > ranges[first - 1][0] + ranges[first - 1][1]
-        for first, _ in groups[1:]
+        ranges[first][0] > ranges[first - 1][0] + ranges[first - 1][1] for first, _ in groups[1:]
     )
     if not cost.spans:
         assert sum(added) <= 0.1 * sum(n for _, n in ranges)
@@ -248,14 +247,14 @@ def _column_file(tmp_path, rows=1024, cols=256):
         (slice(3, 253), 1.1),
     ],
 )
-def test_a_column_slice_over_http_takes_a_handful_of_requests(
-    range_server, tmp_path, cols, most
-):
+def test_a_column_slice_over_http_takes_a_handful_of_requests(range_server, tmp_path, cols, most):
     path, full = _column_file(tmp_path)
     range_server.put({"cols.safetensors": path})
     log = range_server.behaviour.log
     since = len(log)
-    with fastload.stream(range_server.url("cols.safetensors"), parts={"w": (slice(None), cols)}) as s:
+    with fastload.stream(
+        range_server.url("cols.safetensors"), parts={"w": (slice(None), cols)}
+    ) as s:
         got = dict(s)
         stats = s.stats()
     served = _served(log, "/cols.safetensors", since)
