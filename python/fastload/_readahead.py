@@ -3,19 +3,17 @@
 at once, so without help every tensor costs a round trip to storage one after the other. The
 layers of a model repeat: the tensor ``model.layers.7.mlp.down_proj.weight`` is narrowed as
 ``model.layers.6.mlp.down_proj.weight`` was. Once a tensor's region is known (it was read), the
-same tensor of the following layers (its name with the first number replaced, and the same shape
-and dtype) is read ahead with that region, in background threads, while the consumer works on
-the tensors before it.
+same tensor of the next layer (its name with the first number, the layer, replaced, and the same
+shape and dtype) is read ahead with that region, in background threads, as soon as the consumer
+reads a first tensor of that layer: the rest of the layer's reads are then in flight together,
+while the consumer works on the first.
 
 When the consumer reads a tensor with the region predicted, it gets the bytes read ahead; with
-another region it reads as without read-ahead (and the prediction's bytes count as unused). A
-tensor the consumer passes without reading it (a pipeline stage's last layer: the next layers
-belong to another stage; an expert of another rank) ends the prediction for its name: its bytes
-count as unused, and nothing more is read ahead for that name until it is read again. Only the
-next tensor of each name is read ahead (one layer ahead: enough to keep a layer's reads in
-flight), within ``window`` tensors past the consumer and ``limit`` bytes held (read ahead and
-not yet used): a pipeline stage that stops reading at its last layer reads at most the next
-layer's tensors in vain.
+another region it reads as without read-ahead (the prediction's bytes count as unused). A layer
+nothing of which is read (a pipeline stage's next layers) is never read ahead; a tensor the
+consumer passes without reading it (an expert of another rank) ends the prediction for its name
+until it is read again. What is read ahead is bounded by ``window`` tensors past the consumer
+and ``limit`` bytes held (read ahead and not yet used).
 """
 
 from __future__ import annotations
@@ -35,6 +33,12 @@ THREADS = 4
 _LAYER = re.compile(r"(?<![0-9])[0-9]+(?![0-9])")
 
 
+def layer(name: str) -> str | None:
+    """The layer a tensor belongs to: the first number in its name (``None``: none)."""
+    m = _LAYER.search(name)
+    return m.group(0) if m else None
+
+
 def key(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[str, tuple[int, ...], Any]:
     """What tensors that are read alike share: the name with its first number (the layer)
     replaced, the shape and the dtype."""
@@ -43,9 +47,9 @@ def key(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[str, tuple[int, 
 
 class ReadAhead:
     """The read-ahead of one checkpoint's lazy tensors (see the module's doc) over ``sources``:
-    its ``_Source``s in the order they are handed out. Each has ``key``, ``position``, ``done``
-    (read already), ``region_bytes(index)`` and ``fetch(index) -> (tensor, bytes read)``. Called
-    from the consumer's thread only; the reads run in its own."""
+    its ``_Source``s in the order they are handed out. Each has ``name``, ``key``, ``position``,
+    ``done`` (read already), ``region_bytes(index)`` and ``fetch(index) -> (tensor, bytes
+    read)``. Called from the consumer's thread only; the reads run in its own."""
 
     def __init__(self, sources: list[Any], window: int = WINDOW, limit: int = LIMIT) -> None:
         self.window, self.limit = window, limit
@@ -57,6 +61,8 @@ class ReadAhead:
             self.following[pos] = following.get(sources[pos].key, 0)
             following[sources[pos].key] = pos
         self.next: set[int] = set()  # positions to read ahead once in the window
+        self.layers = [layer(source.name) for source in sources]
+        self.started: set[str | None] = set()  # layers something of which was read
         self.regions: dict[Any, tuple[Any, bool]] = {}  # key -> (index, full) last read
         self.pending: dict[int, tuple[Any, Future[Any], int]] = {}  # position -> read ahead
         self.held = 0  # bytes of pending reads
@@ -80,6 +86,7 @@ class ReadAhead:
         and the window is read ahead with it."""
         entry = self.pending.pop(source.position, None)
         self.regions[source.key] = (index, full)
+        self.started.add(self.layers[source.position])
         if self.following[source.position]:
             self.next.add(self.following[source.position])
         got = None
@@ -116,14 +123,16 @@ class ReadAhead:
 
     def _launch(self) -> None:
         """Reads ahead, in order while they fit in the limit, the tensors within the window that
-        follow a tensor of their name that was read (the next layer's: one layer ahead, so that
-        a stage that stops reading reads at most one layer it does not keep)."""
+        follow a tensor of their name that was read (the next layer's), once some tensor of
+        their layer was read."""
         for pos in sorted(self.next):
             if pos <= self.at or pos in self.pending or self.sources[pos].done:
                 self.next.discard(pos)
                 continue
             if pos > self.at + self.window:
                 break
+            if self.layers[pos] not in self.started:
+                continue  # once the consumer reads some of that layer
             source = self.sources[pos]
             region = self.regions.get(source.key)
             if region is None:
