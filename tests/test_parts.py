@@ -269,39 +269,59 @@ def test_a_column_slice_over_http_takes_a_handful_of_requests(range_server, tmp_
     assert sum(n for _, n in served) == stats["bytes_read"] == stats["part_bytes"] + 256 * 4
 
 
-def test_a_local_column_slice_reads_within_a_tenth_more(tmp_path):
-    """A local file's runs merge only across gaps of at most 10% of a run: 64 of 256 columns are
-    read a run per row (exactly the part), 250 of 256 as one read of ~1.02x."""
+def test_a_local_column_slice_reads_narrow_rows_as_a_span_and_wide_rows_exactly(tmp_path):
+    """A local file: 64 of 256 float32 columns (gaps of 768 bytes, under a read's cost) are one
+    read of the rows they cross; 2048 of 8192 (gaps of 24 KiB) a read per row, exactly the
+    part; 250 of 256 one read of ~1.02x."""
     path, full = _column_file(tmp_path)
-    for cols, reads in [(slice(0, 64), 1024), (slice(3, 253), 1)]:
-        with fastload.stream(path, parts={"w": (slice(None), cols)}, names=["w"]) as s:
+    wide = pattern((64, 8192), torch.float32, seed=9)
+    safetensors.torch.save_file({"w": wide}, tmp_path / "wide.safetensors")
+    cases = [
+        (path, full, slice(0, 64), 1, 4.0),
+        (path, full, slice(3, 253), 1, 1.1),
+        (tmp_path / "wide.safetensors", wide, slice(0, 2048), 64, 1.0),
+    ]
+    for file, want, cols, reads, most in cases:
+        with fastload.stream(file, parts={"w": (slice(None), cols)}, names=["w"]) as s:
             got = dict(s)
             stats = s.stats()
-        _same(got["w"], full[:, cols], repr(cols))
-        part = full[:, cols].numel() * 4
-        assert stats["part_reads"] == reads
-        assert part <= stats["bytes_read"] == stats["part_bytes"] <= 1.1 * part
+        _same(got["w"], want[:, cols], repr(cols))
+        part = want[:, cols].numel() * 4
+        assert stats["part_runs"] == want.shape[0] and stats["part_reads"] == reads
+        assert part <= stats["bytes_read"] == stats["part_bytes"] <= most * part
+
+
+def test_spans_are_cut_at_span_max(monkeypatch, tmp_path):
+    """Runs merged across gaps make reads of at most SPAN_MAX bytes (memory stays bounded)."""
+    path, full = _column_file(tmp_path)
+    monkeypatch.setattr(fastload._parts, "SPAN_MAX", 100 * 1024)
+    with fastload.stream(path, parts={"w": (slice(None), slice(0, 64))}, names=["w"]) as s:
+        got = dict(s)
+        stats = s.stats()
+    _same(got["w"], full[:, 0:64], "w")
+    # 1 KiB rows: 100 rows a read (the last 24 rows a read of their own).
+    assert stats["part_reads"] == 11
 
 
 def test_stats_tell_sliced_from_whole(tmp_path):
-    w = pattern((64, 32), torch.float32, seed=1)
+    w = pattern((8, 8192), torch.float32, seed=1)
     path = tmp_path / "s.safetensors"
     safetensors.torch.save_file({"w": w, "b": pattern((32,), torch.float32)}, str(path))
-    # Columns 0:8 of a local file: runs of 32 bytes 96 apart, more than 10% of a run: a read
-    # per row.
+    # Columns 0:8 of a local file: runs of 32 bytes 32 KiB apart, more than a read costs: a
+    # read per row.
     with fastload.stream(path, parts={"w": (slice(None), slice(0, 8))}) as s:
         dict(s)
         stats = s.stats()
-    assert stats["part_tensors"] == 1 and stats["part_bytes"] == 64 * 8 * 4
-    assert stats["part_runs"] == stats["part_reads"] == 64
-    assert stats["part_tensor_bytes"] == 64 * 32 * 4
+    assert stats["part_tensors"] == 1 and stats["part_bytes"] == 8 * 8 * 4
+    assert stats["part_runs"] == stats["part_reads"] == 8
+    assert stats["part_tensor_bytes"] == 8 * 8192 * 4
     assert stats["whole_tensors"] == 1 and stats["whole_bytes"] == 32 * 4
-    assert stats["bytes_read"] == 64 * 8 * 4 + 32 * 4
+    assert stats["bytes_read"] == 8 * 8 * 4 + 32 * 4
     with fastload.stream(path) as s:
         dict(s)
         stats = s.stats()
     assert (stats["part_tensors"], stats["whole_tensors"]) == (0, 2)
-    assert stats["whole_bytes"] == stats["total_bytes"] == (64 + 1) * 32 * 4
+    assert stats["whole_bytes"] == stats["total_bytes"] == 8 * 8192 * 4 + 32 * 4
 
 
 def test_parts_within_a_small_memory_limit(tmp_path):
@@ -316,7 +336,9 @@ def test_parts_within_a_small_memory_limit(tmp_path):
     full = safetensors.torch.load_file(str(path))
     _same(got["w"], full["w"][100:900, 512:], "w")
     _same(got["v"], full["v"][1000:2000], "v")
-    assert stats["bytes_read"] == 800 * 512 * 4 + 1000 * 8
+    # w's runs (2 KiB, 2 KiB apart) read as one span: rows 100..899 from column 512 on.
+    assert stats["part_reads"] == 2
+    assert stats["bytes_read"] == (799 * 1024 + 512) * 4 + 1000 * 8
 
 
 # -- every store, names, the cache -------------------------------------------------------------

@@ -143,12 +143,16 @@ def test_tp_ranks_read_only_their_shards(range_server, seaweed, tmp_path):
             assert torch.equal(res[where], res["transformers"]), (r, where)
             torch.testing.assert_close(res[where], whole, rtol=1e-4, atol=1e-5)
             stats = res[f"{where}_stats"]
-            # The sharded weights were read as parts (half of each), the norms whole.
+            # The sharded weights were read as parts, the norms whole: half of each, but
+            # o_proj and down_proj (sharded by columns, rows narrower than a read's cost) as the
+            # span of the rows they cross (fastload._parts.merge_runs), nearly whole.
             assert stats["part_tensors"] == 16 and stats["whole_tensors"] == 5, stats
-            assert stats["part_bytes"] * 2 == stats["part_tensor_bytes"], stats
-    # Both ranks together: the checkpoint about once (each rank's header probe included), where
-    # reading whole tensors is twice.
-    assert served <= 1.2 * weights, (served, weights)
+            by_columns = 2 * 4 * (256 * 256 + 256 * 512)  # 2 layers, float32
+            half = stats["part_tensor_bytes"] // 2
+            assert half < stats["part_bytes"] <= half + by_columns // 2, stats
+    # Both ranks together: the checkpoint about 1.27 times plus each rank's header probe,
+    # where reading whole tensors is twice: the columns' spans are the 0.27.
+    assert served <= 1.4 * weights, (served, weights)
     assert served >= weights, (served, weights)
 
 
