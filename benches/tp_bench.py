@@ -288,9 +288,9 @@ def _vllm_env(job: dict) -> dict:
 
 def run_vllm(job: dict, tmp: Path, timeout: float) -> list[dict]:
     """One engine (``job``: row, tp, pp, model, weights_uri, ...); a result per worker, ranks in
-    vLLM's order (TP rank within PP stage): time to ready (vLLM's "Model loading took", which
-    every loader's worker logs), bytes it read (fastload's sliced-read line; None where not
-    counted), peak RSS."""
+    vLLM's order (TP rank within PP stage): time to ready (its ``load_model``, timed by
+    benches/vllm_site), bytes it read (fastload's sliced-read line; the checkpoint for
+    ``vllm-whole``; None where not counted), peak RSS."""
     out = Path(tempfile.mkdtemp(dir=tmp))
     (out / "job.json").write_text(json.dumps(job))
     cmd = [str(VLLM_PYTHON), __file__, "--vllm-worker", str(out / "job.json"), str(out)]
@@ -321,7 +321,8 @@ def run_vllm(job: dict, tmp: Path, timeout: float) -> list[dict]:
         {
             "rank": r,
             "seconds": seconds.get(r, float("nan")),
-            "bytes_read": read.get(r),
+            # slices off: every worker streams every tensor whole (fastload's stream, PP too).
+            "bytes_read": job["weights"] if job["row"] == "vllm-whole" else read.get(r),
             "peak_rss": peaks[r]["peak_rss"] if r < len(peaks) else 0,
             "base_rss": 0,
         }
