@@ -427,3 +427,39 @@ def test_a_region_other_than_the_one_read_ahead_is_read_as_asked(range_server, t
     assert stats.ahead_unused_bytes <= 48 * 64 * 2
     assert stats.sliced_tensors == 3 and stats.whole_tensors == 3
     assert stats.read_bytes == 3 * (48 * 64 + 96) * 2 + stats.ahead_unused_bytes
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_read_ahead_any_regions_any_skips_match_safetensors(range_server, tmp_path, data):
+    """Layers of one tensor each read with a drawn region (often the one before's, sometimes
+    another, sometimes not at all): every region read with read-ahead on is bitwise the tensor's,
+    and what the server sent for the tensors is what the stats count."""
+    layers = data.draw(st.integers(2, 6), label="layers")
+    tensors = {
+        f"model.layers.{i}.w": pattern((12, 10), torch.bfloat16, seed=i) for i in range(layers)
+    }
+    name = f"ahead-{next(_names)}.safetensors"
+    save_file(tensors, str(tmp_path / name))
+    range_server.put({name: tmp_path / name})
+    log = range_server.behaviour.log
+    since = len(log)
+    stats = Stats()
+    ckpt = Checkpoint(range_server.url(name), stats, read_ahead=True)
+    index = (slice(2, 9), slice(3, 7))
+    for tname, lazy in ckpt:
+        what = data.draw(st.sampled_from(["same", "same", "other", "skip"]), label=tname)
+        if what == "skip":
+            continue
+        if what == "other":
+            a = data.draw(st.integers(0, 11), label="a")
+            index = (slice(a, 12), slice(0, data.draw(st.integers(1, 10), label="b")))
+        got = torch.empty(tensors[tname][index].shape, dtype=torch.bfloat16).copy_(lazy[index])
+        assert_bitwise(got, tensors[tname][index], f"{tname}{index}")
+    header = (tmp_path / name).stat().st_size - sum(t.nbytes for t in tensors.values())
+    served = [(o, n) for o, n in _served(log, "/" + name, since) if o >= header]
+    assert sum(n for _, n in served) == ckpt.bytes_read == stats.read_bytes
