@@ -134,6 +134,9 @@ class ReadAhead:
             if self.layers[pos] not in self.started:
                 continue  # once the consumer reads some of that layer
             source = self.sources[pos]
+            if getattr(source, "exchange", None) is not None:
+                self.next.discard(pos)  # read with the group (fastload._exchange), not ahead
+                continue
             region = self.regions.get(source.key)
             if region is None:
                 self.next.discard(pos)
