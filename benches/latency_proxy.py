@@ -182,13 +182,15 @@ class LatencyProxy:
 def start_in_thread(
     target: tuple[str, int], delay_s: float, lifetime: float = 3600.0
 ) -> tuple[int, threading.Event]:
-    """Runs a proxy on a daemon thread; returns its port and an Event that stops it."""
+    """Runs a proxy on a daemon thread; returns its port and an Event that stops it (its
+    ``proxy`` attribute: the proxy, whose ``bytes`` count what it relayed both ways)."""
     stop = threading.Event()
     got: list[int] = []
     ready = threading.Event()
 
     def run() -> None:
         proxy = LatencyProxy(target, delay_s)
+        stop.proxy = proxy  # type: ignore[attr-defined]  # its counters, for the caller
         asyncio.run(proxy.serve(lifetime, ready=lambda p: (got.append(p), ready.set()), stop=stop))
 
     threading.Thread(target=run, daemon=True).start()

@@ -4,6 +4,8 @@ whole tensors, on one llama-like checkpoint served by a counting HTTP server (an
 each optionally behind the delay line (benches/latency_proxy.py).
 
     python benches/tp_bench.py --layers 4 --hidden 512 --delay-ms 0,10 --sources local,http,s3
+    python benches/tp_bench.py --rows vllm,vllm-whole,vllm-safetensors,vllm-runai \
+        --parallel tp1,tp2,pp2 --sources local,http
 
 Per row and source, each rank is a fresh process (a ``torchrun`` group of ``--world`` ranks):
 - bytes read by the rank (fastload's own count of the bytes it planned and read; for transformers'
@@ -28,12 +30,21 @@ Rows (``ROWS``; ``--rows`` picks some):
 - ``tf-tp-own``: transformers' own ``from_pretrained(folder, tp_plan="auto")`` (safetensors'
   ``get_slice`` on mmapped files): local source only.
 
-Adding a row (vLLM at TP 1/2/4 and PP 2 with ``--load-format fastload``, ``safetensors``,
-``runai_streamer``): a function ``(job) -> dict`` in ``ROWS`` that runs on each rank and returns
+vLLM rows (each an engine, ``vllm.LLM`` in .venv-vllm with ``--parallel`` tpN/ppN, vLLM's own
+``mp`` workers, one core each; ``--model moe``: a Mixtral, its TP rows with expert parallelism):
+- ``vllm``: ``--load-format fastload`` (``slices: true``: lazy tensors, each worker reads what
+  its weight loaders keep), from the folder, or ``weights_uri`` on the HTTP server or S3;
+- ``vllm-whole``: the same with ``slices: false`` (every worker streams every tensor whole);
+- ``vllm-safetensors``: vLLM's own loader (mmapped local files; bytes not counted);
+- ``vllm-runai``: vLLM's ``runai_streamer`` (local files, and S3 where it reads the model
+  itself; bytes not counted per worker: the delay line counts what SeaweedFS sent).
+Their time to ready is each worker's ``BaseModelLoader.load_model`` (the model built, its weights
+loaded and processed; timed by benches/vllm_site), their host peak the worker's whole peak RSS
+(engine included: no base subtracted), bytes per rank fastload's sliced-read log line.
+
+Adding a row: a function ``(job) -> dict`` in ``ROWS`` that runs on each rank and returns
 ``seconds``, ``bytes_read`` (or None) and whatever else it measures (the worker adds the memory
-figures); ``job`` has ``uri``, ``folder``, ``rank``, ``world``, ``source``. A row that starts its
-own workers (a vLLM engine starts one per rank itself) sets ``"launch": "single"`` in
-``LAUNCH`` to run in one process, and reports per-rank figures as a list under ``ranks``.
+figures); ``job`` has ``uri``, ``folder``, ``rank``, ``world``, ``source``.
 
 Prints a markdown table and writes benches/out/tp_bench.json and tp_bench.md. A debug build of
 fastload is refused unless --allow-debug-build (its HTTP path is several times slower).
@@ -150,7 +161,12 @@ def _tf_tp(job: dict, slices: bool) -> dict:
     )
     seconds = time.perf_counter() - start
     stats = getattr(model, "_fastload_stats", None)
-    read = (stats["part_bytes"] + stats["whole_bytes"]) if stats else job["weights"]
+    # A rank's reads: its parts, its whole tensors and its row blocks of exchanged weights.
+    read = (
+        sum(stats.get(k, 0) for k in ("part_bytes", "whole_bytes", "exchanged_bytes"))
+        if stats
+        else job["weights"]
+    )
     return {"seconds": seconds, "bytes_read": read}
 
 
@@ -170,6 +186,160 @@ def row_tf_tp_own(job: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "bytes_read": None}
 
 
+# -- vLLM rows: one engine per row, started in .venv-vllm (vLLM starts a worker per rank) -----
+
+VLLM_PYTHON = Path(os.environ.get("FASTLOAD_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+# load format and model_loader_extra_config of each vLLM row
+VLLM_ROWS = {
+    "vllm": ("fastload", {"slices": True}),
+    "vllm-whole": ("fastload", {"slices": False}),
+    "vllm-safetensors": ("safetensors", None),
+    "vllm-runai": ("runai_streamer", None),
+}
+# Sources each reads: vLLM's safetensors loader reads local files, runai_streamer local files
+# and object stores.
+VLLM_SOURCES = {"vllm-safetensors": ("local",), "vllm-runai": ("local", "s3")}
+_LOAD_LINE = re.compile(r"tp_bench: rank (\d+) load_model took ([0-9.]+) s")
+_SLICED_LINE = re.compile(
+    r"fastload sliced reads on tp rank (\d+)/(\d+), pp rank (\d+)/(\d+): read (\d+) of"
+)
+
+
+def _peak(worker=None) -> dict:
+    """Runs in each vLLM worker: its peak and current RSS."""
+    return {"peak_rss": _status("VmHWM:"), "rss": _status("VmRSS:")}
+
+
+def vllm_worker(job_path: str, out_dir: str) -> None:
+    """In .venv-vllm: starts one engine as the job says, writes each worker's peak RSS and the
+    engine's start time."""
+    job = json.loads(Path(job_path).read_text())
+    from vllm import LLM
+
+    load_format, extra = VLLM_ROWS[job["row"]]
+    extra = dict(extra or {})
+    if load_format == "fastload" and job.get("weights_uri"):
+        extra["weights_uri"] = job["weights_uri"]
+        if job.get("storage_options"):
+            extra["storage_options"] = job["storage_options"]
+    kwargs: dict = {}
+    if extra:
+        kwargs["model_loader_extra_config"] = extra
+    world = job["tp"] * job["pp"]
+    if world > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    if job.get("ep"):
+        kwargs["enable_expert_parallel"] = True
+    start = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        load_format=load_format,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        enforce_eager=True,
+        tensor_parallel_size=job["tp"],
+        pipeline_parallel_size=job["pp"],
+        **kwargs,
+    )
+    engine = time.perf_counter() - start
+    peaks = llm.collective_rpc(_peak)
+    shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    Path(out_dir, "engine.json").write_text(json.dumps({"engine_seconds": engine, "peaks": peaks}))
+
+
+def _vllm_env(job: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTLOAD_", "AWS_", "VLLM_"))}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc with a function
+        # One core per worker (vLLM binds its threads to a NUMA node's cores otherwise).
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "|".join(str(r % (os.cpu_count() or 1)) for r in range(job["tp"] * job["pp"])),
+        ),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    env.pop("VLLM_PLUGINS", None)
+    # AMX permission and the load timer in every process vLLM starts (benches/vllm_site), and
+    # this tree's fastload.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "benches" / "vllm_site"), str(ROOT / "python"), str(ROOT / "benches")]
+    )
+    env["TP_BENCH_TIME_LOADS"] = "1"
+    opts = job.get("storage_options")
+    if opts and job["row"] == "vllm-runai":  # runai_streamer's S3 settings are the AWS ones
+        env.update(
+            AWS_ACCESS_KEY_ID=opts["access_key_id"],
+            AWS_SECRET_ACCESS_KEY=opts["secret_access_key"],
+            AWS_DEFAULT_REGION=opts["region"],
+            AWS_REGION=opts["region"],
+            AWS_ENDPOINT_URL=opts["endpoint"],
+            RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
+            AWS_EC2_METADATA_DISABLED="true",
+        )
+    return env
+
+
+def run_vllm(job: dict, tmp: Path, timeout: float) -> list[dict]:
+    """One engine (``job``: row, tp, pp, model, weights_uri, ...); a result per worker, ranks in
+    vLLM's order (TP rank within PP stage): time to ready (its ``load_model``, timed by
+    benches/vllm_site), bytes it read (fastload's sliced-read line; the checkpoint for
+    ``vllm-whole``; None where not counted), peak RSS."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    (out / "job.json").write_text(json.dumps(job))
+    cmd = [str(VLLM_PYTHON), __file__, "--vllm-worker", str(out / "job.json"), str(out)]
+    world = job["tp"] * job["pp"]
+    try:
+        done = subprocess.run(
+            cmd, env=_vllm_env(job), capture_output=True, text=True, timeout=timeout, cwd=out
+        )
+        log = done.stdout + done.stderr
+        failed = done.returncode != 0 and _last_error(log)
+    except subprocess.TimeoutExpired as e:
+        log = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
+            errors="replace"
+        )
+        failed = f"timed out after {timeout:.0f} s"
+    if job.get("log"):
+        Path(job["log"]).write_text(log)
+    engine = out / "engine.json"
+    if failed or not engine.exists():
+        return [{"error": failed or _last_error(log)} for _ in range(world)]
+    peaks = json.loads(engine.read_text())["peaks"]
+    seconds = {int(m.group(1)): float(m.group(2)) for m in _LOAD_LINE.finditer(log)}
+    read: dict[int, int] = {}
+    for m in _SLICED_LINE.finditer(log):
+        tp_rank, tp, pp_rank = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        read[pp_rank * tp + tp_rank] = int(m.group(5))
+    return [
+        {
+            "rank": r,
+            "seconds": seconds.get(r, float("nan")),
+            # slices off: every worker streams every tensor whole (fastload's stream, PP too).
+            "bytes_read": job["weights"] if job["row"] == "vllm-whole" else read.get(r),
+            "peak_rss": peaks[r]["peak_rss"] if r < len(peaks) else 0,
+            "base_rss": 0,
+        }
+        for r in range(world)
+    ]
+
+
+def _last_error(log: str) -> str:
+    lines = [ln for ln in log.splitlines() if "Error" in ln or "error" in ln]
+    return (lines[-1] if lines else log[-300:]).strip()[:300]
+
+
 ROWS = {
     "parts": row_parts,
     "whole": row_whole,
@@ -181,8 +351,6 @@ ROWS = {
 NEEDS_GROUP = {"tf-tp", "tf-tp-whole", "tf-tp-own"}
 # Rows that read local files only.
 LOCAL_ONLY = {"tf-tp-own"}
-# How a row is launched: "ranks" (a torchrun group, the row on each rank) or "single".
-LAUNCH: dict[str, str] = {}
 
 
 def _status(field: str) -> int:
@@ -213,12 +381,13 @@ def worker(job_path: str, out_dir: str) -> None:
 
 
 def make_checkpoint(folder: Path, args) -> Path:
-    """A random llama (``--layers``, ``--hidden``, ...) saved by transformers, reused when its
-    config matches."""
+    """A random llama (``--layers``, ``--hidden``, ...) or, with ``--model moe``, a Mixtral of
+    ``--experts`` experts (2 per token), saved by transformers, reused when its config
+    matches."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(
+    common = dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate or int(args.hidden * 2.75) // 64 * 64,
@@ -226,14 +395,20 @@ def make_checkpoint(folder: Path, args) -> Path:
         num_attention_heads=max(args.hidden // 64, 1),
         num_key_value_heads=max(args.hidden // 128, 1),
         tie_word_embeddings=False,
+        max_position_embeddings=1024,
     )
+    if args.model == "moe":
+        config = MixtralConfig(**common, num_local_experts=args.experts, num_experts_per_tok=2)
+        cls = MixtralForCausalLM
+    else:
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
     stamp = folder / "bench-config.json"
     want = json.dumps(config.to_dict(), sort_keys=True, default=str)
     if stamp.exists() and stamp.read_text() == want:
         return folder
     shutil.rmtree(folder, ignore_errors=True)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    cls(config).to(torch.bfloat16).save_pretrained(folder)
     stamp.write_text(want)
     return folder
 
@@ -303,12 +478,21 @@ def table(results: list[dict], weights: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="llama", choices=["llama", "moe"])
+    ap.add_argument("--experts", type=int, default=4, help="--model moe: experts per layer")
+    ap.add_argument(
+        "--parallel",
+        default="tp1,tp2,pp2",
+        help="vLLM rows: engines to start, tpN / ppN / tpNpp2; with --model moe, tp2 runs with "
+        "expert parallelism",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--intermediate", type=int, default=0, help="default 2.75 x hidden")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--world", type=int, default=2, help="ranks (tensor parallel size)")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rows", default=",".join(ROWS), help=", ".join([*ROWS, *VLLM_ROWS]))
     ap.add_argument("--sources", default="local,http", help="local, http, s3 (SeaweedFS)")
     ap.add_argument("--delay-ms", default="0", help="one-way delays for http/s3, e.g. 0,10")
     ap.add_argument("--timeout", type=float, default=600)
@@ -317,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker)
+        return
+    if args.vllm_worker:
+        vllm_worker(*args.vllm_worker)
         return
 
     import fastload
@@ -329,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    folder = make_checkpoint(out / "tp-ckpt", args)
+    folder = make_checkpoint(out / ("tp-ckpt" if args.model == "llama" else "tp-moe"), args)
     weights = (folder / "model.safetensors").stat().st_size
     print(f"checkpoint {folder}: {weights / 2**20:.1f} MiB", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="fastload-tpbench-"))
@@ -338,10 +525,11 @@ def main(argv: list[str] | None = None) -> None:
     stops = []
     results: list[dict] = []
     try:
-        sources: list[tuple[str, dict, object]] = []  # (name, job fields, counting server)
+        # (name, job fields, counting server, delay line (its relayed bytes))
+        sources: list[tuple[str, dict, object, object]] = []
         wanted = [s.strip() for s in args.sources.split(",")]
         if "local" in wanted:
-            sources.append(("local", {"uri": str(folder)}, None))
+            sources.append(("local", {"uri": str(folder), "kind": "local"}, None, None))
         if "http" in wanted:
             from servers import http as http_server
 
@@ -349,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
             stops.append(server.close)
             server.put({f"m/{p.name}": p for p in folder.iterdir() if p.is_file()})
             for d in delays:
-                url = server.url("m/")
+                url, line = server.url("m/"), None
                 if d:
                     import latency_proxy
 
@@ -357,8 +545,9 @@ def main(argv: list[str] | None = None) -> None:
                         ("127.0.0.1", int(url.split(":")[2].split("/")[0])), d / 1000
                     )
                     stops.append(stop.set)
-                    url = f"http://127.0.0.1:{port}/m/"
-                sources.append((f"http +{2 * d:g} ms RTT" if d else "http", {"uri": url}, server))
+                    url, line = f"http://127.0.0.1:{port}/m/", stop.proxy
+                name = f"http +{2 * d:g} ms RTT" if d else "http"
+                sources.append((name, {"uri": url, "kind": "http"}, server, line))
         if "s3" in wanted:
             from servers import s3 as s3_server
 
@@ -370,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
                 {f"m/{p.name}": p for p in folder.iterdir() if p.is_file()},
             )
             for d in delays:
-                endpoint = weed.endpoint
+                endpoint, line = weed.endpoint, None
                 if d:
                     import latency_proxy
 
@@ -378,24 +567,45 @@ def main(argv: list[str] | None = None) -> None:
                         ("127.0.0.1", int(endpoint.rsplit(":", 1)[1])), d / 1000
                     )
                     stops.append(stop.set)
-                    endpoint = f"http://127.0.0.1:{port}"
+                    endpoint, line = f"http://127.0.0.1:{port}", stop.proxy
                 opts = {**weed.storage_options(), "endpoint": endpoint}
-                job = {"uri": f"s3://{s3_server.BUCKET}/m/", "storage_options": opts}
-                sources.append((f"s3 +{2 * d:g} ms RTT" if d else "s3", job, None))
-        for name, fields, server in sources:
+                job = {"uri": f"s3://{s3_server.BUCKET}/m/", "storage_options": opts, "kind": "s3"}
+                sources.append((f"s3 +{2 * d:g} ms RTT" if d else "s3", job, None, line))
+        logs = out / "vllm-logs"
+        logs.mkdir(exist_ok=True)
+        for name, fields, server, line in sources:
             for row in rows:
                 if row in LOCAL_ONLY and name != "local":
                     continue
+                if row in VLLM_ROWS and fields["kind"] not in VLLM_SOURCES.get(
+                    row, (fields["kind"],)
+                ):
+                    continue
                 job = {"row": row, "source": name, "folder": str(folder), "weights": weights}
                 job.update(fields)
-                since = len(server.behaviour.log) if server is not None else 0
-                ranks = run_row(job, args.world, tmp, args.timeout)
-                served = None
-                if server is not None:
-                    served = _served(server.behaviour.log[since:], "/m/model.safetensors")
-                res = {"source": name, "row": row, "ranks": ranks, "served": served}
-                results.append(res)
-                print(table([res], weights).splitlines()[-1], flush=True)
+                for label, extra, world in _engines(row, args):
+                    job.update(extra)
+                    since = len(server.behaviour.log) if server is not None else 0
+                    relayed = line.bytes if line is not None else 0
+                    if row in VLLM_ROWS:
+                        job.update(_vllm_paths(job, fields))
+                        job["log"] = str(logs / f"{row}-{label}-{name.split()[0]}.log")
+                        ranks = run_vllm(job, tmp, args.timeout)
+                    else:
+                        ranks = run_row(job, world, tmp, args.timeout)
+                    served = None
+                    if server is not None:
+                        served = _served(server.behaviour.log[since:], "/m/model.safetensors")
+                    elif line is not None:  # what the delay line relayed (requests included)
+                        served = line.bytes - relayed
+                    res = {
+                        "source": name,
+                        "row": row + (f" {label}" if label else ""),
+                        "ranks": ranks,
+                        "served": served,
+                    }
+                    results.append(res)
+                    print(table([res], weights).splitlines()[-1], flush=True)
     finally:
         for stop in reversed(stops):
             try:
@@ -403,15 +613,51 @@ def main(argv: list[str] | None = None) -> None:
             except Exception:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
+    kind = "llama-like" if args.model == "llama" else f"Mixtral-like ({args.experts} experts)"
     md = (
-        f"Checkpoint: llama-like, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
-        f"bf16, one file of {weights / 2**20:.1f} MiB; {args.world} ranks on "
+        f"Checkpoint: {kind}, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+        f"bf16, one file of {weights / 2**20:.1f} MiB; {args.world} ranks (torchrun rows) on "
         f"{os.cpu_count()} vCPUs.\n\n" + table(results, weights)
     )
     print("\n" + md)
-    (out / "tp_bench.md").write_text(md + "\n")
-    meta = {"weights": weights, "args": {k: v for k, v in vars(args).items() if k != "worker"}}
-    (out / "tp_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    stem = "tp_bench" if args.model == "llama" else "tp_bench_moe"
+    (out / f"{stem}.md").write_text(md + "\n")
+    meta = {
+        "weights": weights,
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "vllm_worker")},
+    }
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+def _engines(row: str, args) -> list[tuple[str, dict, int]]:
+    """The runs of ``row``: ``(label, job fields, ranks)``; a vLLM row once per ``--parallel``
+    entry, the others once on ``--world`` ranks."""
+    if row not in VLLM_ROWS:
+        return [("", {}, args.world)]
+    out = []
+    for spec in [p.strip() for p in args.parallel.split(",") if p.strip()]:
+        m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?", spec)
+        if not m or not spec:
+            raise SystemExit(f"--parallel: {spec!r} is not tpN, ppN or tpNppM")
+        tp, pp = int(m.group(1) or 1), int(m.group(2) or 1)
+        ep = args.model == "moe" and tp > 1
+        label = f"TP {tp}" + (f" PP {pp}" if pp > 1 else "") + (" EP" if ep else "")
+        if pp > 1 and tp == 1:
+            label = f"PP {pp}"
+        out.append((label, {"tp": tp, "pp": pp, "ep": ep}, tp * pp))
+    return out
+
+
+def _vllm_paths(job: dict, fields: dict) -> dict:
+    """Where a vLLM row's engine finds the model (its config) and fastload the weights."""
+    kind, folder = fields["kind"], job["folder"]
+    if kind == "local":
+        return {"model": folder, "weights_uri": None}
+    if kind == "http":
+        return {"model": folder, "weights_uri": fields["uri"] + "model.safetensors"}
+    # s3: runai_streamer reads the model (config too) from the bucket; fastload the weights.
+    model = fields["uri"] if job["row"] == "vllm-runai" else folder
+    return {"model": model, "weights_uri": fields["uri"] + "model.safetensors"}
 
 
 def _served(log: list, path: str) -> int:

