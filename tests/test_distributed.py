@@ -165,7 +165,19 @@ def _worker(job: str, result: str) -> None:
     # thread taking the GIL while the interpreter finalises, "terminate called without an
     # active exception").
     results.append({"id": "gloo-threads", "rank": rank, "threads": [before, _gloo_threads()]})
+    # Nor did what the rank kept sit in a reference cycle with fastload's frames (the error in a
+    # local of the frame it was raised through, with the tensors and stream that frame holds).
+    import types
+
+    import fastload
+
     KEPT.clear()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    package = os.path.dirname(fastload.__file__)
+    frames = [o.f_code for o in gc.garbage if type(o) is types.FrameType]
+    cyclic = sorted({c.co_name for c in frames if c.co_filename.startswith(package)})
+    results.append({"id": "cycles", "rank": rank, "frames": cyclic})
     (Path(result) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -427,6 +439,7 @@ def test_no_gloo_thread_outlives_destroy_process_group(group):
     threads = [r["threads"] for r in results["gloo-threads"]]
     assert len(threads) == world
     assert all(before > 0 and after == 0 for before, after in threads), threads
+    assert [r["frames"] for r in results["cycles"]] == [[]] * world, results["cycles"]
 
 
 # ---------------------------------------------------------------------------------------------
