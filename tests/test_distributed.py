@@ -55,7 +55,24 @@ class _FailingStream:
         self._s.close()
 
 
+# What the scenarios marked "keep" leave alive until the group is destroyed: their errors (as
+# pytest.raises or a log keeps them) and abandoned streams, closed or not (a user's attribute).
+KEPT: list = []
+
+
+def _gloo_threads() -> int:
+    """How many of this process's threads are torch.distributed's gloo group's (by their names)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
+
+
 def _run_scenario(sc: dict, rank: int, world: int) -> dict:
+    import itertools
     from unittest import mock
 
     import fastload
@@ -65,7 +82,8 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
 
     uri = sc.get("uri_by_rank", {}).get(str(rank), sc.get("uri"))
     names = sc["names"][str(rank)] if sc.get("names") else None
-    group = "default" if sc.get("api") == "stream" else dist.group.WORLD
+    # A kept error's traceback keeps this frame: it names the default group, not the group.
+    group = "default" if sc.get("api") == "stream" or sc.get("keep") else dist.group.WORLD
     opts = dict(
         process_group=group,
         names=names,
@@ -82,6 +100,16 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
     try:
         if inject:
             patch.start()
+        if sc.get("stop_after") is not None:
+            # Every rank stops at the same tensor (they all want all, in one order), mid-load.
+            s = fastload.stream(uri, **opts)
+            got = dict(itertools.islice(s, sc["stop_after"]))
+            if sc.get("close"):
+                s.close()
+                KEPT.append(s)
+            del s  # dropped, half-way: nothing of the group may wait for the garbage collector
+            out.update(ok=True, names=sorted(got))
+            return out
         if sc.get("api") == "stream":
             got = {}
 
@@ -108,6 +136,8 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
             out["parity"] = str(e)
     except Exception as e:
         out.update(ok=False, error_type=type(e).__name__, error=str(e))
+        if sc.get("keep"):
+            KEPT.append(e)
     finally:
         if inject:
             patch.stop()
@@ -116,16 +146,39 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
 
 
 def _worker(job: str, result: str) -> None:
+    import gc
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    # No reference to the group may be left for the garbage collector to break: with it off, one
+    # left in a reference cycle shows as a gloo thread outliving destroy_process_group().
+    gc.disable()
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     results = [_run_scenario(sc, rank, world) for sc in json.loads(Path(job).read_text())]
-    (Path(result) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
+    before = _gloo_threads()
     dist.destroy_process_group()
+    # The group's threads end with it, though this rank keeps the failed loads' errors and the
+    # abandoned streams (a group alive into interpreter exit can abort the process: a gloo
+    # thread taking the GIL while the interpreter finalises, "terminate called without an
+    # active exception").
+    results.append({"id": "gloo-threads", "rank": rank, "threads": [before, _gloo_threads()]})
+    # Nor did what the rank kept sit in a reference cycle with fastload's frames (the error in a
+    # local of the frame it was raised through, with the tensors and stream that frame holds).
+    import types
+
+    import fastload
+
+    KEPT.clear()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    package = os.path.dirname(fastload.__file__)
+    frames = [o.f_code for o in gc.garbage if type(o) is types.FrameType]
+    cyclic = sorted({c.co_name for c in frames if c.co_filename.startswith(package)})
+    results.append({"id": "cycles", "rank": rank, "frames": cyclic})
+    (Path(result) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,8 +305,15 @@ def local_scenarios(ck: dict, world: int) -> list[dict]:
         {**scenarios[0], "id": "missing", "uri_by_rank": {last: ck["missing"]}},
         {**scenarios[0], "id": "corrupt", "uri_by_rank": {last: ck["corrupt"]}},
         {**scenarios[3], "id": "read", "memory_limit": "1MiB", "inject_rank": world - 1},
+        # Loads stopped half-way (every rank takes the first tensor of several rounds), the
+        # stream closed and kept, or just dropped.
+        {**scenarios[3], "id": "abandoned", "memory_limit": "1MiB", "stop_after": 1, "close": 1},
+        {**scenarios[3], "id": "dropped", "memory_limit": "1MiB", "stop_after": 1},
         {**scenarios[1], "id": "after-failures"},
     ]
+    for sc in scenarios:
+        if sc["id"] in FAILURES:
+            sc["keep"] = True
     return scenarios
 
 
@@ -366,7 +426,20 @@ def test_a_failure_on_one_rank_raises_on_every_rank(group, scenario):
 
 def test_the_group_stays_usable_after_failures(group):
     world, ck, results, _ = group
+    for sc in ("abandoned", "dropped"):
+        names = [r["names"] for r in results[sc]]
+        assert len(names) == world and len(names[0]) == 1 and names == names[:1] * world, names
     check_parity(results["after-failures"], tensor_bytes(ck["sharded"][0]), world)
+
+
+def test_no_gloo_thread_outlives_destroy_process_group(group):
+    """Each rank keeps its failed loads' errors and its closed half-way stream, drops another
+    half-way, and destroys the group with the garbage collector off: no gloo thread is left."""
+    world, _, results, _ = group
+    threads = [r["threads"] for r in results["gloo-threads"]]
+    assert len(threads) == world
+    assert all(before > 0 and after == 0 for before, after in threads), threads
+    assert [r["frames"] for r in results["cycles"]] == [[]] * world, results["cycles"]
 
 
 # ---------------------------------------------------------------------------------------------

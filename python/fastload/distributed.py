@@ -35,6 +35,11 @@ destinations and gloo otherwise.
 All ranks must consume a distributed stream to its end (``load`` does): each ``next()`` can take
 part in a collective, so a rank that stops early leaves the others waiting until the group's
 timeout.
+
+No reference to the group outlives a stream that failed, was closed or was dropped, even while
+the caller keeps the error raised or the closed stream, and none waits for the garbage collector:
+``destroy_process_group()`` then ends the group's threads (a gloo group left alive into
+interpreter exit can abort the process, "terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import pickle
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import Stream, _fastload, _options, _torch
-from ._errors import ConfigError, FastloadError
+from ._errors import ConfigError, FastloadError, StreamClosedError
 from ._options import Options
 
 if TYPE_CHECKING:
@@ -177,16 +183,29 @@ class DistributedStream:
         _options.check("DistributedStream", options)
         refuse_parts(options)
         self._started = time.monotonic()
+        self._native: Any = None
+        self._iter: Iterator[tuple[str, torch.Tensor]] = iter(())
+        self._arrived: dict[tuple[str, int], torch.Tensor] = {}
+        self._next_lock = threading.Lock()
+        self._closed = self._ended = False
+        # Held by the stream only (dropped by close()): an error raised here keeps this frame.
         self._group = group
-        self._rank = dist.get_rank(group)
-        self._world = dist.get_world_size(group)
+        del group
+        try:
+            self._start(uri, options)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, uri: Any, options: Mapping[str, Any]) -> None:
+        self._rank = dist.get_rank(self._group)
+        self._world = dist.get_world_size(self._group)
         if self._rank < 0:
             raise ConfigError(
                 "invalid option process_group: this process is not in the group",
                 option="process_group",
             )
         self._hint = str(uri)
-        self._native: Any = None
         self._sent = self._received = self._delivered = 0
         native = _options.native(options)
 
@@ -196,7 +215,7 @@ class DistributedStream:
         names = digest = limit = None
         try:
             self._device = torch.device(options.get("device", "cpu"))
-            self._comm = _comm_device(group, self._device)
+            self._comm = _comm_device(self._group, self._device)
             self._comm_is_host = self._comm.type == "cpu"
             self._move = self._device != self._comm
             uris = _uris(uri)
@@ -212,8 +231,15 @@ class DistributedStream:
             digest = hashlib.sha256(json.dumps(table).encode()).hexdigest()
         except Exception as e:
             error = e
-        views = _gather((_portable(error), digest, names, limit), group, self._world)
-        _raise_first([v[0] for v in views], self._rank, error)
+        views = _gather((_portable(error), digest, names, limit), self._group, self._world)
+        errors = [v[0] for v in views]
+        if any(e is not None for e in errors):
+            # The raised error keeps this frame: it holds neither that error nor the group.
+            del views
+            try:
+                _raise_first(errors, self._rank, error)
+            finally:
+                del errors, error
         if len({v[1] for v in views}) != 1:
             raise ConfigError(
                 "invalid option uri: the ranks of the group see different checkpoints "
@@ -244,12 +270,12 @@ class DistributedStream:
                 )
             except Exception as e:
                 self._error = e
-        self._arrived: dict[tuple[str, int], torch.Tensor] = {}
         self._whole: dict[int, torch.Tensor] = {}  # tensor index -> all its bytes, as one view
         self._dest: dict[int, torch.Tensor] = {}  # tensor index -> buffer its pieces land in
         self._left = list(plan.counts)
-        self._iter = self._run()
-        self._next_lock = threading.Lock()
+        # The generator sees the stream through a weak proxy: the stream holds it, not the
+        # reverse, so a stream dropped half-way is freed at once, and the group with it.
+        self._iter = DistributedStream._run(weakref.proxy(self))
 
     # -- iteration
 
@@ -259,10 +285,17 @@ class DistributedStream:
     def __next__(self) -> tuple[str, torch.Tensor]:
         # Threads of one rank may share the stream as they share a Stream: each tensor goes to
         # exactly one of them. The lock also keeps the group's collectives in one order.
-        with self._next_lock:
-            return next(self._iter)
+        try:
+            with self._next_lock:
+                if self._closed and not self._ended:
+                    raise StreamClosedError(f"{self._hint}: the stream was closed before its end")
+                return next(self._iter)
+        finally:
+            if self._closed:  # by this step (a failure) or meanwhile by another thread
+                self._let_go()
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream's steps; ``self`` is a weak proxy of it (see ``_start``)."""
         plan = self._plan
         for i, t in enumerate(plan.tensors):
             if t[3] == 0 and plan.wants(self._rank, i):
@@ -275,9 +308,13 @@ class DistributedStream:
                     mine = self._take(plan.pieces[self._rank][k])
                 except Exception as e:
                     error = e
-            self._agree(error)
+            try:
+                self._agree(error)
+            finally:
+                del error  # raised, it would keep itself alive through this frame
             if k < plan.rounds:
-                yield from self._round(k, mine)
+                yield from DistributedStream._round(self, k, mine)  # not a method bound to self
+        self._ended = True
         self._finish_stats()
 
     def _take(self, pieces: Sequence[tuple[int, int, int]]) -> dict[Any, torch.Tensor]:
@@ -307,7 +344,11 @@ class DistributedStream:
             self.close()
             errors = _gather(_portable(error), self._group, self._world)
             self._finish_stats()
-            _raise_first(errors, self._rank, error)
+            # The raised error keeps this frame: it is left holding no error.
+            try:
+                _raise_first(errors, self._rank, error)
+            finally:
+                del errors, error
 
     def _peer(self, r: int) -> int:
         return r if self._group is None else dist.get_global_rank(self._group, r)
@@ -418,11 +459,29 @@ class DistributedStream:
             _last_stats = self.stats()
 
     def close(self) -> None:
-        """Stops this rank's reads. Call it on every rank: the others wait for this one's bytes."""
+        """Stops this rank's reads. Call it on every rank: the others wait for this one's bytes.
+        The stream then holds no reference to the group; a later ``next()`` raises
+        :class:`StreamClosedError` unless the stream had ended."""
+        self._closed = True
         if self._native is not None:
             self._finish_stats()
             self._native.close()
         self._arrived.clear()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Drops the group and the steps (which hold it), unless a ``next()`` is under way: that
+        one does as it returns. A closed stream, kept by the caller or by an error's traceback,
+        keeps no group alive past ``destroy_process_group()``."""
+        if not self._next_lock.acquire(blocking=False):
+            return
+        try:
+            self._group = None
+            steps, self._iter = self._iter, iter(())
+            if hasattr(steps, "close"):
+                steps.close()  # a generator's frame cleared (GeneratorExit at its yield)
+        finally:
+            self._next_lock.release()
 
     def __enter__(self) -> DistributedStream:
         return self
@@ -528,7 +587,10 @@ def stream(
     group = _resolve_group(process_group)
     if group is None:
         return _Independent(uri, **options)
-    return DistributedStream(uri, group=group, **options)
+    try:
+        return DistributedStream(uri, group=group, **options)
+    finally:
+        del group  # an error raised keeps this frame
 
 
 @_options.spelled_out
