@@ -484,7 +484,8 @@ class Checkpoint:
     several checkpoints of one load. ``exchange``: a ``fastload._exchange.ColumnExchange`` over
     the tensor-parallel group, through which the group reads the tensors each rank keeps a column
     block of once between them (every rank of the group must load the same tensors in the same
-    order)."""
+    order). ``all_layers``: the consumer reads every layer (no pipeline stage): the read-ahead
+    reads the next layer with the one the consumer is at (``fastload._readahead``)."""
 
     def __init__(
         self,

@@ -6,13 +6,18 @@ layers of a model repeat: the tensor ``model.layers.7.mlp.down_proj.weight`` is 
 same tensor of the next layer (its name with the first number, the layer, replaced, and the same
 shape and dtype) is read ahead with that region, in background threads, as soon as the consumer
 reads a first tensor of that layer: the rest of the layer's reads are then in flight together,
-while the consumer works on the first.
+while the consumer works on the first. The next layer's first tensor is read ahead once the
+consumer reads something of the layer before (so that a layer's first read does not wait), and
+with ``all_layers`` (the consumer reads every layer: no pipeline stages) the whole next layer is.
+A tensor the group exchanges (``fastload._exchange``) is read ahead as this rank's block of rows,
+the same every layer, which the exchange then uses. Small 1-D tensors (norms) are read ahead whole
+on first sight, once the consumer read something, the region asked for cut from them.
 
 When the consumer reads a tensor with the region predicted, it gets the bytes read ahead; with
 another region it reads as without read-ahead (the prediction's bytes count as unused). A layer
-nothing of which is read (a pipeline stage's next layers) is never read ahead; a tensor the
-consumer passes without reading it (an expert of another rank) ends the prediction for its name
-until it is read again. What is read ahead is bounded by ``window`` tensors past the consumer
+nothing of which is read (a pipeline stage's next layers) is never read ahead, but for its first
+tensor and its small 1-D ones; a tensor the consumer passes without reading it (an expert of
+another rank) ends the prediction for its name until it is read again. What is read ahead is bounded by ``window`` tensors past the consumer
 and ``limit`` bytes held (read ahead and not yet used).
 """
 
