@@ -17,8 +17,9 @@ When the consumer reads a tensor with the region predicted, it gets the bytes re
 another region it reads as without read-ahead (the prediction's bytes count as unused). A layer
 nothing of which is read (a pipeline stage's next layers) is never read ahead, but for its first
 tensor and its small 1-D ones; a tensor the consumer passes without reading it (an expert of
-another rank) ends the prediction for its name until it is read again. What is read ahead is bounded by ``window`` tensors past the consumer
-and ``limit`` bytes held (read ahead and not yet used).
+another rank) ends the prediction for its name until it is read again. What is read ahead is
+bounded by ``window`` tensors past the consumer and ``limit`` bytes held (read ahead and not yet
+used).
 """
 
 from __future__ import annotations
