@@ -209,6 +209,17 @@ def _http_tensors(seed: int) -> tuple[dict[str, torch.Tensor], set[str]]:
     return tensors, exchanged
 
 
+def _layer_tensors(layers: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Layers alike (one-row tensor read by each rank alone, then a row-parallel weight), so
+    that the next layer's regions are predicted from the layer before's."""
+    rng = random.Random(5)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        tensors[f"layers.{i}.a.weight"] = _tensor((1, 10), "bfloat16", rng)
+        tensors[f"layers.{i}.o_proj.weight"] = _tensor((48, 256), "bfloat16", rng)
+    return tensors, {n for n in tensors if n.endswith("o_proj.weight")}
+
+
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     """One launch of 4 ranks runs every scenario (a torch import per process is the slow part):
@@ -239,11 +250,27 @@ def group(tmp_path_factory):
     path = _write(tmp / "http" / "model.safetensors", tensors)
     body = path.read_bytes()
     made["http"] = made["http_plain"] = (tensors, exchanged)
-    server = RangeServer({"a/model.safetensors": body, "b/model.safetensors": body}, Behaviour())
+    tensors, exchanged = _layer_tensors(5)
+    layers = _write(tmp / "layers" / "model.safetensors", tensors)
+    made["http_layers"] = (tensors, exchanged)
+    server = RangeServer(
+        {
+            "a/model.safetensors": body,
+            "b/model.safetensors": body,
+            "c/model.safetensors": layers.read_bytes(),
+        },
+        Behaviour(),
+    )
     base = {"reference": str(path), "exchange": True, "world": 2}
     scenarios += [
         {**base, "id": "http", "uri": server.url("a/model.safetensors")},
         {**base, "id": "http_plain", "uri": server.url("b/model.safetensors"), "exchange": False},
+        {
+            **base,
+            "id": "http_layers",
+            "uri": server.url("c/model.safetensors"),
+            "reference": str(layers),
+        },
     ]
     try:
         results = run_group(4, scenarios, tmp)
@@ -313,6 +340,23 @@ def test_over_http_the_group_reads_the_weights_once(group):
     print(f"sent with the exchange {sent('a') / weights:.3f}x, without {sent('b') / weights:.3f}x")
     assert sent("a") <= weights, (sent("a"), weights)
     assert sent("b") > 1.5 * weights, (sent("b"), weights)
+
+
+def test_the_next_layers_row_blocks_are_read_ahead(group):
+    """Over HTTP (read ahead), each rank's block of rows of a row-parallel weight is the same
+    every layer: from layer 1 on it is read ahead, with the layer's other tensor, and only
+    layer 0's two tensors are read when asked."""
+    results, made, _ = group
+    tensors, exchanged = made["http_layers"]
+    _check(results["http_layers"], tensors, exchanged, 2)
+    for r, res in enumerate(results["http_layers"]):
+        stats = res["stats"]
+        later = [n for n in tensors if not n.startswith("layers.0.")]
+        # Rows r*24..(r+1)*24 of 256 bf16 columns; columns 5r..5r+5 of the one row.
+        want = sum(24 * 256 * 2 if n in exchanged else 5 * 2 for n in later)
+        assert stats["ahead_bytes"] == want, (r, stats)
+        assert stats["ahead_unused_bytes"] == 0, (r, stats)
+        assert stats["waited_reads"] == 2, (r, stats)
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == WORKER:

@@ -382,9 +382,13 @@ def _stage(ckpt, tensors, last_layer: int) -> dict[str, int]:
 
 def test_read_ahead_reads_the_next_layers_regions_before_they_are_asked_for(range_server, tmp_path):
     """Over the network a layer's regions are read ahead (as the layer before's were read) once
-    the consumer reads the first of them; a stage that stops at layer 3 of 6 reads nothing of
-    layer 4; every byte the server sent is counted."""
+    the consumer reads some of them, the next layer's first tensor once it reads some of the
+    layer before, small 1-D tensors (norms) whole once it reads anything: only layer 0's other
+    tensors are read when asked. A stage that stops at layer 3 of 6 reads of the layers after it
+    only layer 4's first tensor and the norms in the window (counted as unused); every byte the
+    server sent is counted."""
     path, tensors = _layers_file(tmp_path, 6)
+    norm = "model.layers.0.norm.weight"
     range_server.put({"layers.safetensors": path})
     url = range_server.url("layers.safetensors")
     log = range_server.behaviour.log
@@ -397,13 +401,14 @@ def test_read_ahead_reads_the_next_layers_regions_before_they_are_asked_for(rang
         header = path.stat().st_size - sum(t.nbytes for t in tensors.values())
         served = [(o, n) for o, n in _served(log, "/layers.safetensors", since) if o >= header]
         assert sum(n for _, n in served) == ckpt.bytes_read == stats.read_bytes
-        assert stats.read_bytes == sum(need.values())
-        assert stats.ahead_unused_bytes == 0
-        # Layers 1..3: their first tensor (down) read when asked, the others read ahead.
-        ahead = sum(
-            n for name, n in need.items() if name[13] in "123" and not name.endswith("down.weight")
-        )
-        assert stats.ahead_bytes == (ahead if read_ahead else 0)
+        assert stats.read_bytes == sum(need.values()) + stats.ahead_unused_bytes
+        # Past the stage: layer 4's down columns, and layers 4 and 5's norms, at most.
+        waste = need["model.layers.3.mlp.down.weight"] + 2 * tensors[norm].nbytes
+        assert stats.ahead_unused_bytes <= (waste if read_ahead else 0)
+        # Every region but layer 0's down and q (no layer before them to go by) read ahead.
+        first = need["model.layers.0.mlp.down.weight"] + need["model.layers.0.q.weight"]
+        assert stats.ahead_bytes == (sum(need.values()) - first if read_ahead else 0)
+        assert stats.waited_reads == (2 if read_ahead else len(need))
 
 
 def test_a_region_other_than_the_one_read_ahead_is_read_as_asked(range_server, tmp_path):

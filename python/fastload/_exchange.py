@@ -84,23 +84,42 @@ class ColumnExchange:
         assert first is not None
         return sum(n for _, n in first.ranges) > rows * width * source.dtype.itemsize
 
-    def read(self, source: Any, index: tuple[Any, ...]) -> torch.Tensor | None:
+    def _bounds(self, source: Any) -> list[int]:
+        """The first row of each rank's block, and the number of rows."""
+        rows = source.shape[0]
+        return [rows * i // self.world for i in range(self.world + 1)]
+
+    def block(self, source: Any) -> tuple[int, int] | None:
+        """The byte range ``(offset, len)`` from the tensor's start of the rows this rank reads
+        for the group (``None``: no rows), so that it can be read ahead."""
+        bounds = self._bounds(source)
+        mine = bounds[self.rank + 1] - bounds[self.rank]
+        if not mine:
+            return None
+        row_bytes = source.shape[1] * source.dtype.itemsize
+        return bounds[self.rank] * row_bytes, mine * row_bytes
+
+    def read(
+        self, source: Any, index: tuple[Any, ...], block: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """``source[index]`` through an exchange, or None where this region is not exchanged
-        (or the ranks disagree): the caller reads it itself."""
+        (or the ranks disagree): the caller reads it itself. ``block``: this rank's rows
+        (``block(source)``), read already (ahead)."""
         if not self.wants(source, index):
             return None
         rows, cols = source.shape
         size = source.dtype.itemsize
-        bounds = [rows * i // self.world for i in range(self.world + 1)]
+        bounds = self._bounds(source)
         mine = bounds[self.rank + 1] - bounds[self.rank]
         row_bytes = cols * size
-        block: torch.Tensor | None = None
         error: BaseException | None = None
-        if mine:
+        if mine and block is None:
             try:
                 block = source.raw([(bounds[self.rank] * row_bytes, mine * row_bytes)])
             except Exception as e:  # raised below, once the others know
                 error = e
+        elif not mine:
+            block = None
         agreed = self._agree(self._announce(_TENSOR, source, ok=error is None))
         if block is not None:
             source.count_exchanged(mine * row_bytes, agreed)

@@ -58,6 +58,8 @@ class Stats:
     # read for a region the consumer then did not read (counted in read_bytes only).
     ahead_bytes: int = 0
     ahead_unused_bytes: int = 0
+    # Reads the consumer waited for (not read ahead): each at least one round trip to storage.
+    waited_reads: int = 0
 
     @property
     def read_bytes(self) -> int:
@@ -82,6 +84,7 @@ class Stats:
             "fallbacks": dict(self.fallbacks),
             "ahead_bytes": self.ahead_bytes,
             "ahead_unused_bytes": self.ahead_unused_bytes,
+            "waited_reads": self.waited_reads,
         }
 
     def line(self) -> str:
@@ -155,14 +158,24 @@ class _Source:
         """``tensor[index]`` (a basic index); ``full``: the index selects the whole tensor."""
         if self.whole is not None:
             return self.whole[index]
-        if self.exchange is not None:
-            exchanged = self.exchange.read(self, index)
+        s, reads_ahead = self.stats, self.ahead
+        if self.exchange is not None and self.exchange.wants(self, index):
+            block = reads_ahead.take(self, index, full, True) if reads_ahead else None
+            if block is not None:
+                s.ahead_bytes += block[1]
+            elif self.exchange.block(self) is not None:
+                s.waited_reads += 1
+            exchanged = self.exchange.read(self, index, block[0] if block else None)
             if exchanged is not None:
                 return exchanged
-        ahead = self.ahead.take(self, index, full) if self.ahead is not None else None
-        out, got = ahead if ahead is not None else self.fetch(index)
+            reads_ahead = None  # the group did not exchange: read alone, as without it
+        ahead = reads_ahead.take(self, index, full) if reads_ahead is not None else None
         if ahead is not None:
-            self.stats.ahead_bytes += got
+            out, got = ahead
+            s.ahead_bytes += got
+        else:
+            out, got = self.fetch(index)
+            s.waited_reads += 1
         self._count(got)
         if full:
             self.whole = out
@@ -471,7 +484,8 @@ class Checkpoint:
     several checkpoints of one load. ``exchange``: a ``fastload._exchange.ColumnExchange`` over
     the tensor-parallel group, through which the group reads the tensors each rank keeps a column
     block of once between them (every rank of the group must load the same tensors in the same
-    order)."""
+    order). ``all_layers``: the consumer reads every layer (no pipeline stage): the read-ahead
+    reads the next layer with the one the consumer is at (``fastload._readahead``)."""
 
     def __init__(
         self,
@@ -480,6 +494,7 @@ class Checkpoint:
         exchange: Any = None,
         *,
         read_ahead: bool | None = None,
+        all_layers: bool = False,
         **options: Any,
     ) -> None:
         self._glue = _torch_glue()
@@ -489,6 +504,9 @@ class Checkpoint:
         self.exchange = exchange
         # fastload._readahead: by default where reads wait for a network.
         self.read_ahead = read_ahead
+        # Every layer is read (no pipeline stage leaves some unread): the next layer is read
+        # ahead with the one the consumer is at, not once it reaches it.
+        self.all_layers = all_layers
 
     @property
     def bytes_read(self) -> int:
@@ -532,7 +550,7 @@ class Checkpoint:
         sources, remote = self._sources()
         ahead = None
         if self.read_ahead or (self.read_ahead is None and remote):
-            ahead = _readahead.ReadAhead(sources)
+            ahead = _readahead.ReadAhead(sources, all_layers=self.all_layers)
         try:
             for pos, source in enumerate(sources):
                 source.ahead = ahead

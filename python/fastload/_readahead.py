@@ -6,14 +6,20 @@ layers of a model repeat: the tensor ``model.layers.7.mlp.down_proj.weight`` is 
 same tensor of the next layer (its name with the first number, the layer, replaced, and the same
 shape and dtype) is read ahead with that region, in background threads, as soon as the consumer
 reads a first tensor of that layer: the rest of the layer's reads are then in flight together,
-while the consumer works on the first.
+while the consumer works on the first. The next layer's first tensor is read ahead once the
+consumer reads something of the layer before (so that a layer's first read does not wait), and
+with ``all_layers`` (the consumer reads every layer: no pipeline stages) the whole next layer is.
+A tensor the group exchanges (``fastload._exchange``) is read ahead as this rank's block of rows,
+the same every layer, which the exchange then uses. Small 1-D tensors (norms) are read ahead whole
+on first sight, once the consumer read something, the region asked for cut from them.
 
 When the consumer reads a tensor with the region predicted, it gets the bytes read ahead; with
 another region it reads as without read-ahead (the prediction's bytes count as unused). A layer
-nothing of which is read (a pipeline stage's next layers) is never read ahead; a tensor the
-consumer passes without reading it (an expert of another rank) ends the prediction for its name
-until it is read again. What is read ahead is bounded by ``window`` tensors past the consumer
-and ``limit`` bytes held (read ahead and not yet used).
+nothing of which is read (a pipeline stage's next layers) is never read ahead, but for its first
+tensor and its small 1-D ones; a tensor the consumer passes without reading it (an expert of
+another rank) ends the prediction for its name until it is read again. What is read ahead is
+bounded by ``window`` tensors past the consumer and ``limit`` bytes held (read ahead and not yet
+used).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from typing import Any
 WINDOW = 32
 # Bytes read ahead and not used yet, at most (a load's memory_limit, when smaller).
 LIMIT = 256 << 20
-# Threads reading ahead (each read is itself `concurrency` requests in flight).
-THREADS = 4
+# Threads reading ahead (each read is itself `concurrency` requests in flight): a layer's
+# tensors in flight together, each a round trip.
+THREADS = 16
 
 _LAYER = re.compile(r"(?<![0-9])[0-9]+(?![0-9])")
 
@@ -37,6 +44,23 @@ def layer(name: str) -> str | None:
     """The layer a tensor belongs to: the first number in its name (``None``: none)."""
     m = _LAYER.search(name)
     return m.group(0) if m else None
+
+
+# 1-D tensors this small are read ahead whole on first sight (see ReadAhead.small).
+SMALL = 64 << 10
+# Marks a read-ahead entry as a whole tensor read before its first read.
+_WHOLE = "whole"
+# Marks a read-ahead entry as an exchanged tensor's row block (not the region itself).
+_BLOCK = "block"
+
+
+def _block_reader(source: Any, block: tuple[int, int]) -> Any:
+    """Reads ``block`` of ``source`` (bytes from the tensor's start): ``(uint8 tensor, bytes)``."""
+
+    def read(_index: Any) -> tuple[Any, int]:
+        return source.raw([block]), block[1]
+
+    return read
 
 
 def key(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[str, tuple[int, ...], Any]:
@@ -51,7 +75,13 @@ class ReadAhead:
     ``done`` (read already), ``region_bytes(index)`` and ``fetch(index) -> (tensor, bytes
     read)``. Called from the consumer's thread only; the reads run in its own."""
 
-    def __init__(self, sources: list[Any], window: int = WINDOW, limit: int = LIMIT) -> None:
+    def __init__(
+        self,
+        sources: list[Any],
+        window: int = WINDOW,
+        limit: int = LIMIT,
+        all_layers: bool = False,
+    ) -> None:
         self.window, self.limit = window, limit
         self.sources = sources
         following: dict[Any, int] = {}
@@ -61,7 +91,28 @@ class ReadAhead:
             self.following[pos] = following.get(sources[pos].key, 0)
             following[sources[pos].key] = pos
         self.next: set[int] = set()  # positions to read ahead once in the window
+        # Small 1-D tensors (norms, biases: read whole by most consumers) are read ahead whole
+        # before their first read, the region asked for then cut from them.
+        self.small = {
+            pos
+            for pos, source in enumerate(sources)
+            if len(source.shape) == 1 and 0 < source.nbytes <= SMALL
+        }
+        self.next |= self.small
         self.layers = [layer(source.name) for source in sources]
+        # The layer before each tensor's layer (in file order; None: none), and the positions
+        # where a layer begins: those are read ahead once the layer before is started, so that
+        # a layer's first read does not wait either; with ``all_layers`` (every layer is read:
+        # no pipeline stages) the whole next layer is.
+        self.all_layers = all_layers
+        self.before: list[str | None] = [None] * len(sources)
+        self.opens: set[int] = set()
+        for pos in range(1, len(sources)):
+            if self.layers[pos] == self.layers[pos - 1]:
+                self.before[pos] = self.before[pos - 1]
+            else:
+                self.before[pos] = self.layers[pos - 1]
+                self.opens.add(pos)
         self.started: set[str | None] = set()  # layers something of which was read
         self.regions: dict[Any, tuple[Any, bool]] = {}  # key -> (index, full) last read
         self.pending: dict[int, tuple[Any, Future[Any], int]] = {}  # position -> read ahead
@@ -80,21 +131,28 @@ class ReadAhead:
         self.at = pos
         self._launch()
 
-    def take(self, source: Any, index: Any, full: bool) -> tuple[Any, int] | None:
+    def take(
+        self, source: Any, index: Any, full: bool, block: bool = False
+    ) -> tuple[Any, int] | None:
         """What was read ahead for ``source`` if it is the region ``index``, else ``None`` (what
         was read ahead is dropped); from now on ``index`` is what ``source``'s name is read as,
-        and the window is read ahead with it."""
+        and the window is read ahead with it. ``block``: ``source[index]`` is exchanged, and
+        what is wanted is this rank's row block (``exchange.block(source)``) as bytes."""
         entry = self.pending.pop(source.position, None)
-        self.regions[source.key] = (index, full)
+        if block:
+            index = (_BLOCK, index)
+        self.regions[source.key] = (index[1] if block else index, full)
         self.started.add(self.layers[source.position])
         if self.following[source.position]:
             self.next.add(self.following[source.position])
         got = None
         if entry is not None:
             self.held -= entry[2]
-            if entry[0] == index:
+            if entry[0] == index or entry[0] == _WHOLE:
                 try:
                     got = entry[1].result()
+                    if entry[0] == _WHOLE and not full:
+                        got = (got[0][index], got[1])
                     self.used_bytes += got[1]
                 except Exception:
                     got = None  # read again by the consumer: its error, if it lasts
@@ -131,24 +189,43 @@ class ReadAhead:
                 continue
             if pos > self.at + self.window:
                 break
-            if self.layers[pos] not in self.started:
-                continue  # once the consumer reads some of that layer
             source = self.sources[pos]
             region = self.regions.get(source.key)
+            if region is None and pos in self.small:
+                if not self.started:
+                    continue  # once the consumer reads something
+                region = (_WHOLE, True)  # not read yet: whole, started layer or not
+            elif self.layers[pos] not in self.started and not (
+                self.layers[pos] is not None
+                and self.before[pos] in self.started
+                and (self.all_layers or pos in self.opens)
+            ):
+                continue  # once the consumer reads some of that layer (or of the one before)
             if region is None:
                 self.next.discard(pos)
                 continue
             index, _full = region
+            whole = tuple(slice(0, n, 1) for n in source.shape)
+            fetch_index = whole if index == _WHOLE else index
             exchange = getattr(source, "exchange", None)
-            if exchange is not None and exchange.wants(source, index):
-                self.next.discard(pos)  # read with the group (fastload._exchange), not ahead
-                continue
-            nbytes = source.region_bytes(index)
+            fetch: Any = source.fetch
+            if index != _WHOLE and exchange is not None and exchange.wants(source, index):
+                # Read with the group (fastload._exchange): this rank's rows ahead, the same
+                # every layer.
+                block = exchange.block(source)
+                if block is None:
+                    self.next.discard(pos)
+                    continue
+                nbytes = block[1]
+                index = (_BLOCK, index)
+                fetch = _block_reader(source, block)
+            else:
+                nbytes = source.region_bytes(fetch_index)
             if self.pending and self.held + nbytes > self.limit:
                 return
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="fastload-ahead")
-            self.pending[pos] = (index, self._pool.submit(source.fetch, index), nbytes)
+            self.pending[pos] = (index, self._pool.submit(fetch, fetch_index), nbytes)
             self.held += nbytes
             self.next.discard(pos)
 

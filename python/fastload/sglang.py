@@ -370,15 +370,21 @@ def _loader_class() -> type:
             meter = _integration.Meter(logger)
             stats = exchange = None
             if _sliced(self.options):
+                from sglang.srt.runtime_context import get_parallel
+
                 from . import _lazy
 
                 stats = sliced = _lazy.Stats()
                 exchange = _column_exchange()
+                # A pipeline stage reads its own layers only; else each worker reads every layer.
+                every_layer = get_parallel().pp_size == 1
 
                 def items(uri: Any) -> Iterator[tuple[str, Any]]:
                     # Each read when a weight loader copies it, only the part it narrowed it to
                     # (row-parallel weights: read once over the group and exchanged).
-                    yield from _lazy.Checkpoint(uri, sliced, exchange, **self.options.stream_kwargs)
+                    yield from _lazy.Checkpoint(
+                        uri, sliced, exchange, all_layers=every_layer, **self.options.stream_kwargs
+                    )
             else:
                 device = _integration.target_device(target, model)
                 group = None

@@ -573,11 +573,13 @@ def _loader_classes() -> dict[str, type]:
             stats = _lazy.Stats()
             meter = _integration.Meter(logger)
             exchange = _column_exchange(self._parallel_config)
+            # A pipeline stage reads its own layers only; else each worker reads every layer.
+            every_layer = getattr(self._parallel_config, "pipeline_parallel_size", 1) == 1
 
             def weights() -> Iterator[tuple[str, Any]]:
                 for uri, prefix in sources:
                     checkpoint = _lazy.Checkpoint(
-                        uri, stats, exchange, **self.options.stream_kwargs
+                        uri, stats, exchange, all_layers=every_layer, **self.options.stream_kwargs
                     )
                     for name, tensor in checkpoint:
                         yield prefix + name, tensor
