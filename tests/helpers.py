@@ -460,3 +460,14 @@ def run_ranks(
     assert not hung, f"ranks {hung} still running after {deadline:.0f} s:\n{tail(hung[0])}"
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{tail(r)}"
+
+
+def gloo_threads() -> int:
+    """How many of this process's threads are torch.distributed's gloo group's (by their names)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo")) for n in names)

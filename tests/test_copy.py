@@ -18,7 +18,7 @@ from pathlib import Path
 import fastload
 import pytest
 import torch
-from helpers import assert_same_tensors
+from helpers import assert_same_tensors, gloo_threads
 from servers import s3 as s3_server
 from servers.hub import MockHub, lfs_sha256
 from servers.s3 import BUCKET, SECRET_KEY, Fault, HttpFaultProxy
@@ -438,26 +438,15 @@ def _split_rank(rank: int, world: int, src: str, dst: str, port: str, outs: str,
         kept = e  # as pytest.raises or a log keeps an error
         out = {"error": f"{type(e).__name__}: {e}"}
     finally:
-        before = _gloo_threads()
+        before = gloo_threads()
         dist.destroy_process_group()
     # The group's threads end with destroy_process_group(): fastload keeps no reference to it
     # (a group left alive into interpreter exit aborted the process: gloo's thread, dropping a
     # finished all-gather's tensors, took the GIL while the interpreter finalised).
-    out["gloo_threads"] = [before, _gloo_threads()]
+    out["gloo_threads"] = [before, gloo_threads()]
     out["collective_threads"] = sorted(threads)
     del kept
     Path(outs, f"{rank}.json").write_text(json.dumps(out))
-
-
-def _gloo_threads() -> int:
-    """How many of this process's threads are torch.distributed's gloo group's (by their names)."""
-    names = []
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
 
 
 def _split_copy(tmp_path: Path, seaweed, dst: str, plans: list[list[Fault]]):

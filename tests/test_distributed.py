@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import indexed_files, pattern, reference, run_ranks
+from helpers import gloo_threads, indexed_files, pattern, reference, run_ranks
 
 WORKER = "--fastload-dist-worker"
 # One group launch (process start, torch import, every scenario) must end within this.
@@ -58,17 +58,6 @@ class _FailingStream:
 # What the scenarios marked "keep" leave alive until the group is destroyed: their errors (as
 # pytest.raises or a log keeps them) and abandoned streams, closed or not (a user's attribute).
 KEPT: list = []
-
-
-def _gloo_threads() -> int:
-    """How many of this process's threads are torch.distributed's gloo group's (by their names)."""
-    names = []
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
 
 
 def _run_scenario(sc: dict, rank: int, world: int) -> dict:
@@ -158,13 +147,13 @@ def _worker(job: str, result: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = [_run_scenario(sc, rank, world) for sc in json.loads(Path(job).read_text())]
     dist.barrier()
-    before = _gloo_threads()
+    before = gloo_threads()
     dist.destroy_process_group()
     # The group's threads end with it, though this rank keeps the failed loads' errors and the
     # abandoned streams (a group alive into interpreter exit can abort the process: a gloo
     # thread taking the GIL while the interpreter finalises, "terminate called without an
     # active exception").
-    results.append({"id": "gloo-threads", "rank": rank, "threads": [before, _gloo_threads()]})
+    results.append({"id": "gloo-threads", "rank": rank, "threads": [before, gloo_threads()]})
     # Nor did what the rank kept sit in a reference cycle with fastload's frames (the error in a
     # local of the frame it was raised through, with the tensors and stream that frame holds).
     import types
