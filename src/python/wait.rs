@@ -25,7 +25,7 @@ pub fn off_thread<T: Send + 'static>(
     what: &str,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> PyResult<T> {
-    wait_for(py, what, Duration::ZERO, no_questions, |_: Ask<(), ()>| {
+    off_thread_serving(py, what, Duration::ZERO, no_questions, |_: Ask<(), ()>| {
         work()
     })
 }
@@ -52,27 +52,6 @@ pub type Ask<Q, A> = Arc<dyn Fn(Q) -> Option<A> + Send + Sync>;
 /// returns or the interpreter exits. `serve` returning an error (a Ctrl-C met while it ran Python) ends the wait as a
 /// Ctrl-C does; questions asked while winding down, or after, get `None`.
 pub fn off_thread_serving<T, Q, A>(
-    py: Python<'_>,
-    what: &str,
-    grace: Duration,
-    serve: impl FnMut(Python<'_>, Q) -> PyResult<A>,
-    work: impl FnOnce(Ask<Q, A>) -> T + Send + 'static,
-) -> PyResult<T>
-where
-    T: Send + 'static,
-    Q: Send + 'static,
-    A: Send + 'static,
-{
-    wait_for(py, what, grace, serve, work)
-}
-
-/// What the worker thread sends the waiting one: a question, or its result.
-enum Message<T, Q, A> {
-    Ask(Q, SyncSender<A>),
-    Done(T),
-}
-
-fn wait_for<T, Q, A>(
     py: Python<'_>,
     what: &str,
     grace: Duration,
@@ -134,6 +113,11 @@ where
         }
         return Err(interrupt);
     }
+}
+/// What the worker thread sends the waiting one: a question, or its result.
+enum Message<T, Q, A> {
+    Ask(Q, SyncSender<A>),
+    Done(T),
 }
 
 /// Waits (GIL released, in slices) until the worker behind `rx` is done, `grace` is over, or
