@@ -135,9 +135,9 @@ def tensor_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def regions_read(shape: tuple, itemsize: int, regions: list[tuple]) -> int:
-    """The bytes a lazy tensor of ``shape`` reads from a local file for ``regions``."""
-    from fastload._safe_open import LOCAL_READ_COST, plan
+    """The bytes a lazy tensor of ``shape`` reads from a local file for ``regions``: the file is
+    mapped, each region the span of its rows."""
+    from fastload._safe_open import MAPPED_READ_COST, plan
 
-    return sum(
-        sum(n for _, n in plan(shape, itemsize, index, LOCAL_READ_COST).ranges) for index in regions
-    )
+    cost = MAPPED_READ_COST
+    return sum(sum(n for _, n in plan(shape, itemsize, index, cost).ranges) for index in regions)

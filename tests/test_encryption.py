@@ -101,6 +101,26 @@ def small(dtypes_file, tmp_path_factory):
     return keyset, primitive, tink_encrypt(primitive, dtypes_file.read_bytes())
 
 
+def test_lazy_slices_of_a_local_encrypted_file_are_read_not_mapped(
+    plain_file, encrypted, big_keyset
+):
+    """The engines' lazy tensors over a local encrypted file: its ciphertext cannot be mapped
+    as tensors, so regions are read and decrypted; bitwise the plain file's."""
+    from fastload._lazy import Checkpoint
+
+    want = helpers.reference(plain_file)
+    ckpt = Checkpoint(str(encrypted), keyset=big_keyset[0])
+    got = dict(ckpt)
+    rows = torch.empty(100, 1024).copy_(got["w"][500:600])
+    cols = torch.empty(1024, 8).copy_(got["w"][:, 8:16])
+    bits = torch.int32
+    assert torch.equal(rows.view(bits), want["w"][500:600].view(bits))
+    assert torch.equal(cols.view(bits), want["w"][:, 8:16].contiguous().view(bits))
+    b = torch.empty(1024, dtype=torch.bfloat16).copy_(got["b"])
+    assert torch.equal(b.view(torch.int16), want["b"].view(torch.int16))
+    assert got["w"]._source.maps == {0: False}
+
+
 def test_tink_files_load_bitwise_through_every_entry_point(plain_file, encrypted, big_keyset):
     keyset = big_keyset[0]
     want = helpers.reference(plain_file)

@@ -55,6 +55,9 @@ class _FailingReader:
     def read(self, shard, ranges):
         raise OSError(f"injected failure reading {self.name}")
 
+    def map(self, shard, offset, len):
+        raise OSError(f"injected failure mapping {self.name}")
+
 
 def _scenario(sc: dict, group, rank: int) -> dict:
     from fastload._exchange import ColumnExchange
@@ -64,7 +67,7 @@ def _scenario(sc: dict, group, rank: int) -> dict:
     world = sc["world"]
     want = load_file(sc["reference"])
     exchange = ColumnExchange(group, rank, world) if sc["exchange"] else None
-    checkpoint = Checkpoint(sc["uri"], exchange=exchange)
+    checkpoint = Checkpoint(sc["uri"], exchange=exchange, method=sc.get("method"))
     out: dict = {"id": sc["id"], "equal": {}, "errors": {}}
     try:
         for name, lazy in checkpoint:
@@ -234,11 +237,16 @@ def group(tmp_path_factory):
         path = _write(tmp / f"w{world}" / "model.safetensors", tensors)
         made[f"w{world}"] = (tensors, exchanged)
         base = {"uri": str(path), "reference": str(path), "exchange": True, "world": world}
-        scenarios.append({**base, "id": f"w{world}"})
+        # Local files read (not mapped: a mapped file is not exchanged, see `mapped`).
+        scenarios.append({**base, "id": f"w{world}", "method": "read"})
+        if world == 2:
+            scenarios.append({**base, "id": "mapped"})
+            made["mapped"] = (tensors, exchanged)
     tensors, exchanged = cases(2, seed=7)
     path = _write(tmp / "desync" / "model.safetensors", tensors)
     names = list(tensors)
     base = {"uri": str(path), "reference": str(path), "exchange": True, "world": 2}
+    base["method"] = "read"
     scenarios += [
         {**base, "id": "skip", "skip": [1, names[3]]},
         {**base, "id": "fail", "fail": [0, names[5]]},
@@ -316,6 +324,20 @@ def test_a_rank_out_of_step_turns_the_exchange_off_everywhere(group):
     _check(results["after"], tensors, exchanged, 2)
 
 
+def test_a_mapped_local_file_is_not_exchanged(group):
+    """A local file mapped (the default): every rank's column blocks bitwise, each copied out
+    of the mapped pages by the rank itself (the ranks of a host share the page cache), none
+    exchanged; what a rank counts as read is the span of the rows it touched."""
+    results, made, _ = group
+    tensors, _ = made["mapped"]
+    for r, res in enumerate(results["mapped"]):
+        assert res["equal"] == dict.fromkeys(tensors, True), (r, res)
+        stats = res["stats"]
+        assert stats["exchanged_tensors"] == 0 and res["received"] == 0, (r, stats)
+        assert stats["sliced_tensors"] + stats["whole_tensors"] == len(tensors), (r, stats)
+        assert res["bytes_read"] == stats["read_bytes"], (r, stats)
+
+
 def test_over_http_the_group_reads_the_weights_once(group):
     """Over HTTP (a planner that reads the span of a row-parallel block's rows): with the
     exchange the server sends the checkpoint's tensor bytes once over two ranks; without it,
@@ -344,19 +366,20 @@ def test_over_http_the_group_reads_the_weights_once(group):
 
 def test_the_next_layers_row_blocks_are_read_ahead(group):
     """Over HTTP (read ahead), each rank's block of rows of a row-parallel weight is the same
-    every layer: from layer 1 on it is read ahead, with the layer's other tensor, and only
-    layer 0's two tensors are read when asked."""
+    every layer: from layer 1 on it is read ahead, with the layer's other tensor. Layer 0's is
+    read ahead too, as the group's guess (this rank's rows), once its first tensor is read (no
+    ``all_layers``: the consumer might be a pipeline stage); only that first tensor waits."""
     results, made, _ = group
     tensors, exchanged = made["http_layers"]
     _check(results["http_layers"], tensors, exchanged, 2)
     for r, res in enumerate(results["http_layers"]):
         stats = res["stats"]
-        later = [n for n in tensors if not n.startswith("layers.0.")]
         # Rows r*24..(r+1)*24 of 256 bf16 columns; columns 5r..5r+5 of the one row.
-        want = sum(24 * 256 * 2 if n in exchanged else 5 * 2 for n in later)
-        assert stats["ahead_bytes"] == want, (r, stats)
+        blocks = sum(24 * 256 * 2 for n in tensors if n in exchanged)
+        later = [n for n in tensors if n not in exchanged and not n.startswith("layers.0.")]
+        assert stats["ahead_bytes"] == blocks + 5 * 2 * len(later), (r, stats)
         assert stats["ahead_unused_bytes"] == 0, (r, stats)
-        assert stats["waited_reads"] == 2, (r, stats)
+        assert stats["waited_reads"] == 1, (r, stats)
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == WORKER:

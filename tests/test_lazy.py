@@ -11,9 +11,10 @@ import itertools
 import pytest
 import safetensors
 import torch
+from fastload._exchange import ColumnExchange
 from fastload._lazy import Checkpoint, LazyTensor, Stats
 from fastload._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, plan
-from helpers import DTYPES, pattern
+from helpers import DTYPES, pattern, run_probe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -263,9 +264,93 @@ def test_in_place_ops_act_on_the_region_read(tmp_path):
     w = pattern((6, 4), torch.float32, seed=2)
     path = tmp_path / "w.safetensors"
     save_file({"w": w}, str(path))
+    before = path.read_bytes()
     lazy = dict(Checkpoint(path))["w"][1:3]
     lazy.mul_(2)
     assert_bitwise(torch.empty(2, 4).copy_(lazy), w[1:3] * 2, "mul_")
+    # A local file is mapped privately: the file itself is never written.
+    assert path.read_bytes() == before
+
+
+def _mapped_files() -> list[tuple[int, int, str]]:
+    """This process's file mappings: (start, end, path)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                a, b = (int(x, 16) for x in parts[0].split("-"))
+                out.append((a, b, parts[5].strip()))
+    return out
+
+
+def test_local_regions_are_views_of_the_mapped_file(tmp_path):
+    """A local file's regions are not copied out: rows are a view of a mapping of the file
+    (the weight loader's copy_ is the only copy), columns a strided view of their span's
+    mapping, counted as the span's bytes; values bitwise."""
+    w = pattern((512, 256), torch.bfloat16, seed=7)
+    path = tmp_path / "m.safetensors"
+    save_file({"w": w, "v": pattern((512, 256), torch.bfloat16, seed=8)}, str(path))
+    stats = Stats()
+    got = dict(Checkpoint(path, stats))
+    rows = got["w"][100:300].materialize()
+    cols = got["v"][:, 64:128].materialize()
+    assert_bitwise(rows, w[100:300], "rows")
+    assert_bitwise(cols, dict(safetensors.torch.load_file(path))["v"][:, 64:128], "cols")
+    maps = _mapped_files()
+    for t in (rows, cols):
+        assert any(a <= t.data_ptr() < b and p == str(path) for a, b, p in maps), t.data_ptr()
+    assert not cols.is_contiguous()
+    span = (511 * 256 + 64) * 2
+    assert stats.sliced_bytes == 200 * 256 * 2 + span, stats
+
+
+def test_a_mapping_outside_the_file_is_refused(tmp_path):
+    """``Reader.map`` checks the range against the file before mapping it (pages past a file's
+    end would fault): an error naming the file, nothing mapped."""
+    from fastload import _fastload
+    from fastload._errors import ConfigError
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": pattern((4, 4), torch.float32, seed=1)}, str(path))
+    reader = _fastload.Reader([str(path)])
+    size = path.stat().st_size
+    assert torch.from_dlpack(reader.map(0, size - 8, 8)).numel() == 8
+    for offset, n in ((size - 4, 8), (size + 1, 0), (2**64 - 1, 2)):
+        with pytest.raises(ConfigError, match="m.safetensors"):
+            reader.map(0, offset, n)
+    with pytest.raises(ConfigError, match="no file 1"):
+        reader.map(1, 0, 1)
+
+
+def test_a_local_file_cut_short_while_mapped_raises_and_the_process_lives(tmp_path):
+    """The file truncated after the checkpoint opened it: reading a region, past the new end or
+    before it, is an error naming the file (the mapping's pages are faulted in and the file
+    checked before use), never a bus error."""
+    w = pattern((1024, 256), torch.float32, seed=9)
+    path = tmp_path / "cut.safetensors"
+    save_file({"a": w, "b": w + 1}, str(path))
+    out = run_probe(
+        """
+        import os, sys, torch
+        from fastload._lazy import Checkpoint
+        path = sys.argv[1]
+        got = dict(Checkpoint(path))
+        os.truncate(path, os.path.getsize(path) // 2)
+        errors = []
+        for name, rows in (("b", slice(-4, None)), ("a", slice(0, 4))):
+            try:
+                torch.empty(4, 256).copy_(got[name][rows])
+                errors.append(None)
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        emit(errors=errors)
+        """,
+        path,
+    )
+    for error in out["errors"]:
+        assert error is not None, out
+        assert "cut.safetensors" in error and "truncated" in error, out
 
 
 def test_views_torch_refuses_raise_torchs_errors(tmp_path):
@@ -434,6 +519,45 @@ def test_a_region_other_than_the_one_read_ahead_is_read_as_asked(range_server, t
     assert stats.read_bytes == 3 * (48 * 64 + 96) * 2 + stats.ahead_unused_bytes
 
 
+class _GuessOnly(ColumnExchange):
+    """A tensor-parallel rank's exchange that never exchanges (no group): what the read-ahead
+    guesses from it (this rank's rows) is all that is tested."""
+
+    def wants(self, source, index):
+        return False
+
+
+def test_first_layer_is_read_ahead_as_the_ranks_rows(range_server, tmp_path):
+    """Under a tensor-parallel group, tensors no region of which is known yet (layer 0's, the
+    embeddings) are read ahead as this rank's block of rows: with ``all_layers`` before the
+    consumer asks for anything, so a consumer that narrows each to its rows waits for none of
+    them but the first; a region outside the guess (a whole 2-D tensor) is read as asked, the
+    guess unused."""
+    tensors = {"model.embed.weight": pattern((40, 16), torch.bfloat16, seed=1)}
+    for i in range(3):
+        tensors[f"model.layers.{i}.q.weight"] = pattern((32, 16), torch.bfloat16, seed=10 + i)
+        tensors[f"model.layers.{i}.kv.weight"] = pattern((8, 16), torch.bfloat16, seed=20 + i)
+    save_file(tensors, str(tmp_path / "g.safetensors"))
+    range_server.put({"g.safetensors": tmp_path / "g.safetensors"})
+    for rank in (0, 1):
+        stats = Stats()
+        exchange = _GuessOnly(None, rank, 2)
+        ckpt = Checkpoint(range_server.url("g.safetensors"), stats, exchange, all_layers=True)
+        for name, lazy in ckpt:
+            n = lazy.shape[0]
+            # kv: replicated (read whole); the rest: this rank's half of the rows.
+            rows = slice(0, n) if ".kv." in name else slice(rank * n // 2, (rank + 1) * n // 2)
+            got = torch.empty(tensors[name][rows].shape, dtype=torch.bfloat16).copy_(lazy[rows])
+            assert_bitwise(got, tensors[name][rows], name)
+        # Only the embeddings (the first tensor: read as it is handed out, while the rest is
+        # read ahead) and layer 0's kv (its guess: half its rows, unused) waited.
+        assert stats.waited_reads == 2, stats
+        assert stats.ahead_unused_bytes == 4 * 16 * 2, stats
+        need = sum(t.nbytes for n, t in tensors.items() if ".kv." in n)
+        need += sum(t.nbytes // 2 for n, t in tensors.items() if ".kv." not in n)
+        assert stats.read_bytes == need + stats.ahead_unused_bytes, stats
+
+
 @settings(
     max_examples=25,
     deadline=None,
@@ -442,8 +566,9 @@ def test_a_region_other_than_the_one_read_ahead_is_read_as_asked(range_server, t
 @given(data=st.data())
 def test_read_ahead_any_regions_any_skips_match_safetensors(range_server, tmp_path, data):
     """Layers of one tensor each read with a drawn region (often the one before's, sometimes
-    another, sometimes not at all): every region read with read-ahead on is bitwise the tensor's,
-    and what the server sent for the tensors is what the stats count."""
+    another, sometimes this rank's rows, sometimes not at all), with and without a
+    tensor-parallel rank to guess from: every region read with read-ahead on is bitwise the
+    tensor's, and what the server sent for the tensors is what the stats count."""
     layers = data.draw(st.integers(2, 6), label="layers")
     tensors = {
         f"model.layers.{i}.w": pattern((12, 10), torch.bfloat16, seed=i) for i in range(layers)
@@ -454,15 +579,24 @@ def test_read_ahead_any_regions_any_skips_match_safetensors(range_server, tmp_pa
     log = range_server.behaviour.log
     since = len(log)
     stats = Stats()
-    ckpt = Checkpoint(range_server.url(name), stats, read_ahead=True)
+    rank_world = data.draw(st.sampled_from([None, (0, 2), (1, 2), (2, 3), (3, 5)]), label="rank")
+    exchange = _GuessOnly(None, *rank_world) if rank_world else None
+    all_layers = data.draw(st.booleans(), label="all_layers")
+    ckpt = Checkpoint(
+        range_server.url(name), stats, exchange, read_ahead=True, all_layers=all_layers
+    )
     index = (slice(2, 9), slice(3, 7))
     for tname, lazy in ckpt:
-        what = data.draw(st.sampled_from(["same", "same", "other", "skip"]), label=tname)
+        what = data.draw(st.sampled_from(["same", "same", "other", "mine", "skip"]), label=tname)
         if what == "skip":
             continue
         if what == "other":
             a = data.draw(st.integers(0, 11), label="a")
             index = (slice(a, 12), slice(0, data.draw(st.integers(1, 10), label="b")))
+        if what == "mine":
+            r, w = rank_world or (0, 2)
+            cols = data.draw(st.integers(1, 10), label="c")
+            index = (slice(12 * r // w, max(12 * (r + 1) // w, 12 * r // w + 1)), slice(0, cols))
         got = torch.empty(tensors[tname][index].shape, dtype=torch.bfloat16).copy_(lazy[index])
         assert_bitwise(got, tensors[tname][index], f"{tname}{index}")
     header = (tmp_path / name).stat().st_size - sum(t.nbytes for t in tensors.values())

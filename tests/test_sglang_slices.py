@@ -449,7 +449,7 @@ def moe(loads):
 def test_sglang_fused_moe_reads_only_each_ranks_part(moe):
     """SGLang's FusedMoE weight loader: at TP 2 (experts split) each rank reads its rows of
     gate/up and its columns of down; at EP 2 its two experts whole and the others not at all."""
-    from fastload._safe_open import LOCAL_READ_COST, plan
+    from fastload._safe_open import MAPPED_READ_COST, plan
 
     half = MOE_INTER // 2
     for ep in (1, 2):
@@ -470,7 +470,7 @@ def test_sglang_fused_moe_reads_only_each_ranks_part(moe):
                     want = (
                         0
                         if index is None
-                        else sum(n for _, n in plan(shape, 2, index, LOCAL_READ_COST).ranges)
+                        else sum(n for _, n in plan(shape, 2, index, MAPPED_READ_COST).ranges)
                     )
                     key = f"experts.{e}.{name}.weight"
                     assert got["read"][key] == want, (ep, rank, key, got["read"][key], want)
@@ -513,7 +513,7 @@ def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
     as the span of the rows) once over the two ranks, each a block of rows exchanged for the
     other's columns: the server sends at most 1.2x the checkpoint over both (1.33x without the
     exchange, 2x whole)."""
-    from fastload._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, plan
+    from fastload._safe_open import MAPPED_READ_COST, REMOTE_READ_COST, plan
     from safetensors import safe_open
 
     results, files, log = model
@@ -526,12 +526,12 @@ def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
     rows_split = {n: s for n, s in shapes.items() if n.endswith(ROW_PARALLEL)}
     assert len(rows_split) == 4, sorted(shapes)
 
-    def regions_bytes(rank: int, cost: int) -> int:
-        """What the rank reads alone: its regions of the tensors not exchanged."""
+    def regions_bytes(rank: int, cost: int, exchanged: bool = True) -> int:
+        """What the rank reads alone: its regions of the tensors (not exchanged)."""
         return sum(
             sum(n for _, n in plan(shape, 2, _model_regions(name, shape, rank), cost).ranges)
             for name, shape in shapes.items()
-            if name not in rows_split
+            if not (exchanged and name in rows_split)
         )
 
     def row_block_bytes(rank: int) -> int:
@@ -548,20 +548,29 @@ def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
         assert got["shapes"]["model.layers.0.self_attn.o_proj.weight"] == [256, 128]
         assert got["shapes"]["lm_head.weight"] == [256, 256]
         assert got["whole"] == {"differ": [], "stats": None}, got
-        for step, cost in (("default", LOCAL_READ_COST), ("http", REMOTE_READ_COST)):
+        for step, cost in (("default", MAPPED_READ_COST), ("http", REMOTE_READ_COST)):
             assert got[step]["differ"] == [], (rank, step, got[step])
             stats = got[step]["stats"]
             assert stats["skipped_tensors"] == 0 and stats["fallbacks"] == {}, stats
             assert stats["bytes"] == checkpoint, stats
             # q, gate, up of 2 layers, the embeddings and lm_head: slices; the 5 norms and the
             # k/v of 2 layers (one KV head, which both ranks keep): whole; o_proj and down_proj
-            # of 2 layers: exchanged.
-            assert stats["sliced_tensors"] == 8 and stats["whole_tensors"] == 9, stats
-            assert stats["exchanged_tensors"] == 4, (rank, step, stats)
+            # of 2 layers: exchanged over HTTP, from the mapped local file each rank's columns
+            # (the span of their rows, in the host's page cache).
+            exchanged = step == "http"
+            assert stats["whole_tensors"] == 9, stats
+            assert stats["sliced_tensors"] == (8 if exchanged else 12), stats
+            assert stats["exchanged_tensors"] == (4 if exchanged else 0), (rank, step, stats)
             alone = stats["sliced_bytes"] + stats["whole_bytes"]
-            assert alone == regions_bytes(rank, cost), (rank, step, stats)
-            assert stats["exchanged_bytes"] == row_block_bytes(rank), (rank, step, stats)
-            assert stats["read_bytes"] < 0.7 * checkpoint, stats
+            # Over HTTP a name's first tensor is read ahead as the rank's block of rows (the
+            # guess, fastload._readahead): the padded vocabulary's rows of rank 1 start a few
+            # rows after that block, read with it (fewer than 64 rows of embed and lm_head).
+            extra = alone - regions_bytes(rank, cost, exchanged)
+            slack = 2 * 64 * shapes["lm_head.weight"][1] * 2 if exchanged else 0
+            assert 0 <= extra <= slack, (rank, step, extra, stats)
+            want = row_block_bytes(rank) if exchanged else 0
+            assert stats["exchanged_bytes"] == want, (rank, step, stats)
+            assert stats["read_bytes"] < (0.7 if exchanged else 0.8) * checkpoint, stats
         over_http += got["http"]["stats"]["read_bytes"]
     # The row-parallel weights' bytes, read once over the two ranks.
     assert row_block_bytes(0) + row_block_bytes(1) == sum(2 * r * c for r, c in rows_split.values())

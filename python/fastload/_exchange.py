@@ -14,8 +14,10 @@ safe with engine code this module does not control:
 
 - Whether a region is exchanged is a pure function of the tensor and the narrow call (a 2-D
   tensor, all its rows, the column block of this rank's index, ``C`` divisible by ``T``, a
-  planner that would read more than the block, a name that ``skip`` lets through), so ranks that
-  run the same weight loaders on the same checkpoint decide alike.
+  planner that would read more than the block, a name that ``skip`` lets through, a file that
+  is not mapped), so ranks that run the same weight loaders on the same checkpoint decide alike.
+  A mapped local file is not exchanged: its pages are in the host's page cache, shared by the
+  ranks, and each rank copies its columns out of them faster than the group could exchange.
 - Before the data moves, the ranks compare what each is about to exchange (a hash of the
   tensor's name, its offset, shape and element size) and whether its own read succeeded, with one
   small ``all_gather``. Any difference (a rank at another tensor, or done, or failed) turns the
@@ -68,6 +70,10 @@ class ColumnExchange:
         once; the same answer on every rank of the group (see the module's doc)."""
         shape = source.shape
         if not self.enabled or len(shape) != 2 or len(index) != 2:
+            return False
+        if getattr(source, "mapped", False):
+            # A mapped local file: each rank copies its columns straight out of the pages
+            # (which the ranks of a host share in its page cache), no request to save.
             return False
         rows, cols = shape
         width = cols // self.world

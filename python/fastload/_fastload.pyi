@@ -334,6 +334,10 @@ class Reader:
     def read(self, shard: int, ranges: list[tuple[int, int]]) -> object:
         """``ranges`` (``(file offset, len)``) of file ``shard``, one after the other, as a flat
         uint8 ``dltensor`` capsule."""
+    def map(self, shard: int, offset: int, len: int) -> object | None:
+        """``len`` bytes at ``offset`` of file ``shard`` as a private mapping (its pages faulted
+        in, the file checked unchanged), a flat uint8 ``dltensor`` capsule; ``None`` where the
+        file cannot be mapped (object stores, encrypted files)."""
 
 @final
 class FileWriter:

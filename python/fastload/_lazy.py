@@ -27,7 +27,14 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import _fastload, _options, _readahead, _torch_glue, _uris
-from ._safe_open import LOCAL_READ_COST, REMOTE_READ_COST, plan, read_index, safe_open
+from ._safe_open import (
+    LOCAL_READ_COST,
+    MAPPED_READ_COST,
+    REMOTE_READ_COST,
+    plan,
+    read_index,
+    safe_open,
+)
 
 __all__ = ["Checkpoint", "LazyTensor", "Stats"]
 
@@ -118,6 +125,7 @@ class _Source:
         "dtype",
         "exchange",
         "key",
+        "maps",
         "name",
         "nbytes",
         "position",
@@ -140,8 +148,12 @@ class _Source:
         stats: Stats,
         name: str,
         exchange: Any = None,
+        maps: dict[int, bool] | None = None,
     ) -> None:
         self.reader, self.shard, self.at, self.nbytes = reader, shard, at, nbytes
+        # Local files are mapped, not read (``Reader.map``): shard -> whether it can be (the
+        # dict shared by a checkpoint's sources; None: a remote file).
+        self.maps = maps
         self.dtype, self.shape, self.cost, self.stats, self.name = dtype, shape, cost, stats, name
         self.exchange = exchange  # a _exchange.ColumnExchange, or None
         self.whole: torch.Tensor | None = None  # once read whole: later regions view it
@@ -190,8 +202,18 @@ class _Source:
             got += sum(n for _, n in ranges)
             return self.raw(ranges)
 
-        out = read_index(torch, read, self.dtype, self.shape, self.nbytes, index, self.cost)
+        # Mapped: one span, the region a strided view of it, copied once by the consumer (pages
+        # outside the region but inside the span are faulted in: counted as read).
+        mapped = self.mapped
+        cost = MAPPED_READ_COST if mapped else self.cost
+        out = read_index(torch, read, self.dtype, self.shape, self.nbytes, index, cost, not mapped)
         return out, got
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the tensor's file is mapped (local, not encrypted): a region is a view of
+        the file's pages, no request to a store. The same on every rank that opens the file."""
+        return self.maps is not None and self.maps.get(self.shard, False)
 
     def region_bytes(self, index: tuple[Any, ...]) -> int:
         """The bytes ``fetch(index)`` reads."""
@@ -201,6 +223,12 @@ class _Source:
     def raw(self, ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The bytes of ``ranges`` (``(offset, len)`` from the tensor's start), one after the
         other, as a uint8 tensor; not counted."""
+        if len(ranges) == 1 and self.mapped:
+            (o, n), maps = ranges[0], self.maps
+            capsule = self.reader.map(self.shard, self.at + o, n)
+            if capsule is not None:
+                return torch.from_dlpack(capsule)
+            maps[self.shard] = False  # type: ignore[index]  # read from now on
         capsule = self.reader.read(self.shard, [(self.at + o, n) for o, n in ranges])
         return torch.from_dlpack(capsule)
 
@@ -480,7 +508,9 @@ class Checkpoint:
     """The tensors of a checkpoint (a file, a folder, an index, a list of files: any ``uri``
     ``fastload.load`` takes) as lazy tensors, in file order. ``options``: those a native
     ``Reader`` takes (``concurrency``, ``block_size``, ``storage_options``, ``cache``,
-    ``verify``, ``keyset``, ``associated_data``); others are ignored. ``stats`` may be shared by
+    ``verify``, ``keyset``, ``associated_data``), and ``method``: local files are mapped (a
+    region is a view of the file's pages, copied once by its consumer) unless it is ``"read"``
+    (each region read into a buffer); others are ignored. ``stats`` may be shared by
     several checkpoints of one load. ``exchange``: a ``fastload._exchange.ColumnExchange`` over
     the tensor-parallel group, through which the group reads the tensors each rank keeps a column
     block of once between them (every rank of the group must load the same tensors in the same
@@ -498,6 +528,9 @@ class Checkpoint:
         **options: Any,
     ) -> None:
         self._glue = _torch_glue()
+        # Local files are mapped unless the load says to read them (``method="read"``).
+        method = str(options.get("method") or "auto").lower()
+        self.map_local = method not in ("read", "pread")
         native = {k: v for k, v in options.items() if k in READER_OPTIONS and v is not None}
         self.reader = _fastload.Reader(_uris(uri), **native)
         self.stats = stats if stats is not None else Stats()
@@ -516,10 +549,13 @@ class Checkpoint:
     def _sources(self) -> tuple[list[_Source], bool]:
         """Every tensor's source, in file order; whether some file is remote."""
         sources, remote_any = [], False
+        maps: dict[int, bool] = {}
         for shard, header in enumerate(self.reader.headers()):
             file = header["file"]
             remote = _fastload.is_remote_uri(file) or file.startswith("hf://")
             remote_any |= remote
+            if not remote:
+                maps[shard] = self.map_local and self.reader.map(shard, 0, 0) is not None
             cost = REMOTE_READ_COST if remote else LOCAL_READ_COST
             for name, dtype, shape, begin, end in header["tensors"]:
                 tdtype = self._glue.DTYPES.get(dtype)
@@ -542,6 +578,7 @@ class Checkpoint:
                         self.stats,
                         name,
                         self.exchange,
+                        None if remote else maps,
                     )
                 )
         return sources, remote_any

@@ -13,6 +13,14 @@ A tensor the group exchanges (``fastload._exchange``) is read ahead as this rank
 the same every layer, which the exchange then uses. Small 1-D tensors (norms) are read ahead whole
 on first sight, once the consumer read something, the region asked for cut from them.
 
+A tensor whose name was never read (layer 0's, the embeddings, ``lm_head``) has no region to go
+by. Under a tensor-parallel group (an exchange) such a 2-D tensor is read ahead as this rank's
+block of rows, the group's guess: what a column-parallel or vocab-parallel weight keeps and what a
+row-parallel one is read as for the exchange, so the first layer's reads are in flight together
+too (with ``all_layers`` from the start, else once the consumer reads some of its layer). A
+region asked for within those rows is cut from them; any other (a replicated or a KV-head
+weight) is read as asked, and the guess counts as unused.
+
 When the consumer reads a tensor with the region predicted, it gets the bytes read ahead; with
 another region it reads as without read-ahead (the prediction's bytes count as unused). A layer
 nothing of which is read (a pipeline stage's next layers) is never read ahead, but for its first
@@ -52,6 +60,9 @@ SMALL = 64 << 10
 _WHOLE = "whole"
 # Marks a read-ahead entry as an exchanged tensor's row block (not the region itself).
 _BLOCK = "block"
+# Marks a read-ahead entry as a guessed block of rows, ``(_GUESS, first row, end row)``: a tensor
+# no region of which is known yet, read as this rank's row block of the group.
+_GUESS = "guess"
 
 
 def _block_reader(source: Any, block: tuple[int, int]) -> Any:
@@ -91,6 +102,10 @@ class ReadAhead:
             self.following[pos] = following.get(sources[pos].key, 0)
             following[sources[pos].key] = pos
         self.next: set[int] = set()  # positions to read ahead once in the window
+        # The first tensor of each name (no region known): this rank's rows guessed, where a
+        # group gives the rank (see the module's doc).
+        self.guesses = {pos for pos in following.values() if _guess(sources[pos]) is not None}
+        self.next |= self.guesses
         # Small 1-D tensors (norms, biases: read whole by most consumers) are read ahead whole
         # before their first read, the region asked for then cut from them.
         self.small = {
@@ -148,11 +163,15 @@ class ReadAhead:
         got = None
         if entry is not None:
             self.held -= entry[2]
-            if entry[0] == index or entry[0] == _WHOLE:
+            guessed = entry[0][0] == _GUESS if isinstance(entry[0], tuple) else False
+            cut = _cut(source, entry[0], index, block) if guessed else None
+            if entry[0] == index or entry[0] == _WHOLE or cut is not None:
                 try:
                     got = entry[1].result()
                     if entry[0] == _WHOLE and not full:
                         got = (got[0][index], got[1])
+                    elif cut is not None:
+                        got = (cut(got[0]), got[1])
                     self.used_bytes += got[1]
                 except Exception:
                     got = None  # read again by the consumer: its error, if it lasts
@@ -195,6 +214,16 @@ class ReadAhead:
                 if not self.started:
                     continue  # once the consumer reads something
                 region = (_WHOLE, True)  # not read yet: whole, started layer or not
+            elif region is None and pos in self.guesses:
+                if not self.all_layers and (
+                    self.layers[pos] is None or self.layers[pos] not in self.started
+                ):
+                    continue  # a pipeline stage: once the consumer reads some of its layer
+                rows, block = _guess(source)  # type: ignore[misc]
+                if self.pending and self.held + block[1] > self.limit:
+                    return
+                self._submit(pos, (_GUESS, *rows), _block_reader(source, block), (), block[1])
+                continue
             elif self.layers[pos] not in self.started and not (
                 self.layers[pos] is not None
                 and self.before[pos] in self.started
@@ -223,11 +252,14 @@ class ReadAhead:
                 nbytes = source.region_bytes(fetch_index)
             if self.pending and self.held + nbytes > self.limit:
                 return
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="fastload-ahead")
-            self.pending[pos] = (index, self._pool.submit(fetch, fetch_index), nbytes)
-            self.held += nbytes
-            self.next.discard(pos)
+            self._submit(pos, index, fetch, fetch_index, nbytes)
+
+    def _submit(self, pos: int, index: Any, fetch: Any, fetch_index: Any, nbytes: int) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="fastload-ahead")
+        self.pending[pos] = (index, self._pool.submit(fetch, fetch_index), nbytes)
+        self.held += nbytes
+        self.next.discard(pos)
 
     def close(self) -> None:
         """Drops what was read ahead and not used (waiting for reads in progress)."""
@@ -236,3 +268,41 @@ class ReadAhead:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def _guess(source: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """For a 2-D tensor of a tensor-parallel group's load: this rank's block of rows (``(first,
+    end)``) and its byte range, as the group's exchange reads it (``None``: no guess)."""
+    exchange = getattr(source, "exchange", None)
+    if exchange is None or not exchange.enabled or len(source.shape) != 2:
+        return None
+    if exchange.skip is not None and exchange.skip(source.name):
+        return None  # experts spread over ranks: this rank may read none of it
+    block = exchange.block(source)
+    if block is None:
+        return None
+    row_bytes = source.shape[1] * source.dtype.itemsize
+    first = block[0] // row_bytes
+    return (first, first + block[1] // row_bytes), block
+
+
+def _cut(source: Any, guess: tuple[Any, ...], index: Any, block: bool) -> Any:
+    """How to get what the consumer asks for from a guessed row block (raw bytes), or ``None``
+    where it lies outside it. ``block``: the exchange's row block is asked for (the same
+    rows: the bytes as they are)."""
+    _, first, end = guess
+    if block:
+        row_bytes = source.shape[1] * source.dtype.itemsize
+        same = source.exchange.block(source) == (first * row_bytes, (end - first) * row_bytes)
+        return (lambda raw: raw) if same else None
+    if len(index) != 2 or not isinstance(index[0], slice):
+        return None
+    rows = index[0]
+    if rows.step != 1 or rows.start < first or rows.stop > end or rows.start >= rows.stop:
+        return None
+    shifted = (slice(rows.start - first, rows.stop - first, 1), index[1])
+
+    def cut(raw: Any) -> Any:
+        return raw.view(end - first, -1).view(source.dtype)[shifted]
+
+    return cut

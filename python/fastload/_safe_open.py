@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 # a task and a pread.
 REMOTE_READ_COST = 512 * 1024
 LOCAL_READ_COST = 16 * 1024
+# A mapped file (the engines' lazy tensors over local files): no request at all, a region is a
+# view of its span's pages, so the plan is always one span.
+MAPPED_READ_COST = 1 << 62
 
 # The frameworks safetensors calls PyTorch.
 _TORCH = frozenset({"pt", "torch", "pytorch"})
@@ -355,11 +358,14 @@ def read_index(
     nbytes: int,
     index: Any,
     read_cost: int,
+    compact: bool = True,
 ) -> torch.Tensor:
     """``tensor[index]`` of a C-contiguous tensor of ``tshape`` and ``tdtype`` (``nbytes`` long)
     on the host, reading only what :func:`plan` picks through ``read`` (``(offset, len)`` ranges
     from the tensor's start, one after the other as a uint8 tensor); an index that is not basic
-    reads the whole tensor and lets torch index it."""
+    reads the whole tensor and lets torch index it. ``compact``: a result that is a strided view
+    of more than it selects is copied out (``False``: returned as the view, for what ``read``
+    returns without a copy, a mapping)."""
     if _basic(index, len(tshape)) is None:
         # Lists, tensors, booleans: torch indexes the whole tensor.
         whole = read([(0, nbytes)]).view(tdtype).reshape(tshape)
@@ -375,7 +381,7 @@ def read_index(
         _CARRIERS.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
     raw = read(p.ranges).view(_CARRIERS[tdtype.itemsize])
     out = raw.as_strided(p.size, p.stride)[p.view]
-    if not (out.is_contiguous() and out.numel() == raw.numel()):
+    if compact and not (out.is_contiguous() and out.numel() == raw.numel()):
         out = out.clone(memory_format=torch.contiguous_format)
     return out.view(tdtype)
 

@@ -40,6 +40,18 @@ impl Reader {
     }
 }
 
+impl Reader {
+    fn shard(&self, shard: usize) -> PyResult<&Shard> {
+        self.shards.get(shard).ok_or_else(|| {
+            crate::Error::option(
+                "shard",
+                format!("no file {shard}: {} are open", self.shards.len()),
+            )
+            .into()
+        })
+    }
+}
+
 #[pymethods]
 impl Reader {
     #[new]
@@ -114,13 +126,7 @@ impl Reader {
     /// Reads `ranges` (`(file offset, len)`) of file `shard` one after the other into a new
     /// buffer; returns it as a flat uint8 `dltensor` capsule. Reads nothing outside the ranges.
     fn read(&self, py: Python<'_>, shard: usize, ranges: Vec<(u64, u64)>) -> PyResult<Py<PyAny>> {
-        let Some(s) = self.shards.get(shard) else {
-            return Err(crate::Error::option(
-                "shard",
-                format!("no file {shard}: {} are open", self.shards.len()),
-            )
-            .into());
-        };
+        let s = self.shard(shard)?;
         // A remote source's connections are driven by the runtime of the process that opened
         // it: in a forked child a request would wait for them until it timed out. Local files
         // read as well in a child as anywhere.
@@ -140,6 +146,47 @@ impl Reader {
         self.reads.fetch_add(done.reads, Relaxed);
         let len = buffer.len() as u64;
         dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len])
+    }
+
+    /// `len` bytes at file offset `offset` of file `shard` without a copy: a private mapping of
+    /// them (writes stay in this process), its pages faulted in and the file checked unchanged
+    /// (a file cut short is an error here, never a fault later on), as a flat uint8 `dltensor`
+    /// capsule; `None` where the file cannot be mapped (object stores, encrypted files), to be
+    /// read instead. Counted as read.
+    fn map(
+        &self,
+        py: Python<'_>,
+        shard: usize,
+        offset: u64,
+        len: u64,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let s = self.shard(shard)?;
+        if offset.checked_add(len).is_none_or(|end| end > s.size) {
+            return Err(crate::Error::option(
+                "offset",
+                format!(
+                    "{len} bytes at {offset} lie outside {} ({} bytes)",
+                    s.name, s.size
+                ),
+            )
+            .into());
+        }
+        let (source, name) = (s.source.clone(), s.name.clone());
+        let mapped = off_thread(py, "map", move || {
+            let Some(mapped) = source.map(offset, len as usize) else {
+                return Ok(None);
+            };
+            let buffer = mapped?;
+            buffer.populate(0, len as usize, &name)?;
+            source.check_unchanged()?;
+            Ok::<_, crate::Error>(Some(buffer))
+        })??;
+        let Some(buffer) = mapped else {
+            return Ok(None);
+        };
+        self.bytes.fetch_add(len, Relaxed);
+        self.reads.fetch_add(1, Relaxed);
+        dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len]).map(Some)
     }
 
     /// Bytes read by every `read` so far.
