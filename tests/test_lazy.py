@@ -305,6 +305,40 @@ def test_local_regions_are_views_of_the_mapped_file(tmp_path):
     assert stats.sliced_bytes == 200 * 256 * 2 + span, stats
 
 
+def test_reads_started_later_give_what_read_gives(range_server, tmp_path):
+    """``Reader.read_later``: reads started at once (read-ahead's), each waited for once: the
+    bytes ``read`` gives, counted as read; a range outside the file refused when started, a
+    read the server fails raised by ``wait``, a second wait refused."""
+    from fastload import _fastload
+    from fastload._errors import ConfigError, FastloadError
+
+    path = tmp_path / "later.safetensors"
+    save_file({"w": pattern((256, 64), torch.float32, seed=4)}, str(path))
+    body = path.read_bytes()
+    range_server.put({"later.safetensors": path})
+    reader = _fastload.Reader([range_server.url("later.safetensors")])
+    before = reader.bytes_read
+    ranges = [[(100, 4000)], [(8, 16), (5000, 3000), (60000, 1)], [(len(body) - 10, 10)]]
+    pending = [reader.read_later(0, r) for r in ranges]
+    for r, p in reversed(list(zip(ranges, pending))):  # waited in any order
+        want = b"".join(body[o : o + n] for o, n in r)
+        assert bytes(torch.from_dlpack(p.wait()).numpy()) == want
+        with pytest.raises(FastloadError, match="twice"):
+            p.wait()
+    assert reader.bytes_read - before == sum(n for r in ranges for _, n in r)
+    with pytest.raises(ConfigError, match="outside the file"):
+        reader.read_later(0, [(len(body) - 4, 8)])
+    range_server.behaviour.fail_first = 100
+    range_server.behaviour.fail_status = 404
+    try:
+        failing = reader.read_later(0, [(0, 8)])
+        with pytest.raises(FastloadError):
+            failing.wait()
+    finally:
+        range_server.behaviour.fail_first = 0
+        range_server.behaviour.fail_status = 503
+
+
 def test_a_mapping_outside_the_file_is_refused(tmp_path):
     """``Reader.map`` checks the range against the file before mapping it (pages past a file's
     end would fault): an error naming the file, nothing mapped."""
@@ -317,7 +351,7 @@ def test_a_mapping_outside_the_file_is_refused(tmp_path):
     size = path.stat().st_size
     assert torch.from_dlpack(reader.map(0, size - 8, 8)).numel() == 8
     for offset, n in ((size - 4, 8), (size + 1, 0), (2**64 - 1, 2)):
-        with pytest.raises(ConfigError, match="m.safetensors"):
+        with pytest.raises(ConfigError, match=r"m\.safetensors"):
             reader.map(0, offset, n)
     with pytest.raises(ConfigError, match="no file 1"):
         reader.map(1, 0, 1)

@@ -40,6 +40,7 @@ __all__ = [
     "FileWriter",
     "Item",
     "OptionDef",
+    "PendingRead",
     "RankPlan",
     "Reader",
     "ResolvedOptions",
@@ -334,10 +335,20 @@ class Reader:
     def read(self, shard: int, ranges: list[tuple[int, int]]) -> object:
         """``ranges`` (``(file offset, len)``) of file ``shard``, one after the other, as a flat
         uint8 ``dltensor`` capsule."""
+    def read_later(self, shard: int, ranges: list[tuple[int, int]]) -> PendingRead:
+        """``read``, started now on a thread of its own (which never takes the GIL);
+        ``PendingRead.wait()`` gives the capsule."""
     def map(self, shard: int, offset: int, len: int) -> object | None:
         """``len`` bytes at ``offset`` of file ``shard`` as a private mapping (its pages faulted
         in, the file checked unchanged), a flat uint8 ``dltensor`` capsule; ``None`` where the
         file cannot be mapped (object stores, encrypted files)."""
+
+@final
+class PendingRead:
+    """A read started by ``Reader.read_later``."""
+
+    def wait(self) -> object:
+        """The bytes read (a flat uint8 ``dltensor`` capsule), or the read's error; once."""
 
 @final
 class FileWriter:

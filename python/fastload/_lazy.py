@@ -31,6 +31,7 @@ from ._safe_open import (
     LOCAL_READ_COST,
     MAPPED_READ_COST,
     REMOTE_READ_COST,
+    index_reads,
     plan,
     read_index,
     safe_open,
@@ -209,6 +210,25 @@ class _Source:
         out = read_index(torch, read, self.dtype, self.shape, self.nbytes, index, cost, not mapped)
         return out, got
 
+    def start(self, index: tuple[Any, ...]) -> _Later:
+        """``fetch(index)`` started now, in flight while the caller goes on (read-ahead):
+        ``result()`` gives ``(tensor, bytes)``. A mapped file's region is mapped at once."""
+        if self.mapped:
+            return _Later(None, out=self.fetch(index))
+        ranges, finish = index_reads(
+            torch, self.dtype, self.shape, self.nbytes, index, self.cost, True
+        )
+        return self.start_raw(ranges, finish)
+
+    def start_raw(self, ranges: list[tuple[int, int]], finish: Any = None) -> _Later:
+        """``raw(ranges)`` started now (``finish``: made of the bytes once in; ``result()``
+        gives ``(it, bytes)``)."""
+        nbytes = sum(n for _, n in ranges)
+        pending = None
+        if ranges:
+            pending = self.reader.read_later(self.shard, [(self.at + o, n) for o, n in ranges])
+        return _Later(pending, finish, nbytes)
+
     @property
     def mapped(self) -> bool:
         """Whether the tensor's file is mapped (local, not encrypted): a region is a view of
@@ -263,6 +283,33 @@ class _Source:
             if self.counted is None:
                 s.sliced_tensors += 1
                 self.counted = "sliced"
+
+
+class _Later:
+    """A read in flight (``Reader.read_later``): ``result()`` waits for it once and gives
+    ``(finish(its bytes as a uint8 tensor), bytes read)`` (no ``finish``: the bytes), then and
+    after; its error, if it failed, every time. ``pending`` None: nothing to wait for (``out``
+    is the result, or ``finish`` gets None)."""
+
+    __slots__ = ("_error", "_finish", "_nbytes", "_out", "_pending")
+
+    def __init__(self, pending: Any, finish: Any = None, nbytes: int = 0, out: Any = None) -> None:
+        self._pending, self._finish, self._nbytes = pending, finish, nbytes
+        self._out: tuple[Any, int] | None = out
+        self._error: Exception | None = None
+
+    def result(self) -> tuple[Any, int]:
+        if self._out is None and self._error is None:
+            pending, self._pending = self._pending, None
+            try:
+                raw = None if pending is None else torch.from_dlpack(pending.wait())
+                self._out = (raw if self._finish is None else self._finish(raw), self._nbytes)
+            except Exception as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        return self._out
 
 
 def _range_item(it: Any) -> bool:

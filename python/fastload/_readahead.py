@@ -4,11 +4,14 @@ at once, so without help every tensor costs a round trip to storage one after th
 layers of a model repeat: the tensor ``model.layers.7.mlp.down_proj.weight`` is narrowed as
 ``model.layers.6.mlp.down_proj.weight`` was. Once a tensor's region is known (it was read), the
 same tensor of the next layer (its name with the first number, the layer, replaced, and the same
-shape and dtype) is read ahead with that region, in background threads, as soon as the consumer
-reads a first tensor of that layer: the rest of the layer's reads are then in flight together,
-while the consumer works on the first. The next layer's first tensor is read ahead once the
-consumer reads something of the layer before (so that a layer's first read does not wait), and
-with ``all_layers`` (the consumer reads every layer: no pipeline stages) the whole next layer is.
+shape and dtype) is read ahead with that region as soon as the consumer reads a first tensor of
+that layer: the rest of the layer's reads are then in flight together, while the consumer works
+on the first. The next layer's first tensor is read ahead once the consumer reads something of
+the layer before (so that a layer's first read does not wait), and with ``all_layers`` (the
+consumer reads every layer: no pipeline stages) every later layer's tensors are, as far ahead as
+``window`` and ``limit`` let. Reads ahead start at once and are in flight on native threads
+(``Reader.read_later``), which never take the GIL: reads that end while the consumer runs Python
+do not queue for it, as Python threads would (a 2 KiB read took 0.1 to 0.2 s that way).
 A tensor the group exchanges (``fastload._exchange``) is read ahead as this rank's block of rows,
 the same every layer, which the exchange then uses. Small 1-D tensors (norms) are read ahead whole
 on first sight, once the consumer read something, the region asked for cut from them.
@@ -33,17 +36,12 @@ used).
 from __future__ import annotations
 
 import re
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 # Tensors past the one the consumer is at that may be read ahead.
 WINDOW = 32
 # Bytes read ahead and not used yet, at most (a load's memory_limit, when smaller).
 LIMIT = 256 << 20
-# Threads reading ahead (each read is itself `concurrency` requests in flight): a layer's
-# tensors in flight together, each a round trip.
-THREADS = 16
 
 _LAYER = re.compile(r"(?<![0-9])[0-9]+(?![0-9])")
 
@@ -65,15 +63,6 @@ _BLOCK = "block"
 _GUESS = "guess"
 
 
-def _block_reader(source: Any, block: tuple[int, int]) -> Any:
-    """Reads ``block`` of ``source`` (bytes from the tensor's start): ``(uint8 tensor, bytes)``."""
-
-    def read(_index: Any) -> tuple[Any, int]:
-        return source.raw([block]), block[1]
-
-    return read
-
-
 def key(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[str, tuple[int, ...], Any]:
     """What tensors that are read alike share: the name with its first number (the layer)
     replaced, the shape and the dtype."""
@@ -83,8 +72,9 @@ def key(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[str, tuple[int, 
 class ReadAhead:
     """The read-ahead of one checkpoint's lazy tensors (see the module's doc) over ``sources``:
     its ``_Source``s in the order they are handed out. Each has ``name``, ``key``, ``position``,
-    ``done`` (read already), ``region_bytes(index)`` and ``fetch(index) -> (tensor, bytes
-    read)``. Called from the consumer's thread only; the reads run in its own."""
+    ``done`` (read already), ``region_bytes(index)``, ``start(index)`` and ``start_raw(ranges)``
+    (reads started at once, in flight on native threads that never take the GIL, each with
+    ``result() -> (tensor, bytes read)``). Called from the consumer's thread only."""
 
     def __init__(
         self,
@@ -130,12 +120,11 @@ class ReadAhead:
                 self.opens.add(pos)
         self.started: set[str | None] = set()  # layers something of which was read
         self.regions: dict[Any, tuple[Any, bool]] = {}  # key -> (index, full) last read
-        self.pending: dict[int, tuple[Any, Future[Any], int]] = {}  # position -> read ahead
+        self.pending: dict[int, tuple[Any, Any, int]] = {}  # position -> read ahead
         self.held = 0  # bytes of pending reads
         self.at = -1  # the position of the last tensor handed out
         self.used_bytes = self.unused_bytes = 0
-        self._lock = threading.Lock()  # unused_bytes: counted as reads end
-        self._pool: ThreadPoolExecutor | None = None
+        self.unused: list[Any] = []  # reads read ahead in vain: counted once they end
 
     def handed_out(self, pos: int) -> None:
         """The consumer was handed the tensor at ``pos`` (the next in order): the one before, if
@@ -158,8 +147,12 @@ class ReadAhead:
             index = (_BLOCK, index)
         self.regions[source.key] = (index[1] if block else index, full)
         self.started.add(self.layers[source.position])
-        if self.following[source.position]:
-            self.next.add(self.following[source.position])
+        follower = self.following[source.position]
+        while follower:
+            # The next layer's tensor of this name; with ``all_layers`` every later layer's
+            # (all are read: as far ahead as the window and the limit let).
+            self.next.add(follower)
+            follower = self.following[follower] if self.all_layers else 0
         got = None
         if entry is not None:
             self.held -= entry[2]
@@ -186,17 +179,9 @@ class ReadAhead:
             self.held -= entry[2]
             self._unused(entry[1])
 
-    def _unused(self, future: Future[Any]) -> None:
-        """Counts what ``future`` read (once it ends: not cancelled midway) as unused."""
-
-        def count(f: Future[Any]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                return
-            with self._lock:
-                self.unused_bytes += int(f.result()[1])
-
-        if not future.cancel():
-            future.add_done_callback(count)
+    def _unused(self, later: Any) -> None:
+        """Counts what ``later`` reads as unused, once it ends (``close``)."""
+        self.unused.append(later)
 
     def _launch(self) -> None:
         """Reads ahead, in order while they fit in the limit, the tensors within the window that
@@ -222,12 +207,16 @@ class ReadAhead:
                 rows, block = _guess(source)  # type: ignore[misc]
                 if self.pending and self.held + block[1] > self.limit:
                     return
-                self._submit(pos, (_GUESS, *rows), _block_reader(source, block), (), block[1])
+                self._submit(pos, (_GUESS, *rows), source.start_raw([block]), block[1])
                 continue
-            elif self.layers[pos] not in self.started and not (
-                self.layers[pos] is not None
-                and self.before[pos] in self.started
-                and (self.all_layers or pos in self.opens)
+            elif (
+                not self.all_layers
+                and self.layers[pos] not in self.started
+                and not (
+                    self.layers[pos] is not None
+                    and self.before[pos] in self.started
+                    and pos in self.opens
+                )
             ):
                 continue  # once the consumer reads some of that layer (or of the one before)
             if region is None:
@@ -237,7 +226,7 @@ class ReadAhead:
             whole = tuple(slice(0, n, 1) for n in source.shape)
             fetch_index = whole if index == _WHOLE else index
             exchange = getattr(source, "exchange", None)
-            fetch: Any = source.fetch
+            block = None
             if index != _WHOLE and exchange is not None and exchange.wants(source, index):
                 # Read with the group (fastload._exchange): this rank's rows ahead, the same
                 # every layer.
@@ -247,27 +236,29 @@ class ReadAhead:
                     continue
                 nbytes = block[1]
                 index = (_BLOCK, index)
-                fetch = _block_reader(source, block)
             else:
                 nbytes = source.region_bytes(fetch_index)
             if self.pending and self.held + nbytes > self.limit:
                 return
-            self._submit(pos, index, fetch, fetch_index, nbytes)
+            later = source.start(fetch_index) if block is None else source.start_raw([block])
+            self._submit(pos, index, later, nbytes)
 
-    def _submit(self, pos: int, index: Any, fetch: Any, fetch_index: Any, nbytes: int) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="fastload-ahead")
-        self.pending[pos] = (index, self._pool.submit(fetch, fetch_index), nbytes)
+    def _submit(self, pos: int, index: Any, later: Any, nbytes: int) -> None:
+        self.pending[pos] = (index, later, nbytes)
         self.held += nbytes
         self.next.discard(pos)
 
     def close(self) -> None:
-        """Drops what was read ahead and not used (waiting for reads in progress)."""
+        """Drops what was read ahead and not used, waiting for reads in progress (what the
+        source sent is counted: ``unused_bytes``)."""
         for pos in list(self.pending):
             self._drop(pos)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        unused, self.unused = self.unused, []
+        for later in unused:
+            try:
+                self.unused_bytes += int(later.result()[1])
+            except Exception:
+                pass  # failed: what it read is not known to have arrived
 
 
 def _guess(source: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:

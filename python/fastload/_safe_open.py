@@ -366,24 +366,43 @@ def read_index(
     reads the whole tensor and lets torch index it. ``compact``: a result that is a strided view
     of more than it selects is copied out (``False``: returned as the view, for what ``read``
     returns without a copy, a mapping)."""
+    ranges, finish = index_reads(torch, tdtype, tshape, nbytes, index, read_cost, compact)
+    return finish(read(ranges) if ranges else None)
+
+
+def index_reads(
+    torch: Any,
+    tdtype: torch.dtype,
+    tshape: tuple[int, ...],
+    nbytes: int,
+    index: Any,
+    read_cost: int,
+    compact: bool = True,
+) -> tuple[list[tuple[int, int]], Callable[[Any], torch.Tensor]]:
+    """:func:`read_index` in two steps, for a read started now and finished later: the ranges
+    to read (none for an empty region), and what makes ``tensor[index]`` of their bytes (the
+    uint8 tensor ``read`` would give; ``None`` where there are no ranges)."""
     if _basic(index, len(tshape)) is None:
         # Lists, tensors, booleans: torch indexes the whole tensor.
-        whole = read([(0, nbytes)]).view(tdtype).reshape(tshape)
-        return whole[index]
+        return [(0, nbytes)], lambda raw: raw.view(tdtype).reshape(tshape)[index]
     # torch's own errors, and the result's shape, before anything is read.
     want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
     p = plan(tshape, tdtype.itemsize, index, read_cost)
     if p is None:
-        return torch.empty(want, dtype=tdtype)
+        return [], lambda _: torch.empty(want, dtype=tdtype)
     # Strided views and copies of plain integers of the same width: every dtype (fp8, fp4,
     # bool) moves as its bits.
     if not _CARRIERS:
         _CARRIERS.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
-    raw = read(p.ranges).view(_CARRIERS[tdtype.itemsize])
-    out = raw.as_strided(p.size, p.stride)[p.view]
-    if compact and not (out.is_contiguous() and out.numel() == raw.numel()):
-        out = out.clone(memory_format=torch.contiguous_format)
-    return out.view(tdtype)
+
+    def finish(got: Any) -> torch.Tensor:
+        raw = got.view(_CARRIERS[tdtype.itemsize])
+        out = raw.as_strided(p.size, p.stride)[p.view]
+        if compact and not (out.is_contiguous() and out.numel() == raw.numel()):
+            out = out.clone(memory_format=torch.contiguous_format)
+        return out.view(tdtype)
+
+    return p.ranges, finish
 
 
 class SafeSlice:

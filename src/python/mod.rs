@@ -124,6 +124,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<options::PyOptionDef>()?;
     m.add_class::<ranks::RankPlan>()?;
     m.add_class::<reader::Reader>()?;
+    m.add_class::<reader::PendingRead>()?;
     m.add_class::<write::FileWriter>()?;
     m.add_function(wrap_pyfunction!(write::write_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(write::remove, m)?)?;

@@ -3,7 +3,8 @@
 //! for its life and reads each tensor, or the rows of a slice, through it.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -26,8 +27,7 @@ pub struct Reader {
     #[pyo3(get)]
     block_size: u64,
     /// Bytes read and reads issued by every `read` so far.
-    bytes: AtomicU64,
-    reads: AtomicU64,
+    counts: Arc<Counts>,
     /// The process that opened the files: a forked child cannot read remote ones (`read`).
     opened_in: u32,
 }
@@ -40,7 +40,80 @@ impl Reader {
     }
 }
 
+/// Bytes read and reads issued, over every read of a [`Reader`] (and its [`PendingRead`]s).
+#[derive(Default)]
+struct Counts {
+    bytes: AtomicU64,
+    reads: AtomicU64,
+}
+
+impl Counts {
+    fn add(&self, done: crate::ranges::Done) {
+        self.bytes.fetch_add(done.bytes, Relaxed);
+        self.reads.fetch_add(done.reads, Relaxed);
+    }
+}
+
+/// What a read started by `Reader.read_later` sends back.
+type ReadOut = crate::Result<(crate::memory::HostBuffer, crate::ranges::Done)>;
+
+/// A read started by `Reader.read_later`: `wait()` for its bytes.
+#[pyclass(module = "fastload._fastload", frozen)]
+pub struct PendingRead {
+    /// Taken by the first `wait`.
+    rx: Mutex<Option<Receiver<ReadOut>>>,
+}
+
+#[pymethods]
+impl PendingRead {
+    /// The bytes read, as `Reader.read` gives them (a flat uint8 `dltensor` capsule), once they
+    /// are in; the read's error if it failed. Waits with the GIL released, Ctrl-C honoured (the
+    /// read goes on, its result dropped). Once only.
+    fn wait(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let Some(mut rx) = self.rx.lock().map(|mut r| r.take()).unwrap_or(None) else {
+            return Err(crate::Error::Internal {
+                message: "read_later: waited for twice".into(),
+            }
+            .into());
+        };
+        loop {
+            let (waited, back) =
+                super::gil::detach(py, move || (rx.recv_timeout(super::wait::SLICE), rx));
+            rx = back;
+            match waited {
+                Ok(out) => {
+                    let (buffer, _) = out?;
+                    let len = buffer.len() as u64;
+                    return dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len]);
+                }
+                Err(RecvTimeoutError::Timeout) => py.check_signals()?,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(crate::Error::Internal {
+                        message: "read_later: the reading thread panicked".into(),
+                    }
+                    .into())
+                }
+            }
+        }
+    }
+}
+
 impl Reader {
+    /// A remote source's connections are driven by the runtime of the process that opened it:
+    /// in a forked child a request would wait for them until it timed out. Local files read as
+    /// well in a child as anywhere.
+    fn check_process(&self, s: &Shard) -> PyResult<()> {
+        if s.local_path().is_none() && std::process::id() != self.opened_in {
+            return Err(crate::Error::Forked {
+                what: format!("remote file {}", s.source.name()),
+                verb: "read",
+                opened_in: self.opened_in,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
     fn shard(&self, shard: usize) -> PyResult<&Shard> {
         self.shards.get(shard).ok_or_else(|| {
             crate::Error::option(
@@ -102,8 +175,7 @@ impl Reader {
             remote,
             concurrency: resolved.concurrency,
             block_size: resolved.block_size,
-            bytes: AtomicU64::new(0),
-            reads: AtomicU64::new(0),
+            counts: Arc::default(),
             opened_in: std::process::id(),
         })
     }
@@ -127,25 +199,42 @@ impl Reader {
     /// buffer; returns it as a flat uint8 `dltensor` capsule. Reads nothing outside the ranges.
     fn read(&self, py: Python<'_>, shard: usize, ranges: Vec<(u64, u64)>) -> PyResult<Py<PyAny>> {
         let s = self.shard(shard)?;
-        // A remote source's connections are driven by the runtime of the process that opened
-        // it: in a forked child a request would wait for them until it timed out. Local files
-        // read as well in a child as anywhere.
-        if s.local_path().is_none() && std::process::id() != self.opened_in {
-            return Err(crate::Error::Forked {
-                what: format!("remote file {}", s.source.name()),
-                verb: "read",
-                opened_in: self.opened_in,
-            }
-            .into());
-        }
+        self.check_process(s)?;
         let (source, block, concurrency) = (s.source.clone(), self.block_size, self.concurrency);
         let (buffer, done) = off_thread(py, "read", move || {
             crate::ranges::read(source, &ranges, block, concurrency)
         })??;
-        self.bytes.fetch_add(done.bytes, Relaxed);
-        self.reads.fetch_add(done.reads, Relaxed);
+        self.counts.add(done);
         let len = buffer.len() as u64;
         dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len])
+    }
+
+    /// `read`, started now and finished without the caller: the reads run on a thread of their
+    /// own, which never takes the GIL, and `PendingRead.wait()` gives the capsule. Read-ahead
+    /// starts many of these from one thread (Python threads doing the same would queue for the
+    /// GIL as each read ends). Ranges outside the file are refused here, before anything runs.
+    fn read_later(&self, shard: usize, ranges: Vec<(u64, u64)>) -> PyResult<PendingRead> {
+        let s = self.shard(shard)?;
+        self.check_process(s)?;
+        crate::ranges::reads(&ranges, s.size, self.block_size, &s.name)?;
+        let (source, block, concurrency) = (s.source.clone(), self.block_size, self.concurrency);
+        let counts = self.counts.clone();
+        let (tx, rx) = sync_channel(1);
+        std::thread::Builder::new()
+            .name("fastload-read-later".into())
+            .spawn(move || {
+                let out = crate::ranges::read(source, &ranges, block, concurrency);
+                if let Ok((_, done)) = &out {
+                    counts.add(*done);
+                }
+                let _ = tx.send(out);
+            })
+            .map_err(|e| crate::Error::Internal {
+                message: format!("read_later: cannot start a thread: {e}"),
+            })?;
+        Ok(PendingRead {
+            rx: Mutex::new(Some(rx)),
+        })
     }
 
     /// `len` bytes at file offset `offset` of file `shard` without a copy: a private mapping of
@@ -184,20 +273,22 @@ impl Reader {
         let Some(buffer) = mapped else {
             return Ok(None);
         };
-        self.bytes.fetch_add(len, Relaxed);
-        self.reads.fetch_add(1, Relaxed);
+        self.counts.add(crate::ranges::Done {
+            bytes: len,
+            reads: 1,
+        });
         dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len]).map(Some)
     }
 
     /// Bytes read by every `read` so far.
     #[getter]
     fn bytes_read(&self) -> u64 {
-        self.bytes.load(Relaxed)
+        self.counts.bytes.load(Relaxed)
     }
 
     /// Reads issued (requests, for object stores) by every `read` so far.
     #[getter]
     fn reads(&self) -> u64 {
-        self.reads.load(Relaxed)
+        self.counts.reads.load(Relaxed)
     }
 }
