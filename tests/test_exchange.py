@@ -66,7 +66,8 @@ def _scenario(sc: dict, group, rank: int) -> dict:
 
     world = sc["world"]
     want = load_file(sc["reference"])
-    exchange = ColumnExchange(group, rank, world) if sc["exchange"] else None
+    share = sc.get("share", False)
+    exchange = ColumnExchange(group, rank, world, share=share) if sc["exchange"] else None
     checkpoint = Checkpoint(sc["uri"], exchange=exchange, method=sc.get("method"))
     out: dict = {"id": sc["id"], "equal": {}, "errors": {}}
     try:
@@ -75,17 +76,21 @@ def _scenario(sc: dict, group, rank: int) -> dict:
                 continue
             if sc.get("fail") == [rank, name]:
                 lazy._source.reader = _FailingReader(name)
-            width = lazy.shape[1] // world
-            region = lazy.narrow(1, rank * width, width)
+            if share and (lazy.dim() != 2 or name.startswith("whole")):
+                region = lazy  # read whole by every rank: the group shares it
+            else:
+                width = lazy.shape[1] // world
+                region = lazy.narrow(1, rank * width, width)
             got = torch.empty(region.shape, dtype=lazy.dtype)
             try:
                 got.copy_(region)
             except OSError as e:
                 out["errors"][name] = str(e)
                 continue
-            ref = want[name].narrow(1, rank * width, width).contiguous()
-            out["equal"][name] = got.shape == ref.shape and torch.equal(
-                got.view(torch.uint8), ref.view(torch.uint8)
+            ref = want[name] if region is lazy else want[name].narrow(1, rank * width, width)
+            ref = ref.contiguous().reshape(-1)  # 1-D: a scalar's bytes can be viewed too
+            out["equal"][name] = got.shape == region.shape and torch.equal(
+                got.reshape(-1).view(torch.uint8), ref.view(torch.uint8)
             )
         out["enabled"] = exchange.enabled if exchange else False
     finally:
@@ -175,6 +180,20 @@ def cases(world: int, seed: int) -> tuple[dict[str, torch.Tensor], set[str]]:
     return tensors, exchanged
 
 
+def _shared_tensors(seed: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Layers of a norm (1-D), a replicated 2-D weight (``whole...``, read whole by every rank),
+    a row-parallel weight (exchanged) and a scalar, for ``share``; bytes past the first 256 KiB
+    each rank fetches with the header."""
+    rng = random.Random(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(4):
+        tensors[f"layers.{i}.norm.weight"] = _tensor((256,), "bfloat16", rng)
+        tensors[f"whole.{i}.kv.weight"] = _tensor((96, 512), "bfloat16", rng)
+        tensors[f"layers.{i}.o_proj.weight"] = _tensor((96, 12), "float32", rng)
+        tensors[f"layers.{i}.scale"] = _tensor((), "float32", rng)
+    return tensors, {n for n in tensors if n.endswith("o_proj.weight")}
+
+
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 
@@ -261,11 +280,27 @@ def group(tmp_path_factory):
     tensors, exchanged = _layer_tensors(5)
     layers = _write(tmp / "layers" / "model.safetensors", tensors)
     made["http_layers"] = (tensors, exchanged)
+    shared_tensors, exchanged = _shared_tensors(seed=13)
+    shared = _write(tmp / "shared" / "model.safetensors", shared_tensors)
+    made["shared"] = (shared_tensors, exchanged)
+    for world in (2, 3):
+        scenarios.append(
+            {
+                "id": f"shared{world}",
+                "uri": str(shared),
+                "reference": str(shared),
+                "exchange": True,
+                "share": True,
+                "world": world,
+                "method": "read",  # a mapped file is neither exchanged nor shared
+            }
+        )
     server = RangeServer(
         {
             "a/model.safetensors": body,
             "b/model.safetensors": body,
             "c/model.safetensors": layers.read_bytes(),
+            "d/model.safetensors": shared.read_bytes(),
         },
         Behaviour(),
     )
@@ -278,6 +313,13 @@ def group(tmp_path_factory):
             "id": "http_layers",
             "uri": server.url("c/model.safetensors"),
             "reference": str(layers),
+        },
+        {
+            **base,
+            "id": "http_shared",
+            "uri": server.url("d/model.safetensors"),
+            "reference": str(shared),
+            "share": True,
         },
     ]
     try:
@@ -336,6 +378,43 @@ def test_a_mapped_local_file_is_not_exchanged(group):
         assert stats["exchanged_tensors"] == 0 and res["received"] == 0, (r, stats)
         assert stats["sliced_tensors"] + stats["whole_tensors"] == len(tensors), (r, stats)
         assert res["bytes_read"] == stats["read_bytes"], (r, stats)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensors_read_whole_are_read_once_by_the_group_and_shared(group, world):
+    """``share`` (``distributed: true``): every tensor a rank reads whole (norms, scalars, a
+    replicated weight) is read by one rank of the group, chosen by its name, and broadcast;
+    bitwise on every rank; its bytes read once over the group; row-parallel weights exchanged
+    as before."""
+    results, made, _ = group
+    tensors, exchanged = made["shared"]
+    _check(results[f"shared{world}"], tensors, exchanged, world)
+    whole = [n for n in tensors if n not in exchanged]
+    nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    read_whole = sum(res["stats"]["whole_bytes"] for res in results[f"shared{world}"])
+    assert read_whole == sum(nbytes[n] for n in whole)
+    for r, res in enumerate(results[f"shared{world}"]):
+        stats = res["stats"]
+        assert stats["whole_tensors"] + stats["shared_tensors"] == len(whole), (r, stats)
+        assert 0 < stats["shared_tensors"] < len(whole), (r, stats)
+        assert stats["sliced_tensors"] == 0, (r, stats)
+
+
+def test_over_http_shared_tensors_are_fetched_once(group):
+    """The same over HTTP, read ahead by the rank that reads each: the server sends every
+    tensor's bytes once over the two ranks, but for the guess of a name's first 2-D tensor (the
+    rank's rows, read ahead before its region is known: unused for the replicated one)."""
+    results, made, _ = group
+    tensors, exchanged = made["shared"]
+    _check(results["http_shared"], tensors, exchanged, 2)
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    stats = [res["stats"] for res in results["http_shared"]]
+    used = sum(s["read_bytes"] - s["ahead_unused_bytes"] for s in stats)
+    assert used == weights, (used, weights)
+    # The unused guess: the replicated weight's first layer (the rank's rows and 64 more on
+    # each side, all 96 rows), used by the rank that reads it for the group, not by the other.
+    unused = sum(s["ahead_unused_bytes"] for s in stats)
+    assert unused == tensors["whole.0.kv.weight"].nbytes, stats
 
 
 def test_over_http_the_group_reads_the_weights_once(group):

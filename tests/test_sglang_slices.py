@@ -342,7 +342,8 @@ def run_tp2(work: Path, out: Path) -> None:
     """This process's rank of SGLang's LlamaForCausalLM at TP 2: the gloo group of the two
     ranks' processes is the tensor-parallel group's ``cpu_group``. SGLang's own loader, then
     fastload's from the local folder (sliced reads, row-parallel weights exchanged over the
-    group), with ``slices: false``, and over HTTP. Writes ``out/rank{RANK}.json``."""
+    group), with ``slices: false``, over HTTP, and over HTTP with ``distributed`` too. Writes
+    ``out/rank{RANK}.json``."""
     import torch.distributed as dist
     from fastload.sglang import FastloadModelLoader
 
@@ -356,6 +357,8 @@ def run_tp2(work: Path, out: Path) -> None:
         ("default", None),
         ("whole", {"slices": False}),
         ("http", {"weights_uri": f"{url}tp2/{tvs.INDEX}"}),  # the server counts what it sent
+        # Sliced and distributed: what both ranks read whole, read by one and broadcast.
+        ("shared", {"weights_uri": f"{url}tp2s/{tvs.INDEX}", "slices": True, "distributed": True}),
     )
     for step, extra in steps:
         loader, params = _load_model(model, FastloadModelLoader, extra)
@@ -383,7 +386,10 @@ def loads(work):
     from servers.http import Behaviour, RangeServer
 
     files = {p.name: p.read_bytes() for p in (work / "llama").iterdir() if p.is_file()}
-    server = RangeServer({f"tp2/{name}": data for name, data in files.items()}, Behaviour())
+    server = RangeServer(
+        {f"{p}/{name}": data for p in ("tp2", "tp2s") for name, data in files.items()},
+        Behaviour(),
+    )
     try:
         out = work / "out"
         out.mkdir()
@@ -578,6 +584,17 @@ def test_sglang_llama_at_tp_2_reads_each_ranks_part(model, work):
     print(f"SGLang TP 2 over HTTP: {data / checkpoint:.3f}x the checkpoint sent")
     assert data == over_http, (data, over_http)
     assert data <= 1.2 * checkpoint, (data, checkpoint)
+    # With distributed too: the tensors both ranks read whole (the KV head's k/v, the norms)
+    # read by one of them and broadcast; the server sends less, each rank received some.
+    shared, _ = tvs._sent(log, "tp2s", files)
+    print(f"SGLang TP 2 over HTTP, distributed: {shared / checkpoint:.3f}x the checkpoint sent")
+    assert checkpoint <= shared < data, (shared, data, checkpoint)
+    for rank, got in enumerate(results["tp2"]):
+        assert got["shared"]["differ"] == [], (rank, got["shared"])
+        stats = got["shared"]["stats"]
+        assert stats["shared_tensors"] > 0 and stats["exchanged_tensors"] == 4, (rank, stats)
+    both = [got["shared"]["stats"] for got in results["tp2"]]
+    assert sum(s["shared_tensors"] for s in both) == sum(s["whole_tensors"] for s in both), both
 
 
 # A checkpoint tensor's parameter in SGLang's Llama (q/k/v and gate/up are fused).
@@ -653,7 +670,7 @@ def test_sliced_by_default_where_sglang_splits_the_model(monkeypatch):
 
 
 def test_slices_key_is_checked():
-    """``slices``: true, false or absent (the loader decides), not with ``distributed: true``;
+    """``slices``: true, false or absent (the loader decides), with ``distributed: true`` too;
     checked when SGLang builds its LoadConfig (the plugin's hook parses with these keys)."""
     from fastload import ConfigError, sglang
 
@@ -666,8 +683,8 @@ def test_slices_key_is_checked():
     with pytest.raises(ConfigError) as info:
         parse({"slices": "yes"})
     assert info.value.option == "slices"
-    with pytest.raises(ConfigError, match="slices and distributed cannot both be true"):
-        parse({"slices": True, "distributed": True})
+    both = parse({"slices": True, "distributed": True})
+    assert both.slices is True and both.distributed is True
 
 
 def run_all(work: Path, out: Path) -> None:

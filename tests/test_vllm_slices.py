@@ -138,7 +138,8 @@ def _write_model(out: Path) -> None:
 def run_engines(work: Path, result_path: Path) -> None:
     """TP 2 then PP 2, each with vLLM's safetensors loader (the reference), and fastload from
     the HTTP server at TEST_SLICES_URL (under tp2/ and pp2/, so the server's log tells the two
-    apart); TP 2 from the local folder too. Workers are vLLM's ``mp`` processes."""
+    apart); TP 2 from the local folder too, and over HTTP with ``distributed`` (under tp2s/).
+    Workers are vLLM's ``mp`` processes."""
     model = work / "tiny-llama"
     results: dict = {}
     url = os.environ["TEST_SLICES_URL"]
@@ -152,6 +153,9 @@ def run_engines(work: Path, result_path: Path) -> None:
     step("tp2_local", "fastload", **tp2)
     extra = {"weights_uri": url + "tp2/" + INDEX}
     step("tp2_http", "fastload", model_loader_extra_config=extra, **tp2)
+    # Sliced and distributed: what both workers read whole, read once and broadcast.
+    extra = {"weights_uri": url + "tp2s/" + INDEX, "slices": True, "distributed": True}
+    step("tp2_http_shared", "fastload", model_loader_extra_config=extra, **tp2)
     # vLLM's CPU build loads a pipeline-parallel model but fails its first forward pass (an
     # assertion in gpu_model_runner's sync_and_gather_intermediate_tensors, whatever the
     # loader): each stage's state, as loaded, is compared instead of tokens.
@@ -298,7 +302,11 @@ def engines(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     files = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
     server = RangeServer(
-        {f"{prefix}/{name}": data for prefix in ("tp2", "pp2") for name, data in files.items()},
+        {
+            f"{prefix}/{name}": data
+            for prefix in ("tp2", "tp2s", "pp2")
+            for name, data in files.items()
+        },
         Behaviour(),
     )
     try:
@@ -368,14 +376,31 @@ def test_tensor_parallel_2_reads_each_ranks_part(engines):
     # short run per row, which alone each worker would read as the span of the rows, nearly
     # whole: 1.33x here) once, each worker a block of rows, exchanged for the other's columns.
     assert weights < sent <= 1.2 * weights
-    # One line per worker and load (local, then HTTP), each rank reading part of the bytes;
-    # over HTTP exchanging the 4 row-parallel weights (o_proj and down_proj of 2 layers), from
-    # the mapped local folder copying its columns out of the pages itself.
+    # One line per worker and load (local, then HTTP, then HTTP with distributed), each rank
+    # reading part of the bytes; over HTTP exchanging the 4 row-parallel weights (o_proj and
+    # down_proj of 2 layers), from the mapped local folder copying its columns itself.
     lines = [line for line in _stat_lines(output) if "pp rank 0/1" in line]
-    assert len(lines) == 4, output[-8000:]
+    assert len(lines) == 6, output[-8000:]
     assert {line.split("tp rank ")[1][:3] for line in lines} == {"0/2", "1/2"}, lines
     exchanged = [ln for ln in lines if "as row blocks of 4 tensors exchanged over the group" in ln]
-    assert len(exchanged) == 2 and exchanged == lines[2:], lines
+    assert len(exchanged) == 4 and exchanged == lines[2:], lines
+
+
+@pytest.mark.slow
+@tv.needs_vllm
+def test_tensor_parallel_2_sliced_and_distributed_reads_replicated_tensors_once(engines):
+    """``slices`` and ``distributed`` both: the tokens of vLLM's own loader, the tensors both
+    workers keep whole (the one KV head's k/v, the norms) read by one worker and broadcast, so
+    the server sends less than with slices alone, and each worker logs what it received."""
+    results, output, files, log = engines
+    assert results.get("tp2_http_shared") == results["tp2_safetensors"], output[-8000:]
+    weights = _weights(files)
+    alone, _ = _sent(log, "tp2", files)
+    shared, _ = _sent(log, "tp2s", files)
+    print(f"TP 2 over HTTP, distributed: {shared / weights:.3f}x, alone {alone / weights:.3f}x")
+    assert weights <= shared < alone, (shared, alone, weights)
+    lines = [ln for ln in _stat_lines(output) if "read by another rank and received" in ln]
+    assert {ln.split("tp rank ")[1][:3] for ln in lines} == {"0/2", "1/2"}, lines
 
 
 @pytest.mark.slow
@@ -423,8 +448,8 @@ def test_expert_parallel_reads_only_the_ranks_experts(tmp_path):
 
 
 def test_slices_key_is_checked():
-    """``slices``: true, false or absent (the loader decides), for load format fastload only,
-    and not with ``distributed: true``."""
+    """``slices``: true, false or absent (the loader decides), for load format fastload only;
+    with ``distributed: true`` (tensors read whole shared over the group)."""
     from fastload import ConfigError, vllm
 
     def parse(extra, load_format="fastload"):
@@ -438,8 +463,7 @@ def test_slices_key_is_checked():
     with pytest.raises(ConfigError) as info:
         parse({"slices": "yes"})
     assert info.value.option == "slices"
-    with pytest.raises(ConfigError, match="slices and distributed cannot both be true") as info:
-        parse({"slices": True, "distributed": True})
-    assert info.value.option == "slices"
+    both = parse({"slices": True, "distributed": True})
+    assert both.slices is True and both.distributed is True
     with pytest.raises(ConfigError, match="'slices' belongs to load format 'fastload'"):
         parse({"slices": True}, "fastload_sharded")

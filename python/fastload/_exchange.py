@@ -25,11 +25,19 @@ safe with engine code this module does not control:
   itself, as without the exchange, and the error of a failed read is raised where it happened.
   :meth:`ColumnExchange.close` (once the load is over, or failed) takes part as "done", so a rank
   still waiting for a partner is answered.
+
+With ``share`` (the engines' ``distributed: true`` with sliced reads) the group also reads each
+replicated tensor once: a tensor a rank reads whole (norms, KV heads every rank keeps, a weight
+loader that converts the whole tensor) is read by one rank of the group (chosen by its name, so
+the reads spread over the ranks) and broadcast to the others, after the same check. Only tensors
+read whole are shared, so no rank receives bytes it does not keep; slices are each rank's own.
+A mapped local file is not shared either: its pages are in the host's page cache already.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -42,15 +50,17 @@ __all__ = ["ColumnExchange"]
 
 logger = logging.getLogger(__name__)
 
-# The first entry of what a rank announces: a tensor it is about to exchange, or the load's end.
-_TENSOR, _DONE = 1, 0
+# The first entry of what a rank announces: a tensor it is about to exchange, one it is about to
+# share (read whole by one rank), or the load's end.
+_TENSOR, _DONE, _SHARE = 1, 0, 2
 
 
 class ColumnExchange:
     """Exchanges of column blocks over ``group`` (a torch.distributed group of ``world`` ranks
     whose tensors live on the host: gloo), this process being ``rank`` of it. ``skip(name)``:
-    tensors never exchanged (experts, where ranks load different ones). ``received_bytes``:
-    what other ranks sent this one."""
+    tensors never exchanged (experts, where ranks load different ones). ``share``: tensors read
+    whole are read by one rank and broadcast (see the module's doc). ``received_bytes``: what
+    other ranks sent this one in exchanges (a shared tensor counts in the load's stats)."""
 
     def __init__(
         self,
@@ -58,11 +68,14 @@ class ColumnExchange:
         rank: int,
         world: int,
         skip: Callable[[str], bool] | None = None,
+        share: bool = False,
     ) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.skip = skip
+        self.share = share
         self.enabled = world > 1
         self.exchanges = 0
+        self.shared = 0
         self.received_bytes = 0
 
     def wants(self, source: Any, index: tuple[Any, ...]) -> bool:
@@ -89,6 +102,50 @@ class ColumnExchange:
         first = plan(shape, source.dtype.itemsize, (slice(None), slice(0, width)), source.cost)
         assert first is not None
         return sum(n for _, n in first.ranges) > rows * width * source.dtype.itemsize
+
+    def shares(self, source: Any) -> bool:
+        """Whether ``source`` read whole is read by one rank of the group and broadcast; the
+        same answer on every rank (a pure function of the tensor)."""
+        if not (self.enabled and self.share) or source.nbytes == 0:
+            return False
+        if getattr(source, "mapped", False):
+            return False  # a mapped local file's pages are the host's, shared already
+        return self.skip is None or not self.skip(source.name)
+
+    def owner(self, source: Any) -> int:
+        """The rank of the group that reads ``source`` when it is shared."""
+        return zlib.crc32(source.name.encode()) % self.world
+
+    def read_whole(self, source: Any, data: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``source`` whole (its bytes, as a flat uint8 tensor) through the group: read by its
+        owner (``data``: its bytes, read already, ahead), broadcast to every other rank; None
+        where the ranks disagree (the caller reads it itself). The owner's failed read is raised
+        there once the others know."""
+        if not self.shares(source):
+            return None
+        owner = self.owner(source)
+        error: BaseException | None = None
+        if self.rank == owner and data is None:
+            try:
+                data = source.raw([(0, source.nbytes)])
+            except Exception as e:  # raised below, once the others know
+                error = e
+        agreed = self._agree(self._announce(_SHARE, source, ok=error is None))
+        if not agreed:
+            if error is not None:
+                raise error
+            return None
+        import torch.distributed as dist
+
+        if self.rank == owner:
+            assert data is not None
+            out = data.contiguous()
+        else:
+            out = torch.empty(source.nbytes, dtype=torch.uint8)
+        src = owner if self.group is None else dist.get_global_rank(self.group, owner)
+        dist.broadcast(out, src=src, group=self.group)
+        self.shared += 1
+        return out
 
     def _bounds(self, source: Any) -> list[int]:
         """The first row of each rank's block, and the number of rows."""
@@ -166,9 +223,9 @@ class ColumnExchange:
     def _announce(self, kind: int, source: Any = None, ok: bool = True) -> list[int]:
         if source is None:
             return [kind, 0, 0, 0, 0, 0, int(ok)]
-        rows, cols = source.shape
         name = zlib.crc32(source.name.encode())
-        return [kind, name, source.shard, source.at, rows * cols, source.dtype.itemsize, int(ok)]
+        numel = math.prod(source.shape)
+        return [kind, name, source.shard, source.at, numel, source.dtype.itemsize, int(ok)]
 
     def _agree(self, mine: list[int]) -> bool:
         """Whether every rank announced the same, all reads fine; if not, the exchange is off
@@ -181,7 +238,7 @@ class ColumnExchange:
         same = all(torch.equal(e, every[0]) for e in every) and bool(every[0][-1])
         if not same:
             self.enabled = False
-            if mine[0] == _TENSOR and all(bool(e[-1]) for e in every):
+            if mine[0] != _DONE and all(bool(e[-1]) for e in every):
                 logger.warning(
                     "fastload: the tensor-parallel ranks did not load the same tensor at the "
                     "same time (%s); each reads its columns itself from here on",

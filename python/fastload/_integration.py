@@ -77,13 +77,6 @@ class Options:
         slices = extra.get("slices")
         if slices is not None and not isinstance(slices, bool):
             raise ConfigError(f"slices must be true or false, got {slices!r}", option="slices")
-        if slices and distributed:
-            raise ConfigError(
-                "slices and distributed cannot both be true: with slices each worker reads only "
-                "the bytes it keeps (about the checkpoint once over a tensor-parallel group); "
-                "distributed reads whole tensors once and sends them to every worker. Pick one",
-                option="slices",
-            )
 
         stream_kwargs = {k: extra[k] for k in LOAD_KEYS if extra.get(k) is not None}
         # Checked now, at engine start, by the same code that reads them at load time (a bad

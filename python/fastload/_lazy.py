@@ -50,8 +50,10 @@ class Stats:
     """What the lazy tensors of a load read. A tensor counts as ``whole`` when a read of it
     covered all its bytes, ``exchanged`` when this rank read a block of its rows for the group
     and got its columns from the others (``fastload._exchange``), else ``sliced``; ``skipped``
-    were never read. ``fallbacks``: ops other than views and ``copy_`` that read a region, by
-    name (a weight loader that does more than narrow and copy)."""
+    were never read; ``shared`` were read whole by another rank of the group, which sent them
+    (``distributed`` sliced reads: not read here). ``fallbacks``: ops other than views and
+    ``copy_`` that read a region, by name (a weight loader that does more than narrow and
+    copy)."""
 
     tensors: int = 0
     bytes: int = 0
@@ -61,6 +63,9 @@ class Stats:
     whole_bytes: int = 0
     exchanged_tensors: int = 0
     exchanged_bytes: int = 0
+    # Read whole by another rank of the group and broadcast to this one (not read here).
+    shared_tensors: int = 0
+    shared_bytes: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
     # Read ahead (fastload._readahead): bytes used (counted as sliced or whole too), and bytes
     # read for a region the consumer then did not read (counted in read_bytes only).
@@ -75,7 +80,8 @@ class Stats:
 
     @property
     def skipped_tensors(self) -> int:
-        return self.tensors - self.sliced_tensors - self.whole_tensors - self.exchanged_tensors
+        read = self.sliced_tensors + self.whole_tensors + self.exchanged_tensors
+        return self.tensors - read - self.shared_tensors
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +94,8 @@ class Stats:
             "whole_bytes": self.whole_bytes,
             "exchanged_tensors": self.exchanged_tensors,
             "exchanged_bytes": self.exchanged_bytes,
+            "shared_tensors": self.shared_tensors,
+            "shared_bytes": self.shared_bytes,
             "skipped_tensors": self.skipped_tensors,
             "fallbacks": dict(self.fallbacks),
             "ahead_bytes": self.ahead_bytes,
@@ -107,6 +115,11 @@ class Stats:
             out += (
                 f"{self.exchanged_bytes} bytes as row blocks of {self.exchanged_tensors} "
                 "tensors exchanged over the group, "
+            )
+        if self.shared_tensors:
+            out += (
+                f"{self.shared_bytes} bytes of {self.shared_tensors} whole tensors read by "
+                "another rank and received, "
             )
         out += f"{self.skipped_tensors} tensors not read"
         if self.fallbacks:
@@ -172,6 +185,11 @@ class _Source:
         if self.whole is not None:
             return self.whole[index]
         s, reads_ahead = self.stats, self.ahead
+        if full and self.exchange is not None and self.exchange.shares(self):
+            shared = self._read_shared(index)
+            if shared is not None:
+                return shared
+            reads_ahead = None  # the group did not share: read alone, as without it
         if self.exchange is not None and self.exchange.wants(self, index):
             block = reads_ahead.take(self, index, full, True) if reads_ahead else None
             if block is not None:
@@ -193,6 +211,40 @@ class _Source:
         if full:
             self.whole = out
         return out
+
+    def _read_shared(self, index: tuple[Any, ...]) -> torch.Tensor | None:
+        """The whole tensor through the group (``exchange.read_whole``): read here if this rank
+        owns it (what was read ahead, else a read), else received; None where the group did not
+        share it (then read it alone)."""
+        s, exchange = self.stats, self.exchange
+        mine = exchange.owner(self) == exchange.rank
+        ahead = self.ahead.take(self, index, True) if self.ahead is not None else None
+        data = None
+        if ahead is not None and not mine:
+            # Read ahead before it was known to be shared (a guess): received all the same.
+            s.ahead_unused_bytes += ahead[1]
+            ahead = None
+        elif ahead is not None:
+            s.ahead_bytes += ahead[1]
+            data = ahead[0].contiguous().reshape(-1).view(torch.uint8)
+        elif mine:
+            s.waited_reads += 1
+        raw = exchange.read_whole(self, data)
+        if raw is None:
+            if ahead is not None:  # read here already: used as a read alone
+                self._count(ahead[1])
+                self.whole = ahead[0]
+                return self.whole
+            return None
+        if mine:
+            self._count(self.nbytes)
+        else:
+            s.shared_bytes += self.nbytes
+            s.shared_tensors += 1
+            self.counted = "shared"
+        _, finish = index_reads(torch, self.dtype, self.shape, self.nbytes, index, self.cost)
+        self.whole = finish(raw)
+        return self.whole
 
     def fetch(self, index: tuple[Any, ...]) -> tuple[torch.Tensor, int]:
         """``tensor[index]`` read (from any thread), and the bytes that took."""

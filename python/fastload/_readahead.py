@@ -18,11 +18,12 @@ on first sight, once the consumer read something, the region asked for cut from 
 
 A tensor whose name was never read (layer 0's, the embeddings, ``lm_head``) has no region to go
 by. Under a tensor-parallel group (an exchange) such a 2-D tensor is read ahead as this rank's
-block of rows, the group's guess: what a column-parallel or vocab-parallel weight keeps and what a
-row-parallel one is read as for the exchange, so the first layer's reads are in flight together
-too (with ``all_layers`` from the start, else once the consumer reads some of its layer). A
-region asked for within those rows is cut from them; any other (a replicated or a KV-head
-weight) is read as asked, and the guess counts as unused.
+block of rows (outside the layers ``GUESS_MARGIN`` rows more on each side: padded vocabularies),
+the group's guess: what a column-parallel or vocab-parallel weight keeps and what a row-parallel
+one is read as for the exchange, so the first layer's reads are in flight together too (with
+``all_layers`` from the start, else once the consumer reads some of its layer). A region asked
+for within those rows is cut from them; any other (a replicated or a KV-head weight) is read as
+asked, and the guess counts as unused.
 
 When the consumer reads a tensor with the region predicted, it gets the bytes read ahead; with
 another region it reads as without read-ahead (the prediction's bytes count as unused). A layer
@@ -61,6 +62,10 @@ _BLOCK = "block"
 # Marks a read-ahead entry as a guessed block of rows, ``(_GUESS, first row, end row)``: a tensor
 # no region of which is known yet, read as this rank's row block of the group.
 _GUESS = "guess"
+# Rows read on each side of the rank's block in a guess of a tensor outside the layers (no layer
+# number): a vocabulary padded to a multiple of 64 rows (vLLM's and SGLang's embeddings and
+# lm_head) starts the rank's rows up to 63 rows off the even split.
+GUESS_MARGIN = 64
 
 
 def key(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[str, tuple[int, ...], Any]:
@@ -156,7 +161,7 @@ class ReadAhead:
         got = None
         if entry is not None:
             self.held -= entry[2]
-            guessed = entry[0][0] == _GUESS if isinstance(entry[0], tuple) else False
+            guessed = isinstance(entry[0], tuple) and entry[0][:1] == (_GUESS,)
             cut = _cut(source, entry[0], index, block) if guessed else None
             if entry[0] == index or entry[0] == _WHOLE or cut is not None:
                 try:
@@ -222,10 +227,14 @@ class ReadAhead:
             if region is None:
                 self.next.discard(pos)
                 continue
-            index, _full = region
+            index, full = region
+            exchange = getattr(source, "exchange", None)
+            if full and exchange is not None and exchange.shares(source):
+                if exchange.owner(source) != exchange.rank:
+                    self.next.discard(pos)  # another rank reads it and sends it
+                    continue
             whole = tuple(slice(0, n, 1) for n in source.shape)
             fetch_index = whole if index == _WHOLE else index
-            exchange = getattr(source, "exchange", None)
             block = None
             if index != _WHOLE and exchange is not None and exchange.wants(source, index):
                 # Read with the group (fastload._exchange): this rank's rows ahead, the same
@@ -273,19 +282,28 @@ def _guess(source: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:
     if block is None:
         return None
     row_bytes = source.shape[1] * source.dtype.itemsize
-    first = block[0] // row_bytes
-    return (first, first + block[1] // row_bytes), block
+    mine = block[0] // row_bytes
+    # Outside the layers (embeddings, lm_head): a padded vocabulary's rows, a margin around.
+    margin = GUESS_MARGIN if layer(source.name) is None else 0
+    first = max(0, mine - margin)
+    end = min(source.shape[0], mine + block[1] // row_bytes + margin)
+    return (first, end), (first * row_bytes, (end - first) * row_bytes)
 
 
 def _cut(source: Any, guess: tuple[Any, ...], index: Any, block: bool) -> Any:
     """How to get what the consumer asks for from a guessed row block (raw bytes), or ``None``
-    where it lies outside it. ``block``: the exchange's row block is asked for (the same
-    rows: the bytes as they are)."""
+    where it lies outside it. ``block``: the exchange's row block is asked for (its bytes, a
+    view of the guess's)."""
     _, first, end = guess
     if block:
         row_bytes = source.shape[1] * source.dtype.itemsize
-        same = source.exchange.block(source) == (first * row_bytes, (end - first) * row_bytes)
-        return (lambda raw: raw) if same else None
+        wanted = source.exchange.block(source)
+        if wanted is None or not first * row_bytes <= wanted[0] <= wanted[0] + wanted[1] <= (
+            end * row_bytes
+        ):
+            return None
+        at = wanted[0] - first * row_bytes
+        return lambda raw: raw[at : at + wanted[1]]
     if len(index) != 2 or not isinstance(index[0], slice):
         return None
     rows = index[0]

@@ -224,14 +224,15 @@ def _sliced(options: _integration.Options) -> bool:
     return any(getattr(parallel, width) > 1 for width in PARALLEL_WIDTHS)
 
 
-def _column_exchange() -> Any:
+def _column_exchange(share: bool = False) -> Any:
     """The tensor-parallel group's exchange of row-parallel weights (``fastload._exchange``:
     each rank reads a block of rows and gets its columns of the others' over the group's gloo
     group), or None at TP 1 or where no process group was built. Every rank of a TP group is on
     one pipeline stage and runs the same weight loaders in the same order, which the exchange
     needs; expert weights are left out where experts are spread (ranks load different ones).
     Weights partitioned by a narrower group (attention under DP attention, experts by their MoE
-    TP group) narrow to other column blocks, which the exchange leaves to each rank."""
+    TP group) narrow to other column blocks, which the exchange leaves to each rank. ``share``
+    (``distributed: true``): tensors read whole are read once by the group and broadcast too."""
     from sglang.srt.distributed import get_tp_group
     from sglang.srt.runtime_context import get_parallel
 
@@ -241,7 +242,7 @@ def _column_exchange() -> Any:
     if tp.world_size <= 1 or tp.cpu_group is None:
         return None
     skip = _is_expert_weight if get_parallel().moe_ep_size > 1 else None
-    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip)
+    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip, share)
 
 
 def _is_expert_weight(name: str) -> bool:
@@ -375,7 +376,7 @@ def _loader_class() -> type:
                 from . import _lazy
 
                 stats = sliced = _lazy.Stats()
-                exchange = _column_exchange()
+                exchange = _column_exchange(self.options.distributed)
                 # A pipeline stage reads its own layers only; else each worker reads every layer.
                 every_layer = get_parallel().pp_size == 1
 

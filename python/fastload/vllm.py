@@ -19,8 +19,10 @@ layers on other pipeline stages, or of other ranks' experts, are never read; row
 weights (a column block per rank) are read once over the tensor-parallel group, each rank a block
 of rows, and exchanged (``fastload._exchange``); anything else (a weight loader that transforms
 a tensor first) reads the region it asks for, whole at worst.
-``slices: false`` streams whole tensors instead (as ``distributed: true`` does, which shares
-them over the group); ``slices: true`` reads lazily on a lone worker too.
+``slices: false`` streams whole tensors instead (as ``distributed: true`` alone does, which
+shares them over the group); ``slices: true`` reads lazily on a lone worker too, and with
+``distributed: true`` the tensors a worker reads whole (norms, KV heads every worker keeps) are
+read once by the tensor-parallel group and broadcast, slices still each worker's own.
 
 ``fastload`` streams the checkpoint (a local directory, a Hugging Face repo id streamed from the
 Hub as ``hf://ORG/REPO@REVISION`` without writing the weights to disk, an object-store model path
@@ -420,9 +422,11 @@ def _sliced(options: _Options, parallel_config: Any) -> bool:
     return split or bool(getattr(parallel_config, "enable_expert_parallel", False))
 
 
-def _column_exchange(parallel_config: Any) -> Any:
+def _column_exchange(parallel_config: Any, share: bool = False) -> Any:
     """The tensor-parallel group's exchange of row-parallel weights (``fastload._exchange``:
     each rank reads a block of rows and gets its columns of the others'), or None at TP 1.
+    ``share`` (``distributed: true``): tensors read whole are read once by the group and
+    broadcast too.
     Every rank of a TP group is on one pipeline stage and runs the same weight loaders in the
     same order, which the exchange needs; expert weights are left out where experts are spread
     (ranks load different ones)."""
@@ -435,7 +439,7 @@ def _column_exchange(parallel_config: Any) -> Any:
         return None
     experts = bool(getattr(parallel_config, "enable_expert_parallel", False))
     skip = _is_expert_weight if experts else None
-    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip)
+    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip, share)
 
 
 def _is_expert_weight(name: str) -> bool:
@@ -572,7 +576,7 @@ def _loader_classes() -> dict[str, type]:
 
             stats = _lazy.Stats()
             meter = _integration.Meter(logger)
-            exchange = _column_exchange(self._parallel_config)
+            exchange = _column_exchange(self._parallel_config, self.options.distributed)
             # A pipeline stage reads its own layers only; else each worker reads every layer.
             every_layer = getattr(self._parallel_config, "pipeline_parallel_size", 1) == 1
 
