@@ -33,7 +33,6 @@ from ._safe_open import (
     REMOTE_READ_COST,
     index_reads,
     plan,
-    read_index,
     safe_open,
 )
 
@@ -248,19 +247,15 @@ class _Source:
 
     def fetch(self, index: tuple[Any, ...]) -> tuple[torch.Tensor, int]:
         """``tensor[index]`` read (from any thread), and the bytes that took."""
-        got = 0
-
-        def read(ranges: list[tuple[int, int]]) -> torch.Tensor:
-            nonlocal got
-            got += sum(n for _, n in ranges)
-            return self.raw(ranges)
-
         # Mapped: one span, the region a strided view of it, copied once by the consumer (pages
         # outside the region but inside the span are faulted in: counted as read).
         mapped = self.mapped
         cost = MAPPED_READ_COST if mapped else self.cost
-        out = read_index(torch, read, self.dtype, self.shape, self.nbytes, index, cost, not mapped)
-        return out, got
+        ranges, finish = index_reads(
+            torch, self.dtype, self.shape, self.nbytes, index, cost, not mapped
+        )
+        out = finish(self.raw(ranges) if ranges else None)
+        return out, sum(n for _, n in ranges)
 
     def start(self, index: tuple[Any, ...]) -> _Later:
         """``fetch(index)`` started now, in flight while the caller goes on (read-ahead):

@@ -350,26 +350,6 @@ class safe_open:
         self.close()
 
 
-def read_index(
-    torch: Any,
-    read: Callable[[list[tuple[int, int]]], torch.Tensor],
-    tdtype: torch.dtype,
-    tshape: tuple[int, ...],
-    nbytes: int,
-    index: Any,
-    read_cost: int,
-    compact: bool = True,
-) -> torch.Tensor:
-    """``tensor[index]`` of a C-contiguous tensor of ``tshape`` and ``tdtype`` (``nbytes`` long)
-    on the host, reading only what :func:`plan` picks through ``read`` (``(offset, len)`` ranges
-    from the tensor's start, one after the other as a uint8 tensor); an index that is not basic
-    reads the whole tensor and lets torch index it. ``compact``: a result that is a strided view
-    of more than it selects is copied out (``False``: returned as the view, for what ``read``
-    returns without a copy, a mapping)."""
-    ranges, finish = index_reads(torch, tdtype, tshape, nbytes, index, read_cost, compact)
-    return finish(read(ranges) if ranges else None)
-
-
 def index_reads(
     torch: Any,
     tdtype: torch.dtype,
@@ -379,9 +359,13 @@ def index_reads(
     read_cost: int,
     compact: bool = True,
 ) -> tuple[list[tuple[int, int]], Callable[[Any], torch.Tensor]]:
-    """:func:`read_index` in two steps, for a read started now and finished later: the ranges
-    to read (none for an empty region), and what makes ``tensor[index]`` of their bytes (the
-    uint8 tensor ``read`` would give; ``None`` where there are no ranges)."""
+    """How to read ``tensor[index]`` of a C-contiguous tensor of ``tshape`` and ``tdtype``
+    (``nbytes`` long) on the host, reading only what :func:`plan` picks: the ``(offset, len)``
+    ranges from the tensor's start to read (none for an empty region; an index that is not basic
+    reads the whole tensor and lets torch index it), and what makes the region of their bytes,
+    one after the other as a uint8 tensor (``None`` where there are no ranges). ``compact``: a
+    result that is a strided view of more than it selects is copied out (``False``: returned as
+    the view, for bytes read without a copy, a mapping)."""
     if _basic(index, len(tshape)) is None:
         # Lists, tensors, booleans: torch indexes the whole tensor.
         return [(0, nbytes)], lambda raw: raw.view(tdtype).reshape(tshape)[index]
@@ -426,15 +410,15 @@ class SafeSlice:
     def __getitem__(self, index: Any) -> torch.Tensor:
         f = self._file
         begin, end = self._span
-        out = read_index(
+        ranges, finish = index_reads(
             f._glue.torch,
-            lambda ranges: f._read(begin, ranges, self._reader),
             f._torch_dtype(self._name, self._dtype),
             f._torch_shape(self._dtype, self._shape),
             end - begin,
             index,
             REMOTE_READ_COST if f._remote else LOCAL_READ_COST,
         )
+        out = finish(f._read(begin, ranges, self._reader) if ranges else None)
         if f._target is not None:
             out = out.to(f._device)
         return out
