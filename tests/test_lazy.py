@@ -561,6 +561,35 @@ class _GuessOnly(ColumnExchange):
         return False
 
 
+def test_reads_ahead_in_vain_are_counted_and_freed_as_they_pile_up(
+    range_server, tmp_path, monkeypatch
+):
+    """A consumer that asks each layer for other rows than the layer before: predictions made
+    from the layer before are read in vain. With a small limit such reads are waited for and
+    counted as they pile up (their buffers freed), not held to the end; the values are right
+    and what the server sent is what the stats count."""
+    from fastload import _readahead
+
+    window, _, all_layers = _readahead.ReadAhead.__init__.__defaults__
+    monkeypatch.setattr(_readahead.ReadAhead.__init__, "__defaults__", (window, 16384, all_layers))
+    path, tensors = _layers_file(tmp_path, 6)
+    range_server.put({"vain.safetensors": path})
+    log = range_server.behaviour.log
+    since = len(log)
+    stats = Stats()
+    ckpt = Checkpoint(range_server.url("vain.safetensors"), stats, all_layers=True)
+    for name, lazy in ckpt:
+        if name.endswith("q.weight"):
+            layer = int(name.split(".")[2])
+            rows = slice(0, 48) if layer % 2 else slice(48, 96)
+            got = torch.empty(48, 64, dtype=torch.bfloat16).copy_(lazy[rows])
+            assert_bitwise(got, tensors[name][rows], name)
+    assert stats.ahead_unused_bytes >= 48 * 64 * 2 and stats.ahead_bytes > 0, stats
+    header = path.stat().st_size - sum(t.nbytes for t in tensors.values())
+    served = [(o, n) for o, n in _served(log, "/vain.safetensors", since) if o >= header]
+    assert sum(n for _, n in served) == ckpt.bytes_read == stats.read_bytes
+
+
 def test_first_layer_is_read_ahead_as_the_ranks_rows(range_server, tmp_path):
     """Under a tensor-parallel group, tensors no region of which is known yet (layer 0's, the
     embeddings) are read ahead as this rank's block of rows: with ``all_layers`` before the

@@ -347,10 +347,13 @@ class _Later:
 
     def result(self) -> tuple[Any, int]:
         if self._out is None and self._error is None:
-            pending, self._pending = self._pending, None
             try:
+                # A Ctrl-C while waiting leaves it pending: a later result() is an error then
+                # (the read can be waited for once), never another's bytes.
+                pending = self._pending
                 raw = None if pending is None else torch.from_dlpack(pending.wait())
                 self._out = (raw if self._finish is None else self._finish(raw), self._nbytes)
+                self._pending = None
             except Exception as e:
                 self._error = e
         if self._error is not None:

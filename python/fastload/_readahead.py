@@ -130,6 +130,7 @@ class ReadAhead:
         self.at = -1  # the position of the last tensor handed out
         self.used_bytes = self.unused_bytes = 0
         self.unused: list[Any] = []  # reads read ahead in vain: counted once they end
+        self.unused_held = 0  # their bytes, held until then
 
     def handed_out(self, pos: int) -> None:
         """The consumer was handed the tensor at ``pos`` (the next in order): the one before, if
@@ -174,7 +175,7 @@ class ReadAhead:
                 except Exception:
                     got = None  # read again by the consumer: its error, if it lasts
             else:
-                self._unused(entry[1])
+                self._unused(entry[1], entry[2])
         self._launch()
         return got
 
@@ -182,11 +183,23 @@ class ReadAhead:
         entry = self.pending.pop(pos, None)
         if entry is not None:
             self.held -= entry[2]
-            self._unused(entry[1])
+            self._unused(entry[1], entry[2])
 
-    def _unused(self, later: Any) -> None:
-        """Counts what ``later`` reads as unused, once it ends (``close``)."""
+    def _unused(self, later: Any, nbytes: int) -> None:
+        """Counts what ``later`` reads as unused once it ends: at ``close``, or once such reads
+        hold a quarter of ``limit`` (waiting for them then, so that what they hold is freed)."""
         self.unused.append(later)
+        self.unused_held += nbytes
+        if self.unused_held > self.limit // 4:
+            self._count_unused()
+
+    def _count_unused(self) -> None:
+        unused, self.unused, self.unused_held = self.unused, [], 0
+        for later in unused:
+            try:
+                self.unused_bytes += int(later.result()[1])
+            except Exception:
+                pass  # failed: what it read is not known to have arrived
 
     def _launch(self) -> None:
         """Reads ahead, in order while they fit in the limit, the tensors within the window that
@@ -262,12 +275,7 @@ class ReadAhead:
         source sent is counted: ``unused_bytes``)."""
         for pos in list(self.pending):
             self._drop(pos)
-        unused, self.unused = self.unused, []
-        for later in unused:
-            try:
-                self.unused_bytes += int(later.result()[1])
-            except Exception:
-                pass  # failed: what it read is not known to have arrived
+        self._count_unused()
 
 
 def _guess(source: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:
