@@ -572,6 +572,14 @@ def test_reads_ahead_in_vain_are_counted_and_freed_as_they_pile_up(
 
     window, _, all_layers = _readahead.ReadAhead.__init__.__defaults__
     monkeypatch.setattr(_readahead.ReadAhead.__init__, "__defaults__", (window, 16384, all_layers))
+    counted = []  # the reads in vain counted at each count: before close, and at close
+    count = _readahead.ReadAhead._count_unused
+
+    def counting(self):
+        counted.append(len(self.unused))
+        count(self)
+
+    monkeypatch.setattr(_readahead.ReadAhead, "_count_unused", counting)
     path, tensors = _layers_file(tmp_path, 6)
     range_server.put({"vain.safetensors": path})
     log = range_server.behaviour.log
@@ -585,6 +593,8 @@ def test_reads_ahead_in_vain_are_counted_and_freed_as_they_pile_up(
             got = torch.empty(48, 64, dtype=torch.bfloat16).copy_(lazy[rows])
             assert_bitwise(got, tensors[name][rows], name)
     assert stats.ahead_unused_bytes >= 48 * 64 * 2 and stats.ahead_bytes > 0, stats
+    # Counted (and freed) during the load, not all at its end.
+    assert len(counted) >= 2 and counted[0] > 0, counted
     header = path.stat().st_size - sum(t.nbytes for t in tensors.values())
     served = [(o, n) for o, n in _served(log, "/vain.safetensors", since) if o >= header]
     assert sum(n for _, n in served) == ckpt.bytes_read == stats.read_bytes

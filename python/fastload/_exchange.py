@@ -75,7 +75,6 @@ class ColumnExchange:
         self.share = share
         self.enabled = world > 1
         self.exchanges = 0
-        self.shared = 0
         self.received_bytes = 0
 
     def wants(self, source: Any, index: tuple[Any, ...]) -> bool:
@@ -144,7 +143,6 @@ class ColumnExchange:
             out = torch.empty(source.nbytes, dtype=torch.uint8)
         src = owner if self.group is None else dist.get_global_rank(self.group, owner)
         dist.broadcast(out, src=src, group=self.group)
-        self.shared += 1
         return out
 
     def _bounds(self, source: Any) -> list[int]:

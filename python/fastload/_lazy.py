@@ -138,7 +138,7 @@ class _Source:
         "dtype",
         "exchange",
         "key",
-        "maps",
+        "mapped",
         "name",
         "nbytes",
         "position",
@@ -161,12 +161,13 @@ class _Source:
         stats: Stats,
         name: str,
         exchange: Any = None,
-        maps: dict[int, bool] | None = None,
+        mapped: bool = False,
     ) -> None:
         self.reader, self.shard, self.at, self.nbytes = reader, shard, at, nbytes
-        # Local files are mapped, not read (``Reader.map``): shard -> whether it can be (the
-        # dict shared by a checkpoint's sources; None: a remote file).
-        self.maps = maps
+        # The file is mapped, not read (``Reader.map``: local, not encrypted): a region is a view
+        # of the file's pages, no request to a store (``cost``: MAPPED_READ_COST, one span). The
+        # same on every rank that opens the file.
+        self.mapped = mapped
         self.dtype, self.shape, self.cost, self.stats, self.name = dtype, shape, cost, stats, name
         self.exchange = exchange  # a _exchange.ColumnExchange, or None
         self.whole: torch.Tensor | None = None  # once read whole: later regions view it
@@ -249,10 +250,8 @@ class _Source:
         """``tensor[index]`` read (from any thread), and the bytes that took."""
         # Mapped: one span, the region a strided view of it, copied once by the consumer (pages
         # outside the region but inside the span are faulted in: counted as read).
-        mapped = self.mapped
-        cost = MAPPED_READ_COST if mapped else self.cost
         ranges, finish = index_reads(
-            torch, self.dtype, self.shape, self.nbytes, index, cost, not mapped
+            torch, self.dtype, self.shape, self.nbytes, index, self.cost, not self.mapped
         )
         out = finish(self.raw(ranges) if ranges else None)
         return out, sum(n for _, n in ranges)
@@ -276,12 +275,6 @@ class _Source:
             pending = self.reader.read_later(self.shard, [(self.at + o, n) for o, n in ranges])
         return _Later(pending, finish, nbytes)
 
-    @property
-    def mapped(self) -> bool:
-        """Whether the tensor's file is mapped (local, not encrypted): a region is a view of
-        the file's pages, no request to a store. The same on every rank that opens the file."""
-        return self.maps is not None and self.maps.get(self.shard, False)
-
     def region_bytes(self, index: tuple[Any, ...]) -> int:
         """The bytes ``fetch(index)`` reads."""
         p = plan(self.shape, self.dtype.itemsize, index, self.cost)
@@ -291,11 +284,10 @@ class _Source:
         """The bytes of ``ranges`` (``(offset, len)`` from the tensor's start), one after the
         other, as a uint8 tensor; not counted."""
         if len(ranges) == 1 and self.mapped:
-            (o, n), maps = ranges[0], self.maps
+            ((o, n),) = ranges
             capsule = self.reader.map(self.shard, self.at + o, n)
             if capsule is not None:
                 return torch.from_dlpack(capsule)
-            maps[self.shard] = False  # type: ignore[index]  # read from now on
         capsule = self.reader.read(self.shard, [(self.at + o, n) for o, n in ranges])
         return torch.from_dlpack(capsule)
 
@@ -646,14 +638,14 @@ class Checkpoint:
     def _sources(self) -> tuple[list[_Source], bool]:
         """Every tensor's source, in file order; whether some file is remote."""
         sources, remote_any = [], False
-        maps: dict[int, bool] = {}
         for shard, header in enumerate(self.reader.headers()):
             file = header["file"]
             remote = _fastload.is_remote_uri(file) or file.startswith("hf://")
             remote_any |= remote
-            if not remote:
-                maps[shard] = self.map_local and self.reader.map(shard, 0, 0) is not None
+            # Whether the file maps (local, not encrypted): asked once, with an empty mapping.
+            mapped = not remote and self.map_local and self.reader.map(shard, 0, 0) is not None
             cost = REMOTE_READ_COST if remote else LOCAL_READ_COST
+            cost = MAPPED_READ_COST if mapped else cost
             for name, dtype, shape, begin, end in header["tensors"]:
                 tdtype = self._glue.DTYPES.get(dtype)
                 if tdtype is None:
@@ -675,7 +667,7 @@ class Checkpoint:
                         self.stats,
                         name,
                         self.exchange,
-                        None if remote else maps,
+                        mapped,
                     )
                 )
         return sources, remote_any

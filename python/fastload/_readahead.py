@@ -98,9 +98,11 @@ class ReadAhead:
             following[sources[pos].key] = pos
         self.next: set[int] = set()  # positions to read ahead once in the window
         # The first tensor of each name (no region known): this rank's rows guessed, where a
-        # group gives the rank (see the module's doc).
-        self.guesses = {pos for pos in following.values() if _guess(sources[pos]) is not None}
-        self.next |= self.guesses
+        # group gives the rank (see the module's doc): position -> (rows, byte range).
+        self.guesses = {
+            pos: guess for pos in following.values() if (guess := _guess(sources[pos])) is not None
+        }
+        self.next |= self.guesses.keys()
         # Small 1-D tensors (norms, biases: read whole by most consumers) are read ahead whole
         # before their first read, the region asked for then cut from them.
         self.small = {
@@ -222,10 +224,10 @@ class ReadAhead:
                     self.layers[pos] is None or self.layers[pos] not in self.started
                 ):
                     continue  # a pipeline stage: once the consumer reads some of its layer
-                rows, block = _guess(source)  # type: ignore[misc]
-                if self.pending and self.held + block[1] > self.limit:
+                rows, span = self.guesses[pos]
+                if self.pending and self.held + span[1] > self.limit:
                     return
-                self._submit(pos, (_GUESS, *rows), source.start_raw([block]), block[1])
+                self._submit(pos, (_GUESS, *rows), source.start_raw([span]), span[1])
                 continue
             elif (
                 not self.all_layers
