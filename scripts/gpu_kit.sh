@@ -68,7 +68,7 @@ PY
     # The test servers the shared fixtures import (tests/stores.py, conftest.py).
     mkdir -p "$KIT/tests/servers"
     cp "$REPO"/tests/servers/*.py "$KIT/tests/servers/"
-    cp "$REPO"/benches/{gpu_bench.py,limits.py,make_checkpoint.py} "$KIT/benches/"
+    cp "$REPO"/benches/{gpu_bench.py,tp_gpu_bench.py,limits.py,make_checkpoint.py} "$KIT/benches/"
     cat >"$KIT/README.txt" <<'TXT'
 fastload GPU verification kit (built by scripts/gpu_kit.sh build; see docs/development.md,
 "Checking on a real GPU"). On a GPU machine (Python with a CUDA torch, an NVIDIA driver; no Rust, no network):

@@ -75,12 +75,19 @@ def test_parts_to_the_gpu_equal_indexing_the_whole_tensor(plain):
     assert torch.equal(got["norm.weight"].cpu(), want["norm.weight"])
 
 
-def test_lazy_tensors_narrowed_into_gpu_parameters(plain):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"method": "read"}, {"method": "read", "read_ahead": True, "all_layers": True}],
+    ids=["mapped", "read", "read-ahead"],
+)
+def test_lazy_tensors_narrowed_into_gpu_parameters(plain, options):
+    # Mapped: each region a view of the file's pages, copied by the parameter's copy_; read: into
+    # a buffer; read ahead: started on native threads before the consumer asks.
     _cuda()
     want = safetensors.torch.load_file(str(plain))
     stats = _lazy.Stats()
     loaded = {}
-    for name, lazy in _lazy.Checkpoint(str(plain), stats):
+    for name, lazy in _lazy.Checkpoint(str(plain), stats, **options):
         if lazy.dim() == 2:
             # What a column- then a row-parallel weight_loader does at rank 1 of 2.
             rows = lazy.shape[0] // 2

@@ -272,6 +272,44 @@ def test_in_place_ops_act_on_the_region_read(tmp_path):
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("method", ["auto", "read"])
+def test_copies_into_device_memory_go_in_page_locked_chunks(tmp_path, monkeypatch, method):
+    """A region copied into device memory goes through page-locked chunks (``_staged_copy``;
+    its GPU run is in tests/test_gpu_features.py): here on the host, with the host counted as a
+    device and small chunks, so every case takes several chunks. Rows, columns, a converted
+    dtype, a strided destination and 1-D all land bitwise; shapes that broadcast and rows
+    larger than a chunk are left to torch's copy."""
+    import fastload._lazy as lazy_mod
+
+    monkeypatch.setattr(lazy_mod, "STAGED_DEVICES", ("cpu",))
+    monkeypatch.setattr(lazy_mod, "STAGE_CHUNK", 96)
+    staged = []
+    real = lazy_mod._staged_copy
+    monkeypatch.setattr(
+        lazy_mod, "_staged_copy", lambda d, s: staged.append(tuple(s.shape)) or real(d, s)
+    )
+    w = pattern((37, 10), torch.bfloat16, seed=5)
+    v = pattern((301,), torch.float32, seed=6)
+    wide = pattern((3, 64), torch.float32, seed=7)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": w, "v": v, "wide": wide}, str(path))
+    got = dict(Checkpoint(path, method=method))
+    rows = torch.empty(20, 10, dtype=torch.bfloat16).copy_(got["w"].narrow(0, 11, 20))
+    assert_bitwise(rows, w[11:31], "rows")
+    cols = torch.empty(37, 5, dtype=torch.bfloat16).copy_(got["w"].narrow(1, 5, 5))
+    assert_bitwise(cols, w[:, 5:], "columns")
+    conv = torch.empty(37, 10, dtype=torch.float32).copy_(got["w"])
+    assert_bitwise(conv, w.float(), "dtype converted")
+    into = torch.zeros(37, 20, dtype=torch.bfloat16)
+    into[:, ::2].copy_(got["w"])
+    assert_bitwise(into[:, ::2], w, "strided destination")
+    assert_bitwise(torch.empty(301).copy_(got["v"]), v, "1-D")
+    assert staged == [(20, 10), (37, 5), (37, 10), (37, 10), (301,)]
+    # Rows of 256 bytes (over the 96-byte chunk) and a broadcast: torch's copy, same values.
+    assert_bitwise(torch.empty(3, 64).copy_(got["wide"]), wide, "wide rows")
+    assert_bitwise(torch.empty(2, 301).copy_(dict(Checkpoint(path))["v"]), v.expand(2, 301), "bc")
+
+
 def _mapped_files() -> list[tuple[int, int, str]]:
     """This process's file mappings: (start, end, path)."""
     out = []

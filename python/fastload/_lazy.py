@@ -447,10 +447,48 @@ class LazyTensor(torch.Tensor):
                 stats = first._source.stats
                 stats.fallbacks[name] = stats.fallbacks.get(name, 0) + 1
 
+        # A region copied into device memory (a weight loader's copy_ into a GPU parameter).
+        if func is _aten.copy_.default and len(args) > 1 and isinstance(args[1], LazyTensor):
+            dst = first
+            if isinstance(dst, torch.Tensor) and not isinstance(dst, LazyTensor):
+                if dst.device.type in STAGED_DEVICES and _staged_copy(dst, args[1].materialize()):
+                    return dst
+
         def real(x: Any) -> Any:
             return x.materialize() if isinstance(x, LazyTensor) else x
 
         return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+
+# A region copied into device memory goes there through page-locked chunks of at most this
+# size. torch copies pageable host memory to a GPU at a few GB/s (the driver stages it through
+# its own buffers, one copy at a time): 6.8 GB/s on an H100 host, against 15 for fastload's
+# page-locked loads. A chunk copied into page-locked memory (torch's copy, on its threads) is on
+# its way to the device while the next one is copied in; torch's page-locked allocator reuses
+# the chunks once their copies are done.
+STAGE_CHUNK = 16 << 20
+STAGED_DEVICES = ("cuda",)
+
+
+def _staged_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """``dst.copy_(src)`` of a host region into device memory through page-locked chunks, in
+    the order of ``dst``'s device's current stream (as torch's own copy); False where it does
+    not apply (shapes that broadcast, rows over a chunk: the caller copies as torch does)."""
+    if dst.shape != src.shape or src.dim() == 0 or src.numel() == 0 or src.device.type != "cpu":
+        return False
+    rows = src.shape[0]
+    row_bytes = src.numel() // rows * src.element_size()
+    if row_bytes > STAGE_CHUNK:
+        return False
+    pin = dst.device.type != "cpu"  # tests run this on the host, where nothing pins
+    step = max(1, STAGE_CHUNK // max(1, row_bytes))
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        part = src.narrow(0, start, n)
+        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=pin)
+        host.copy_(part)
+        dst.narrow(0, start, n).copy_(host, non_blocking=pin)
+    return True
 
 
 class _Unplanned(Exception):

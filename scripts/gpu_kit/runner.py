@@ -305,6 +305,28 @@ def gpu_bench(ctx: Ctx, check: Check) -> dict:
     )
 
 
+def tp_gpu_bench(ctx: Ctx, check: Check) -> dict:
+    """benches/tp_gpu_bench.py: rank 0's weights of TP 2 and 8 into GPU parameters, sliced
+    (page-locked chunks, and torch's pageable copy) beside whole tensors and safetensors; fails
+    if a row errs or the rows' parameters differ."""
+    out_json = ctx.work / "tp_gpu_bench.json"
+    argv = [
+        ctx.python, str(ctx.root / "benches" / "tp_gpu_bench.py"), "--size", "2GiB",
+        "--tp", "2,8", "--reps", "1", "--cache", "warm",
+        "--rows", "whole,sliced,sliced-pageable,safetensors",
+        "--ckpt-dir", str(ctx.work / "gpu_bench_ckpt"), "--json", str(out_json),
+        "--timeout", "120",
+    ]  # fmt: skip
+    code, out = ctx.run(argv, ctx.env, check.timeout)
+    if code != 0 or not out_json.exists():
+        return result("fail", f"exit {code}: {short(out)}")
+    bench = json.loads(out_json.read_text())
+    ok = bool(bench["rows"]) and not bench["errors"] and not bench["disagree"]
+    rows = "; ".join(f"TP {r['tp']} {r['row']} {r['seconds']:.3f} s" for r in bench["rows"])
+    why = "" if ok else f" (errors: {bench['errors']}; rows disagree: {bench['disagree']})"
+    return result("pass" if ok else "fail", rows + why, **bench)
+
+
 def profile_load(ctx: Ctx, check: Check) -> dict:
     """profile_load.py: where the time of load(device="cuda") goes, beside safetensors; its JSON
     (and a torch.profiler trace) go to the report folder. On the simulated driver, a small
@@ -364,6 +386,8 @@ CHECKS = [
           script_check(_D, "cli_bench_cuda"), 420),
     Check("gpu_bench", "benches/gpu_bench.py: storage to GPU beside its peers", "gpu",
           gpu_bench, 570),
+    Check("tp_gpu_bench", "benches/tp_gpu_bench.py: a TP rank's weights into GPU parameters, "
+          "sliced and whole", "gpu", tp_gpu_bench, 240),
     Check("profile_load", "Where load(device='cuda') spends its time: first and later loads, "
           "pinning, torch allocations, copies; beside safetensors", "driver", profile_load, 300),
 ]  # fmt: skip

@@ -16,6 +16,10 @@ use super::wait::off_thread;
 use crate::format::Dtype;
 use crate::source::Shard;
 
+/// The largest span [`Reader::map`] maps on the calling thread (GIL released) rather than on a
+/// thread of its own: 32 MiB, a few milliseconds from the page cache.
+const MAP_HERE: u64 = 32 << 20;
+
 #[pyclass(module = "fastload._fastload", frozen)]
 pub struct Reader {
     shards: Vec<Shard>,
@@ -261,7 +265,7 @@ impl Reader {
             .into());
         }
         let (source, name) = (s.source.clone(), s.name.clone());
-        let mapped = off_thread(py, "map", move || {
+        let work = move || {
             let Some(mapped) = source.map(offset, len as usize) else {
                 return Ok(None);
             };
@@ -269,7 +273,16 @@ impl Reader {
             buffer.populate(0, len as usize, &name)?;
             source.check_unchanged()?;
             Ok::<_, crate::Error>(Some(buffer))
-        })??;
+        };
+        // A small span is mapped here with the GIL released: handing it to a thread of its own
+        // cost more than the mapping (a thread to start and be scheduled, 3-4 ms where torch's
+        // copy threads still spin on a 2-core host). A large one, whose pages may come from a
+        // slow disk, on a thread, so that Ctrl-C is honoured while it waits.
+        let mapped = if len <= MAP_HERE {
+            super::gil::detach(py, work)
+        } else {
+            off_thread(py, "map", work)?
+        }?;
         let Some(buffer) = mapped else {
             return Ok(None);
         };
