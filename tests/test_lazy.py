@@ -568,6 +568,21 @@ def test_read_ahead_reads_the_next_layers_regions_before_they_are_asked_for(rang
         assert stats.waited_reads == (2 if read_ahead else len(need))
 
 
+@pytest.mark.parametrize("method", ["auto", "read"])
+def test_local_files_read_not_mapped_are_read_ahead_by_default(tmp_path, method):
+    """A local file that is read (``method="read"``; encrypted files alike) waits on a read per
+    region as a remote one does, and is read ahead by default; a mapped one is not (its regions
+    are views of the page cache, nothing to wait for)."""
+    path, tensors = _layers_file(tmp_path, 4)
+    stats = Stats()
+    need = _stage(Checkpoint(path, stats, method=method), tensors, last_layer=3)
+    assert stats.sliced_bytes + stats.whole_bytes >= sum(need.values())
+    if method == "read":
+        assert stats.ahead_bytes > 0 and stats.waited_reads < len(need)
+    else:
+        assert stats.ahead_bytes == 0 and stats.waited_reads == len(need)
+
+
 def test_a_region_other_than_the_one_read_ahead_is_read_as_asked(range_server, tmp_path):
     """The consumer asks layers 1 and 2 for other rows than layer 0's: what was read ahead for
     layer 1 is left unused and the rows asked for are read, layer 2's are read ahead as layer

@@ -662,7 +662,8 @@ class Checkpoint:
         self.reader = _fastload.Reader(_uris(uri), **native)
         self.stats = stats if stats is not None else Stats()
         self.exchange = exchange
-        # fastload._readahead: by default where reads wait for a network.
+        # fastload._readahead: by default where some file is read, not mapped (remote, or
+        # local with method="read" or encrypted): each region a read to wait for.
         self.read_ahead = read_ahead
         # Every layer is read (no pipeline stage leaves some unread): the next layer is read
         # ahead with the one the consumer is at, not once it reaches it.
@@ -674,14 +675,14 @@ class Checkpoint:
         return int(self.reader.bytes_read)
 
     def _sources(self) -> tuple[list[_Source], bool]:
-        """Every tensor's source, in file order; whether some file is remote."""
-        sources, remote_any = [], False
+        """Every tensor's source, in file order; whether some file is read (not mapped)."""
+        sources, read_any = [], False
         for shard, header in enumerate(self.reader.headers()):
             file = header["file"]
             remote = _fastload.is_remote_uri(file) or file.startswith("hf://")
-            remote_any |= remote
             # Whether the file maps (local, not encrypted): asked once, with an empty mapping.
             mapped = not remote and self.map_local and self.reader.map(shard, 0, 0) is not None
+            read_any |= not mapped
             cost = REMOTE_READ_COST if remote else LOCAL_READ_COST
             cost = MAPPED_READ_COST if mapped else cost
             for name, dtype, shape, begin, end in header["tensors"]:
@@ -708,12 +709,12 @@ class Checkpoint:
                         mapped,
                     )
                 )
-        return sources, remote_any
+        return sources, read_any
 
     def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
-        sources, remote = self._sources()
+        sources, read = self._sources()
         ahead = None
-        if self.read_ahead or (self.read_ahead is None and remote):
+        if self.read_ahead or (self.read_ahead is None and read):
             ahead = _readahead.ReadAhead(sources, all_layers=self.all_layers)
         try:
             for pos, source in enumerate(sources):
