@@ -134,9 +134,10 @@ def one(job: dict) -> dict:
     return {"seconds": time.perf_counter() - _CLOCK_START, "bytes": nbytes}
 
 
-def measure(python: str, job: dict, timeout: int) -> dict:
+def measure(python: str, job: dict, timeout: int, script: str = __file__) -> dict:
+    """One row in a fresh process: ``script --one JOB``, whose last JSON line is the result."""
     proc = subprocess.run(
-        [python, __file__, "--one", json.dumps(job)],
+        [python, script, "--one", json.dumps(job)],
         capture_output=True,
         text=True,
         timeout=timeout,

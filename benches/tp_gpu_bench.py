@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import limits  # noqa: E402
+from gpu_bench import measure  # noqa: E402
 from make_checkpoint import checkpoint_files, generate, make_spec, parse_size  # noqa: E402
 
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -162,19 +162,6 @@ def one(job: dict) -> dict:
     return {"seconds": seconds, "kept": kept, "check": check}
 
 
-def measure(job: dict, timeout: int) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--one", json.dumps(job)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        return {"error": (proc.stderr or proc.stdout)[-1500:]}
-    return json.loads(lines[-1])
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -209,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         limits.warm(*files)
                     job = {"row": row, "files": files, "device": args.device, "tp": tp, "rank": 0}
-                    res = measure(job, args.timeout)
+                    res = measure(sys.executable, job, args.timeout, __file__)
                     if "seconds" not in res:
                         errors[f"{row} tp{tp}"] = res.get("error", "?").strip()[-400:]
                         print(f"{cache:5} tp{tp} {row:12} error", file=sys.stderr)
