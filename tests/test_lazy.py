@@ -310,6 +310,26 @@ def test_copies_into_device_memory_go_in_page_locked_chunks(tmp_path, monkeypatc
     assert_bitwise(torch.empty(2, 301).copy_(dict(Checkpoint(path))["v"]), v.expand(2, 301), "bc")
 
 
+def test_an_engine_load_gives_back_the_page_locked_chunks(monkeypatch):
+    """After a load that staged copies into GPU memory, the engines' ``released`` empties
+    torch's page-locked cache (chunks still in a copy stay: torch keeps those); without one it
+    leaves torch's cache alone."""
+    import logging
+
+    import fastload._lazy as lazy_mod
+    from fastload import _integration
+
+    emptied = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1), raising=False)
+    monkeypatch.setattr(lazy_mod, "_staged_pinned", True)
+    with _integration.released(logging.getLogger("test")):
+        pass
+    assert emptied == [1]
+    with _integration.released(logging.getLogger("test")):
+        pass
+    assert emptied == [1]
+
+
 def _mapped_files() -> list[tuple[int, int, str]]:
     """This process's file mappings: (start, end, path)."""
     out = []

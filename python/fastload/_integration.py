@@ -244,13 +244,17 @@ class Meter:
 @contextmanager
 def released(logger: logging.Logger) -> Iterator[None]:
     """Runs a load, then gives back the host memory fastload keeps for a next load (the pinned
-    staging ring of GPU loads, freed host buffers): an engine worker loads its weights once, and
-    that memory would otherwise stay with it while it serves."""
+    staging ring of GPU loads, freed host buffers, and the page-locked chunks torch caches after
+    sliced reads' copies into GPU memory): an engine worker loads its weights once, and that
+    memory would otherwise stay with it while it serves."""
     import fastload
+
+    from . import _lazy
 
     try:
         yield
     finally:
+        _lazy.release_staging()  # sliced loads' page-locked chunks (torch's cache)
         freed = fastload.release_memory()
         logger.debug("fastload gave back %s bytes of cached host memory", freed)
 

@@ -468,6 +468,18 @@ class LazyTensor(torch.Tensor):
 # the chunks once their copies are done.
 STAGE_CHUNK = 16 << 20
 STAGED_DEVICES = ("cuda",)
+# Whether a staged copy took page-locked memory from torch since release_staging().
+_staged_pinned = False
+
+
+def release_staging() -> None:
+    """Gives back the page-locked chunks torch keeps cached after staged copies (an engine
+    worker loads once; ``fastload._integration.released`` calls this with the rest)."""
+    global _staged_pinned
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if _staged_pinned and empty is not None:
+        empty()  # frees cached chunks only: one still in a copy is kept until it is done
+    _staged_pinned = False
 
 
 def _staged_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -480,7 +492,9 @@ def _staged_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
     row_bytes = src.numel() // rows * src.element_size()
     if row_bytes > STAGE_CHUNK:
         return False
+    global _staged_pinned
     pin = dst.device.type != "cpu"  # tests run this on the host, where nothing pins
+    _staged_pinned |= pin
     step = max(1, STAGE_CHUNK // max(1, row_bytes))
     for start in range(0, rows, step):
         n = min(step, rows - start)
