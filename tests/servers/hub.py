@@ -266,12 +266,13 @@ class Storage(_Server):
     def throttle(self, n: int) -> None:
         """Blocks until `n` more bytes fit the rate (one schedule shared by all connections).
         A test may lift the rate (0) while an earlier reply is still being sent: no wait then."""
-        if not self.rate:
+        rate = self.rate
+        if not rate:
             return
         with self._rate_lock:
             now = time.monotonic()
             start = max(now, self._next_send)
-            self._next_send = start + n / self.rate
+            self._next_send = start + n / rate
         if start > now:
             time.sleep(start - now)
 
