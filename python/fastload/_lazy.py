@@ -494,14 +494,18 @@ def _staged_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     global _staged_pinned
     pin = dst.device.type != "cpu"  # tests run this on the host, where nothing pins
-    _staged_pinned |= pin
     step = max(1, STAGE_CHUNK // max(1, row_bytes))
     for start in range(0, rows, step):
         n = min(step, rows - start)
-        part = src.narrow(0, start, n)
-        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=pin)
+        part, into = src.narrow(0, start, n), dst.narrow(0, start, n)
+        try:
+            host = torch.empty(part.shape, dtype=part.dtype, pin_memory=pin)
+        except RuntimeError:  # no page-locked memory to be had: as torch copies
+            into.copy_(part)
+            continue
+        _staged_pinned |= pin
         host.copy_(part)
-        dst.narrow(0, start, n).copy_(host, non_blocking=pin)
+        into.copy_(host, non_blocking=pin)
     return True
 
 
