@@ -98,6 +98,7 @@ where
         return Err(interrupt);
     }
 }
+
 /// Starts `work` on a thread of its own, named `fastload-{what}`.
 pub fn spawn(what: &str, work: impl FnOnce() + Send + 'static) -> crate::Result<()> {
     std::thread::Builder::new()
