@@ -111,7 +111,13 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
     assert first["memory_limit"] == 1 << 30 and first["concurrency"] == 16
     assert 0 < first["pinned_bytes"] <= min(32 * block, profile["bytes"] + block), first
     assert first["staging_peak_bytes"] <= 32 * block, first
-    assert second["pinned_bytes"] == 0 and second["cached_after"]["pinned"] > 0, second
+    # The second reuses what the first left cached: it pins only what it holds beyond that
+    # (how far reads run ahead of the copies differs from load to load, so the second may hold
+    # more than the first ever did; a CI run saw one block more).
+    cached = first["cached_after"]["pinned"]
+    beyond = max(0, second["staging_peak_bytes"] - cached)
+    assert cached > 0 and second["pinned_bytes"] <= beyond, (first, second)
+    assert second["cached_after"]["pinned"] > 0, second
     assert again["pinned_bytes"] > 0, again
     assert first["bytes"] == second["bytes"] == again["bytes"] > 0
     assert checks["profile_load"]["numbers"]["rows"]["fastload"]["loads"] == [first, second, again]
