@@ -148,22 +148,36 @@ def measure(python: str, job: dict, timeout: int, script: str = __file__) -> dic
     return json.loads(lines[-1])
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def bench_args(description: str, rows: dict, reps: int, cache: str, timeout: int):
+    """The options this script and benches/tp_gpu_bench.py share (``--one JOB``: one row in
+    this process, see :func:`measure`)."""
+    ap = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--size", default="2GiB")
-    ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--cache", default="cold,warm")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--cache", default=cache)
+    ap.add_argument("--rows", default=",".join(rows))
     ap.add_argument("--ckpt-dir", default=str(HERE / "ckpt"))
-    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--timeout", type=int, default=timeout)
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run_one(args, one) -> None:
+    """With ``--one JOB``: runs that row here, prints its result and exits."""
     if args.one:
         print(json.dumps(one(json.loads(args.one))), flush=True)
         os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = bench_args(__doc__, ROWS, reps=3, cache="cold,warm", timeout=600)
+    ap.add_argument("--shards", type=int, default=1)
+    args = ap.parse_args(argv)
+    run_one(args, one)
 
     spec = make_spec(size=parse_size(args.size), shards=args.shards, dtype="bf16")
     files = checkpoint_files(generate(spec, args.ckpt_dir, quiet=True))

@@ -24,7 +24,6 @@ context made before the clock, timed until ``torch.cuda.synchronize``:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -35,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import limits  # noqa: E402
-from gpu_bench import measure  # noqa: E402
+from gpu_bench import bench_args, measure, run_one  # noqa: E402
 from make_checkpoint import checkpoint_files, generate, make_spec, parse_size  # noqa: E402
 
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -163,21 +162,10 @@ def one(job: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    ap.add_argument("--size", default="2GiB")
-    ap.add_argument("--device", default="cuda:0")
+    ap = bench_args(__doc__, ROWS, reps=2, cache="warm", timeout=300)
     ap.add_argument("--tp", default="1,2,8", help="tensor-parallel sizes (rank 0 of each)")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--cache", default="warm")
-    ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--ckpt-dir", default=str(HERE / "ckpt"))
-    ap.add_argument("--timeout", type=int, default=300)
-    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    if args.one:
-        print(json.dumps(one(json.loads(args.one))), flush=True)
-        os._exit(0)
+    run_one(args, one)
 
     spec = make_spec(size=parse_size(args.size), shards=1, dtype="bf16")
     files = checkpoint_files(generate(spec, args.ckpt_dir, quiet=True))
