@@ -41,6 +41,7 @@ vLLM rows (each an engine, ``vllm.LLM`` in .venv-vllm with ``--parallel`` tpN/pp
 Their time to ready is each worker's ``BaseModelLoader.load_model`` (the model built, its weights
 loaded and processed; timed by benches/vllm_site), their host peak the worker's whole peak RSS
 (engine included: no base subtracted), bytes per rank fastload's sliced-read log line.
+``TP_BENCH_PROFILE=DIR`` profiles each worker's ``load_model`` into ``DIR`` (benches/vllm_site).
 
 Adding a row: a function ``(job) -> dict`` in ``ROWS`` that runs on each rank and returns
 ``seconds``, ``bytes_read`` (or None) and whatever else it measures (the worker adds the memory

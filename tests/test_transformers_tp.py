@@ -73,6 +73,28 @@ def _worker(folder: str, url: str, s3_uri: str, s3_options: str, out: str) -> No
         result[where] = _logits(model)
         result[f"{where}_stats"] = model._fastload_stats
         del model
+    # A default group without gloo (NCCL, on GPUs, which this machine has none of): the exchange
+    # builds a gloo group of the same ranks for the load, and destroys it after.
+    dist.barrier()
+    gloo_groups = []
+    new_group = dist.new_group
+
+    def recorded(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        if kwargs.get("backend") == "gloo":
+            gloo_groups.append(group)
+        return group
+
+    dist.new_group = recorded
+    fastload.transformers._default_backend = lambda: "nccl"
+    model = fastload.transformers.from_pretrained(AutoModelForCausalLM, folder, tp_plan="auto")
+    result["own_group"] = _logits(model)
+    result["own_group_stats"] = model._fastload_stats
+    # The gloo groups built during the load, and how many of them are still there.
+    alive = dist.distributed_c10d._world.pg_map
+    result["groups"] = (len(gloo_groups), sum(g in alive for g in gloo_groups))
+    dist.new_group = new_group
+    del model
     dist.barrier()
     torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -165,6 +187,11 @@ def test_tp_ranks_read_only_their_shards(range_server, seaweed, tmp_path):
     # Both ranks together: the checkpoint about once (each rank's header probe included), where
     # reading whole tensors is twice; in a few ranged GETs per tensor, where reading the
     # row-parallel weights' columns took one per row (256 rows each: over 2,000 per rank).
+    for r, res in enumerate(ranks):
+        # The default group "without gloo": exchanged all the same, over a group built for it.
+        assert torch.equal(res["own_group"], res["transformers"]), r
+        assert res["own_group_stats"] == res["local_stats"], r
+        assert res["groups"] == (1, 0), ("one gloo group built, none left", res["groups"])
     assert served <= 1.1 * weights, (served, weights)
     assert served >= weights, (served, weights)
     assert gets <= 200, gets

@@ -2,7 +2,10 @@
 puts this folder first on their PYTHONPATH): what tests/vllm_site/sitecustomize.py does (AMX
 permission), and a timer around vLLM's ``BaseModelLoader.load_model`` in every worker, which
 prints ``tp_bench: rank R load_model took S s`` (the model built, its weights loaded and
-processed, whatever the loader), once vLLM's loader module is imported.
+processed, whatever the loader), once vLLM's loader module is imported. With
+``TP_BENCH_PROFILE=DIR`` in the environment each worker's ``load_model`` also runs under cProfile,
+its stats written to ``DIR/rank<R>-<pid>.prof`` (``python -m pstats``), to see where a row's time
+goes (vLLM's own ``gc.collect`` calls, reads waited for, collectives).
 """
 
 from __future__ import annotations
@@ -31,10 +34,21 @@ def _wrap(module) -> None:
     def timed(self, *args, **kwargs):
         import torch.distributed as dist
 
+        profile_dir = os.environ.get("TP_BENCH_PROFILE")
+        profiler = None
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         start = time.perf_counter()
         model = load_model(self, *args, **kwargs)
         took = time.perf_counter() - start
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if profiler is not None:
+            profiler.disable()
+            os.makedirs(profile_dir, exist_ok=True)
+            profiler.dump_stats(os.path.join(profile_dir, f"rank{rank}-{os.getpid()}.prof"))
         print(f"tp_bench: rank {rank} load_model took {took:.3f} s", flush=True)
         return model
 

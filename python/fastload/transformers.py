@@ -420,9 +420,12 @@ _SERIAL_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
 
 
 class _Exchange:
-    """The column exchange (``fastload._exchange``) of a tensor-parallel load, over the default
-    torch.distributed group where it is the tensor-parallel group and gloo: bound at the first
-    read, as transformers initialises torch.distributed inside ``from_pretrained``. Reads go
+    """The column exchange (``fastload._exchange``) of a tensor-parallel load over the default
+    torch.distributed group's ranks, where they are the tensor-parallel group: bound at the
+    first read, as transformers initialises torch.distributed inside ``from_pretrained``. The
+    exchange moves host bytes: over the default group where it has gloo, else (NCCL, on GPUs)
+    over a gloo group of the same ranks built for the load (``new_group`` is collective: every
+    rank binds at the same read, the loads being serial) and destroyed after it. Reads go
     through it one at a time (a lock), so that ranks that read in threads still pair their
     collectives (they then disagree on the order, and the exchange turns itself off)."""
 
@@ -431,18 +434,22 @@ class _Exchange:
         self._lock = threading.Lock()
         self._bound = False
         self.exchange: Any = None
+        # The gloo group built for the load where the default group has no gloo (else None).
+        self.own_group: Any = None
 
     def _bind(self) -> Any:
         if not self._bound:
             self._bound = True
             import torch.distributed as dist
 
-            if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            if dist.is_available() and dist.is_initialized():
                 world = dist.get_world_size()
                 if world > 1 and self._tp_size in (None, world):
                     from ._exchange import ColumnExchange
 
-                    self.exchange = ColumnExchange(None, dist.get_rank(), world)
+                    if "gloo" not in _default_backend():
+                        self.own_group = dist.new_group(backend="gloo")
+                    self.exchange = ColumnExchange(self.own_group, dist.get_rank(), world)
         return self.exchange
 
     def read(self, source: _ExchangeSource, index: Any) -> Any:
@@ -457,25 +464,32 @@ class _Exchange:
         with self._lock:
             if self.exchange is not None:
                 self.exchange.close()
+            if self.own_group is not None:
+                import torch.distributed as dist
+
+                group, self.own_group = self.own_group, None
+                dist.destroy_process_group(group)
+
+
+def _default_backend() -> str:
+    """The default torch.distributed group's backend, lowercased: ``gloo``, ``nccl``, or one
+    per device type (``cpu:gloo,cuda:nccl``)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend()).lower()
 
 
 def _exchangeable(kwargs: Mapping[str, Any]) -> bool:
     """Whether a tensor-parallel load with these arguments may exchange row blocks: transformers
     shards over one mesh dim spanning every rank (no ``device_mesh``, or a 1-D one; no
-    ``distributed_config``), and the ranks talk over gloo (torch.distributed already so, or to be
-    initialised by transformers on a machine without an accelerator)."""
-    import torch
-
+    ``distributed_config``), and gloo is there to carry the host bytes (the default group's, or
+    a group built for the load beside NCCL)."""
     mesh = kwargs.get("device_mesh")
     if kwargs.get("distributed_config") is not None or (mesh is not None and mesh.ndim != 1):
         return False
     import torch.distributed as dist
 
-    if not dist.is_available():
-        return False
-    if dist.is_initialized():
-        return bool(dist.get_backend() == "gloo")
-    return bool(torch._C._get_accelerator().type == "cpu")
+    return bool(dist.is_available() and dist.is_gloo_available())
 
 
 class _File:
