@@ -64,6 +64,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -476,6 +477,25 @@ def table(results: list[dict], weights: int) -> str:
     return "\n".join(lines)
 
 
+def _delay_line(port: str, delay_ms: float, args: Any, stops: list) -> tuple[int, Any]:
+    """A delay line (benches/latency_proxy.py) in front of 127.0.0.1:``port``: ``delay_ms`` each
+    way, and ``--rate-mbps``'s shared link; its port and the proxy (its relayed bytes)."""
+    import latency_proxy
+
+    rate = None if args.rate_mbps is None else args.rate_mbps * 1e6
+    port_, stop = latency_proxy.start_in_thread(
+        ("127.0.0.1", int(port)), delay_ms / 1000, rate=rate
+    )
+    stops.append(stop.set)
+    return port_, stop.proxy
+
+
+def _line_name(delay_ms: float, args: Any) -> str:
+    """What a source's name says of its delay line."""
+    name = f" +{2 * delay_ms:g} ms RTT" if delay_ms else ""
+    return name + (f", {args.rate_mbps:g} MB/s link" if args.rate_mbps else "")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -496,6 +516,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default=",".join(ROWS), help=", ".join([*ROWS, *VLLM_ROWS]))
     ap.add_argument("--sources", default="local,http", help="local, http, s3 (SeaweedFS)")
     ap.add_argument("--delay-ms", default="0", help="one-way delays for http/s3, e.g. 0,10")
+    ap.add_argument(
+        "--rate-mbps",
+        type=float,
+        default=None,
+        help="MB/s of one link the delay line's replies share (all ranks: a node's card)",
+    )
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=str(ROOT / "benches" / "out"))
     ap.add_argument("--allow-debug-build", action="store_true")
@@ -539,15 +565,10 @@ def main(argv: list[str] | None = None) -> None:
             server.put({f"m/{p.name}": p for p in folder.iterdir() if p.is_file()})
             for d in delays:
                 url, line = server.url("m/"), None
-                if d:
-                    import latency_proxy
-
-                    port, stop = latency_proxy.start_in_thread(
-                        ("127.0.0.1", int(url.split(":")[2].split("/")[0])), d / 1000
-                    )
-                    stops.append(stop.set)
-                    url, line = f"http://127.0.0.1:{port}/m/", stop.proxy
-                name = f"http +{2 * d:g} ms RTT" if d else "http"
+                if d or args.rate_mbps:
+                    port, line = _delay_line(url.split(":")[2].split("/")[0], d, args, stops)
+                    url = f"http://127.0.0.1:{port}/m/"
+                name = "http" + _line_name(d, args)
                 sources.append((name, {"uri": url, "kind": "http"}, server, line))
         if "s3" in wanted:
             from servers import s3 as s3_server
@@ -561,17 +582,12 @@ def main(argv: list[str] | None = None) -> None:
             )
             for d in delays:
                 endpoint, line = weed.endpoint, None
-                if d:
-                    import latency_proxy
-
-                    port, stop = latency_proxy.start_in_thread(
-                        ("127.0.0.1", int(endpoint.rsplit(":", 1)[1])), d / 1000
-                    )
-                    stops.append(stop.set)
-                    endpoint, line = f"http://127.0.0.1:{port}", stop.proxy
+                if d or args.rate_mbps:
+                    port, line = _delay_line(endpoint.rsplit(":", 1)[1], d, args, stops)
+                    endpoint = f"http://127.0.0.1:{port}"
                 opts = {**weed.storage_options(), "endpoint": endpoint}
                 job = {"uri": f"s3://{s3_server.BUCKET}/m/", "storage_options": opts, "kind": "s3"}
-                sources.append((f"s3 +{2 * d:g} ms RTT" if d else "s3", job, None, line))
+                sources.append(("s3" + _line_name(d, args), job, None, line))
         logs = out / "vllm-logs"
         logs.mkdir(exist_ok=True)
         for name, fields, server, line in sources:

@@ -81,6 +81,13 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
     )
     if sc.get("keyset"):
         opts["keyset"] = sc["keyset"]
+    # parts: {rank: {name: [[start, stop], ...]}}, a slice per dim.
+    parts = {
+        n: tuple(slice(*b) for b in dims)
+        for n, dims in sc.get("parts", {}).get(str(rank), {}).items()
+    }
+    if parts:
+        opts["parts"] = parts
     out: dict = {"id": sc["id"], "rank": rank, "uri": uri}
     started = time.monotonic()
     patch = mock.patch.object(fastload._fastload, "Stream", _FailingStream)
@@ -119,6 +126,7 @@ def _run_scenario(sc: dict, rank: int, world: int) -> dict:
         out.update(ok=True, names=sorted(got), stats=stats)
         ref = reference(*sc["ref"])
         want = ref if names is None else {n: ref[n] for n in names}
+        want = {n: t[parts[n]] if n in parts else t for n, t in want.items()}
         try:
             assert_same_tensors(got, want)
         except AssertionError as e:
@@ -268,7 +276,12 @@ def encrypt_folder(src: Path, dst: Path) -> str:
 
 
 PARITY = ["single", "sharded", "tiny", "split", "split-rounds", "stream", "threads", "encrypted"]
-FAILURES = {"missing": "NotFoundError", "corrupt": "FormatError", "read": "StorageError"}
+FAILURES = {
+    "missing": "NotFoundError",
+    "corrupt": "FormatError",
+    "read": "StorageError",
+    "bad-part": "TensorNotFoundError",
+}
 
 
 def local_scenarios(ck: dict, world: int) -> list[dict]:
@@ -290,7 +303,17 @@ def local_scenarios(ck: dict, world: int) -> list[dict]:
     names[str(world - 1)] = []  # one rank wants nothing at all
     scenarios.append({**scenarios[1], "id": "names", "names": names})
     last = str(world - 1)
+    # parts= with the group: rank r takes its block of b.big's rows, the last rank also columns
+    # 1..4 of d.odd; what each wants whole is read once over the group, parts by their ranks.
+    rows = 768
+    parts = {
+        str(r): {"b.big": [[r * rows // world, (r + 1) * rows // world]]} for r in range(world)
+    }
+    parts[last]["d.odd"] = [[0, 3], [1, 4]]
+    scenarios.append({**scenarios[3], "id": "parts", "parts": parts, "memory_limit": "1MiB"})
+    scenarios.append({**scenarios[3], "id": "parts-stream", "parts": parts, "api": "stream"})
     scenarios += [
+        {**scenarios[3], "id": "bad-part", "parts": {last: {"no.such": [[0, 1]]}}},
         {**scenarios[0], "id": "missing", "uri_by_rank": {last: ck["missing"]}},
         {**scenarios[0], "id": "corrupt", "uri_by_rank": {last: ck["corrupt"]}},
         {**scenarios[3], "id": "read", "memory_limit": "1MiB", "inject_rank": world - 1},
@@ -402,6 +425,32 @@ def test_names_per_rank_route_only_what_is_wanted(group):
     for r, s in enumerate(stats):
         assert s["bytes_received"] <= tensor_bytes(uri, wanted[r])
     assert stats[world - 1]["bytes_received"] == 0
+
+
+@pytest.mark.parametrize("scenario", ["parts", "parts-stream"])
+def test_parts_are_read_by_their_ranks_and_the_rest_once_by_the_group(group, scenario):
+    """``parts=`` with a group: each rank gets its parts (bitwise the reference's indexed) and
+    every other tensor whole; what ranks want whole is read once over the group, each part only
+    by its rank, and no part travels."""
+    world, ck, results, _ = group
+    uri = ck["split"][0]
+    res = results[scenario]
+    for r in res:
+        assert r["ok"] and "parity" not in r, r
+        assert r["names"] == ["a.small", "b.big", "c.scalar", "d.odd"], r["names"]
+    stats = [r["stats"] for r in res]
+    whole = tensor_bytes(uri, {"a.small", "c.scalar", "d.odd"})
+    parts = [s["part_bytes"] for s in stats]
+    # b.big's rows split evenly (a block each, no gaps), and the last rank's d.odd columns.
+    assert parts[:-1] == [tensor_bytes(uri, {"b.big"}) // world] * (world - 1), parts
+    assert parts[-1] > tensor_bytes(uri, {"b.big"}) // world, parts
+    assert sum(s["bytes_read"] for s in stats) == whole + sum(parts), stats
+    assert [s["part_tensors"] for s in stats] == [1] * (world - 1) + [2], stats
+    # Only the tensors wanted whole travel, to the ranks that want them.
+    assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+    for r, s in enumerate(stats):
+        mine = {"a.small", "c.scalar"} | ({"d.odd"} if r < world - 1 else set())
+        assert s["bytes_received"] <= tensor_bytes(uri, mine), (r, s)
 
 
 @pytest.mark.parametrize("scenario", sorted(FAILURES))

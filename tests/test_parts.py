@@ -415,10 +415,17 @@ def test_bad_parts_are_refused_before_anything_is_read(range_server, remote_file
     assert not _served(log, "/bad.safetensors", since)
 
 
-def test_parts_with_a_process_group_are_refused(remote_file):
-    with pytest.raises(fastload.ConfigError) as info:
-        fastload.load(remote_file, parts={"w": 0}, process_group="default")
-    assert info.value.option == "parts"
+def test_parts_with_a_process_group_and_no_group_load_alone(remote_file):
+    """``process_group`` with no group initialised: the process loads on its own (with the
+    warning every such load gives), its parts included. Groups: tests/test_distributed.py."""
+    with pytest.warns(RuntimeWarning, match="not initialised"):
+        got = fastload.load(
+            remote_file, parts={"w": (slice(None), slice(8, 40))}, process_group="default"
+        )
+    ref = safetensors.torch.load_file(str(remote_file))
+    _same(got["w"], ref["w"][:, 8:40], "w")
+    for name in ("b", "e", "m"):
+        _same(got[name], ref[name], name)
 
 
 def test_parts_is_a_typed_load_option():

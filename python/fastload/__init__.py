@@ -422,7 +422,6 @@ def stream(
     if process_group is not None:
         from . import distributed
 
-        distributed.refuse_parts(options)
         return distributed.stream(uri, process_group=process_group, **options)
     return Stream(uri, **options)
 

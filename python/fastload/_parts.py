@@ -205,6 +205,49 @@ def normalize(name: str, index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def wanted_names(
+    table: Mapping[str, Any],
+    parts: Any,
+    names: Iterable[str] | str | None,
+    where: str,
+    uri_hint: str,
+) -> list[str]:
+    """The tensors a load with ``parts`` gives (``names``, else every tensor of ``table``, keyed
+    by name, in its order), once ``parts`` is checked: a mapping whose keys are names in the
+    checkpoint (``where``) and in ``names``."""
+    if not isinstance(parts, Mapping):
+        raise ConfigError(
+            "invalid option parts: expected a mapping of tensor names to indices, got "
+            f"{type(parts).__name__}",
+            option="parts",
+        )
+    bad = [k for k in parts if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(
+            f"invalid option parts: keys must be tensor names (str), got {bad[0]!r}",
+            option="parts",
+        )
+    if names is None:
+        wanted = list(table)
+    else:
+        wanted = list(dict.fromkeys([names] if isinstance(names, str) else names))
+        outside = sorted(set(parts) - set(wanted))
+        if outside:
+            raise ConfigError(
+                "invalid option parts: tensors not in names: "
+                + ", ".join(repr(n) for n in outside),
+                option="parts",
+            )
+    missing = sorted({n for n in [*wanted, *parts] if n not in table})
+    if missing:
+        raise TensorNotFoundError(
+            f"tensors not found in {where}: " + ", ".join(repr(n) for n in missing),
+            names=missing,
+            uri=uri_hint,
+        )
+    return wanted
+
+
 class Parts:
     """The plan of a load with ``parts``: the native byte ranges, and how each tensor is put
     together from the pieces they arrive in."""
@@ -220,43 +263,12 @@ class Parts:
 
         glue = _torch_glue()
         torch = glue.torch
-        if not isinstance(parts, Mapping):
-            raise ConfigError(
-                "invalid option parts: expected a mapping of tensor names to indices, got "
-                f"{type(parts).__name__}",
-                option="parts",
-            )
-        bad = [k for k in parts if not isinstance(k, str)]
-        if bad:
-            raise ConfigError(
-                f"invalid option parts: keys must be tensor names (str), got {bad[0]!r}",
-                option="parts",
-            )
         table: dict[str, tuple[str, tuple[int, ...], str, int]] = {}
         for h in headers:
             for tname, dtype, shape, begin, end in h["tensors"]:
                 table.setdefault(tname, (dtype, tuple(shape), h["file"], end - begin))
-        if names is None:
-            wanted = list(table)
-        else:
-            wanted = list(dict.fromkeys([names] if isinstance(names, str) else names))
-            outside = sorted(set(parts) - set(wanted))
-            if outside:
-                raise ConfigError(
-                    "invalid option parts: tensors not in names: "
-                    + ", ".join(repr(n) for n in outside),
-                    option="parts",
-                )
-        missing = sorted({n for n in [*wanted, *parts] if n not in table})
-        if missing:
-            where = (
-                uri_hint if len(headers) <= 1 else f"{uri_hint} and {len(headers) - 1} more files"
-            )
-            raise TensorNotFoundError(
-                f"tensors not found in {where}: " + ", ".join(repr(n) for n in missing),
-                names=missing,
-                uri=uri_hint,
-            )
+        where = uri_hint if len(headers) <= 1 else f"{uri_hint} and {len(headers) - 1} more files"
+        wanted = wanted_names(table, parts, names, where, uri_hint)
         self._torch = torch
         self._from_bytes = glue.from_bytes
         self.ranges: list[tuple[str, int, int]] = []

@@ -23,6 +23,10 @@ Every rank runs the same steps and computes the same plan from the same headers:
    and round, and are viewed (whole tensors) or copied (pieces) out of it. The native loader keeps
    reading ahead (within ``memory_limit``) while a round is on the wire.
 
+``parts`` (per rank, like ``names``): a rank's parts are left out of what it wants from the group
+and read by the rank alone once the group's rounds are over (a local load with ``parts``);
+checked in step 1 (names and indices), so a bad part raises on every rank.
+
 Why point to point and not broadcast: with ``names`` different per rank a broadcast needs a
 subgroup per set of receivers (``new_group`` is itself collective and costly to create), while
 isend/irecv route each byte only where it is wanted. When every rank wants everything, each rank
@@ -165,14 +169,44 @@ def _finish(u8: torch.Tensor, dtype: str, shape: tuple[int, ...], hint: str) -> 
 # The stream
 
 
-def refuse_parts(options: Mapping[str, Any]) -> None:
-    """``parts`` is not shared over a group (yet): each rank loads its own parts without one."""
-    if options.get("parts"):
-        raise ConfigError(
-            "invalid option parts: a load with a process_group shares whole tensors; load "
-            "each rank's parts without process_group (each rank then reads only its own bytes)",
-            option="parts",
-        )
+def _shared_names(
+    table: list[tuple[str, str, tuple[int, ...], int]], names: Any, parts: Any, hint: str
+) -> list[str]:
+    """What a rank with ``parts`` gets through the group: the tensors it wants (``names``, else
+    every tensor) but those it takes a part of, which it reads itself. ``parts`` is checked as a
+    load with parts checks it (names in the checkpoint and in ``names``, indices that fit), here
+    in step 1, so that a bad one is raised on every rank before anything is read."""
+    from . import _parts
+    from ._safe_open import safe_open
+
+    by_name = {t[0]: t for t in table}
+    wanted = _parts.wanted_names(by_name, parts, names, hint, hint)
+    for name, index in parts.items():
+        _, dtype, shape, _ = by_name[name]
+        _parts.normalize(name, index, safe_open._torch_shape(dtype, tuple(shape)))
+    return [n for n in wanted if n not in parts]
+
+
+class _OwnParts:
+    """A rank's own parts in a load shared by a group: read by this rank alone (a local load
+    with ``parts``), once the group's tensors are delivered, so that the group's collectives
+    are over and ``memory_limit`` bounds one load at a time."""
+
+    def __init__(self, uri: Any, options: Mapping[str, Any]) -> None:
+        self._uri, self._options = uri, options
+        self.stream: Stream | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        options = {**self._options, "names": list(self._options["parts"])}
+        self.stream = Stream(self._uri, **options)
+        yield from self.stream
+
+    def stats(self) -> dict[str, Any]:
+        return {} if self.stream is None else self.stream.stats()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
 
 
 class DistributedStream:
@@ -181,7 +215,6 @@ class DistributedStream:
     @_options.spelled_out
     def __init__(self, uri: Any, *, group: Any, **options: Unpack[Options]) -> None:
         _options.check("DistributedStream", options)
-        refuse_parts(options)
         self._started = time.monotonic()
         self._native: Any = None
         self._iter: Iterator[tuple[str, torch.Tensor]] = iter(())
@@ -207,6 +240,7 @@ class DistributedStream:
             )
         self._hint = str(uri)
         self._sent = self._received = self._delivered = 0
+        self._own: _OwnParts | None = None
         native = _options.native(options)
 
         # Step 1: headers, agreed by the group.
@@ -229,6 +263,10 @@ class DistributedStream:
                 associated_data=native.get("associated_data"),
             )
             digest = hashlib.sha256(json.dumps(table).encode()).hexdigest()
+            if options.get("parts"):
+                # This rank's parts: read by itself after the group's tensors (see _OwnParts).
+                names = _shared_names(table, names, options["parts"], self._hint)
+                self._own = _OwnParts(uri, {k: v for k, v in options.items() if k != "names"})
         except Exception as e:
             error = e
         views = _gather((_portable(error), digest, names, limit), self._group, self._world)
@@ -314,6 +352,8 @@ class DistributedStream:
                 del error  # raised, it would keep itself alive through this frame
             if k < plan.rounds:
                 yield from DistributedStream._round(self, k, mine)  # not a method bound to self
+        if self._own is not None:
+            yield from self._own
         self._ended = True
         self._finish_stats()
 
@@ -440,18 +480,22 @@ class DistributedStream:
     def stats(self) -> dict[str, Any]:
         """This rank's counters; ``bytes_read`` summed over the group is ``total_bytes``."""
         native = None if self._native is None else self._native.stats()
-        return {
+        own = {} if self._own is None else self._own.stats()
+        out = {
             "rank": self._rank,
             "world_size": self._world,
             "total_bytes": self._plan.total,
             "bytes_planned": self._plan.ranges[self._rank][1] - self._plan.ranges[self._rank][0],
-            "bytes_read": 0 if native is None else native.bytes_read,
+            "bytes_read": (0 if native is None else native.bytes_read) + own.get("bytes_read", 0),
             "bytes_sent": self._sent,
             "bytes_received": self._received,
             "rounds": self._plan.rounds,
-            "tensors": self._delivered,
+            "tensors": self._delivered + own.get("tensors_delivered", 0),
             "seconds": time.monotonic() - self._started,
         }
+        # A rank's own parts (read by itself): what its load with parts counts of them.
+        out.update((k, v) for k, v in own.items() if k.startswith("part_"))
+        return out
 
     def _finish_stats(self) -> None:
         global _last_stats
@@ -466,6 +510,8 @@ class DistributedStream:
         if self._native is not None:
             self._finish_stats()
             self._native.close()
+        if self._own is not None:
+            self._own.close()
         self._arrived.clear()
         self._let_go()
 
@@ -581,7 +627,9 @@ def stream(
     ``RuntimeWarning`` when no group is initialised). Every rank of the group must call this with
     the same checkpoint (same tensors; paths may differ per node) and consume the stream to its
     end. ``names`` may differ per rank: each rank gets only its tensors, and bytes travel only to
-    the ranks that want them. Options are per rank (``memory_limit`` bounds this rank's reads).
+    the ranks that want them. So may ``parts``: each rank reads its own parts itself, once the
+    group's tensors are delivered, and never sends them. Options are per rank (``memory_limit``
+    bounds this rank's reads).
     """
     _options.check("stream", options)
     group = _resolve_group(process_group)
