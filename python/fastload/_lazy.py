@@ -457,6 +457,9 @@ class LazyTensor(torch.Tensor):
         def real(x: Any) -> Any:
             return x.materialize() if isinstance(x, LazyTensor) else x
 
+        if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
+            # Flat arguments (a weight loader's copy_, most ops): no tree to walk.
+            return func(*[real(a) for a in args])
         return func(*tree_map(real, args), **tree_map(real, kwargs))
 
 

@@ -350,6 +350,36 @@ class safe_open:
         self.close()
 
 
+# Plans of regions, by shape, element size, index and read cost (see _planned): the layers of a
+# model repeat their shapes and their loaders' indices, so a load plans a few dozen regions.
+_PLANS: dict[Any, tuple[Any, Plan | None]] = {}
+_PLANS_MAX = 4096
+
+
+def _planned(
+    torch: Any, tshape: tuple[int, ...], itemsize: int, index: Any, read_cost: int
+) -> tuple[Any, Plan | None]:
+    """The shape of ``tensor[index]`` (a basic index: see :func:`_basic`), with torch's own
+    errors for an index that does not fit, raised before anything is read, and its
+    :func:`plan`, worked out once per distinct region."""
+    items = index if isinstance(index, tuple) else (index,)
+    key = (
+        tuple(tshape),
+        itemsize,
+        isinstance(index, tuple),
+        tuple((it.start, it.stop, it.step) if isinstance(it, slice) else it for it in items),
+        read_cost,
+    )
+    got = _PLANS.get(key)
+    if got is None:
+        want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
+        got = (want, plan(tshape, itemsize, index, read_cost))
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = got
+    return got
+
+
 def index_reads(
     torch: Any,
     tdtype: torch.dtype,
@@ -369,19 +399,21 @@ def index_reads(
     if _basic(index, len(tshape)) is None:
         # Lists, tensors, booleans: torch indexes the whole tensor.
         return [(0, nbytes)], lambda raw: raw.view(tdtype).reshape(tshape)[index]
-    # torch's own errors, and the result's shape, before anything is read.
-    want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
-    p = plan(tshape, tdtype.itemsize, index, read_cost)
+    want, p = _planned(torch, tshape, tdtype.itemsize, index, read_cost)
     if p is None:
         return [], lambda _: torch.empty(want, dtype=tdtype)
     # Strided views and copies of plain integers of the same width: every dtype (fp8, fp4,
     # bool) moves as its bits.
     if not _CARRIERS:
         _CARRIERS.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+    # The view drops or adds no dim (every entry ``slice(None)``): no indexing to do.
+    plain = all(isinstance(v, slice) for v in p.view)
 
     def finish(got: Any) -> torch.Tensor:
         raw = got.view(_CARRIERS[tdtype.itemsize])
-        out = raw.as_strided(p.size, p.stride)[p.view]
+        out = raw.as_strided(p.size, p.stride)
+        if not plain:
+            out = out[p.view]
         if compact and not (out.is_contiguous() and out.numel() == raw.numel()):
             out = out.clone(memory_format=torch.contiguous_format)
         return out.view(tdtype)
