@@ -491,6 +491,10 @@ def _loader_classes() -> dict[str, type]:
             )
             self._load_device: Any = None
             self._parallel_config: Any = None
+            if self.options.slices is not False:
+                # The lazy tensors' machinery, imported with the loader as the stream's is with
+                # fastload, not inside the first load (about 10 ms).
+                from . import _lazy  # noqa: F401
             # What the last sliced load read (Stats.as_dict()), None after a whole-tensor one.
             self.stats: dict[str, Any] | None = None
 
