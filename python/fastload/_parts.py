@@ -403,18 +403,11 @@ def _planned(tshape: tuple[int, ...], itemsize: int, basic: tuple[Any, ...], cos
     within the tensor, by :func:`merge_runs`), the strips of each read (by its begin) and its
     lead dims; ``None`` for a part of no bytes. Worked out once per distinct part, and shared
     (read only) by the tensors that have it."""
-    key = (
-        tuple(tshape),
-        itemsize,
-        tuple((it.start, it.stop, it.step) if isinstance(it, slice) else it for it in basic),
-        cost,
-        (WASTE, SPANS_WIN, SPAN_MAX),  # merge_runs' settings, as they are now
-    )
-    if key in _PLANNED:
-        return _PLANNED[key]
-    plan = _safe_open.plan(tshape, itemsize, basic, read_cost=0)
-    got = None
-    if plan is not None:
+
+    def make() -> Any:
+        plan = _safe_open.plan(tshape, itemsize, basic, read_cost=0)
+        if plan is None:
+            return None
         runs = plan.ranges
         reads: list[tuple[int, int]] = []
         strips: dict[int, list[tuple[int, int, int, int]]] = {}
@@ -423,11 +416,11 @@ def _planned(tshape: tuple[int, ...], itemsize: int, basic: tuple[Any, ...], cos
             end = runs[first + count - 1][0] + runs[first + count - 1][1]
             strips[begin] = _strips(runs, first, count, itemsize)
             reads.append((begin, end))
-        got = (plan, reads, strips, _lead_dims(plan.size, len(runs)))
-    if len(_PLANNED) >= _PLANNED_MAX:
-        _PLANNED.clear()
-    _PLANNED[key] = got
-    return got
+        return plan, reads, strips, _lead_dims(plan.size, len(runs))
+
+    # merge_runs' settings as they are now are part of the key (tests change them).
+    key = (tuple(tshape), itemsize, _safe_open.index_key(basic), cost, (WASTE, SPANS_WIN, SPAN_MAX))
+    return _safe_open.remembered(_PLANNED, _PLANNED_MAX, key, make)
 
 
 def _cost(file: str) -> Cost:

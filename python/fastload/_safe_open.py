@@ -350,6 +350,31 @@ class safe_open:
         self.close()
 
 
+def index_key(index: Any) -> tuple[Any, ...]:
+    """A basic index (see :func:`_basic`) as a key: its slices as their bounds, a bare item
+    told apart from a tuple of one."""
+    items = index if isinstance(index, tuple) else (index,)
+    return (
+        isinstance(index, tuple),
+        *((it.start, it.stop, it.step) if isinstance(it, slice) else it for it in items),
+    )
+
+
+_MISSING = object()
+
+
+def remembered(cache: dict[Any, Any], limit: int, key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` the first time (``None`` kept too); the cache is
+    emptied once it holds ``limit`` entries."""
+    got = cache.get(key, _MISSING)
+    if got is _MISSING:
+        got = make()
+        if len(cache) >= limit:
+            cache.clear()
+        cache[key] = got
+    return got
+
+
 # Plans of regions, by shape, element size, index and read cost (see _planned): the layers of a
 # model repeat their shapes and their loaders' indices, so a load plans a few dozen regions.
 _PLANS: dict[Any, tuple[Any, Plan | None]] = {}
@@ -362,22 +387,13 @@ def _planned(
     """The shape of ``tensor[index]`` (a basic index: see :func:`_basic`), with torch's own
     errors for an index that does not fit, raised before anything is read, and its
     :func:`plan`, worked out once per distinct region."""
-    items = index if isinstance(index, tuple) else (index,)
-    key = (
-        tuple(tshape),
-        itemsize,
-        isinstance(index, tuple),
-        tuple((it.start, it.stop, it.step) if isinstance(it, slice) else it for it in items),
-        read_cost,
-    )
-    got = _PLANS.get(key)
-    if got is None:
+
+    def make() -> tuple[Any, Plan | None]:
         want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
-        got = (want, plan(tshape, itemsize, index, read_cost))
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        _PLANS[key] = got
-    return got
+        return want, plan(tshape, itemsize, index, read_cost)
+
+    key = (tuple(tshape), itemsize, index_key(index), read_cost)
+    return remembered(_PLANS, _PLANS_MAX, key, make)
 
 
 def index_reads(
