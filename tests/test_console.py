@@ -94,6 +94,59 @@ def test_bench_compare_runs_the_installed_peers_and_names_the_others(tmp_path):
         assert want in proc.stdout, proc.stdout
 
 
+BENCH = [sys.executable, "-m", "fastload._cli", "bench"]
+
+
+def _driver(job: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._peers", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_no_row_times_an_import_another_row_made_before_its_clock(tmp_path):
+    # issue 41: fastload's process imported `fastload` (which does not import torch) before the
+    # clock, a peer's imported safetensors.torch (and torch): fastload's first load paid torch's
+    # import inside its clock. Every row's process imports the same things first.
+    model = str(_sample(tmp_path / "model.safetensors"))
+    rows = {}
+    for loader in ("fastload", "safetensors"):
+        job = {"loader": loader, "workload": "load", "uri": [model], "files": [model]}
+        rows[loader] = _driver(job)
+    for loader, row in rows.items():
+        assert row["bytes"] == 300_000 * 4 + 64 * 64 * 2, row
+        before = set(row["modules_before_clock"])
+        assert {"torch", "numpy"} <= before, loader
+        for other, theirs in rows.items():
+            paid = set(row["modules_in_clock"]) & set(theirs["modules_before_clock"])
+            assert other == loader or not paid, (loader, other, sorted(paid))
+
+    # The bench reports the same and finds nothing unfair, for every row it ran.
+    proc = subprocess.run(
+        [*BENCH, model, "--compare=safetensors", "--warm", "--repeat", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    compare = json.loads(proc.stdout)["compare"]
+    assert compare["unfair_imports"] == [], compare["unfair_imports"]
+    for loader in ("fastload", "safetensors"):
+        assert isinstance(compare["loaders"][loader]["warm"]["imported_in_clock"], list), compare
+    # One progress line per load on stderr while the fresh processes run.
+    progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("fastload: compare: ")]
+    assert progress == [
+        "fastload: compare: load 1/4: fastload, warm",
+        "fastload: compare: load 2/4: safetensors, warm",
+        "fastload: compare: load 3/4: fastload, warm",
+        "fastload: compare: load 4/4: safetensors, warm",
+    ], proc.stderr
+
+
 def test_bench_compare_without_fastload_in_that_python(tmp_path):
     # The bare binary's default python3 may not have fastload: every loader is named, not a crash.
     model = _sample(tmp_path / "model.safetensors")
@@ -159,6 +212,30 @@ def test_bench_shows_an_installed_peer_by_default_and_compare_none_turns_it_off(
     off = _bench(model, "--repeat", "1", "--compare", "none", env=env)
     assert "beside" not in off and "compare" not in off, off
     assert "compare" not in json.loads(_bench(model, "--repeat", "1", "--compare=none", "--json"))
+
+
+def test_bench_in_a_python_without_torch_says_what_to_install(tmp_path):
+    # issue 41: README's first command installs fastload alone; its bench then showed no peer
+    # row and never said what would make one appear. A real venv with fastload but no torch.
+    import fastload
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "fastload").symlink_to(os.path.dirname(fastload.__file__))
+    python = str(venv / "bin" / "python")
+    model = str(_sample(tmp_path / "model.safetensors"))
+    env = {k: v for k, v in os.environ.items() if k not in ("FASTLOAD_PYTHON", "PYTHONPATH")}
+    table = _bench(model, "--repeat", "1", "--python", python, env=env)
+    tail = table[table.index("\nno peer beside it: ") :].splitlines()[1:]
+    assert tail == [
+        f"no peer beside it: torch is not installed in {python} (--python PATH picks another "
+        "Python, --compare none drops this line)",
+        "  to see safetensors beside fastload, install it into that Python and run again:",
+        f"    {python} -m pip install torch safetensors",
+        f"  (or torch's CPU build: {python} -m pip install torch --index-url "
+        f"https://download.pytorch.org/whl/cpu, then {python} -m pip install safetensors)",
+    ], table
 
 
 def test_bench_compare_takes_the_peers_to_run(tmp_path):

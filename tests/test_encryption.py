@@ -271,6 +271,41 @@ def test_bench_cold_evicts_encrypted_local_files(encrypted, big_keyset, tmp_path
     assert big_keyset[0] not in run.stdout + run.stderr
 
 
+def test_bench_peers_do_not_compare_on_encrypted_files(encrypted, big_keyset, tmp_path):
+    """The peers read plain safetensors files only: on an encrypted file they would read the
+    ciphertext (and fail with "header too large"), so the comparison says it does not apply;
+    fastload's own driver row still loads it with the keyset."""
+    import os
+    import subprocess
+    import sys
+
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(big_keyset[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    env["FASTLOAD_KEYSET"] = str(keyset_file)
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "fastload._cli", "bench", str(encrypted), "--repeat", "1"]
+        run = subprocess.run([*argv, *args], capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert big_keyset[0] not in run.stdout + run.stderr
+        return run
+
+    why = "not applicable: the files are encrypted, and peers read plain safetensors files only"
+    table = bench().stdout
+    assert "\nno peer beside it: the files are encrypted, and peers read plain" in table, table
+    assert "header too large" not in table, table
+    compare = json.loads(bench("--compare=safetensors", "--json").stdout)["compare"]
+    assert compare["not_run"] == [{"loader": "safetensors", "reason": why}], compare
+    assert list(compare["loaders"]) == ["fastload"], compare
+    assert compare["loaders"]["fastload"]["warm"]["bytes"] == plain_bytes(encrypted, big_keyset)
+
+
+def plain_bytes(path: Path, keyset) -> int:
+    """The tensors' bytes of an encrypted file, from its plaintext header."""
+    return fastload.inspect(str(path), keyset=keyset[0])["total"]["bytes"]
+
+
 def test_http_load_and_cache(served, plain_file, big_keyset, tmp_path):
     """Over HTTP, and through the local cache: the cache keeps the ciphertext, and a second load
     reads it (no GET of the object), decrypting it again."""

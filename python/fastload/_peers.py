@@ -7,8 +7,10 @@ and by benches/run.py (through benches/loaders.py):
     python -m fastload._peers --probe     # which peers are installed: {name: null | why not}
 
 Prints one JSON line on stdout: seconds, bytes, tensors, first_tensor_s (stream only), checksum,
-peak RSS growth, or {"skipped": why} / {"error": why}. Imports and destination allocation happen
-before the clock starts; everything the loader does to deliver the bytes happens inside it.
+peak RSS growth, the modules imported before and inside the clock, or {"skipped": why} /
+{"error": why}. Imports (torch, numpy and the loader's modules, the same for every row) and
+destination allocation happen before the clock starts; everything the loader does to deliver the
+bytes happens inside it.
 
 The two workloads:
 - load:   the loader's own "every tensor on the CPU" call, then every 4 KiB page of every tensor
@@ -220,6 +222,20 @@ def _destination(files: list[str], shm_path: str | None) -> dict[str, torch.Tens
     return dst
 
 
+# Imported before the clock by every row, whatever its loader: the tensors' library and what
+# `touch` reads them with. fastload's own module does not import torch (the CLI does not need it),
+# so without this its first load would pay torch's import (seconds) where a peer's did not.
+PRELOAD = ("torch", "numpy")
+# The loader's module for torch tensors beside IMPORTS (its import also checks it is installed):
+# fastload's torch glue is imported by its first load, as safetensors.torch is by the import.
+TORCH_GLUE = {"fastload": "fastload._torch"}
+
+
+def _preload(name: str) -> None:
+    for module in (*PRELOAD, IMPORTS[name], TORCH_GLUE.get(name, IMPORTS[name])):
+        __import__(module)
+
+
 def measure(job: dict) -> dict:
     name, workload = job["loader"], job["workload"]
     try:
@@ -238,14 +254,17 @@ def measure(job: dict) -> dict:
     if workload == "stream" and stream_fn is None:
         return {"skipped": f"{name} has no per-tensor streaming"}
     dst = _destination(job["files"], job.get("dst_shm")) if workload == "stream" else None
+    _preload(name)
     rss0 = _rss_peak_bytes()
 
     first = None
+    before = set(sys.modules)
     t0 = time.perf_counter()
     if workload == "load":
         tensors = load_fn(job)
         checksum = touch(tensors.values())
         seconds = time.perf_counter() - t0
+        in_clock = set(sys.modules) - before
         count, nbytes = len(tensors), sum(t.nbytes for t in tensors.values())
         t1 = time.perf_counter()
         touch(tensors.values())  # again, on resident pages: the touch's own cost
@@ -260,6 +279,7 @@ def measure(job: dict) -> dict:
             count += 1
             nbytes += t.nbytes
         seconds = time.perf_counter() - t0
+        in_clock = set(sys.modules) - before
         checksum = touch(dst.values())
         touch_s = None
     return {
@@ -270,6 +290,10 @@ def measure(job: dict) -> dict:
         "touch_s": touch_s,
         "checksum": checksum,
         "rss_growth_bytes": max(0, _rss_peak_bytes() - rss0),
+        # What this process had imported when the clock started, and what the timed section
+        # imported: a row's clock must not pay for an import another row made before its own.
+        "modules_before_clock": sorted(before),
+        "modules_in_clock": sorted(in_clock),
     }
 
 

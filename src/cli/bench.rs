@@ -117,6 +117,10 @@ pub(super) struct BenchArgs {
         conflicts_with = "uris"
     )]
     size: Size,
+    /// Remove the checkpoints generated for runs without a URI (every --size) from the cache
+    /// directory, print what was removed, and exit
+    #[arg(long, conflicts_with_all = ["uris", "limits_only", "compare", "sweep", "json"])]
+    clean: bool,
 }
 
 /// The option sets to run, each validated (FASTLOAD_* variables included) before anything runs.
@@ -336,16 +340,19 @@ struct Described {
     local: Vec<PathBuf>,
     /// Files and objects.
     shards: usize,
+    /// Read with a keyset: the files hold ciphertext.
+    encrypted: bool,
     tensors: usize,
     bytes: u64,
 }
 
 fn describe(uris: &[String]) -> CliResult<Described> {
+    let decryption = source::tink::Decryption::from_env()?;
     let shards = source::open::open_all(
         uris,
         &[],
         &crate::source::cache::CacheSettings::off(),
-        &source::tink::Decryption::from_env()?,
+        &decryption,
     )?;
     Ok(Described {
         shard_list: shards.clone(),
@@ -354,6 +361,7 @@ fn describe(uris: &[String]) -> CliResult<Described> {
             .filter_map(|s| s.local_path().map(|p| p.to_path_buf()))
             .collect(),
         shards: shards.len(),
+        encrypted: decryption.enabled(),
         tensors: shards.iter().map(|s| s.header.tensors.len()).sum(),
         bytes: shards.iter().map(|s| s.header.data_len()).sum(),
     })
@@ -462,6 +470,12 @@ fn measure_limits(
         });
         limits.insert("page_cache", l);
         names.push("page_cache");
+        // What a mapped run does instead of copying: map, then touch every page.
+        let l = Limit::best_of(times, || {
+            limits::mapped_touch(files, limits::warm_readers())
+        });
+        limits.insert("mapped_touch", l);
+        names.push("mapped_touch");
     }
     if matches!(args.device, Device::Cuda(_)) {
         if !limits.contains_key("host_to_device") {
@@ -490,6 +504,9 @@ fn modes(args: &BenchArgs) -> Vec<&'static str> {
 /// `host_python`: the interpreter this CLI runs in, when it runs in one (the default Python of
 /// the comparison).
 pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
+    if args.clean {
+        return print_stdout(&checkpoint::clean()?);
+    }
     if args.device != Device::Cpu && args.method != Method::Auto {
         return Err(CliError::Unsupported(format!(
             "--method applies to --device cpu only (device {} always reads into staging buffers)",
@@ -527,6 +544,7 @@ pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
         cache_dir: crate::source::cache::CacheSettings::for_load(&configs[0])?
             .dir
             .map(|d| d.display().to_string()),
+        generated: args.uris.is_empty(),
     };
     if !args.json && !args.limits_only {
         print_stdout(&setup.intro())?;
@@ -584,6 +602,8 @@ pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
                         seconds: seconds.collect(),
                         bytes: described.bytes,
                         best_gb_per_s: report.best_gb_per_s,
+                        // Loaded in this process, which imports nothing to load.
+                        imported_in_clock: Default::default(),
                     },
                 );
             }
@@ -631,6 +651,7 @@ fn run_compare(
         uris,
         files: &described.local,
         remote: described.local.len() < described.shards,
+        encrypted: described.encrypted,
         options,
         modes,
         repeat: setup.repeat,

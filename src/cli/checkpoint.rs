@@ -242,6 +242,66 @@ fn io_error(path: &Path) -> impl FnOnce(io::Error) -> CliError + '_ {
     }
 }
 
+/// The name of the generated checkpoint of about `size` bytes (in [`cache_dir`]).
+fn file_name(size: u64) -> String {
+    format!("llama-bf16-{}-v{GENERATOR_VERSION}.safetensors", Size(size))
+}
+
+/// Whether `name` is a checkpoint this generator (any version, any size) wrote, or a temporary
+/// of one.
+fn is_generated(name: &str) -> bool {
+    let name = name.strip_prefix('.').unwrap_or(name);
+    name.starts_with("llama-bf16-")
+        && (name.ends_with(".safetensors") || name.contains(".safetensors.tmp."))
+}
+
+/// `fastload bench --clean`: removes every generated checkpoint (and temporary) from the cache
+/// directory; what it removed, as printed.
+pub(super) fn clean() -> CliResult<String> {
+    let dir = cache_dir()?;
+    let entries = match fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Ok(format!(
+                "nothing to remove: {} does not exist\n",
+                dir.display()
+            ));
+        }
+        Err(e) => return Err(io_error(&dir)(e)),
+    };
+    let (mut out, mut freed, mut removed) = (String::new(), 0u64, 0usize);
+    for entry in entries {
+        let entry = entry.map_err(io_error(&dir))?;
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_str().unwrap_or_default();
+        // A temporary of a run still generating stays (its pid is alive).
+        let writing = name
+            .rsplit_once(".tmp.")
+            .is_some_and(|(_, pid)| Path::new("/proc").join(pid).exists());
+        let generated = is_generated(name) && !writing;
+        let meta = entry.metadata().map_err(io_error(&path))?;
+        if !generated || !meta.is_file() {
+            continue;
+        }
+        fs::remove_file(&path).map_err(io_error(&path))?;
+        out.push_str(&format!(
+            "removed {} ({})\n",
+            path.display(),
+            decimal_bytes(meta.len())
+        ));
+        (freed, removed) = (freed + meta.len(), removed + 1);
+    }
+    if removed == 0 {
+        return Ok(format!(
+            "nothing to remove: no generated checkpoint in {}\n",
+            dir.display()
+        ));
+    }
+    out.push_str(&format!("freed {}\n", decimal_bytes(freed)));
+    Ok(out)
+}
+
 /// The path of the generated checkpoint of about `size` bytes, generating it first when the
 /// cache does not hold it yet.
 pub(super) fn ensure(size: u64) -> CliResult<PathBuf> {
@@ -253,7 +313,7 @@ pub(super) fn ensure(size: u64) -> CliResult<PathBuf> {
 
     let dir = cache_dir()?;
     fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-    let file_name = format!("llama-bf16-{}-v{GENERATOR_VERSION}.safetensors", Size(size));
+    let file_name = file_name(size);
     let path = dir.join(&file_name);
     // Same name and same length: the generator is deterministic, so the bytes are the same too.
     if fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() == expected) {
@@ -322,6 +382,14 @@ mod tests {
         assert_eq!(parsed.tensors.len(), specs.len());
         assert_eq!(parsed.data_start, h.len() as u64);
         assert_eq!(parsed.metadata.unwrap()["format"], "pt");
+    }
+
+    #[test]
+    fn clean_removes_the_generated_files_only() {
+        assert_eq!(file_name(1 << 30), "llama-bf16-1GiB-v1.safetensors");
+        assert!(is_generated(&file_name(1 << 20)));
+        assert!(is_generated(".llama-bf16-1GiB-v1.safetensors.tmp.123"));
+        assert!(!is_generated("model.safetensors") && !is_generated("llama-bf16-notes.txt"));
     }
 
     #[test]

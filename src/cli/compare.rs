@@ -7,7 +7,7 @@
 //! `--compare` (all peers, or those named) also loads fastload through the same driver, so that
 //! every row is measured the same way; `--compare none` compares nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;
 use std::str::FromStr;
@@ -15,7 +15,7 @@ use std::str::FromStr;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{print_stdout, CliResult};
+use super::{plural, print_stdout, CliResult};
 
 /// The peers, in the order they are tried, run and printed; named as their packages are.
 pub(super) const PEERS: [&str; 4] = [
@@ -107,6 +107,17 @@ pub(super) struct PeerRuns {
     pub seconds: Vec<f64>,
     pub bytes: u64,
     pub best_gb_per_s: f64,
+    /// The modules its timed sections imported (a driver row's; none for fastload's own runs).
+    pub imported_in_clock: BTreeSet<String>,
+}
+
+/// A module one row's timed section imported that other rows imported before their clocks: that
+/// row paid for an import the others did not (the comparison was not fair).
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub(super) struct UnfairImport {
+    pub loader: &'static str,
+    pub module: String,
+    pub preloaded_by: Vec<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -128,6 +139,11 @@ pub(super) struct Compare {
     pub not_run: Vec<NotRun>,
     /// mode → fastload's best GB/s over the best peer's (null without both).
     pub ratio_to_best_peer: BTreeMap<&'static str, Option<f64>>,
+    /// Imports a row's clock paid for that another row made before its clock (empty: fair).
+    pub unfair_imports: Vec<UnfairImport>,
+    /// loader → the modules its processes had imported when their clocks started.
+    #[serde(skip)]
+    pub preloaded: BTreeMap<&'static str, BTreeSet<String>>,
 }
 
 /// What one driver process printed: its last line, parsed; or why it could not run.
@@ -167,6 +183,8 @@ pub(super) struct Job<'a> {
     /// Local files (every peer but fastload reads files); fewer than shards: remote.
     pub files: &'a [PathBuf],
     pub remote: bool,
+    /// The files are encrypted (read with a keyset): peers would read ciphertext.
+    pub encrypted: bool,
     /// fastload's options as given on the command line (the rest come from FASTLOAD_*).
     pub options: serde_json::Map<String, Value>,
     pub modes: &'a [&'static str],
@@ -203,6 +221,9 @@ fn runnable(job: &Job<'_>, not_run: &mut Vec<NotRun>) -> Vec<&'static str> {
             why.to_string()
         } else if job.remote && loader != "fastload" {
             "not applicable to this URI (the comparison reads peers from local files only)".into()
+        } else if job.encrypted && loader != "fastload" {
+            "not applicable: the files are encrypted, and peers read plain safetensors files only"
+                .into()
         } else if *job.peers == Peers::Default && !runnable.is_empty() {
             continue; // one peer by default: the first installed
         } else {
@@ -211,11 +232,75 @@ fn runnable(job: &Job<'_>, not_run: &mut Vec<NotRun>) -> Vec<&'static str> {
         };
         not_run.push(NotRun { loader, reason });
     }
-    if *job.peers == Peers::Default && !runnable.is_empty() {
-        // The default row names no peer that is simply not installed.
-        not_run.retain(|n| !n.reason.starts_with("not installed"));
+    let installed = |n: &NotRun| !n.reason.starts_with("not installed");
+    if *job.peers == Peers::Default && (!runnable.is_empty() || not_run.iter().any(installed)) {
+        // The default row names no peer that is simply not installed, when one is.
+        not_run.retain(installed);
     }
     runnable
+}
+
+/// One driver load: its seconds and bytes, the modules its process had imported when the clock
+/// started and those its timed section imported.
+struct Sample {
+    seconds: f64,
+    bytes: u64,
+    before: BTreeSet<String>,
+    in_clock: BTreeSet<String>,
+}
+
+/// The names in the driver's list `key` (none when it printed none: a driver of an older fastload).
+fn modules(v: &Value, key: &str) -> BTreeSet<String> {
+    v.get(key)
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// One timed load of `loader` in a fresh driver process, or why it did not run.
+fn load_once(job: &Job<'_>, loader: &'static str, files: &[String]) -> Result<Sample, NotRun> {
+    let arg = serde_json::json!({
+        "loader": loader,
+        "workload": "load",
+        "uri": if loader == "fastload" { job.uris.to_vec() } else { files.to_vec() },
+        "files": files,
+        "options": job.options,
+    })
+    .to_string();
+    // A peer's own message may quote the URI with its credentials.
+    let failed = |reason: String| NotRun {
+        loader,
+        reason: crate::error::scrub(&reason),
+    };
+    let v = driver(&job.python, &arg).map_err(|why| failed(format!("failed: {why}")))?;
+    if let Some(why) = v.get("skipped").and_then(Value::as_str) {
+        // Found but not importable: a broken install.
+        let kind = if why.starts_with("import ") {
+            "failed"
+        } else {
+            "not applicable"
+        };
+        return Err(failed(format!("{kind}: {why}")));
+    }
+    if let Some(why) = v.get("error").and_then(Value::as_str) {
+        return Err(failed(format!("failed: {why}")));
+    }
+    let s = v.get("seconds").and_then(Value::as_f64);
+    let b = v.get("bytes").and_then(Value::as_u64);
+    let (seconds, bytes) = s
+        .zip(b)
+        .ok_or_else(|| failed(format!("failed: printed {v}")))?;
+    Ok(Sample {
+        seconds,
+        bytes,
+        before: modules(&v, "modules_before_clock"),
+        in_clock: modules(&v, "modules_in_clock"),
+    })
 }
 
 pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
@@ -230,6 +315,8 @@ pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
         loaders: BTreeMap::new(),
         not_run: Vec::new(),
         ratio_to_best_peer: BTreeMap::new(),
+        unfair_imports: Vec::new(),
+        preloaded: BTreeMap::new(),
     };
     let mut runnable = runnable(job, &mut report.not_run);
     if default {
@@ -237,6 +324,8 @@ pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
         report.loaders.insert("fastload", mine.collect());
     }
     let files: Vec<String> = job.files.iter().map(|f| f.display().to_string()).collect();
+    let total = job.modes.len() * job.repeat as usize * runnable.len();
+    let mut started = 0;
     for &mode in job.modes {
         if mode == "warm" {
             (hooks.warm)();
@@ -246,58 +335,11 @@ pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
                 if mode == "cold" {
                     (hooks.evict)();
                 }
-                let arg = serde_json::json!({
-                    "loader": loader,
-                    "workload": "load",
-                    "uri": if loader == "fastload" { job.uris.to_vec() } else { files.clone() },
-                    "files": files,
-                    "options": job.options,
-                })
-                .to_string();
-                // A peer's own message may quote the URI with its credentials.
-                let failed = |reason: String| NotRun {
-                    loader,
-                    reason: crate::error::scrub(&reason),
-                };
-                let result = match driver(&job.python, &arg) {
-                    Err(why) => Err(failed(format!("failed: {why}"))),
-                    Ok(v) => {
-                        if let Some(why) = v.get("skipped").and_then(Value::as_str) {
-                            // Found but not importable: a broken install.
-                            let kind = if why.starts_with("import ") {
-                                "failed"
-                            } else {
-                                "not applicable"
-                            };
-                            Err(failed(format!("{kind}: {why}")))
-                        } else if let Some(why) = v.get("error").and_then(Value::as_str) {
-                            Err(failed(format!("failed: {why}")))
-                        } else {
-                            let s = v.get("seconds").and_then(Value::as_f64);
-                            let b = v.get("bytes").and_then(Value::as_u64);
-                            s.zip(b)
-                                .ok_or_else(|| failed(format!("failed: printed {v}")))
-                        }
-                    }
-                };
-                match result {
-                    Ok((seconds, bytes)) => {
-                        let runs = report
-                            .loaders
-                            .entry(loader)
-                            .or_default()
-                            .entry(mode)
-                            .or_default();
-                        runs.seconds.push(seconds);
-                        runs.bytes = bytes;
-                        let rate = bytes as f64 / seconds.max(1e-9) / 1e9;
-                        runs.best_gb_per_s = runs.best_gb_per_s.max(rate);
-                        if job.print {
-                            print_stdout(&format!(
-                                "  {mode:<5} {loader:<16} {seconds:>9.4} s  {rate:>8.3} GB/s\n"
-                            ))?;
-                        }
-                    }
+                started += 1;
+                // A fresh Python per load takes seconds (torch's import): say what runs.
+                eprintln!("fastload: compare: load {started}/{total}: {loader}, {mode}");
+                match load_once(job, loader, &files) {
+                    Ok(sample) => report.record(loader, mode, sample, job.print)?,
                     Err(not_run) => {
                         runnable.retain(|&l| l != loader);
                         report.loaders.remove(loader);
@@ -306,21 +348,87 @@ pub(super) fn run(job: &Job<'_>, hooks: &Hooks<'_>) -> CliResult<Compare> {
                 }
             }
         }
+        report.ratio(mode);
+    }
+    report.unfair_imports = unfair_imports(&report.loaders, &report.preloaded);
+    Ok(report)
+}
+
+/// Every module a row's timed sections imported that another row's processes had imported
+/// before their clocks.
+fn unfair_imports(
+    loaders: &BTreeMap<&'static str, BTreeMap<&'static str, PeerRuns>>,
+    preloaded: &BTreeMap<&'static str, BTreeSet<String>>,
+) -> Vec<UnfairImport> {
+    let mut out = Vec::new();
+    for (&loader, modes) in loaders {
+        let imported: BTreeSet<&String> =
+            modes.values().flat_map(|r| &r.imported_in_clock).collect();
+        for module in imported {
+            let preloaded_by: Vec<&'static str> = preloaded
+                .iter()
+                .filter(|(&other, before)| other != loader && before.contains(module))
+                .map(|(&other, _)| other)
+                .collect();
+            if !preloaded_by.is_empty() {
+                out.push(UnfairImport {
+                    loader,
+                    module: module.clone(),
+                    preloaded_by,
+                });
+            }
+        }
+    }
+    out
+}
+
+impl Compare {
+    fn record(
+        &mut self,
+        loader: &'static str,
+        mode: &'static str,
+        sample: Sample,
+        print: bool,
+    ) -> CliResult {
+        let runs = self
+            .loaders
+            .entry(loader)
+            .or_default()
+            .entry(mode)
+            .or_default();
+        let Sample {
+            seconds,
+            bytes,
+            before,
+            in_clock,
+        } = sample;
+        runs.seconds.push(seconds);
+        runs.bytes = bytes;
+        let rate = bytes as f64 / seconds.max(1e-9) / 1e9;
+        runs.best_gb_per_s = runs.best_gb_per_s.max(rate);
+        runs.imported_in_clock.extend(in_clock);
+        self.preloaded.entry(loader).or_default().extend(before);
+        if print {
+            print_stdout(&format!(
+                "  {mode:<5} {loader:<16} {seconds:>9.4} s  {rate:>8.3} GB/s\n"
+            ))?;
+        }
+        Ok(())
+    }
+
+    /// fastload's best rate in `mode` over the best peer's.
+    fn ratio(&mut self, mode: &'static str) {
         let best = |peers: bool| {
-            report
-                .loaders
+            self.loaders
                 .iter()
                 .filter(|(name, _)| (**name != "fastload") == peers)
                 .filter_map(|(_, m)| m.get(mode).map(|r| r.best_gb_per_s))
                 .reduce(f64::max)
         };
         let ratio = best(false).zip(best(true)).map(|(f, p)| f / p.max(1e-12));
-        report.ratio_to_best_peer.insert(mode, ratio);
+        self.ratio_to_best_peer.insert(mode, ratio);
     }
-    Ok(report)
-}
 
-impl Compare {
     /// The side-by-side table; the default comparison's is the peer as one more row beside
     /// fastload's runs, or one line saying why there is none.
     pub fn table(&self, modes: &[&'static str]) -> String {
@@ -384,20 +492,71 @@ impl Compare {
         for n in &self.not_run {
             out.push_str(&format!("not run: {}: {}\n", n.loader, n.reason));
         }
+        out.push_str(&self.unfair_lines());
         out
     }
 
-    /// The default comparison without a peer: why, on one line when no peer is installed.
+    /// One line per row whose clock paid for imports other rows made before theirs (none when
+    /// the comparison was fair).
+    fn unfair_lines(&self) -> String {
+        let mut out = String::new();
+        for &loader in self.loaders.keys() {
+            let mine: Vec<&UnfairImport> = self
+                .unfair_imports
+                .iter()
+                .filter(|u| u.loader == loader)
+                .collect();
+            let Some(first) = mine.first() else { continue };
+            let more = match mine.len() - 1 {
+                0 => String::new(),
+                n => format!(" and {}", plural(n, "more module")),
+            };
+            out.push_str(&format!(
+                "not fair: {loader}'s timed loads imported {}{more}, which {} imported before \
+                 the clock\n",
+                first.module,
+                first.preloaded_by.join(", ")
+            ));
+        }
+        out
+    }
+
+    /// What to install into the Python of the peers for the default row to appear.
+    fn install_hint(&self, torch_missing: bool) -> String {
+        let py = &self.python;
+        let packages = if torch_missing {
+            "torch safetensors"
+        } else {
+            "safetensors"
+        };
+        let mut out = format!(
+            "  to see safetensors beside fastload, install it into that Python and run again:\n    \
+             {py} -m pip install {packages}\n"
+        );
+        if torch_missing {
+            out.push_str(&format!(
+                "  (or torch's CPU build: {py} -m pip install torch --index-url \
+                 https://download.pytorch.org/whl/cpu, then {py} -m pip install safetensors)\n"
+            ));
+        }
+        out
+    }
+
+    /// The default comparison without a peer: why, on one line (and what to install, when
+    /// nothing is) when every peer has the same reason.
     fn no_peer_line(&self) -> String {
         let hint = "--python PATH picks another Python, --compare none drops this line";
         let reasons: Vec<&str> = self.not_run.iter().map(|n| n.reason.as_str()).collect();
         let same = reasons.iter().all(|r| *r == reasons[0]);
-        // One reason for every peer (the Python has no torch, or cannot run the drivers), or
-        // none of the peers installed.
+        let torch_missing = same && reasons.first().is_some_and(|r| r.contains("torch is not"));
+        let none_installed = reasons.iter().all(|r| r.starts_with("not installed"));
+        // One reason for every peer (the Python has no torch, or cannot run the drivers, or the
+        // files are encrypted), or none of the peers installed.
         let shared = reasons.first().filter(|_| same).and_then(|first| {
             first
                 .strip_prefix("not installed: ")
                 .or_else(|| first.strip_prefix("failed: "))
+                .or_else(|| first.strip_prefix("not applicable: "))
         });
         let why = match shared {
             Some(why) => Some(why.to_string()),
@@ -409,7 +568,12 @@ impl Compare {
             None => None,
         };
         if let Some(why) = why {
-            return format!("\nno peer beside it: {why} ({hint})\n");
+            let install = if none_installed && !reasons.is_empty() {
+                self.install_hint(torch_missing)
+            } else {
+                String::new()
+            };
+            return format!("\nno peer beside it: {why} ({hint})\n{install}");
         }
         let mut out = format!("\nno peer beside it ({hint}):\n");
         for n in &self.not_run {
@@ -477,6 +641,7 @@ mod tests {
                     seconds: vec![1.0],
                     bytes: 1,
                     best_gb_per_s: rate,
+                    imported_in_clock: BTreeSet::new(),
                 },
             );
             modes
@@ -494,6 +659,8 @@ mod tests {
                 })
                 .collect(),
             ratio_to_best_peer: [("warm", Some(2.0))].into(),
+            unfair_imports: Vec::new(),
+            preloaded: BTreeMap::new(),
         }
     }
 
@@ -533,16 +700,31 @@ mod tests {
             line,
             "\nno peer beside it: none of safetensors, runai-model-streamer, fastsafetensors, \
              tensorizer is installed in /v/bin/python (--python PATH picks another Python, \
-             --compare none drops this line)\n"
+             --compare none drops this line)\n  to see safetensors beside fastload, install it \
+             into that Python and run again:\n    /v/bin/python -m pip install safetensors\n"
         );
         let why = "not installed: torch is not installed in /v/bin/python";
         let c = compare(
             &[("fastload", 4.0)],
             &[("safetensors", why), ("tensorizer", why)],
         );
-        assert!(c
-            .table(&["warm"])
-            .starts_with("\nno peer beside it: torch is not installed in /v/bin/python (--python"));
+        let text = c.table(&["warm"]);
+        assert!(
+            text.starts_with(
+                "\nno peer beside it: torch is not installed in /v/bin/python (--python"
+            ),
+            "{text}"
+        );
+        // What to run for the row to appear: torch and safetensors, or torch's CPU build.
+        assert!(
+            text.contains("\n    /v/bin/python -m pip install torch safetensors\n")
+                && text.contains(
+                    "/v/bin/python -m pip install torch --index-url \
+                     https://download.pytorch.org/whl/cpu, then /v/bin/python -m pip install \
+                     safetensors)"
+                ),
+            "{text}"
+        );
         // A Python that cannot run the drivers: one line too.
         let why =
             "failed: python3 -m fastload._peers: ModuleNotFoundError: No module named 'fastload'";
@@ -550,9 +732,63 @@ mod tests {
             &[("fastload", 4.0)],
             &[("safetensors", why), ("tensorizer", why)],
         );
-        assert!(c.table(&["warm"]).starts_with(
+        let text = c.table(&["warm"]);
+        assert!(text.starts_with(
             "\nno peer beside it: python3 -m fastload._peers: ModuleNotFoundError: No module named \
              'fastload' (--python"
         ));
+        assert!(!text.contains("pip install"), "{text}");
+        // Encrypted files: every installed peer would read ciphertext.
+        let why = "not applicable: the files are encrypted, and peers read plain safetensors \
+                   files only";
+        let c = compare(&[("fastload", 4.0)], &[("safetensors", why)]);
+        assert_eq!(
+            c.table(&["warm"]),
+            "\nno peer beside it: the files are encrypted, and peers read plain safetensors files \
+             only (--python PATH picks another Python, --compare none drops this line)\n"
+        );
+    }
+
+    #[test]
+    fn a_timed_import_another_row_made_before_its_clock_is_unfair() {
+        let set = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<_>>();
+        let mut c = compare(&[("fastload", 4.0), ("safetensors", 2.0)], &[]);
+        c.fastload_from = "driver";
+        let runs = |m: &mut BTreeMap<&'static str, PeerRuns>, names: &[&str]| {
+            m.get_mut("warm").unwrap().imported_in_clock = set(names);
+        };
+        runs(
+            c.loaders.get_mut("fastload").unwrap(),
+            &["torch", "torch.nn", "fastload._torch"],
+        );
+        runs(c.loaders.get_mut("safetensors").unwrap(), &["numpy.random"]);
+        c.preloaded
+            .insert("fastload", set(&["fastload", "fastload._torch"]));
+        c.preloaded
+            .insert("safetensors", set(&["safetensors", "torch", "torch.nn"]));
+        let unfair = unfair_imports(&c.loaders, &c.preloaded);
+        let found: Vec<(&str, &str, Vec<&str>)> = unfair
+            .iter()
+            .map(|u| (u.loader, u.module.as_str(), u.preloaded_by.clone()))
+            .collect();
+        // fastload's own glue, imported in its clock, is preloaded by no *other* row.
+        assert_eq!(
+            found,
+            [
+                ("fastload", "torch", vec!["safetensors"]),
+                ("fastload", "torch.nn", vec!["safetensors"])
+            ]
+        );
+        c.unfair_imports = unfair;
+        let text = c.table(&["warm"]);
+        assert!(
+            text.ends_with(
+                "not fair: fastload's timed loads imported torch and 1 more module, which \
+                 safetensors imported before the clock\n"
+            ),
+            "{text}"
+        );
+        c.unfair_imports.clear();
+        assert!(!c.table(&["warm"]).contains("not fair"));
     }
 }

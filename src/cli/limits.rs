@@ -7,6 +7,8 @@
 //!   contiguous regions (the kernel's readahead runs ahead of each); on some virtual disks this
 //!   beats `O_DIRECT`, so the cold limit is the faster of the two;
 //! - `page_cache`: the warm files copied out of the page cache with `pread` into reused buffers;
+//! - `mapped_touch`: the warm files mapped and one byte of every page read (what a mapped load from
+//!   memory does, copying nothing);
 //! - `ranged_get`: objects read with the same client, concurrency and block size, bytes discarded;
 //! - `host_to_device`: page-locked buffer to device memory copies through the copy engine.
 //!
@@ -279,6 +281,120 @@ pub(super) fn buffered(files: &[PathBuf], readers: usize, block: u64, what: &str
     }
 }
 
+/// A read-only shared mapping of a whole file, unmapped on drop.
+struct Mapping {
+    addr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and only read through; the pointer is not tied to a thread.
+#[allow(unsafe_code)]
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    #[allow(unsafe_code)]
+    fn new(file: &File, len: usize) -> io::Result<Mapping> {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: a fresh read-only mapping of an open descriptor of `len` (> 0) bytes; the kernel
+        // picks the address; nothing else refers to it.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping { addr, len })
+    }
+
+    /// One byte of every page in `pages` (page numbers of the mapping), summed.
+    #[allow(unsafe_code)]
+    fn touch(&self, pages: std::ops::Range<usize>) -> u64 {
+        let mut sum = 0u64;
+        for page in pages {
+            // SAFETY: `page * PAGE < len`: the byte lies in the mapping, which lives as long as
+            // `self`; volatile, so the read is not elided.
+            let byte =
+                unsafe { std::ptr::read_volatile((self.addr as *const u8).add(page * PAGE)) };
+            sum = sum.wrapping_add(u64::from(byte));
+        }
+        sum
+    }
+}
+
+impl Drop for Mapping {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once; no reference into it outlives `self`.
+        unsafe { libc::munmap(self.addr, self.len) };
+    }
+}
+
+/// The page size the touches stride by, as the bench's consumer reads.
+const PAGE: usize = 4096;
+
+/// The warm files mapped and one byte of every 4 KiB page read, by `readers` threads on
+/// contiguous regions of about an equal share, mapping and unmapping inside the clock: the work a
+/// mapped load from the page cache cannot avoid (it copies nothing).
+pub(super) fn mapped_touch(files: &[PathBuf], readers: usize) -> Limit {
+    let open = || -> io::Result<(Vec<File>, Vec<u64>)> {
+        let opened = files.iter().map(File::open).collect::<io::Result<_>>()?;
+        Ok((opened, sizes(files)?))
+    };
+    let (opened, sizes) = match open() {
+        Ok(v) => v,
+        Err(e) => return Limit::unmeasurable(format!("not measurable here: {e}")),
+    };
+    // Reader r touches global pages r*n/readers.. of the files laid end to end.
+    let counts: Vec<usize> = sizes.iter().map(|&s| (s as usize).div_ceil(PAGE)).collect();
+    let n: usize = counts.iter().sum();
+    let readers = readers.min(n).max(1);
+    let started = Instant::now();
+    let mapped: io::Result<Vec<Option<Mapping>>> = opened
+        .iter()
+        .zip(&sizes)
+        .map(|(f, &len)| (len > 0).then(|| Mapping::new(f, len as usize)).transpose())
+        .collect();
+    let mapped = match mapped {
+        Ok(m) => m,
+        Err(e) => return Limit::unmeasurable(format!("not measurable here: mmap: {e}")),
+    };
+    let touch = |(from, to): (usize, usize)| {
+        let (mut sum, mut first) = (0u64, 0usize);
+        for (m, &count) in mapped.iter().zip(&counts) {
+            let (lo, hi) = (from.max(first), to.min(first + count));
+            if let (Some(m), true) = (m, lo < hi) {
+                sum = sum.wrapping_add(m.touch(lo - first..hi - first));
+            }
+            first += count;
+        }
+        sum
+    };
+    let sum: u64 = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..readers)
+            .map(|r| {
+                let touch = &touch;
+                scope.spawn(move || touch((r * n / readers, (r + 1) * n / readers)))
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a limit reader panicked"))
+            .fold(0, u64::wrapping_add)
+    });
+    drop(mapped);
+    std::hint::black_box(sum);
+    let readers = super::plural(readers, "thread");
+    let what = format!("the warm files mapped, one byte of every 4 KiB page read, {readers}");
+    Limit::rate(total(&sizes), started, what)
+}
+
 /// Ranged reads of every shard's bytes through its own source (the object-store client the
 /// loader uses), `concurrency` at once, `block` bytes each, discarded.
 pub(super) fn ranged_get(shards: &[Shard], concurrency: usize, block: u64) -> Limit {
@@ -480,6 +596,16 @@ mod tests {
         assert!(
             direct.gb_per_s.is_some() || direct.what.starts_with("not measurable here"),
             "{direct:?}"
+        );
+        // A mapping touched page by page, empty files among them.
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, b"").unwrap();
+        let touched = mapped_touch(&[path.clone(), empty], 2);
+        assert!(touched.gb_per_s.unwrap() > 0.0, "{touched:?}");
+        assert_eq!(touched.bytes, 3 << 20);
+        assert!(
+            touched.what.ends_with("page read, 2 threads"),
+            "{touched:?}"
         );
         let (res, pages) = resident(&path).unwrap();
         assert_eq!(pages, 768);

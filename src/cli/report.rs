@@ -58,6 +58,8 @@ pub(super) struct Setup<'a> {
     pub local_files: usize,
     /// `--cache DIR` (or `FASTLOAD_CACHE`): where the local copy of remote objects goes.
     pub cache_dir: Option<String>,
+    /// The checkpoint is the generated one (no URI), kept on disk for later runs.
+    pub generated: bool,
 }
 
 /// Seconds as a person reads them: "1.234 s", "12.3 ms", "0.042 ms" (a tiny file loads in far
@@ -136,6 +138,16 @@ impl Setup<'_> {
         self.configs.len() * self.repeat as usize
     }
 
+    /// "3 runs", or "3 runs per mode" above the rows of cold and warm runs.
+    fn runs_per_mode(&self) -> String {
+        let runs = plural(self.runs(), "run");
+        if self.modes.len() > 1 {
+            format!("{runs} per mode")
+        } else {
+            runs
+        }
+    }
+
     /// What runs, then the table's header.
     pub fn intro(&self) -> String {
         let first = &self.configs[0];
@@ -148,8 +160,13 @@ impl Setup<'_> {
                 Size(first.block_size)
             )
         };
+        let kept = if self.generated {
+            "(generated once and kept there for later runs; `fastload bench --clean` removes it)\n"
+        } else {
+            ""
+        };
         format!(
-            "fastload bench: {} ({}, {}) from {}\n\
+            "fastload bench: {} ({}, {}) from {}\n{kept}\
              device {}, method {}{config}, memory limit {}, {}, {}\n\n{}",
             decimal_bytes(self.bytes),
             plural(self.files, "file"),
@@ -159,7 +176,7 @@ impl Setup<'_> {
             first.method.as_str(),
             Size(first.memory_limit),
             self.reads(),
-            plural(self.runs(), "run"),
+            self.runs_per_mode(),
             self.header_row()
         )
     }
@@ -236,11 +253,7 @@ impl Setup<'_> {
         out.push('\n');
         for mode in &self.modes {
             let Some(m) = modes.get(mode) else { continue };
-            let label = if self.modes.len() == 1 {
-                "best".to_string()
-            } else {
-                format!("best {mode}")
-            };
+            let label = mode.to_string();
             let parts = if m.by_source.is_empty() {
                 std::slice::from_ref(m)
             } else {
@@ -253,7 +266,7 @@ impl Setup<'_> {
                 } else {
                     format!("{label} ({} runs)", part.read_from.label())
                 };
-                out.push_str(&self.best_line(&label, run));
+                out.push_str(&self.best_line(&label, part, run));
                 out.push_str(&part.sentence(run.method, limits));
                 out.push_str(&self.first_tensor_note(run));
             }
@@ -330,7 +343,9 @@ impl Setup<'_> {
         text
     }
 
-    fn best_line(&self, label: &str, best: &RunReport) -> String {
+    /// A mode's runs: their spread (min, median, max: the verdict judges the median), then
+    /// the best run.
+    fn best_line(&self, label: &str, m: &ModeReport, best: &RunReport) -> String {
         let first = best
             .first_tensor_ms
             .map_or_else(String::new, |ms| format!(", first tensor {ms:.2} ms"));
@@ -343,8 +358,17 @@ impl Setup<'_> {
         } else {
             String::new()
         };
+        let rates = if m.runs > 1 {
+            format!(
+                "{:.3} / {:.3} / {:.3} GB/s (min / median / max); best: ",
+                m.min_gb_per_s, m.median_gb_per_s, m.best_gb_per_s
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "{label}: run {} ({}, method {}{config}): {:.3} GB/s, {}{first}\n",
+            "{label}, {}: {rates}run {} ({}, method {}{config}): {:.3} GB/s, {}{first}\n",
+            plural(m.runs, "run"),
             best.run,
             best.read_from.label(),
             best.method,
@@ -450,6 +474,7 @@ mod tests {
             remote,
             local_files: usize::from(!remote),
             cache_dir: None,
+            generated: false,
         }
     }
 
@@ -478,7 +503,16 @@ mod tests {
         s.modes = vec!["cold", "warm"];
         assert!(s
             .intro()
-            .contains("memory limit 1GiB, cold, then warm page cache, 1 run"));
+            .contains("memory limit 1GiB, cold, then warm page cache, 1 run per mode\n"));
+        s.modes = vec!["warm"];
+        s.repeat = 3;
+        assert!(s.intro().contains("warm page cache, 3 runs\n"));
+        assert!(!s.intro().contains("--clean"));
+        // The generated checkpoint stays on disk: the intro says how to remove it.
+        s.generated = true;
+        assert!(s.intro().contains(
+            "(generated once and kept there for later runs; `fastload bench --clean` removes it)"
+        ));
         // Objects are never "warm page cache".
         let remote = ["s3://b/m.safetensors".to_string()];
         let mut s = setup(&remote, &Device::Cpu, true);
@@ -525,14 +559,32 @@ mod tests {
         .into();
         let text = s.summary(&runs, &limits, &modes);
         for want in [
-            "best (network runs): run 1 (network, method read)",
+            "warm (network runs), 1 run: run 1 (network, method read)",
             "streamed over the network into buffers: 90% of ranged_get (0.500 GB/s): bound by \
              ranged_get",
-            "best (local copy runs): run 2 (local copy, method mmap)",
+            "warm (local copy runs), 1 run: run 2 (local copy, method mmap)",
             "mapped, nothing copied: bound by mapping and first touch",
         ] {
             assert!(text.contains(want), "{want:?} not in {text}");
         }
+    }
+
+    #[test]
+    fn several_runs_show_their_spread() {
+        let uris = ["m.safetensors".to_string()];
+        let mut s = setup(&uris, &Device::Cpu, false);
+        s.repeat = 3;
+        let runs = vec![run(1, 0.82), run(2, 1.5), run(3, 1.1)];
+        let refs: Vec<&RunReport> = runs.iter().collect();
+        let modes = [("warm", ModeReport::new(&refs, None, &BTreeMap::new(), &[]))].into();
+        let text = s.summary(&runs, &BTreeMap::new(), &modes);
+        assert!(
+            text.starts_with(
+                "\nwarm, 3 runs: 0.820 / 1.100 / 1.500 GB/s (min / median / max); best: run 2 \
+                 (page cache, method mmap): 1.500 GB/s"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

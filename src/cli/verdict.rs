@@ -4,7 +4,10 @@
 //! A limit bounds only the runs that do what it measures: the storage limits bound runs that read
 //! the storage (evicted files), `ranged_get` runs that read the network, `page_cache` (a copy out
 //! of the page cache) runs that copy out of it. A mapped run from memory copies nothing, so no
-//! copy rate bounds it: mapping and first touch of every page do.
+//! copy rate bounds it: mapping and first touch of every page do (`mapped_touch`).
+//!
+//! The runs of a mode spread (tens of percent on a shared machine): the verdict judges their
+//! median, and the summary shows min, median and max beside it.
 
 use std::collections::BTreeMap;
 
@@ -63,7 +66,8 @@ pub(super) const READ_FROM_LABELS: [&str; 4] = ["storage", "page cache", "networ
 
 /// `bound_by` below [`BOUND`] of the applicable limit: fastload's own work.
 pub(super) const FASTLOAD: &str = "fastload";
-/// `bound_by` of a mapped run from memory: nothing is copied, so no copy rate bounds it.
+/// `bound_by` of a mapped run from memory when `mapped_touch` could not be measured: nothing is
+/// copied, so no copy rate bounds it.
 pub(super) const MAPPING: &str = "mapping and first touch";
 /// `bound_by` of a run far above (more than [`NOISE`] times) the limit that applies: that
 /// measurement ran low; never "noise".
@@ -85,16 +89,36 @@ fn applies(name: &str, from: ReadFrom, method: &str) -> bool {
         "ranged_get" => from == ReadFrom::Network,
         // The copy rate out of the page cache: a mapped load copies nothing.
         "page_cache" => from == ReadFrom::PageCache && method != "mmap",
+        // Mapping and touching every page: what a mapped load from memory does.
+        "mapped_touch" => from == ReadFrom::PageCache && method == "mmap",
         // host_to_device: every staged load copies into the device.
         _ => true,
     }
 }
 
-/// The best run of some runs (a cache mode's, of one source) beside the limit that bounds it.
+/// The lowest and the median rate of `runs` (the mean of the middle two of an even count).
+fn spread(runs: &[&RunReport]) -> (f64, f64) {
+    let mut rates: Vec<f64> = runs.iter().map(|r| r.gb_per_s).collect();
+    rates.sort_by(f64::total_cmp);
+    let n = rates.len();
+    let median = if n % 2 == 1 {
+        rates[n / 2]
+    } else {
+        (rates[n / 2 - 1] + rates[n / 2]) / 2.0
+    };
+    (rates[0], median)
+}
+
+/// Some runs (a cache mode's, of one source): their best and their spread, and the median beside
+/// the limit that bounds it.
 #[derive(Serialize, Clone, Debug)]
 pub(super) struct ModeReport {
     pub best_run: usize,
     pub best_gb_per_s: f64,
+    /// How many runs, and their spread: the verdict judges the median.
+    pub runs: usize,
+    pub min_gb_per_s: f64,
+    pub median_gb_per_s: f64,
     /// Where the best run read from.
     pub read_from: ReadFrom,
     /// Cold only: whether eviction took effect (false on e.g. tmpfs: the runs read memory).
@@ -103,9 +127,9 @@ pub(super) struct ModeReport {
     /// The name of the lowest measured limit that applies to the best run (a key of `limits`).
     pub limit: Option<&'static str>,
     pub limit_gb_per_s: Option<f64>,
-    /// best_gb_per_s / limit_gb_per_s.
+    /// median_gb_per_s / limit_gb_per_s.
     pub fraction_of_limit: Option<f64>,
-    /// What bounds the best run: the limit's name (from [`BOUND`] to [`NOISE`] of it),
+    /// What bounds the runs (their median): the limit's name (from [`BOUND`] to [`NOISE`] of it),
     /// [`FASTLOAD`], [`ABOVE`], [`MAPPING`] or [`UNMEASURED`].
     pub bound_by: &'static str,
     /// One report per source when the mode's runs read from more than one (with `--cache`: the
@@ -154,12 +178,13 @@ impl ModeReport {
         measured: &[&'static str],
     ) -> ModeReport {
         let best = best(runs);
+        let (min, median) = spread(runs);
         let binding = measured
             .iter()
             .filter(|&&name| applies(name, best.read_from, best.method))
             .filter_map(|&name| Some((name, limits.get(name)?.gb_per_s?)))
             .reduce(|a, b| if b.1 < a.1 { b } else { a });
-        let fraction = binding.map(|(_, rate)| best.gb_per_s / rate.max(1e-12));
+        let fraction = binding.map(|(_, rate)| median / rate.max(1e-12));
         let from_memory = matches!(best.read_from, ReadFrom::PageCache | ReadFrom::LocalCopy);
         let bound_by = match (binding, fraction) {
             (Some(_), Some(f)) if f > NOISE => ABOVE,
@@ -171,6 +196,9 @@ impl ModeReport {
         ModeReport {
             best_run: best.run,
             best_gb_per_s: best.gb_per_s,
+            runs: runs.len(),
+            min_gb_per_s: min,
+            median_gb_per_s: median,
             read_from: best.read_from,
             evicted,
             limit: binding.map(|b| b.0),
@@ -184,8 +212,11 @@ impl ModeReport {
     /// The summary's line under the best run: what the run did and what bounds it. `limits`
     /// gives the page-cache copy rate that a mapped run is shown beside (not bounded by).
     pub fn sentence(&self, method: &str, limits: &BTreeMap<&'static str, Limit>) -> String {
-        let of_limit =
-            |name: &str, rate: f64, f: f64| format!("{:.0}% of {name} ({rate:.3} GB/s)", f * 100.0);
+        // Several runs are judged by their median.
+        let median = if self.runs > 1 { "median " } else { "" };
+        let of_limit = |name: &str, rate: f64, f: f64| {
+            format!("{median}{:.0}% of {name} ({rate:.3} GB/s)", f * 100.0)
+        };
         let how = match (self.read_from, method) {
             (ReadFrom::Storage, "mmap") => "mapped, pages read from storage on first touch",
             (ReadFrom::Storage, _) => "read from storage into buffers",
@@ -216,9 +247,9 @@ impl ModeReport {
                     .filter(|_| self.read_from == ReadFrom::PageCache)
                     .map(|rate| {
                         format!(
-                            ", not by page_cache ({rate:.3} GB/s, a copy rate; this run is {:.0}% \
-                             of it)",
-                            self.best_gb_per_s / rate.max(1e-12) * 100.0
+                            ", not by page_cache ({rate:.3} GB/s, a copy rate; the {median}run is \
+                             {:.0}% of it)",
+                            self.median_gb_per_s / rate.max(1e-12) * 100.0
                         )
                     })
                     .unwrap_or_default();
@@ -284,17 +315,19 @@ mod tests {
         ]);
         let runs = [
             run(1, 1.0, ReadFrom::PageCache, "read"),
-            run(2, 1.7, ReadFrom::PageCache, "read"),
+            run(2, 1.8, ReadFrom::PageCache, "read"),
+            run(3, 1.7, ReadFrom::PageCache, "read"),
         ];
         let m = report(&runs, &l, &["page_cache", "host_to_device"]);
         assert_eq!(
             (m.best_run, m.limit, m.bound_by),
             (2, Some("page_cache"), "page_cache")
         );
+        // The median run is judged.
         assert!((m.fraction_of_limit.unwrap() - 0.85).abs() < 1e-9);
         assert!(m
             .sentence("read", &l)
-            .contains("copied out of the page cache: 85% of page_cache"));
+            .contains("copied out of the page cache: median 85% of page_cache"));
         let m = report(&runs[..1], &l, &["host_to_device"]);
         assert_eq!((m.limit, m.bound_by), (Some("host_to_device"), FASTLOAD));
         let m = report(&runs, &l, &["storage_direct"]);
@@ -302,6 +335,30 @@ mod tests {
             (m.limit, m.fraction_of_limit, m.bound_by),
             (None, None, UNMEASURED)
         );
+    }
+
+    #[test]
+    fn the_median_run_is_judged_and_the_spread_kept() {
+        // Cold runs that spread: the best is at the storage's rate, the median far below it.
+        let l = limits(&[("storage_direct", Some(1.4))]);
+        let runs = [
+            run(1, 0.6, ReadFrom::Storage, "mmap"),
+            run(2, 1.5, ReadFrom::Storage, "mmap"),
+            run(3, 0.5, ReadFrom::Storage, "mmap"),
+        ];
+        let m = report(&runs, &l, &["storage_direct"]);
+        assert_eq!((m.best_run, m.runs), (2, 3));
+        assert_eq!(
+            (m.min_gb_per_s, m.median_gb_per_s, m.best_gb_per_s),
+            (0.5, 0.6, 1.5)
+        );
+        assert_eq!(m.bound_by, FASTLOAD);
+        assert!(m
+            .sentence("mmap", &l)
+            .contains("median 43% of storage_direct"));
+        // An even count: the mean of the middle two.
+        let m = report(&runs[..2], &l, &["storage_direct"]);
+        assert!((m.median_gb_per_s - 1.05).abs() < 1e-9, "{m:?}");
     }
 
     #[test]
@@ -354,10 +411,33 @@ mod tests {
         assert!(text.starts_with("  mapped, nothing copied: bound by mapping and first touch"));
         assert!(
             text.ends_with(
-                "every page, not by page_cache (3.000 GB/s, a copy rate; this run is 263% of it)\n"
+                "every page, not by page_cache (3.000 GB/s, a copy rate; the run is 263% of it)\n"
             ),
             "{text}"
         );
+        // Beside the mapping touched page by page, measured: that limit judges it.
+        let l = limits(&[("page_cache", Some(3.0)), ("mapped_touch", Some(9.0))]);
+        let m = report(
+            &[run(1, 7.9, ReadFrom::PageCache, "mmap")],
+            &l,
+            &["page_cache", "mapped_touch"],
+        );
+        assert_eq!(
+            (m.limit, m.bound_by),
+            (Some("mapped_touch"), "mapped_touch")
+        );
+        let text = m.sentence("mmap", &l);
+        assert_eq!(
+            text,
+            "  mapped, nothing copied: 88% of mapped_touch (9.000 GB/s): bound by mapped_touch\n"
+        );
+        // mapped_touch never judges a run that copies.
+        let m = report(
+            &[run(1, 2.9, ReadFrom::PageCache, "read")],
+            &l,
+            &["page_cache", "mapped_touch"],
+        );
+        assert_eq!(m.limit, Some("page_cache"));
         // The same rate read into buffers would be far above the copy rate.
         let m = report(
             &[run(1, 7.9, ReadFrom::PageCache, "read")],
