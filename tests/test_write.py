@@ -9,13 +9,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import fastload
 import pytest
 import torch
 from helpers import assert_same_tensors, pattern, raw_bytes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from servers import s3 as s3_server
 from servers.s3 import BUCKET, SECRET_KEY, Fault
@@ -93,7 +98,7 @@ def test_bad_tensors_names_and_metadata_are_refused_before_anything_is_written(t
         fastload.save_file({"a": good}, dest, metadata={"n": 1})
     with pytest.raises(TypeError, match="metadata must be a dict"):
         fastload.save_file({"a": good}, dest, metadata=[("a", "b")])
-    with pytest.raises(fastload.ConfigError, match=r"tensor 'a': expected a torch.Tensor"):
+    with pytest.raises(fastload.ConfigError, match=r"Key `a` is invalid, expected torch.Tensor"):
         fastload.save_file({"a": [1, 2]}, dest)
     with pytest.raises(fastload.ConfigError, match=r"tensor 'nc' is not contiguous"):
         fastload.save_file({"nc": torch.zeros(3, 4).t()}, dest)
@@ -117,16 +122,91 @@ def test_bad_tensors_names_and_metadata_are_refused_before_anything_is_written(t
     assert os.listdir(tmp_path) == []
 
 
-def test_an_existing_file_is_refused_unless_overwrite(tmp_path):
+def test_save_file_replaces_an_existing_file_atomically_by_default(tmp_path):
+    # safetensors' save_file (and torch.save) replace an existing file; fastload's does too, by
+    # renaming the complete new file into place: a reader that mapped the old file (safetensors'
+    # safe_open) keeps its bytes, where an in-place rewrite would change or truncate them.
+    dest = tmp_path / "m.safetensors"
+    old = {"a": pattern((5000,), torch.float32, seed=1)}
+    new = {"a": torch.ones(3), "b": torch.arange(4)}
+    fastload.save_file(old, dest)
+    with safe_open(str(dest), "pt") as reader:
+        fastload.save_file(new, dest)
+        assert_same_tensors({"a": reader.get_tensor("a")}, old)
+    assert_same_tensors(load_file(str(dest)), new)
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+def test_overwrite_false_keeps_an_existing_file(tmp_path):
     dest = tmp_path / "m.safetensors"
     fastload.save_file({"a": torch.zeros(3)}, dest)
     with pytest.raises(fastload.DestinationExistsError) as e:
-        fastload.save_file({"a": torch.ones(3)}, dest)
+        fastload.save_file({"a": torch.ones(3)}, dest, overwrite=False)
     assert isinstance(e.value, FileExistsError) and e.value.filename == str(dest)
     assert torch.equal(load_file(str(dest))["a"], torch.zeros(3))
-    fastload.save_file({"a": torch.ones(3)}, dest, overwrite=True)
-    assert torch.equal(load_file(str(dest))["a"], torch.ones(3))
     assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+def _not_a_dict():
+    return "notadict"
+
+
+def _bad_value():
+    return {"good": torch.zeros(2), "test": {"some": "thing"}}
+
+
+def _sparse():
+    return {"a": torch.zeros(2), "s1": torch.zeros(2, 3).to_sparse(),
+            "s2": torch.zeros(3).to_sparse()}  # fmt: skip
+
+
+def _meta():
+    return {"a": torch.zeros(2), "test": torch.zeros((10, 10), device="meta")}
+
+
+def _non_contiguous():
+    return {"test": torch.arange(6, dtype=torch.float32).reshape((1, 2, 3))[:, :, 1]}
+
+
+def _overlapping():
+    a = torch.arange(6, dtype=torch.float32).reshape((2, 3))
+    return {"A": a, "B": a[1:]}
+
+
+def _name_not_str():
+    return {3: torch.zeros(2)}
+
+
+@pytest.mark.parametrize(
+    "tensors, same_text",
+    [
+        (_not_a_dict, "equal"),
+        (_bad_value, "equal"),
+        (_sparse, "equal"),
+        (_meta, "starts"),
+        (_non_contiguous, None),
+        (_overlapping, None),
+        (_name_not_str, None),
+    ],
+    ids=["not-a-dict", "not-a-tensor", "sparse", "meta", "non-contiguous", "overlap", "name"],
+)
+def test_invalid_tensors_raise_what_safetensors_save_file_raises(tmp_path, tensors, same_text):
+    # Code written against safetensors catches fastload's errors: the same exception type (or a
+    # subclass, so fastload's ConfigError still holds), and safetensors' words where its own
+    # tests match them: whole for the mapping, a value and sparse tensors, torch's "Cannot copy
+    # out of meta tensor" first for a meta tensor. Nothing is written.
+    with pytest.raises(Exception) as ref:
+        save_file(tensors(), str(tmp_path / "ref.safetensors"))
+    with pytest.raises(Exception) as ours:
+        fastload.save_file(tensors(), tmp_path / "ours.safetensors")
+    assert isinstance(ours.value, type(ref.value)), (ours.value, ref.value)
+    if same_text == "equal":
+        assert str(ours.value) == str(ref.value)
+    elif same_text == "starts":
+        assert str(ours.value).startswith(str(ref.value)), (ours.value, ref.value)
+    if isinstance(ours.value, ValueError):
+        assert isinstance(ours.value, fastload.ConfigError) and ours.value.option == "tensors"
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.fixture
@@ -261,8 +341,11 @@ def test_save_file_to_s3_uploads_safetensors_bytes_in_parts(s3, tmp_path, reques
     assert keys(client, prefix) == [f"{prefix}model.safetensors", f"{prefix}small.safetensors"]
     for name in ("model.safetensors", "small.safetensors"):
         with pytest.raises(fastload.DestinationExistsError, match="already exists"):
-            fastload.save_file({"y": torch.zeros(1)}, f"s3://{BUCKET}/{prefix}{name}")
-    fastload.save_file({"y": torch.zeros(1)}, uri, overwrite=True)
+            fastload.save_file(
+                {"y": torch.zeros(1)}, f"s3://{BUCKET}/{prefix}{name}", overwrite=False
+            )
+    assert_same_tensors(fastload.load(uri), tensors)
+    fastload.save_file({"y": torch.zeros(1)}, uri)  # replaced by default, as safetensors does
     assert set(fastload.load(uri)) == {"y"}
     assert open_uploads(client, prefix) == []
 
@@ -348,10 +431,73 @@ def test_save_shards_as_huggingface_hub_splits_them(tmp_path):
     got = fastload.load(tmp_path / "m")
     assert_same_tensors(got, state)
     with pytest.raises(fastload.DestinationExistsError):
-        fastload.save(state, tmp_path / "m", max_shard_size="10KB")
+        fastload.save(state, tmp_path / "m", max_shard_size="10KB", overwrite=False)
     # One shard: model.safetensors, no index, as transformers writes it.
     assert fastload.save(state, tmp_path / "one") == ["model.safetensors"]
     assert os.listdir(tmp_path / "one") == ["model.safetensors"]
+
+
+@st.composite
+def shared_storages(draw):
+    """A state dict in a drawn order whose tensors are views of a few storages, as a fused qkv
+    split in three or FSDP's flat parameters are (contiguous pieces, of drawn shapes, some empty,
+    some bytes of a storage in no view), some tied (one view under two names), and empty tensors
+    of their own (all at storage address 0); with the names `save` drops (each tie's later name)."""
+    entries: list[tuple[str, torch.Tensor]] = []
+    ties: list[tuple[str, str]] = []
+    for s in range(draw(st.integers(1, 5))):
+        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float64]))
+        pieces = draw(st.lists(st.integers(0, 48), min_size=1, max_size=5))
+        base = pattern((sum(pieces) + draw(st.sampled_from([0, 0, 5])),), dtype, seed=s)
+        offset = 0
+        for j, n in enumerate(pieces):
+            view = base[offset : offset + n]
+            offset += n
+            if n % 4 == 0 and draw(st.booleans()):
+                view = view.view(4, n // 4)
+            entries.append((f"s{s}.v{j}", view))
+            if n and draw(st.integers(0, 4)) == 0:
+                entries.append((f"s{s}.v{j}.tied", view))
+                ties.append((f"s{s}.v{j}", f"s{s}.v{j}.tied"))
+    for e in range(draw(st.integers(0, 2))):
+        entries.append((f"empty{e}", torch.zeros((2, 0), dtype=torch.float16)))
+    order = draw(st.permutations(entries))
+    position = {name: i for i, (name, _) in enumerate(order)}
+    dropped = {max(pair, key=position.__getitem__) for pair in ties}
+    return dict(order), dropped
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(drawn=shared_storages(), limit_fraction=st.floats(0.0, 1.2))
+def test_shards_of_shared_storages_are_huggingface_hubs(drawn, limit_fraction):
+    # huggingface_hub sizes a storage once, whole, by its first tensor, and puts the storage's
+    # later tensors into that tensor's shard: 11 views of one storage are one storage's worth in
+    # one shard, not 11 storages' worth in 11 shards. Same files, weight map and total_size as
+    # its split of the state dict `save` writes (tied names dropped), and each view's own bytes.
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    state, dropped = drawn
+    kept = {k: v for k, v in state.items() if k not in dropped}
+    everything = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for t in state.values()}.values())  # fmt: skip
+    limit = max(1, int(everything * limit_fraction))
+    split = split_torch_state_dict_into_shards(kept, max_shard_size=limit)
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied names' warning
+        written = fastload.save(state, folder, max_shard_size=limit)
+        if split.is_sharded:
+            assert written == [*split.filename_to_tensors, "model.safetensors.index.json"]
+            index = json.loads(Path(folder, "model.safetensors.index.json").read_text())
+            assert index == {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        else:
+            assert written == ["model.safetensors"]
+        for name, names in split.filename_to_tensors.items():
+            assert sorted(load_file(os.path.join(folder, name))) == sorted(names)
+        assert_same_tensors(fastload.load(folder), kept)
 
 
 def test_save_a_tied_llama_loads_in_transformers(tmp_path):
@@ -391,9 +537,9 @@ def test_save_shards_to_s3_with_the_index_last(seaweed, aws_env):
     got = fastload.load(uri)
     assert_same_tensors(got, state)
     with pytest.raises(fastload.DestinationExistsError, match="model-00001-of-00004"):
-        fastload.save(state, uri, max_shard_size="300KB")
-    # Overwritten by a single file: the earlier shards and index are deleted.
-    assert fastload.save({"x": torch.arange(3)}, uri, overwrite=True) == ["model.safetensors"]
+        fastload.save(state, uri, max_shard_size="300KB", overwrite=False)
+    # Overwritten (the default) by a single file: the earlier shards and index are deleted.
+    assert fastload.save({"x": torch.arange(3)}, uri) == ["model.safetensors"]
     assert keys(seaweed.client(), "w/sharded/") == ["w/sharded/model.safetensors"]
     assert_same_tensors(fastload.load(uri), {"x": torch.arange(3)})
 
@@ -520,7 +666,7 @@ def test_a_new_save_replaces_every_file_of_the_earlier_one(tmp_path):
     # A single file beside the earlier shards' index would be shadowed by it: refused.
     one = {"x": torch.arange(4)}
     with pytest.raises(fastload.DestinationExistsError, match=r"model-00001-of-00003"):
-        fastload.save(one, folder)
+        fastload.save(one, folder, overwrite=False)
     assert fastload.save(one, folder, overwrite=True) == ["model.safetensors"]
     assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
     assert_same_tensors(fastload.load(folder), one)

@@ -1,8 +1,9 @@
 """Writes to gs:// and az:// through object_store's real GCS and Azure clients: save_file, save
-and copy produce the bytes safetensors writes, never a partial object, refuse to overwrite, and
-every upload carries the checksum its store verifies on receipt. And `verify=True` on reads of
-s3://, gs:// and az:// objects: the bytes are checked against the whole-object checksum each
-store keeps (SeaweedFS's CRC64NVME / sha256, GCS's crc32c, Azure's Content-MD5).
+and copy produce the bytes safetensors writes, never a partial object, keep an existing object
+with overwrite=False, and every upload carries the checksum its store verifies on receipt. And
+`verify=True` on reads of s3://, gs:// and az:// objects: the bytes are checked against the
+whole-object checksum each store keeps (SeaweedFS's CRC64NVME / sha256, GCS's crc32c, Azure's
+Content-MD5).
 
 - az://: servers/azure.py, ours, with the write API object_store's Azure client uses (Put Blob,
   Put Block, Put Block List; SharedKey signatures verified; Content-MD5 checked).
@@ -260,19 +261,18 @@ def test_copy_a_folder_into_the_store_and_a_rerun_skips_it(store, prefix, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------
-# Never a partial object, never an overwrite
+# Never a partial object, never an unasked overwrite
 
 
-def test_an_existing_object_is_refused_unless_overwrite(store, prefix):
+def test_an_existing_object_is_kept_with_overwrite_false_and_replaced_by_default(store, prefix):
     key = prefix + "model.safetensors"
     store.put(key, b"theirs")
     for tensors in ({"x": torch.zeros(2)}, big_tensors()):
         with pytest.raises(fastload.DestinationExistsError, match="already exists"):
             fastload.save_file(tensors, store.uri(key), storage_options=store.options,
-                               part_size=PART)  # fmt: skip
+                               part_size=PART, overwrite=False)  # fmt: skip
     assert store.objects(prefix) == {"model.safetensors": b"theirs"}
-    fastload.save_file({"x": torch.zeros(2)}, store.uri(key), storage_options=store.options,
-                       overwrite=True)  # fmt: skip
+    fastload.save_file({"x": torch.zeros(2)}, store.uri(key), storage_options=store.options)
     assert store.objects(prefix) == {"model.safetensors": save({"x": torch.zeros(2)})}
 
 

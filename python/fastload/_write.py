@@ -106,37 +106,39 @@ def shared_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
     return [sorted(g, key=position.__getitem__) for g in groups]
 
 
+class _MetaTensorError(ConfigError, NotImplementedError):
+    """A tensor on the meta device: a ``ConfigError`` (``option="tensors"``) that is also the
+    ``NotImplementedError`` (a ``RuntimeError``) safetensors' ``save_file`` lets torch raise."""
+
+
 def check_tensors(tensors: object) -> dict[str, torch.Tensor]:
-    """The tensors as a dict, or the error safetensors raises for them (with fastload's types)."""
+    """The tensors as a dict, or the error safetensors' ``save_file`` raises for them, checked in
+    its order (the mapping, each value, sparse tensors, shared memory, each tensor's layout,
+    device and dtype, the names) with its exception types and, where its tests pin them, its
+    messages; fastload's are subclasses (``ConfigError`` is a ``ValueError``) so that both kinds
+    of ``except`` hold."""
     if not isinstance(tensors, Mapping):
-        raise TypeError(
-            f"tensors must be a dict of str to torch.Tensor, got {type(tensors).__name__}"
+        raise ConfigError(
+            f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}",
+            option="tensors",
         )
-    out: dict[str, torch.Tensor] = {}
+    sparse = []
     for name, t in tensors.items():
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names must be str: {name!r} is {type(name).__name__}")
         if not isinstance(t, torch.Tensor):
             raise ConfigError(
-                f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}",
+                f"Key `{name}` is invalid, expected torch.Tensor but received {type(t)}",
                 option="tensors",
             )
         if t.layout != torch.strided:
-            raise ConfigError(
-                f"tensor {name!r} is sparse ({t.layout}): make it dense with .to_dense() first",
-                option="tensors",
-            )
-        if t.device.type == "meta":
-            raise ConfigError(
-                f"tensor {name!r} is on the meta device and has no data to write",
-                option="tensors",
-            )
-        if t.dtype not in _NAMES:
-            raise ConfigError(
-                f"tensor {name!r}: dtype {t.dtype} has no safetensors equivalent",
-                option="tensors",
-            )
-        out[name] = t
+            sparse.append(name)
+    if sparse:
+        raise ConfigError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+            f"support. You can make it a dense tensor before saving with `.to_dense()` but be "
+            f"aware this might make a much larger file than needed.",
+            option="tensors",
+        )
+    out: dict[str, torch.Tensor] = dict(tensors)
     shared = shared_groups(out)
     if shared:
         # safetensors' save_file refuses these with a RuntimeError; so does fastload.
@@ -146,13 +148,33 @@ def check_tensors(tensors: object) -> dict[str, torch.Tensor]:
             f"duplicates), or .clone() the tensors that must stay separate."
         )
     for name, t in out.items():
-        if not t.is_contiguous():
-            raise ConfigError(
-                f"tensor {name!r} is not contiguous: call .contiguous() on it before saving "
-                f"(a view of another tensor: save the full tensor and slice it after loading)",
-                option="tensors",
-            )
+        _check_tensor(name, t)
+    # Names last, as safetensors' native writer checks them once the tensors passed.
+    for name in out:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str: {name!r} is {type(name).__name__}")
     return out
+
+
+def _check_tensor(name: object, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ConfigError(
+            f"tensor {name!r} is not contiguous: call .contiguous() on it before saving "
+            f"(a view of another tensor: save the full tensor and slice it after loading)",
+            option="tensors",
+        )
+    if t.device.type == "meta":
+        # The words of torch's error, which safetensors' save_file raises (and tests match).
+        raise _MetaTensorError(
+            f"Cannot copy out of meta tensor; no data! Tensor {name!r} is on the meta device "
+            f"and has no bytes to write",
+            option="tensors",
+        )
+    if t.dtype not in _NAMES:
+        raise ConfigError(
+            f"tensor {name!r}: dtype {t.dtype} has no safetensors equivalent",
+            option="tensors",
+        )
 
 
 def _spec(name: str, t: torch.Tensor) -> tuple[str, str, list[int]]:
@@ -206,7 +228,7 @@ def save_file(
     uri: str | os.PathLike[str],
     metadata: Mapping[str, str] | None = None,
     *,
-    overwrite: bool = False,
+    overwrite: bool = True,
     storage_options: Mapping[str, object] | None = None,
     memory_limit: int | str | None = None,
     part_size: int | str | None = None,
@@ -218,8 +240,12 @@ def save_file(
 
     The file appears whole or not at all: a local file is written under a temporary name beside
     the destination and renamed into place; an object is uploaded in parts in parallel and
-    completed last (a failure or Ctrl-C aborts the upload). An existing destination raises
-    :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``memory_limit`` bounds
+    completed last (a failure or Ctrl-C aborts the upload). An existing destination is replaced,
+    as safetensors replaces it, but only once the new file is complete (by that rename, which
+    leaves a reader holding the old file open its old bytes, or by completing the upload); with
+    ``overwrite=False`` it raises
+    :class:`fastload.DestinationExistsError` instead and nothing is written. Invalid tensors raise
+    what safetensors' ``save_file`` raises (see :func:`check_tensors`). ``memory_limit`` bounds
     the bytes of upload parts in flight, ``part_size`` the bytes per part (16 MiB by default, at
     least 5 MiB, raised to keep a file within 9,000 parts). CPU tensors are written from their
     own memory; CUDA tensors are copied out in blocks through page-locked memory (at most
@@ -298,16 +324,34 @@ def _storage_size(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
+def _storage_id(t: torch.Tensor) -> tuple[Any, int, int] | None:
+    """huggingface_hub's ``get_torch_storage_id``: the device, address and size of the tensor's
+    storage (every empty tensor's storage is at address 0: they count as one); none on meta."""
+    if t.device.type == "meta":
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), _storage_size(t))
+
+
 def split_shards(
     tensors: Mapping[str, torch.Tensor], max_shard_size: int
 ) -> list[dict[str, torch.Tensor]]:
     """huggingface_hub's rule (``split_torch_state_dict_into_shards``): tensors in the mapping's
-    order, by the size of their storage; a shard is closed when the next tensor would take it past
-    ``max_shard_size``; a tensor larger than that gets a shard of its own."""
+    order, each storage sized whole by its first tensor; a shard is closed when the next storage
+    would take it past ``max_shard_size``; a storage larger than that gets a shard of its own.
+    The later tensors of a storage (a fused qkv's thirds, a flat parameter's pieces) add nothing
+    and go into their first tensor's shard, so a storage is never split across files."""
     shards: list[dict[str, torch.Tensor]] = []
     current: dict[str, torch.Tensor] = {}
     current_size = 0
+    first: dict[tuple[Any, int, int], str] = {}  # storage -> its first tensor's name
+    later: list[tuple[str, str]] = []  # (a later tensor of a storage, that storage's first)
     for name, t in tensors.items():
+        storage = _storage_id(t)
+        if storage is not None:
+            if storage in first:
+                later.append((name, first[storage]))
+                continue
+            first[storage] = name
         size = _storage_size(t)
         if size > max_shard_size:
             shards.append({name: t})
@@ -319,7 +363,23 @@ def split_shards(
         current_size += size
     if current:
         shards.append(current)
+    shard_of = {n: shard for shard in shards for n in shard}
+    for name, head in later:
+        shard_of[head][name] = tensors[name]
     return shards
+
+
+def total_size(tensors: Mapping[str, torch.Tensor]) -> int:
+    """The index's ``total_size`` as huggingface_hub counts it: each storage once, whole."""
+    storages: dict[tuple[Any, int, int], int] = {}
+    loose = 0
+    for t in tensors.values():
+        storage = _storage_id(t)
+        if storage is None:
+            loose += _storage_size(t)
+        else:
+            storages[storage] = storage[2]
+    return loose + sum(storages.values())
 
 
 def _drop_tied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -369,7 +429,7 @@ def save(
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
     *,
-    overwrite: bool = False,
+    overwrite: bool = True,
     storage_options: Mapping[str, object] | None = None,
     memory_limit: int | str | None = None,
     part_size: int | str | None = None,
@@ -417,7 +477,7 @@ def save(
         _remove_stale(folder, earlier, names, storage_options)
         return names
     index = {
-        "metadata": {"total_size": sum(_storage_size(t) for t in tensors.values())},
+        "metadata": {"total_size": total_size(tensors)},
         "weight_map": {t: name for name, shard in zip(names, shards) for t in shard},
     }
     data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
