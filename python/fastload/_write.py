@@ -439,7 +439,10 @@ def save(
     """Writes ``state_dict`` into the folder (or prefix) ``uri`` as transformers'
     ``save_pretrained`` does: ``model.safetensors`` when it fits in one shard, else
     ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``, written after
-    every shard is complete. Tied weights (tensors that are the same memory) are written once,
+    every shard is complete. Shards are split by huggingface_hub's rule (:func:`split_shards`).
+    An earlier checkpoint under ``uri`` is replaced, as ``save_pretrained`` replaces it; with
+    ``overwrite=False`` it raises :class:`fastload.DestinationExistsError` before anything is
+    written. Tied weights (tensors that are the same memory) are written once,
     under their first name. Each file carries ``{"format": "pt"}`` and ``metadata`` in its
     header. With ``keyset`` every shard is encrypted as :func:`save_file` encrypts; the index
     stays in the clear (loaders read it so): it lists the tensor names, not their shapes or
