@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 import time
+import urllib.error
+import urllib.request
 
 import fastload
 import helpers
@@ -274,6 +276,95 @@ def test_moto_parity(moto_s3, aws_env, dtypes_file):
     aws_env(moto_s3)
     upload(moto_s3.client(), BUCKET, {"m/all.safetensors": dtypes_file})
     assert_same_tensors(fastload.load(f"s3://{BUCKET}/m/"), reference(dtypes_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# Presigned URLs: an http:// URI whose query holds a SigV4 signature, read by a machine that has
+# no credentials (aws_env clears them); the query is a secret that no message may show
+
+
+def presign(server: s3_server.Server, key: str, expires: int = 600) -> str:
+    """A GET-only SigV4 presigned URL of `key` in the bucket, as boto3 makes it."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=server.endpoint,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name=REGION,
+        config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
+    )
+    url = client.generate_presigned_url(
+        "get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=expires
+    )
+    assert "X-Amz-Signature=" in url and url.startswith("http://127.0.0.1:"), url
+    return url
+
+
+def test_a_presigned_url_loads_opens_and_streams_the_object(
+    bucket, aws_env, dtypes_file, multi_block_file
+):
+    """HEAD is no method the URL signs (SeaweedFS refuses it, as S3 does): size and validators
+    come from the first ranged GET, and every ranged GET carries the query."""
+    url = presign(bucket, "all.safetensors")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=30)
+    assert refused.value.code == 403
+    want = reference(dtypes_file)
+    assert_same_tensors(fastload.load(url), want)
+    # verify=True: a plain HTTP server keeps no checksum to ask for (no HEAD is sent for one).
+    assert_same_tensors(fastload.load(url, verify=True), want)
+    with fastload.safe_open(url, "pt") as f:
+        assert sorted(f.keys()) == sorted(want)
+        assert_same_tensors({k: f.get_tensor(k) for k in f.keys()}, want)
+    big, got = presign(bucket, "big.safetensors"), {}
+    # 64 KiB blocks: a few dozen ranged GETs of the object.
+    for name, tensor in fastload.stream(big, block_size="64KiB", memory_limit="1MiB"):
+        got[name] = tensor
+    assert_same_tensors(got, reference(multi_block_file))
+
+
+def test_a_presigned_url_is_pinned_to_the_version_it_first_saw(
+    bucket, aws_env, multi_block_file, tmp_path
+):
+    key = "presigned-swapped.safetensors"
+    upload(bucket.client(), BUCKET, {key: multi_block_file})
+    new = helpers.write_multi_block(tmp_path / "new.safetensors", seed=100)
+    url, old, got = presign(bucket, key), reference(multi_block_file), {}
+    with pytest.raises(fastload.StorageError) as info:
+        for name, tensor in fastload.stream(url, block_size="64KiB", memory_limit="1MiB"):
+            if not got:
+                upload(bucket.client(), BUCKET, {key: new})
+            got[name] = tensor
+            helpers.assert_same_tensor(tensor, old[name], name)
+    assert "changed while loading" in str(info.value), info.value
+    assert len(got) < len(old)
+    assert_same_tensors(fastload.load(url), reference(new))
+
+
+def test_a_presigned_url_never_shows_its_query_in_errors(bucket, aws_env):
+    missing = presign(bucket, "absent.safetensors")
+    tampered = presign(bucket, "all.safetensors")
+    tampered = tampered[:-1] + ("0" if tampered[-1] != "0" else "1")
+    expired = presign(bucket, "all.safetensors", expires=1)
+    time.sleep(2)  # past the URL's expiry
+    for url, exc in [
+        (missing, FileNotFoundError),
+        (tampered, fastload.StorageError),
+        (expired, fastload.StorageError),
+    ]:
+        err = timed_error(exc, lambda url=url: fastload.load(url))
+        text = str(err)
+        base, query = url.split("?", 1)
+        assert base in text, text
+        assert query not in text, text
+        for param in query.split("&"):
+            name, value = param.split("=", 1)
+            if name in ("X-Amz-Signature", "X-Amz-Credential"):
+                assert value not in text, text
+        assert ACCESS_KEY not in text, text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,7 +120,15 @@ pub fn open_with_env(
                 })
         }
         ObjectStoreScheme::Http => {
-            let base = &url[..url::Position::BeforePath];
+            // A presigned URL's query (its signature) must go with every request of the object:
+            // object_store builds each request's URL from this base, keeping its query.
+            let base = match url.query() {
+                Some(query) => {
+                    crate::error::remember_secret(query);
+                    format!("{}?{query}", &url[..url::Position::BeforePath])
+                }
+                None => url[..url::Position::BeforePath].to_string(),
+            };
             let mut b = HttpBuilder::new().with_url(base);
             for (k, v) in CLIENT_DEFAULTS {
                 b = b.with_config(*k, *v);

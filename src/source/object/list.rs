@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use futures_util::StreamExt;
 use object_store::path::Path;
-use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, ObjectStore};
 
 use super::errors::*;
 use super::*;
@@ -115,9 +115,7 @@ fn lists(remote: &Remote) -> bool {
 
 /// Size and ETag of one object.
 pub async fn head(remote: &Remote, path: &Path) -> Result<Found> {
-    remote
-        .store
-        .head(path)
+    super::read::head_or_first_byte(remote.store.as_ref(), path)
         .await
         .map(Found::headed)
         .map_err(|e| storage_error(&remote.uri_of(path), e))

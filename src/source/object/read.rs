@@ -106,11 +106,33 @@ impl RangedGet for ObjectGet<'_> {
 
     fn head(&self) -> BoxFuture<'_, Result<Option<Version>>> {
         Box::pin(async move {
-            match self.store.head(self.path).await {
+            match head_or_first_byte(self.store, self.path).await {
                 Ok(meta) => Ok(Some(version_of(&meta))),
                 Err(e) => Err(storage_error(self.uri, e)),
             }
         })
+    }
+}
+
+/// The object's metadata from a HEAD or, where HEAD is refused (401, 403), from a GET of its
+/// first byte: a presigned URL signs one method, GET, and S3 and GCS refuse a HEAD of it. The
+/// GET's Content-Range gives the size and its headers the validators, as a HEAD's would.
+pub async fn head_or_first_byte(
+    store: &dyn ObjectStore,
+    path: &Path,
+) -> object_store::Result<ObjectMeta> {
+    match store.head(path).await {
+        Err(
+            object_store::Error::PermissionDenied { .. }
+            | object_store::Error::Unauthenticated { .. },
+        ) => {
+            let options = GetOptions {
+                range: Some(GetRange::Bounded(0..1)),
+                ..Default::default()
+            };
+            Ok(store.get_opts(path, options).await?.meta)
+        }
+        other => other,
     }
 }
 
