@@ -383,7 +383,12 @@ class FileWriter:
     @property
     def device_block_size(self) -> int:
         """Bytes per device-to-host copy of ``write_device``."""
-    def finish(self) -> None: ...
+    def finish(self, *, publish: bool = True) -> None:
+        """Publishes the file; with ``publish=False`` only makes it complete and durable (not
+        visible), for a later ``finish()`` to publish."""
+    @property
+    def published(self) -> bool:
+        """Whether ``finish()`` put the file in place."""
     def abort(self) -> None: ...
 
 def write_bytes(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -18,18 +17,12 @@ import torch
 
 from . import _fastload
 from ._errors import ConfigError, DestinationExistsError
+from ._publish import SINGLE_FILE, Staged, checkpoint_files, join
 from ._torch import DTYPES
 
 # torch dtype -> the safetensors name the header uses.
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _F4 = getattr(torch, "float4_e2m1fn_x2", None)
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-# The files of a checkpoint `save` writes: an earlier save's are stale once a new one is written.
-_CHECKPOINT_FILE = re.compile(
-    r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors"
-)
 
 
 def _destination(uri: object) -> str:
@@ -263,11 +256,11 @@ def save_file(
             f"invalid option overwrite: expected a bool, got {type(overwrite).__name__}",
             option="overwrite",
         )
-    names = list(checked)
-    writer = _fastload.FileWriter(
+    _writer(
+        checked,
         _destination(uri),
-        [_spec(n, checked[n]) for n in names],
         _metadata(metadata),
+        publish=True,
         overwrite=overwrite,
         storage_options=storage_options,
         memory_limit=memory_limit,
@@ -275,13 +268,29 @@ def save_file(
         keyset=keyset,
         associated_data=associated_data,
     )
+
+
+def _writer(
+    checked: dict[str, torch.Tensor],
+    uri: str,
+    metadata: list[tuple[str, str]] | None,
+    *,
+    publish: bool,
+    **options: Any,
+) -> Any:
+    """A ``FileWriter`` for ``uri`` given every tensor's bytes, then finished: the file
+    published, or with ``publish=False`` complete and durable but not visible (its owner publishes
+    it with ``finish()``). Aborted on any failure, Ctrl-C included."""
+    names = list(checked)
+    writer = _fastload.FileWriter(uri, [_spec(n, checked[n]) for n in names], metadata, **options)
     try:
         for i in writer.order:
             _write_tensor(writer, checked[names[i]])
-        writer.finish()
+        writer.finish(publish=publish)
     except BaseException:
         writer.abort()
         raise
+    return writer
 
 
 def _part_size(part_size: int | str | None) -> int | None:
@@ -411,10 +420,6 @@ def _drop_tied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t for n, t in tensors.items() if n not in drop}
 
 
-def _join(folder: str, name: str) -> str:
-    return folder.rstrip("/") + "/" + name if folder.rstrip("/") else name
-
-
 def _exists_error(uri: str) -> DestinationExistsError:
     import errno
 
@@ -459,36 +464,39 @@ def save(
     # An earlier save's files under `uri`: without overwrite any of them is refused (a stale index
     # would send readers to the old shards); with it, those the new save does not replace go
     # once every new file is written.
-    earlier = _checkpoint_files(folder, storage_options)
+    earlier = checkpoint_files(folder, storage_options)
     if earlier and not overwrite:
-        raise _exists_error(_join(folder, earlier[0]))
+        raise _exists_error(join(folder, earlier[0]))
     if not shards:
         shards = [{}]
-    for name, shard in zip(names, shards):
-        save_file(
-            shard,
-            _join(folder, name),
-            header,
-            overwrite=overwrite,
-            storage_options=storage_options,
-            memory_limit=memory_limit,
-            part_size=part_size,
-            keyset=keyset,
-            associated_data=associated_data,
-        )
-    if len(shards) == 1:
-        _remove_stale(folder, earlier, names, storage_options)
-        return names
+    options = {
+        "overwrite": overwrite,
+        "storage_options": storage_options,
+        "memory_limit": memory_limit,
+        "part_size": _part_size(part_size),
+        "keyset": keyset,
+        "associated_data": associated_data,
+    }
+    # Every shard complete before any is published; see _publish.
+    pairs = _metadata(header)
+    with Staged(folder, earlier, overwrite=overwrite, storage_options=storage_options) as staged:
+        for name, shard in zip(names, shards):
+            dest = join(folder, name)
+            staged.add(name, _writer(shard, dest, pairs, publish=False, **options))
+        if len(shards) == 1:
+            return staged.publish()
+        return staged.publish(_index(tensors, names, shards))
+
+
+def _index(
+    tensors: dict[str, torch.Tensor], names: list[str], shards: list[dict[str, torch.Tensor]]
+) -> bytes:
+    """The index file's bytes, as transformers writes them."""
     index = {
         "metadata": {"total_size": total_size(tensors)},
         "weight_map": {t: name for name, shard in zip(names, shards) for t in shard},
     }
-    data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-    _fastload.write_bytes(
-        _join(folder, INDEX_FILE), data, overwrite=overwrite, storage_options=storage_options
-    )
-    _remove_stale(folder, earlier, [*names, INDEX_FILE], storage_options)
-    return [*names, INDEX_FILE]
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
 def check_tensors_for_save(state_dict: object) -> dict[str, torch.Tensor]:
@@ -501,30 +509,3 @@ def check_tensors_for_save(state_dict: object) -> dict[str, torch.Tensor]:
     for name, t in state_dict.items():
         check_tensors({name: t})
     return dict(state_dict)
-
-
-def _checkpoint_files(folder: str, storage_options: Mapping[str, object] | None) -> list[str]:
-    """Names of the checkpoint files (shards, index, single file) directly under `folder`."""
-    if _fastload.is_remote_uri(folder):
-        prefix = folder.rstrip("/") + "/"
-        names = [u.rsplit("/", 1)[-1] for u, _ in _fastload.list_objects(
-            prefix, storage_options=storage_options)]  # fmt: skip
-    else:
-        local = folder[len("file://") :] if folder.startswith("file://") else folder
-        try:
-            names = os.listdir(local)
-        except (FileNotFoundError, NotADirectoryError):
-            names = []
-    return sorted(n for n in names if _CHECKPOINT_FILE.fullmatch(n))
-
-
-def _remove_stale(
-    folder: str,
-    earlier: list[str],
-    written: list[str],
-    storage_options: Mapping[str, object] | None,
-) -> None:
-    """Removes an earlier save's files that the new one did not replace, index first."""
-    stale = sorted(set(earlier) - set(written), key=lambda n: n != INDEX_FILE)
-    for name in stale:
-        _fastload.remove(_join(folder, name), storage_options=storage_options)

@@ -4,6 +4,7 @@
 //! `finish`. Every wait runs off the GIL, in slices that let Ctrl-C through.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -93,6 +94,9 @@ pub struct FileWriter {
     saver: Arc<DeviceSaver>,
     /// One copy engine per CUDA device, opened by the first tensor of that device.
     engines: Engines,
+    /// Set once the file is in place: a caller whose `finish` was cut short by Ctrl-C learns
+    /// (after `abort`, which waits for it) whether it must remove what it published.
+    published: Arc<AtomicBool>,
 }
 
 fn options(
@@ -214,6 +218,7 @@ impl FileWriter {
             saver: Arc::new(DeviceSaver::new(limit, writer.holds_at_most())),
             engines: Arc::default(),
             inner: Arc::new(Mutex::new(Some(writer))),
+            published: Arc::default(),
         })
     }
 
@@ -284,12 +289,27 @@ impl FileWriter {
         self.saver.block_size()
     }
 
-    /// Publishes the file (renamed into place, or the upload completed).
-    fn finish(&self, py: Python<'_>) -> PyResult<()> {
+    /// Publishes the file (renamed into place, or the upload completed). With `publish=False`
+    /// the file is only made complete and durable (synced under its temporary name, every part
+    /// uploaded), for a later `finish()` to publish: a shard set is published once all are.
+    #[pyo3(signature = (*, publish=true))]
+    fn finish(&self, py: Python<'_>, publish: bool) -> PyResult<()> {
         let uri = self.uri.clone();
+        let published = self.published.clone();
         with_writer(py, &self.inner, "save_file", move |w| {
-            w.take().ok_or_else(|| closed(&uri))?.finish()
+            if !publish {
+                return w.as_mut().ok_or_else(|| closed(&uri))?.prepare();
+            }
+            w.take().ok_or_else(|| closed(&uri))?.finish()?;
+            published.store(true, Ordering::SeqCst);
+            Ok(())
         })
+    }
+
+    /// Whether the file was published (it stays set: removing it is the caller's).
+    #[getter]
+    fn published(&self) -> bool {
+        self.published.load(Ordering::SeqCst)
     }
 
     /// Gives up: nothing is published, the upload is aborted. Does nothing once finished.

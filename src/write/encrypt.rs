@@ -176,6 +176,17 @@ impl EncryptingSink {
     /// Seals what is left and publishes the file; fewer bytes than announced is an error (and
     /// nothing is published).
     pub fn finish(mut self) -> Result<()> {
+        match self.prepare() {
+            Ok(()) => self.inner.finish(),
+            Err(e) => {
+                let _ = self.inner.abort();
+                Err(e)
+            }
+        }
+    }
+
+    /// Seals what is left and prepares the file ([`Sink::prepare`]): complete, not published.
+    pub fn prepare(&mut self) -> Result<()> {
         let result = (|| {
             // An empty file: its one segment is empty and complete.
             if self.index < self.geometry.segments && self.capacity(self.index) == 0 {
@@ -195,13 +206,7 @@ impl EncryptingSink {
             }
             Ok(())
         })();
-        match result {
-            Ok(()) => self.inner.finish(),
-            Err(e) => {
-                let _ = self.inner.abort();
-                Err(e)
-            }
-        }
+        result.and_then(|()| self.inner.prepare())
     }
 
     /// Gives up: the batches being sealed are dropped, the sink aborted.

@@ -94,18 +94,25 @@ impl LocalFile {
     }
 
     pub fn write(&mut self, data: &[u8]) -> Result<()> {
-        let file = self.file.as_mut().expect("written after finish");
+        let file = self.file.as_mut().expect("written after prepare or finish");
         file.write_all(data).map_err(|e| Error::Io {
             path: self.shown.clone(),
             source: e,
         })
     }
 
-    /// Syncs the data, then renames the file into place and syncs the folder.
+    /// Syncs the data and closes the file: complete and on disk, still under its temporary name
+    /// (a shard set publishes its files only once every one is prepared). Again: nothing to do.
+    pub fn prepare(&mut self) -> Result<()> {
+        if let Some(file) = self.file.take() {
+            file.sync_all().map_err(|e| self.error(e))?;
+        }
+        Ok(())
+    }
+
+    /// Prepares the file if it was not, then renames it into place and syncs the folder.
     pub fn finish(mut self) -> Result<()> {
-        let file = self.file.take().expect("finished twice");
-        file.sync_all().map_err(|e| self.error(e))?;
-        drop(file);
+        self.prepare()?;
         self.publish().map_err(|e| match e.kind() {
             io::ErrorKind::AlreadyExists => Error::Exists {
                 path: self.shown.clone(),
@@ -217,6 +224,31 @@ mod tests {
         a.finish().unwrap();
         assert!(matches!(b.finish(), Err(Error::Exists { .. })));
         assert_eq!(std::fs::read(&dest).unwrap(), b"a");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn prepared_is_complete_but_invisible_until_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("x.bin");
+        let mut f = LocalFile::create(dest.to_str().unwrap(), 3, &opts(false)).unwrap();
+        f.write(b"abc").unwrap();
+        f.prepare().unwrap();
+        f.prepare().unwrap();
+        assert!(!dest.exists());
+        let tmp: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(tmp.len(), 1);
+        assert_eq!(
+            std::fs::read(tmp[0].as_ref().unwrap().path()).unwrap(),
+            b"abc"
+        );
+        f.finish().unwrap();
+        assert_eq!(std::fs::read(&dest).unwrap(), b"abc");
+        let mut g = LocalFile::create(dest.to_str().unwrap(), 1, &opts(true)).unwrap();
+        g.write(b"z").unwrap();
+        g.prepare().unwrap();
+        drop(g);
+        assert_eq!(std::fs::read(&dest).unwrap(), b"abc");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 

@@ -134,6 +134,18 @@ impl Sink {
         }
     }
 
+    /// Makes every byte written complete and durable without publishing it (a synced temporary
+    /// file; every part uploaded, the upload not completed), so that a set of files can be
+    /// published only once each is whole. [`Sink::finish`] then publishes; a drop or
+    /// [`Sink::abort`] still removes it. On failure the file is cleaned up.
+    pub fn prepare(&mut self) -> Result<()> {
+        match self {
+            Sink::Local(f) => f.prepare(),
+            Sink::Object(o) => o.prepare(),
+            Sink::Encrypted(e) => e.prepare(),
+        }
+    }
+
     /// Publishes the file: renamed into place, or the multipart upload completed. On failure
     /// nothing is published and everything is cleaned up.
     pub fn finish(self) -> Result<()> {
@@ -279,16 +291,29 @@ impl FileWriter {
 
     /// Publishes the file once every tensor was written.
     pub fn finish(self) -> Result<()> {
-        if self.next != self.layout.order.len() {
-            let e = self.invalid(format!(
-                "only {} of {} tensors were written",
-                self.next,
-                self.layout.order.len()
-            ));
+        if let Err(e) = self.all_written() {
             let _ = self.sink.abort();
             return Err(e);
         }
         self.sink.finish()
+    }
+
+    /// Once every tensor was written: the file complete and durable, not yet published
+    /// ([`Sink::prepare`]); [`FileWriter::finish`] publishes it.
+    pub fn prepare(&mut self) -> Result<()> {
+        self.all_written()?;
+        self.sink.prepare()
+    }
+
+    fn all_written(&self) -> Result<()> {
+        if self.next == self.layout.order.len() {
+            return Ok(());
+        }
+        Err(self.invalid(format!(
+            "only {} of {} tensors were written",
+            self.next,
+            self.layout.order.len()
+        )))
     }
 
     /// Gives up; nothing is published.

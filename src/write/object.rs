@@ -254,17 +254,11 @@ impl ObjectUpload {
             State::Multi(multi) => {
                 // Back in `self` while it runs: a cut-short wait leaves it to the drop's abort.
                 self.state = State::Multi(multi);
+                self.prepare()?;
                 let State::Multi(multi) = &mut self.state else {
                     unreachable!()
                 };
                 let done = crate::runtime::block_on(&remote.uri, async {
-                    if multi.buffer.content_length() > 0 {
-                        multi.start_part();
-                    }
-                    multi
-                        .fewer_than(0)
-                        .await
-                        .map_err(|e| storage_error(&remote.uri, e))?;
                     if !overwrite {
                         refuse_existing(&remote).await?;
                     }
@@ -283,6 +277,60 @@ impl ObjectUpload {
         };
         // On failure `self` still holds the upload, and its drop aborts it.
         out
+    }
+
+    /// Uploads every byte written so far and waits for each part to be stored, without
+    /// completing the upload: nothing is visible until [`ObjectUpload::finish`] (a shard set
+    /// completes its uploads only once every shard is uploaded). An object of one part, sent
+    /// with one PUT when finished directly, becomes a multipart upload of that one part here.
+    /// Again: nothing to do. On failure the upload is aborted.
+    pub fn prepare(&mut self) -> Result<()> {
+        if let State::Single(payload) = &mut self.state {
+            let payload = std::mem::take(payload);
+            self.state = State::Done;
+            self.state = State::Multi(self.start_multi(payload)?);
+        }
+        let uri = self.remote.uri.clone();
+        let State::Multi(multi) = &mut self.state else {
+            return Ok(());
+        };
+        let result = crate::runtime::block_on(&uri, async {
+            if multi.buffer.content_length() > 0 {
+                multi.start_part();
+            }
+            multi
+                .fewer_than(0)
+                .await
+                .map_err(|e| storage_error(&uri, e))
+        });
+        if result.is_err() {
+            self.abort_now();
+        }
+        result
+    }
+
+    /// A multipart upload of the object, `payload` its first (and only) part, not yet sent.
+    fn start_multi(&self, payload: PutPayloadMut) -> Result<Multi> {
+        let remote = &self.remote;
+        let attrs = attributes(&self.metadata);
+        crate::runtime::block_on(&remote.uri, async {
+            let upload = remote
+                .store
+                .put_multipart_opts(
+                    &remote.path,
+                    PutMultipartOptions {
+                        attributes: attrs,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(|e| storage_error(&remote.uri, e))?;
+            Ok(Multi {
+                upload,
+                buffer: payload,
+                parts: JoinSet::new(),
+            })
+        })
     }
 
     /// Aborts the multipart upload. Not cut short by a Ctrl-C (an installed

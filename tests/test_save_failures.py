@@ -1,0 +1,377 @@
+"""A `fastload.save` that fails part-way (disk full, a Ctrl-C, an upload refused, SIGKILL) leaves
+its destination loading as the complete earlier checkpoint, the complete new one, or an error:
+never some of the new shards, never one checkpoint's index over the other's shards.
+
+Generated failure points: each native step of a save (a writer opened, a tensor written, a file
+prepared or published, the index written, a file removed) interrupted in turn, before and after
+it ran; a local disk that fills at every point of the writing; every write request to a real S3
+server (SeaweedFS) failed in turn; SIGINT and SIGKILL to a saving process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fastload
+import pytest
+import safetensors.torch
+import torch
+from fastload import _fastload
+from helpers import pattern, raw_bytes
+from servers import s3 as s3_server
+from servers.s3 import BUCKET, Fault
+
+aws_env = s3_server.aws_env
+seaweed_fault_proxy = s3_server.seaweed_fault_proxy
+HERE = Path(__file__).resolve().parent
+PYTHON = os.path.join(os.path.dirname(fastload.__file__), "..")
+SHARD = "10KB"
+INDEX = "model.safetensors.index.json"  # one 2,500-float tensor per shard
+
+# (shards of the earlier checkpoint, shards of the new one); 0: no earlier checkpoint, 1: one
+# model.safetensors. The same tensor names in both, different values: a mix is told apart.
+CASES = [(0, 3), (3, 3), (3, 2), (2, 3), (1, 3), (3, 1)]
+
+
+def checkpoint(shards: int, seed: int) -> dict[str, torch.Tensor]:
+    return {f"w{i}": pattern((2500,), torch.float32, seed=seed + i) for i in range(shards)}
+
+
+def classify(load, old: dict | None, new: dict) -> str:
+    """ "old", "new" or "raises"; anything else describes the partial or mixed load."""
+    try:
+        got = load()
+    except (fastload.FastloadError, FileNotFoundError, ValueError):
+        return "raises"
+    for name, want in (("new", new), ("old", old)):
+        if want is not None and got.keys() == want.keys():
+            if all(torch.equal(raw_bytes(got[k]), raw_bytes(want[k])) for k in want):
+                return name
+    return f"partial or mixed: {sorted(got)} of old {sorted(old or {})} / new {sorted(new)}"
+
+
+def naive_load(files: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    """What a reader that trusts what it finds loads (no check that a shard set is whole): the
+    files the index names, or every .safetensors file when there is none. The writer alone must
+    keep such a reader from a partial or mixed checkpoint."""
+    if INDEX in files:
+        names = sorted(set(json.loads(files[INDEX])["weight_map"].values()))
+    else:
+        names = sorted(n for n in files if n.endswith(".safetensors"))
+    if not names:
+        raise FileNotFoundError("no checkpoint")
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name not in files:
+            raise FileNotFoundError(name)
+        part = safetensors.torch.load(files[name])
+        if part.keys() & out.keys():
+            raise ValueError(f"{name}: tensors seen in another file")
+        out.update(part)
+    return out
+
+
+def local_files(folder: Path) -> dict[str, bytes]:
+    if not folder.exists():
+        return {}
+    return {p.name: p.read_bytes() for p in folder.iterdir() if not p.name.startswith(".")}
+
+
+def s3_files(client, prefix: str) -> dict[str, bytes]:
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    return {o["Key"][len(prefix) :]: client.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+            for o in listed}  # fmt: skip
+
+
+def outcome(uri: str, files: dict[str, bytes], old: dict | None, new: dict, **kw) -> str:
+    """How the destination loads with fastload and with `naive_load` of its `files`: the same
+    "old" or "new" for both, "raises" where one raised and the other found a whole checkpoint,
+    else what was wrong."""
+    ours = classify(lambda: fastload.load(uri, **kw), old, new)
+    naive = classify(lambda: naive_load(files), old, new)
+    for got in (ours, naive):
+        if got not in ("old", "new", "raises"):
+            return got
+    return ours if ours == naive else "raises"
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".fastload-tmp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every step interrupted in turn (a KeyboardInterrupt, as Ctrl-C raises it)
+
+
+class Steps:
+    """Counts the native steps of a save and raises KeyboardInterrupt at step `at` (1-based),
+    before the step runs or, with `after`, once it ran (a Ctrl-C that cut short a wait whose
+    work went on: a file published that the caller never heard of)."""
+
+    def __init__(self, at: int = 0, after: bool = False) -> None:
+        self.at, self.after = at, after
+        self.names: list[str] = []
+
+    def run(self, name: str, step):
+        self.names.append(name)
+        hit = len(self.names) == self.at
+        if hit and not self.after:
+            raise KeyboardInterrupt
+        out = step()
+        if hit:
+            raise KeyboardInterrupt
+        return out
+
+    def install(self, monkeypatch) -> None:
+        steps, real = self, _fastload.FileWriter
+
+        class Writer:
+            def __init__(self, *args, **kw) -> None:
+                self._w = steps.run("open", lambda: real(*args, **kw))
+
+            def __getattr__(self, name: str):
+                return getattr(self._w, name)
+
+            def write(self, t) -> None:
+                steps.run("write", lambda: self._w.write(t))
+
+            def finish(self, publish: bool = True) -> None:
+                what = "publish" if publish else "prepare"
+                steps.run(what, lambda: self._w.finish(publish=publish))
+
+        monkeypatch.setattr(_fastload, "FileWriter", Writer)
+        for name in ("write_bytes", "remove"):
+            fn = getattr(_fastload, name)
+            monkeypatch.setattr(_fastload, name, lambda *a, _f=fn, _n=name, **k: steps.run(
+                _n, lambda: _f(*a, **k)))  # fmt: skip
+
+
+@pytest.mark.parametrize("old_n,new_n", CASES, ids=[f"{o}-to-{n}" for o, n in CASES])
+def test_a_save_interrupted_at_any_step_leaves_the_old_or_the_new_checkpoint(
+    tmp_path, monkeypatch, old_n, new_n
+):
+    old, new = checkpoint(old_n, seed=100), checkpoint(new_n, seed=200)
+
+    def attempt(folder: Path, steps: Steps) -> None:
+        if old_n:
+            fastload.save(old, folder, max_shard_size=SHARD)
+        with monkeypatch.context() as m:
+            steps.install(m)
+            fastload.save(new, folder, max_shard_size=SHARD, overwrite=True)
+
+    counted = Steps()
+    attempt(tmp_path / "count", counted)
+    # The first step a reader could notice: a file published or removed.
+    first = min(i for i, n in enumerate(counted.names) if n in ("publish", "write_bytes", "remove"))
+    for at in range(1, len(counted.names) + 1):
+        for after in (False, True):
+            folder = tmp_path / f"{at}-{after}"
+            with pytest.raises(KeyboardInterrupt):
+                attempt(folder, Steps(at, after))
+            got = outcome(str(folder), local_files(folder), old if old_n else None, new)
+            where = f"interrupted {'after' if after else 'at'} step {at} of {counted.names}"
+            assert got in ("old", "new", "raises"), f"{where}: {got}"
+            if at - 1 < first or (at - 1 == first and not after):
+                # Until a file is published or removed nothing changed for a reader.
+                assert got == ("old" if old_n else "raises"), f"{where}: {got}"
+            if folder.exists():
+                assert leftovers(folder) == [], where
+
+
+# ---------------------------------------------------------------------------------------------
+# A disk that fills at every point of the writing
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_disk_that_fills_during_a_save_leaves_the_old_checkpoint(tmpfs):
+    # The new checkpoint: 3 shards of 400 KB. A filler file leaves room for less and less of it,
+    # so the disk fills in the third shard, the second, the first: a StorageError each time, and
+    # the earlier checkpoint (3 small shards: the same file names) loads whole.
+    old, new = checkpoint(3, seed=100), checkpoint(3, seed=200)
+    big = {k: v.repeat(40) for k, v in new.items()}
+    folder = tmpfs / "m"
+    filler = tmpfs / "filler"
+    for room in range(1_150_000, 0, -150_000):
+        fastload.save(old, folder, max_shard_size=SHARD, overwrite=True)
+        free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+        filler.write_bytes(b"\0" * max(free - room, 0))
+        with pytest.raises(fastload.StorageError, match="No space left on device"):
+            fastload.save(big, folder, max_shard_size="400KB", overwrite=True)
+        assert outcome(str(folder), local_files(folder), old, big) == "old", room
+        assert leftovers(folder) == []
+        filler.unlink()
+    fastload.save(big, folder, max_shard_size="400KB", overwrite=True)
+    assert outcome(str(folder), local_files(folder), old, big) == "new"
+    assert sorted(os.listdir(folder)) == [
+        *[f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)],
+        "model.safetensors.index.json",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every write request to S3 failed in turn
+
+
+def writes(method: str, headers: dict[str, str]) -> bool:
+    return method in ("PUT", "POST", "DELETE")
+
+
+def open_uploads(client, prefix: str) -> list[str]:
+    found = client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+    return [u["Key"] for u in found]
+
+
+class Nth:
+    """Matches the `n`-th write request through the proxy (1-based), and no other."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def __call__(self, method: str, headers: dict[str, str]) -> bool:
+        if not writes(method, headers):
+            return False
+        self.seen += 1
+        return self.seen == self.n
+
+
+@pytest.mark.parametrize("old_n,new_n", [(0, 3), (3, 3), (3, 2), (1, 3), (3, 1)],
+                         ids=["0-to-3", "3-to-3", "3-to-2", "1-to-3", "3-to-1"])  # fmt: skip
+def test_an_s3_save_whose_kth_request_fails_leaves_the_old_or_the_new_checkpoint(
+    seaweed, seaweed_fault_proxy, old_n, new_n
+):
+    old, new = checkpoint(old_n, seed=100), checkpoint(new_n, seed=200)
+    client = seaweed.client()
+    no_retry = {"max_retries": "0", "retry_timeout": "5"}
+    counter = Nth(0)
+    seaweed_fault_proxy(match=counter)
+    prefix = f"failing/{old_n}-{new_n}/count/"
+    fastload.save(new, f"s3://{BUCKET}/{prefix}", max_shard_size=SHARD)
+    total = counter.seen
+    for k in range(1, total + 1):
+        prefix = f"failing/{old_n}-{new_n}/{k}/"
+        uri = f"s3://{BUCKET}/{prefix}"
+        proxy = seaweed_fault_proxy(plan=[Fault("status", status=500)], match=Nth(k))
+        if old_n:
+            fastload.save(old, uri, max_shard_size=SHARD, storage_options={
+                "endpoint": seaweed.endpoint})  # fmt: skip
+        try:
+            fastload.save(new, uri, max_shard_size=SHARD, storage_options=no_retry,
+                          overwrite=True)  # fmt: skip
+            failed = False
+        except fastload.StorageError:
+            failed = True
+        assert proxy.served["faults"] == 1, (k, proxy.served)
+        got = outcome(uri, s3_files(client, prefix), old if old_n else None, new)
+        assert got in ("old", "new", "raises"), f"request {k} of {total} failed: {got}"
+        assert failed or got == "new", k
+        assert open_uploads(client, prefix) == [], k
+        proxy.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C and kill -9 of a saving process
+
+SAVER = """
+import os, signal, sys, fastload, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)
+n = int(sys.argv[2])
+new = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(n)}
+print("ready", flush=True)
+try:
+    fastload.save(new, sys.argv[1], max_shard_size="4MiB", part_size=5 << 20, overwrite=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    os._exit(3)
+print("done", flush=True)
+"""
+
+
+def start_saver(dest: str, shards: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, dest, str(shards)],
+                            stdout=subprocess.PIPE, env=env)  # fmt: skip
+    assert proc.stdout.readline() == b"ready\n"
+    return proc
+
+
+def wait_for(proc: subprocess.Popen, ready) -> None:
+    deadline = time.monotonic() + 60
+    while not ready():
+        assert proc.poll() is None, "the saver ended first"
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+
+
+def big(shards: int, base: int = 0) -> dict[str, torch.Tensor]:
+    """The saver's tensors (`base` 0): 4 MiB each, one a shard."""
+    return {f"w{i}": torch.full((1 << 20,), float(base + i)) for i in range(shards)}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+def test_a_local_save_stopped_by_a_signal_leaves_the_old_checkpoint(tmp_path, sig):
+    # The earlier checkpoint has the new one's file names: a new shard published too early
+    # would sit under the earlier index.
+    folder = tmp_path / "m"
+    old = big(8, base=100)
+    fastload.save(old, folder, max_shard_size="4MiB")
+    proc = start_saver(str(folder), 8)
+    # Stopped while the third shard is being written (the first two written, not published).
+    wait_for(proc, lambda: any(".model-00003-of-00008" in n for n in os.listdir(folder)))
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    if sig == signal.SIGINT:
+        assert (proc.returncode, out) == (3, b"interrupted\n")
+        assert leftovers(folder) == []
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert outcome(str(folder), local_files(folder), old, big(8)) == "old"
+    # Whatever the killed saver left (hidden temporary files) does not stop the next save.
+    fastload.save(big(8), folder, max_shard_size="4MiB", overwrite=True)
+    assert outcome(str(folder), local_files(folder), old, big(8)) == "new"
+
+
+def test_an_s3_save_interrupted_mid_upload_completes_nothing(seaweed, seaweed_fault_proxy):
+    # The third shard's part hangs until Ctrl-C: the first two shards are uploaded but not
+    # completed, so the earlier checkpoint (3 shards of the same names) still loads whole, and
+    # the interrupted save's uploads are aborted.
+    prefix = "interrupted-save/"
+    uri = f"s3://{BUCKET}/{prefix}"
+    old = checkpoint(3, seed=100)
+    fastload.save(old, uri, max_shard_size=SHARD, storage_options={"endpoint": seaweed.endpoint})
+    parts: list[str] = []
+
+    def third_part(method: str, headers: dict[str, str]) -> bool:
+        if method == "PUT":
+            parts.append(method)
+        return method == "PUT" and len(parts) >= 3
+
+    proxy = seaweed_fault_proxy(then=Fault("stall_head", seconds=60), match=third_part)
+    proc = start_saver(uri, 3)
+    try:
+        wait_for(proc, lambda: proxy.served.get("stall_head", 0) > 0)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out) == (3, b"interrupted\n")
+    client = seaweed.client()
+    assert open_uploads(client, prefix) == []
+    files = s3_files(client, prefix)
+    assert outcome(uri, files, old, big(3), storage_options={"endpoint": seaweed.endpoint}) == "old"
