@@ -102,6 +102,87 @@ def _scenario(sc: dict, group, rank: int) -> dict:
     return out
 
 
+def _own_files(sc: dict, group, rank: int) -> dict:
+    """Each rank reads its own checkpoint (``uris[rank]``, opened from ``cwd[rank]`` where
+    given): ``names`` in order, a 2-D one narrowed to the rank's column block (as a row-parallel
+    weight loader does), anything else whole; each compared bitwise with ``references[rank]``.
+    ``overwrite`` (a versioned S3 object): rank 0 opens it, then it is overwritten, then the
+    others open it (each pinned to the version it saw)."""
+    import torch.distributed as dist
+    from fastload._exchange import ColumnExchange
+    from fastload._lazy import Checkpoint
+    from safetensors.torch import load_file
+
+    world, here = sc["world"], os.getcwd()
+    exchange = ColumnExchange(group, rank, world)
+    out: dict = {"id": sc["id"], "equal": {}, "how": {}}
+    try:
+        if sc.get("cwd"):
+            os.chdir(sc["cwd"][rank])  # the same relative URI names another file on each rank
+        opts = {"method": "read", "storage_options": sc.get("storage_options")}
+        checkpoint = Checkpoint(sc["uris"][rank], exchange=exchange, **opts) if rank == 0 else None
+        if "overwrite" in sc:
+            from servers.s3 import client, upload
+
+            dist.barrier(group=group)
+            if rank == 0:
+                o = sc["overwrite"]
+                upload(client(o["endpoint"]), o["bucket"], {o["key"]: Path(o["with"])})
+            dist.barrier(group=group)
+        if checkpoint is None:
+            checkpoint = Checkpoint(sc["uris"][rank], exchange=exchange, **opts)
+        lazies = dict(checkpoint)
+        want = load_file(sc["references"][rank])
+        for name in sc["names"]:
+            lazy = lazies[name]
+            width = lazy.shape[-1] // world
+            region = lazy.narrow(1, rank * width, width) if lazy.dim() == 2 else lazy
+            got = torch.empty(region.shape, dtype=lazy.dtype)
+            got.copy_(region)
+            ref = want[name] if region is lazy else want[name].narrow(1, rank * width, width)
+            out["equal"][name] = got.dtype == ref.dtype and torch.equal(
+                got.reshape(-1).view(torch.uint8), ref.contiguous().reshape(-1).view(torch.uint8)
+            )
+            out["how"][name] = lazy._source.counted
+        out["enabled"] = exchange.enabled
+    finally:
+        exchange.close()
+        os.chdir(here)
+    out["stats"] = checkpoint.stats.as_dict()
+    return out
+
+
+def _transformers_files(sc: dict, group, rank: int) -> dict:
+    """``_own_files`` through transformers' tensor-parallel path (``fastload.transformers``:
+    its ``_File`` slices indexed for the rank's columns, exchanged through ``_Exchange`` over
+    the default group)."""
+    from fastload.transformers import _Exchange, _File
+    from safetensors.torch import load_file
+
+    world = sc["world"]
+    exchange, counts = _Exchange(None), {}
+    file = _File(sc["uris"][rank], {}, counts, 0, exchange)
+    out: dict = {"id": sc["id"], "equal": {}}
+    try:
+        slices = file.slices()
+        want = load_file(sc["references"][rank])
+        for name in sc["names"]:
+            width = slices[name].get_shape()[1] // world
+            got = slices[name][:, rank * width : (rank + 1) * width]
+            ref = want[name][:, rank * width : (rank + 1) * width]
+            out["equal"][name] = got.dtype == ref.dtype and torch.equal(
+                got.reshape(-1).view(torch.uint8), ref.contiguous().reshape(-1).view(torch.uint8)
+            )
+    finally:
+        exchange.close()
+        file.close()
+    out["counts"] = counts
+    return out
+
+
+_KINDS = {"load": _scenario, "own": _own_files, "transformers": _transformers_files}
+
+
 def _worker(job: str, out: str) -> None:
     """One process of a group of 4; a scenario of ``world`` ranks runs on the first ``world``.
     Writes its results to ``out/rank{RANK}.json``."""
@@ -114,7 +195,7 @@ def _worker(job: str, out: str) -> None:
     groups = {n: dist.new_group(list(range(n))) for n in range(2, dist.get_world_size())}
     groups[dist.get_world_size()] = None  # the default group
     results = [
-        _scenario(sc, groups[sc["world"]], rank)
+        _KINDS[sc.get("kind", "load")](sc, groups[sc["world"]], rank)
         for sc in json.loads(Path(job).read_text())
         if rank < sc["world"]
     ]
@@ -459,6 +540,157 @@ def test_the_next_layers_row_blocks_are_read_ahead(group):
         assert stats["ahead_bytes"] == blocks + 5 * 2 * len(later), (r, stats)
         assert stats["ahead_unused_bytes"] == 0, (r, stats)
         assert stats["waited_reads"] == 1, (r, stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks whose files differ in a tensor of one name
+
+
+def _differing_pairs() -> dict[str, tuple[dict, dict]]:
+    """Per case, the tensors of rank 0's file and of rank 1's: ``w`` differs (its shape, its
+    dtype, its data offsets, or only its values and the file's version), ``z`` is the same
+    tensor at the same place in both (but for ``version``, where the whole file differs)."""
+    rng = random.Random(40)
+    z = _tensor((48, 16), "float32", rng)
+    w = _tensor((64, 32), "bfloat16", rng)
+    return {
+        # 48 of the 64 rows of rank 0's would come from rank 1's bytes.
+        "shape": ({"w": w, "z": z}, {"w": _tensor((32, 64), "bfloat16", rng), "z": z}),
+        "dtype": ({"w": w, "z": z}, {"w": _tensor((64, 32), "float16", rng), "z": z}),
+        # Another tensor before ``w`` in rank 0's file, after it in rank 1's (save_file orders
+        # tensors of a dtype by name): ``w`` at other offsets, ``z`` at the same.
+        "offsets": (
+            {"v": _tensor((8,), "float32", rng), "w": w.float(), "z": z},
+            {"w": _tensor((64, 32), "float32", rng), "x": _tensor((8,), "float32", rng), "z": z},
+        ),
+        "version": (
+            {"w": w, "z": z},
+            {"w": _tensor((64, 32), "bfloat16", rng), "z": _tensor((48, 16), "float32", rng)},
+        ),
+        "identical": ({"w": w, "z": z}, {"w": w, "z": z}),
+    }
+
+
+@pytest.fixture(scope="module")
+def differing(tmp_path_factory):
+    """One launch of 2 ranks, each reading its own file, for each case of
+    :func:`_differing_pairs`: through the lazy tensors (as vLLM and SGLang load) and through
+    transformers' tensor-parallel slices. ``version``: one relative URI, ``model.safetensors``,
+    opened from another folder on each rank (as ranks on two hosts read one path), the two files
+    alike in their headers, modified at other times. Returns ({id: [result per rank]}, files)."""
+    tmp = tmp_path_factory.mktemp("differing")
+    scenarios, files = [], {}
+    for case, pair in _differing_pairs().items():
+        paths = [
+            _write(tmp / case / f"rank{r}" / "model.safetensors", t) for r, t in enumerate(pair)
+        ]
+        if case == "version":
+            for r, p in enumerate(paths):
+                os.utime(p, ns=(1_700_000_000_000_000_000 + r * 10**9,) * 2)
+        files[case] = paths
+        base = {"world": 2, "references": [str(p) for p in paths], "names": ["w", "z"]}
+        uris = [str(p) for p in paths]
+        if case == "version":
+            base["cwd"] = [str(p.parent) for p in paths]
+            uris = ["model.safetensors"] * 2
+        scenarios.append({**base, "id": case, "kind": "own", "uris": uris})
+        if case in ("dtype", "shape", "identical"):
+            scenarios.append({**base, "id": f"tf_{case}", "kind": "transformers", "uris": uris})
+    return run_group(2, scenarios, tmp), files
+
+
+def _assert_own(results: list[dict]) -> None:
+    for r, res in enumerate(results):
+        assert res["equal"] == {"w": True, "z": True}, (r, res)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "offsets"])
+def test_a_tensor_the_ranks_files_hold_differently_is_read_by_each_rank_itself(differing, case):
+    """``w`` of one name but another shape ((64, 32) and (32, 64): as many elements), dtype
+    (bfloat16 and float16) or place in the two ranks' files: not exchanged, each rank's
+    columns its own file's bit for bit; the exchange goes on with ``z``, alike in both."""
+    results, _ = differing
+    _assert_own(results[case])
+    for r, res in enumerate(results[case]):
+        assert res["how"] == {"w": "sliced", "z": "exchanged"}, (r, res["how"])
+        assert res["enabled"], r
+        assert res["stats"]["exchanged_tensors"] == 1, (r, res["stats"])
+
+
+def test_two_versions_of_one_uri_are_not_exchanged(differing):
+    """One URI names another version on each rank (a relative path from another folder, as
+    one path on two hosts), the headers alike: no tensor exchanged, each rank its own values."""
+    results, _ = differing
+    _assert_own(results["version"])
+    for r, res in enumerate(results["version"]):
+        assert res["how"] == {"w": "sliced", "z": "sliced"}, (r, res["how"])
+        assert res["stats"]["exchanged_tensors"] == 0, (r, res["stats"])
+
+
+def test_identical_files_at_two_paths_are_still_exchanged(differing):
+    """Two copies of one checkpoint, one per rank (another URI each, modified at other times):
+    every row-parallel tensor exchanged, as from one file."""
+    results, _ = differing
+    _assert_own(results["identical"])
+    for r, res in enumerate(results["identical"]):
+        assert res["how"] == {"w": "exchanged", "z": "exchanged"}, (r, res["how"])
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "identical"])
+def test_transformers_slices_agree_on_the_tensor_before_an_exchange(differing, case):
+    """transformers' tensor-parallel path (``_File`` slices, ``_Exchange``) compares the same:
+    ``w`` held differently is read by each rank itself, ``z`` (alike) exchanged."""
+    results, _ = differing
+    _assert_own(results[f"tf_{case}"])
+    exchanged = 2 if case == "identical" else 1
+    for r, res in enumerate(results[f"tf_{case}"]):
+        assert res["counts"].get("exchanged_tensors", 0) == exchanged, (r, res["counts"])
+
+
+def test_two_versions_of_one_object_are_not_exchanged(seaweed, tmp_path):
+    """A versioned S3 object overwritten after rank 0 opened it and before rank 1 did: each
+    rank reads the version it is pinned to (the version id), the two alike in their headers;
+    no tensor exchanged, each rank's columns its version's. Another object that both open at
+    one version is exchanged."""
+    from servers.s3 import upload
+
+    pair = _differing_pairs()["version"]
+    old, new = (_write(tmp_path / f"v{i}" / "model.safetensors", t) for i, t in enumerate(pair))
+    bucket = "exchange-versions"
+    s3 = seaweed.client()
+    upload(s3, bucket, {})
+    s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    upload(s3, bucket, {"model.safetensors": old, "same.safetensors": old})
+    base = {
+        "world": 2,
+        "kind": "own",
+        "names": ["w", "z"],
+        "storage_options": seaweed.storage_options(),
+    }
+    uri = f"s3://{bucket}/model.safetensors"
+    overwrite = {"endpoint": seaweed.endpoint, "bucket": bucket, "key": "model.safetensors"}
+    scenarios = [
+        {
+            **base,
+            "id": "versions",
+            "uris": [uri, uri],
+            "references": [str(old), str(new)],
+            "overwrite": {**overwrite, "with": str(new)},
+        },
+        {
+            **base,
+            "id": "same",
+            "uris": [f"s3://{bucket}/same.safetensors"] * 2,
+            "references": [str(old)] * 2,
+        },
+    ]
+    results = run_group(2, scenarios, tmp_path)
+    _assert_own(results["versions"])
+    for r, res in enumerate(results["versions"]):
+        assert res["how"] == {"w": "sliced", "z": "sliced"}, (r, res["how"])
+    _assert_own(results["same"])
+    for r, res in enumerate(results["same"]):
+        assert res["how"] == {"w": "exchanged", "z": "exchanged"}, (r, res["how"])
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == WORKER:

@@ -18,13 +18,19 @@ safe with engine code this module does not control:
   is not mapped), so ranks that run the same weight loaders on the same checkpoint decide alike.
   A mapped local file is not exchanged: its pages are in the host's page cache, shared by the
   ranks, and each rank copies its columns out of them faster than the group could exchange.
-- Before the data moves, the ranks compare what each is about to exchange (a hash of the
-  tensor's name, its offset, shape and element size) and whether its own read succeeded, with one
-  small ``all_gather``. Any difference (a rank at another tensor, or done, or failed) turns the
-  exchange off on every rank at once, for the rest of the load: each rank reads its columns
-  itself, as without the exchange, and the error of a failed read is raised where it happened.
-  :meth:`ColumnExchange.close` (once the load is over, or failed) takes part as "done", so a rank
-  still waiting for a partner is answered.
+- Before the data moves, the ranks compare what each is about to exchange and whether its own
+  read succeeded, with one small ``all_gather``: the tensor's name; what its file holds under
+  that name (dtype, shape, the file's place among the checkpoint's and the tensor's data offsets
+  in it); and, among ranks that read the same URI, the version each opened (``Source::version``:
+  the ETag, version id and Last-Modified every read of an object is pinned to, a Hub file's
+  digest, a local file's size and modification time). A rank at another tensor, or done, or
+  failed, turns the exchange off on every rank at once, for the rest of the load: each rank
+  reads its columns itself, as without the exchange, and the error of a failed read is raised
+  where it happened. Ranks at the same tensor whose files differ in any of the rest (two
+  checkpoints, or two versions of one, that name a tensor alike) do not exchange that tensor:
+  each reads its own, so that a rank's values are always its own file's, and the exchange goes
+  on with the next. :meth:`ColumnExchange.close` (once the load is over, or failed) takes part
+  as "done", so a rank still waiting for a partner is answered.
 
 With ``share`` (the engines' ``distributed: true`` with sliced reads) the group also reads each
 replicated tensor once: a tensor a rank reads whole (norms, KV heads every rank keeps, a weight
@@ -36,8 +42,8 @@ A mapped local file is not shared either: its pages are in the host's page cache
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import math
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +59,15 @@ logger = logging.getLogger(__name__)
 # The first entry of what a rank announces: a tensor it is about to exchange, one it is about to
 # share (read whole by one rank), or the load's end.
 _TENSOR, _DONE, _SHARE = 1, 0, 2
+# What a rank announces, by position: the kind and the tensor's name (the ranks are in step when
+# these are equal), what its file holds, the file's URI and version, and whether its read went well.
+_KIND, _NAME, _HELD, _URI, _VERSION, _OK = range(6)
+
+
+def _digest(*parts: object) -> int:
+    """A 64-bit hash of ``parts`` (str, int, tuples of them), the same in every process."""
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little", signed=True)
 
 
 class ColumnExchange:
@@ -76,6 +91,8 @@ class ColumnExchange:
         self.enabled = world > 1
         self.exchanges = 0
         self.received_bytes = 0
+        # Tensors the ranks named alike but whose files differ (each rank read its own).
+        self.differed = 0
 
     def wants(self, source: Any, index: tuple[Any, ...]) -> bool:
         """Whether ``source[index]`` is this rank's column block of a tensor the group reads
@@ -220,29 +237,48 @@ class ColumnExchange:
 
     def _announce(self, kind: int, source: Any = None, ok: bool = True) -> list[int]:
         if source is None:
-            return [kind, 0, 0, 0, 0, 0, int(ok)]
-        name = zlib.crc32(source.name.encode())
-        numel = math.prod(source.shape)
-        return [kind, name, source.shard, source.at, numel, source.dtype.itemsize, int(ok)]
+            return [kind, 0, 0, 0, 0, int(ok)]
+        # ``place``: the tensor's file (its URI and the version opened) and data offsets in it.
+        uri, version, begin, end = source.place
+        held = _digest(str(source.dtype), tuple(source.shape), source.shard, begin, end)
+        return [kind, _digest(source.name), held, _digest(uri), _digest(version), int(ok)]
 
     def _agree(self, mine: list[int]) -> bool:
-        """Whether every rank announced the same, all reads fine; if not, the exchange is off
-        from now on, on every rank (all see the same announcements)."""
+        """Whether every rank announced the same tensor, held alike in files of one version
+        where they read one URI, all reads fine. Ranks out of step (at another tensor, done, or
+        failed) turn the exchange off from now on, on every rank (all see the same
+        announcements); ranks whose files differ in the tensor skip it only."""
         import torch.distributed as dist
 
         here = torch.tensor(mine, dtype=torch.int64)
-        every = [torch.empty_like(here) for _ in range(self.world)]
-        dist.all_gather(every, here, group=self.group)
-        same = all(torch.equal(e, every[0]) for e in every) and bool(every[0][-1])
-        if not same:
+        gathered = [torch.empty_like(here) for _ in range(self.world)]
+        dist.all_gather(gathered, here, group=self.group)
+        every = [e.tolist() for e in gathered]
+        in_step = all(e[: _NAME + 1] == every[0][: _NAME + 1] for e in every)
+        if not in_step or not all(e[_OK] for e in every):
             self.enabled = False
-            if mine[0] != _DONE and all(bool(e[-1]) for e in every):
+            if mine[_KIND] != _DONE and all(e[_OK] for e in every):
                 logger.warning(
                     "fastload: the tensor-parallel ranks did not load the same tensor at the "
                     "same time (%s); each reads its columns itself from here on",
-                    [e.tolist()[:2] for e in every],
+                    [e[: _NAME + 1] for e in every],
                 )
-        return same
+            return False
+        versions: dict[int, int] = {}
+        alike = all(
+            e[_HELD] == every[0][_HELD] and versions.setdefault(e[_URI], e[_VERSION]) == e[_VERSION]
+            for e in every
+        )
+        if not alike:
+            self.differed += 1
+            log = logger.warning if self.differed == 1 else logger.debug
+            log(
+                "fastload: the tensor-parallel ranks' files differ in a tensor of one name "
+                "(its dtype, shape or offsets, or the version of the file): each rank reads "
+                "its own (%d such tensors so far)",
+                self.differed,
+            )
+        return alike
 
     def close(self) -> None:
         """The load is over (or failed) on this rank: answers any rank still waiting for an

@@ -299,6 +299,8 @@ class _Header(TypedDict):
     tensors: list[tuple[str, str, tuple[int, ...], int, int]]
     # None when the header has no __metadata__ (or null); {} when it is empty (as safetensors).
     metadata: dict[str, str] | None
+    # The version opened (validators, digest, or size and mtime); None where the source has none.
+    version: str | None
 
 @final
 class Reader:
@@ -330,8 +332,9 @@ class Reader:
     def reads(self) -> int:
         """Reads issued (requests, for object stores) by every ``read`` so far."""
     def headers(self) -> list[_Header]:
-        """Each file's header, as ``inspect`` gives it, plus ``data_start``; ``metadata`` is
-        ``None`` when the header has no ``__metadata__``."""
+        """Each file's header, as ``inspect`` gives it, plus ``data_start`` and ``version``
+        (the version opened); ``metadata`` is ``None`` when the header has no
+        ``__metadata__``."""
     def read(self, shard: int, ranges: list[tuple[int, int]]) -> object:
         """``ranges`` (``(file offset, len)``) of file ``shard``, one after the other, as a flat
         uint8 ``dltensor`` capsule."""

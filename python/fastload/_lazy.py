@@ -141,6 +141,7 @@ class _Source:
         "mapped",
         "name",
         "nbytes",
+        "place",
         "position",
         "reader",
         "shape",
@@ -162,8 +163,12 @@ class _Source:
         name: str,
         exchange: Any = None,
         mapped: bool = False,
+        place: tuple[str, str | None, int, int] = ("", None, 0, 0),
     ) -> None:
         self.reader, self.shard, self.at, self.nbytes = reader, shard, at, nbytes
+        # The file (its URI, the version opened) and the data offsets in it: what the ranks of
+        # an exchange compare before they exchange the tensor's bytes.
+        self.place = place
         # The file is mapped, not read (``Reader.map``: local, not encrypted): a region is a view
         # of the file's pages, no request to a store (``cost``: MAPPED_READ_COST, one span). The
         # same on every rank that opens the file.
@@ -728,6 +733,7 @@ class Checkpoint:
                         name,
                         self.exchange,
                         mapped,
+                        (file, header.get("version"), begin, end),
                     )
                 )
         return sources, read_any

@@ -231,6 +231,7 @@ class safe_open:
         header = headers[0]
         self._file: str = header["file"]
         self._data_start: int = header["data_start"]
+        self._version: str | None = header.get("version")  # the version opened
         self._tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {
             name: (dtype, tuple(shape), begin, end)
             for name, dtype, shape, begin, end in header["tensors"]

@@ -580,10 +580,21 @@ class _File:
 
 class _ExchangeSource:
     """A tensor of a :class:`_File` as ``fastload._exchange`` reads it: its name, shape, dtype,
-    place (file and offset: what ranks compare before an exchange), the read cost of its source,
-    and its raw byte ranges."""
+    place (file, version and data offsets: what ranks compare before an exchange), the read
+    cost of its source, and its raw byte ranges."""
 
-    __slots__ = ("_begin", "_file", "at", "cost", "dtype", "name", "nbytes", "shape", "shard")
+    __slots__ = (
+        "_begin",
+        "_file",
+        "at",
+        "cost",
+        "dtype",
+        "name",
+        "nbytes",
+        "place",
+        "shape",
+        "shard",
+    )
 
     def __init__(
         self, file: _File, name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int
@@ -596,6 +607,9 @@ class _ExchangeSource:
         self.dtype = h._torch_dtype(name, dtype)
         self.nbytes = end - begin
         self.cost = REMOTE_READ_COST if h._remote else LOCAL_READ_COST
+        # The file (its URI, the version opened) and the data offsets in it: compared by the
+        # ranks before they exchange the tensor's bytes.
+        self.place = (h._file, h._version, begin, end)
 
     def raw(self, ranges: list[tuple[int, int]]) -> Any:
         return self._file._handle._read(self._begin, ranges)

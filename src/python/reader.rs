@@ -172,7 +172,8 @@ impl Reader {
     }
 
     /// Each file's header (`{file, size, tensors: [(name, dtype, shape, begin, end)], metadata}`)
-    /// plus `data_start` (the file offset tensor offsets count from); `metadata` is `None` when
+    /// plus `data_start` (the file offset tensor offsets count from) and `version` (the version
+    /// opened, a string; `None` where the source tells none); `metadata` is `None` when
     /// the header has no `__metadata__`, as
     /// `safetensors.safe_open(...).metadata()` tells it apart from `{}`.
     fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -181,6 +182,8 @@ impl Reader {
             let d = super::stream::header_dict(py, s)?;
             d.set_item("data_start", s.header.data_start)?;
             d.set_item("metadata", s.header.metadata.clone())?;
+            // The version opened (`Source::version`): ranks compare it before an exchange.
+            d.set_item("version", s.source.version())?;
             out.append(d)?;
         }
         Ok(out)

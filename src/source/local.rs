@@ -28,6 +28,8 @@ pub struct LocalFile {
     path: PathBuf,
     size: u64,
     id: (u64, u64),
+    /// Modification time when opened (seconds, nanoseconds): with the size, its version.
+    modified: (i64, i64),
 }
 
 impl LocalFile {
@@ -48,6 +50,7 @@ impl LocalFile {
             path: path.to_path_buf(),
             size: meta.len(),
             id: (meta.dev(), meta.ino()),
+            modified: (meta.mtime(), meta.mtime_nsec()),
         })
     }
 
@@ -123,6 +126,11 @@ impl Source for LocalFile {
 
     fn local_path(&self) -> Option<&Path> {
         Some(&self.path)
+    }
+
+    fn version(&self) -> Option<String> {
+        let (secs, nanos) = self.modified;
+        Some(format!("size {} modified {secs}.{nanos:09}", self.size))
     }
 }
 

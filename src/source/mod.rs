@@ -110,6 +110,19 @@ pub trait Source: Send + Sync + fmt::Debug {
     fn stored_checksum(&self) -> Option<identity::StoredChecksum> {
         None
     }
+
+    /// The version this source reads, as far as it tells versions apart (remote objects: the
+    /// validators every read is pinned to; Hub files: their digest; local files: size and
+    /// modification time); `None` when it knows none. Ranks of a tensor-parallel group that
+    /// read one URI compare it before they exchange its bytes (python/fastload/_exchange.py).
+    fn version(&self) -> Option<String> {
+        let id = self.cache_identity()?;
+        let blob = id.hub.as_ref().map(|h| h.blob_id.as_str());
+        Some(format!(
+            "size {} etag {:?} sha256 {:?} blob {blob:?}",
+            id.size, id.etag, id.sha256
+        ))
+    }
 }
 
 /// One safetensors file or object, opened, with its validated header.

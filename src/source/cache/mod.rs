@@ -115,6 +115,10 @@ impl<D: Decorator> Source for D {
     fn cache_identity(&self) -> Option<CacheIdentity> {
         self.identity()
     }
+
+    fn version(&self) -> Option<String> {
+        self.inner().version()
+    }
 }
 
 /// Whether and where to cache.

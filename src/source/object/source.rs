@@ -102,6 +102,15 @@ impl Source for RemoteObject {
             hub: None,
         })
     }
+
+    fn version(&self) -> Option<String> {
+        // Everything pinned (the version id and Last-Modified too): the bytes every read brings.
+        Some(format!(
+            "size {} {}",
+            self.size,
+            self.pin.pinned().describe()
+        ))
+    }
 }
 
 /// Lists what an object-store URI names (a prefix, an index, one object): one source per object.

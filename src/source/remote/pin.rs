@@ -159,7 +159,8 @@ impl Pin {
         version
     }
 
-    fn pinned(&self) -> Version {
+    /// Every validator pinned so far (nothing before the first response or listing).
+    pub fn pinned(&self) -> Version {
         let state = self.state.lock().expect("pin lock");
         state.seen.clone().unwrap_or_default()
     }

@@ -325,6 +325,11 @@ impl Source for DecryptingSource {
         self.inner.local_path()
     }
 
+    /// The encrypted file's version: what the ranks that read it compare.
+    fn version(&self) -> Option<String> {
+        self.inner.version()
+    }
+
     /// Segment `k` (k ≥ 1) holds plaintext from `k * (segment_size - TAG) - header_len`.
     fn grid(&self) -> Option<(u64, u64)> {
         let unit = self.geometry.segment_size - super::segment::TAG as u64;
