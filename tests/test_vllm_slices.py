@@ -104,6 +104,9 @@ def run_layers(work: Path, result_path: Path) -> None:
                     for p in layer.parameters()
                 ),
             }
+    import vllm
+
+    results["vllm_file"] = vllm.__file__
     result_path.write_text(json.dumps(results))
 
 
@@ -236,9 +239,11 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------- tests (run by pytest)
 
 
-def _run(command: str, work: Path, timeout: int = 600, **env: str) -> tuple[dict, str]:
+def _run(
+    command: str, work: Path, timeout: int = 600, build: str = "cpu", **env: str
+) -> tuple[dict, str]:
     result, log = work / f"{command}.json", work / f"{command}.log"
-    env = {**tv._engine_env(), **env}
+    env = {**tv.vllm_env(build), **env}
     env["PYTHONPATH"] = os.pathsep.join([str(tv.ROOT / "python"), env.get("PYTHONPATH", "")])
     with open(log, "w") as out:
         proc = subprocess.run(
@@ -254,12 +259,15 @@ def _run(command: str, work: Path, timeout: int = 600, **env: str) -> tuple[dict
     return json.loads(result.read_text()), output
 
 
-@pytest.fixture(scope="module")
-def layers(tmp_path_factory):
-    return _run("layers", tmp_path_factory.mktemp("vllm_layers"))
+@pytest.fixture(scope="module", params=tv.VLLM_BUILDS)
+def layers(request, tmp_path_factory):
+    """The layers driver's results, with the vLLM of one of ``tv.VLLM_BUILDS``."""
+    work = tmp_path_factory.mktemp(f"vllm_layers_{request.param}")
+    results, output = _run("layers", work, build=request.param)
+    tv.assert_build(request.param, results.pop("vllm_file"))
+    return results, output
 
 
-@tv.needs_vllm
 def test_vllm_weight_loaders_read_only_each_ranks_part(layers):
     import torch
 

@@ -555,6 +555,14 @@ def _loader_classes() -> dict[str, type]:
                     return files
             return root
 
+        def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
+            """vLLM's weight iterator (``DefaultModelLoader.get_all_weights``), which its
+            in-place reload from disk (``reload_weights``) feeds to ``model.load_weights`` and
+            refuses a loader without: whole tensors, streamed to the model's device."""
+            device = _integration.target_device(self._load_device, model)
+            for uri, prefix in self._sources(model, model_config):
+                yield from _stream(uri, device, self.options, prefix)
+
         def load_weights(self, model: Any, model_config: Any) -> None:
             sources = self._sources(model, model_config)
             if _sliced(self.options, self._parallel_config):
