@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import itertools
 
+import huge_indices
 import pytest
 import safetensors
+import safetensors.torch
 import torch
 from fastload._exchange import ColumnExchange
 from fastload._lazy import Checkpoint, LazyTensor, Stats
@@ -212,6 +214,42 @@ def test_random_views_over_http_read_only_their_region(range_server, tmp_path, d
     header = path.stat().st_size - pattern(shape, DTYPES[dtype]).numel() * DTYPES[dtype].itemsize
     data_gets = [(o, n) for o, n in served if o >= header]
     assert sum(n for _, n in data_gets) == ckpt.bytes_read, served
+
+
+@pytest.fixture(scope="module")
+def edge_files(tmp_path_factory):
+    return huge_indices.write_edge_files(tmp_path_factory.mktemp("edges"))
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_indexing_at_the_edges_of_int64(edge_files, data):
+    """A lazy tensor indexed with steps and bounds of 2**62 and past int64, negative ints,
+    ``...`` and ``None``, of small tensors and of tensors of no element with dims of 2**62
+    (which torch cannot make with contiguous strides): the region the index names, its shape
+    by Python's range arithmetic, its values those of the whole tensor indexed; an int out of
+    range is torch's IndexError."""
+    shape = data.draw(st.sampled_from(list(edge_files)), label="shape")
+    index = data.draw(huge_indices.huge_indices(shape), label="index")
+    method = data.draw(st.sampled_from(["read", None]), label="method")
+    path, what = edge_files[shape], f"{shape}[{index!r}]"
+    lazy = dict(Checkpoint(path, method=method))["t"]
+    assert tuple(lazy.shape) == shape
+    try:
+        right = huge_indices.expected_shape(shape, index)
+    except IndexError:
+        with pytest.raises(IndexError):
+            lazy[index].clone()
+        return
+    got = lazy[index].clone()
+    assert type(got) is torch.Tensor and tuple(got.shape) == right, what
+    if got.numel():
+        whole = safetensors.torch.load_file(str(path))["t"]
+        assert_bitwise(got, whole[huge_indices.safe_index(shape, index)], what)
 
 
 def test_untouched_tensors_are_never_read_and_stats_say_what_was(tmp_path):

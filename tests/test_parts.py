@@ -9,6 +9,7 @@ from unittest import mock
 
 import fastload
 import fastload._parts
+import huge_indices
 import pytest
 import safetensors.torch
 import stores
@@ -101,6 +102,65 @@ def test_parts_equal_indexing_the_whole_tensor(tmp_path, data):
     for n in want_names:
         want = full[n][parts[n]] if n in parts else full[n]
         _same(got[n], want, f"{n}{list(full[n].shape)}[{parts.get(n)!r}]")
+
+
+@pytest.fixture(scope="module")
+def edge_files(tmp_path_factory):
+    return huge_indices.write_edge_files(tmp_path_factory.mktemp("edges"))
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_parts_at_the_edges_of_int64(edge_files, data):
+    """Steps and bounds of 2**62 and past int64 (``slice(0, 4, 2**62)``), negative ints and
+    ``...``, of small tensors and of tensors of no element with dims of 2**62: the part the
+    index names (its shape by Python's range arithmetic, its values those of the whole tensor
+    indexed), on the CPU and the staged path; an int out of range or a ``None`` is a
+    ConfigError(option="parts"), never another error."""
+    shape = data.draw(st.sampled_from(list(edge_files)), label="shape")
+    index = data.draw(huge_indices.huge_indices(shape), label="index")
+    staged = data.draw(st.booleans(), label="staged")
+    path, what = edge_files[shape], f"{shape}[{index!r}]"
+    items = index if isinstance(index, tuple) else (index,)
+    try:
+        right = huge_indices.expected_shape(shape, index)
+    except IndexError:
+        right = None
+    try:
+        if staged:
+            with fastload.Stream(path, _target="host", parts={"t": index}) as s:
+                got = dict(s)["t"]
+        else:
+            got = fastload.load(path, parts={"t": index})["t"]
+    except fastload.ConfigError as e:
+        assert e.option == "parts", what
+        assert right is None or None in items, (what, e)
+        return
+    assert right is not None and None not in items, what
+    assert got.dtype == torch.float32 and tuple(got.shape) == right, what
+    if got.numel():
+        whole = safetensors.torch.load_file(str(path))["t"]
+        _same(got, whole[huge_indices.safe_index(shape, index)], what)
+
+
+def test_a_step_past_the_tensor_picks_one_element(tmp_path):
+    """``slice(0, 4, 2**62)``: row 0 alone, as torch's indexing gives it (its step is no
+    stride: as one, 2**62 rows of 3 elements would overflow int64)."""
+    m = pattern((4, 3), torch.float32, seed=2)
+    path = tmp_path / "m.safetensors"
+    safetensors.torch.save_file({"m": m}, str(path))
+    for index in [
+        (slice(0, 4, 2**62),),
+        (slice(None), slice(1, None, 2**62)),
+        slice(3, None, 2**63),
+    ]:
+        got = fastload.load(path, parts={"m": index})["m"]
+        _same(got, m[huge_indices.safe_index((4, 3), index)], repr(index))
+    _same(fastload.load(path, parts={"m": (slice(0, 4, 2**62),)})["m"], m[0:1], "m[0:4:2**62]")
 
 
 def test_f4_parts(tmp_path):

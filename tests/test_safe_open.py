@@ -12,8 +12,10 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import fastload
+import huge_indices
 import pytest
 import safetensors
 import safetensors.torch
@@ -336,10 +338,68 @@ def test_zero_size_tensors_with_huge_dimensions_slice_as_safetensors(where, rang
             for index in index_list:
                 got = _outcome(_sliced, f, name, index)
                 want = _outcome(_sliced, ref, name, index)
-                assert_same_outcome(got, want, f"{name}[{index}]")
+                shape = tuple(tensors[name][1])
+                if isinstance(index, list):  # torch indexes the tensor read whole
+                    assert_same_outcome(got, want, f"{name}[{index}]")
+                else:
+                    assert_as_safetensors_or_right(got, want, shape, index, f"{name}[{index}]")
                 if got[0] == "ok":
                     assert got[1].numel() == 0
         assert f.bytes_read == 0
+
+
+@pytest.fixture(scope="module")
+def edge_files(tmp_path_factory):
+    """One file per shape of huge_indices: small tensors with data, tensors of no element with
+    dims of 2**62 (safetensors' writer, from the header alone)."""
+    return huge_indices.write_edge_files(tmp_path_factory.mktemp("edges"))
+
+
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_slices_at_the_edges_of_int64_match_safetensors(edge_files, data):
+    """Steps and bounds of 2**62 and past int64, negative ints, ``...`` and ``None``, of small
+    tensors and of tensors of no element with dims of 2**62: what safetensors' ``get_slice``
+    gives (or raises), bit for bit; where its torch overflows on an offset or a stride of
+    nothing (``(3, 0, 2**62)[-1]``: a RuntimeError), the result's right shape."""
+    shape = data.draw(st.sampled_from(list(edge_files)), label="shape")
+    index = data.draw(huge_indices.huge_indices(shape), label="index")
+    path, what = edge_files[shape], f"{shape}[{index!r}]"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch truncating bounds past int64
+        ref = safetensors.safe_open(str(path), "pt")
+        want = _outcome(_sliced, ref, "t", index)
+        with fastload.safe_open(path, "pt") as f:
+            got = _outcome(_sliced, f, "t", index)
+    whole = ref.get_tensor("t") if 0 not in shape else None
+    assert_as_safetensors_or_right(got, want, shape, index, what, whole)
+
+
+def assert_as_safetensors_or_right(got, want, shape, index, what, whole=None) -> None:
+    """``got`` is what ``index`` gives: the result of ``huge_indices.expected_shape`` (its
+    values ``whole[safe_index]``, where ``whole`` is the tensor), or torch's IndexError for an
+    int out of range. Where safetensors' torch gets it right, that is safetensors' outcome bit
+    for bit; where it overflows (a RuntimeError or a wrong shape at offsets, strides or steps
+    near 2**63), fastload does not."""
+    right = _outcome(huge_indices.expected_shape, shape, index)
+    if right[0] == "error":
+        assert got[0] == "error" and type(got[1]) is IndexError, (what, got)
+        if want[0] == "error" and type(want[1]) is IndexError:
+            assert str(got[1]) == str(want[1]), what
+        return
+    assert got[0] == "ok", f"{what}: {got[1]!r}"
+    assert tuple(got[1].shape) == right[1], what
+    if want[0] == "ok" and tuple(want[1].shape) == right[1]:
+        assert got[1].dtype == want[1].dtype, what
+        if got[1].numel():
+            assert torch.equal(_bits(got[1]), _bits(want[1])), what
+    if whole is not None and got[1].numel():
+        ref = whole[huge_indices.safe_index(shape, index)]
+        assert torch.equal(_bits(got[1]), _bits(ref)), what
 
 
 def test_a_gpu_device_without_a_driver_fails_cleanly(dtypes_file, monkeypatch, tmp_path):

@@ -35,6 +35,7 @@ from ._safe_open import (
     plan,
     safe_open,
 )
+from ._safe_open import empty as _empty
 
 __all__ = ["Checkpoint", "LazyTensor", "Stats"]
 
@@ -389,9 +390,16 @@ class LazyTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, source: _Source, items: tuple[Any, ...]) -> LazyTensor:
         shape = [_size(it) for it in items if not isinstance(it, int)]
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=source.dtype, device=torch.device("cpu")
-        )
+        cpu = torch.device("cpu")
+        try:
+            t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=source.dtype, device=cpu)
+        except RuntimeError:
+            if 0 not in shape:
+                raise
+            # No element, but contiguous strides past int64 ((0, 2**62, 2**62)): strides of 0.
+            t = torch.Tensor._make_wrapper_subclass(
+                cls, shape, strides=[0] * len(shape), dtype=source.dtype, device=cpu
+            )
         t._source, t._items, t._value = source, items, None
         return t
 
@@ -417,7 +425,7 @@ class LazyTensor(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         """The region as a plain CPU tensor (read on first call, then kept)."""
         if self._value is None and self.numel() == 0:
-            self._value = torch.empty(self.shape, dtype=self.dtype)
+            self._value = _empty(torch, self.shape, self.dtype)
         if self._value is None:
             self._value = self._source.read(self._index(), self._full())
         return self._value

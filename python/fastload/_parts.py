@@ -322,7 +322,7 @@ class Parts:
         planned = _planned(tshape, tdtype.itemsize, basic, cost)
         if planned is None:
             self._parts[name] = _Part(name, dtype, shape, None, out_shape, 0)
-            self.empty.append((name, torch.empty(out_shape, dtype=tdtype)))
+            self.empty.append((name, _safe_open.empty(torch, out_shape, tdtype)))
             return
         plan, reads, strips, lead = planned
         carrier = getattr(torch, _CARRIER_NAMES[tdtype.itemsize])

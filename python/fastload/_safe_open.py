@@ -10,7 +10,9 @@ when it does not cover the buffer).
 Indexing follows ``safetensors.safe_open(..., framework="pt")``, which indexes a torch tensor of
 the whole file: an int drops its dimension, slices take positive steps, ``...`` and ``None``
 work as in torch, and every error is torch's (checked on a ``meta`` tensor before anything is
-read). Indices other than ints, slices, ``...`` and ``None`` (lists, tensors, booleans) read the
+read). Shapes come from Python's ``range`` arithmetic, which clamps as torch does but does not
+overflow where torch's does (steps and bounds near 2**63, a tensor of no element with dims of
+2**62). Indices other than ints, slices, ``...`` and ``None`` (lists, tensors, booleans) read the
 whole tensor and let torch index it.
 """
 
@@ -143,6 +145,8 @@ def plan(
         if isinstance(it, slice):
             start, stop, step = it.indices(n)
             count = len(range(start, stop, step))
+            # One element: its step is no stride (a step of 2**62 would overflow the view's).
+            step = step if count > 1 else 1
             view.append(slice(None))
         else:
             start, step, count = (it + n if it < 0 else it), 1, 1
@@ -382,16 +386,56 @@ _PLANS: dict[Any, tuple[Any, Plan | None]] = {}
 _PLANS_MAX = 4096
 
 
+def empty(torch: Any, shape: Sequence[int], dtype: Any, device: Any = None) -> torch.Tensor:
+    """A tensor of ``shape``, no element in it (a dim of 0), as indexing a whole tensor gives
+    it. Its strides are torch's unless they overflow (``(0, 2**62, 2**62)``: the last dim's
+    stride times its size is past int64, which ``torch.empty`` refuses though there is nothing
+    to stride over): then all 0."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError:
+        if 0 not in shape:
+            raise
+        return torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
+
+
+def _indexed_shape(torch: Any, tshape: tuple[int, ...], index: Any) -> Any:
+    """The shape of ``tensor[index]`` (a basic index) by Python's ``range`` arithmetic, which
+    clamps bounds as torch does: torch's own overflows int64 at steps or bounds near 2**63
+    (``[::2**63 - 1]`` of 4 rows gives it 0 rows, not 1) and at the strides and offsets of a
+    tensor of no element with dims of 2**62. An int out of range raises torch's IndexError."""
+    out: list[int] = []
+    dim = 0
+    basic = _basic(index, len(tshape))
+    assert basic is not None
+    for it in basic:
+        if it is None:
+            out.append(1)
+            continue
+        n = tshape[dim]
+        if isinstance(it, slice):
+            out.append(len(range(n)[it]))
+        elif not -n <= it < n:
+            # torch's message, from a tensor of no storage (strides of 0 overflow nothing).
+            meta = torch.empty_strided(tshape, (0,) * len(tshape), dtype=torch.uint8, device="meta")
+            try:
+                meta[index]
+            except RuntimeError:  # its overflow at another entry: the error is this int's
+                pass
+            raise IndexError(f"index {it} is out of bounds for dimension {dim} with size {n}")
+        dim += 1
+    return torch.Size(out)
+
+
 def _planned(
     torch: Any, tshape: tuple[int, ...], itemsize: int, index: Any, read_cost: int
 ) -> tuple[Any, Plan | None]:
     """The shape of ``tensor[index]`` (a basic index: see :func:`_basic`), with torch's own
-    errors for an index that does not fit, raised before anything is read, and its
-    :func:`plan`, worked out once per distinct region."""
+    error for an int out of range, raised before anything is read, and its :func:`plan`,
+    worked out once per distinct region."""
 
     def make() -> tuple[Any, Plan | None]:
-        want = torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape
-        return want, plan(tshape, itemsize, index, read_cost)
+        return _indexed_shape(torch, tshape, index), plan(tshape, itemsize, index, read_cost)
 
     key = (tuple(tshape), itemsize, index_key(index), read_cost)
     return remembered(_PLANS, _PLANS_MAX, key, make)
@@ -418,7 +462,7 @@ def index_reads(
         return [(0, nbytes)], lambda raw: raw.view(tdtype).reshape(tshape)[index]
     want, p = _planned(torch, tshape, tdtype.itemsize, index, read_cost)
     if p is None:
-        return [], lambda _: torch.empty(want, dtype=tdtype)
+        return [], lambda _: empty(torch, want, tdtype)
     # Strided views and copies of plain integers of the same width: every dtype (fp8, fp4,
     # bool) moves as its bits.
     if not _CARRIERS:
