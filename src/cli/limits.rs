@@ -354,7 +354,9 @@ pub(super) fn mapped_touch(files: &[PathBuf], readers: usize) -> Limit {
     // Reader r touches global pages r*n/readers.. of the files laid end to end.
     let counts: Vec<usize> = sizes.iter().map(|&s| (s as usize).div_ceil(PAGE)).collect();
     let n: usize = counts.iter().sum();
-    let readers = readers.min(n).max(1);
+    // A thread per 32 MiB at most: on small files starting threads would cost more than the
+    // touches, and the limit would read low.
+    let readers = readers.min(n.div_ceil(8192)).max(1);
     let started = Instant::now();
     let mapped: io::Result<Vec<Option<Mapping>>> = opened
         .iter()
@@ -600,9 +602,17 @@ mod tests {
         // A mapping touched page by page, empty files among them.
         let empty = dir.path().join("empty");
         std::fs::write(&empty, b"").unwrap();
-        let touched = mapped_touch(&[path.clone(), empty], 2);
+        let touched = mapped_touch(&[path.clone(), empty.clone()], 2);
         assert!(touched.gb_per_s.unwrap() > 0.0, "{touched:?}");
         assert_eq!(touched.bytes, 3 << 20);
+        // 3 MiB: one thread (a thread per 32 MiB at most).
+        assert!(touched.what.ends_with("page read, 1 thread"), "{touched:?}");
+        let big = dir.path().join("big");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(40 << 20)
+            .unwrap();
+        let touched = mapped_touch(&[big, empty], 8);
         assert!(
             touched.what.ends_with("page read, 2 threads"),
             "{touched:?}"
