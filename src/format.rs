@@ -1,5 +1,6 @@
-//! The checkpoint format: the safetensors header (bytes in, validated tensor entries out) and the
-//! index file of sharded checkpoints ([`index_shard_names`]).
+//! The checkpoint format: the safetensors header (bytes in, validated tensor entries out), the
+//! index file of sharded checkpoints ([`index_shard_names`]) and which files make a whole
+//! checkpoint ([`check_folder`], [`check_complete`]).
 //!
 //! Pure and allocation-bounded: nothing here trusts a length before checking it against the
 //! file size, every size computation is checked, and the tensors must tile the data section
@@ -12,11 +13,13 @@ mod error;
 mod index;
 mod json;
 mod names;
+mod shards;
 
 pub use error::{FormatError, JsonPosition};
 pub use index::{index_shard_names, INDEX_FILE};
 use json::{parse_json, RawInfo};
 pub use names::{check_inside, NameProblem};
+pub use shards::{check_complete, check_folder};
 
 /// Bytes of the little-endian header-length prefix.
 pub const PREFIX_LEN: u64 = 8;

@@ -49,8 +49,9 @@ def objects(
 ) -> dict[str, Path | bytes]:
     """Every key each store holds: the single files, `plain/` (no index; `plain/sub/` below it is
     not directly under the prefix), `sharded/` (an index, plus a stray file it does not name),
-    `broken/` (an index naming a shard that is not there), a multi-block file and a copy of it
-    that lacks its last 1000 bytes."""
+    `broken/` (an index naming a shard that is not there), `partial/`, `mixed/` and
+    `mixed-indexed/` (incomplete or mixed shard sets), a multi-block file and a copy of it that
+    lacks its last 1000 bytes."""
     files: dict[str, Path | bytes] = {
         **helpers.bucket_objects(dtypes_file, tiny_file),
         "plain/sub/c.safetensors": dtypes_file,
@@ -64,6 +65,18 @@ def objects(
     index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
     index["weight_map"]["extra.weight"] = MISSING_SHARD
     files["broken/model.safetensors.index.json"] = json.dumps(index).encode()
+    # A save that stopped part-way (`partial/`: shards 1 and 3 of 3, no index), and an older
+    # save's single file beside the shards, without (`mixed/`) and with (`mixed-indexed/`) the
+    # index that settles which set loads.
+    shards = sorted(sharded_dir.glob("model-*-of-*.safetensors"))
+    for p in (shards[0], shards[-1]):
+        files[f"partial/{p.name}"] = p
+    for prefix in ("mixed", "mixed-indexed"):
+        files.update({f"{prefix}/{p.name}": p for p in shards})
+        files[f"{prefix}/model.safetensors"] = dtypes_file
+    files["mixed-indexed/model.safetensors.index.json"] = (
+        sharded_dir / "model.safetensors.index.json"
+    )
     return files
 
 

@@ -319,6 +319,84 @@ def test_corrupt_shard_is_named(tmp_path, index, corruption):
             assert os.fspath(good) not in str(info.value)
 
 
+def _index(d: Path, shards: list[Path]) -> Path:
+    """A `model.safetensors.index.json` in `d` naming exactly `shards` (every tensor of each)."""
+    weight_map = {name: p.name for p in shards for name in load_file(str(p))}
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("missing", [[2, 3], [2], [1]], ids=["1_of_3", "2_missing", "1_missing"])
+def test_a_folder_missing_shards_loads_nothing_and_names_them(tmp_path, missing):
+    """A save that stopped part-way leaves `model-00001-of-00003.safetensors` without the others
+    (and no index): the folder is refused, not loaded as a smaller model."""
+    d = tmp_path / "ckpt"
+    shards = _write_shards(d, index=False)
+    for k in missing:
+        shards[k - 1].unlink()
+    for reader in READERS.values():
+        with pytest.raises(fastload.FormatError) as info:
+            reader(d)
+        check_message(info.value, d, ({"incomplete"},))
+        for k in missing:
+            assert f"model-{k:05d}-of-00003.safetensors" in str(info.value), info.value
+        assert "all 3 files" in str(info.value), info.value
+    # One shard asked for by name is a choice, not a folder's listing: it loads.
+    present = next(p for p in shards if p.exists())
+    assert fastload.load(present).keys() == load_file(str(present)).keys()
+
+
+def test_an_index_naming_part_of_a_shard_set_is_refused(tmp_path):
+    """An index is what decides the files, but one naming 2 of 3 shards would load a smaller
+    model: refused naming the index and the shard it leaves out."""
+    d = tmp_path / "ckpt"
+    shards = _write_shards(d, index=False)
+    index = _index(d, shards[:2])
+    for uri in (d, index):
+        for reader in READERS.values():
+            with pytest.raises(fastload.FormatError) as info:
+                reader(uri)
+            check_message(info.value, index, ({"model-00003-of-00003.safetensors"},))
+
+
+def test_two_checkpoints_in_one_folder_are_refused_unless_an_index_decides(tmp_path):
+    """An older save's files beside a newer one's (`model.safetensors` beside a shard set, or
+    sets of different sizes) are refused saying which to remove; an index settles which set is
+    the checkpoint."""
+    d = tmp_path / "ckpt"
+    shards = _write_shards(d, n=2, index=False)
+    single = d / "model.safetensors"
+    save_file({"old.weight": torch.ones(3)}, str(single), metadata={"format": "pt"})
+    for reader in READERS.values():
+        with pytest.raises(fastload.FormatError) as info:
+            reader(d)
+        check_message(
+            info.value,
+            d,
+            ({"remove model.safetensors or the model-0000K-of-00002.safetensors files"},),
+        )
+    single.unlink()
+    older = tmp_path / "older"
+    for p in _write_shards(older, n=3, index=False):
+        p.rename(d / p.name)
+    with pytest.raises(fastload.FormatError) as info:
+        fastload.load(d)
+    check_message(
+        info.value,
+        d,
+        ({"model-0000K-of-00002.safetensors (2 files) and model-0000K-of-00003.safetensors"},),
+    )
+    # An index naming one whole set: exactly that set loads, whatever else the folder holds.
+    _index(d, shards)
+    want: dict[str, torch.Tensor] = {}
+    for p in shards:
+        want.update(load_file(str(p)))
+    got = fastload.load(d)
+    assert got.keys() == want.keys()
+    assert all(got[k].equal(want[k]) for k in want)
+
+
 @pytest.mark.parametrize(
     "index_text, words",
     [

@@ -98,6 +98,32 @@ def test_prefix_without_index_reads_every_safetensors(store, dtypes_file, tiny_f
         assert store.names(uri, str(err)), err
 
 
+def test_a_prefix_missing_a_shard_is_a_format_error_naming_it(store):
+    """`partial/` holds shards 1 and 3 of 3 and no index (a save that stopped part-way): refused,
+    naming the shard that is not there, never loaded as a smaller model."""
+    uri = store.uri("partial/")
+    if store.no_listing is not None:
+        # Without a listing or an index there is nothing to load under a prefix.
+        timed_error(fastload.StorageError, lambda: load(store, "partial/"))
+        return
+    for read in (load, lambda s, k: list(stream(s, k))):
+        err = timed_error(fastload.FormatError, lambda read=read: read(store, "partial/"))
+        assert "model-00002-of-00003.safetensors" in str(err), err
+        assert "incomplete" in str(err) and store.names(uri, str(err)), err
+
+
+def test_a_prefix_with_two_checkpoints_loads_only_through_an_index(store, sharded_dir):
+    """`mixed/`: an older save's `model.safetensors` beside a shard set, no index: refused saying
+    which to remove; `mixed-indexed/`, the same with the index: exactly the indexed shards."""
+    assert_same_tensors(load(store, "mixed-indexed/"), reference(*indexed_files(sharded_dir)))
+    if store.no_listing is not None:
+        timed_error(fastload.StorageError, lambda: load(store, "mixed/"))
+        return
+    err = timed_error(fastload.FormatError, lambda: load(store, "mixed/"))
+    hint = "remove model.safetensors or the model-0000K-of-00003.safetensors files"
+    assert hint in str(err) and store.names(store.uri("mixed/"), str(err)), err
+
+
 def test_names_subset(store, sharded_dir):
     want = reference(*indexed_files(sharded_dir))
     names = ["embed.weight", "layers.5.weight"]

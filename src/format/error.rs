@@ -122,6 +122,23 @@ pub enum FormatError {
     /// A name the object store cannot use as a path.
     #[error("weight_map names an invalid file {file:?}: {reason}")]
     IndexInvalidPath { file: String, reason: String },
+    /// Files of a `<stem>-<K>-of-<N>.safetensors` set without all `N` of them (a save that
+    /// stopped part-way): the first few missing names, and how many are missing in all.
+    #[error("checkpoint {set} is incomplete: {} missing (it loads only with all {n} files; a save that stopped part-way leaves such a set)", super::shards::missing_text(missing, *count))]
+    ShardsMissing {
+        set: String,
+        n: u64,
+        missing: Vec<String>,
+        count: u64,
+    },
+    /// A folder without an index holding a stem's single file beside a `K-of-N` set of it, or
+    /// sets of different `N` (an older save's files beside a newer one's).
+    #[error("{}", super::shards::mixed_text(single, sets))]
+    CheckpointsMixed {
+        single: Option<String>,
+        /// Each set's pattern (`model-0000K-of-00003.safetensors`) and files present.
+        sets: Vec<(String, usize)>,
+    },
 }
 
 /// Where serde_json stopped in a header, shown as serde_json shows it (" at line 1 column 40";

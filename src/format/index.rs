@@ -3,13 +3,15 @@
 
 use std::collections::BTreeSet;
 
-use super::{check_inside, FormatError};
+use super::{check_complete, check_inside, FormatError};
 
 /// The index file that sharded Hugging Face checkpoints carry.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// The shard file names an index's `weight_map` lists (sorted, each once), each checked to be a
-/// plain relative path inside the index's folder ([`check_inside`]) before anything reads it.
+/// plain relative path inside the index's folder ([`check_inside`]) before anything reads it,
+/// and every `<stem>-<K>-of-<N>.safetensors` set among them whole ([`check_complete`]: an index
+/// naming 2 of 3 shards would load a smaller model).
 pub fn index_shard_names(bytes: &[u8]) -> Result<Vec<String>, FormatError> {
     let value: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| FormatError::IndexInvalidJson {
@@ -36,7 +38,9 @@ pub fn index_shard_names(bytes: &[u8]) -> Result<Vec<String>, FormatError> {
         }
         files.insert(file.to_string());
     }
-    Ok(files.into_iter().collect())
+    let files: Vec<String> = files.into_iter().collect();
+    check_complete(&files)?;
+    Ok(files)
 }
 
 #[cfg(test)]
@@ -78,6 +82,16 @@ mod tests {
             index_shard_names(br#"{"weight_map":{"w":3}}"#),
             Err(FormatError::IndexEntryNotAName { tensor: "w".into() })
         );
+    }
+
+    #[test]
+    fn refuses_an_index_naming_part_of_a_shard_set() {
+        let index = br#"{"weight_map":{"a":"model-00001-of-00003.safetensors","b":"model-00003-of-00003.safetensors"}}"#;
+        assert!(matches!(
+            index_shard_names(index),
+            Err(FormatError::ShardsMissing { ref missing, count: 1, .. })
+                if missing == &["model-00002-of-00003.safetensors"]
+        ));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use futures_util::future::BoxFuture;
 
 use super::Source;
 use crate::error::{Error, Result};
-use crate::format::{index_shard_names, FormatError, INDEX_FILE};
+use crate::format::{check_folder, index_shard_names, FormatError, INDEX_FILE};
 use crate::memory::HostBuffer;
 
 /// A local file, checked to be a regular file.
@@ -251,6 +251,11 @@ fn expand(uri: &str) -> Result<Vec<PathBuf>> {
             });
         }
         files.sort();
+        let names: Vec<_> = files
+            .iter()
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy()))
+            .collect();
+        check_folder(&names).map_err(|e| Error::format(uri, e))?;
         return Ok(files);
     }
     if path.extension().is_some_and(|e| e == "json") {

@@ -25,7 +25,7 @@ use super::layout;
 use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::error::{Error, Result};
-use crate::format::{index_shard_names, INDEX_FILE};
+use crate::format::{check_folder, index_shard_names, INDEX_FILE};
 use crate::source::identity::{CacheIdentity, HubLocation};
 use crate::source::remote::{self, io_error, Answer, Pin, RangedGet, Response, Version};
 use crate::source::{local, Source};
@@ -452,7 +452,7 @@ async fn open_file(
 }
 
 /// The files to load: the URI's file; else the folder's index's shards; else the folder's
-/// `*.safetensors` (direct children, sorted, as for a local directory).
+/// `*.safetensors` (direct children, sorted, one whole checkpoint, as for a local directory).
 async fn pick_files(
     hub: &Hub,
     uri: &HubUri,
@@ -494,6 +494,8 @@ async fn pick_files(
     }
     let mut shards = shards;
     shards.sort();
+    let names: Vec<&str> = shards.iter().map(|f| &f[folder.len()..]).collect();
+    check_folder(&names).map_err(|e| Error::format(&name, e))?;
     Ok(shards)
 }
 

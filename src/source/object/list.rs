@@ -10,7 +10,7 @@ use super::errors::*;
 use super::*;
 use crate::bounded::{Capped, Whole, MAX_WHOLE_READ};
 use crate::error::{Error, Result};
-use crate::format::{index_shard_names, FormatError, INDEX_FILE};
+use crate::format::{check_folder, index_shard_names, FormatError, INDEX_FILE};
 
 /// One object found under a URI: where, how large, and its validators as the store reported
 /// them (the local cache tells a changed object from its copy by the ETag; every read is pinned
@@ -61,8 +61,9 @@ impl Found {
     }
 }
 
-/// Every `*.safetensors` directly under the remote's prefix, or exactly the files that its
-/// `model.safetensors.index.json` names, in a stable order, with their sizes.
+/// Every `*.safetensors` directly under the remote's prefix (one whole checkpoint:
+/// [`check_folder`]), or exactly the files that its `model.safetensors.index.json` names, in a
+/// stable order, with their sizes.
 pub async fn list_safetensors(remote: &Remote) -> Result<Vec<Found>> {
     let index = remote.path.clone().join(INDEX_FILE);
     match get_small(remote, &index).await {
@@ -81,6 +82,8 @@ pub async fn list_safetensors(remote: &Remote) -> Result<Vec<Found>> {
         });
     }
     files.sort();
+    let names: Vec<&str> = files.iter().filter_map(|f| f.path.filename()).collect();
+    check_folder(&names).map_err(|e| Error::format(&remote.uri, e))?;
     Ok(files)
 }
 
