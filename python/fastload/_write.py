@@ -443,8 +443,12 @@ def save(
 ) -> list[str]:
     """Writes ``state_dict`` into the folder (or prefix) ``uri`` as transformers'
     ``save_pretrained`` does: ``model.safetensors`` when it fits in one shard, else
-    ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``, written after
-    every shard is complete. Shards are split by huggingface_hub's rule (:func:`split_shards`).
+    ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``. No file is
+    published before every shard is written whole (a synced temporary file, or an upload whose
+    parts are all stored); then the shards, the index last. A failure or Ctrl-C removes what the
+    save published, so a reader finds the earlier checkpoint or the new one, whole, or an error
+    (docs/writing.md, "When a write fails"). Shards are split by huggingface_hub's rule
+    (:func:`split_shards`).
     An earlier checkpoint under ``uri`` is replaced, as ``save_pretrained`` replaces it; with
     ``overwrite=False`` it raises :class:`fastload.DestinationExistsError` before anything is
     written. Tied weights (tensors that are the same memory) are written once,
