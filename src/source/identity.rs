@@ -93,3 +93,85 @@ impl CacheIdentity {
         git.then(|| Digest::GitBlob(id.to_ascii_lowercase()))
     }
 }
+
+/// The canonical identity string of a file's content (peer protocol v1), which a serve lists in
+/// its manifest and sends as `X-Fastload-Identity`, and which a client loading the origin
+/// computes from what it pinned: the two must be equal for a peer's bytes to stand in for the
+/// origin's. With a sha256 (Hub LFS files, local folders hashed by a serve):
+/// `sha256:<lowercase hex>`; otherwise the origin's validators as pinned:
+/// `etag:<etag without quotes>;version:<version id>;size:<n>`, `-` for an absent validator (an
+/// empty one, or S3's version `null` on a bucket without versioning, is absent). A weak ETag
+/// keeps its `W/` so that it never equals a strong one.
+// The serve and the peer client call it; until both land only the tests do.
+#[allow(dead_code)]
+pub fn canonical_identity(
+    sha256: Option<&str>,
+    etag: Option<&str>,
+    version: Option<&str>,
+    size: u64,
+) -> String {
+    if let Some(sha) = sha256.map(str::trim).filter(|s| !s.is_empty()) {
+        return format!("sha256:{}", sha.to_ascii_lowercase());
+    }
+    let etag = etag
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|e| match e.strip_prefix("W/") {
+            Some(weak) => format!("W/{}", weak.trim().trim_matches('"')),
+            None => e.trim_matches('"').to_string(),
+        });
+    let etag = etag.filter(|e| !e.is_empty() && e != "W/");
+    let version = version
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && *v != "null");
+    format!(
+        "etag:{};version:{};size:{size}",
+        etag.as_deref().unwrap_or("-"),
+        version.unwrap_or("-")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical_identity;
+
+    #[test]
+    fn sha256_wins_and_is_lowercase() {
+        let id = canonical_identity(Some("ABCdef01"), Some("\"e\""), Some("v1"), 7);
+        assert_eq!(id, "sha256:abcdef01");
+    }
+
+    #[test]
+    fn validators_without_quotes_and_absent_as_dash() {
+        let id = canonical_identity(None, Some("\"9b2cf535f27731c9\""), Some("3HL4kqtJ"), 1024);
+        assert_eq!(id, "etag:9b2cf535f27731c9;version:3HL4kqtJ;size:1024");
+        let id = canonical_identity(Some(""), Some("\"a-2\""), None, 0);
+        assert_eq!(id, "etag:a-2;version:-;size:0");
+        assert_eq!(
+            canonical_identity(None, None, Some("null"), 5),
+            "etag:-;version:-;size:5"
+        );
+        assert_eq!(
+            canonical_identity(None, Some("  "), Some(""), 5),
+            "etag:-;version:-;size:5"
+        );
+    }
+
+    #[test]
+    fn a_listing_and_a_header_give_the_same_string() {
+        // GCS's JSON listing gives the ETag without quotes, its header with them.
+        let listed = canonical_identity(None, Some("CJ2x"), Some("17"), 9);
+        let header = canonical_identity(None, Some("\"CJ2x\""), Some("17"), 9);
+        assert_eq!(listed, header);
+    }
+
+    #[test]
+    fn weak_etag_never_equals_strong_and_size_or_version_tell_apart() {
+        let weak = canonical_identity(None, Some("W/\"x\""), None, 3);
+        assert_eq!(weak, "etag:W/x;version:-;size:3");
+        assert_ne!(weak, canonical_identity(None, Some("\"x\""), None, 3));
+        let a = canonical_identity(None, Some("\"x\""), Some("v1"), 3);
+        assert_ne!(a, canonical_identity(None, Some("\"x\""), Some("v2"), 3));
+        assert_ne!(a, canonical_identity(None, Some("\"x\""), Some("v1"), 4));
+    }
+}
