@@ -189,6 +189,50 @@ emit(loads=out, cached=fastload.cached_memory()["pinned"])
     assert counters["violations"] == 0, counters
 
 
+def test_a_first_load_reads_while_its_ring_is_pinned(fake_cuda, sixteen_mib, tmp_path):
+    # Pinning slow (8 MiB/s: 128 ms per 1 MiB buffer, one allocation at a time as in the driver),
+    # eight reads at a time: one read pins while the others wait for a buffer to come back from
+    # its copy or for their turn to pin, so the first tensors arrive while the ring is still
+    # being pinned, and the load pins only what its reads got to use. Before, each of the eight
+    # reads queued an allocation of its own in the driver: the first tensor came after every one
+    # of them had been asked for, and the load ran at the pinning rate until the ring was pinned.
+    code = (
+        LOAD
+        + """
+from cuda_sim import calls
+want = expected(sys.argv[1])
+pins_at_first = []
+def allocate(sizes):
+    pins_at_first.append(calls().get("cuMemHostAlloc", 0))
+    return host_allocate(sizes)
+got, stats = load(sys.argv[1], allocate, block_size="1MiB", concurrency=8,
+                  memory_limit="16MiB")
+emit(ok=got == want, pins=calls().get("cuMemHostAlloc", 0), at_first=pins_at_first[0],
+     stats=stats, cached=fastload.cached_memory()["pinned"])
+"""
+    )
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, FAKE_CUDA_PIN_RATE=str(8 << 20), FAKE_CUDA_LAG_US="200")
+    out = run_probe(code, sixteen_mib, env=env)
+    stats = out["stats"]
+    assert out["ok"], out
+    # When the first segment's destinations were asked for (its first block read), at most the
+    # first two buffers had been asked of the driver (the second one's pin under way).
+    assert out["at_first"] <= 2, out
+    # Buffers coming back served the other reads: at most half a buffer per read in flight.
+    assert 2 <= out["pins"] <= 4, out
+    assert stats["pinned_bytes"] == out["pins"] << 20 == out["cached"], out
+    counters = cuda_sim.log(log)
+    assert counters["pinned_peak"] <= stats["memory_limit"] == 16 << 20, counters
+    assert counters["violations"] == 0, counters
+    # Where the time went: the reads' waits for a buffer hold the pinning (one pin at a time,
+    # each with a read waiting on it).
+    phases = stats["phases_ms"]
+    assert set(phases) == {"read", "staging_wait", "ring_wait", "alloc", "copy", "copy_idle",
+                           "fence_wait", "consumer_wait"}, phases  # fmt: skip
+    assert phases["staging_wait"] >= stats["pinned_ms"] > 0, stats
+
+
 # ---------------------------------------------------------------------------------------------
 # Fork (item 6)
 

@@ -200,7 +200,16 @@ class Stats:
         """mmap loads: bytes whose pages were all in the page cache already, so they were mapped
         and left to fault in on first access instead of being populated (counted in
         ``bytes_read`` too)."""
-    def as_dict(self) -> dict[str, int | float | str | None]:
+    @property
+    def phases_ms(self) -> dict[str, float]:
+        """Where the load's time went, in milliseconds: ``consumer_wait`` (the consumer waiting
+        for a segment) for every load; staged loads also ``read`` and ``staging_wait`` (reads,
+        and reads waiting for a staging buffer: pinning one, or one coming back; added up over
+        the reads in flight), ``ring_wait`` (no ring slot free: blocks waiting for their
+        copies), ``alloc`` (the allocator: torch's, from Python), ``copy`` (enqueueing copies),
+        ``copy_idle`` (the copy thread waiting for a read) and ``fence_wait`` (waiting for the
+        copies to finish on the device)."""
+    def as_dict(self) -> dict[str, int | float | str | dict[str, float] | None]:
         """Every counter above, by name."""
 
 @final

@@ -23,7 +23,7 @@ mod driver;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use driver::{Api, Status};
 
@@ -260,6 +260,8 @@ struct PinnedPool {
     free: Vec<Cached>,
     cached: usize,
     limit: usize,
+    /// The process whose thread is in `cuMemHostAlloc` now, if any (see [`pinned`]).
+    pinning: Option<u32>,
 }
 
 impl PinnedPool {
@@ -285,9 +287,14 @@ static PINNED: Mutex<PinnedPool> = Mutex::new(PinnedPool {
     free: Vec::new(),
     cached: 0,
     limit: 0,
+    pinning: None,
 });
 
-fn pool() -> std::sync::MutexGuard<'static, PinnedPool> {
+/// Signalled when a buffer goes back to the pool or a thread is done pinning: what a thread
+/// waiting in [`pinned`] for one or the other waits on.
+static RETURNED: Condvar = Condvar::new();
+
+fn pool() -> MutexGuard<'static, PinnedPool> {
     PINNED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -379,6 +386,9 @@ impl Drop for Pinned {
             }
             (evicted, keep)
         };
+        if keep {
+            RETURNED.notify_all();
+        }
         free_all(evicted);
         if !keep {
             free_pinned(self.addr, &self.gpu);
@@ -393,10 +403,19 @@ fn pinned_size(len: usize) -> usize {
 }
 
 /// `len` bytes (rounded up to pages) of page-locked memory; `gpu`'s context is bound.
+///
+/// One thread of the process pins at a time; the others wait for a buffer of their size to come
+/// back to the pool, or for their turn to pin, whichever comes first. The driver pins one
+/// allocation at a time anyway (`cuMemHostAlloc` runs at a few GB/s), so the wait costs no
+/// pinning speed, and it lets a first load grow its ring only as fast as its reads use it: a read
+/// that waited takes the buffer an earlier block's copy just gave back instead of queueing a new
+/// allocation in the driver behind every other read's (which made the first load of a process run
+/// at the pinning rate until the whole ring was pinned).
 fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
     let cap = pinned_size(len);
-    let evicted = {
-        let mut pool = pool();
+    let me = std::process::id();
+    let mut pool = pool();
+    loop {
         if let Some(i) = pool.free.iter().rposition(|c| c.cap == cap) {
             let c = pool.free.swap_remove(i);
             pool.cached -= c.cap;
@@ -407,10 +426,18 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
                 pinned_in: None,
             });
         }
-        // None of this size: the cached ones are another load's, and would only add to what
-        // this one pins.
-        pool.evict(cap, true)
-    };
+        // (A pin of the parent's, in a child forked meanwhile, never ends here.)
+        if pool.pinning != Some(me) {
+            break;
+        }
+        pool = RETURNED.wait(pool).unwrap_or_else(|e| e.into_inner());
+    }
+    pool.pinning = Some(me);
+    // None of this size: the cached ones are another load's, and would only add to what this
+    // one pins.
+    let evicted = pool.evict(cap, true);
+    drop(pool);
+    let _turn = PinTurn;
     free_all(evicted);
     let api = gpu.api;
     let mut ptr = std::ptr::null_mut();
@@ -425,6 +452,16 @@ fn pinned(gpu: &Arc<Gpu>, len: usize) -> Result<Pinned> {
         gpu: gpu.clone(),
         pinned_in: Some(started.elapsed()),
     })
+}
+
+/// A thread's turn to pin ([`pinned`]); ends when dropped, on success or error.
+struct PinTurn;
+
+impl Drop for PinTurn {
+    fn drop(&mut self) {
+        pool().pinning = None;
+        RETURNED.notify_all();
+    }
 }
 
 /// Copies into memory of one CUDA device, on a dedicated stream.

@@ -75,6 +75,25 @@ pub struct Stats {
     /// Bytes of mapped segments whose pages were all in the page cache already: mapped and
     /// left to fault in on first access, not populated (they count as read too).
     pub bytes_cached: AtomicU64,
+    /// Where a staged load's time went, in nanoseconds (what `profile_load` reports): reads
+    /// into staging buffers and their waits for a buffer (pinning one, or one coming back),
+    /// added up over the reads in flight; the driver waiting for a ring slot (blocks waiting
+    /// for their copies); the copy thread in the allocator, enqueueing copies, and idle
+    /// (waiting for a read); the completion thread waiting for copies to finish.
+    pub read_ns: AtomicU64,
+    pub staging_wait_ns: AtomicU64,
+    pub ring_wait_ns: AtomicU64,
+    pub alloc_ns: AtomicU64,
+    pub copy_ns: AtomicU64,
+    pub copy_idle_ns: AtomicU64,
+    pub fence_wait_ns: AtomicU64,
+    /// Every load: the consumer waiting in [`Loader::next_segment`] for a segment.
+    pub consumer_wait_ns: AtomicU64,
+}
+
+/// Adds the time since `since` to `counter` (nanoseconds).
+pub(crate) fn add_since(counter: &AtomicU64, since: Instant) {
+    counter.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
 }
 
 enum Msg {
@@ -691,11 +710,16 @@ impl Loader {
         let msg = match rx.try_recv() {
             Ok(msg) => Some(msg),
             Err(TryRecvError::Disconnected) => None,
-            Err(TryRecvError::Empty) => match rx.recv_timeout(wait) {
-                Ok(msg) => Some(msg),
-                Err(RecvTimeoutError::Disconnected) => None,
-                Err(RecvTimeoutError::Timeout) => return None,
-            },
+            Err(TryRecvError::Empty) => {
+                let waiting = Instant::now();
+                let got = rx.recv_timeout(wait);
+                add_since(&self.control.stats.consumer_wait_ns, waiting);
+                match got {
+                    Ok(msg) => Some(msg),
+                    Err(RecvTimeoutError::Disconnected) => None,
+                    Err(RecvTimeoutError::Timeout) => return None,
+                }
+            }
         };
         if self.control.closed() {
             self.finish();

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{Feed, Loaded, Loader, Memory};
+use super::{add_since, Feed, Loaded, Loader, Memory};
 use crate::device::{Allocator, Destination, Engine, Fence, Staging, Target};
 use crate::error::{Error, Result};
 use crate::options::{Method, Resolved};
@@ -224,9 +224,11 @@ async fn drive(
             continue;
         }
         for (off, len) in blocks {
+            let waiting = Instant::now();
             let Ok(slot) = ring.clone().acquire_owned().await else {
                 return;
             };
+            add_since(&shared.feed.stats.ring_wait_ns, waiting);
             let held = (slots - ring.available_permits()) as u64 * block;
             shared
                 .feed
@@ -285,10 +287,12 @@ async fn read_block(
     let shard = &shared.plan.shards[seg.shard];
     // Page-locking new memory can take long: off the runtime's workers.
     let engine = shared.engine.clone();
+    let waiting = Instant::now();
     let mut staging = super::beside_reads(shard.source.as_ref(), move || {
         engine.staging(block as usize)
     })
     .await?;
+    add_since(&shared.feed.stats.staging_wait_ns, waiting);
     if let Some(took) = staging.pinned_in() {
         let end = Instant::now();
         let total = shared
@@ -304,10 +308,12 @@ async fn read_block(
             .pinned_ns
             .fetch_max(total.as_nanos() as u64, Ordering::Relaxed);
     }
+    let reading = Instant::now();
     shard
         .source
         .read_into(seg.start + off, staging.slice_mut(len as usize))
         .await?;
+    add_since(&shared.feed.stats.read_ns, reading);
     Ok(staging)
 }
 
@@ -322,7 +328,13 @@ fn copier(
         shared.feed.fail(e);
         return;
     }
-    for block in rx {
+    let stats = &shared.feed.stats;
+    loop {
+        let idle = Instant::now();
+        let Ok(block) = rx.recv() else {
+            break;
+        };
+        add_since(&stats.copy_idle_ns, idle);
         if shared.feed.cancelled() {
             continue;
         }
@@ -352,7 +364,10 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
-        let allocation = allocator.allocate(&seg.tensors)?;
+        let allocating = Instant::now();
+        let allocation = allocator.allocate(&seg.tensors);
+        add_since(&shared.feed.stats.alloc_ns, allocating);
+        let allocation = allocation?;
         if allocation.destinations.len() != seg.tensors.len() {
             return Err(Error::device(format!(
                 "the allocator returned {} destinations for {} tensors",
@@ -370,6 +385,21 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
         return Ok(());
     };
     let (lo, hi) = (block.off, block.off + block.len);
+    let copying = Instant::now();
+    let copied = copy_pieces(shared, seg, destinations, staging, lo, hi);
+    add_since(&shared.feed.stats.copy_ns, copying);
+    copied
+}
+
+/// Enqueues the copies of the tensor pieces in `[lo, hi)` of a segment, read into `staging`.
+fn copy_pieces(
+    shared: &Shared,
+    seg: &plan::Segment,
+    destinations: &[Destination],
+    staging: &Staging,
+    lo: u64,
+    hi: u64,
+) -> Result<()> {
     // Tensors of a segment are contiguous and in order: find the first one this block touches.
     let first = seg.tensors.partition_point(|t| t.offset + t.len <= lo);
     for (t, d) in seg.tensors[first..].iter().zip(&destinations[first..]) {
@@ -414,7 +444,9 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
         return;
     }
     for (fence, block, failed) in rx {
+        let waiting = Instant::now();
         let waited = shared.engine.wait(fence);
+        add_since(&shared.feed.stats.fence_wait_ns, waiting);
         let Block { job, staging, .. } = block; // drops the ring slot
         match (&waited, staging) {
             // The copies may still read the buffer: never reuse it (as the copier does when it
@@ -453,6 +485,7 @@ mod tests {
     use crate::options::LoadOptions;
     use crate::plan::TensorSlot;
     use std::io::Write;
+    use std::sync::atomic::AtomicU64;
 
     /// A checkpoint of `sizes` U8 tensors whose bytes are a function of their position.
     fn checkpoint(sizes: &[usize]) -> (tempfile::NamedTempFile, Vec<u8>) {
@@ -649,6 +682,42 @@ mod tests {
         assert_eq!(ring_slots(64 << 20, block, 2), 4);
         assert_eq!(ring_slots(1 << 20, 512 << 10, 16), 2);
         assert_eq!(ring_slots(1 << 30, 8 << 20, 16), 32);
+    }
+
+    #[test]
+    fn phases_say_where_the_time_went() {
+        // An allocator that takes 50 ms per segment and a copy engine whose every fence wait
+        // takes 2 ms: the load's phases count at least that much in each (and the consumer,
+        // which waits for every segment, waited too).
+        struct Slow;
+        impl Allocator for Slow {
+            fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+                std::thread::sleep(Duration::from_millis(50));
+                HostAllocator.allocate(tensors)
+            }
+        }
+        let engine = Arc::new(SlowEngine {
+            inner: HostEngine::new(),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight: AtomicUsize::new(0),
+        });
+        let sizes = [1usize << 20, 1 << 20];
+        let (got, data, loader) = run(&sizes, opts(256 << 10, 4 << 20), engine, Box::new(Slow));
+        assert_eq!(got, expected(&sizes, &data));
+        let stats = loader.stats();
+        let ms = |c: &AtomicU64| c.load(Ordering::Relaxed) / 1_000_000;
+        assert!(ms(&stats.alloc_ns) >= 50, "alloc {}", ms(&stats.alloc_ns));
+        // Eight blocks, each waited for at least 2 ms.
+        assert!(
+            ms(&stats.fence_wait_ns) >= 16,
+            "fence {}",
+            ms(&stats.fence_wait_ns)
+        );
+        assert!(ms(&stats.consumer_wait_ns) >= 50);
+        assert!(stats.read_ns.load(Ordering::Relaxed) > 0);
+        assert!(stats.staging_wait_ns.load(Ordering::Relaxed) > 0);
+        assert!(stats.copy_idle_ns.load(Ordering::Relaxed) > 0);
+        assert!(stats.copy_ns.load(Ordering::Relaxed) > 0);
     }
 
     struct FailingAllocator {

@@ -1,6 +1,7 @@
 //! The typed values `_fastload.Stream` hands to Python: an [`Item`] per delivered tensor (or
 //! piece) and [`Stats`], both frozen.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
 
 use pyo3::prelude::*;
@@ -71,6 +72,10 @@ pub struct Stats {
     pub pinned_ms: f64,
     /// Bytes mapped from the page cache without populating (every page was cached already).
     pub bytes_cached: u64,
+    /// Where the load's time went, in milliseconds (`pipeline::Stats`): `consumer_wait` for
+    /// every load; for staged loads also `read` and `staging_wait` (added up over the reads in
+    /// flight), `ring_wait`, `alloc`, `copy`, `copy_idle` and `fence_wait`.
+    pub phases_ms: BTreeMap<&'static str, f64>,
 }
 
 impl Stats {
@@ -95,8 +100,23 @@ impl Stats {
             pinned_bytes: s.pinned_bytes.load(Relaxed),
             pinned_ms: s.pinned_ns.load(Relaxed) as f64 / 1e6,
             bytes_cached: s.bytes_cached.load(Relaxed),
+            phases_ms: phases(s),
         }
     }
+}
+
+fn phases(s: &crate::pipeline::Stats) -> BTreeMap<&'static str, f64> {
+    let ms = |c: &std::sync::atomic::AtomicU64| c.load(Relaxed) as f64 / 1e6;
+    BTreeMap::from([
+        ("read", ms(&s.read_ns)),
+        ("staging_wait", ms(&s.staging_wait_ns)),
+        ("ring_wait", ms(&s.ring_wait_ns)),
+        ("alloc", ms(&s.alloc_ns)),
+        ("copy", ms(&s.copy_ns)),
+        ("copy_idle", ms(&s.copy_idle_ns)),
+        ("fence_wait", ms(&s.fence_wait_ns)),
+        ("consumer_wait", ms(&s.consumer_wait_ns)),
+    ])
 }
 
 #[pymethods]
@@ -125,7 +145,8 @@ impl Stats {
             staging_peak_bytes,
             pinned_bytes,
             pinned_ms,
-            bytes_cached
+            bytes_cached,
+            phases_ms
         );
         Ok(d)
     }
