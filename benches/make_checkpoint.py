@@ -63,21 +63,58 @@ class Spec:
     shards: int = 1  # 1: model.safetensors; N>1: model-0000i-of-0000N + index
     tiny: int = 0  # >0: that many tiny tensors instead of a llama layout
     seed: int = 0
+    family: str = "llama"  # "llama3": Llama-3-8B's shapes (see llama3_layout)
 
     @property
     def name(self) -> str:
         if self.tiny:
             return f"tiny{self.tiny}-{self.dtype}-s{self.seed}"
-        return f"llama-{format_size(self.size)}-{self.dtype}-{self.shards}shard-s{self.seed}"
+        size = format_size(self.size)
+        return f"{self.family}-{size}-{self.dtype}-{self.shards}shard-s{self.seed}"
 
 
 def make_spec(
-    size: str | int, dtype: str = "bf16", shards: int = 1, tiny: int = 0, seed: int = 0
+    size: str | int,
+    dtype: str = "bf16",
+    shards: int = 1,
+    tiny: int = 0,
+    seed: int = 0,
+    family: str = "llama",
 ) -> Spec:
     """A Spec with the fields that do not apply zeroed, so stamps compare equal."""
     if tiny:
         return Spec(size=0, dtype=dtype, shards=1, tiny=tiny, seed=seed)
-    return Spec(size=parse_size(size), dtype=dtype, shards=max(1, shards), tiny=0, seed=seed)
+    return Spec(
+        size=parse_size(size), dtype=dtype, shards=max(1, shards), tiny=0, seed=seed, family=family
+    )
+
+
+def llama3_layout(total_bytes: int, itemsize: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-3-8B's names and shapes: 32 layers of hidden size 4096, grouped-query attention
+    (``k_proj``/``v_proj`` a quarter of ``q_proj``), a 14336-wide MLP, a 128256-token vocabulary
+    and an untied ``lm_head``: 8.03 G parameters, 16.06 GB in bf16. A smaller ``total_bytes``
+    divides every dimension by the smallest power of two (at most 64) that fits it, keeping the
+    ratios and the 32 layers (a test run of the same structure)."""
+    scale = 1
+    while scale < 64 and 8_030_261_248 * itemsize // (scale * scale) > total_bytes:
+        scale *= 2
+    hidden, kv, inter, vocab = 4096 // scale, 1024 // scale, 14336 // scale, 128256 // scale
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(32):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+        ]
+    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return out
 
 
 def llama_layout(total_bytes: int, itemsize: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -190,7 +227,12 @@ def generate(spec: Spec, root: str | os.PathLike, quiet: bool = False) -> dict:
 
     dtype = getattr(torch, DTYPES[spec.dtype])
     itemsize = torch.empty((), dtype=dtype).element_size()
-    layout = tiny_layout(spec.tiny, spec.seed) if spec.tiny else llama_layout(spec.size, itemsize)
+    if spec.tiny:
+        layout = tiny_layout(spec.tiny, spec.seed)
+    elif spec.family == "llama3":
+        layout = llama3_layout(spec.size, itemsize)
+    else:
+        layout = llama_layout(spec.size, itemsize)
     filler = _Filler(dtype, spec.seed)
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -283,6 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shards", type=int, default=1, help="number of files (default 1)")
     ap.add_argument("--tiny", type=int, default=0, metavar="N", help="N tiny tensors instead")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--family",
+        default="llama",
+        choices=["llama", "llama3"],
+        help="llama: llama-2-like, sized to --size; llama3: Llama-3-8B's shapes",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "ckpt"))
     ap.add_argument(
         "--tensorizer",
@@ -291,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--json", action="store_true", help="print only the stamp, as one JSON line")
     args = ap.parse_args(argv)
-    spec = make_spec(args.size, args.dtype, args.shards, args.tiny, args.seed)
+    spec = make_spec(args.size, args.dtype, args.shards, args.tiny, args.seed, args.family)
     stamp = generate(spec, args.out, quiet=args.json)
     if args.tensorizer:
         try:

@@ -53,6 +53,8 @@ PY
             --platform manylinux2014_x86_64 "${links[@]}" -d "$KIT/wheels" "${missing[@]}"
     fi
 
+    peers
+
     mkdir -p "$KIT/kit" "$KIT/tests" "$KIT/benches"
     cp "$REPO"/scripts/gpu_kit/*.py "$KIT/kit/"
     cp "$REPO/scripts/gpu_kit/run.sh" "$KIT/run.sh"
@@ -68,7 +70,8 @@ PY
     # The test servers the shared fixtures import (tests/stores.py, conftest.py).
     mkdir -p "$KIT/tests/servers"
     cp "$REPO"/tests/servers/*.py "$KIT/tests/servers/"
-    cp "$REPO"/benches/{gpu_bench.py,tp_gpu_bench.py,limits.py,make_checkpoint.py} "$KIT/benches/"
+    cp "$REPO"/benches/{gpu_bench.py,tp_gpu_bench.py,gpu_cold_start.py,limits.py,make_checkpoint.py} \
+        "$KIT/benches/"
     cat >"$KIT/README.txt" <<'TXT'
 fastload GPU verification kit (built by scripts/gpu_kit.sh build; see docs/development.md,
 "Checking on a real GPU"). On a GPU machine (Python with a CUDA torch, an NVIDIA driver; no Rust, no network):
@@ -93,6 +96,29 @@ INI
     printf '{"commit": "%s", "built": "%s", "wheel": "%s", "deps": "%s"}\n' \
         "$commit" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$wheel" "$want" >"$KIT/BUILD.json"
     echo "gpu-kit: $(du -sh "$KIT" | cut -f1) in $KIT ($wheel); on a GPU machine: bash $(basename "$KIT")/run.sh" >&2
+}
+
+# The peers benches/gpu_cold_start.py runs beside fastload (the GPU machine has no network), for
+# the machine's Python (3.12, x86-64; PEERS_PYTHON_VERSION changes it): in peers/, apart from the
+# wheels the kit installs, with their own needs (typer, humanize, numpy, torch) left to the
+# machine's image. Downloaded once, kept between builds; a peer that cannot be downloaded is
+# left out (benches/gpu_cold_start.py then reports it as not run, with why).
+PEERS="fastsafetensors==0.5.0 instanttensor==0.2.2 runai-model-streamer==0.17.1"
+peers() {
+    local py="${PYTHON:-$REPO/.venv/bin/python}" spec name found whl
+    mkdir -p "$KIT/peers"
+    for spec in $PEERS; do
+        name="${spec%%==*}" found=""
+        for whl in "$KIT"/peers/*.whl; do
+            case "$(basename "$whl")" in "${name//-/_}-${spec##*==}-"* | "$name-${spec##*==}-"*) found=1 ;; esac
+        done
+        [ -n "$found" ] && continue
+        "$py" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+            --retries 1 --timeout 20 --python-version "${PEERS_PYTHON_VERSION:-3.12}" --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d "$KIT/peers" "$spec" || echo "gpu-kit: $spec not downloaded: left out" >&2
+    done
 }
 
 case "$cmd" in

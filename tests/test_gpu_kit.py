@@ -7,6 +7,7 @@ all."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -120,6 +121,18 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
     assert second["cached_after"]["pinned"] > 0, second
     assert again["pinned_bytes"] > 0, again
     assert first["bytes"] == second["bytes"] == again["bytes"] > 0
+    # Where each load's time went (stats()["phases_ms"]), and the stage it waited on most: the
+    # kit's details say it for every first load.
+    for load in (first, second, again):
+        where = load["where_ms"]
+        assert abs(where["wall"] - load["seconds"] * 1e3) < 1e-6, where
+        assert where["consumer_wait"] <= where["wall"] and where["copies_on_device"] > 0, where
+        stages = ("pinning", "reads (host side)", "torch allocations", "device copies",
+                  "consumer (wrapping tensors)")  # fmt: skip
+        assert where["limit"] in stages, where
+    assert first["where_ms"]["pinning"] == first["pinned_ms"] > 0, first
+    assert "fastload first: " in checks["profile_load"]["details"]
+    assert "waited most on" in checks["profile_load"]["details"]
     assert checks["profile_load"]["numbers"]["rows"]["fastload"]["loads"] == [first, second, again]
 
 
@@ -256,3 +269,64 @@ def test_storage_to_gpu_table_from_a_gpu_report(tmp_path):
     )
     assert "| fastload `load(device=...)` (benches/gpu_bench.py) | warm | 20.00 | 0.50 |" in text
     assert "NVIDIA H100" in text and "**FAIL**" in text
+
+
+def test_cold_start_bench_runs_without_a_gpu(tmp_path):
+    # benches/gpu_cold_start.py, the kit's cold_start check, on CPU: Llama-3-8B's structure
+    # scaled down, every row in a fresh process, the targets' verdicts (those measured against
+    # the device's copy rate say they were not measured), the second load and the memory checks.
+    sys.path.insert(0, str(REPO / "benches"))
+    from make_checkpoint import llama3_layout
+
+    full = llama3_layout(16 << 30, 2)
+    shapes = dict(full)
+    assert sum(math.prod(s) for _, s in full) == 8_030_261_248  # Llama-3-8B's parameters
+    assert shapes["model.layers.31.self_attn.k_proj.weight"] == (1024, 4096)
+    assert shapes["lm_head.weight"] == (128256, 4096)
+    out = tmp_path / "cold.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benches" / "gpu_cold_start.py"), "--device", "cpu",
+         "--size", "4MiB", "--cache", "warm", "--reps", "1", "--rows",
+         "fastload,safetensors,instanttensor,parts-tp2,lazy-tp8", "--ckpt-dir", str(tmp_path),
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["files"] == 4 and report["tensors"] == len(full)
+    rows = {r["row"]: r for r in report["rows"]}
+    assert sorted(rows) == ["fastload", "lazy-tp8", "parts-tp2", "safetensors"], report["notes"]
+    assert rows["fastload"]["bytes"] == rows["safetensors"]["bytes"] == report["bytes"]
+    assert rows["fastload"]["second"]["bytes"] == report["bytes"]
+    # A rank's slices read less than the whole checkpoint.
+    assert 0 < rows["parts-tp2"]["bytes"] < report["bytes"]
+    assert 0 < rows["lazy-tp8"]["bytes"] < rows["parts-tp2"]["bytes"]
+    assert "no CUDA device" in report["notes"]["copy"]
+    assert report["notes"]["instanttensor"]  # not installed here, or no CUDA device: why
+    verdicts = {v["target"]: v for v in report["verdicts"]}
+    assert verdicts["warm first load / page-locked copy rate"]["met"] is None
+    assert verdicts["TP 2 parts / whole load"]["ratio"] > 0
+    assert report["memory"] == [{"pinned_cached": 0, "pinned_within_limit": True}]
+    assert "targets:" in proc.stdout
+
+
+def test_storage_to_gpu_table_takes_the_cold_start_rates(tmp_path):
+    # Without pinned_h2d, the cold_start check's own copy rate is what the rows are a fraction
+    # of; the disk's rate is a cold row, rows not measured are left out.
+    import kit_report
+
+    numbers = {"bytes": 16_060_522_496, "files": 4,
+               "rates": {"copy": 50.0, "warm fastload": 40.0, "disk O_DIRECT": 5.0,
+                         "warm lazy-tp2": None}}  # fmt: skip
+    report = {"mode": "gpu", "complete": True, "seconds": 1.0, "started": "now", "kit": None,
+              "environment": {}, "checks": [{"name": "cold_start", "title": "t", "status": "pass",
+                                             "details": "d", "seconds": 1.0,
+                                             "numbers": numbers}]}  # fmt: skip
+    kit_report.write_report(report, tmp_path / "r")
+    rows = json.loads((tmp_path / "r.json").read_text())["storage_to_gpu"]
+    assert [(r["cache"], r["row"].split(" (")[0], r["of_pinned_copy"]) for r in rows] == [
+        ("-", "copy", 1.0),
+        ("warm", "fastload", 0.8),
+        ("cold", "disk O_DIRECT", 0.1),
+    ]
+    assert "16.1 GB in 4 files" in rows[0]["row"]

@@ -41,6 +41,18 @@ def storage_to_gpu(checks: dict[str, dict]) -> list[dict]:
     for r in bench.get("numbers", {}).get("rows", []):
         label = _BENCH_ROWS.get(r["row"], r["row"])
         rows.append({"row": label, "cache": r["cache"], "gb_per_s": r["gb_per_s"]})
+    cold = checks.get("cold_start", {}).get("numbers", {})
+    size = f"{cold.get('bytes', 0) / 1e9:.1f} GB in {cold.get('files')} files"
+    for key, gbps in cold.get("rates", {}).items():
+        if gbps is None:
+            continue
+        if key == "copy" or key.startswith("disk"):  # the hardware's rates
+            cache, row = ("-" if key == "copy" else "cold"), key
+        else:
+            cache, _, row = key.partition(" ")
+        rows.append({"row": f"{row} (benches/gpu_cold_start.py, Llama-3-8B shapes, {size})",
+                     "cache": cache, "gb_per_s": gbps})  # fmt: skip
+    rate = rate or cold.get("rates", {}).get("copy")
     for r in rows:
         r["of_pinned_copy"] = r["gb_per_s"] / rate if rate else None
     return rows

@@ -13,7 +13,10 @@ gpu_bench.py, and in a server), each load timed until its tensors are on the dev
   ``fastload.release_memory()`` and ``torch.cuda.empty_cache()`` (pinning and device allocation
   paid again, the process's other one-time costs not). Each with ``stats()`` (``pinned_bytes``,
   ``pinned_ms``: what that load pinned and how long it took; ``staging_peak_bytes``;
-  ``first_segment_ms``) and when its tensors arrived (first, half and all of the bytes).
+  ``first_segment_ms``) and when its tensors arrived (first, half and all of the bytes), and
+  ``where_ms``: its wall time split by what held it up (``stats()["phases_ms"]``: pinning, reads,
+  a full ring, torch's allocations, copies on the device, the consumer wrapping tensors; the
+  CUDA context's creation before the clock beside them) and the stage it waited on most.
 - ``fastload_b4``: the same first and second loads with ``block_size="4MiB"``: a 128 MiB ring
   (2 x 16 blocks) instead of 256 MiB, half the pinning, smaller reads.
 - ``fastload_c64``: the same first and second loads with ``concurrency=64``: a 1 GiB ring (2 x 64
@@ -22,7 +25,9 @@ gpu_bench.py, and in a server), each load timed until its tensors are on the dev
 - ``costs``: the pieces on their own, in a fresh process: torch allocating the checkpoint's
   tensors on the device one ``torch.empty`` each (what fastload's allocator does, cold then from
   torch's cache), and pinning 256 MiB and 1 GiB (``torch.empty(pin_memory=True)``, the driver's
-  ``cuMemHostAlloc`` as fastload's staging uses it).
+  ``cuMemHostAlloc`` as fastload's staging uses it); and the warm file's own pages registered
+  read-only (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_READ_ONLY``) and copied to the
+  device from there (whether the copy engine can read the page cache without a CPU copy).
 - ``profile``: one first load under ``torch.profiler`` (CPU and CUDA activities): the host-to-device
   copies on the GPU (count, busy time, first start and last end after the load started) and the
   CUDA API calls seen (count and time per name); the trace is written beside the JSON.
@@ -61,15 +66,21 @@ MiB, GiB = 1 << 20, 1 << 30
 # In a child process: one row
 
 
+CONTEXT_S: float | None = None  # how long making the CUDA context took (before the clock)
+
+
 def _torch_on(device: str):
     """torch, with the CUDA context created (not timed); None for the device on the simulator."""
+    global CONTEXT_S
     import torch
 
     if simulated():
         return torch, None
     dev = torch.device(device)
+    t0 = time.perf_counter()
     torch.empty(1, device=dev)
     torch.cuda.synchronize(dev)
+    CONTEXT_S = time.perf_counter() - t0
     return torch, dev
 
 
@@ -131,7 +142,53 @@ STAT_KEYS = (
     "block_size",
     "memory_limit",
     "bytes_copied",
+    "phases_ms",
 )
+
+
+def where_the_time_went(load: dict) -> dict:
+    """One load's wall time split by what held it up, in milliseconds, from its ``phases_ms``
+    (``stats()``) and the consumer's clock. Reads and their waits for a staging buffer add up
+    over the reads in flight: divided by ``concurrency`` they are a wall-time share. ``wrap``
+    is the consumer's time outside its waits for segments (making torch tensors of the delivered
+    memory, the loop itself). ``limit`` names the stage the load waited on most."""
+    phases = load.get("phases_ms") or {}
+    wall = load["seconds"] * 1e3
+    n = max(1, load.get("concurrency") or 1)
+    out = {
+        "wall": wall,
+        "context_before_clock": (load.get("context_s") or 0.0) * 1e3,
+        "pinning": load.get("pinned_ms") or 0.0,
+        "staging_wait_per_read": phases.get("staging_wait", 0.0) / n,
+        "reads_per_read": phases.get("read", 0.0) / n,
+        "ring_full": phases.get("ring_wait", 0.0),
+        "torch_alloc": phases.get("alloc", 0.0),
+        "copy_enqueue": phases.get("copy", 0.0),
+        "copy_thread_idle": phases.get("copy_idle", 0.0),
+        "copies_on_device": phases.get("fence_wait", 0.0),
+        "consumer_wait": phases.get("consumer_wait", 0.0),
+        "wrap": max(0.0, wall - phases.get("consumer_wait", 0.0)),
+    }
+    # What the load waited on: pinning (reads waiting for a buffer), the reads themselves (the
+    # copy thread idle), torch's allocations, the device's copies (the ring full, fences
+    # waited), or the consumer's own work (wrapping).
+    candidates = {
+        "pinning": out["staging_wait_per_read"],
+        "reads (host side)": out["copy_thread_idle"] - out["staging_wait_per_read"],
+        "torch allocations": out["torch_alloc"],
+        "device copies": max(out["ring_full"], out["copies_on_device"] - out["copy_thread_idle"]),
+        "consumer (wrapping tensors)": out["wrap"],
+    }
+    out["limit"] = max(candidates, key=lambda k: candidates[k]) if phases else None
+    return out
+
+
+def breakdown_line(name: str, load: dict) -> str:
+    w = load.get("where_ms")
+    if not w:
+        return ""
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in w.items() if k not in ("limit", "wall"))
+    return f"{name} {load['load']}: {w['wall']:.0f} ms = {parts} (ms); waited most on {w['limit']}"
 
 
 def row_fastload(job: dict) -> dict:
@@ -152,19 +209,20 @@ def row_fastload(job: dict) -> dict:
         _sync(torch, dev)
         seconds = time.perf_counter() - t0
         nbytes = sum(t.nbytes for t in got.values())
-        loads.append(
-            {
-                "load": label,
-                "seconds": seconds,
-                "gb_per_s": nbytes / seconds / 1e9,
-                "bytes": nbytes,
-                "tensors": len(got),
-                **{k: stats.get(k) for k in STAT_KEYS},
-                **_timeline(arrivals),
-                "cached_after": fastload.cached_memory(),
-                **({"released_before": released} if released else {}),
-            }
-        )
+        one = {
+            "load": label,
+            "seconds": seconds,
+            "gb_per_s": nbytes / seconds / 1e9,
+            "bytes": nbytes,
+            "tensors": len(got),
+            "context_s": CONTEXT_S if label == "first" else None,
+            **{k: stats.get(k) for k in STAT_KEYS},
+            **_timeline(arrivals),
+            "cached_after": fastload.cached_memory(),
+            **({"released_before": released} if released else {}),
+        }
+        one["where_ms"] = where_the_time_went(one)
+        loads.append(one)
         del got
     return {"loads": loads}
 
@@ -222,6 +280,11 @@ def row_costs(job: dict) -> dict:
         except Exception as e:  # an experiment: its failure is a number too
             out[key] = {"error": f"{type(e).__name__}: {e}"}
     try:
+        size = min(GiB, os.path.getsize(job["path"]) // (2 * MiB) * (2 * MiB))
+        out["register_file_ro"] = _register_file(job["path"], size, dev)
+    except Exception as e:
+        out["register_file_ro"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             out["thp"] = f.read().strip()
     except OSError as e:
@@ -265,6 +328,47 @@ def _register(n: int, huge: bool) -> dict:
             )
     except (OSError, StopIteration):
         pass
+    return out
+
+
+def _register_file(path: str, n: int, dev) -> dict:
+    """Whether the copy engine can read a warm file's page cache directly: the file's first
+    ``n`` bytes mapped (private: its pages are the page cache's until written, and nothing
+    writes them), registered with ``cuMemHostRegister(CU_MEMHOSTREGISTER_READ_ONLY)`` and copied
+    to the device by ``cuMemcpyHtoD`` with no CPU copy: the time of each step (against a read
+    into page-locked memory then a copy, what fastload's staging does)."""
+    import ctypes
+    import mmap
+
+    import torch
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    register, unregister = cuda.cuMemHostRegister_v2, cuda.cuMemHostUnregister
+    register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    unregister.argtypes = [ctypes.c_void_p]
+    copy = cuda.cuMemcpyHtoD_v2
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), n, flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize(dev)
+    out: dict[str, Any] = {"bytes": n}
+    t0 = time.perf_counter()
+    out["code"] = register(addr, n, 8)  # CU_MEMHOSTREGISTER_READ_ONLY
+    out["register_s"] = time.perf_counter() - t0
+    if out["code"] != 0:
+        return out
+    for label in ("copy_s", "copy_again_s"):
+        t0 = time.perf_counter()
+        out[label + "_code"] = copy(dst.data_ptr(), addr, n)
+        torch.cuda.synchronize(dev)
+        out[label] = time.perf_counter() - t0
+    out["copy_gb_per_s"] = n / min(out["copy_s"], out["copy_again_s"]) / 1e9
+    t0 = time.perf_counter()
+    out["unregister_code"] = unregister(addr)
+    out["unregister_s"] = time.perf_counter() - t0
     return out
 
 
@@ -413,6 +517,10 @@ def summary(rows: dict) -> str:
                 f"{pinned / MiB:.0f} MiB in {ld.get('pinned_ms') or 0:.0f} ms, staging peak "
                 f"{(ld.get('staging_peak_bytes') or 0) / MiB:.0f} MiB)"
             )
+    for name in ("fastload", "fastload_b4", "fastload_c64"):
+        for ld in rows.get(name, {}).get("loads", []):
+            if ld["load"] == "first":
+                parts.append(breakdown_line(name, ld))
     for ld in rows.get("safetensors", {}).get("loads", []):
         parts.append(f"safetensors {ld['load']} {ld['seconds']:.3f} s ({ld['gb_per_s']:.2f} GB/s)")
     costs = rows.get("costs", {})
@@ -422,6 +530,12 @@ def summary(rows: dict) -> str:
             f"{costs['alloc_cached_s']:.3f} s; pin 256 MiB {costs['pin_256MiB_s']:.3f} s, 1 GiB "
             f"{costs['pin_1GiB_s']:.3f} s ({costs['pin_1GiB_gb_per_s']:.1f} GB/s)"
         )
+        ro = costs.get("register_file_ro", {})
+        if "register_s" in ro:
+            parts.append(
+                f"file pages registered read-only (code {ro['code']}) in {ro['register_s']:.3f} s"
+                + (f", copied at {ro['copy_gb_per_s']:.1f} GB/s" if "copy_gb_per_s" in ro else "")
+            )
         for key in ("register_1GiB", "register_1GiB_thp"):
             r = costs.get(key, {})
             if "register_s" in r:
@@ -495,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"][name] = run_row({**base, **jobs[name]}, args.timeout, sim_log)
         sim_logs += [sim_log] if sim_log else []
         print(f"profile_load: {name}: {json.dumps(report['rows'][name])[:300]}", file=sys.stderr)
+        for ld in report["rows"][name].get("loads", []):
+            line = breakdown_line(name, ld) if "where_ms" in ld else ""
+            if line:  # where the time went, readable in the kit's log as the run goes
+                print(f"profile_load: {line}", file=sys.stderr)
     if sim_target:
         merge_sim_logs(Path(sim_target), sim_logs)
     report["seconds"] = time.perf_counter() - started

@@ -343,6 +343,63 @@ def profile_load(ctx: Ctx, check: Check) -> dict:
     return res
 
 
+def install_peers(ctx: Ctx) -> tuple[Path | None, str]:
+    """The peers' wheels the kit carries (``peers/``, beside ``wheels/``: never installed with
+    fastload's, they are only benches' rows), installed offline into a folder of their own; the
+    folder (None if none) and what happened."""
+    wheels = sorted((ctx.root / "peers").glob("*.whl"))
+    if not wheels:
+        return None, "the kit carries no peer wheels (peers/)"
+    target = ctx.work / "peers"
+    if ctx.run([ctx.python, "-m", "pip", "--version"], ctx.env, 60)[0] == 0:
+        code, out = ctx.run(pip_install(ctx.python, target, wheels), ctx.env, 300)
+        if code != 0:
+            return None, f"pip exit {code}: {short(out, 500)}"
+    else:  # no pip: the wheels unpacked import the same
+        for w in wheels:
+            with zipfile.ZipFile(w) as z:
+                z.extractall(target)
+    return target, ", ".join(w.name for w in wheels)
+
+
+def cold_start(ctx: Ctx, check: Check) -> dict:
+    """benches/gpu_cold_start.py: a process's first load of Llama-3-8B's shapes (4 shards, 16 GB)
+    beside the page-locked copy rate, the disk's O_DIRECT rate and the peers, warm and cold, its
+    second load, TP 2 and 8 slices, and the memory it holds. Fails if fastload's rows did not run
+    or held more page-locked memory than memory_limit; the targets' verdicts are in the details
+    (a target not met is a finding of the run, not a broken check)."""
+    out_json = (ctx.out or ctx.work) / "gpu_cold_start.json"
+    peers, installed = install_peers(ctx)
+    argv = [
+        ctx.python, str(ctx.root / "benches" / "gpu_cold_start.py"),
+        "--ckpt-dir", str(ctx.work / "cold_start_ckpt"), "--json", str(out_json),
+        "--timeout", "150", *(["--peers", str(peers)] if peers else []),
+    ]  # fmt: skip
+    code, out = ctx.run(argv, ctx.env, check.timeout)
+    if not out_json.exists():
+        return result("fail", f"exit {code}: {short(out)}", peers=installed)
+    bench = json.loads(out_json.read_text())
+    if code != 0 or not bench.get("complete"):  # stopped midway: what it measured, and why
+        return result("fail", f"exit {code} (incomplete): {short(out)}", peers=installed, **bench)
+    fast = [r for r in bench["rows"] if r["row"] == "fastload"]
+    pinned_ok = all(m.get("pinned_within_limit", True) for m in bench["memory"])
+    verdicts = "; ".join(
+        f"{v['target']} {'-' if v['ratio'] is None else format(v['ratio'], '.2f')}"
+        f" ({'met' if v['met'] else 'not met' if v['met'] is False else 'not measured'})"
+        for v in bench["verdicts"]
+    )
+    rates = ", ".join(f"{k} {v:.2f}" for k, v in bench["rates"].items() if v is not None)
+    notes = "; ".join(f"{k}: {v[:200]}" for k, v in bench["notes"].items())
+    ok = bool(fast) and pinned_ok
+    why = "" if ok else " (no fastload row)" if not fast else " (page-locked memory over the limit)"
+    return result(
+        "pass" if ok else "fail",
+        f"GB/s: {rates}. Targets: {verdicts}. Not run: {notes or 'none'}{why}",
+        peers=installed,
+        **bench,
+    )
+
+
 _D, _G = "checks_driver.py", "checks_gpu.py"
 CHECKS = [
     Check("wheels_offline", "The kit's wheels install offline; dependencies import alone",
@@ -390,6 +447,9 @@ CHECKS = [
           "sliced and whole", "gpu", tp_gpu_bench, 240),
     Check("profile_load", "Where load(device='cuda') spends its time: first and later loads, "
           "pinning, torch allocations, copies; beside safetensors", "driver", profile_load, 300),
+    Check("cold_start", "benches/gpu_cold_start.py: Llama-3-8B's shapes (16 GB, 4 shards) warm "
+          "and cold beside the copy and disk rates and the peers; TP slices", "gpu", cold_start,
+          570),
 ]  # fmt: skip
 
 

@@ -1,0 +1,405 @@
+"""A process's first GPU load of a real-sized checkpoint, against the hardware's own rates and the
+peers, all in one run (needs a CUDA device; ``--device cpu`` runs the harness without one).
+
+    python benches/gpu_cold_start.py --json out.json     # Llama-3-8B's shapes, 4 shards, 16.06 GB
+    python benches/gpu_cold_start.py --size 4MiB --device cpu --json out.json   # the harness only
+
+On the same files (generated here: benches/make_checkpoint.py ``--family llama3``), each row one
+load in a fresh process whose CUDA context exists before the clock, timed until every tensor is
+usable (``torch.cuda.synchronize``):
+
+- ``copy``: the device's page-locked host-to-device copy rate (1 GiB, CUDA events, best of 3);
+- ``limits``: the disk's O_DIRECT read rate of the files at fastload's queue depth, 8 buffered
+  readers, and the page-cache read rate (``fastload bench --limits-only``, as benches/limits.py);
+- ``fastload``: ``fastload.load(dir, device=...)`` (as ``stream``, for its ``stats()``: where the
+  time went, what it pinned), then a second load in the same process; the page-locked memory it
+  keeps against ``memory_limit`` and torch's device memory peak against the tensors' bytes;
+- peers: ``safetensors`` (``load_file(device=)``), ``fastsafetensors`` (``nogds=True``),
+  ``instanttensor`` and ``runai`` (runai-model-streamer), where they import (``--peers DIR``: a
+  folder their wheels were installed in); a peer that cannot run is reported with why;
+- ``parts-tp2`` / ``parts-tp8`` (``load(parts=)``) and ``lazy-tp2`` / ``lazy-tp8`` (the lazy
+  tensors narrowed into preallocated parameters, benches/tp_gpu_bench.py's ``sliced``): rank 0's
+  slices, rated by the bytes they read against the whole warm load's rate.
+
+Warm rows run with the files in the page cache, cold ones after evicting them. The verdicts are
+the cold-start targets: warm first load >= 0.8x the page-locked copy rate, second load >= 0.9x,
+cold >= 0.95x the O_DIRECT rate, >= 1.2x the best warm peer and >= 1.0x the best cold one, the
+slices >= 0.8x the whole load's rate. ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import limits  # noqa: E402
+from gpu_bench import measure, run_fastsafetensors, run_runai  # noqa: E402
+from make_checkpoint import checkpoint_files, generate, make_spec, parse_size  # noqa: E402
+
+GiB = 1 << 30
+PEERS = ("safetensors", "fastsafetensors", "instanttensor", "runai")
+# What each row imports before its clock (no row pays for another's import).
+IMPORTS = {
+    "fastload": ["fastload", "fastload._torch"],
+    "parts-tp2": ["fastload", "fastload._torch"],
+    "parts-tp8": ["fastload", "fastload._torch"],
+    "lazy-tp2": ["fastload", "fastload._lazy"],
+    "lazy-tp8": ["fastload", "fastload._lazy"],
+    "safetensors": ["safetensors.torch"],
+    "fastsafetensors": ["fastsafetensors"],
+    "instanttensor": ["instanttensor"],
+    "runai": ["runai_model_streamer"],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# In a fresh process: one row
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: str) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+def row_copy(job: dict) -> dict:
+    import torch
+
+    if job["device"] == "cpu":
+        return {"skipped": "no CUDA device (--device cpu)"}
+    size = job.get("copy_bytes", GiB)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device=job["device"])
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return {"seconds": best, "bytes": size}
+
+
+def _fastload_once(job: dict, **options) -> dict:
+    import fastload
+
+    def run():
+        with fastload.stream(job["dir"], device=job["device"], **options) as s:
+            got = dict(s)
+            return got, s.stats()
+
+    seconds, (got, stats) = _timed(run, job["device"])
+    return {"seconds": seconds, "got": got, "stats": stats, "bytes": _nbytes(got.values())}
+
+
+def _stats_of(stats: dict) -> dict:
+    keys = ("pinned_bytes", "pinned_ms", "staging_peak_bytes", "first_segment_ms", "concurrency",
+            "block_size", "memory_limit", "bytes_read", "phases_ms", "part_bytes")  # fmt: skip
+    return {k: stats[k] for k in keys if k in stats}
+
+
+def row_fastload(job: dict) -> dict:
+    """The first load of the process, then a second; memory kept against the limits."""
+    import fastload
+    import torch
+
+    first = _fastload_once(job)
+    out: dict[str, Any] = {"seconds": first["seconds"], "bytes": first["bytes"],
+                           "stats": _stats_of(first["stats"])}  # fmt: skip
+    cached = fastload.cached_memory()
+    out["pinned_cached"] = cached["pinned"]
+    if job["device"] != "cpu":
+        # torch's allocator holds the tensors; anything beyond them (rounding to 512 bytes
+        # aside) is memory the load used on the way.
+        out["device_peak"] = torch.cuda.max_memory_allocated(job["device"])
+        out["device_rounding"] = sum(-(-t.nbytes // 512) * 512 for t in first["got"].values())
+    del first
+    if job.get("second", True):
+        second = _fastload_once(job)
+        out["second"] = {"seconds": second["seconds"], "bytes": second["bytes"],
+                         "stats": _stats_of(second["stats"])}  # fmt: skip
+    return out
+
+
+def row_parts(job: dict) -> dict:
+    """Rank 0's slices of every 2-D tensor (as vLLM's linear layers cut them), through parts=."""
+    from tp_gpu_bench import _layout, _part
+
+    parts = {}
+    for name, shape, _ in _layout(job["files"]):
+        part = _part(name, shape, 0, job["tp"])
+        if part is not None:
+            dim, start, size = part
+            index = [slice(None)] * len(shape)
+            index[dim] = slice(start, start + size)
+            parts[name] = tuple(index)
+    res = _fastload_once(job, parts=parts)
+    # The rate of a rank's load is of the bytes it read (its slices, gaps included, and the
+    # whole tensors it keeps).
+    return {"seconds": res["seconds"], "bytes": res["stats"]["bytes_read"],
+            "kept": res["bytes"], "stats": _stats_of(res["stats"])}  # fmt: skip
+
+
+def row_lazy(job: dict) -> dict:
+    """benches/tp_gpu_bench.py's ``sliced`` row (lazy tensors into preallocated parameters)."""
+    import tp_gpu_bench
+
+    res = tp_gpu_bench.one({**job, "row": "sliced", "rank": 0})
+    return {"seconds": res["seconds"], "bytes": res["kept"], "check": res["check"]}
+
+
+def row_safetensors(job: dict) -> dict:
+    from safetensors.torch import load_file
+
+    def run():
+        out: list = []
+        for f in job["files"]:
+            out.extend(load_file(f, device=job["device"]).values())
+        return _nbytes(out)
+
+    seconds, nbytes = _timed(run, job["device"])
+    return {"seconds": seconds, "bytes": nbytes}
+
+
+def row_instanttensor(job: dict) -> dict:
+    if job["device"] == "cpu":
+        return {"skipped": "needs a CUDA device"}
+    import torch
+    from instanttensor import safe_open
+
+    index = torch.device(job["device"]).index or 0
+
+    def run():
+        # All files in one call: it plans reads across them (its README).
+        with safe_open(job["files"], framework="pt", device=index) as f:
+            return _nbytes([t for _, t in f.tensors()])
+
+    seconds, nbytes = _timed(run, job["device"])
+    return {"seconds": seconds, "bytes": nbytes}
+
+
+def row_peer(run):
+    def row(job: dict) -> dict:
+        t0 = time.perf_counter()
+        nbytes = run(job["files"], job["device"])
+        return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
+
+    return row
+
+
+ROWS = {
+    "copy": row_copy,
+    "fastload": row_fastload,
+    "safetensors": row_safetensors,
+    "fastsafetensors": row_peer(run_fastsafetensors),
+    "instanttensor": row_instanttensor,
+    "runai": row_peer(run_runai),
+    "parts-tp2": row_parts,
+    "parts-tp8": row_parts,
+    "lazy-tp2": row_lazy,
+    "lazy-tp8": row_lazy,
+}
+
+
+def one(job: dict) -> dict:
+    import torch
+
+    try:
+        for module in IMPORTS.get(job["row"], []):
+            __import__(module)
+        if job["row"].startswith("lazy"):
+            import torch.distributed.tensor  # as tp_gpu_bench.one does
+    except Exception as e:  # ImportError, or a wheel built for another torch
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    if job["device"] != "cpu":
+        torch.empty(1, device=job["device"])  # the CUDA context, before the clock
+        torch.cuda.synchronize(job["device"])
+    return ROWS[job["row"]](job)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: checkpoint, rows, verdicts
+
+
+def _gbps(res: dict) -> float | None:
+    return res["bytes"] / res["seconds"] / 1e9 if res.get("seconds") else None
+
+
+def verdicts(rates: dict[str, float | None]) -> list[dict]:
+    """Each target of the cold start against what this run measured (None: not measured)."""
+
+    def ratio(a, b):
+        return None if rates.get(a) is None or not rates.get(b) else rates[a] / rates[b]
+
+    best = {c: max((rates[f"{c} {p}"] for p in PEERS if rates.get(f"{c} {p}")), default=None)
+            for c in ("warm", "cold")}  # fmt: skip
+    rows = [
+        ("warm first load / page-locked copy rate", ratio("warm fastload", "copy"), 0.8),
+        ("warm second load / page-locked copy rate", ratio("warm fastload second", "copy"), 0.9),
+        ("cold load / disk O_DIRECT rate", ratio("cold fastload", "disk O_DIRECT"), 0.95),
+        ("warm load / best warm peer",
+         rates.get("warm fastload") / best["warm"] if best["warm"] and rates.get("warm fastload")
+         else None, 1.2),
+        ("cold load / best cold peer",
+         rates.get("cold fastload") / best["cold"] if best["cold"] and rates.get("cold fastload")
+         else None, 1.0),
+    ]  # fmt: skip
+    for tp in (2, 8):
+        for kind in ("parts", "lazy"):
+            rows.append((f"TP {tp} {kind} / whole load", ratio(f"warm {kind}-tp{tp}",
+                                                              "warm fastload"), 0.8))  # fmt: skip
+    return [{"target": name, "ratio": r, "needs": need,
+             "met": None if r is None else r >= need} for name, r, need in rows]  # fmt: skip
+
+
+def _memory_checks(res: dict, block: int) -> dict:
+    """Pinned host memory within memory_limit; device memory within the tensors' own bytes
+    plus one block per copy stream (one stream)."""
+    stats = res.get("stats", {})
+    out: dict[str, Any] = {}
+    if "memory_limit" in stats:
+        out["pinned_cached"] = res.get("pinned_cached")
+        out["pinned_within_limit"] = (res.get("pinned_cached") or 0) <= stats["memory_limit"]
+    if "device_peak" in res:
+        extra = res["device_peak"] - res["device_rounding"]
+        out["device_beyond_tensors"] = extra
+        out["device_within_one_block"] = extra <= block
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--size", default="16GiB", help="16GiB: Llama-3-8B itself; less: scaled down")
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--ckpt-dir", default=str(HERE / "ckpt"))
+    ap.add_argument("--reps", type=int, default=2, help="warm loads per row (cold: one)")
+    ap.add_argument("--cache", default="warm,cold")
+    ap.add_argument("--rows", default=",".join(r for r in ROWS if r != "copy"))
+    ap.add_argument("--peers", help="a folder the peers' wheels are installed in (PYTHONPATH)")
+    ap.add_argument("--timeout", type=int, default=180, help="seconds per row")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(json.loads(args.one)), default=str), flush=True)
+        os._exit(0)
+    if args.peers:
+        paths = [args.peers, os.environ.get("PYTHONPATH", "")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+
+    started = time.perf_counter()
+    spec = make_spec(size=parse_size(args.size), shards=args.shards, dtype="bf16",
+                     family="llama3")  # fmt: skip
+    stamp = generate(spec, args.ckpt_dir, quiet=True)
+    files = checkpoint_files(stamp)
+    report: dict[str, Any] = {"complete": False, "dir": stamp["dir"], "files": len(files),
+                              "bytes": stamp["tensor_bytes"], "tensors": stamp["tensors"],
+                              "checkpoint_s": time.perf_counter() - started, "rows": [],
+                              "notes": {}, "limits": {}}  # fmt: skip
+    print(f"gpu_cold_start: {report['bytes'] / 1e9:.2f} GB, {len(files)} files "
+          f"({report['checkpoint_s']:.0f} s to write or find)", file=sys.stderr)  # fmt: skip
+    rows = [r for r in args.rows.split(",") if r]
+    base = {"dir": stamp["dir"], "files": files, "device": args.device}
+
+    def run(cache: str, row: str) -> None:
+        if row in report["notes"]:
+            return
+        if cache == "cold":
+            limits.evict(*files)
+        # A cold load's second load would be a warm one: the warm rows have it.
+        job = {**base, "row": row, "tp": int(row[-1]) if row[-1].isdigit() else 1,
+               "second": cache == "warm"}  # fmt: skip
+        try:
+            res = measure(sys.executable, job, args.timeout, __file__)
+        except subprocess.TimeoutExpired:
+            res = {"error": f"timed out after {args.timeout} s"}
+        if "seconds" not in res:
+            why = res.get("skipped") or res.get("error", "?").strip().splitlines()[-1]
+            report["notes"][row] = why
+            print(f"gpu_cold_start: {cache} {row}: not run: {why}", file=sys.stderr)
+            return
+        res.update(cache=cache, row=row, gb_per_s=_gbps(res))
+        report["rows"].append(res)
+        if args.json:  # after every row: a run stopped from outside leaves what it measured
+            Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        print(f"gpu_cold_start: {cache:4} {row:15} {res['seconds']:8.3f} s "
+              f"{res['gb_per_s']:7.2f} GB/s", file=sys.stderr)  # fmt: skip
+
+    run("warm", "copy")
+    for cache in args.cache.split(","):
+        if cache == "warm":  # once: 16 GB stay in the page cache between the warm rows
+            limits.warm(*files)
+        report["limits"][cache] = limits.storage(files, cache)
+        reps = args.reps if cache == "warm" else 1
+        for rep in range(reps):
+            for i in range(len(rows)):
+                row = rows[(i + rep) % len(rows)]  # rotated: drift hits every row alike
+                if "tp" in row and (cache == "cold" or rep > 0):
+                    continue  # the slices' targets are warm ones; one run each keeps it short
+                run(cache, row)
+    report.update(summarise(report), complete=True)
+    report["seconds"] = time.perf_counter() - started
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+def summarise(report: dict) -> dict:
+    """Best rate per (cache, row), the verdicts, and the memory checks of the fastload rows."""
+    rates: dict[str, float | None] = {}
+    for r in report["rows"]:
+        key = "copy" if r["row"] == "copy" else f"{r['cache']} {r['row']}"
+        rates[key] = max(rates.get(key) or 0.0, r["gb_per_s"])
+        if "second" in r:
+            second = f"{r['cache']} fastload second"
+            rate = r["second"]["bytes"] / r["second"]["seconds"] / 1e9
+            rates[second] = max(rates.get(second) or 0.0, rate)
+    disk = report["limits"].get("cold", {}).get("disk O_DIRECT", {})
+    rates["disk O_DIRECT"] = disk.get("gb_per_s")
+    memory = [_memory_checks(r, r.get("stats", {}).get("block_size", 0))
+              for r in report["rows"] if r["row"] == "fastload"]  # fmt: skip
+    return {"rates": rates, "verdicts": verdicts(rates), "memory": memory}
+
+
+def print_report(report: dict) -> None:
+    print(f"\n{report['bytes'] / 1e9:.2f} GB, {report['tensors']} tensors in {report['files']} "
+          f"files; best GB/s per row")  # fmt: skip
+    for key, rate in report["rates"].items():
+        print(f"  {key:28} {'-' if rate is None else f'{rate:8.2f}'}")
+    for name, why in report["notes"].items():
+        print(f"  {name:28} not run: {why}")
+    print("targets:")
+    for v in report["verdicts"]:
+        r = "-" if v["ratio"] is None else f"{v['ratio']:.2f}x"
+        met = {True: "met", False: "NOT MET", None: "not measured"}[v["met"]]
+        print(f"  {v['target']:42} {r:>8} (needs {v['needs']}x): {met}")
+    for m in report["memory"]:
+        print(f"  memory: {m}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
