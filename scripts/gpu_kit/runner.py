@@ -351,15 +351,17 @@ def install_peers(ctx: Ctx) -> tuple[Path | None, str]:
     if not wheels:
         return None, "the kit carries no peer wheels (peers/)"
     target = ctx.work / "peers"
-    if ctx.run([ctx.python, "-m", "pip", "--version"], ctx.env, 60)[0] == 0:
-        code, out = ctx.run(pip_install(ctx.python, target, wheels), ctx.env, 300)
-        if code != 0:
-            return None, f"pip exit {code}: {short(out, 500)}"
-    else:  # no pip: the wheels unpacked import the same
-        for w in wheels:
+    has_pip = ctx.run([ctx.python, "-m", "pip", "--version"], ctx.env, 60)[0] == 0
+    done = []
+    for w in wheels:  # one at a time: a wheel this Python cannot take leaves the others in
+        if has_pip:
+            code, out = ctx.run(pip_install(ctx.python, target, [w]), ctx.env, 300)
+            done.append(w.name if code == 0 else f"{w.name}: pip exit {code}: {short(out, 300)}")
+        else:  # no pip: the wheel unpacked imports the same
             with zipfile.ZipFile(w) as z:
                 z.extractall(target)
-    return target, ", ".join(w.name for w in wheels)
+            done.append(f"{w.name} (unzipped)")
+    return target, "; ".join(done)
 
 
 def cold_start(ctx: Ctx, check: Check) -> dict:
