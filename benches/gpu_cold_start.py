@@ -258,7 +258,10 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
     rows = [
         ("warm first load / page-locked copy rate", ratio("warm fastload", "copy"), 0.8),
         ("warm second load / page-locked copy rate", ratio("warm fastload second", "copy"), 0.9),
-        ("cold load / disk O_DIRECT rate", ratio("cold fastload", "disk O_DIRECT"), 0.95),
+        ("cold load / disk O_DIRECT rate", ratio("cold fastload", "disk O_DIRECT"), 0.95)
+        if rates.get("disk O_DIRECT") or not rates.get("disk buffered x8")
+        else ("cold load / disk rate (buffered x8: no O_DIRECT here)",
+              ratio("cold fastload", "disk buffered x8"), 0.95),
         ("warm load / best warm peer",
          rates.get("warm fastload") / best["warm"] if best["warm"] and rates.get("warm fastload")
          else None, 1.2),
@@ -378,8 +381,11 @@ def summarise(report: dict) -> dict:
             second = f"{r['cache']} fastload second"
             rate = r["second"]["bytes"] / r["second"]["seconds"] / 1e9
             rates[second] = max(rates.get(second) or 0.0, rate)
-    disk = report["limits"].get("cold", {}).get("disk O_DIRECT", {})
-    rates["disk O_DIRECT"] = disk.get("gb_per_s")
+    # The disk's rate: O_DIRECT reads; where the filesystem refuses O_DIRECT, 8 buffered readers
+    # of the evicted files (the verdict then says so).
+    cold = report["limits"].get("cold", {})
+    for label in ("disk O_DIRECT", "disk buffered x8"):
+        rates[label] = cold.get(label, {}).get("gb_per_s")
     memory = [_memory_checks(r, r.get("stats", {}).get("block_size", 0))
               for r in report["rows"] if r["row"] == "fastload"]  # fmt: skip
     return {"rates": rates, "verdicts": verdicts(rates), "memory": memory}
