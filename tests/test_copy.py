@@ -174,6 +174,69 @@ def test_an_existing_different_file_is_refused_unless_overwrite(hub, env, tmp_pa
     assert out["skipped"] == [str(dst / "tokenizer.json")]
 
 
+@pytest.mark.parametrize("to", ["local", "s3"])
+def test_an_unverified_copy_is_checked_again_and_overwrite_copies_again(
+    hub, env, tmp_path, request, to
+):
+    """`verify=False` from a Hub whose storage serves corrupted bytes records the copy as
+    unchecked, not by the Hub's sha256: a later `verify=True` checks it again (and fails while
+    the bytes are still wrong) and repairs it once they are right; `overwrite=True` copies a file
+    again even when it is a verified copy."""
+    name = "model-00001-of-00003.safetensors"
+    data = hub.tree[name]
+    sha = lfs_sha256(data)
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0xFF
+    if to == "local":
+        folder = tmp_path / "out"
+        folder.mkdir()
+        dst, dst_file = str(folder), str(folder / name)
+        try:
+            os.setxattr(folder, "user.fastload_probe", b"1")
+        except OSError:
+            pytest.skip("no user extended attributes on this filesystem")
+
+        def stored() -> tuple[bytes, str]:
+            record = os.getxattr(dst_file, "user.fastload_source").decode()
+            return Path(dst_file).read_bytes(), record
+
+    else:
+        s3 = request.getfixturevalue("s3")
+        prefix = f"copy/unverified-{tmp_path.name}/"
+        dst, dst_file = f"s3://{BUCKET}/{prefix}", f"s3://{BUCKET}/{prefix}{name}"
+
+        def stored() -> tuple[bytes, str]:
+            got = s3.get_object(Bucket=BUCKET, Key=prefix + name)
+            return got["Body"].read(), got["Metadata"]["fastload-source"]
+
+    def copy(**kw):
+        return fastload.copy(f"hf://{REPO}/{name}", dst, progress=False, **kw)
+
+    hub.storage.poison[sha] = bytes(bad)
+    assert copy(verify=False)["copied"] == [dst_file]
+    body, record = stored()
+    assert body == bytes(bad) and record != f"sha256:{sha}", record
+    # A rerun that does not verify resumes: the unchecked copy is this source's.
+    assert copy(verify=False)["skipped"] == [dst_file]
+    # Verifying checks it again: the corrupted bytes fail, nothing is replaced or skipped.
+    with pytest.raises(fastload.FastloadError, match="sha256"):
+        copy()
+    assert stored()[0] == bytes(bad)
+    hub.storage.poison.clear()
+    assert copy()["copied"] == [dst_file]
+    assert stored() == (data, f"sha256:{sha}")
+    assert copy()["skipped"] == [dst_file]
+    # Overwriting copies again, whatever is there.
+    gets = len(storage_gets(hub))
+    assert copy(overwrite=True)["copied"] == [dst_file]
+    assert len(storage_gets(hub)) > gets
+    assert stored() == (data, f"sha256:{sha}")
+
+
+def storage_gets(hub) -> list:
+    return [r for r in hub.requests(hub.storage) if r[0] == "GET"]
+
+
 def test_hostile_names_in_the_source_listing_write_nothing(hub, env, tmp_path):
     dst = tmp_path / "out" / "in"
     for repo, name in (("org/hostile", "a/%2e%2e/x.json"), ("org/parent", "../x.json")):

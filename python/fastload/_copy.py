@@ -86,8 +86,11 @@ def copy(
     ``verify`` a Hub file's sha256 (LFS) or git blob id is checked while it streams: a mismatch
     aborts that file (nothing published) and raises naming it. A destination file that is a
     complete copy of the same source (same size and source identity, recorded with it) is
-    skipped, so a rerun after an interruption finishes the job; any other existing file raises
-    :class:`fastload.DestinationExistsError` unless ``overwrite=True``. ``storage_options``
+    skipped, so a rerun after an interruption finishes the job; a Hub file copied with
+    ``verify=False`` is recorded as unchecked, and a ``verify=True`` run checks it again (hashes
+    a local file, copies an object again) before skipping it. Any other existing file raises
+    :class:`fastload.DestinationExistsError` unless ``overwrite=True``, which copies every file
+    again. ``storage_options``
     configure both stores. In a group each rank copies its share of the files; the call returns
     on every rank once all ranks finished (an error on any rank is raised on every rank). A file
     of at least two parts per rank going to S3 or GCS is split: every rank reads and uploads its

@@ -24,7 +24,8 @@ pub(super) struct CopyArgs {
     /// files go under DST with their relative paths
     #[arg(value_name = "DST")]
     dst: String,
-    /// Replace destination files that are not already verified copies of the source
+    /// Copy every file again, replacing whatever is at the destination (without it a copy of
+    /// the same source is skipped and any other file refused)
     #[arg(long)]
     overwrite: bool,
     /// Do not check Hub files' sha256 / git blob id while they stream

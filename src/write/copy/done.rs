@@ -2,6 +2,12 @@
 //! same size and the same source identity, recorded when the file was published (object
 //! metadata; a local file's extended attribute), or for a local file without the attribute, the
 //! source's digest recomputed from the file.
+//!
+//! A source with a digest (a Hub file's sha256 or git blob id) is recorded by its digest only
+//! when its bytes were hashed on their way ([`record`]); a copy made without checking them
+//! (`verify=False`) is recorded as unchecked, so that a later `verify=True` run checks it again
+//! (a local file is hashed, an object copied again) instead of taking a copy of corrupted bytes
+//! for a verified one.
 
 use std::io::Read;
 
@@ -18,20 +24,38 @@ use crate::write::WriteOptions;
 pub const ID_KEY: &str = "fastload-source";
 const XATTR: &str = "user.fastload_source";
 
+/// What marks a record whose bytes were not checked against the source's digest.
+const UNCHECKED: &str = "unchecked ";
+
+/// What a copy records for a source of identity `id`: `id` itself when the bytes are known to be
+/// the source's (hashed on the way, or a source without a digest, whose id is no claim about the
+/// bytes), else `id` marked as unchecked.
+pub fn record(id: &str, checked: bool) -> String {
+    match checked {
+        true => id.to_string(),
+        false => format!("{UNCHECKED}{id}"),
+    }
+}
+
 /// What is at a destination.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Existing {
     Absent,
     /// A complete copy of this source.
     Done,
+    /// A copy of this source whose bytes were never checked, and now fail the check or cannot
+    /// be checked in place (an object): copied again (it is this copy's own file, not the
+    /// user's, so no `overwrite` is needed).
+    Unchecked,
     /// Something else.
     Other,
 }
 
-/// What is at `dst` for `item`.
-pub fn existing(dst: &str, item: &Item, options: &WriteOptions) -> Result<Existing> {
+/// What is at `dst` for `item`. With `recheck` (a `verify=True` copy of a source with a digest),
+/// a copy recorded as unchecked is not done until its bytes pass.
+pub fn existing(dst: &str, item: &Item, options: &WriteOptions, recheck: bool) -> Result<Existing> {
     if kind(dst) != Kind::Local {
-        return existing_object(dst, item, options);
+        return existing_object(dst, item, options, recheck);
     }
     let path = dst.strip_prefix("file://").unwrap_or(dst);
     let meta = match std::fs::symlink_metadata(path) {
@@ -42,21 +66,44 @@ pub fn existing(dst: &str, item: &Item, options: &WriteOptions) -> Result<Existi
     if !meta.is_file() || meta.len() != item.source.size() {
         return Ok(Existing::Other);
     }
-    if item.id.is_some() && read_xattr(path).as_deref() == item.id.as_deref() {
+    let Some(id) = &item.id else {
+        return Ok(Existing::Other);
+    };
+    let recorded = recorded_as(read_xattr(path).as_deref(), id, recheck);
+    if recorded == Existing::Done {
         return Ok(Existing::Done);
     }
+    // An unchecked copy to check, or no record of this source (a file copied by something
+    // else, or on a filesystem without extended attributes): the file's own digest decides.
     match &item.digest {
         Some(digest) if hash_file(path, digest)? == digest_id(digest) => {
-            if let Some(id) = &item.id {
-                mark_local(path, id);
-            }
+            mark_local(path, id);
             Ok(Existing::Done)
         }
-        _ => Ok(Existing::Other),
+        _ => Ok(recorded),
     }
 }
 
-fn existing_object(dst: &str, item: &Item, options: &WriteOptions) -> Result<Existing> {
+/// What a destination's `recorded` identity says of it, for a source of identity `id`: `Done`
+/// (checked, or unchecked and not to be checked again), `Unchecked` (to be checked again) or
+/// `Other` (no record of this source).
+fn recorded_as(recorded: Option<&str>, id: &str, recheck: bool) -> Existing {
+    match recorded {
+        Some(r) if r == id => Existing::Done,
+        Some(r) if r.strip_prefix(UNCHECKED) == Some(id) => match recheck {
+            true => Existing::Unchecked,
+            false => Existing::Done,
+        },
+        _ => Existing::Other,
+    }
+}
+
+fn existing_object(
+    dst: &str,
+    item: &Item,
+    options: &WriteOptions,
+    recheck: bool,
+) -> Result<Existing> {
     let remote = crate::source::object::open(dst, &options.storage_options)?;
     crate::runtime::block_on(dst, async {
         let opts = GetOptions {
@@ -65,14 +112,10 @@ fn existing_object(dst: &str, item: &Item, options: &WriteOptions) -> Result<Exi
         };
         match remote.store.get_opts(&remote.path, opts).await {
             Ok(found) => {
-                let id = found.attributes.get(&Attribute::Metadata(ID_KEY.into()));
-                let same = found.meta.size == item.source.size()
-                    && item.id.is_some()
-                    && id.map(|v| v.as_ref()) == item.id.as_deref();
-                Ok(if same {
-                    Existing::Done
-                } else {
-                    Existing::Other
+                let recorded = found.attributes.get(&Attribute::Metadata(ID_KEY.into()));
+                Ok(match (&item.id, found.meta.size == item.source.size()) {
+                    (Some(id), true) => recorded_as(recorded.map(|v| v.as_ref()), id, recheck),
+                    _ => Existing::Other,
                 })
             }
             Err(object_store::Error::NotFound { .. }) => Ok(Existing::Absent),
@@ -148,4 +191,33 @@ fn read_xattr(path: &str) -> Option<String> {
     }
     buf.truncate(n as usize);
     String::from_utf8(buf).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unchecked_record_is_done_only_when_not_checking_again() {
+        let id = "sha256:ab12";
+        assert_eq!(record(id, true), id);
+        let unchecked = record(id, false);
+        assert_ne!(unchecked, id);
+        assert_eq!(recorded_as(Some(id), id, true), Existing::Done);
+        assert_eq!(recorded_as(Some(id), id, false), Existing::Done);
+        assert_eq!(recorded_as(Some(&unchecked), id, false), Existing::Done);
+        assert_eq!(recorded_as(Some(&unchecked), id, true), Existing::Unchecked);
+        // Another source's record, checked or not, or none: not a copy of this one.
+        for other in [
+            Some("sha256:cd34"),
+            Some("unchecked sha256:cd34"),
+            Some(""),
+            None,
+        ] {
+            assert_eq!(recorded_as(other, id, true), Existing::Other, "{other:?}");
+            assert_eq!(recorded_as(other, id, false), Existing::Other, "{other:?}");
+        }
+        // The mark is never taken for an id of its own.
+        assert_eq!(recorded_as(Some(id), &unchecked, false), Existing::Other);
+    }
 }

@@ -8,10 +8,13 @@
 //!   ([`VerifyingSource`]); the read that completes a file with the wrong digest fails, its
 //!   sink is aborted before publishing, and the copy fails naming the file.
 //! - Resumable: the source's identity ([`Item::id`]) is stored with each published file (object
-//!   metadata `fastload-source`; a local file's `user.fastload_source` extended attribute); a
-//!   rerun skips a destination file of the same size and identity (a local one without the
-//!   attribute is hashed when the source has a digest). An existing file that is not a verified
-//!   copy is refused unless `overwrite`.
+//!   metadata `fastload-source`; a local file's `user.fastload_source` extended attribute),
+//!   marked unchecked when the source has a digest that was not checked on the way
+//!   (`verify=False`, [`done::record`]); a rerun skips a destination file of the same size and
+//!   identity (a local one without the attribute is hashed when the source has a digest), except
+//!   that a `verify=True` run checks an unchecked copy again (hashes a local file, copies an
+//!   object again). An existing file that is not a copy of the source is refused unless
+//!   `overwrite`, which copies every file again.
 //! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), largest first, indexes last (see [`run`]).
 //! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
 //!   split on every rank); with an [`Exchange`] between the ranks, a file of at least two parts
@@ -335,12 +338,18 @@ fn run(
     }
 }
 
-/// One file: skipped when the destination is a verified copy already (`Ok(true)`), refused when
-/// it holds something else (unless overwriting), else copied (`Ok(false)`).
+/// One file: copied again whatever is there when overwriting; else skipped when the destination
+/// is a copy of this source already (`Ok(true)`: verified, or unchecked and not to be checked
+/// now), copied again when it is an unchecked copy that fails the check (or cannot be checked in
+/// place), refused when it holds something else, else copied (`Ok(false)`).
 fn copy_one((item, to): &(Item, String), options: &CopyOptions, stop: &AtomicBool) -> Result<bool> {
     let size = item.source.size();
-    let (check, write) = encrypted::target(item, &options.write)?;
-    match done::existing(to, &check, &write)? {
+    let (check, mut write) = encrypted::target(item, &options.write)?;
+    let found = match options.write.overwrite {
+        true => Existing::Other,
+        false => done::existing(to, &check, &write, rechecks(item, options))?,
+    };
+    match found {
         Existing::Done => {
             emit(
                 options,
@@ -355,9 +364,15 @@ fn copy_one((item, to): &(Item, String), options: &CopyOptions, stop: &AtomicBoo
         Existing::Other if !options.write.overwrite => {
             return Err(Error::Exists { path: to.clone() })
         }
+        // This copy's own earlier, unchecked file: replaced by a checked one.
+        Existing::Unchecked => write.overwrite = true,
         _ => {}
     }
-    copy_file(item, check.id.as_deref(), to, &write, options, stop)?;
+    let id = check
+        .id
+        .as_deref()
+        .map(|id| done::record(id, checked(item, options)));
+    copy_file(item, id.as_deref(), to, &write, options, stop)?;
     emit(
         options,
         Event::Done {
@@ -367,6 +382,19 @@ fn copy_one((item, to): &(Item, String), options: &CopyOptions, stop: &AtomicBoo
         },
     );
     Ok(false)
+}
+
+/// Whether a copy of `item` checks its bytes on the way: a source with a digest under `verify`,
+/// and one without (its recorded id, an ETag or a modification time, is no claim about the
+/// bytes, so there is nothing to check).
+fn checked(item: &Item, options: &CopyOptions) -> bool {
+    item.digest.is_none() || options.verify
+}
+
+/// Whether an unchecked copy of `item` at the destination is checked again before it is skipped:
+/// under `verify`, for a source with a digest.
+fn rechecks(item: &Item, options: &CopyOptions) -> bool {
+    item.digest.is_some() && options.verify
 }
 
 /// Each item with its destination URI; a name that would leave the destination fails the copy

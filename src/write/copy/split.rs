@@ -181,7 +181,13 @@ impl Upload {
 /// Rank 0's step 2: `None` when the destination is already a complete copy, else the upload.
 fn create(item: &Item, to: &str, options: &CopyOptions) -> Result<Option<Upload>> {
     let (check, write) = encrypted::target(item, &options.write)?;
-    match done::existing(to, &check, &write)? {
+    // A split file's digest is never checked on the way (see the module's documentation), so
+    // there is nothing to check again either; overwriting copies again whatever is there.
+    let found = match options.write.overwrite {
+        true => Existing::Other,
+        false => done::existing(to, &check, &write, false)?,
+    };
+    match found {
         Existing::Done => return Ok(None),
         Existing::Other if !options.write.overwrite => {
             return Err(Error::Exists {
@@ -191,10 +197,11 @@ fn create(item: &Item, to: &str, options: &CopyOptions) -> Result<Option<Upload>
         _ => {}
     }
     let mut upload = Upload::open(to, options, String::new())?;
+    let checked = item.digest.is_none();
     let metadata: Vec<(String, String)> = check
         .id
         .iter()
-        .map(|id| (done::ID_KEY.to_string(), id.clone()))
+        .map(|id| (done::ID_KEY.to_string(), done::record(id, checked)))
         .collect();
     let (store, remote) = (&upload.store, &upload.remote);
     upload.id = crate::runtime::block_on(&remote.uri, async {
