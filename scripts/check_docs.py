@@ -15,7 +15,11 @@
   is the one a bench run prints (a tiny run here), and the sample's rows and verdict lines use
   only those labels;
 - `fastload.inspect`'s shape, as docs/python-api.md, docs/cli-bench.md and `fastload inspect
-  --help` give it, is the one it returns, and `fastload inspect --json` prints the same object.
+  --help` give it, is the one it returns, and `fastload inspect --json` prints the same object;
+- every option of `fastload bench`, `inspect` and `copy` is described in docs/cli-bench.md (the
+  bench table's rows, the `- `--flag`: ...` lists of inspect and copy), and each description
+  agrees with the option's `--help`: the same words (one may stop early, the page may go on
+  after the help's words; examples after "e.g." aside) and the same default.
 
 Usage: python scripts/check_docs.py   (exit status 1 and one line per problem when something
 does not resolve). It needs fastload built: the tree's own (python/fastload with its native
@@ -217,6 +221,113 @@ def check_flags(pages: dict[Path, str], problems: list[str]) -> None:
                 problems.append(f"{page_name}: fastload {command} {flag}: not in its --help")
 
 
+HELP_OPTION_RE = re.compile(
+    r"^\s+(?:-\w, )?(--[a-z][\w-]*)(?: <[^>]+>|\[=<[^>]+>\])?(?:\s{2,}(.*))?$"
+)
+DOC_ROW_RE = re.compile(r"^\| `(--[a-z][\w-]*)[^`]*` \| (.*) \|$")
+DOC_ITEM_RE = re.compile(r"^- `(--[a-z][\w-]*)[^`]*`: (.*)$")
+
+
+def help_options(command: str) -> dict[str, str]:
+    """`fastload COMMAND --help`'s options: flag -> its description (without --help's own)."""
+    options: dict[str, str] = {}
+    flag = None
+    for line in help_text(command).splitlines():
+        m = HELP_OPTION_RE.match(line)
+        if m:
+            flag = m.group(1)
+            options[flag] = m.group(2) or ""
+        elif flag and line.startswith("        ") and line.strip():
+            options[flag] += " " + line.strip()
+        else:
+            flag = None
+    options.pop("--help", None)
+    return options
+
+
+def doc_options(text: str) -> dict[str, dict[str, str]]:
+    """docs/cli-bench.md's description of each command's options: the bench table's rows and the
+    `- `--flag ...`: description` items (continued on indented lines) of each command's section."""
+    documented: dict[str, dict[str, str]] = {"bench": {}, "inspect": {}, "copy": {}}
+    command, item = None, None
+    for line in text.splitlines():
+        heading = re.match(r"^## `fastload (\w+)`", line)
+        if line.startswith("## "):
+            command = heading.group(1) if heading else None
+            item = None
+            continue
+        if command not in documented:
+            continue
+        row, bullet = DOC_ROW_RE.match(line), DOC_ITEM_RE.match(line)
+        if row:
+            documented[command][row.group(1)] = row.group(2).replace("\\|", "|")
+        elif bullet:
+            item = bullet.group(1)
+            documented[command][item] = bullet.group(2)
+        elif item and line.startswith("  ") and line.strip():
+            documented[command][item] += " " + line.strip()
+        else:
+            item = None
+    return documented
+
+
+def split_default(text: str, doc: bool) -> tuple[list[str], list[str] | None]:
+    """The words of a description (links as their text, no code marks, examples after "e.g."
+    left out) and of its default, or None: `[default: X]` in --help; `(default X)` or a last
+    `; default X` in the docs."""
+    default = None
+    if doc:
+        # A cross-reference in parentheses is the page's own; other links read as their text.
+        text = re.sub(r"\(\[[^\]]*\]\([^)]*\)\)", "", text)
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).replace("`", "")
+        start = text.find("(default ")
+        if start >= 0:
+            depth, end = 0, start
+            for end in range(start, len(text)):
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                if depth == 0:
+                    break
+            default, text = text[start + 9 : end], text[:start] + text[end + 1 :]
+        else:
+            m = re.search(r"[;,] default (.*)$", text)
+            if m:
+                default, text = m.group(1), text[: m.start()]
+    else:
+        m = re.search(r"\[default: ([^\]]*)\]", text)
+        if m:
+            default, text = m.group(1), text[: m.start()] + text[m.end() :]
+    text = re.sub(r"e\.g\. [^;)\[]*?(?=[;)\[]|, [a-z]|$)", "", text)
+
+    def words(t: str) -> list[str]:
+        return re.findall(r"[a-z0-9$_]+", t.lower())
+
+    return words(text), (words(default) if default is not None else None)
+
+
+def check_option_docs(text: str, problems: list[str]) -> None:
+    documented = doc_options(text)
+    for command, docs in documented.items():
+        helps = help_options(command)
+        for flag in sorted(set(helps) - set(docs)):
+            problems.append(f"{BENCH_PAGE.name}: fastload {command} {flag}: not described")
+        for flag in sorted(set(docs) & set(helps)):
+            help_words, help_default = split_default(helps[flag], doc=False)
+            doc_words, doc_default = split_default(docs[flag], doc=True)
+            n = min(len(help_words), len(doc_words))
+            where = f"{BENCH_PAGE.name}: fastload {command} {flag}"
+            if help_words[:n] != doc_words[:n] or (len(doc_words) < len(help_words) and n < 3):
+                at = next((i for i in range(n) if help_words[i] != doc_words[i]), n)
+                problems.append(
+                    f"{where}: the page says {' '.join(doc_words[at : at + 8])!r} where --help "
+                    f"says {' '.join(help_words[at : at + 8])!r}"
+                )
+            if help_default != doc_default and help_default is not None:
+                problems.append(
+                    f"{where}: default {' '.join(doc_default or ['(none)'])!r} on the page, "
+                    f"{' '.join(help_default)!r} in --help"
+                )
+
+
 def run_cli(*args: str) -> str:
     """`fastload ARGS`' stdout, from the package's script (the same parser as the binary)."""
     out = subprocess.run(
@@ -372,6 +483,7 @@ def main() -> int:
         check_apis(page, text, package, problems)
     check_readme_links(problems)
     check_flags(pages, problems)
+    check_option_docs(pages[BENCH_PAGE], problems)
     with tempfile.TemporaryDirectory() as folder:
         tiny = tiny_checkpoint(Path(folder))
         sample_run = run_cli("bench", str(tiny), "--repeat", "1", "--compare=none")

@@ -49,8 +49,13 @@ pub fn run_in(args: Vec<String>, python: Option<String>) -> i32 {
         // The reader went away (`fastload inspect m.safetensors | head`): not an error.
         Err(CliError::Stdout(e)) if e.kind() == io::ErrorKind::BrokenPipe => 0,
         Err(e) => {
-            // Scrubbed of known credentials, as every message that leaves fastload.
-            let line = crate::error::scrub(&e.to_string()).replace(['\n', '\r'], " ");
+            // Scrubbed of known credentials, as every message that leaves fastload, and naming
+            // arguments by their flags (`--overwrite`, not Python's `overwrite=True`).
+            let text = match &e {
+                CliError::Load(e) => e.message_for(crate::options::FrontEnd::Cli),
+                e => crate::error::scrub(&e.to_string()),
+            };
+            let line = text.replace(['\n', '\r'], " ");
             eprintln!("fastload: error: {line}");
             1
         }
@@ -168,6 +173,24 @@ impl Device {
             }
         }
     }
+}
+
+/// The keyset of `--keyset FILE`: the path, read when the load opens (the JSON itself is refused:
+/// a command line is visible to every user of the machine in `ps`; never shown, as either).
+fn keyset_file(path: Option<&str>) -> CliResult<Option<crate::options::Secret>> {
+    let Some(path) = path else { return Ok(None) };
+    crate::error::remember_secret(path);
+    if path.trim().trim_start_matches('\u{feff}').starts_with('{') {
+        return Err(crate::Error::option(
+            "keyset",
+            "takes the path of a keyset file, not the keyset's JSON (a command line shows in \
+             `ps`); the value is not shown",
+        )
+        .into());
+    }
+    Ok(Some(crate::options::Secret(zeroize::Zeroizing::new(
+        path.to_string(),
+    ))))
 }
 
 /// Writes `text` to stdout in one go; a closed pipe surfaces as [`CliError::Stdout`].

@@ -11,6 +11,7 @@
 use std::io;
 
 use crate::format::FormatError;
+use crate::options::FrontEnd;
 
 /// Everything that can go wrong while planning or running a load.
 #[non_exhaustive]
@@ -130,7 +131,7 @@ pub enum Error {
 
     /// A write's destination exists and overwriting was not asked for. Raised as Python's
     /// `fastload.DestinationExistsError` (a `FileExistsError`) with `filename` the destination.
-    #[error("{path}: already exists (pass overwrite=True to replace it)")]
+    #[error("{}", exists(.path, FrontEnd::Python))]
     Exists { path: String },
 
     /// Tensors that cannot be written as they are (a duplicate or reserved name, a shape too
@@ -147,6 +148,43 @@ pub enum Error {
         segment: Option<u64>,
         message: String,
     },
+
+    /// A file read without a keyset that is not safetensors (`detail` says why) and looks
+    /// Tink-encrypted. Raised as Python's `FormatError`.
+    #[error("{}", encrypted(.path, .detail, FrontEnd::Python))]
+    Encrypted { path: String, detail: String },
+
+    /// A copy asked to encrypt a file that is Tink-encrypted already. Raised as Python's
+    /// `ConfigError` (`option` the keyset).
+    #[error("{}", already_encrypted(.path, FrontEnd::Python))]
+    AlreadyEncrypted { path: String },
+}
+
+// The messages that name arguments, worded for one front end (see `options::ARGUMENTS`):
+// `Display` words them for Python, `Error::message_for` for either.
+
+fn exists(path: &str, front: FrontEnd) -> String {
+    format!(
+        "{path}: already exists (pass {} to replace it)",
+        front.given("overwrite")
+    )
+}
+
+fn encrypted(path: &str, detail: &str, front: FrontEnd) -> String {
+    format!(
+        "{path}: not a safetensors file ({detail}); it looks like a Tink-encrypted file \
+         (streaming AEAD header): pass {}",
+        front.given("keyset")
+    )
+}
+
+fn already_encrypted(path: &str, front: FrontEnd) -> String {
+    format!(
+        "invalid option {}: {path} looks Tink-encrypted already (its first bytes are a streaming \
+         AEAD header, not a safetensors header): copy it without {} to keep it as it is",
+        front.name("encrypt"),
+        front.without("encrypt"),
+    )
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -173,9 +211,24 @@ impl Error {
     }
 
     /// The message as it may leave the crate: [`Display`](std::fmt::Display) with every known
-    /// credential scrubbed out (`scrub`).
+    /// credential scrubbed out (`scrub`). Python's words: see [`Error::message_for`].
     pub fn message(&self) -> String {
-        scrub(&self.to_string())
+        self.message_for(FrontEnd::Python)
+    }
+
+    /// The message as `front` shows it: the arguments it names are that front end's (a flag on
+    /// the command line, a keyword in Python), every known credential scrubbed out.
+    pub fn message_for(&self, front: FrontEnd) -> String {
+        let text = match self {
+            Error::InvalidOption { option, message } => {
+                format!("invalid option {}: {message}", front.name(option))
+            }
+            Error::Exists { path } => exists(path, front),
+            Error::Encrypted { path, detail } => encrypted(path, detail, front),
+            Error::AlreadyEncrypted { path } => already_encrypted(path, front),
+            e => e.to_string(),
+        };
+        scrub(&text)
     }
 
     /// A [`Error::Memory`] told what the memory was for (` for tensor "x" of FILE`); other

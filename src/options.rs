@@ -420,6 +420,226 @@ pub const OPTIONS: &[OptionDef] = &[
     ASSOCIATED_DATA,
 ];
 
+/// Which front end shows a message: Python names an argument by its keyword (`overwrite=True`),
+/// the command line by its flag (`--overwrite`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrontEnd {
+    Python,
+    Cli,
+}
+
+/// How each front end names one argument. Errors carry the argument's identity (`option`); each
+/// front end renders it where the message is shown (`src/python/errors.rs`, `src/cli.rs`,
+/// through `Error::message_for`), from this table.
+#[derive(Clone, Copy, Debug)]
+pub struct Argument {
+    /// Its identity, as errors carry it (and `ConfigError.option` unless `python` differs).
+    pub option: &'static str,
+    /// Python's keyword for it.
+    pub python: &'static str,
+    /// A yes/no argument: a Python message asks for `overwrite=True`, not `keyset=`.
+    pub switch: bool,
+    /// The command line's flag, and how a message asks for it (`--keyset FILE`); `None`: the
+    /// command line has no such argument.
+    pub cli: Option<(&'static str, &'static str)>,
+    /// The environment variable that stands in for it when it is not given.
+    pub env: Option<&'static str>,
+    /// The values it takes, checked by [`check`] whichever front end gave it.
+    pub accepts: Accepts,
+}
+
+/// The values of a numeric argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accepts {
+    /// What its type takes (checked where it is read, if at all).
+    Any,
+    /// A count in `min..=max`.
+    Count(u64, u64),
+    /// A byte count in `min..=max`.
+    Bytes(u64, u64),
+}
+
+/// The smallest upload part the object stores take (but for a file's last part), and the
+/// largest (S3's limits; GCS's XML API and Azure's blocks take them too).
+pub const MIN_PART_SIZE: u64 = 5 << 20;
+pub const MAX_PART_SIZE: u64 = 5 << 30;
+
+/// An option of [`OPTIONS`] with its command-line flag (`None`: Python only).
+const fn load_option(
+    def: OptionDef,
+    cli: Option<(&'static str, &'static str)>,
+    accepts: Accepts,
+) -> Argument {
+    Argument {
+        option: def.name,
+        python: def.name,
+        switch: false,
+        cli,
+        env: def.env,
+        accepts,
+    }
+}
+
+/// Every argument a message may name, and how each front end names it: the one table of both
+/// names (`cargo test options` checks that every option of [`OPTIONS`] has its row and that the
+/// flags are the command line's).
+pub const ARGUMENTS: &[Argument] = &[
+    load_option(DEVICE, Some(("--device", "--device DEVICE")), Accepts::Any),
+    load_option(
+        CONCURRENCY,
+        Some(("--concurrency", "--concurrency N")),
+        Accepts::Count(1, 4096),
+    ),
+    load_option(
+        BLOCK_SIZE,
+        Some(("--block-size", "--block-size SIZE")),
+        Accepts::Bytes(4096, 1 << 30),
+    ),
+    load_option(
+        MEMORY_LIMIT,
+        Some(("--memory-limit", "--memory-limit SIZE")),
+        Accepts::Bytes(1 << 20, u64::MAX),
+    ),
+    load_option(NAMES, None, Accepts::Any),
+    load_option(PARTS, None, Accepts::Any),
+    load_option(METHOD, Some(("--method", "--method METHOD")), Accepts::Any),
+    load_option(
+        STORAGE_OPTIONS,
+        Some(("--option", "--option KEY=VALUE")),
+        Accepts::Any,
+    ),
+    load_option(CACHE, Some(("--cache", "--cache DIR")), Accepts::Any),
+    // `fastload copy --no-verify` turns copy's check off; no command turns a load's on.
+    load_option(VERIFY, None, Accepts::Any),
+    load_option(KEYSET, Some(("--keyset", "--keyset FILE")), Accepts::Any),
+    load_option(ASSOCIATED_DATA, None, Accepts::Any),
+    Argument {
+        option: "overwrite",
+        python: "overwrite",
+        switch: true,
+        cli: Some(("--overwrite", "--overwrite")),
+        env: None,
+        accepts: Accepts::Any,
+    },
+    // A write's upload parts (`save_file`, `save`, `copy`, `fastload copy`).
+    Argument {
+        option: "part_size",
+        python: "part_size",
+        switch: false,
+        cli: Some(("--part-size", "--part-size SIZE")),
+        env: None,
+        accepts: Accepts::Bytes(MIN_PART_SIZE, MAX_PART_SIZE),
+    },
+    // The keyset a write encrypts with: Python's `keyset=` of `save_file`, `save` and `copy`;
+    // `fastload copy --encrypt` (with `--keyset FILE`, else `FASTLOAD_KEYSET`).
+    Argument {
+        option: "encrypt",
+        python: "keyset",
+        switch: false,
+        cli: Some(("--encrypt", "--encrypt")),
+        env: None,
+        accepts: Accepts::Any,
+    },
+];
+
+/// `value` of the argument `option` if its row accepts it; else an error naming `named` (the
+/// argument, or the environment variable the value came from). The one check of these values,
+/// for every front end and every command (a load's, a write's, a copy's).
+pub fn check(option: &str, named: &str, value: u64) -> Result<u64> {
+    let accepts = argument(option).map_or(Accepts::Any, |a| a.accepts);
+    let problem = match accepts {
+        Accepts::Count(min, max) if !(min..=max).contains(&value) => {
+            format!("{value} is not in {min}..={max}")
+        }
+        Accepts::Bytes(min, u64::MAX) if value < min => {
+            format!("{} is below the {} minimum", Size(value), Size(min))
+        }
+        Accepts::Bytes(min, max) if !(min..=max).contains(&value) => {
+            format!(
+                "{} is not between {} and {}",
+                Size(value),
+                Size(min),
+                Size(max)
+            )
+        }
+        _ => return Ok(value),
+    };
+    Err(Error::option(named, problem))
+}
+
+impl Argument {
+    /// How a Python message asks for it: `keyset=`, `overwrite=True`.
+    fn python_given(&self) -> String {
+        match self.switch {
+            true => format!("{}=True", self.python),
+            false => format!("{}=", self.python),
+        }
+    }
+}
+
+/// The row of `option`, if it has one.
+pub fn argument(option: &str) -> Option<&'static Argument> {
+    ARGUMENTS.iter().find(|a| a.option == option)
+}
+
+impl FrontEnd {
+    /// How this front end names `option`: an argument's identity (`block_size`, or
+    /// `--block-size`), a storage option (`storage_options["endpoint"]`, or `--option endpoint`),
+    /// or anything else (an environment variable) as it is.
+    pub fn name(self, option: &str) -> String {
+        let key = option
+            .strip_prefix("storage_options[")
+            .and_then(|k| k.strip_suffix(']'));
+        match (self, argument(option), key) {
+            (FrontEnd::Python, Some(a), _) => a.python.to_string(),
+            (
+                FrontEnd::Cli,
+                Some(Argument {
+                    cli: Some((flag, _)),
+                    ..
+                }),
+                _,
+            ) => flag.to_string(),
+            (FrontEnd::Cli, _, Some(key)) => {
+                format!("--option {}", key.trim_matches('"'))
+            }
+            _ => option.to_string(),
+        }
+    }
+
+    /// How this front end asks for `option` to be given, with the variable that stands in for
+    /// it: `keyset= (or set FASTLOAD_KEYSET)`, `--keyset FILE (or set FASTLOAD_KEYSET)`,
+    /// `overwrite=True`, `--overwrite`.
+    pub fn given(self, option: &str) -> String {
+        let Some(a) = argument(option) else {
+            return option.to_string();
+        };
+        let given = match (self, a.cli) {
+            (FrontEnd::Cli, Some((_, given))) => given.to_string(),
+            _ => a.python_given(),
+        };
+        match a.env {
+            Some(env) => format!("{given} (or set {env})"),
+            None => given.to_string(),
+        }
+    }
+
+    /// How this front end names `option` as left out: `keyset=`, `--encrypt`.
+    pub fn without(self, option: &str) -> String {
+        match (self, argument(option)) {
+            (
+                FrontEnd::Cli,
+                Some(Argument {
+                    cli: Some((_, given)),
+                    ..
+                }),
+            ) => given.to_string(),
+            (_, Some(a)) => format!("{}=", a.python),
+            (_, None) => option.to_string(),
+        }
+    }
+}
+
 /// A yes/no environment value: `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no` (or empty).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Flag(pub bool);
@@ -527,24 +747,9 @@ impl LoadOptions {
             },
             m => (m, format!("method={:?} was asked for", m.as_str())),
         };
-        if concurrency == 0 || concurrency > 4096 {
-            return Err(Error::option(
-                concurrency_from,
-                format!("{concurrency} is not in 1..=4096"),
-            ));
-        }
-        if !(4096..=(1 << 30)).contains(&block_size) {
-            return Err(Error::option(
-                block_size_from,
-                format!("{} is not between 4KiB and 1GiB", Size(block_size)),
-            ));
-        }
-        if memory_limit < (1 << 20) {
-            return Err(Error::option(
-                memory_limit_from,
-                format!("{} is below the 1MiB minimum", Size(memory_limit)),
-            ));
-        }
+        check(CONCURRENCY.name, concurrency_from, concurrency as u64)?;
+        check(BLOCK_SIZE.name, block_size_from, block_size)?;
+        check(MEMORY_LIMIT.name, memory_limit_from, memory_limit)?;
         let given = self.block_size.is_some() || block_size_from == ENV_BLOCK_SIZE;
         let staged_block_size = if given || remote {
             block_size
@@ -697,6 +902,53 @@ mod tests {
                 o.name
             );
         }
+    }
+
+    /// Every option has its row in the table of names, and messages name arguments per front end.
+    #[test]
+    fn every_option_has_its_names() {
+        for o in OPTIONS {
+            let a =
+                argument(o.name).unwrap_or_else(|| panic!("{} has no row in ARGUMENTS", o.name));
+            assert_eq!((a.python, a.env), (o.name, o.env), "{}", o.name);
+        }
+        for (i, a) in ARGUMENTS.iter().enumerate() {
+            assert!(
+                ARGUMENTS[..i].iter().all(|b| b.option != a.option),
+                "{}",
+                a.option
+            );
+            if let Some((flag, given)) = a.cli {
+                assert!(
+                    flag.starts_with("--") && given.starts_with(flag),
+                    "{}",
+                    a.option
+                );
+            }
+        }
+        let (py, cli) = (FrontEnd::Python, FrontEnd::Cli);
+        assert_eq!(py.name("block_size"), "block_size");
+        assert_eq!(cli.name("block_size"), "--block-size");
+        assert_eq!(
+            cli.name("storage_options[\"endpoint\"]"),
+            "--option endpoint"
+        );
+        assert_eq!(cli.name(ENV_KEYSET), ENV_KEYSET);
+        assert_eq!(py.given("overwrite"), "overwrite=True");
+        assert_eq!(cli.given("overwrite"), "--overwrite");
+        assert_eq!(py.given("keyset"), "keyset= (or set FASTLOAD_KEYSET)");
+        assert_eq!(
+            cli.given("keyset"),
+            "--keyset FILE (or set FASTLOAD_KEYSET)"
+        );
+        assert_eq!(
+            (
+                py.name("encrypt"),
+                py.without("encrypt"),
+                cli.without("encrypt")
+            ),
+            ("keyset".into(), "keyset=".into(), "--encrypt".into())
+        );
     }
 
     #[test]

@@ -298,3 +298,56 @@ def test_inspect_has_one_shape_in_python_and_on_the_command_line(tmp_path):
     ).stdout
     for form in ("s3://", "gs://", "az://", "http(s)://", "hf://"):
         assert form in help_text, help_text
+
+
+def _fastload(*args: str) -> subprocess.CompletedProcess[str]:
+    """`fastload ARGS` through the wheel's script, FASTLOAD_* variables cleared."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    cli = [sys.executable, "-m", "fastload._cli", *args]
+    return subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_command_line_errors_name_flags_and_python_errors_name_arguments(tmp_path):
+    """One table names each argument for both front ends: the command line's errors say
+    `--overwrite`, `--part-size`, `--block-size`, Python's `overwrite=True`, `part_size`,
+    `block_size`; and `--part-size` is checked as `part_size=` is (it was taken silently)."""
+    import fastload
+    import pytest
+
+    src = str(_sample(tmp_path / "m.safetensors"))
+    taken = tmp_path / "taken.safetensors"
+    taken.write_bytes(b"another file")
+    out = _fastload("copy", src, str(taken))
+    assert out.returncode == 1 and "(pass --overwrite to replace it)" in out.stderr, out.stderr
+    assert "overwrite=True" not in out.stderr
+    with pytest.raises(fastload.DestinationExistsError) as e:
+        fastload.copy(src, taken, progress=False)
+    assert "(pass overwrite=True to replace it)" in str(e.value) and "--" not in str(e.value)
+    assert taken.read_bytes() == b"another file"
+
+    dst = tmp_path / "small-parts.safetensors"
+    out = _fastload("copy", src, str(dst), "--part-size", "1MiB")
+    assert out.returncode == 1, out.stderr
+    assert "invalid option --part-size: 1MiB is not between 5MiB and 5GiB" in out.stderr
+    for call in (
+        lambda: fastload.copy(src, dst, part_size="1MiB", progress=False),
+        lambda: fastload.save_file({}, dst, part_size=1 << 20),
+    ):
+        with pytest.raises(fastload.ConfigError) as e:
+            call()
+        assert e.value.option == "part_size", e.value
+        assert "invalid option part_size: 1MiB is not between 5MiB and 5GiB" in str(e.value)
+    assert not dst.exists()
+    assert _fastload("copy", src, str(dst), "--part-size", "5MiB").returncode == 0
+
+    out = _fastload("bench", src, "--block-size", "1KiB", "--compare=none")
+    assert out.returncode == 1 and "invalid option --block-size: 1KiB" in out.stderr, out.stderr
+    with pytest.raises(fastload.ConfigError, match="invalid option block_size: 1KiB"):
+        fastload.load(src, block_size="1KiB")
+    # A misspelt storage option (checked before any request): `--option KEY`, as given.
+    out = _fastload("copy", src, "s3://bucket/m.safetensors", "--option", "endpiont=http://x")
+    assert out.returncode == 1 and "invalid option --option endpiont:" in out.stderr, out.stderr
+    assert "storage_options" not in out.stderr
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.copy(src, "s3://bucket/m.safetensors", storage_options={"endpiont": "http://x"})
+    assert e.value.option == 'storage_options["endpiont"]' and "--option" not in str(e.value)

@@ -697,3 +697,32 @@ def test_the_cli_draws_a_progress_bar_on_a_terminal_only(tmp_path):
     assert proc.wait(timeout=60) == 0
     assert b"copy 1 file" in seen and b"B/s" in seen, seen
     assert (tmp_path / "b" / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
+
+
+def test_copy_checks_its_options_in_one_place_for_python_and_the_command_line(tmp_path):
+    """`fastload.copy` passes its values on as given; the native copy checks them with the rules
+    of a load's reads and a write's parts, and so does `fastload copy`: a value out of range is a
+    ConfigError naming the argument (a flag on the command line), before anything is read."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 1000)
+    dst = tmp_path / "dst.bin"
+    cases = [
+        ({"overwrite": "yes"}, "overwrite", "expected a bool, got str"),
+        ({"concurrency": 0}, "concurrency", "0 is not a positive int"),
+        ({"block_size": "1KiB"}, "block_size", "1KiB is not between 4KiB and 1GiB"),
+        ({"part_size": 6 << 30}, "part_size", "6GiB is not between 5MiB and 5GiB"),
+        ({"memory_limit": [1]}, "memory_limit", "expected an int or a string"),
+    ]
+    for kwargs, option, says in cases:
+        with pytest.raises(fastload.ConfigError) as e:
+            fastload.copy(src, dst, progress=False, **kwargs)
+        assert e.value.option == option and says in str(e.value), (kwargs, e.value)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    cli = [sys.executable, "-m", "fastload._cli", "copy", str(src), str(dst)]
+    for flag, value, says in [
+        ("--concurrency", "5000", "invalid option --concurrency: 5000 is not in 1..=4096"),
+        ("--block-size", "1KiB", "invalid option --block-size: 1KiB is not between 4KiB and 1GiB"),
+    ]:
+        out = subprocess.run([*cli, flag, value], capture_output=True, text=True, env=env)
+        assert out.returncode == 1 and says in out.stderr, out.stderr
+    assert not dst.exists()

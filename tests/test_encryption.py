@@ -9,8 +9,12 @@ tensor from an unauthenticated segment, and never shows the key.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import fastload
@@ -407,7 +411,9 @@ def test_failures_name_the_file_and_segment_and_hide_the_key(encrypted, big_keys
     assert isinstance(e, fastload.ConfigError)
     assert_hides(e, keyset)
     e = failure(lambda: fastload._fastload.resolve_options(keyset=str(tmp_path / "none.json")))
-    assert isinstance(e, fastload.ConfigError) and "none.json" in str(e)
+    # Not read, and not shown either: a keyset value may be key material, whatever its form.
+    assert isinstance(e, fastload.ConfigError) and "No such file" in str(e)
+    assert EXPECTED in str(e) and "none.json" not in str(e)
 
 
 def test_stream_hands_out_only_authenticated_tensors(dtypes_file, small, tmp_path):
@@ -525,6 +531,141 @@ def test_command_line_takes_the_keyset_from_the_environment(encrypted, big_keyse
     assert ok.returncode == 0 and "[1024, 1024]" in ok.stdout, ok.stderr
     refused = subprocess.run(cli, capture_output=True, text=True, env=env)
     assert refused.returncode != 0 and "FASTLOAD_KEYSET" in refused.stderr
+
+
+def run_cli(*args: str, keyset_env: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`fastload ARGS` (the wheel's script) with FASTLOAD_* cleared, FASTLOAD_KEYSET set to
+    `keyset_env` when given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}
+    if keyset_env is not None:
+        env["FASTLOAD_KEYSET"] = keyset_env
+    cli = [sys.executable, "-m", "fastload._cli", *args]
+    return subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
+
+
+EXPECTED = "a keyset JSON, or a path to one"
+
+
+def not_json_forms(keyset: str) -> dict[str, str]:
+    """A keyset as it is handed over by mistake: base64 (a Kubernetes secret's data), the JSON in
+    quotes, the JSON cut at its first brace."""
+    return {
+        "base64": base64.b64encode(keyset.encode()).decode(),
+        "quoted": json.dumps(keyset),
+        "no brace": keyset.strip()[1:],
+    }
+
+
+def assert_shows_none_of(text: str, keyset: str, form: str) -> None:
+    """No key value of `keyset` nor any 12-character run of `form` (its key material as it was
+    given) is in `text`."""
+    for secret in key_values(keyset):
+        assert secret[:12] not in text, text
+    for i in range(len(form) - 11):
+        assert form[i : i + 12] not in text, (form[i : i + 12], text)
+
+
+def test_a_keyset_that_is_not_json_is_never_shown(
+    plain_file, encrypted, big_keyset, to_save, tmp_path, monkeypatch
+):
+    """A keyset that is not JSON (nor a file) is refused by every entry point, Python's
+    arguments, FASTLOAD_KEYSET and the command line alike, saying what was expected and showing
+    no part of it (it used to be quoted whole as a file name that was "too long")."""
+    keyset = big_keyset[0]
+    for name, form in not_json_forms(keyset).items():
+        calls = {
+            "load": lambda k: fastload.load(encrypted, keyset=k),
+            "safe_open": lambda k: fastload.safe_open(encrypted, "pt", keyset=k).__enter__(),
+            "save_file": lambda k: fastload.save_file(to_save, tmp_path / "w", keyset=k),
+            "copy": lambda k: fastload.copy(plain_file, tmp_path / "c", keyset=k, progress=False),
+        }
+        for entry, call in calls.items():
+            with pytest.raises(fastload.ConfigError) as e:
+                call(form)
+            text = str(e.value) + repr(e.value.args)
+            assert e.value.option == "keyset" and EXPECTED in text, (entry, name, text)
+            assert_shows_none_of(text, keyset, form)
+        with monkeypatch.context() as m:
+            m.setenv("FASTLOAD_KEYSET", form)
+            with pytest.raises(fastload.ConfigError) as e:
+                fastload.load(encrypted)
+            assert e.value.option == "FASTLOAD_KEYSET" and EXPECTED in str(e.value)
+            assert_shows_none_of(str(e.value), keyset, form)
+        for args in (
+            ["inspect", str(encrypted)],
+            ["bench", str(encrypted), "--json", "--repeat", "1", "--compare=none"],
+            ["copy", str(plain_file), str(tmp_path / "c"), "--encrypt"],
+        ):
+            out = run_cli(*args, keyset_env=form)
+            assert out.returncode == 1 and EXPECTED in out.stderr, (args, out.stderr)
+            assert_shows_none_of(out.stdout + out.stderr, keyset, form)
+    assert list(tmp_path.iterdir()) == []
+    # The base64 form says what it is.
+    with pytest.raises(fastload.ConfigError, match="base64-encoded JSON"):
+        fastload.load(encrypted, keyset=not_json_forms(keyset)["base64"])
+
+
+def test_a_byte_order_mark_before_the_keyset_is_read(plain_file, encrypted, big_keyset, tmp_path):
+    """A keyset JSON after a UTF-8 byte-order mark (as some editors save it), given as a value,
+    as a file, in FASTLOAD_KEYSET or through --keyset FILE: read as the JSON it is."""
+    with_bom = "\ufeff" + big_keyset[0]
+    want = helpers.reference(plain_file)
+    assert_same_tensors(fastload.load(encrypted, keyset=with_bom), want)
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(with_bom, encoding="utf-8")
+    assert_same_tensors(fastload.load(encrypted, keyset=keyset_file), want)
+    for out in (
+        run_cli("inspect", str(encrypted), keyset_env=with_bom),
+        run_cli("inspect", str(encrypted), "--keyset", str(keyset_file)),
+    ):
+        assert out.returncode == 0 and "[1024, 1024]" in out.stdout, out.stderr
+
+
+def test_the_command_line_takes_a_keyset_file_and_names_its_own_flags(
+    plain_file, encrypted, big_keyset, tmp_path
+):
+    """`--keyset FILE` reads an encrypted file (inspect, bench) and encrypts a copy (with
+    --encrypt); the command line's messages name its flags (`--keyset FILE`, `--encrypt`) where
+    Python's name its arguments (`keyset=`), and the keyset's JSON on the command line is
+    refused without being shown."""
+    keyset = big_keyset[0]
+    keyset_file = tmp_path / "keyset.json"
+    keyset_file.write_text(keyset)
+    out = run_cli("inspect", str(encrypted))
+    assert out.returncode == 1 and "pass --keyset FILE (or set FASTLOAD_KEYSET)" in out.stderr
+    assert "keyset=" not in out.stderr, out.stderr
+    with pytest.raises(fastload.FormatError) as e:
+        fastload.load(encrypted)
+    python_says = str(e.value)
+    assert "pass keyset= (or set FASTLOAD_KEYSET)" in python_says and "--keyset" not in python_says
+
+    out = run_cli("inspect", str(encrypted), "--keyset", str(keyset_file), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["total"]["tensors"] == 5
+    args = ["--keyset", str(keyset_file), "--json", "--repeat", "1", "--compare=none"]
+    out = run_cli("bench", str(encrypted), *args)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tensors"] == 5
+    out = run_cli("inspect", str(encrypted), "--keyset", keyset)
+    assert out.returncode == 1 and "invalid option --keyset" in out.stderr, out.stderr
+    assert_shows_none_of(out.stderr, keyset, keyset)
+
+    # Encrypting a copy: --keyset FILE goes with --encrypt; an encrypted source is refused.
+    copied = tmp_path / "copied.safetensors"
+    out = run_cli("copy", str(plain_file), str(copied), "--encrypt", "--keyset", str(keyset_file))
+    assert out.returncode == 0, out.stderr
+    assert_same_tensors(fastload.load(copied, keyset=keyset), helpers.reference(plain_file))
+    assert run_cli("copy", str(plain_file), str(tmp_path / "x"), "--keyset", "k").returncode == 2
+    again = ["copy", str(encrypted), str(tmp_path / "twice.safetensors"), "--encrypt"]
+    out = run_cli(*again, "--keyset", str(keyset_file))
+    assert out.returncode == 1, out.stderr
+    assert "invalid option --encrypt" in out.stderr and "copy it without --encrypt" in out.stderr
+    assert "keyset=" not in out.stderr
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.copy(encrypted, tmp_path / "twice.safetensors", keyset=keyset, progress=False)
+    assert e.value.option == "keyset" and "copy it without keyset=" in str(e.value)
+    assert "--encrypt" not in str(e.value)
+    assert not (tmp_path / "twice.safetensors").exists()
 
 
 # Writing encrypted files: save_file / save / copy with keyset=.

@@ -12,23 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import _fastload
-from ._errors import ConfigError, FastloadError
-from ._write import _destination, _part_size
-
-
-def _size(name: str, value: int | str | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(
-            f'invalid option {name}: expected an int or a size like "8MiB", got '
-            f"{type(value).__name__}",
-            option=name,
-        )
-    size = value if isinstance(value, int) else _fastload.parse_size(value)
-    if size <= 0:
-        raise ConfigError(f"invalid option {name}: {value!r} must be positive", option=name)
-    return size
+from ._errors import FastloadError
+from ._write import _destination
 
 
 def _group(process_group: Any) -> tuple[Any, int, int]:
@@ -106,18 +91,6 @@ def copy(
     encrypted as it is). Without ``keyset`` bytes are copied as they are, encrypted or not.
 
     Returns this rank's ``{"copied": [...], "skipped": [...], "bytes": n}``."""
-    if not isinstance(overwrite, bool):
-        raise ConfigError(
-            f"invalid option overwrite: expected a bool, got {type(overwrite).__name__}",
-            option="overwrite",
-        )
-    if concurrency is not None and (
-        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-    ):
-        raise ConfigError(
-            f"invalid option concurrency: expected a positive int, got {concurrency!r}",
-            option="concurrency",
-        )
     group, rank, world = _group(process_group)
     exchange = None
     if group is not None:
@@ -138,9 +111,9 @@ def copy(
             storage_options=storage_options,
             verify=bool(verify),
             concurrency=concurrency,
-            block_size=_size("block_size", block_size),
+            block_size=block_size,
             memory_limit=memory_limit,
-            part_size=_part_size(part_size),
+            part_size=part_size,
             rank=rank,
             world=world,
             progress=bool(progress),

@@ -264,7 +264,7 @@ def save_file(
         overwrite=overwrite,
         storage_options=storage_options,
         memory_limit=memory_limit,
-        part_size=_part_size(part_size),
+        part_size=part_size,
         keyset=keyset,
         associated_data=associated_data,
     )
@@ -291,24 +291,6 @@ def _writer(
         writer.abort()
         raise
     return writer
-
-
-def _part_size(part_size: int | str | None) -> int | None:
-    if part_size is None:
-        return None
-    if isinstance(part_size, bool) or not isinstance(part_size, (int, str)):
-        raise ConfigError(
-            f'invalid option part_size: expected an int or a size like "16MiB", got '
-            f"{type(part_size).__name__}",
-            option="part_size",
-        )
-    size = part_size if isinstance(part_size, int) else _fastload.parse_size(part_size)
-    if size < 5 << 20:
-        raise ConfigError(
-            f"invalid option part_size: {part_size!r} is below the stores' 5MiB minimum",
-            option="part_size",
-        )
-    return size
 
 
 def _shard_size(max_shard_size: int | str) -> int:
@@ -477,7 +459,7 @@ def save(
         "overwrite": overwrite,
         "storage_options": storage_options,
         "memory_limit": memory_limit,
-        "part_size": _part_size(part_size),
+        "part_size": part_size,
         "keyset": keyset,
         "associated_data": associated_data,
     }

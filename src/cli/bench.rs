@@ -108,6 +108,10 @@ pub(super) struct BenchArgs {
     /// while the first run streams; later runs read it [default: $FASTLOAD_CACHE, else off]
     #[arg(long, value_name = "DIR")]
     cache: Option<CacheChoice>,
+    /// Read Tink-encrypted files with the keyset in FILE (a cleartext JSON keyset; never
+    /// printed) [default: $FASTLOAD_KEYSET, its JSON or a path]
+    #[arg(long, value_name = "FILE")]
+    keyset: Option<String>,
     /// Size of the generated checkpoint used when no URI is given, e.g. 256MiB; it is cached in
     /// $FASTLOAD_CACHE_DIR, else in the user cache directory under fastload/
     #[arg(
@@ -132,6 +136,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         names: None,
         method: args.method,
         cache: args.cache.clone(),
+        keyset: super::keyset_file(args.keyset.as_deref())?,
         ..Default::default()
     };
     let remote = source::open::any_remote(&args.uris);
@@ -346,8 +351,8 @@ struct Described {
     bytes: u64,
 }
 
-fn describe(uris: &[String]) -> CliResult<Described> {
-    let decryption = source::tink::Decryption::from_env()?;
+fn describe(uris: &[String], options: &LoadOptions) -> CliResult<Described> {
+    let decryption = source::tink::Decryption::for_load(options)?;
     let shards = source::open::open_all(
         uris,
         &[],
@@ -521,7 +526,7 @@ pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
     } else {
         args.uris.clone()
     };
-    let described = describe(&uris)?;
+    let described = describe(&uris, &configs[0])?;
     if modes(&args).contains(&"cold") && described.local.len() < described.shards {
         eprintln!(
             "fastload: note: --cold evicts local files only; objects are read over the network \
@@ -642,6 +647,10 @@ fn run_compare(
     }
     if args.method != Method::Auto {
         options.insert("method".into(), args.method.as_str().into());
+    }
+    // The file's path (never its content): fastload's row reads the files as this run does.
+    if let Some(keyset) = &args.keyset {
+        options.insert("keyset".into(), keyset.clone().into());
     }
     let default = *peers == Peers::Default;
     let job = compare::Job {

@@ -41,14 +41,18 @@ pub(super) struct CopyArgs {
     /// e.g. 256MiB [default: 256MiB]
     #[arg(long, value_name = "SIZE")]
     memory_limit: Option<Size>,
-    /// Bytes per upload part (object stores) [default: 16MiB]
+    /// Bytes per upload part (object stores), between 5MiB and 5GiB [default: 16MiB]
     #[arg(long, value_name = "SIZE")]
     part_size: Option<Size>,
-    /// Encrypt every .safetensors file with the primary key of the Tink keyset in
-    /// FASTLOAD_KEYSET (its JSON or a path), as Tink's streaming AEAD with empty associated data;
-    /// other files are copied as they are
+    /// Encrypt every .safetensors file with the primary key of the Tink keyset of --keyset, else
+    /// of FASTLOAD_KEYSET (its JSON or a path), as Tink's streaming AEAD with empty associated
+    /// data; other files are copied as they are
     #[arg(long)]
     encrypt: bool,
+    /// The keyset --encrypt encrypts with: a file holding a Tink cleartext JSON keyset (never
+    /// printed) [default: $FASTLOAD_KEYSET]
+    #[arg(long, value_name = "FILE", requires = "encrypt")]
+    keyset: Option<String>,
     /// A storage option KEY=VALUE for both stores (as storage_options= in Python), repeatable
     #[arg(long = "option", value_name = "KEY=VALUE")]
     options: Vec<String>,
@@ -57,27 +61,13 @@ pub(super) struct CopyArgs {
 pub(super) fn run(args: CopyArgs) -> CliResult {
     let mut storage_options = Vec::new();
     for pair in &args.options {
-        let (k, v) = pair
-            .split_once('=')
-            .ok_or_else(|| crate::Error::option("option", format!("{pair:?} is not KEY=VALUE")))?;
+        let (k, v) = pair.split_once('=').ok_or_else(|| {
+            crate::Error::option("storage_options", format!("{pair:?} is not KEY=VALUE"))
+        })?;
         storage_options.push((k.trim().to_string(), v.to_string()));
     }
     let encryption = if args.encrypt {
-        let keyset = std::env::var(ENV_KEYSET).unwrap_or_default();
-        if keyset.trim().is_empty() {
-            return Err(crate::Error::option(
-                "encrypt",
-                format!("--encrypt takes the keyset from {ENV_KEYSET}, which is not set"),
-            )
-            .into());
-        }
-        let keyset = zeroize::Zeroizing::new(keyset);
-        if keyset.trim_start().starts_with('{') {
-            crate::error::remember_secret(&keyset);
-        }
-        Some(crate::source::tink::Encryption::new(
-            &keyset, None, ENV_KEYSET,
-        )?)
+        Some(encryption(args.keyset.as_deref())?)
     } else {
         None
     };
@@ -105,6 +95,29 @@ pub(super) fn run(args: CopyArgs) -> CliResult {
         plural(report.skipped.len(), "file"),
     );
     Ok(())
+}
+
+/// What `--encrypt` encrypts with: the keyset of `--keyset FILE`, else of `FASTLOAD_KEYSET`.
+fn encryption(keyset: Option<&str>) -> CliResult<crate::source::tink::Encryption> {
+    if let Some(file) = super::keyset_file(keyset)? {
+        return Ok(crate::source::tink::Encryption::new(
+            &file.0, None, "keyset",
+        )?);
+    }
+    let keyset = zeroize::Zeroizing::new(std::env::var(ENV_KEYSET).unwrap_or_default());
+    if keyset.trim().is_empty() {
+        return Err(crate::Error::option(
+            "encrypt",
+            format!(
+                "no keyset to encrypt with: pass {}",
+                crate::options::FrontEnd::Cli.given("keyset")
+            ),
+        )
+        .into());
+    }
+    Ok(crate::source::tink::Encryption::new(
+        &keyset, None, ENV_KEYSET,
+    )?)
 }
 
 /// A progress bar on stderr (bytes, rate) when stderr is a terminal; `None` otherwise.

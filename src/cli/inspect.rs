@@ -22,6 +22,10 @@ pub(super) struct InspectArgs {
     /// dtype, shape, bytes, file, data_offsets}], "total": {files, tensors, bytes}}
     #[arg(long)]
     json: bool,
+    /// Read Tink-encrypted files with the keyset in FILE (a cleartext JSON keyset; never
+    /// printed) [default: $FASTLOAD_KEYSET, its JSON or a path]
+    #[arg(long, value_name = "FILE")]
+    keyset: Option<String>,
 }
 
 /// The metadata a file without `__metadata__` reports.
@@ -154,7 +158,10 @@ pub(super) fn run(args: InspectArgs) -> CliResult {
         &args.uris,
         &[],
         &crate::source::cache::CacheSettings::off(),
-        &source::tink::Decryption::from_env()?,
+        &source::tink::Decryption::for_load(&crate::options::LoadOptions {
+            keyset: super::keyset_file(args.keyset.as_deref())?,
+            ..Default::default()
+        })?,
     )?;
     if args.json {
         print_stdout(&(to_json(&shards) + "\n"))

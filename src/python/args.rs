@@ -27,6 +27,16 @@ impl OptionName for BlockSize {
 impl OptionName for MemoryLimit {
     const NAME: &'static str = "memory_limit";
 }
+/// `part_size` (of a write's upload parts).
+pub enum PartSize {}
+impl OptionName for PartSize {
+    const NAME: &'static str = "part_size";
+}
+/// `overwrite`.
+pub enum Overwrite {}
+impl OptionName for Overwrite {
+    const NAME: &'static str = "overwrite";
+}
 
 fn type_name(obj: &Borrowed<'_, '_, PyAny>) -> String {
     obj.get_type()
@@ -168,6 +178,33 @@ impl FromPyObject<'_, '_> for VerifyArg {
             Err(_) => Err(Error::option(
                 "verify",
                 format!("expected True or False, got {}", type_name(&obj)),
+            )
+            .into()),
+        }
+    }
+}
+
+/// A yes/no argument (`overwrite=`).
+///
+/// Supported Python input: `True` or `False` (not `0`, `1` or `"yes"`: a typo must not pass).
+pub struct Switch<N>(pub bool, PhantomData<N>);
+
+impl<N> Switch<N> {
+    /// `False`, the default of a signature.
+    pub const fn off() -> Self {
+        Switch(false, PhantomData)
+    }
+}
+
+impl<N: OptionName> FromPyObject<'_, '_> for Switch<N> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        match obj.cast::<PyBool>() {
+            Ok(b) => Ok(Switch(b.is_true(), PhantomData)),
+            Err(_) => Err(Error::option(
+                N::NAME,
+                format!("expected a bool, got {}", type_name(&obj)),
             )
             .into()),
         }

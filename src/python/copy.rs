@@ -4,7 +4,10 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{Bytes as ByteCount, MemoryLimit, StorageOptions};
+use super::args::{
+    BlockSize, Bytes as ByteCount, Concurrency, MemoryLimit, Overwrite, PartSize, StorageOptions,
+    Switch,
+};
 use super::wait::{off_thread_serving, Ask};
 use crate::write::copy::{self as core, CopyOptions};
 use crate::write::WriteOptions;
@@ -48,7 +51,7 @@ fn all_gather(ask: Ask<String, Gathered>) -> core::Exchange {
 /// ranks split large files into parts; it is called on this thread (the caller's), while the copy
 /// waits for it.
 #[pyfunction]
-#[pyo3(signature = (src, dst, *, overwrite=false, storage_options=None, verify=true,
+#[pyo3(signature = (src, dst, *, overwrite=Switch::off(), storage_options=None, verify=true,
                     concurrency=None, block_size=None, memory_limit=None, part_size=None,
                     rank=0, world=1, progress=true, keyset=None, associated_data=None,
                     exchange=None))]
@@ -57,13 +60,13 @@ pub fn copy<'py>(
     py: Python<'py>,
     src: String,
     dst: String,
-    overwrite: bool,
+    overwrite: Switch<Overwrite>,
     storage_options: Option<StorageOptions>,
     verify: bool,
-    concurrency: Option<usize>,
-    block_size: Option<u64>,
+    concurrency: Option<Concurrency>,
+    block_size: Option<ByteCount<BlockSize>>,
     memory_limit: Option<ByteCount<MemoryLimit>>,
-    part_size: Option<u64>,
+    part_size: Option<ByteCount<PartSize>>,
     rank: usize,
     world: usize,
     progress: bool,
@@ -73,15 +76,15 @@ pub fn copy<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut options = CopyOptions {
         write: WriteOptions {
-            overwrite,
+            overwrite: overwrite.0,
             storage_options: storage_options.unwrap_or_default().0,
             memory_limit: memory_limit.map(|m| m.0),
-            part_size,
+            part_size: part_size.map(|p| p.0),
             metadata: Vec::new(),
             encryption: super::write::encryption(keyset, associated_data)?,
         },
-        concurrency: concurrency.unwrap_or(core::DEFAULT_CONCURRENCY),
-        block_size: block_size.unwrap_or(core::DEFAULT_BLOCK_SIZE),
+        concurrency: concurrency.map_or(core::DEFAULT_CONCURRENCY, |c| c.0),
+        block_size: block_size.map_or(core::DEFAULT_BLOCK_SIZE, |b| b.0),
         verify,
         rank,
         world,

@@ -11,6 +11,7 @@ use pyo3::types::PyDict;
 
 use crate::error::scrub;
 use crate::format::FormatError;
+use crate::options::FrontEnd;
 use crate::Error;
 
 impl From<Error> for PyErr {
@@ -43,7 +44,8 @@ fn exception(py: Python<'_>, err: &Error) -> PyErr {
 }
 
 fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
-    let message = err.message();
+    // Arguments are named as Python names them (`overwrite=True`, `keyset=`).
+    let message = err.message_for(FrontEnd::Python);
     let attrs = PyDict::new(py);
     let name = match err {
         // A name that leaves the model's folder: the checkpoint cannot be used as given, the same
@@ -95,8 +97,17 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             "TensorNotFoundError"
         }
         Error::InvalidOption { option, .. } => {
-            attrs.set_item("option", option)?;
+            attrs.set_item("option", FrontEnd::Python.name(option))?;
             "ConfigError"
+        }
+        Error::AlreadyEncrypted { .. } => {
+            attrs.set_item("option", FrontEnd::Python.name("encrypt"))?;
+            "ConfigError"
+        }
+        Error::Encrypted { path, .. } => {
+            attrs.set_item("path", scrub(path))?;
+            attrs.set_item("segment", None::<u64>)?;
+            "FormatError"
         }
         Error::Closed { .. } => "StreamClosedError",
         Error::UnsupportedUri { .. } => {

@@ -37,10 +37,10 @@ impl FromPyObject<'_, '_> for KeysetArg {
         };
         match text {
             Some(t) if !t.trim().is_empty() => {
+                // Whatever it looks like (a path, the JSON, or its base64 by mistake): a
+                // secret from here on, before anything parses it.
                 let t = Zeroizing::new(t);
-                if t.trim_start().starts_with('{') {
-                    crate::error::remember_secret(&t);
-                }
+                crate::error::remember_secret(&t);
                 Ok(KeysetArg(Secret(t)))
             }
             _ => Err(Error::option(

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use pyo3::prelude::*;
 
-use super::args::{Bytes as ByteCount, MemoryLimit, StorageOptions};
+use super::args::{Bytes as ByteCount, MemoryLimit, PartSize, StorageOptions};
 use super::tink::{AssociatedDataArg, KeysetArg};
 use super::wait::off_thread;
 use crate::device::Engine;
@@ -103,13 +103,13 @@ fn options(
     overwrite: bool,
     storage_options: Option<StorageOptions>,
     memory_limit: Option<ByteCount<MemoryLimit>>,
-    part_size: Option<u64>,
+    part_size: Option<ByteCount<PartSize>>,
 ) -> WriteOptions {
     WriteOptions {
         overwrite,
         storage_options: storage_options.unwrap_or_default().0,
         memory_limit: memory_limit.map(|m| m.0),
-        part_size,
+        part_size: part_size.map(|p| p.0),
         metadata: Vec::new(),
         encryption: None,
     }
@@ -189,7 +189,7 @@ impl FileWriter {
         overwrite: bool,
         storage_options: Option<StorageOptions>,
         memory_limit: Option<ByteCount<MemoryLimit>>,
-        part_size: Option<u64>,
+        part_size: Option<ByteCount<PartSize>>,
         keyset: Option<KeysetArg>,
         associated_data: Option<AssociatedDataArg>,
     ) -> PyResult<Self> {

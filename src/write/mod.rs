@@ -56,7 +56,18 @@ pub const DEFAULT_MEMORY_LIMIT: u64 = 256 << 20;
 /// over many parallel requests.
 pub const DEFAULT_PART_SIZE: u64 = 16 << 20;
 /// The smallest part S3 accepts (but for the last one).
-pub const MIN_PART_SIZE: u64 = 5 << 20;
+pub const MIN_PART_SIZE: u64 = crate::options::MIN_PART_SIZE;
+
+impl WriteOptions {
+    /// Checks the values every front end passes as given (`options::check`): a part size the
+    /// stores would refuse is an error naming `part_size`, not a silently larger part.
+    pub fn check(&self) -> Result<()> {
+        if let Some(p) = self.part_size {
+            crate::options::check("part_size", "part_size", p)?;
+        }
+        Ok(())
+    }
+}
 
 /// The bytes of one destination file, of a length known in advance.
 #[derive(Debug)]
@@ -73,6 +84,7 @@ impl Sink {
     /// destination is refused now (and again when the file is published). With
     /// `options.encryption`, `len` is the plaintext's length; the file holds its ciphertext.
     pub fn create(uri: &str, len: u64, options: &WriteOptions) -> Result<Sink> {
+        options.check()?;
         if let Some(encryption) = &options.encryption {
             let plain = WriteOptions {
                 encryption: None,

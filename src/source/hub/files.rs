@@ -565,7 +565,7 @@ fn offline_path(uri: &HubUri) -> Result<PathBuf> {
             path: format!("hf://{}@{revision}", uri.repo_id),
             message: format!(
                 "HF_HUB_OFFLINE is set and {} is not in the Hugging Face cache ({}); load it \
-                 once online (with cache=) or unset HF_HUB_OFFLINE",
+                 once online (with the local cache on) or unset HF_HUB_OFFLINE",
                 uri.repo_id,
                 repo.display()
             ),
@@ -575,7 +575,7 @@ fn offline_path(uri: &HubUri) -> Result<PathBuf> {
             io::ErrorKind::NotFound,
             format!(
                 "HF_HUB_OFFLINE is set and revision {revision} of {} is not in the Hugging Face \
-                 cache ({}); load it once online (with cache=) or unset HF_HUB_OFFLINE",
+                 cache ({}); load it once online (with the local cache on) or unset HF_HUB_OFFLINE",
                 uri.repo_id,
                 repo.display()
             ),

@@ -144,7 +144,7 @@ impl std::fmt::Display for TokenSource {
         match self {
             TokenSource::Env(name) => write!(f, "the token from {name}"),
             TokenSource::File(path) => write!(f, "the token from the file {}", path.display()),
-            TokenSource::Option => write!(f, "the token from storage_options[\"token\"]"),
+            TokenSource::Option => write!(f, "the token from the storage option token"),
         }
     }
 }

@@ -122,13 +122,13 @@ impl Chain {
                     .as_deref()
                     .unwrap_or("http://169.254.169.254");
                 format!(
-                    "no AWS credentials found: none in storage_options, in the environment \
+                    "no AWS credentials found: none in the storage options, in the environment \
                      (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_WEB_IDENTITY_TOKEN_FILE, \
                      AWS_CONTAINER_CREDENTIALS_*), or in the shared files \
                      (AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials, AWS_CONFIG_FILE or \
                      ~/.aws/config, profile {}); the EC2 instance metadata service at {endpoint} \
-                     gave none ({detail}). Set credentials, pass \
-                     storage_options={{\"skip_signature\": \"true\"}} for a public bucket, or set \
+                     gave none ({detail}). Set credentials, set the storage \
+                     option skip_signature=true for a public bucket, or set \
                      AWS_EC2_METADATA_DISABLED=true off EC2 to fail at once",
                     self.sources.profile_shown
                 )

@@ -79,8 +79,8 @@ pub(crate) fn gcs_builder(
                 io::ErrorKind::PermissionDenied,
                 "no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS or \
                  GOOGLE_SERVICE_ACCOUNT to a service-account file (the metadata server is off by \
-                 NO_GCE_CHECK), or pass storage_options={\"skip_signature\": \"true\"} for a \
-                 public bucket",
+                 NO_GCE_CHECK), or set the storage option skip_signature=true for a public \
+                 bucket",
             ),
         });
     }

@@ -117,8 +117,7 @@ fn no_credentials(uri: &str) -> Error {
             io::ErrorKind::PermissionDenied,
             "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the instance \
              metadata service is disabled by AWS_EC2_METADATA_DISABLED), use a profile that has \
-             credentials, or pass storage_options={\"skip_signature\": \"true\"} for a public \
-             bucket",
+             credentials, or set the storage option skip_signature=true for a public bucket",
         ),
     }
 }

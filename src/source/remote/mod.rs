@@ -143,7 +143,7 @@ pub async fn read_range(
                     io::ErrorKind::TimedOut,
                     format!(
                         "bytes {offset}..{end} stalled after {done} of {len} bytes: {reason} \
-                         (storage_options min_rate and min_rate_window set the rule)"
+                         (the storage options min_rate and min_rate_window set the rule)"
                     ),
                 ));
             }

@@ -175,18 +175,53 @@ impl Keyset {
         }
     }
 
-    /// The JSON keyset itself (text starting with `{`) or the path of a file holding it.
-    /// Errors name the path, never the content.
+    /// The JSON keyset itself (text starting with `{`, after an optional UTF-8 byte-order mark)
+    /// or the path of a file holding it. The value is remembered as a secret before it is looked
+    /// at (a keyset that is not JSON, such as its base64 or the JSON in quotes, is key material
+    /// all the same), and no error quotes it or the file's content: errors say what was expected
+    /// and, where it shows, what the value looks like instead.
     pub fn from_spec(spec: &str) -> Result<Keyset, String> {
-        let t = spec.trim();
+        crate::error::remember_secret(spec);
+        let t = without_bom(spec);
         if t.starts_with('{') {
             return Keyset::from_json(t);
         }
         let text = std::fs::read(t)
             .map(|b| Zeroizing::new(String::from_utf8_lossy(&b).into_owned()))
-            .map_err(|e| format!("cannot read the keyset file {t}: {e}"))?;
-        Keyset::from_json(&text).map_err(|e| format!("{t}: {e}"))
+            .map_err(|e| unreadable(t, &e))?;
+        crate::error::remember_secret(&text);
+        Keyset::from_json(without_bom(&text)).map_err(|e| format!("the keyset file: {e}"))
     }
+}
+
+/// What a keyset option takes, as its errors say it.
+pub const EXPECTED: &str = "expected a keyset JSON, or a path to one";
+
+/// `text` trimmed, without the UTF-8 byte-order mark some editors (and PowerShell) put first.
+fn without_bom(text: &str) -> &str {
+    text.trim().trim_start_matches('\u{feff}').trim_start()
+}
+
+/// Why `spec` (neither JSON nor a readable file) was not taken, without showing it: what was
+/// expected, the file error, and what the value looks like when it is a known near miss.
+fn unreadable(spec: &str, error: &std::io::Error) -> String {
+    let quoted = |q: char| spec.len() >= 2 && spec.starts_with(q) && spec.ends_with(q);
+    let looks = if quoted('"') || quoted('\'') {
+        "; it is in quotes: pass the JSON without the quotes around it"
+    } else if decode_base64(spec)
+        .is_ok_and(|b| without_bom(&String::from_utf8_lossy(&b)).starts_with('{'))
+    {
+        "; it is base64-encoded JSON (as a Kubernetes secret's data holds it): decode it first, \
+         or mount the secret as a file and pass its path"
+    } else {
+        ""
+    };
+    // The io error says what failed ("No such file or directory", "File name too long"); its
+    // text holds no path.
+    format!(
+        "{EXPECTED}; this value does not start with {{ and is not a file that can be read \
+         ({error}){looks} (the value is not shown: it may hold key material)"
+    )
 }
 
 fn decode_base64(s: &str) -> Result<Zeroizing<Vec<u8>>, base64::DecodeError> {
@@ -345,6 +380,43 @@ mod tests {
         );
     }
 
+    /// No 12-character run of `spec` (the key material, however it is encoded) is in `error`.
+    fn assert_hidden(error: &str, spec: &str) {
+        let chars: Vec<char> = spec.chars().collect();
+        for w in chars.windows(12) {
+            let w: String = w.iter().collect();
+            assert!(!error.contains(&w), "{w:?} shown in: {error}");
+        }
+    }
+
+    #[test]
+    fn keysets_that_are_not_json_are_refused_without_showing_them() {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(TINK_KEYSET);
+        let quoted = format!("'{TINK_KEYSET}'");
+        let long = "k".repeat(5000);
+        for (spec, says) in [
+            (b64.as_str(), "base64-encoded JSON"),
+            (quoted.as_str(), "in quotes"),
+            (long.as_str(), "File name too long"),
+        ] {
+            let e = Keyset::from_spec(spec).unwrap_err();
+            assert!(e.contains(EXPECTED) && e.contains(says), "{e}");
+            assert_hidden(&e, spec);
+            // Remembered before it was looked at: a message that quotes it anyway is scrubbed.
+            let scrubbed = crate::error::scrub(&format!("x {spec} y"));
+            assert_eq!(scrubbed, "x *** y");
+        }
+        // A byte-order mark before the JSON, given as is or in a file, is read as the JSON.
+        let with_bom = format!("\u{feff}{TINK_KEYSET}");
+        assert_eq!(Keyset::from_spec(&with_bom).unwrap().keys.len(), 1);
+        let file = std::env::temp_dir().join(format!("fastload-bom-{}.json", std::process::id()));
+        std::fs::write(&file, &with_bom).unwrap();
+        let read = Keyset::from_spec(file.to_str().unwrap());
+        std::fs::remove_file(&file).unwrap();
+        assert_eq!(read.unwrap().keys[0].key_id, 82301532);
+    }
+
     #[test]
     fn rejects_other_primitives_and_junk_without_quoting() {
         let aead = TINK_KEYSET.replace("AesGcmHkdfStreamingKey", "AesGcmKey");
@@ -362,6 +434,9 @@ mod tests {
         let bad = TINK_KEYSET.replace("EggIgIBAECAYAxog", "EggIgIBAECAYBRog");
         assert!(Keyset::from_json(&bad).unwrap_err().contains("hash type 5"));
         let e = Keyset::from_spec("/nonexistent/keyset.json").unwrap_err();
-        assert!(e.contains("/nonexistent/keyset.json"), "{e}");
+        assert!(
+            e.contains(EXPECTED) && e.contains("No such file") && !e.contains("keyset.json"),
+            "{e}"
+        );
     }
 }

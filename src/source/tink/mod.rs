@@ -134,8 +134,9 @@ impl Encryption {
 
 impl Decryption {
     /// Opens `source` and reads its header, as plaintext when a keyset is given. Without one, a
-    /// file whose header is not safetensors but looks like Tink's fails saying so (and to pass
-    /// `keyset=`), where it would otherwise be a puzzling "invalid safetensors file".
+    /// file whose header is not safetensors but looks like Tink's fails saying so (and to pass a
+    /// keyset: [`Error::Encrypted`]), where it would otherwise be a puzzling "invalid safetensors
+    /// file".
     pub async fn open_shard(&self, source: Arc<dyn Source>) -> Result<Shard> {
         if self.enabled() {
             return open_shard(self.open(source).await?).await;
@@ -148,14 +149,10 @@ impl Decryption {
                     && source.read_into(0, &mut first).await.is_ok()
                     && looks_encrypted(&first, size)
                 {
-                    return Err(source::error(
-                        &path,
-                        None,
-                        format!(
-                            "not a safetensors file ({e}); it looks like a Tink-encrypted file \
-                             (streaming AEAD header): pass keyset= (or set {ENV_KEYSET})"
-                        ),
-                    ));
+                    return Err(Error::Encrypted {
+                        path,
+                        detail: e.to_string(),
+                    });
                 }
                 Err(Error::Format { path, source: e })
             }

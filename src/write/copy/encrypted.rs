@@ -37,14 +37,7 @@ pub(super) fn target(item: &Item, write: &WriteOptions) -> Result<(Item, WriteOp
         let name = item.source.name().to_string();
         crate::runtime::block_on(&name, item.source.read_into(0, &mut first))?;
         if looks_encrypted(&first, size) {
-            return Err(Error::option(
-                "keyset",
-                format!(
-                    "{name} looks Tink-encrypted already (its first bytes are a streaming AEAD \
-                     header, not a safetensors header): copy it without a keyset to keep it \
-                     as it is"
-                ),
-            ));
+            return Err(Error::AlreadyEncrypted { path: name });
         }
     }
     let check = Item {

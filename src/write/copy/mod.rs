@@ -97,6 +97,17 @@ impl Default for CopyOptions {
     }
 }
 
+impl CopyOptions {
+    /// Checks the values every front end passes as given (`options::check`, the same rules as a
+    /// load's reads and a write's parts).
+    fn check(&self) -> Result<()> {
+        use crate::options::check;
+        check("concurrency", "concurrency", self.concurrency as u64)?;
+        check("block_size", "block_size", self.block_size)?;
+        self.write.check()
+    }
+}
+
 impl std::fmt::Debug for CopyOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CopyOptions")
@@ -127,6 +138,7 @@ pub struct Report {
 
 /// Copies `src` to `dst` (see the module's documentation).
 pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
+    options.check()?;
     if options.world == 0 || options.rank >= options.world {
         return Err(Error::option(
             "rank",
