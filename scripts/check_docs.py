@@ -395,12 +395,15 @@ def check_bench_labels(text: str, sample_run: str, problems: list[str]) -> None:
     for phrase in VERDICT_PHRASES:
         if phrase not in code:
             problems.append(f"check_docs.py: {phrase!r} is no longer a verdict of {VERDICT_RS}")
-    under_best = False  # the lines under a best line: what the run did and what binds it
+    # The lines under a mode's line ("cold, 3 runs: ..."): what the runs did and what binds them.
+    under_best = seen_mode = False
     for line in sample.splitlines():
         row = re.match(r"^ +\d+  (\S+(?: \S+)?) {2,}\d", line)
         if row and row.group(1) not in read_from:
             problems.append(f"{page}: sample row {line.strip()!r}: no such read-from label")
-        under_best = line.startswith("best") or (under_best and line.startswith("  "))
+        mode_line = re.match(r"(cold|warm)(?: \([a-z ]+ runs\))?, \d+ runs?: ", line)
+        seen_mode |= bool(mode_line)
+        under_best = bool(mode_line) or (under_best and line.startswith("  "))
         if under_best and line.startswith("  "):
             how, _, verdict = line.strip().partition(": ")
             if how.startswith("first tensor at"):
@@ -411,6 +414,8 @@ def check_bench_labels(text: str, sample_run: str, problems: list[str]) -> None:
             for bound in re.findall(r"bound by ([a-z_ ]+?)(?: of| \(|$)", line):
                 if bound not in limits | verdicts:
                     problems.append(f"{page}: sample says 'bound by {bound}': no such verdict")
+    if not seen_mode:
+        problems.append(f"{page}: the sample has no mode line as a run prints (cold, N runs: ...)")
 
 
 def documented_shape(text: str) -> dict[str, set[str]]:
