@@ -4,6 +4,12 @@ under load, and a remote object overwritten under load; counts what each load en
     python benches/soak.py                       # 300 remote, 100 local, 100 swap, 2 x 100 shared,
                                                  # 200 hostile names
     python benches/soak.py --remote 60 --local 40 --swap 40 --shared 40 --hostile 40 --json out.json
+    python benches/soak.py --writes 200 ...       # and 200 rounds of failed saves and copies
+
+Write rounds (`--writes`, benches/soak_writes.py): saves and copies into one local folder and one
+S3 prefix with failures injected at random (disk full, S3 requests failed, SIGINT, SIGKILL), each
+followed by a load that must return the earlier checkpoint or the new one whole, or raise; a
+partial or mixed load is wrong.
 
 Remote loads read a ~4 MiB checkpoint in 256 KiB blocks from `tests/servers/http.py`'s server on
 127.0.0.1 with chaos on: a share of GETs (`--chaos`) answer 503, reset the connection midway, end
@@ -52,6 +58,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benches"))
+
+from soak_writes import soak_writes  # noqa: E402
 
 # Short timeouts so that a fault costs seconds, not minutes: the stall rule at 32 KiB/s over half
 # a second, requests cut after 2 s, 3 retries.
@@ -392,6 +401,8 @@ def soak(
     seed: int,
     deadline: float,
     hostile: int = 0,
+    writes: int = 0,
+    write_ops: str = "save,copy",
 ) -> dict:
     import threading
 
@@ -436,6 +447,11 @@ def soak(
             rec["kind"] = "hostile"
             records.append(rec)
         print(f"hostile: {hostile} names in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        started = time.monotonic()
+        write_records, write_summary = (
+            soak_writes(writes, seed, work, write_ops) if writes else ([], {})
+        )
+        print(f"writes: {writes} rounds in {time.monotonic() - started:.0f} s", file=sys.stderr)
     finally:
         stop.set()
         server.close()
@@ -457,8 +473,10 @@ def soak(
     summary["swaps"] = swaps[0]
     summary["swap_refused_if_match"] = swapping.behaviour.refused_if_match
     summary["hostile_audits"] = audits
+    summary["writes"] = write_summary
+    summary["bad"] = [r for r in write_records if r["outcome"] == "partial or mixed"]
     fine = ("equal", "clear error", "refused", "inside")
-    summary["bad"] = [r for r in records if r["outcome"] not in fine]
+    summary["bad"] += [r for r in records if r["outcome"] not in fine]
     if audits["outside_requests"] or audits["outside_writes"]:
         summary["bad"].append({"outcome": "outside", **audits})
     summary["errors_seen"] = sorted(
@@ -481,6 +499,8 @@ def main() -> int:
     ap.add_argument(
         "--hostile", type=int, default=200, help="hostile index entries and small-file names"
     )
+    ap.add_argument("--writes", type=int, default=200, help="rounds of failed saves and copies")
+    ap.add_argument("--write-ops", default="save,copy", help="what write rounds do: save, copy")
     ap.add_argument("--chaos", type=float, default=0.3, help="share of GETs that misbehave")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--deadline", type=float, default=30.0, help="seconds a load may take")
@@ -495,6 +515,8 @@ def main() -> int:
         args.seed,
         args.deadline,
         args.hostile,
+        args.writes,
+        args.write_ops,
     )
     text = json.dumps(summary, indent=2)
     if args.json:
