@@ -9,6 +9,7 @@ use std::io::{self, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::direct::{self, DirectWriter};
 use super::WriteOptions;
 use crate::error::{Error, Result};
 
@@ -18,6 +19,8 @@ pub struct LocalFile {
     dest: PathBuf,
     tmp: PathBuf,
     file: Option<File>,
+    /// A large file's bytes, on their way around the page cache (see `direct`).
+    direct: Option<Box<DirectWriter>>,
     shown: String,
     overwrite: bool,
 }
@@ -65,10 +68,11 @@ impl LocalFile {
             .create_new(true)
             .open(&tmp)
             .map_err(io)?;
-        let out = LocalFile {
+        let mut out = LocalFile {
             dest,
             tmp,
             file: Some(file),
+            direct: None,
             shown,
             overwrite: options.overwrite,
         };
@@ -77,6 +81,11 @@ impl LocalFile {
         if len > 0 {
             if let Some(f) = &out.file {
                 reserve(f, len).map_err(|e| out.error(e))?;
+            }
+        }
+        if len >= direct::MIN_LEN {
+            if let Some(f) = &out.file {
+                out.direct = DirectWriter::start(f, &out.shown)?.map(Box::new);
             }
         }
         Ok(out)
@@ -94,6 +103,12 @@ impl LocalFile {
     }
 
     pub fn write(&mut self, data: &[u8]) -> Result<()> {
+        if let Some(d) = self.direct.as_mut() {
+            return d.write(data).map_err(|e| Error::Io {
+                path: self.shown.clone(),
+                source: e,
+            });
+        }
         let file = self.file.as_mut().expect("written after prepare or finish");
         file.write_all(data).map_err(|e| Error::Io {
             path: self.shown.clone(),
@@ -104,6 +119,9 @@ impl LocalFile {
     /// Syncs the data and closes the file: complete and on disk, still under its temporary name
     /// (a shard set publishes its files only once every one is prepared). Again: nothing to do.
     pub fn prepare(&mut self) -> Result<()> {
+        if let Some(d) = self.direct.take() {
+            d.finish().map_err(|e| self.error(e))?;
+        }
         if let Some(file) = self.file.take() {
             file.sync_all().map_err(|e| self.error(e))?;
         }

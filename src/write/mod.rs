@@ -18,6 +18,7 @@ use object_store::ObjectStoreExt;
 use crate::error::{Error, Result};
 
 pub mod copy;
+mod direct;
 mod encrypt;
 mod header;
 mod local;
