@@ -16,10 +16,10 @@
   only those labels;
 - `fastload.inspect`'s shape, as docs/python-api.md, docs/cli-bench.md and `fastload inspect
   --help` give it, is the one it returns, and `fastload inspect --json` prints the same object;
-- every option of `fastload bench`, `inspect` and `copy` is described in docs/cli-bench.md (the
-  bench table's rows, the `- `--flag`: ...` lists of inspect and copy), and each description
-  agrees with the option's `--help`: the same words (one may stop early, the page may go on
-  after the help's words; examples after "e.g." aside) and the same default.
+- every option of each command with a section in docs/cli-bench.md (`bench`, `inspect`, `copy`,
+  ...) is described there (the bench table's rows, the `- `--flag`: ...` lists of the others),
+  and each description agrees with the option's `--help`: the same words (one may stop early,
+  the page may go on after the help's words; examples after "e.g." aside) and the same default.
 
 Usage: python scripts/check_docs.py   (exit status 1 and one line per problem when something
 does not resolve). It needs fastload built: the tree's own (python/fastload with its native
@@ -248,12 +248,14 @@ def help_options(command: str) -> dict[str, str]:
 def doc_options(text: str) -> dict[str, dict[str, str]]:
     """docs/cli-bench.md's description of each command's options: the bench table's rows and the
     `- `--flag ...`: description` items (continued on indented lines) of each command's section."""
-    documented: dict[str, dict[str, str]] = {"bench": {}, "inspect": {}, "copy": {}}
+    documented: dict[str, dict[str, str]] = {}
     command, item = None, None
     for line in text.splitlines():
         heading = re.match(r"^## `fastload (\w+)`", line)
         if line.startswith("## "):
             command = heading.group(1) if heading else None
+            if command:
+                documented.setdefault(command, {})
             item = None
             continue
         if command not in documented:
@@ -280,16 +282,17 @@ def split_default(text: str, doc: bool) -> tuple[list[str], list[str] | None]:
         # A cross-reference in parentheses is the page's own; other links read as their text.
         text = re.sub(r"\(\[[^\]]*\]\([^)]*\)\)", "", text)
         text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).replace("`", "")
-        start = text.find("(default ")
-        if start >= 0:
+        m = re.search(r"\(default:? ", text)
+        start = m.start() if m else -1
+        if m:
             depth, end = 0, start
             for end in range(start, len(text)):
                 depth += {"(": 1, ")": -1}.get(text[end], 0)
                 if depth == 0:
                     break
-            default, text = text[start + 9 : end], text[:start] + text[end + 1 :]
+            default, text = text[m.end() : end], text[:start] + text[end + 1 :]
         else:
-            m = re.search(r"[;,] default (.*)$", text)
+            m = re.search(r"[;,] default:? (.*)$", text)
             if m:
                 default, text = m.group(1), text[: m.start()]
     else:
