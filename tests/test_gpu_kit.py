@@ -59,7 +59,12 @@ def test_dry_mode_reports_every_check(tmp_path):
     assert [c["name"] for c in report["checks"]] == [c.name for c in runner.CHECKS]
     for c in report["checks"]:
         assert c["status"] in ("pass", "fail", "not-run"), c
-        assert c["details"] and isinstance(c["numbers"], dict) and c["seconds"] >= 0, c
+        assert c["details"] and isinstance(c["numbers"], dict), c
+        assert isinstance(c["seconds"], float), c
+    # Each check's own time: pytest's collection (a process of its own) took some; all of them
+    # fit in the run's time (rounded to 0.1 s, each check's to 0.01 s).
+    assert checks["pytest_collect"]["seconds"] > 0, checks["pytest_collect"]
+    assert sum(c["seconds"] for c in report["checks"]) <= report["seconds"] + 0.1, report
     for name in GPU_CHECKS:
         assert checks[name]["status"] == "not-run", checks[name]
         assert "no CUDA device" in checks[name]["details"], checks[name]
