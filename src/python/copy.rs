@@ -54,7 +54,12 @@ fn all_gather(ask: Ask<String, Gathered>) -> core::Exchange {
 #[pyo3(signature = (src, dst, *, overwrite=Switch::off(), storage_options=None, verify=true,
                     concurrency=None, block_size=None, memory_limit=None, part_size=None,
                     rank=0, world=1, progress=true, keyset=None, associated_data=None,
-                    exchange=None))]
+                    exchange=None),
+       // `overwrite`'s default as Python shows it (pyo3 shows `...` for a non-literal).
+       text_signature = "(src, dst, *, overwrite=False, storage_options=None, verify=True, \
+                         concurrency=None, block_size=None, memory_limit=None, part_size=None, \
+                         rank=0, world=1, progress=True, keyset=None, associated_data=None, \
+                         exchange=None)")]
 #[allow(clippy::too_many_arguments)]
 pub fn copy<'py>(
     py: Python<'py>,
