@@ -9,9 +9,12 @@ its submodules (`source::local`, `source::hub`, …; the module file itself is `
 strings and the crate root (`lib.rs`, which declares and re-exports) are left out; a path through a
 name that `lib.rs` re-exports (`crate::Error`) counts as a path to the module it comes from.
 
-The check fails when the graph has a cycle, except through the edges listed in
-`scripts/module_cycles_allowed.txt` (`from -> to  # why`): edges known to be removed by a
-planned step. An allowed edge that no longer exists fails too, so the list only shrinks.
+The check fails when the graph has a cycle, and when the files do: an import cycle between two
+files (`src/cli/report.rs` and `src/cli/verdict.rs`) fails even inside one node; a module's
+file and its own submodules' files (which it declares, and which import it as `super::`) are
+left out of that one. Edges listed in `scripts/module_cycles_allowed.txt` (`from -> to  # why`,
+two nodes or two files) are known to be removed by a planned step and do not count; an allowed
+edge that no longer exists fails, so the list only shrinks.
 
     python3 scripts/check_modules.py            # check, print the layers and the edges
     python3 scripts/check_modules.py --edges    # only the edges, one `from -> to` a line
@@ -173,6 +176,9 @@ class Graph:
         self.reexports: dict[str, tuple[str, ...]] = {}
         # edges[(from, to)] = list of "file:line (test)" sites
         self.edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+        # The same between files (`src/cli/report.rs`), leaving out a module's imports of its
+        # own submodules and theirs of it (`super::`): a parent and its children are one unit.
+        self.file_edges: dict[tuple[str, str], list[str]] = defaultdict(list)
         self._mark_tests()
         lib = self.modules[()]
         for use in re.finditer(r"pub\s+use\s+([^;]+);", strip(lib.file.read_text())):
@@ -302,12 +308,29 @@ class Graph:
                 segs = [s.strip() for s in p.group(0).split("::")]
                 targets.append((p.start(), self._resolve(segs, here, children)))
             for pos, target in targets:
+                self._file_edge(m, target, f"{rel}:{line_of(start + pos)}" + " (test)" * test)
                 to = self.node(target) if target is not None else None
                 if to is None or to == src_node:
                     continue
                 site = f"{rel}:{line_of(start + pos)}" + (" (test)" if test else "")
                 if site not in self.edges[(src_node, to)]:
                     self.edges[(src_node, to)].append(site)
+
+    def _file_edge(self, m: Module, target: tuple[str, ...] | None, site: str) -> None:
+        if target is None or target not in self.modules:
+            return
+        a, b = m.path, target
+        if a[: len(b)] == b or b[: len(a)] == a:  # the same file, an ancestor or a descendant
+            return
+        edge = (self.file_of(a), self.file_of(b))
+        if site not in self.file_edges[edge]:
+            self.file_edges[edge].append(site)
+
+    def file_of(self, path: tuple[str, ...]) -> str:
+        return str(self.modules[path].file.relative_to(ROOT))
+
+    def node_of_file(self, file: str) -> str | None:
+        return next((self.node(p) for p in self.modules if p and self.file_of(p) == file), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +487,7 @@ def main() -> int:
     if allowed:
         print(f"\nallowed until they are removed ({ALLOWED.relative_to(ROOT)}):")
         for a, b, why in allowed:
-            gone = (a, b) not in edges
+            gone = (a, b) not in edges and (a, b) not in g.file_edges
             failed = failed or gone
             note = "GONE: remove it from the list" if gone else why
             print(f"  {a} -> {b}  ({note})")
@@ -481,12 +504,32 @@ def main() -> int:
         print(f"\nmodule cycle among {', '.join(comp)}, for one: {' -> '.join(loop)}")
         for a, b in zip(loop, loop[1:]):
             print(f"  {a} -> {b}  [{', '.join(g.edges[(a, b)][:3])}]")
-    if not comps:
+    file_comps = file_cycles(g, allowed_set)
+    if not comps and not file_comps:
         if allowed:
             print(f"\nno module cycle once the {len(allowed)} allowed imports go")
         else:
             print("\nno module cycle")
-    return 1 if failed else 0
+    return 1 if failed or file_comps else 0
+
+
+def file_cycles(g: Graph, allowed: set[tuple[str, str]]) -> list[list[str]]:
+    """Prints and returns the import cycles between files (a module and its own submodules
+    aside), without the allowed edges."""
+    # An allowed edge names two files, or two modules (then every edge between their files).
+    edges = {
+        (a, b)
+        for a, b in g.file_edges
+        if (a, b) not in allowed and (g.node_of_file(a), g.node_of_file(b)) not in allowed
+    }
+    comps = cycles({f for e in edges for f in e}, edges)
+    for comp in comps:
+        inside = sorted((a, b) for a, b in edges if a in comp and b in comp)
+        loop = shortest_cycle(comp[0], inside)
+        print(f"\nfile import cycle among {', '.join(comp)}, for one: {' -> '.join(loop)}")
+        for a, b in zip(loop, loop[1:]):
+            print(f"  {a} -> {b}  [{', '.join(g.file_edges[(a, b)][:3])}]")
+    return comps
 
 
 if __name__ == "__main__":

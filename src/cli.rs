@@ -17,6 +17,7 @@ pub(crate) mod copy;
 mod inspect;
 mod limits;
 mod report;
+mod run;
 mod verdict;
 
 /// `fastload.inspect` returns what `fastload inspect --json` prints.

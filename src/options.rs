@@ -146,6 +146,11 @@ pub struct LoadOptions {
     pub keyset: Option<Secret>,
     /// The associated data the files were encrypted with (`None`: empty).
     pub associated_data: Option<Secret<Vec<u8>>>,
+    /// Serves holding the same objects (`host:port`, `https://host:port`), read in place of
+    /// the origin (`None`: `FASTLOAD_PEERS`, else none); see source/peer.rs.
+    pub peers: Option<Vec<String>>,
+    /// The bearer token the peers take (`None`: `FASTLOAD_PEER_TOKEN`, else none).
+    pub peer_token: Option<Secret>,
 }
 
 /// A value that never shows: `Debug` prints `<secret>`, and it is wiped when dropped (keysets).
@@ -403,6 +408,28 @@ pub const ASSOCIATED_DATA: OptionDef = OptionDef {
     takers: &[Native, Reader, SafeOpen, ExtraConfig],
 };
 
+pub const PEERS: OptionDef = OptionDef {
+    name: "peers",
+    python_type: "Sequence[str] | str | None",
+    signature_default: None,
+    default: "none",
+    env: Some("FASTLOAD_PEERS"),
+    help: "serves (`fastload serve`) that hold the same files: `[\"host:port\", \
+           \"https://host:port\"]` (the variable comma-separated); a file is read from the first \
+           one listing its origin's version, the rest from the next or the origin when one \
+           fails; see docs/peers.md",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
+pub const PEER_TOKEN: OptionDef = OptionDef {
+    name: "peer_token",
+    python_type: "str | None",
+    signature_default: None,
+    default: "none",
+    env: Some("FASTLOAD_PEER_TOKEN"),
+    help: "the bearer token the peers take (a secret: never shown)",
+    takers: &[Native, Reader, SafeOpen, ExtraConfig],
+};
+
 /// Every load option, in the order signatures list them. Adding one: a row here, then what
 /// `tests/test_options.py` (`test_option_list_*`) and `cargo test options` name.
 pub const OPTIONS: &[OptionDef] = &[
@@ -418,6 +445,8 @@ pub const OPTIONS: &[OptionDef] = &[
     VERIFY,
     KEYSET,
     ASSOCIATED_DATA,
+    PEERS,
+    PEER_TOKEN,
 ];
 
 /// Which front end shows a message: Python names an argument by its keyword (`overwrite=True`),
@@ -513,6 +542,8 @@ pub const ARGUMENTS: &[Argument] = &[
     load_option(VERIFY, None, Accepts::Any),
     load_option(KEYSET, Some(("--keyset", "--keyset FILE")), Accepts::Any),
     load_option(ASSOCIATED_DATA, None, Accepts::Any),
+    load_option(PEERS, None, Accepts::Any),
+    load_option(PEER_TOKEN, None, Accepts::Any),
     Argument {
         option: "overwrite",
         python: "overwrite",
@@ -848,6 +879,8 @@ mod tests {
             keyset: _,
             associated_data: _,
             parts: _,
+            peers: _,
+            peer_token: _,
         } = LoadOptions::default();
         let fields = [
             "concurrency",
@@ -860,6 +893,8 @@ mod tests {
             "verify",
             "keyset",
             "associated_data",
+            "peers",
+            "peer_token",
         ];
         let native: Vec<&str> = OPTIONS
             .iter()

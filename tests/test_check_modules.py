@@ -114,3 +114,27 @@ def test_dot_draws_every_edge(tmp_path):
     assert out.stdout.startswith("digraph modules {")
     assert '"plan" -> "source";' in out.stdout
     assert '"source::local" -> "format";' in out.stdout
+
+
+def test_an_import_cycle_between_two_files_of_one_module_fails(tmp_path):
+    files = dict(BASE)
+    # plan.rs and its submodules import each other (a parent and its children are one unit);
+    # its two submodules importing each other are a cycle.
+    files["plan.rs"] = BASE["plan.rs"] + "mod report;\nmod verdict;\npub use report::Row;\n"
+    files["plan/report.rs"] = "use super::verdict::Mode;\npub struct Row(Mode, super::Plan);\n"
+    files["plan/verdict.rs"] = "pub struct Mode;\n"
+    out = check(crate(tmp_path, files))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+    files["plan/verdict.rs"] = "use super::report::Row;\npub struct Mode;\nfn f(_: Row) {}\n"
+    out = check(crate(tmp_path, files))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (
+        "file import cycle among src/plan/report.rs, src/plan/verdict.rs, for one: "
+        "src/plan/report.rs -> src/plan/verdict.rs -> src/plan/report.rs"
+    ) in out.stdout
+    assert "src/plan/verdict.rs -> src/plan/report.rs  [src/plan/verdict.rs:1]" in out.stdout
+
+    allowed = "src/plan/verdict.rs -> src/plan/report.rs  # the row moves to a leaf\n"
+    out = check(crate(tmp_path, {}, allowed))
+    assert out.returncode == 0, out.stdout + out.stderr

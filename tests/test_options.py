@@ -374,7 +374,7 @@ def _keyword_only(fn: ast.FunctionDef) -> dict[str, tuple[ast.expr | None, ast.e
 
 
 # Environment variables for which every value is valid (FASTLOAD_CACHE: any other is a directory).
-ENV_ANY_VALUE = {"FASTLOAD_CACHE"}
+ENV_ANY_VALUE = {"FASTLOAD_CACHE", "FASTLOAD_PEER_TOKEN"}
 
 
 def test_option_list_environment_variables(monkeypatch):

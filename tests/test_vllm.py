@@ -506,7 +506,7 @@ def test_extra_config_keys_are_checked():
 # never accepted), and some nobody serves.
 _CANDIDATE_SCHEMES = {
     "s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "file",
-    "ftp", "hf", "hdfs", "webhdfs", "oss", "S3", "GS", "HTTPS",
+    "ftp", "hf", "hdfs", "webhdfs", "oss", "S3", "GS", "HTTPS", "peer",
 }  # fmt: skip
 
 

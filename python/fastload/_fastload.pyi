@@ -24,6 +24,10 @@ Option inputs, as the native module converts them (``src/python/args.rs``); ``No
   plaintext. Default ``FASTLOAD_KEYSET``, else none.
 - ``associated_data``: ``bytes`` or ``str`` (its UTF-8): what the files were encrypted with.
   Default empty.
+- ``peers``: a ``str`` (comma-separated) or an iterable of ``str``, each ``"host:port"`` or
+  ``"https://host:port"``: serves read before the origin. Default ``FASTLOAD_PEERS``, else none.
+- ``peer_token``: a ``str``, the peers' bearer token (never shown). Default
+  ``FASTLOAD_PEER_TOKEN``, else none.
 
 A value that cannot be used raises ``fastload.ConfigError`` with ``option`` set.
 """
@@ -289,6 +293,8 @@ class Stream:
         verify: bool | None = None,
         keyset: str | os.PathLike[str] | None = None,
         associated_data: bytes | str | None = None,
+        peers: Sequence[str] | str | None = None,
+        peer_token: str | None = None,
         parts: list[tuple[str, int, int]] | None = None,
         target: str | None = None,
         allocate: _Allocate | None = None,
@@ -329,6 +335,8 @@ class Reader:
         verify: bool | None = None,
         keyset: str | os.PathLike[str] | None = None,
         associated_data: bytes | str | None = None,
+        peers: Sequence[str] | str | None = None,
+        peer_token: str | None = None,
     ) -> Reader: ...
     @property
     def concurrency(self) -> int: ...
@@ -442,6 +450,8 @@ def resolve_options(
     verify: bool | None = None,
     keyset: str | os.PathLike[str] | None = None,
     associated_data: bytes | str | None = None,
+    peers: Sequence[str] | str | None = None,
+    peer_token: str | None = None,
 ) -> ResolvedOptions:
     """Resolves and checks options as a load of ``uris`` would (``uris`` only say whether an
     object store is read; default: none); raises ``ConfigError``."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Union
 
 from . import _fastload
@@ -104,6 +104,11 @@ class Options(TypedDict, total=False):
     default ``FASTLOAD_KEYSET``, else the files are read as they are. Never shown in messages.
     ``associated_data``: the associated data they were encrypted with (``bytes`` or ``str``);
     default empty.
+    ``peers``: serves (``fastload serve``) holding the same files, ``"host:port"`` or
+    ``"https://host:port"`` (a list, or one ``str`` comma-separated); default ``FASTLOAD_PEERS``.
+    A file is read from the first peer that lists its origin's pinned version, the rest of a
+    read from the next peer or the origin when one fails (docs/peers.md).
+    ``peer_token``: the bearer token the peers take; default ``FASTLOAD_PEER_TOKEN``. Never shown.
 
     ``None`` for any of them means "not given".
     """
@@ -120,6 +125,8 @@ class Options(TypedDict, total=False):
     verify: bool | None
     keyset: str | os.PathLike[str] | None
     associated_data: bytes | str | None
+    peers: Sequence[str] | str | None
+    peer_token: str | None
 
 
 OPTIONS: frozenset[str] = frozenset(o.name for o in _fastload.OPTIONS)

@@ -67,6 +67,8 @@ class SafeOpenOptions(TypedDict, total=False):
     verify: bool | None
     keyset: str | os.PathLike[str] | None
     associated_data: bytes | str | None
+    peers: Sequence[str] | str | None
+    peer_token: str | None
 
 
 # The integer dtype each width of element is moved as (torch.uint8, ...), set on first use.

@@ -9,7 +9,8 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
 ``model_loader_extra_config`` takes ``concurrency``, ``block_size``, ``memory_limit``,
 ``storage_options``, ``cache`` (a local copy of remote weights, written while they stream:
 ``True`` or a directory; see ``fastload.Options``), ``verify``, ``keyset`` and
-``associated_data`` (a Tink-encrypted checkpoint: docs/encryption.md) as ``fastload.load`` does,
+``associated_data`` (a Tink-encrypted checkpoint: docs/encryption.md), ``peers`` and
+``peer_token`` (serves holding the same checkpoint: docs/peers.md) as ``fastload.load`` does,
 plus ``weights_uri``, ``distributed`` and ``slices``.
 
 Where the model is split over workers (tensor or pipeline parallel, experts spread), ``fastload``

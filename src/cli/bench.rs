@@ -14,8 +14,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::compare::{self, Compare, PeerRuns, Peers};
 use super::limits::{self, Limit};
-use super::report::{RunReport, Setup};
-use super::verdict::{ModeReport, ReadFrom};
+use super::report::Setup;
+use super::run::{ReadFrom, RunReport};
+use super::verdict::ModeReport;
 use super::{checkpoint, print_stdout, CliError, CliResult, Device};
 use crate::options::{CacheChoice, LoadOptions, Method, Resolved, Size};
 use crate::source;

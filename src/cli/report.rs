@@ -7,37 +7,10 @@ use serde::Serialize;
 
 use super::compare::Compare;
 use super::limits::Limit;
-use super::verdict::{ModeReport, ReadFrom};
+use super::run::RunReport;
+use super::verdict::ModeReport;
 use super::{decimal_bytes, plural, Device};
 use crate::options::{Resolved, Size};
-
-/// One timed load.
-#[derive(Serialize, Clone, Debug)]
-pub(super) struct RunReport {
-    /// 1-based, in the order the runs happened.
-    pub run: usize,
-    /// The cache mode the run belongs to: "cold" (local files evicted from the page cache
-    /// first) or "warm" (read once first).
-    pub cache: &'static str,
-    /// Where its bytes came from: storage, the page cache, the network or a local copy.
-    pub read_from: ReadFrom,
-    pub concurrency: usize,
-    pub block_size: u64,
-    /// The read strategy the loader used.
-    pub method: &'static str,
-    pub bytes: u64,
-    pub tensors: usize,
-    /// The plan's segments: tensors are handed out a segment at a time.
-    pub segments: usize,
-    /// From opening the files (headers included) until the consumer read the last tensor.
-    pub seconds: f64,
-    /// Decimal: 10^9 bytes per second.
-    pub gb_per_s: f64,
-    /// From opening the files until the first tensor was available; null with no tensors.
-    pub first_tensor_ms: Option<f64>,
-    /// Sum of one byte per page of every tensor: depends on the file's bytes only.
-    pub checksum: u64,
-}
 
 /// What is benchmarked and how, fixed before the first run.
 pub(super) struct Setup<'a> {
@@ -117,14 +90,6 @@ fn distinct<T: PartialEq>(values: impl Iterator<Item = T>) -> Vec<T> {
         }
     }
     out
-}
-
-/// The fastest run (the first of equals).
-pub(super) fn best<'a, R: std::borrow::Borrow<RunReport> + 'a>(runs: &'a [R]) -> &'a RunReport {
-    runs.iter()
-        .map(|r| r.borrow())
-        .reduce(|best, r| if r.gb_per_s > best.gb_per_s { r } else { best })
-        .expect("at least one run")
 }
 
 impl Setup<'_> {
@@ -420,6 +385,7 @@ impl Setup<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::run::{best, ReadFrom};
     use super::*;
 
     fn run(n: usize, gb_per_s: f64) -> RunReport {

@@ -14,21 +14,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::limits::Limit;
-use super::report::{best, RunReport};
-
-/// Where a run's bytes came from.
-#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum ReadFrom {
-    /// Local files evicted from the page cache before the run (`--cold`).
-    Storage,
-    /// Local files in the page cache (warm runs, or cold runs whose eviction did not take).
-    PageCache,
-    /// Objects over the network (object stores, http(s), the Hub).
-    Network,
-    /// The local copy of remote objects (`--cache DIR`, or the Hugging Face cache).
-    LocalCopy,
-}
+use super::run::{best, ReadFrom, RunReport};
 
 impl ReadFrom {
     /// As the table's "read from" column shows it (`--json` writes `read_from` in snake case).

@@ -292,3 +292,69 @@ impl FromPyObject<'_, '_> for Names {
         Ok(Names(out))
     }
 }
+
+/// The serves a load reads from first (`peers=`).
+///
+/// Supported Python input: a `str` (one peer, or several comma-separated as `FASTLOAD_PEERS`
+/// takes them) or an iterable of `str` (`"host:port"`, `"https://host:port"`).
+pub struct PeersArg(pub Vec<String>);
+
+impl FromPyObject<'_, '_> for PeersArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = obj.cast::<PyString>() {
+            let s = s.to_cow()?;
+            return Ok(PeersArg(s.split(',').map(str::to_string).collect()));
+        }
+        let wrong = || {
+            PyErr::from(Error::option(
+                "peers",
+                format!(
+                    "expected a list of \"host:port\" strings, got {}",
+                    type_name(&obj)
+                ),
+            ))
+        };
+        let items = obj.try_iter().map_err(|_| wrong())?;
+        let mut peers = Vec::new();
+        for item in items {
+            let item = item?;
+            let s = item.cast::<PyString>().map_err(|_| wrong())?;
+            peers.push(s.to_cow()?.into_owned());
+        }
+        Ok(PeersArg(peers))
+    }
+}
+
+/// The peers' bearer token (`peer_token=`), kept as a secret.
+///
+/// Supported Python input: a `str`.
+pub struct PeerTokenArg(pub crate::options::Secret);
+
+impl FromPyObject<'_, '_> for PeerTokenArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        match obj.cast::<PyString>() {
+            Ok(s) => Ok(PeerTokenArg(crate::options::Secret(
+                s.to_cow()?.into_owned().into(),
+            ))),
+            Err(_) => Err(Error::option(
+                "peer_token",
+                format!("expected a str, got {}", type_name(&obj)),
+            )
+            .into()),
+        }
+    }
+}
+
+/// Sets the peers options of `opts` from their Python arguments.
+pub fn set_peers(
+    opts: &mut crate::options::LoadOptions,
+    peers: Option<PeersArg>,
+    peer_token: Option<PeerTokenArg>,
+) {
+    opts.peers = peers.map(|p| p.0);
+    opts.peer_token = peer_token.map(|t| t.0);
+}

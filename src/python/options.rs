@@ -93,6 +93,8 @@ pub(crate) fn load_options(
         verify: verify.map(|v| v.0),
         keyset: keyset.map(|k| k.0),
         associated_data: associated_data.map(|a| a.0),
+        peers: None,
+        peer_token: None,
     }
 }
 
@@ -122,7 +124,7 @@ impl ResolvedOptions {
 /// Resolves and checks options as a load of `uris` would (without opening anything: `uris` only
 /// say whether an object store is read); raises `ConfigError` for a value that cannot be used.
 #[pyfunction]
-#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None))]
+#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn resolve_options(
     uris: Vec<String>,
@@ -136,8 +138,10 @@ pub(crate) fn resolve_options(
     verify: Option<VerifyArg>,
     keyset: Option<KeysetArg>,
     associated_data: Option<AssociatedDataArg>,
+    peers: Option<super::args::PeersArg>,
+    peer_token: Option<super::args::PeerTokenArg>,
 ) -> PyResult<ResolvedOptions> {
-    let opts = load_options(
+    let mut opts = load_options(
         concurrency,
         block_size,
         memory_limit,
@@ -149,6 +153,7 @@ pub(crate) fn resolve_options(
         keyset,
         associated_data,
     );
+    super::args::set_peers(&mut opts, peers, peer_token);
     crate::source::cache::CacheSettings::for_load(&opts)?;
     // A keyset that cannot be read fails here, at engine start, naming the option.
     crate::source::tink::Decryption::for_load(&opts)?;

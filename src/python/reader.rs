@@ -7,7 +7,7 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::{BlockSize, Bytes, CacheArg, Concurrency, StorageOptions, VerifyArg};
 use super::dlpack;
@@ -120,7 +120,7 @@ impl Reader {
 impl Reader {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -131,8 +131,10 @@ impl Reader {
         verify: Option<VerifyArg>,
         keyset: Option<super::tink::KeysetArg>,
         associated_data: Option<super::tink::AssociatedDataArg>,
+        peers: Option<super::args::PeersArg>,
+        peer_token: Option<super::args::PeerTokenArg>,
     ) -> PyResult<Self> {
-        let opts = load_options(
+        let mut opts = load_options(
             concurrency,
             block_size,
             None,
@@ -144,6 +146,7 @@ impl Reader {
             keyset,
             associated_data,
         );
+        super::args::set_peers(&mut opts, peers, peer_token);
         let remote = crate::source::open::any_remote(&uris);
         let resolved = opts.resolve(remote)?;
         let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
@@ -179,7 +182,7 @@ impl Reader {
     fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for s in &self.shards {
-            let d = super::stream::header_dict(py, s)?;
+            let d = header_dict(py, s)?;
             d.set_item("data_start", s.header.data_start)?;
             d.set_item("metadata", s.header.metadata.clone())?;
             // The version opened (`Source::version`): ranks compare it before an exchange.
@@ -289,4 +292,26 @@ impl Reader {
     fn reads(&self) -> u64 {
         self.counts.reads.load(Relaxed)
     }
+}
+
+/// One file's header for `Reader.headers` (`safe_open`): `{file, size, tensors: [(name, dtype,
+/// shape, begin, end)], metadata}`.
+fn header_dict<'py>(py: Python<'py>, s: &crate::source::Shard) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("file", &s.name)?;
+    d.set_item("size", s.size)?;
+    let tensors = PyList::empty(py);
+    for t in &s.header.tensors {
+        tensors.append((
+            t.name.as_str(),
+            t.dtype.as_str(),
+            PyTuple::new(py, &t.shape)?,
+            t.begin,
+            t.end,
+        ))?;
+    }
+    d.set_item("tensors", tensors)?;
+    // No `__metadata__` reads as empty here (`Reader::headers` tells the two apart).
+    d.set_item("metadata", s.header.metadata.clone().unwrap_or_default())?;
+    Ok(d)
 }

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple};
 
 use super::args::{
     BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
@@ -108,7 +108,7 @@ type Step = Option<Result<Option<Loaded>, Arc<crate::Error>>>;
 impl Stream {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, parts=None, target=None, allocate=None, reader=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None, parts=None, target=None, allocate=None, reader=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -122,6 +122,8 @@ impl Stream {
         verify: Option<VerifyArg>,
         keyset: Option<super::tink::KeysetArg>,
         associated_data: Option<super::tink::AssociatedDataArg>,
+        peers: Option<super::args::PeersArg>,
+        peer_token: Option<super::args::PeerTokenArg>,
         parts: Option<Vec<Part>>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
@@ -140,6 +142,7 @@ impl Stream {
             associated_data,
         );
         opts.parts = parts;
+        super::args::set_peers(&mut opts, peers, peer_token);
         if let Some(reader) = reader {
             // A safe_open handle's load: its files as it opened them, each read pinned to the
             // version it saw then (`uris` named them for the handle, and are not opened again).
@@ -414,29 +417,4 @@ pub fn inspect_json(
         )
     })??;
     Ok(crate::cli::inspect_json(&shards))
-}
-
-/// One file's header for `Reader.headers` (`safe_open`): `{file, size, tensors: [(name, dtype,
-/// shape, begin, end)], metadata}`.
-pub(super) fn header_dict<'py>(
-    py: Python<'py>,
-    s: &crate::source::Shard,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("file", &s.name)?;
-    d.set_item("size", s.size)?;
-    let tensors = PyList::empty(py);
-    for t in &s.header.tensors {
-        tensors.append((
-            t.name.as_str(),
-            t.dtype.as_str(),
-            PyTuple::new(py, &t.shape)?,
-            t.begin,
-            t.end,
-        ))?;
-    }
-    d.set_item("tensors", tensors)?;
-    // No `__metadata__` reads as empty here (safe_open tells the two apart: see reader.rs).
-    d.set_item("metadata", s.header.metadata.clone().unwrap_or_default())?;
-    Ok(d)
 }

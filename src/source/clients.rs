@@ -85,6 +85,13 @@ pub fn hub_client<E>(
     shared(&HUB_CLIENTS, environment(), build)
 }
 
+/// The process's client for peers (source/peer.rs), built by `build` the first time.
+pub fn peer_client<E>(
+    build: impl FnOnce() -> Result<reqwest::Client, E>,
+) -> Result<reqwest::Client, E> {
+    shared(&HUB_CLIENTS, format!("peer {}", environment()), build)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -102,8 +102,6 @@ impl CacheIdentity {
 /// `etag:<etag without quotes>;version:<version id>;size:<n>`, `-` for an absent validator (an
 /// empty one, or S3's version `null` on a bucket without versioning, is absent). A weak ETag
 /// keeps its `W/` so that it never equals a strong one.
-// The serve and the peer client call it; until both land only the tests do.
-#[allow(dead_code)]
 pub fn canonical_identity(
     sha256: Option<&str>,
     etag: Option<&str>,

@@ -20,6 +20,8 @@
 //!   [`descriptors`]: descriptors running out, said as such;
 //! - [`tink`]: files encrypted with Tink's streaming AEAD, read as their plaintext (a
 //!   decorator [`open`] applies over the others when a keyset is given);
+//! - [`peer`]: serves (`fastload serve`) that hold the same pinned objects, read in place of
+//!   the origin until they fail (a decorator [`open`] applies when `peers=` is given);
 //! - [`identity`]: who a remote object is ([`CacheIdentity`], [`identity::HubLocation`]), the
 //!   plain data that remote sources, the Hub and the cache share.
 //!
@@ -46,6 +48,7 @@ pub(crate) mod identity;
 pub(crate) mod local;
 pub mod object;
 pub mod open;
+pub mod peer;
 pub(crate) mod remote;
 pub mod tink;
 
@@ -103,6 +106,16 @@ pub trait Source: Send + Sync + fmt::Debug {
     /// cached return their URI, size and ETag (or sha256); local files return `None`.
     fn cache_identity(&self) -> Option<CacheIdentity> {
         None
+    }
+
+    /// The canonical identity string of this object's content (peer protocol v1,
+    /// [`identity::canonical_identity`]): its sha256 where known, else the validators every read
+    /// is pinned to; `None` for local files. A peer's copy stands in for it only under the same
+    /// string (source/peer.rs).
+    fn content_identity(&self) -> Option<String> {
+        let id = self.cache_identity()?;
+        let (sha, etag) = (id.sha256.as_deref(), id.etag.as_deref());
+        Some(identity::canonical_identity(sha, etag, None, id.size))
     }
 
     /// The whole object's checksum as its store keeps it (object stores, when asked for with

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::cache::{self, CacheSettings};
 use super::tink::Decryption;
-use super::{hub, local, object, spawn_read, Shard, Source};
+use super::{hub, local, object, peer, spawn_read, Shard, Source};
 use crate::error::{Error, Result};
 
 /// What a URI names.
@@ -21,6 +21,8 @@ pub enum Kind {
     ObjectStore,
     /// A file or folder of a Hugging Face Hub repo ([`hub`]).
     Hub,
+    /// A checkpoint a `fastload serve` serves, with no origin behind it ([`peer`]).
+    Peer,
 }
 
 /// Every scheme fastload reads, and what it names. A URI with a scheme not listed here is taken
@@ -38,6 +40,7 @@ pub const SCHEMES: &[(&str, Kind)] = &[
     ("http", Kind::ObjectStore),
     ("https", Kind::ObjectStore),
     ("hf", Kind::Hub),
+    ("peer", Kind::Peer),
 ];
 
 /// What `uri` names, by its scheme (`scheme://`, any case); plain paths are local.
@@ -122,10 +125,15 @@ pub fn open_all(
                 sources.extend(local::open(&std::mem::take(&mut local_uris))?);
                 sources.extend(object::open_sources(uri, storage_options, cache.verify)?);
             }
+            Kind::Peer => {
+                sources.extend(local::open(&std::mem::take(&mut local_uris))?);
+                sources.extend(peer::open_uri(uri, &cache.peers, storage_options)?);
+            }
             Kind::Local => local_uris.push(uri.clone()),
         }
     }
     sources.extend(local::open(&local_uris)?);
+    let sources = peer::wrap(sources, &cache.peers, storage_options)?;
     read_headers(cache::wrap(sources, cache), decryption)
 }
 
@@ -234,7 +242,10 @@ mod tests {
         assert!(!any_remote(&["/x".into(), "file:///y".into()]));
         assert_eq!(
             remote_schemes(),
-            ["s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "hf"]
+            [
+                "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "hf",
+                "peer"
+            ]
         );
     }
 

@@ -360,6 +360,7 @@ mod tests {
             hub_root: dir.join("hub"),
             fill: true,
             verify: false,
+            ..Default::default()
         }
     }
 

@@ -134,6 +134,9 @@ pub struct CacheSettings {
     /// `verify=True`: the sha256 of every object whose store gives one (Hub LFS files) is
     /// checked, wherever its bytes come from (the network, the HF cache, a cached copy).
     pub verify: bool,
+    /// The load's peers (`peers=`, `FASTLOAD_PEERS`): decided with the cache, applied by the
+    /// same opener ([`crate::source::open::open_all`]).
+    pub peers: crate::source::peer::PeerSettings,
 }
 
 impl CacheSettings {
@@ -153,7 +156,7 @@ impl CacheSettings {
             dir: Some(dir),
             hub_root: layout::hub_cache_root(),
             fill: true,
-            verify: false,
+            ..CacheSettings::default()
         }
     }
 
@@ -167,6 +170,10 @@ impl CacheSettings {
             CacheChoice::Dir(dir) => CacheSettings::at(dir),
         };
         settings.verify = verify;
+        settings.peers = crate::source::peer::PeerSettings::resolve(
+            options.peers.clone(),
+            options.peer_token.clone(),
+        )?;
         Ok(settings)
     }
 
@@ -490,6 +497,7 @@ mod tests {
             hub_root: dir.path().join("hub"),
             fill: true,
             verify: false,
+            ..Default::default()
         };
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         let identity = hub_object(&data, "sub/m.safetensors");

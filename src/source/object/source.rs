@@ -103,6 +103,17 @@ impl Source for RemoteObject {
         })
     }
 
+    fn content_identity(&self) -> Option<String> {
+        // The validators every read is pinned to: the version id too.
+        let pinned = self.pin.pinned();
+        Some(crate::source::identity::canonical_identity(
+            None,
+            pinned.etag.as_deref(),
+            pinned.version.as_deref(),
+            self.size,
+        ))
+    }
+
     fn version(&self) -> Option<String> {
         // Everything pinned (the version id and Last-Modified too): the bytes every read brings.
         Some(format!(

@@ -87,14 +87,29 @@ pub async fn read_range(
     dst: &mut [u8],
     retry: &RetrySettings,
 ) -> Result<()> {
+    read_range_from(get, pin, name, offset, dst, retry, &mut 0).await
+}
+
+/// [`read_range`], counting in `done` the bytes that landed in `dst` (from its start), also
+/// when it fails: a read that goes on from another location of the same object (a peer's
+/// failure, source/peer.rs) starts at the first byte missing.
+pub async fn read_range_from(
+    get: &dyn RangedGet,
+    pin: &Pin,
+    name: &str,
+    offset: u64,
+    dst: &mut [u8],
+    retry: &RetrySettings,
+    done: &mut usize,
+) -> Result<()> {
     let len = dst.len();
     let end = offset
         .checked_add(len as u64)
         .ok_or_else(|| Error::option("range", format!("offset {offset} overflows")))?;
     let mut resume = retry.resume_state();
-    let mut done = 0usize;
-    while done < len {
-        let start = offset + done as u64;
+    *done = 0;
+    while *done < len {
+        let start = offset + *done as u64;
         let want = pin.current();
         let known = pin.known_unserved();
         let response = match get.get(start..end, &want).await? {
@@ -130,8 +145,8 @@ pub async fn read_range(
                 format!("{what}, cannot read bytes {offset}..{end} (did it change while loading?)"),
             ));
         }
-        let before = done;
-        let cut = match copy_body(response.body, dst, &mut done, &mut resume, offset, name).await? {
+        let before = *done;
+        let cut = match copy_body(response.body, dst, done, &mut resume, offset, name).await? {
             Body::Ended(cut) => cut,
             Body::Slow(Decision::Resume { wait, .. }) => {
                 tokio::time::sleep(wait).await;
@@ -142,16 +157,17 @@ pub async fn read_range(
                     name,
                     io::ErrorKind::TimedOut,
                     format!(
-                        "bytes {offset}..{end} stalled after {done} of {len} bytes: {reason} \
-                         (the storage options min_rate and min_rate_window set the rule)"
+                        "bytes {offset}..{end} stalled after {} of {len} bytes: {reason} \
+                         (the storage options min_rate and min_rate_window set the rule)",
+                        *done
                     ),
                 ));
             }
         };
-        if done == len {
+        if *done == len {
             break;
         }
-        match resume.after_cut(done > before) {
+        match resume.after_cut(*done > before) {
             Decision::Resume { wait, .. } => tokio::time::sleep(wait).await,
             Decision::GiveUp { reason } => {
                 return Err(cut.unwrap_or_else(|| {
@@ -159,7 +175,8 @@ pub async fn read_range(
                         name,
                         io::ErrorKind::UnexpectedEof,
                         format!(
-                            "body ended after {done} of {len} bytes at offset {offset}: {reason}"
+                            "body ended after {} of {len} bytes at offset {offset}: {reason}",
+                            *done
                         ),
                     )
                 }))

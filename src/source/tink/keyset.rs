@@ -326,7 +326,7 @@ fn parse_key_proto(proto: &[u8]) -> Result<(Params, Zeroizing<Vec<u8>>), String>
             key_value.len()
         ));
     }
-    let min = super::segment::header_len(derived_key_size) as u64 + super::segment::TAG as u64 + 1;
+    let min = super::layout::header_len(derived_key_size) as u64 + super::layout::TAG as u64 + 1;
     if segment_size < min || segment_size > MAX_SEGMENT_SIZE {
         return Err(format!(
             "ciphertext segment size {segment_size} is not in {min}..={MAX_SEGMENT_SIZE}"

@@ -15,6 +15,7 @@ use crate::options::LoadOptions;
 use crate::source::{open_shard, Shard, Source};
 
 pub mod keyset;
+mod layout;
 pub mod segment;
 pub mod source;
 

@@ -13,15 +13,9 @@ use zeroize::Zeroizing;
 
 use super::keyset::{Hash, Params, StreamingKey};
 
-/// The GCM tag after each segment.
-pub const TAG: usize = 16;
-/// The random prefix of every segment's nonce, in the header.
-pub const NONCE_PREFIX: usize = 7;
-
-/// Bytes of the header for keys deriving `derived_key_size`-byte keys (its first byte says so).
-pub const fn header_len(derived_key_size: usize) -> usize {
-    1 + derived_key_size + NONCE_PREFIX
-}
+// The sizes are the leaf `layout`, which `keyset` checks a key against; named here too, as
+// part of the wire format.
+pub use super::layout::{header_len, NONCE_PREFIX, TAG};
 
 /// Where the segments of a file of a given ciphertext size lie, in the ciphertext and in the
 /// plaintext.

@@ -57,6 +57,10 @@ pub fn list(src: &str, storage_options: &[(String, String)]) -> Result<Listing> 
             Ok(Listing { single, items })
         }
         Kind::ObjectStore => list_objects(src, storage_options),
+        Kind::Peer => Err(Error::UnsupportedUri {
+            uri: src.to_string(),
+            message: "copy reads no peer:// URI: copy from the origin the serve serves".into(),
+        }),
         Kind::Local => list_local(src),
     }
 }
