@@ -278,3 +278,81 @@ def test_a_group_of_three_ranks_reads_each_byte_once_from_the_peer(origin, check
     # (the group's agreement on the tensors reads it from the origin, the load from the peer).
     assert tensor_bytes <= peer.state.sent <= tensor_bytes + 3 * probe
     assert origin_bytes(origin) <= 3 * probe
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the real serve (`python -m fastload serve`, a subprocess on 127.0.0.1)
+
+
+class RealServe:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        import select
+        import subprocess
+
+        python = str(Path(__file__).resolve().parent.parent / "python")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fastload", "serve", "--port", "0", *args],
+            env={**os.environ, "PYTHONPATH": python, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        line = self.proc.stdout.readline() if ready else ""
+        if "serving on" not in line:
+            self.close()
+            pytest.skip(f"no fastload serve in this build: {line!r}")
+        self.base = line.split("serving on", 1)[1].strip()
+
+    def bytes_served(self) -> int:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return sum(
+            int(float(x.rsplit(" ", 1)[1])) for x in lines if x.startswith("fastload_serve_bytes")
+        )
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_the_real_serve_of_an_s3_origin_serves_a_load_of_that_origin(
+    s3_store, checkpoint, monkeypatch, tmp_path
+):
+    from servers import s3 as s3_server
+    from stores import S3_BUCKET
+
+    env = {**s3_store.env(), "FASTLOAD_CACHE": str(tmp_path / "cache")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    data = checkpoint.read_bytes()
+    s3_server.upload(s3_store.server.client(), S3_BUCKET, {f"real/{NAME}": data})
+    serve = RealServe([s3_store.uri("real/")], env)
+    try:
+        got = load(s3_store.uri(f"real/{NAME}"), peers=[serve.base.split("://")[1]])
+        served = serve.bytes_served()
+    finally:
+        serve.close()
+    assert_same_tensors(got, reference(checkpoint))
+    assert served >= len(data)
+
+
+def test_peer_uris_load_straight_from_the_real_serve_of_a_folder(checkpoint, tmp_path):
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    shutil.copy(checkpoint, folder / NAME)
+    serve = RealServe([str(folder), "--name", "m"])
+    authority = serve.base.split("://")[1]
+    try:
+        whole = load(f"peer://{authority}/m")
+        one = load(f"peer://{authority}/m/{NAME}")
+        with pytest.raises(fastload.FastloadError):
+            load(f"peer://{authority}/nothing-here")
+    finally:
+        serve.close()
+    assert_same_tensors(whole, reference(checkpoint))
+    assert_same_tensors(one, reference(checkpoint))
