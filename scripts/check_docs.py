@@ -53,7 +53,7 @@ PATH_RE = re.compile(
     r"|(?:" + "|".join(re.escape(f) for f in sorted(TOP_FILES)) + r"))(?:::(\w+))?(?:#([\w-]+))?"
 )
 API_RE = re.compile(r"\bfastload((?:\.\w+)+)")
-FLAG_RE = re.compile(r"\bfastload (bench|inspect|copy)\b([^`\n]*)")
+FLAG_RE = re.compile(r"\bfastload (bench|inspect|copy|serve)\b([^`\n]*)")
 CODE_RE = re.compile(r"`([^`\n]+)`")
 FENCE_RE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
@@ -199,7 +199,7 @@ def help_text(command: str) -> str:
 
 
 def check_flags(pages: dict[Path, str], problems: list[str]) -> None:
-    used: dict[str, set[tuple[str, str]]] = {"bench": set(), "inspect": set(), "copy": set()}
+    used: dict[str, set[tuple[str, str]]] = {"bench": set(), "inspect": set(), "copy": set(), "serve": set()}
     for page, text in pages.items():
         for span in code_spans(text):
             for line in span.splitlines():

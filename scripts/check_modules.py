@@ -49,6 +49,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("plan", ["plan", "ranges", "ranks"]),
     ("device", ["device"]),
     ("pipeline", ["pipeline"]),
+    # `fastload serve`: reads sources (and the write path's listing), holds files in the device
+    # layer's page-locked memory; only the CLI runs it.
+    ("serve", ["serve"]),
     ("bindings and CLI", ["python", "cli"]),
 ]
 

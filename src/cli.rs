@@ -1,4 +1,5 @@
-//! The `fastload` command line (bench, inspect, copy); shared by the binary and the wheel's script.
+//! The `fastload` command line (bench, inspect, copy, serve); shared by the binary and the
+//! wheel's script.
 //!
 //! Parsing never exits the process (the Python console script calls [`run`] in-process): clap's
 //! own messages are printed and its exit code returned; every other failure becomes exactly one
@@ -44,6 +45,7 @@ pub fn run_in(args: Vec<String>, python: Option<String>) -> i32 {
         Command::Bench(args) => bench::run(args, python.as_deref()),
         Command::Inspect(args) => inspect::run(args),
         Command::Copy(args) => copy::run(args),
+        Command::Serve(args) => crate::serve::run(args).map_err(CliError::from),
     };
     match result {
         Ok(()) => 0,
@@ -105,6 +107,10 @@ enum Command {
     /// while streaming, each file published whole; a rerun skips files already copied.
     #[command(after_help = UNITS_HELP)]
     Copy(copy::CopyArgs),
+    /// Serve checkpoints (local folders, or any URI fastload reads, filled into the local cache
+    /// as they are served) to peers over HTTP range requests, with a manifest of each file's
+    /// origin identity; prints `serving on http://ADDR:PORT` when ready, stops on SIGTERM/SIGINT.
+    Serve(crate::serve::ServeArgs),
 }
 
 /// Why a command failed; printed as one line.

@@ -50,6 +50,7 @@ pub(crate) mod ranges;
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) mod ranks;
 pub mod runtime;
+pub mod serve;
 pub mod source;
 pub mod write;
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import urllib.parse
 
@@ -20,6 +21,10 @@ def _arg(arg: str) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["serve"]:
+        # A serve stops cleanly on SIGINT itself: Python's handler would raise KeyboardInterrupt
+        # once it has.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     # In-process: `fastload bench` runs its peers with this interpreter (sys.executable) unless
     # --python or $FASTLOAD_PYTHON names another.
     sys.exit(_fastload.cli_main(["fastload", *map(_arg, sys.argv[1:])]))

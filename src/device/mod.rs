@@ -196,6 +196,15 @@ impl Staging {
         self.ptr.as_ptr()
     }
 
+    /// Its bytes, to read (a `fastload serve --hold` sends files from them).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: valid for `self.len` bytes while `self` lives; writers need `&mut self`.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr(), self.len)
+        }
+    }
+
     /// The first `len` bytes, for a reader to fill.
     pub fn slice_mut(&mut self, len: usize) -> &mut [u8] {
         assert!(len <= self.len, "read larger than its staging buffer");

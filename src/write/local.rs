@@ -23,6 +23,9 @@ pub struct LocalFile {
     direct: Option<Box<DirectWriter>>,
     shown: String,
     overwrite: bool,
+    /// A write or sync failed: the temporary file may lack bytes, so it is never published
+    /// (a later `prepare` or `finish` fails too instead of finding nothing left to do).
+    failed: bool,
 }
 
 /// Temporary files made by this process so far (their names must differ).
@@ -75,6 +78,7 @@ impl LocalFile {
             direct: None,
             shown,
             overwrite: options.overwrite,
+            failed: false,
         };
         // Reserve the space now where the filesystem can: a full disk fails before any byte is
         // written rather than after gigabytes.
@@ -103,29 +107,35 @@ impl LocalFile {
     }
 
     pub fn write(&mut self, data: &[u8]) -> Result<()> {
-        if let Some(d) = self.direct.as_mut() {
-            return d.write(data).map_err(|e| Error::Io {
-                path: self.shown.clone(),
-                source: e,
-            });
-        }
-        let file = self.file.as_mut().expect("written after prepare or finish");
-        file.write_all(data).map_err(|e| Error::Io {
-            path: self.shown.clone(),
-            source: e,
-        })
+        let written = match (self.direct.as_mut(), self.file.as_mut()) {
+            (Some(d), _) => d.write(data),
+            (None, Some(file)) => file.write_all(data),
+            (None, None) => Err(io::Error::other("written after prepare or finish")),
+        };
+        written.map_err(|e| self.fail(e))
     }
 
     /// Syncs the data and closes the file: complete and on disk, still under its temporary name
     /// (a shard set publishes its files only once every one is prepared). Again: nothing to do.
     pub fn prepare(&mut self) -> Result<()> {
+        if self.failed {
+            return Err(self.error(io::Error::other(
+                "an earlier write or sync of this file failed",
+            )));
+        }
         if let Some(d) = self.direct.take() {
-            d.finish().map_err(|e| self.error(e))?;
+            d.finish().map_err(|e| self.fail(e))?;
         }
         if let Some(file) = self.file.take() {
-            file.sync_all().map_err(|e| self.error(e))?;
+            file.sync_all().map_err(|e| self.fail(e))?;
         }
         Ok(())
+    }
+
+    /// The error for `source`, with the file marked as never to be published.
+    fn fail(&mut self, source: io::Error) -> Error {
+        self.failed = true;
+        self.error(source)
     }
 
     /// Prepares the file if it was not, then renames it into place and syncs the folder.
@@ -268,6 +278,20 @@ mod tests {
         drop(g);
         assert_eq!(std::fs::read(&dest).unwrap(), b"abc");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_failed_write_is_never_published() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("x.bin");
+        let mut f = LocalFile::create(dest.to_str().unwrap(), 4, &opts(true)).unwrap();
+        f.write(b"ab").unwrap();
+        f.prepare().unwrap();
+        // A write after the file was closed fails, and from then on nothing publishes it.
+        assert!(f.write(b"cd").is_err());
+        assert!(f.prepare().is_err());
+        assert!(f.finish().is_err());
+        assert!(!dest.exists());
     }
 
     #[test]
