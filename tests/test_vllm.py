@@ -816,6 +816,37 @@ def test_weights_uri_from_s3(offline, seaweed):
 
 @pytest.mark.slow
 @needs_vllm
+def test_weights_from_a_peer_with_fastload_peers(offline, seaweed):
+    """``FASTLOAD_PEERS`` set for the engine: the weights of ``weights_uri`` come from a peer
+    that holds the same S3 objects (tests/servers/peer.py, listed under their ETags), vLLM's
+    tokens come out; the sharded format's objects, which the peer does not hold, come from S3."""
+    from servers import peer as peer_server
+
+    expected, _, work = offline
+    s3 = seaweed.client()
+    s3_server.upload_dir(s3, S3_BUCKET, "vllm/tiny-llama", work / "tiny-llama")
+    s3_server.upload_dir(s3, S3_BUCKET, "vllm/sharded", work / "sharded")
+    held = {}
+    for f in sorted((work / "tiny-llama").glob("*.safetensors")):
+        key = f"vllm/tiny-llama/{f.name}"
+        etag = s3.head_object(Bucket=S3_BUCKET, Key=key)["ETag"]
+        identity = {"sha256": None, "etag": etag, "version": None, "commit": None}
+        held[f.name] = peer_server.PeerFile(f.read_bytes(), identity, f"s3://{S3_BUCKET}/{key}")
+    peer = peer_server.start({"tiny-llama": (f"s3://{S3_BUCKET}/vllm/tiny-llama/", held)})
+    options = json.dumps(seaweed.storage_options())
+    try:
+        results, output = _run_driver(
+            "s3", work, S3_TEST_STORAGE_OPTIONS=options, FASTLOAD_PEERS=peer.base
+        )
+    finally:
+        peer.close()
+    assert results.get("fastload") == expected["safetensors"], _tail(output)
+    assert results.get("fastload_sharded") == expected["safetensors"], _tail(output)
+    assert peer.state.sent >= sum(len(f.data) for f in held.values()), _tail(output)
+
+
+@pytest.mark.slow
+@needs_vllm
 def test_model_from_the_hub(offline, tmp_path):
     """``LLM(model=ORG/REPO, load_format="fastload")`` against the mock Hub: the same tokens as
     vLLM's own loader, the weights streamed by fastload (ranged GETs at the storage host) and no
