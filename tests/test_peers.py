@@ -356,3 +356,34 @@ def test_peer_uris_load_straight_from_the_real_serve_of_a_folder(checkpoint, tmp
         serve.close()
     assert_same_tensors(whole, reference(checkpoint))
     assert_same_tensors(one, reference(checkpoint))
+
+
+def test_a_hub_origin_is_read_from_a_peer_listing_its_commit_path_and_sha256(hub_store):
+    """The mock Hub as the origin: a peer whose checkpoint is `hf://org/repo@<commit>` and
+    whose file has the Hub's sha256 serves the load; one with another commit is not asked."""
+    import hashlib
+
+    from stores import HUB_REPO
+
+    key = "big.safetensors"
+    repo = hub_store.server.repos[HUB_REPO]
+    commit = repo.refs["main"]
+    data = repo.commits[commit][key]
+    sha = hashlib.sha256(data).hexdigest()
+    identity = {"sha256": sha, "etag": None, "version": None, "commit": commit}
+    f = PeerFile(data, identity, None)
+    uri = hub_store.uri(key)
+    options = hub_store.options()
+    want = fastload.load(uri, storage_options=options)
+    for origin, used in (
+        (f"hf://{HUB_REPO}@{commit}", True),
+        (f"hf://{HUB_REPO}@{'0' * 40}", False),
+    ):
+        peer = peer_server.start({"big": (origin, {key: f})})
+        try:
+            got = load(uri, peers=[peer.base], storage_options=options)
+        finally:
+            peer.close()
+        assert_same_tensors(got, want)
+        assert (peer.state.sent >= len(data)) == used, origin
+        assert bool([p for p, *_ in peer.state.requests if p.startswith("/v1/files/")]) == used
