@@ -150,6 +150,7 @@ _SIGNATURES = {
     "cuMemcpyDtoH_v2": [_P, ctypes.c_uint64, ctypes.c_size_t],
     "cuMemsetD8_v2": [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "fake_cuda_hold": [_P, ctypes.c_uint],
 }
 
 
@@ -203,6 +204,13 @@ class Driver:
     def stream(self, flags: int = 1) -> int:
         """A stream of the current context (1: CU_STREAM_NON_BLOCKING)."""
         return self._out("cuStreamCreate", _P, flags)
+
+    def hold(self, stream: int, ms: int) -> None:
+        """Keeps `stream`'s work (queued or to come) from running until `hold(stream, 0)`, or at
+        most `ms` milliseconds, after which it runs and the log counts a violation: a producer
+        that is late whatever the machine's load (the simulator's own control, not the driver's).
+        """
+        self.ok("fake_cuda_hold", stream, ms)
 
     def event(self, flags: int = 2) -> int:
         """An event of the current context (2: CU_EVENT_DISABLE_TIMING)."""

@@ -161,6 +161,35 @@ emit(right=got == bytes([0x5A]) * head)
 
 
 @VARIANTS
+def test_held_stream_runs_after_its_release_or_its_deadline(fake_cuda, tmp_path, broken):
+    # fake_cuda_hold keeps a producer's work back whatever the load: a copy that does not wait
+    # for it reads the old bytes, and the held work runs once released. Waiting for held work
+    # (the broken pipeline) returns only at the hold's deadline, with a violation counted.
+    code = """
+start()
+n = 4096
+src, dev, out = cu.pinned(n), cu.alloc(n), cu.pinned(n)
+cu.write(src, bytes([0x5A]) * n)
+cu.write(dev, bytes([0xEE]) * n)
+producer, copier = cu.stream(), cu.stream()
+cu.hold(producer, 300 if broken else 60_000)
+cu.ok("cuMemcpyHtoDAsync_v2", dev, src, n, producer)
+if broken:
+    cu.ok("cuStreamSynchronize", producer)
+cu.ok("cuMemcpyDtoHAsync_v2", out, dev, n, copier)
+cu.ok("cuStreamSynchronize", copier)
+stale = cu.read(out, n) == bytes([0xEE]) * n
+cu.hold(producer, 0)
+cu.ok("cuCtxSynchronize")
+emit(stale=stale, written=cu.read(dev, n) == bytes([0x5A]) * n)
+"""
+    r = run(fake_cuda, tmp_path, code, broken)
+    assert r.out == {"stale": not broken, "written": True}
+    assert r.counters["violations"] == int(broken), r.stderr
+    assert any("held stream" in v for v in r.violations) == broken, r.violations
+
+
+@VARIANTS
 def test_legacy_default_stream_waits_for_blocking_streams_only(fake_cuda, tmp_path, broken):
     # cuMemcpyDtoH runs on stream 0, the legacy default stream: it waits for the work queued
     # before it on blocking streams (flags 0), not on CU_STREAM_NON_BLOCKING ones.

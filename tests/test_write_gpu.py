@@ -63,6 +63,8 @@ streams, pinned = [], 0
 for k in range(devices):
     cu.bind(contexts[k])
     streams.append(cu.stream())  # torch's "current stream" on device k
+    if no_order:  # the producer certainly late: its copy runs once save_file returned
+        cu.hold(streams[k], 60_000)
 cu.bind(None)
 
 
@@ -105,6 +107,8 @@ _write._cuda_stream = (lambda device: None) if no_order else (lambda device: str
 before = calls()
 fastload.save_file(tensors, dest, {{"k": "v"}}, memory_limit=limit, part_size=part_size)
 after = calls()
+for stream in streams if no_order else []:
+    cu.hold(stream, 0)
 reference_save(cpu, out + "/ref.safetensors", {{"k": "v"}})
 dtoh = after.get("cuMemcpyDtoHAsync", 0) - before.get("cuMemcpyDtoHAsync", 0)
 sync = after.get("cuMemcpyDtoH", 0) - before.get("cuMemcpyDtoH", 0)
@@ -153,8 +157,12 @@ def test_gpu_tensors_are_copied_out_in_page_locked_blocks(fake_cuda, tmp_path, d
 
 def test_copies_wait_for_the_callers_stream(fake_cuda, tmp_path):
     # Without the wait on torch's current stream, the copies read the memory before the producer
-    # wrote it: the check above would see the stale bytes. (Shown here with the wait taken out.)
-    _save(fake_cuda, tmp_path, 1 << 20, no_order=True)
+    # wrote it: the check above would see the stale bytes. (Shown here with the wait taken out,
+    # and the producer's stream held until save_file returned, so that no load of the machine
+    # lets the producer finish first.)
+    _, counters = _save(fake_cuda, tmp_path, 1 << 20, no_order=True)
+    # A held stream's work runs at the hold's deadline only if something waited for it.
+    assert counters["violations"] == 0, f"save_file waited for the held producer: {counters}"
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours != (tmp_path / "ref.safetensors").read_bytes()
     assert b"\xee" * 4096 in ours

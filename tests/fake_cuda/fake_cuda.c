@@ -60,6 +60,10 @@
  *   honoured like the driver: unset, all; empty, cuInit fails with CUDA_ERROR_NO_DEVICE (100); a
  *   comma list of ordinals, those devices renumbered from 0 (the list ends at the first entry that
  *   is not a valid ordinal).
+ * - Held streams (a test control, not the driver's). fake_cuda_hold(stream, ms) keeps the
+ *   stream's work from running until fake_cuda_hold(stream, 0), or at most `ms` milliseconds,
+ *   after which it runs and a violation is counted (someone waited for the held work): a producer
+ *   that is certainly late, however loaded the machine is.
  * - Fault injection. FAKE_CUDA_FAIL=name:n[,name:n...]: the n-th call (1-based) of entry point
  *   `name` (named without its _v2 suffix, e.g. cuMemAlloc, cuEventSynchronize) fails with
  *   CUDA_ERROR_UNKNOWN (999).
@@ -150,6 +154,7 @@ struct stream_s {
     uint64_t queued, done; /* operations queued and run, numbered from 1 */
     uint64_t busy_until;   /* when the last queued operation finishes (copy rate) */
     struct op *head, *tail;
+    uint64_t held_until;       /* fake_cuda_hold: its work waits until then (0: not held) */
     struct stream_s *next_all; /* every stream with work or a handle, for the executor */
 };
 
@@ -339,6 +344,15 @@ static void *executor(void *arg) {
                 continue;
             }
             link = &s->next_all;
+            if (s->held_until && s->head) {
+                if (s->held_until > now) {
+                    if (s->held_until < next) next = s->held_until;
+                    continue;
+                }
+                s->held_until = 0;
+                violation(OK, "a held stream's work ran at the hold's deadline (fake_cuda_hold): "
+                          "something waited for it");
+            }
             if (!s->head || !ready(s->head)) continue;
             if (s->head->due <= now) {
                 if (!pick || s->head->due < pick->head->due) pick = s;
@@ -408,6 +422,21 @@ static uint64_t enqueue(struct stream_s *s, void *dst, const void *src, size_t l
     s->tail = o;
     pthread_cond_signal(&work);
     return o->seq;
+}
+
+/* Test control, not a driver entry point: stream `h`'s work (already queued or queued later) runs
+ * only after fake_cuda_hold(h, 0), or at the latest `ms` milliseconds from now, which counts a
+ * violation (a caller waited for held work). So a test can make a producer certainly late,
+ * whatever the machine's load. Returns 0, or INVALID_HANDLE for a stream that is not live. */
+int fake_cuda_hold(CUstream h, unsigned ms) {
+    pthread_mutex_lock(&lock);
+    struct stream_s *s = h && h != STREAM_LEGACY && h != STREAM_PER_THREAD && h->magic == LIVE
+                             ? h
+                             : NULL;
+    if (s) s->held_until = ms ? now_us() + (uint64_t)ms * 1000u : 0;
+    pthread_cond_signal(&work);
+    pthread_mutex_unlock(&lock);
+    return s ? OK : INVALID_HANDLE;
 }
 
 /* The stream a handle names for work queued from this thread, or NULL (an error was counted). */
