@@ -375,3 +375,210 @@ def test_an_s3_save_interrupted_mid_upload_completes_nothing(seaweed, seaweed_fa
     assert open_uploads(client, prefix) == []
     files = s3_files(client, prefix)
     assert outcome(uri, files, old, big(3), storage_options={"endpoint": seaweed.endpoint}) == "old"
+
+
+# ---------------------------------------------------------------------------------------------
+# An overwriting copy over a different checkpoint of the same file names: each file is held
+# back complete until all are, then published with the index last; a failure or Ctrl-C before
+# that aborts them all (the earlier checkpoint stays), one while publishing leaves none.
+
+CONFIG = "config.json"
+
+
+def source_folder(folder: Path, shards: int, seed: int, config: bytes = b'{"v": 2}') -> dict:
+    """A saved checkpoint with a config beside it (a file that is no weight); its tensors."""
+    sd = checkpoint(shards, seed=seed)
+    fastload.save(sd, folder, max_shard_size=SHARD)
+    (folder / CONFIG).write_bytes(config)
+    return sd
+
+
+COPY_CASES = [(3, 3), (3, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("old_n,new_n", COPY_CASES, ids=[f"{o}-to-{n}" for o, n in COPY_CASES])
+def test_an_s3_copy_whose_kth_request_fails_leaves_the_old_or_the_new_checkpoint(
+    seaweed, seaweed_fault_proxy, tmp_path, old_n, new_n
+):
+    old_src = tmp_path / "old"
+    new_src = tmp_path / "new"
+    old = source_folder(old_src, old_n, seed=100, config=b'{"v": 1}')
+    new = source_folder(new_src, new_n, seed=200)
+    client = seaweed.client()
+    direct = {"endpoint": seaweed.endpoint}
+    no_retry = {"max_retries": "0", "retry_timeout": "5"}
+
+    def over_old(prefix: str) -> str:
+        uri = f"s3://{BUCKET}/{prefix}"
+        fastload.copy(str(old_src), uri, progress=False, storage_options=direct)
+        return uri
+
+    counter = Nth(0)
+    seaweed_fault_proxy(match=counter)
+    uri = over_old(f"copy-failing/{old_n}-{new_n}/count/")
+    fastload.copy(str(new_src), uri, progress=False, overwrite=True)
+    total = counter.seen
+    for k in range(1, total + 1):
+        prefix = f"copy-failing/{old_n}-{new_n}/{k}/"
+        uri = over_old(prefix)
+        proxy = seaweed_fault_proxy(plan=[Fault("status", status=500)], match=Nth(k))
+        try:
+            fastload.copy(str(new_src), uri, progress=False, overwrite=True,
+                          storage_options=no_retry)  # fmt: skip
+            failed = False
+        except fastload.StorageError:
+            failed = True
+        assert proxy.served["faults"] == 1, (k, proxy.served)
+        files = s3_files(client, prefix)
+        got = outcome(uri, files, old, new, storage_options=direct)
+        assert got in ("old", "new", "raises"), f"request {k} of {total} failed: {got}"
+        assert failed or got == "new", k
+        # The config goes with the weights: the new one only beside the whole new checkpoint.
+        want = {"old": [b'{"v": 1}', None], "new": [b'{"v": 2}'], "raises": [b'{"v": 1}', None]}
+        assert files.get(CONFIG) in want[got], (k, got, files.get(CONFIG))
+        assert open_uploads(client, prefix) == [], k
+        proxy.close()
+
+
+@pytest.fixture
+def bigger_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# One file at a time (less memory than two parts): the order of what is written is fixed.
+ONE_AT_A_TIME = {"part_size": 5 << 20, "memory_limit": (10 << 20) - 1}
+
+
+def test_a_disk_that_fills_during_a_copy_leaves_the_old_checkpoint(bigger_tmpfs, tmp_path):
+    # The new checkpoint: 3 shards of 400 KB with the old one's file names. The disk fills in
+    # the third shard, the second, the first: the earlier checkpoint loads whole each time.
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, 3, seed=100, config=b'{"v": 1}')
+    new = {k: v.repeat(40) for k, v in checkpoint(3, seed=200).items()}
+    fastload.save(new, new_src, max_shard_size="400KB")
+    folder = bigger_tmpfs / "m"
+    filler = bigger_tmpfs / "filler"
+    for room in range(1_150_000, 0, -150_000):
+        fastload.copy(str(old_src), str(folder), progress=False, overwrite=True)
+        free = os.statvfs(bigger_tmpfs).f_bavail * os.statvfs(bigger_tmpfs).f_frsize
+        filler.write_bytes(b"\0" * max(free - room, 0))
+        with pytest.raises(fastload.StorageError, match="No space left on device"):
+            fastload.copy(str(new_src), str(folder), progress=False, overwrite=True,
+                          **ONE_AT_A_TIME)  # fmt: skip
+        assert outcome(str(folder), local_files(folder), old, new) == "old", room
+        assert leftovers(folder) == []
+        filler.unlink()
+    fastload.copy(str(new_src), str(folder), progress=False, overwrite=True, **ONE_AT_A_TIME)
+    assert outcome(str(folder), local_files(folder), old, new) == "new"
+
+
+def test_a_local_copy_failing_part_way_leaves_the_old_checkpoint(tmp_path):
+    # One file at a time, the largest first: shards 1 and 2 (10 and 8 KB) are written, then the
+    # tokenizer (7 KB) cannot be (a folder is in its way). The new shards were never published,
+    # so the earlier checkpoint (the same file names) loads whole, its config beside it.
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, 3, seed=100, config=b'{"v": 1}')
+    new = {
+        f"w{i}": pattern((n,), torch.float32, seed=200 + i)
+        for i, n in enumerate((2500, 2000, 1500))
+    }
+    fastload.save(new, new_src, max_shard_size=SHARD)
+    (new_src / CONFIG).write_bytes(b'{"v": 2}')
+    (new_src / "tokenizer.json").write_bytes(b" " * 7000)
+    folder = tmp_path / "m"
+    fastload.copy(str(old_src), str(folder), progress=False)
+    (folder / "tokenizer.json").mkdir()
+    with pytest.raises(fastload.StorageError, match=r"tokenizer\.json: is a directory"):
+        fastload.copy(str(new_src), str(folder), progress=False, overwrite=True, **ONE_AT_A_TIME)
+    (folder / "tokenizer.json").rmdir()
+    assert outcome(str(folder), local_files(folder), old, new) == "old"
+    assert (folder / CONFIG).read_bytes() == b'{"v": 1}'
+    assert leftovers(folder) == []
+    fastload.copy(str(new_src), str(folder), progress=False, overwrite=True)
+    assert outcome(str(folder), local_files(folder), old, new) == "new"
+
+
+COPIER = """
+import os, signal, sys, fastload
+signal.signal(signal.SIGINT, signal.default_int_handler)
+print("ready", flush=True)
+try:
+    fastload.copy(sys.argv[1], sys.argv[2], progress=False, overwrite=True,
+                  part_size=5 << 20, memory_limit=(10 << 20) - 1)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    os._exit(3)
+print("done", flush=True)
+"""
+
+
+def test_a_local_copy_stopped_by_ctrl_c_leaves_the_old_checkpoint(tmp_path):
+    # One file at a time: stopped while the third shard is written (two written, not published).
+    old_src, new_src, folder = tmp_path / "old", tmp_path / "new", tmp_path / "m"
+    old, new = big(8, base=100), big(8)
+    fastload.save(old, old_src, max_shard_size="4MiB")
+    fastload.save(new, new_src, max_shard_size="4MiB")
+    fastload.copy(str(old_src), str(folder), progress=False)
+    env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
+    proc = subprocess.Popen([sys.executable, "-c", COPIER, str(new_src), str(folder)],
+                            stdout=subprocess.PIPE, env=env)  # fmt: skip
+    assert proc.stdout.readline() == b"ready\n"
+    wait_for(proc, lambda: any(".model-00003-of-00008" in n for n in os.listdir(folder)))
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (3, b"interrupted\n")
+    assert leftovers(folder) == []
+    assert outcome(str(folder), local_files(folder), old, new) == "old"
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_resuming_copy_never_replaces_a_different_file(seaweed, aws_env, tmp_path, where):
+    # Without overwrite a copy resumes: a destination file that is not a copy of the source is
+    # refused (naming overwrite=True), so the earlier checkpoint stays whole.
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, 3, seed=100, config=b'{"v": 1}')
+    new = source_folder(new_src, 3, seed=200)
+    if where == "s3":
+        aws_env(seaweed)
+        uri = f"s3://{BUCKET}/copy-resume/"
+        files = lambda: s3_files(seaweed.client(), "copy-resume/")  # noqa: E731
+    else:
+        uri = str(tmp_path / "m")
+        files = lambda: local_files(Path(uri))  # noqa: E731
+    fastload.copy(str(old_src), uri, progress=False)
+    with pytest.raises(fastload.DestinationExistsError, match="overwrite=True"):
+        fastload.copy(str(new_src), uri, progress=False)
+    assert outcome(uri, files(), old, new) == "old"
+    assert files()[CONFIG] == b'{"v": 1}'
+
+
+def test_the_cli_copy_with_overwrite_whose_second_upload_fails_leaves_no_mix(
+    seaweed, seaweed_fault_proxy, tmp_path
+):
+    # `fastload copy --overwrite`, 3 shards over 3 of the same names, the second write request
+    # refused: the earlier checkpoint loads whole (before, w0 was new and w1, w2 old).
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, 3, seed=100, config=b'{"v": 1}')
+    new = source_folder(new_src, 3, seed=200)
+    prefix = "copy-cli-failing/"
+    uri = f"s3://{BUCKET}/{prefix}"
+    direct = {"endpoint": seaweed.endpoint}
+    fastload.copy(str(old_src), uri, progress=False, storage_options=direct)
+    proxy = seaweed_fault_proxy(plan=[Fault("status", status=500)], match=Nth(2))
+    env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
+    cli = [sys.executable, "-c", "import fastload._cli as c; c.main()", "copy", str(new_src), uri]
+    opts = ["--overwrite", "--option", "max_retries=0"]
+    done = subprocess.run([*cli, *opts], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and proxy.served["faults"] == 1, done.stderr
+    files = s3_files(seaweed.client(), prefix)
+    assert outcome(uri, files, old, new, storage_options=direct) == "old", done.stderr
+    assert files[CONFIG] == b'{"v": 1}'
+    assert open_uploads(seaweed.client(), prefix) == []

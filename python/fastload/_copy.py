@@ -75,7 +75,9 @@ def copy(
     ``verify=False`` is recorded as unchecked, and a ``verify=True`` run checks it again (hashes
     a local file, copies an object again) before skipping it. Any other existing file raises
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``, which copies every file
-    again. ``storage_options``
+    again and, as :func:`save` does, publishes none until all are complete (the indexes last): a
+    failure or Ctrl-C leaves the earlier files, or none, never some of each (a group's ranks
+    publish their shares on their own). ``storage_options``
     configure both stores. In a group each rank copies its share of the files; the call returns
     on every rank once all ranks finished (an error on any rank is raised on every rank). A file
     of at least two parts per rank going to S3 or GCS is split: every rank reads and uploads its

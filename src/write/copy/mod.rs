@@ -15,6 +15,9 @@
 //!   that a `verify=True` run checks an unchecked copy again (hashes a local file, copies an
 //!   object again). An existing file that is not a copy of the source is refused unless
 //!   `overwrite`, which copies every file again.
+//! - Overwriting: every file is copied again, each held back complete and unpublished until all
+//!   are, then published with the indexes last (stage.rs): a failed or interrupted copy leaves
+//!   the earlier files or none, never some of each.
 //! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), largest first, indexes last (see [`run`]).
 //! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
 //!   split on every rank); with an [`Exchange`] between the ranks, a file of at least two parts
@@ -36,6 +39,7 @@ mod done;
 mod encrypted;
 mod list;
 mod split;
+mod stage;
 
 pub use done::{Existing, ID_KEY};
 pub use list::{list, Item, Listing};
@@ -237,8 +241,18 @@ fn whole(
     let mine = whole_share(targets, split, options);
     let (first, last) = schedule(targets, &mine);
     let outcomes = Mutex::new(vec![None; targets.len()]);
-    run(targets, &first, options, &outcomes)?;
-    run(targets, &last, options, &outcomes)?;
+    let staged = options.write.overwrite.then(stage::Staged::default);
+    let copied = run(targets, &first, options, &outcomes, staged.as_ref())
+        .and_then(|()| run(targets, &last, options, &outcomes, staged.as_ref()));
+    match (copied, staged) {
+        (Err(e), Some(staged)) => {
+            staged.abort();
+            return Err(e);
+        }
+        (Err(e), None) => return Err(e),
+        (Ok(()), Some(staged)) => staged.publish(options)?,
+        (Ok(()), None) => {}
+    }
     let outcomes = outcomes.into_inner().unwrap_or_else(|e| e.into_inner());
     for i in mine {
         let (item, to) = &targets[i];
@@ -298,6 +312,7 @@ fn run(
     order: &[usize],
     options: &CopyOptions,
     outcomes: &Mutex<Vec<Option<bool>>>,
+    staged: Option<&stage::Staged>,
 ) -> Result<()> {
     if order.is_empty() {
         return Ok(());
@@ -320,7 +335,7 @@ fn run(
             let Some(&i) = order.get(next.fetch_add(1, Ordering::SeqCst)) else {
                 break;
             };
-            match copy_one(&targets[i], &each, &stop) {
+            match copy_one(&targets[i], &each, &stop, staged) {
                 Ok(skipped) => {
                     outcomes.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(skipped);
                 }
@@ -353,8 +368,14 @@ fn run(
 /// One file: copied again whatever is there when overwriting; else skipped when the destination
 /// is a copy of this source already (`Ok(true)`: verified, or unchecked and not to be checked
 /// now), copied again when it is an unchecked copy that fails the check (or cannot be checked in
-/// place), refused when it holds something else, else copied (`Ok(false)`).
-fn copy_one((item, to): &(Item, String), options: &CopyOptions, stop: &AtomicBool) -> Result<bool> {
+/// place), refused when it holds something else, else copied (`Ok(false)`). With `staged` (an
+/// overwriting copy) the file is added there complete but unpublished.
+fn copy_one(
+    (item, to): &(Item, String),
+    options: &CopyOptions,
+    stop: &AtomicBool,
+    staged: Option<&stage::Staged>,
+) -> Result<bool> {
     let size = item.source.size();
     let (check, mut write) = encrypted::target(item, &options.write)?;
     let found = match options.write.overwrite {
@@ -384,7 +405,18 @@ fn copy_one((item, to): &(Item, String), options: &CopyOptions, stop: &AtomicBoo
         .id
         .as_deref()
         .map(|id| done::record(id, checked(item, options)));
-    copy_file(item, id.as_deref(), to, &write, options, stop)?;
+    let mut sink = copy_file(item, id.as_deref(), to, &write, options, stop)?;
+    if let Some(staged) = staged {
+        sink.prepare()?;
+        staged.add(stage::File {
+            to: to.clone(),
+            sink,
+            id,
+            bytes: size,
+        });
+        return Ok(false);
+    }
+    publish(sink, to, id.as_deref())?;
     emit(
         options,
         Event::Done {
@@ -464,7 +496,7 @@ fn share(
 }
 
 /// One file: its blocks read in parallel, written in order with `write`, `id` recorded with it;
-/// the sink aborted on any failure.
+/// returned unpublished, or aborted on any failure.
 fn copy_file(
     item: &Item,
     id: Option<&str>,
@@ -472,7 +504,7 @@ fn copy_file(
     write: &WriteOptions,
     options: &CopyOptions,
     stop: &AtomicBool,
-) -> Result<()> {
+) -> Result<Sink> {
     let source: Arc<dyn Source> = match (&item.digest, options.verify) {
         (Some(digest), true) => Arc::new(VerifyingSource::new(item.source.clone(), digest)),
         _ => item.source.clone(),
@@ -492,12 +524,15 @@ fn copy_file(
         let _ = sink.abort();
         return Err(e);
     }
+    Ok(sink)
+}
+
+/// Publishes a file [`copy_file`] wrote, recording `id` on a local one.
+fn publish(sink: Sink, to: &str, id: Option<&str>) -> Result<()> {
     let local = sink.is_local();
     sink.finish()?;
-    if local {
-        if let Some(id) = id {
-            done::mark_local(to, id);
-        }
+    if let (true, Some(id)) = (local, id) {
+        done::mark_local(to, id);
     }
     Ok(())
 }
