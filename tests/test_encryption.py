@@ -177,19 +177,31 @@ def test_associated_data_and_keys_tried_as_tink_does(plain_file, tmp_path):
     assert_same_tensors(got, want)
 
 
+def fastload_encrypt(keyset: str, plain: bytes, ad: bytes, tmp_path: Path) -> bytes:
+    """``plain`` as fastload encrypts a file on its way (``copy(keyset=)`` encrypts every
+    ``.safetensors`` file whatever its bytes, as ``save_file(keyset=)`` writes)."""
+    src, dst = tmp_path / "plain.safetensors", tmp_path / "encrypted.safetensors"
+    src.write_bytes(plain)
+    fastload.copy(src, dst, keyset=keyset, associated_data=ad or None, progress=False)
+    out = dst.read_bytes()
+    dst.unlink()
+    return out
+
+
 def test_what_fastload_encrypts_tink_decrypts(plain_file, big_keyset, small, tmp_path):
     """The write direction (src/source/tink/segment.rs `encrypt`): tink reads it back, with and
-    without associated data, for both templates; fastload loads it too."""
+    without associated data, for both templates, at the segment boundaries (nothing, one byte,
+    the first segment full); fastload loads it too."""
     plain = plain_file.read_bytes()
     for keyset, primitive in (big_keyset, small[:2]):
         for ad in (b"", b"ad"):
-            ciphertext = fastload._fastload._tink_encrypt(keyset, plain, ad)
-            assert ciphertext != fastload._fastload._tink_encrypt(keyset, plain, ad)  # fresh salt
+            ciphertext = fastload_encrypt(keyset, plain, ad, tmp_path)
+            assert ciphertext != fastload_encrypt(keyset, plain, ad, tmp_path)  # fresh salt
             assert tink_decrypt(primitive, ciphertext, ad) == plain
         for data in (b"", b"x", plain[: 4096 - 16 - 24], plain[: 3 * MIB]):
-            assert tink_decrypt(primitive, fastload._fastload._tink_encrypt(keyset, data)) == data
+            assert tink_decrypt(primitive, fastload_encrypt(keyset, data, b"", tmp_path)) == data
     path = tmp_path / "ours.safetensors"
-    path.write_bytes(fastload._fastload._tink_encrypt(big_keyset[0], plain))
+    path.write_bytes(fastload_encrypt(big_keyset[0], plain, b"", tmp_path))
     assert_same_tensors(fastload.load(path, keyset=big_keyset[0]), helpers.reference(plain_file))
 
 

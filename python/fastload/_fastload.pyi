@@ -51,8 +51,6 @@ __all__ = [
     "Stats",
     "Stream",
     "__version__",
-    "_tink_decrypt",
-    "_tink_encrypt",
     "cache_stats",
     "cached_memory",
     "check_inside",
@@ -500,20 +498,6 @@ def cache_stats() -> _CacheStats:
     """What the local cache did in this process: copies read (``hits``), bytes written while
     streaming, copies published, and why caching was last turned off for a load (a full disk);
     waits for copies still being published first."""
-
-def _tink_encrypt(
-    keyset: str | os.PathLike[str], plaintext: bytes, associated_data: bytes | str | None = None
-) -> bytes:
-    """``plaintext`` encrypted as Tink's streaming AEAD does with the keyset's primary key."""
-
-def _tink_decrypt(
-    keyset: str | os.PathLike[str],
-    ciphertext: bytes,
-    associated_data: bytes | str | None = None,
-    discard: bool = False,
-) -> bytes:
-    """``ciphertext`` (a whole stream) decrypted with the keyset's primary key, on this thread
-    (``discard``: into one reused segment buffer, returning ``b""``: the AES-GCM rate)."""
 
 def cli_main(argv: list[str]) -> int: ...
 def cuda_device_count() -> int: ...

@@ -141,7 +141,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(stream::inspect_json, m)?)?;
-    m.add_function(wrap_pyfunction!(tink::_tink_encrypt, m)?)?;
+    #[cfg(feature = "bench-bindings")]
     m.add_function(wrap_pyfunction!(tink::_tink_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
     m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;

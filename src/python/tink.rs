@@ -1,12 +1,11 @@
-//! The Python inputs of encrypted loads (`keyset=`, `associated_data=`), and `_tink_encrypt`,
-//! the encrypting direction of the format as the tests check it against the `tink` package.
+//! The Python inputs of encrypted loads (`keyset=`, `associated_data=`), and, in a build with
+//! the `bench-bindings` feature only, `_tink_decrypt` (the bench's AES-GCM rate).
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::PyString;
 use zeroize::Zeroizing;
 
 use crate::options::Secret;
-use crate::source::tink::{segment, Keyset};
 use crate::Error;
 
 fn type_name(obj: &Borrowed<'_, '_, PyAny>) -> String {
@@ -95,27 +94,12 @@ pub(crate) fn decryption(
     })
 }
 
-/// `plaintext` encrypted as Tink's streaming AEAD does with the primary key of `keyset` (a fresh
-/// header each call). Private: the tests check that the `tink` package decrypts it; saving
-/// encrypted files will write through the same code.
-#[pyfunction]
-#[pyo3(signature = (keyset, plaintext, associated_data=None))]
-pub(crate) fn _tink_encrypt<'py>(
-    py: Python<'py>,
-    keyset: KeysetArg,
-    plaintext: &[u8],
-    associated_data: Option<AssociatedDataArg>,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let keys = Keyset::from_spec(&keyset.0 .0).map_err(|e| Error::option("keyset", e))?;
-    let ad = associated_data.map(|a| a.0 .0.to_vec()).unwrap_or_default();
-    let out = py.detach(|| segment::encrypt(&keys.keys[0], &ad, plaintext));
-    Ok(PyBytes::new(py, &out))
-}
-
 /// `ciphertext` (a whole stream) decrypted with the primary key of `keyset`, on the calling
 /// thread. `discard`: each segment is decrypted into one reused buffer and nothing is returned,
 /// which `benches/encryption_bench.py` times as the CPU's AES-GCM rate (filling a fresh buffer
-/// of the whole size would time page faults instead).
+/// of the whole size would time page faults instead). Not in the shipped module: only a build
+/// with the `bench-bindings` feature has it.
+#[cfg(feature = "bench-bindings")]
 #[pyfunction]
 #[pyo3(signature = (keyset, ciphertext, associated_data=None, discard=false))]
 pub(crate) fn _tink_decrypt<'py>(
@@ -124,7 +108,10 @@ pub(crate) fn _tink_decrypt<'py>(
     ciphertext: &[u8],
     associated_data: Option<AssociatedDataArg>,
     discard: bool,
-) -> PyResult<Bound<'py, PyBytes>> {
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    use crate::source::tink::{segment, Keyset};
+    use pyo3::types::PyBytes;
+
     let keys = Keyset::from_spec(&keyset.0 .0).map_err(|e| Error::option("keyset", e))?;
     let ad = associated_data.map(|a| a.0 .0.to_vec()).unwrap_or_default();
     let failed = |e| crate::source::tink::source::error("<bytes>", None, e);
