@@ -14,7 +14,8 @@ files (`src/cli/report.rs` and `src/cli/verdict.rs`) fails even inside one node;
 file and its own submodules' files (which it declares, and which import it as `super::`) are
 left out of that one. Edges listed in `scripts/module_cycles_allowed.txt` (`from -> to  # why`,
 two nodes or two files) are known to be removed by a planned step and do not count; an allowed
-edge that no longer exists fails, so the list only shrinks.
+edge that no longer exists fails, so the list only shrinks. It fails too when the layers that
+src/lib.rs's crate docs list (one `//! - ` item a layer, lowest first) are not LAYERS below.
 
     python3 scripts/check_modules.py            # check, print the layers and the edges
     python3 scripts/check_modules.py --edges    # only the edges, one `from -> to` a line
@@ -336,6 +337,44 @@ class Graph:
         return next((self.node(p) for p in self.modules if p and self.file_of(p) == file), None)
 
 
+def lib_layers(lib: Path, modules: set[str]) -> list[set[str]]:
+    """The layers lib.rs's crate docs list, lowest first: one `//! - ` item a layer, and in each
+    the crate's top-level modules it names in backticks (`source::open` names `source`)."""
+    items: list[str] = []
+    for line in lib.read_text().splitlines():
+        if not line.startswith("//!"):
+            if items:
+                break
+            continue
+        text = line[3:]
+        if text.startswith(" - "):
+            items.append(text[3:])
+        elif items and text.startswith("   "):
+            items[-1] += " " + text.strip()
+        elif items:
+            break
+    names = [re.findall(r"`(" + IDENT + r")(?:::[^`]*)?`", item) for item in items]
+    return [{n for n in found if n in modules} for found in names]
+
+
+def check_lib_layers(g: Graph) -> bool:
+    """Whether lib.rs lists the layers of LAYERS, in their order and with their modules; prints
+    where the two differ."""
+    top = {p[0] for p in g.modules if len(p) == 1}
+    # Layers without a module in this crate (a small crate of the tests) drop out of both.
+    want = [found for _, members in LAYERS if (found := {m for m in members if m in top})]
+    got = [found for found in lib_layers(g.modules[()].file, top) if found]
+    if got == want:
+        return True
+    print(f"\nsrc/lib.rs lists the layers otherwise than LAYERS in {Path(__file__).name}:")
+    for i in range(max(len(got), len(want))):
+        a = sorted(got[i]) if i < len(got) else []
+        b = sorted(want[i]) if i < len(want) else []
+        if a != b:
+            print(f"  layer {i + 1}: lib.rs {', '.join(a) or '-'}; LAYERS {', '.join(b) or '-'}")
+    return False
+
+
 # ---------------------------------------------------------------------------------------------
 # Cycles
 
@@ -478,6 +517,8 @@ def main() -> int:
             ", ".join(unplaced),
         )
         failed = True
+
+    failed = not check_lib_layers(g) or failed
 
     allowed = read_allowed()
     allowed_set = {(a, b) for a, b, _ in allowed}

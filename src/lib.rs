@@ -3,7 +3,7 @@
 //! as they land.
 //!
 //! The modules, lowest layer first; a module imports only from its own layer and the ones below
-//! (`scripts/check_modules.py` checks it and fails on a cycle):
+//! (`scripts/check_modules.py` checks it, that this list is its own, and fails on a cycle):
 //!
 //! - [`format`](mod@format): the checkpoint format: safetensors header bytes → validated entries, and the
 //!   shard names of an index file (`model.safetensors.index.json`). Imports nothing of the crate.
@@ -20,13 +20,14 @@
 //!   layout, the files), `source::remote` (the one resumable ranged read both remote kinds go
 //!   through), `source::cache` (the local cache, a decorator only `open` applies) and
 //!   `source::identity` (who a remote object is: the data the cache and the Hub share).
+//! - [`write`]: safetensors files (and small files) to a local path or an object store, published
+//!   whole or not at all (a rename, a multipart upload completed last).
 //! - [`plan`] (shards + options → segments and blocks), `ranges` (chosen byte ranges of one
 //!   source, for slices) and `ranks` (the plan shared by the ranks of a process group).
 //! - [`device`]: where tensors go when they leave host memory (the CUDA copy engine).
 //! - [`pipeline`]: runs a plan: reads every block through `Source`, bounded in bytes and reads
 //!   in flight, and hands tensors out as their segments land.
-//! - [`write`]: safetensors files (and small files) to a local path or an object store, published
-//!   whole or not at all (a rename, a multipart upload completed last).
+//! - [`serve`]: `fastload serve`: checkpoints of any source served to peers over HTTP ranges.
 //! - the Python bindings (`python`, with the `python` feature) and the command line, [`cli`].
 //!
 //! Public here is what the binary, the integration tests, the benches and the fuzz targets use;

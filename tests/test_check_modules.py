@@ -31,7 +31,9 @@ def crate(root, files, allowed=None):
 
 # format (bottom) <- source <- plan (above); source's submodules are nodes of their own.
 BASE = {
-    "lib.rs": "pub mod format;\npub mod plan;\npub mod source;\npub use format::Header;\n",
+    "lib.rs": "//! Layers, lowest first:\n//!\n//! - [`format`](mod@format): bytes.\n"
+    "//! - [`source`]: sources, e.g. `source::local`\n//!   (files).\n//! - [`plan`]: plans.\n\n"
+    "pub mod format;\npub mod plan;\npub mod source;\npub use format::Header;\n",
     "format.rs": "/// Not an import: crate::plan::Plan\npub struct Header;\n"
     'pub const NAME: &str = "crate::plan::x";\n',
     "plan.rs": "use crate::{format::Header, source::Shard};\npub struct Plan(Header, Shard);\n",
@@ -138,3 +140,18 @@ def test_an_import_cycle_between_two_files_of_one_module_fails(tmp_path):
     allowed = "src/plan/verdict.rs -> src/plan/report.rs  # the row moves to a leaf\n"
     out = check(crate(tmp_path, {}, allowed))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_lib_rs_must_list_the_layers_of_the_check(tmp_path):
+    files = dict(BASE)
+    # plan listed below source: the crate's docs disagree with the check's table.
+    files["lib.rs"] = (
+        "//! - [`format`](mod@format): bytes.\n//! - [`plan`]: plans.\n//! - [`source`]: sources.\n"
+        "\npub mod format;\npub mod plan;\npub mod source;\npub use format::Header;\n"
+    )
+    out = check(crate(tmp_path, files))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "src/lib.rs lists the layers otherwise than LAYERS in check_modules.py:" in out.stdout
+    assert "  layer 2: lib.rs plan; LAYERS source\n  layer 3: lib.rs source; LAYERS plan" in (
+        out.stdout
+    )

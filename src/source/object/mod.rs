@@ -1,14 +1,14 @@
-//! Object storage (s3://, gs://, az://, http(s)://) over the `object_store` crate. Building a
-//! store flows one way: config.rs (URI, options, dispatch) → one builder per cloud (s3.rs with
-//! the shared AWS files in aws_profile.rs and the AWS CLI's credential chain in
-//! aws_credentials.rs; gcs.rs; azure.rs) → keys.rs (client defaults, environment and option-key
-//! helpers), with errors.rs beside them all. Then shard discovery under a prefix
-//! (index file first), and ranged reads streamed straight into a caller's buffer (read.rs: each
-//! request of [`crate::source::remote`]'s one resumable read, pinned to one version of the object),
-//! resuming cut-off bodies as one [`RetrySettings`] allows (retry.rs; object_store's request
-//! retries are built from the same settings). source.rs makes each listed object a
-//! [`crate::source::Source`] ([`RemoteObject`], [`open_sources`]); small.rs fetches a small file
-//! kept beside a checkpoint unless the store says it is unchanged ([`read_small_unless`]).
+//! Object storage (s3://, gs://, az://, http(s)://) over the `object_store` crate. Building a store
+//! flows one way: config.rs (URI, options, dispatch) → one builder per cloud (s3.rs with the shared
+//! AWS files in aws_profile.rs and the AWS CLI's credential chain in aws_credentials.rs; gcs.rs;
+//! azure.rs) → keys.rs (client defaults, environment and option-key helpers), with errors.rs beside
+//! them all. Then shard discovery under a prefix (list.rs, index file first), and ranged reads
+//! streamed straight into a caller's buffer (read.rs: each request of [`crate::source::remote`]'s
+//! one resumable read, pinned to one version of the object), resuming cut-off bodies as one
+//! [`RetrySettings`] allows (source/remote/retry.rs; object_store's request retries are built from
+//! the same settings). source.rs makes each listed object a [`crate::source::Source`]
+//! ([`RemoteObject`], [`open_sources`]); small.rs fetches a small file kept beside a checkpoint
+//! unless the store says it is unchanged ([`read_small_unless`]).
 //!
 //! Errors (errors.rs): a missing object is [`crate::Error::NotFound`]; everything else is [`crate::Error::Io`]
 //! whose `io::ErrorKind`, read from the error's types, says what failed (`NotFound` for a missing
