@@ -472,3 +472,31 @@ def test_an_hf_origin_is_served_with_its_commit_and_sha256s(serve, hub, tmp_path
     assert len(blobs) == len(hub.tree)
     check_ranges(s, "served", hub.tree)
     s.stop()
+
+
+def test_a_serve_reads_its_origin_from_another_serve_through_fastload_peers(
+    serve, s3, sharded_dir, tmp_path
+):
+    prefix = "serve/chain/model/"
+    files = files_of(sharded_dir)
+    for key, data in files.items():
+        s3.put_object(Bucket=BUCKET, Key=prefix + key, Body=data)
+    uri = f"s3://{BUCKET}/{prefix}"
+    first = serve(uri, env={"FASTLOAD_CACHE": str(tmp_path / "first")})
+    wait_held(first)
+    second = serve(
+        uri,
+        env={
+            "FASTLOAD_CACHE": str(tmp_path / "second"),
+            "FASTLOAD_PEERS": f"127.0.0.1:{first.port}",
+        },
+    )
+    check_ranges(second, "model", files)
+    wait_held(second)
+    # The second serve's fill came from the first (no origin read needed for those bytes).
+    metrics = first.request("/metrics")[2].decode()
+    sent = re.search(r'fastload_serve_bytes_total\{client="127\.0\.0\.1"\} (\d+)', metrics)
+    assert sent and int(sent[1]) >= sum(map(len, files.values())), metrics
+    check_ranges(second, "model", files)
+    second.stop()
+    first.stop()

@@ -177,6 +177,8 @@ fn checkpoint(
         .map(|item| (item.rel, item.source))
         .unzip();
     let identities: Vec<_> = sources.iter().map(|s| s.cache_identity()).collect();
+    // A serve's own peers (FASTLOAD_PEERS): a chain, or a cache daemon in front of the origin.
+    let sources = crate::source::peer::wrap(sources, &settings.peers, storage_options)?;
     for ((rel, source), id) in rels
         .into_iter()
         .zip(cache::wrap(sources, settings))
@@ -234,8 +236,7 @@ fn origin(uri: &str, single: bool, hub: &Option<String>) -> Option<String> {
             url.ok().map(String::from)
         }
         // A serve of another serve's checkpoint (`peer://`): that serve is no origin.
-        #[allow(unreachable_patterns)]
-        _ => None,
+        Kind::Peer => None,
     }
 }
 
