@@ -5,7 +5,10 @@ never some of the new shards, never one checkpoint's index over the other's shar
 Generated failure points: each native step of a save (a writer opened, a tensor written, a file
 prepared or published, the index written, a file removed) interrupted in turn, before and after
 it ran; a local disk that fills at every point of the writing; every write request to a real S3
-server (SeaweedFS) failed in turn; SIGINT and SIGKILL to a saving process."""
+server (SeaweedFS) failed in turn; SIGINT and SIGKILL to a saving process. The same for
+`fastload.copy(overwrite=True)` and `fastload copy --overwrite` over a different checkpoint of the
+same file names (every S3 write request failed in turn, a full disk, a file that cannot be
+written, SIGINT), and a resuming copy that must refuse to replace a different file."""
 
 from __future__ import annotations
 
