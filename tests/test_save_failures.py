@@ -585,3 +585,93 @@ def test_the_cli_copy_with_overwrite_whose_second_upload_fails_leaves_no_mix(
     assert outcome(uri, files, old, new, storage_options=direct) == "old", done.stderr
     assert files[CONFIG] == b'{"v": 1}'
     assert open_uploads(seaweed.client(), prefix) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# An overwriting copy over a checkpoint of another layout (one file over shards, fewer shards,
+# shards over one file): the earlier files the copy does not replace are removed, as a save
+# removes them, so the earlier index cannot decide what loads; files that are no checkpoint stay.
+
+LAYOUTS = [(3, 1), (3, 2), (1, 3)]
+USER_FILE = "README.md"
+
+
+def checkpoint_names(shards: int) -> set[str]:
+    if shards == 1:
+        return {"model.safetensors"}
+    return {f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)} | {INDEX}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("old_n,new_n", LAYOUTS, ids=[f"{o}-to-{n}" for o, n in LAYOUTS])
+def test_an_overwriting_copy_over_another_layout_loads_exactly_the_new_checkpoint(
+    seaweed, aws_env, tmp_path, old_n, new_n, where
+):
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, old_n, seed=100, config=b'{"v": 1}')
+    new = source_folder(new_src, new_n, seed=200)
+    if where == "s3":
+        aws_env(seaweed)
+        prefix = f"copy-layout/{old_n}-{new_n}/"
+        uri = f"s3://{BUCKET}/{prefix}"
+        files = lambda: s3_files(seaweed.client(), prefix)  # noqa: E731
+        seaweed.client().put_object(Bucket=BUCKET, Key=prefix + USER_FILE, Body=b"mine")
+    else:
+        uri = str(tmp_path / "m")
+        files = lambda: local_files(Path(uri))  # noqa: E731
+    fastload.copy(str(old_src), uri, progress=False)
+    if where == "local":
+        (Path(uri) / USER_FILE).write_bytes(b"mine")
+    assert checkpoint_names(old_n) <= files().keys()
+    fastload.copy(str(new_src), uri, progress=False, overwrite=True)
+    got = files()
+    assert outcome(uri, got, old, new) == "new"
+    assert set(got) == checkpoint_names(new_n) | {CONFIG, USER_FILE}
+    assert (got[CONFIG], got[USER_FILE]) == (b'{"v": 2}', b"mine")
+
+
+def test_an_overwriting_copy_and_a_save_leave_the_same_files(tmp_path):
+    # The copy's rule for stale checkpoint files is the save's: over each earlier layout, beside
+    # files that only look like weights, both leave the same names.
+    bystanders = {"other.safetensors": b"x", "model-extra.safetensors": b"y", USER_FILE: b"z"}
+    for old_n, new_n in LAYOUTS:
+        new_src = tmp_path / f"new-{old_n}-{new_n}"
+        new = checkpoint(new_n, seed=200)
+        fastload.save(new, new_src, max_shard_size=SHARD)
+        left = []
+        for how in ("save", "copy"):
+            folder = tmp_path / f"{how}-{old_n}-{new_n}"
+            fastload.save(checkpoint(old_n, seed=100), folder, max_shard_size=SHARD)
+            for name, body in bystanders.items():
+                (folder / name).write_bytes(body)
+            if how == "save":
+                fastload.save(new, folder, max_shard_size=SHARD, overwrite=True)
+            else:
+                fastload.copy(str(new_src), str(folder), progress=False, overwrite=True)
+            left.append(sorted(local_files(folder)))
+        assert left[0] == left[1] == sorted(checkpoint_names(new_n) | bystanders.keys())
+
+
+def test_the_cli_copy_with_overwrite_over_another_layout_removes_the_earlier_shards(
+    seaweed, aws_env, tmp_path
+):
+    # `fastload copy --overwrite`, one file over 3 shards and their index on S3: the earlier index
+    # is gone, so the new file loads, and the user's file beside it stays.
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, 3, seed=100, config=b'{"v": 1}')
+    new = source_folder(new_src, 1, seed=200)
+    prefix = "copy-cli-layout/"
+    uri = f"s3://{BUCKET}/{prefix}"
+    aws_env(seaweed)
+    client = seaweed.client()
+    fastload.copy(str(old_src), uri, progress=False)
+    client.put_object(Bucket=BUCKET, Key=prefix + USER_FILE, Body=b"mine")
+    env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
+    cli = [sys.executable, "-c", "import fastload._cli as c; c.main()", "copy", str(new_src), uri]
+    cli.append("--overwrite")
+    done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    files = s3_files(client, prefix)
+    assert outcome(uri, files, old, new) == "new"
+    assert set(files) == {"model.safetensors", CONFIG, USER_FILE}
+    assert files[USER_FILE] == b"mine"

@@ -77,7 +77,10 @@ def copy(
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``, which copies every file
     again and, as :func:`save` does, publishes none until all are complete (the indexes last): a
     failure or Ctrl-C leaves the earlier files, or none, never some of each (a group's ranks
-    publish their shares on their own). ``storage_options``
+    publish their shares on their own). Before publishing it also removes, as :func:`save` does,
+    the earlier checkpoint files the copy does not replace (shards, then their index, of a stem
+    it writes: ``model-*-of-*.safetensors`` under a new ``model.safetensors``); no other file.
+    ``storage_options``
     configure both stores. In a group each rank copies its share of the files; the call returns
     on every rank once all ranks finished (an error on any rank is raised on every rank). A file
     of at least two parts per rank going to S3 or GCS is split: every rank reads and uploads its

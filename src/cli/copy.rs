@@ -24,8 +24,10 @@ pub(super) struct CopyArgs {
     /// files go under DST with their relative paths
     #[arg(value_name = "DST")]
     dst: String,
-    /// Copy every file again, replacing whatever is at the destination (without it a copy of
-    /// the same source is skipped and any other file refused)
+    /// Copy every file again, replacing whatever is at the destination, and remove the earlier
+    /// checkpoint files the copy does not replace (a sharded set and its index under one new
+    /// `model.safetensors`), as `save` does; other files stay (without it a copy of the same
+    /// source is skipped and any other file refused)
     #[arg(long)]
     overwrite: bool,
     /// Do not check Hub files' sha256 / git blob id while they stream

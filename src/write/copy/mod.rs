@@ -17,7 +17,8 @@
 //!   `overwrite`, which copies every file again.
 //! - Overwriting: every file is copied again, each held back complete and unpublished until all
 //!   are, then published with the indexes last (stage.rs): a failed or interrupted copy leaves
-//!   the earlier files or none, never some of each.
+//!   the earlier files or none, never some of each. The earlier checkpoint files the copy does
+//!   not replace (`fastload.save`'s rule, [`stage::stale`]) are removed first.
 //! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), largest first, indexes last (see [`run`]).
 //! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
 //!   split on every rank); with an [`Exchange`] between the ranks, a file of at least two parts
@@ -250,7 +251,10 @@ fn whole(
             return Err(e);
         }
         (Err(e), None) => return Err(e),
-        (Ok(()), Some(staged)) => staged.publish(options)?,
+        (Ok(()), Some(staged)) => {
+            let all: Vec<&str> = targets.iter().map(|(_, to)| to.as_str()).collect();
+            staged.publish(&all, options)?
+        }
         (Ok(()), None) => {}
     }
     let outcomes = outcomes.into_inner().unwrap_or_else(|e| e.into_inner());

@@ -11,7 +11,9 @@
 //! earlier index (or an earlier shard set without one) names some new files and some old: when
 //! more than one destination file exists, they are removed first, indexes last, so a failure
 //! while publishing leaves no checkpoint rather than a mixed one (as `fastload.save` does). One
-//! earlier file is replaced atomically. Memory: a staged file holds no bytes (its parts are
+//! earlier file is replaced atomically. The earlier checkpoint files of another layout, which the
+//! copy does not replace (3 shards and their index under one new `model.safetensors`), are
+//! removed with them ([`stale`]): left, the earlier index would decide what loads. Memory: a staged file holds no bytes (its parts are
 //! uploaded, or its bytes are on disk).
 
 use std::sync::Mutex;
@@ -53,14 +55,15 @@ impl Staged {
 
     /// Publishes every staged file, indexes last (see the module's documentation). On failure
     /// the files not yet published are aborted and those published removed; the error returned.
-    pub fn publish(self, options: &CopyOptions) -> Result<()> {
+    /// `all`: every destination of the copy (every rank's), none of which is stale.
+    pub fn publish(self, all: &[&str], options: &CopyOptions) -> Result<()> {
         let mut files = self.0.into_inner().unwrap_or_else(|e| e.into_inner());
         // Stable: the weights in the order they were staged, then the indexes.
         files.sort_by_key(|f| is_index(&f.to));
         let write = &options.write;
         let mut published: Vec<String> = Vec::new();
         let targets: Vec<&String> = files.iter().map(|f| &f.to).collect();
-        if let Err(e) = clear_earlier(&targets, write) {
+        if let Err(e) = clear_earlier(&targets, all, write) {
             roll_back(files, &published, write);
             return Err(e);
         }
@@ -104,21 +107,115 @@ fn publish_each(
     Ok(())
 }
 
-/// Removes the destination files about to be replaced when there are several, indexes last (an
+/// Removes the destination files about to be replaced when there are several, and with them
+/// the earlier checkpoint files that the copy does not replace ([`stale`]), indexes last (an
 /// index naming a removed file fails a load, where files left without their index could load as
-/// a smaller model); one is replaced atomically by its new file.
-fn clear_earlier(targets: &[&String], write: &WriteOptions) -> Result<()> {
+/// a smaller model); one file is replaced atomically by its new file. Removed before publishing,
+/// not after: left until then, an earlier index would decide what loads once the new files are
+/// published, so a removal failing would leave the earlier checkpoint loading after a copy that
+/// had published the new one.
+fn clear_earlier(targets: &[&String], all: &[&str], write: &WriteOptions) -> Result<()> {
     let mut found = Vec::new();
     for to in targets {
         if exists(to, write)? {
-            found.push(to.as_str());
+            found.push(to.to_string());
         }
     }
-    if found.len() < 2 {
+    let stale = stale_files(all, write)?;
+    if found.len() < 2 && stale.is_empty() {
         return Ok(());
     }
+    found.extend(stale);
     found.sort_by_key(|to| is_index(to));
-    found.into_iter().try_for_each(|to| remove(to, write))
+    found.iter().try_for_each(|to| remove(to, write))
+}
+
+/// The stem of a checkpoint file's name: `S` of `S.safetensors`, `S-00001-of-00003.safetensors`
+/// and `S.safetensors.index.json` (the names `fastload.save` and Hugging Face give them).
+fn checkpoint_stem(name: &str) -> Option<&str> {
+    let stem = match name.strip_suffix(".safetensors.index.json") {
+        Some(stem) => stem,
+        None => {
+            let base = name.strip_suffix(".safetensors")?;
+            shard_stem(base).unwrap_or(base)
+        }
+    };
+    (!stem.is_empty()).then_some(stem)
+}
+
+/// `S` of a shard's `S-00001-of-00003`.
+fn shard_stem(base: &str) -> Option<&str> {
+    let five_digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    let (head, total) = base.rsplit_once("-of-")?;
+    let (stem, nth) = head.rsplit_once('-')?;
+    (five_digits(total) && five_digits(nth)).then_some(stem)
+}
+
+/// Of the names in one folder, the earlier checkpoint files that writing `written` leaves stale:
+/// a single file, shard or index of a stem that `written` has checkpoint files of, that is not
+/// itself written (`fastload.save`'s rule, `_publish.py`, for every stem rather than `model`);
+/// weights first, indexes last. Nothing else (configs, tokenizers, other stems) is stale.
+pub(super) fn stale<'a>(names: &[&'a str], written: &[&str]) -> Vec<&'a str> {
+    let stems: Vec<&str> = written.iter().filter_map(|w| checkpoint_stem(w)).collect();
+    let mut found: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| !written.contains(n))
+        .filter(|n| checkpoint_stem(n).is_some_and(|s| stems.contains(&s)))
+        .collect();
+    found.sort_by_key(|n| (is_index(n), *n));
+    found
+}
+
+/// The destination's stale checkpoint files ([`stale`]), folder by folder, as URIs.
+fn stale_files(all: &[&str], write: &WriteOptions) -> Result<Vec<String>> {
+    let mut folders: Vec<&str> = all
+        .iter()
+        .filter_map(|to| to.rsplit_once('/'))
+        .map(|p| p.0)
+        .collect();
+    folders.sort_unstable();
+    folders.dedup();
+    let mut out = Vec::new();
+    for folder in folders {
+        let written: Vec<&str> = all
+            .iter()
+            .filter_map(|to| to.rsplit_once('/'))
+            .filter(|(f, _)| *f == folder)
+            .map(|(_, name)| name)
+            .collect();
+        let listed = list_names(folder, write)?;
+        let names: Vec<&str> = listed.iter().map(String::as_str).collect();
+        out.extend(
+            stale(&names, &written)
+                .into_iter()
+                .map(|n| format!("{folder}/{n}")),
+        );
+    }
+    Ok(out)
+}
+
+/// The names of the files directly in `folder` (none when it does not exist).
+fn list_names(folder: &str, write: &WriteOptions) -> Result<Vec<String>> {
+    if !crate::source::open::is_remote(folder) {
+        let path = folder.strip_prefix("file://").unwrap_or(folder);
+        return match std::fs::read_dir(path) {
+            Ok(dir) => Ok(dir
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .collect()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(Error::Io {
+                path: path.to_string(),
+                source: e,
+            }),
+        };
+    }
+    let remote = crate::source::object::open(&format!("{folder}/"), &write.storage_options)?;
+    let found = crate::runtime::block_on(&remote.uri, crate::source::object::list_folder(&remote))?;
+    Ok(found
+        .iter()
+        .filter_map(|f| f.path.as_ref().rsplit('/').next().map(str::to_string))
+        .collect())
 }
 
 /// Aborts `rest` and removes `published` (on a thread of its own: the calling thread's Ctrl-C,
@@ -155,4 +252,57 @@ fn exists(uri: &str, write: &WriteOptions) -> Result<bool> {
             Err(e) => Err(crate::source::object::storage_error(&remote.uri, e)),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stale;
+
+    const OLD_SHARDS: [&str; 4] = [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ];
+
+    #[test]
+    fn a_copy_of_another_layout_leaves_the_earlier_shards_then_index_stale() {
+        let mut names = OLD_SHARDS.to_vec();
+        names.extend(["config.json", "tokenizer.json", "README.md"]);
+        // One file over 3 shards and their index: the shards first, the index last.
+        let mut want = OLD_SHARDS.to_vec();
+        assert_eq!(stale(&names, &["model.safetensors", "config.json"]), want);
+        // 2 shards over 3: the index is replaced, not stale.
+        want.pop();
+        let two = [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+        ];
+        assert_eq!(stale(&names, &two), want);
+        // 3 shards over one file: the one file.
+        assert_eq!(
+            stale(&["model.safetensors", "config.json"], &OLD_SHARDS),
+            ["model.safetensors"]
+        );
+    }
+
+    #[test]
+    fn only_checkpoint_files_of_the_stems_written_are_stale() {
+        let names = [
+            "other.safetensors",
+            "model-extra.safetensors",
+            "model-1-of-3.safetensors",
+            "unet-00001-of-00002.safetensors",
+            "config.json",
+            ".safetensors",
+        ];
+        assert!(stale(&names, &["model.safetensors"]).is_empty());
+        // A copy of no checkpoint file (a config alone) leaves every earlier weight alone.
+        assert!(stale(&OLD_SHARDS, &["config.json"]).is_empty());
+        assert_eq!(
+            stale(&names, &["unet.safetensors"]),
+            ["unet-00001-of-00002.safetensors"]
+        );
+    }
 }
