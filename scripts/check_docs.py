@@ -199,7 +199,12 @@ def help_text(command: str) -> str:
 
 
 def check_flags(pages: dict[Path, str], problems: list[str]) -> None:
-    used: dict[str, set[tuple[str, str]]] = {"bench": set(), "inspect": set(), "copy": set(), "serve": set()}
+    used: dict[str, set[tuple[str, str]]] = {
+        "bench": set(),
+        "inspect": set(),
+        "copy": set(),
+        "serve": set(),
+    }
     for page, text in pages.items():
         for span in code_spans(text):
             for line in span.splitlines():

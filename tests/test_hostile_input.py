@@ -352,10 +352,8 @@ def test_bench_shows_no_secret(sharded_server, json_out):
     assert_no_secret(proc.stdout + proc.stderr)
     if json_out:
         shown = json.loads(proc.stdout)["uris"]
-        assert shown == [
-            f"http://user:***@{sharded_server}/m/a.safetensors?X-Amz-Algorithm=AWS4-HMAC-SHA256"
-            "&X-Amz-Credential=***&X-Amz-Security-Token=***&X-Amz-Signature=***"
-        ]
+        # The query goes with every request (a presigned URL), so it is a secret whole.
+        assert shown == [f"http://user:***@{sharded_server}/m/a.safetensors?***"]
     else:
         assert "user:***@" in proc.stdout
 

@@ -541,7 +541,7 @@ def test_no_credentials_anywhere_says_where_it_looked(aws_env, monkeypatch):
     assert asked == ["/latest/api/token"]
     text = str(info.value)
     assert text.startswith(f"s3://{BUCKET}/all.safetensors: no AWS credentials found"), text
-    for where in ("storage_options", "AWS_ACCESS_KEY_ID", "~/.aws/credentials", metadata):
+    for where in ("storage options", "AWS_ACCESS_KEY_ID", "~/.aws/credentials", metadata):
         assert where in text
     assert "AWS_EC2_METADATA_DISABLED=true" in text
 
