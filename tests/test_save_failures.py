@@ -294,11 +294,11 @@ def test_an_s3_save_whose_kth_request_fails_leaves_the_old_or_the_new_checkpoint
 SAVER = """
 import os, signal, sys, fastload, torch
 signal.signal(signal.SIGINT, signal.default_int_handler)
-n = int(sys.argv[2])
-new = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(n)}
+n, mib = int(sys.argv[2]), int(sys.argv[3])
+new = {f"w{i}": torch.full((mib << 18,), float(i)) for i in range(n)}
 print("ready", flush=True)
 try:
-    fastload.save(new, sys.argv[1], max_shard_size="4MiB", part_size=5 << 20, overwrite=True)
+    fastload.save(new, sys.argv[1], max_shard_size=f"{mib}MiB", part_size=5 << 20, overwrite=True)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
     os._exit(3)
@@ -306,9 +306,9 @@ print("done", flush=True)
 """
 
 
-def start_saver(dest: str, shards: int) -> subprocess.Popen:
+def start_saver(dest: str, shards: int, mib: int = 4) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, dest, str(shards)],
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, dest, str(shards), str(mib)],
                             stdout=subprocess.PIPE, env=env)  # fmt: skip
     assert proc.stdout.readline() == b"ready\n"
     return proc
@@ -322,9 +322,9 @@ def wait_for(proc: subprocess.Popen, ready) -> None:
         time.sleep(0.002)
 
 
-def big(shards: int, base: int = 0) -> dict[str, torch.Tensor]:
-    """The saver's tensors (`base` 0): 4 MiB each, one a shard."""
-    return {f"w{i}": torch.full((1 << 20,), float(base + i)) for i in range(shards)}
+def big(shards: int, base: int = 0, mib: int = 4) -> dict[str, torch.Tensor]:
+    """The saver's tensors (`base` 0): `mib` MiB each, one a shard."""
+    return {f"w{i}": torch.full((mib << 18,), float(base + i)) for i in range(shards)}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
@@ -332,11 +332,12 @@ def test_a_local_save_stopped_by_a_signal_leaves_the_old_checkpoint(tmp_path, si
     # The earlier checkpoint has the new one's file names: a new shard published too early
     # would sit under the earlier index.
     folder = tmp_path / "m"
-    old = big(8, base=100)
-    fastload.save(old, folder, max_shard_size="4MiB")
-    proc = start_saver(str(folder), 8)
-    # Stopped while the third shard is being written (the first two written, not published).
-    wait_for(proc, lambda: any(".model-00003-of-00008" in n for n in os.listdir(folder)))
+    old = big(12, base=100, mib=32)
+    fastload.save(old, folder, max_shard_size="32MiB")
+    proc = start_saver(str(folder), 12, mib=32)
+    # Stopped while the third shard is being written (the first two written, not published);
+    # the nine 32 MiB shards still to write take far longer than the signal to land.
+    wait_for(proc, lambda: any(".model-00003-of-00012" in n for n in os.listdir(folder)))
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
     if sig == signal.SIGINT:
@@ -344,10 +345,11 @@ def test_a_local_save_stopped_by_a_signal_leaves_the_old_checkpoint(tmp_path, si
         assert leftovers(folder) == []
     else:
         assert proc.returncode == -signal.SIGKILL
-    assert outcome(str(folder), local_files(folder), old, big(8)) == "old"
+    new = big(12, mib=32)
+    assert outcome(str(folder), local_files(folder), old, new) == "old"
     # Whatever the killed saver left (hidden temporary files) does not stop the next save.
-    fastload.save(big(8), folder, max_shard_size="4MiB", overwrite=True)
-    assert outcome(str(folder), local_files(folder), old, big(8)) == "new"
+    fastload.save(new, folder, max_shard_size="32MiB", overwrite=True)
+    assert outcome(str(folder), local_files(folder), old, new) == "new"
 
 
 def test_an_s3_save_interrupted_mid_upload_completes_nothing(seaweed, seaweed_fault_proxy):
@@ -526,16 +528,18 @@ print("done", flush=True)
 
 def test_a_local_copy_stopped_by_ctrl_c_leaves_the_old_checkpoint(tmp_path):
     # One file at a time: stopped while the third shard is written (two written, not published).
+    # 12 shards of 32 MiB: the nine still to write take long enough (hundreds of MB, at disk
+    # speed) that the signal lands before the copy could publish anything.
     old_src, new_src, folder = tmp_path / "old", tmp_path / "new", tmp_path / "m"
-    old, new = big(8, base=100), big(8)
-    fastload.save(old, old_src, max_shard_size="4MiB")
-    fastload.save(new, new_src, max_shard_size="4MiB")
+    old, new = big(12, base=100, mib=32), big(12, mib=32)
+    fastload.save(old, old_src, max_shard_size="32MiB")
+    fastload.save(new, new_src, max_shard_size="32MiB")
     fastload.copy(str(old_src), str(folder), progress=False)
     env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
     proc = subprocess.Popen([sys.executable, "-c", COPIER, str(new_src), str(folder)],
                             stdout=subprocess.PIPE, env=env)  # fmt: skip
     assert proc.stdout.readline() == b"ready\n"
-    wait_for(proc, lambda: any(".model-00003-of-00008" in n for n in os.listdir(folder)))
+    wait_for(proc, lambda: any(".model-00003-of-00012" in n for n in os.listdir(folder)))
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert (proc.returncode, out) == (3, b"interrupted\n")
