@@ -142,4 +142,5 @@ class Staged:
             try:
                 _fastload.remove(join(self.folder, name), storage_options=self.storage_options)
             except Exception as e:  # the first error is the one to raise
-                error.add_note(f"fastload.save: {join(self.folder, name)} not removed: {e}")
+                if hasattr(error, "add_note"):  # Python 3.11+
+                    error.add_note(f"fastload.save: {join(self.folder, name)} not removed: {e}")
