@@ -145,18 +145,53 @@ fn checkpoint_stem(name: &str) -> Option<&str> {
 
 /// `S` of a shard's `S-00001-of-00003`.
 fn shard_stem(base: &str) -> Option<&str> {
+    shard_parts(base).map(|(stem, _, _)| stem)
+}
+
+/// `(S, 1, 3)` of a shard's `S-00001-of-00003`.
+fn shard_parts(base: &str) -> Option<(&str, u32, u32)> {
     let five_digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
     let (head, total) = base.rsplit_once("-of-")?;
     let (stem, nth) = head.rsplit_once('-')?;
-    (five_digits(total) && five_digits(nth)).then_some(stem)
+    if !(five_digits(total) && five_digits(nth)) {
+        return None;
+    }
+    Some((stem, nth.parse().ok()?, total.parse().ok()?))
+}
+
+/// The stems of which `written` holds a whole checkpoint: `S.safetensors`, or every shard of an
+/// `S-K-of-N` set. A copy of part of a set (one shard repaired) makes nothing of its stem stale.
+fn whole_stems<'a>(written: &[&'a str]) -> Vec<&'a str> {
+    let mut sets: std::collections::BTreeMap<(&str, u32), std::collections::BTreeSet<u32>> =
+        Default::default();
+    let mut stems = Vec::new();
+    for base in written
+        .iter()
+        .filter_map(|w| w.strip_suffix(".safetensors"))
+    {
+        match shard_parts(base) {
+            Some((stem, k, n)) => {
+                sets.entry((stem, n)).or_default().insert(k);
+            }
+            None if !base.is_empty() => stems.push(base),
+            None => {}
+        }
+    }
+    for ((stem, n), present) in sets {
+        if (1..=n).all(|k| present.contains(&k)) {
+            stems.push(stem);
+        }
+    }
+    stems
 }
 
 /// Of the names in one folder, the earlier checkpoint files that writing `written` leaves stale:
-/// a single file, shard or index of a stem that `written` has checkpoint files of, that is not
-/// itself written (`fastload.save`'s rule, `_publish.py`, for every stem rather than `model`);
-/// weights first, indexes last. Nothing else (configs, tokenizers, other stems) is stale.
+/// a single file, shard or index of a stem that `written` holds a whole checkpoint of, that is
+/// not itself written (`fastload.save`'s rule, `_publish.py`, for every stem rather than
+/// `model`); weights first, indexes last. Nothing else (configs, tokenizers, other stems, the
+/// rest of a set one shard of which is copied) is stale.
 pub(super) fn stale<'a>(names: &[&'a str], written: &[&str]) -> Vec<&'a str> {
-    let stems: Vec<&str> = written.iter().filter_map(|w| checkpoint_stem(w)).collect();
+    let stems = whole_stems(written);
     let mut found: Vec<&str> = names
         .iter()
         .copied()
@@ -285,6 +320,16 @@ mod tests {
             stale(&["model.safetensors", "config.json"], &OLD_SHARDS),
             ["model.safetensors"]
         );
+    }
+
+    #[test]
+    fn a_copy_of_one_shard_leaves_the_rest_of_its_set() {
+        // Repairing one shard (or copying an index alone) removes nothing of the checkpoint.
+        assert!(stale(&OLD_SHARDS, &["model-00002-of-00003.safetensors"]).is_empty());
+        assert!(stale(&OLD_SHARDS, &["model.safetensors.index.json"]).is_empty());
+        // The whole set, even without its index, replaces a single file of its stem.
+        let all = &OLD_SHARDS[..3];
+        assert_eq!(stale(&["model.safetensors"], all), ["model.safetensors"]);
     }
 
     #[test]
