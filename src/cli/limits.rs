@@ -506,29 +506,14 @@ pub(super) fn resident(path: &std::path::Path) -> Option<(usize, usize)> {
     if len == 0 {
         return Some((0, 0));
     }
-    let page = 4096usize;
-    let pages = len.div_ceil(page);
+    let pages = len.div_ceil(PAGE);
     let mut vec = vec![0u8; pages];
-    // SAFETY: a fresh read-only shared mapping of an open file, unmapped before returning; mincore
+    let mapping = Mapping::new(&file, len).ok()?;
+    // SAFETY: `mapping` is a read-only mapping of `len` bytes, unmapped when dropped; mincore
     // writes one byte per page into `vec`, which holds `pages` bytes.
-    unsafe {
-        use std::os::unix::io::AsRawFd;
-        let addr = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        );
-        if addr == libc::MAP_FAILED {
-            return None;
-        }
-        let rc = libc::mincore(addr, len, vec.as_mut_ptr());
-        libc::munmap(addr, len);
-        if rc != 0 {
-            return None;
-        }
+    let rc = unsafe { libc::mincore(mapping.addr, len, vec.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
     }
     Some((vec.iter().filter(|&&b| b & 1 == 1).count(), pages))
 }
