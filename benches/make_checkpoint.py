@@ -99,22 +99,7 @@ def llama3_layout(total_bytes: int, itemsize: int) -> list[tuple[str, tuple[int,
     while scale < 64 and 8_030_261_248 * itemsize // (scale * scale) > total_bytes:
         scale *= 2
     hidden, kv, inter, vocab = 4096 // scale, 1024 // scale, 14336 // scale, 128256 // scale
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(32):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-        ]
-    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
-    return out
+    return _decoder(32, hidden, kv, inter, vocab)
 
 
 def llama_layout(total_bytes: int, itemsize: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -131,15 +116,21 @@ def llama_layout(total_bytes: int, itemsize: int) -> list[tuple[str, tuple[int, 
         layers = (params - fixed) // per_layer
         if layers >= 16 or hidden == 128:
             break
-    layers = max(1, layers)
+    return _decoder(max(1, layers), hidden, hidden, inter, vocab)
+
+
+def _decoder(
+    layers: int, hidden: int, kv: int, inter: int, vocab: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a llama decoder: embeddings, `layers` layers, norm and lm_head."""
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
         out += [
             (p + "input_layernorm.weight", (hidden,)),
             (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", (hidden, hidden)),
-            (p + "self_attn.v_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
             (p + "self_attn.o_proj.weight", (hidden, hidden)),
             (p + "post_attention_layernorm.weight", (hidden,)),
             (p + "mlp.gate_proj.weight", (inter, hidden)),
