@@ -43,7 +43,7 @@ SPLIT = {"source"}
 # the format. Nodes not listed (a new module) are reported.
 LAYERS: list[tuple[str, list[str]]] = [
     ("format", ["format"]),
-    ("shared leaves", ["error", "options", "bounded", "runtime", "per_process"]),
+    ("shared leaves", ["arguments", "error", "options", "bounded", "runtime", "per_process"]),
     ("memory", ["memory"]),
     ("source", ["source", "source::*", "object", "hub", "cache"]),
     ("write", ["write"]),

@@ -10,8 +10,8 @@
 
 use std::io;
 
+use crate::arguments::FrontEnd;
 use crate::format::FormatError;
-use crate::options::FrontEnd;
 
 /// Everything that can go wrong while planning or running a load.
 #[non_exhaustive]
@@ -160,7 +160,7 @@ pub enum Error {
     AlreadyEncrypted { path: String },
 }
 
-// The messages that name arguments, worded for one front end (see `options::ARGUMENTS`):
+// The messages that name arguments, worded for one front end (see `arguments::ARGUMENTS`):
 // `Display` words them for Python, `Error::message_for` for either.
 
 fn exists(path: &str, front: FrontEnd) -> String {

@@ -7,8 +7,9 @@
 //!
 //! - [`format`](mod@format): the checkpoint format: safetensors header bytes → validated entries, and the
 //!   shard names of an index file (`model.safetensors.index.json`). Imports nothing of the crate.
-//! - shared leaves, serving every stage above the format: `error` (the one error type,
-//!   [`Error`]), [`options`] (what a load asks for, `FASTLOAD_*`), `bounded` (files and bodies
+//! - shared leaves, serving every stage above the format: `arguments` (how each front end names
+//!   an argument: keyword, flag, variable), `error` (the one error type, [`Error`]), [`options`]
+//!   (what a load asks for, `FASTLOAD_*`), `bounded` (files and bodies
 //!   read whole, capped), [`runtime`] (the process's tokio runtime) and `per_process` (state a
 //!   forked child rebuilds).
 //! - `memory`: host buffers (the pool, mappings) that bytes land in.
@@ -35,6 +36,7 @@
 
 #![deny(unsafe_code)]
 
+pub(crate) mod arguments;
 pub(crate) mod bounded;
 pub mod cli;
 pub mod device;

@@ -219,13 +219,10 @@ pub struct Resolved {
     pub staged_block_size: u64,
 }
 
-pub const ENV_CONCURRENCY: &str = "FASTLOAD_CONCURRENCY";
-pub const ENV_BLOCK_SIZE: &str = "FASTLOAD_BLOCK_SIZE";
-pub const ENV_MEMORY_LIMIT: &str = "FASTLOAD_MEMORY_LIMIT";
-pub const ENV_METHOD: &str = "FASTLOAD_METHOD";
-pub const ENV_CACHE: &str = "FASTLOAD_CACHE";
-pub const ENV_VERIFY: &str = "FASTLOAD_VERIFY";
-pub const ENV_KEYSET: &str = "FASTLOAD_KEYSET";
+pub use crate::arguments::{
+    ENV_BLOCK_SIZE, ENV_CACHE, ENV_CONCURRENCY, ENV_KEYSET, ENV_MEMORY_LIMIT, ENV_METHOD,
+    ENV_VERIFY,
+};
 
 /// A place that takes an option, besides `fastload.load`, `stream`, `Stream` and
 /// `fastload.distributed`'s `load` and `stream`, which take every option.
@@ -449,129 +446,9 @@ pub const OPTIONS: &[OptionDef] = &[
     PEER_TOKEN,
 ];
 
-/// Which front end shows a message: Python names an argument by its keyword (`overwrite=True`),
-/// the command line by its flag (`--overwrite`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FrontEnd {
-    Python,
-    Cli,
-}
-
-/// How each front end names one argument. Errors carry the argument's identity (`option`); each
-/// front end renders it where the message is shown (`src/python/errors.rs`, `src/cli.rs`,
-/// through `Error::message_for`), from this table.
-#[derive(Clone, Copy, Debug)]
-pub struct Argument {
-    /// Its identity, as errors carry it (and `ConfigError.option` unless `python` differs).
-    pub option: &'static str,
-    /// Python's keyword for it.
-    pub python: &'static str,
-    /// A yes/no argument: a Python message asks for `overwrite=True`, not `keyset=`.
-    pub switch: bool,
-    /// The command line's flag, and how a message asks for it (`--keyset FILE`); `None`: the
-    /// command line has no such argument.
-    pub cli: Option<(&'static str, &'static str)>,
-    /// The environment variable that stands in for it when it is not given.
-    pub env: Option<&'static str>,
-    /// The values it takes, checked by [`check`] whichever front end gave it.
-    pub accepts: Accepts,
-}
-
-/// The values of a numeric argument.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Accepts {
-    /// What its type takes (checked where it is read, if at all).
-    Any,
-    /// A count in `min..=max`.
-    Count(u64, u64),
-    /// A byte count in `min..=max`.
-    Bytes(u64, u64),
-}
-
-/// The smallest upload part the object stores take (but for a file's last part), and the
-/// largest (S3's limits; GCS's XML API and Azure's blocks take them too).
-pub const MIN_PART_SIZE: u64 = 5 << 20;
-pub const MAX_PART_SIZE: u64 = 5 << 30;
-
-/// An option of [`OPTIONS`] with its command-line flag (`None`: Python only).
-const fn load_option(
-    def: OptionDef,
-    cli: Option<(&'static str, &'static str)>,
-    accepts: Accepts,
-) -> Argument {
-    Argument {
-        option: def.name,
-        python: def.name,
-        switch: false,
-        cli,
-        env: def.env,
-        accepts,
-    }
-}
-
-/// Every argument a message may name, and how each front end names it: the one table of both
-/// names (`cargo test options` checks that every option of [`OPTIONS`] has its row and that the
-/// flags are the command line's).
-pub const ARGUMENTS: &[Argument] = &[
-    load_option(DEVICE, Some(("--device", "--device DEVICE")), Accepts::Any),
-    load_option(
-        CONCURRENCY,
-        Some(("--concurrency", "--concurrency N")),
-        Accepts::Count(1, 4096),
-    ),
-    load_option(
-        BLOCK_SIZE,
-        Some(("--block-size", "--block-size SIZE")),
-        Accepts::Bytes(4096, 1 << 30),
-    ),
-    load_option(
-        MEMORY_LIMIT,
-        Some(("--memory-limit", "--memory-limit SIZE")),
-        Accepts::Bytes(1 << 20, u64::MAX),
-    ),
-    load_option(NAMES, None, Accepts::Any),
-    load_option(PARTS, None, Accepts::Any),
-    load_option(METHOD, Some(("--method", "--method METHOD")), Accepts::Any),
-    load_option(
-        STORAGE_OPTIONS,
-        Some(("--option", "--option KEY=VALUE")),
-        Accepts::Any,
-    ),
-    load_option(CACHE, Some(("--cache", "--cache DIR")), Accepts::Any),
-    // `fastload copy --no-verify` turns copy's check off; no command turns a load's on.
-    load_option(VERIFY, None, Accepts::Any),
-    load_option(KEYSET, Some(("--keyset", "--keyset FILE")), Accepts::Any),
-    load_option(ASSOCIATED_DATA, None, Accepts::Any),
-    load_option(PEERS, None, Accepts::Any),
-    load_option(PEER_TOKEN, None, Accepts::Any),
-    Argument {
-        option: "overwrite",
-        python: "overwrite",
-        switch: true,
-        cli: Some(("--overwrite", "--overwrite")),
-        env: None,
-        accepts: Accepts::Any,
-    },
-    // A write's upload parts (`save_file`, `save`, `copy`, `fastload copy`).
-    Argument {
-        option: "part_size",
-        python: "part_size",
-        switch: false,
-        cli: Some(("--part-size", "--part-size SIZE")),
-        env: None,
-        accepts: Accepts::Bytes(MIN_PART_SIZE, MAX_PART_SIZE),
-    },
-    // The keyset a write encrypts with: Python's `keyset=` of `save_file`, `save` and `copy`;
-    // `fastload copy --encrypt` (with `--keyset FILE`, else `FASTLOAD_KEYSET`).
-    Argument {
-        option: "encrypt",
-        python: "keyset",
-        switch: false,
-        cli: Some(("--encrypt", "--encrypt")),
-        env: None,
-        accepts: Accepts::Any,
-    },
-];
+pub use crate::arguments::{
+    argument, Accepts, Argument, FrontEnd, ARGUMENTS, MAX_PART_SIZE, MIN_PART_SIZE,
+};
 
 /// `value` of the argument `option` if its row accepts it; else an error naming `named` (the
 /// argument, or the environment variable the value came from). The one check of these values,
@@ -596,79 +473,6 @@ pub fn check(option: &str, named: &str, value: u64) -> Result<u64> {
         _ => return Ok(value),
     };
     Err(Error::option(named, problem))
-}
-
-impl Argument {
-    /// How a Python message asks for it: `keyset=`, `overwrite=True`.
-    fn python_given(&self) -> String {
-        match self.switch {
-            true => format!("{}=True", self.python),
-            false => format!("{}=", self.python),
-        }
-    }
-}
-
-/// The row of `option`, if it has one.
-pub fn argument(option: &str) -> Option<&'static Argument> {
-    ARGUMENTS.iter().find(|a| a.option == option)
-}
-
-impl FrontEnd {
-    /// How this front end names `option`: an argument's identity (`block_size`, or
-    /// `--block-size`), a storage option (`storage_options["endpoint"]`, or `--option endpoint`),
-    /// or anything else (an environment variable) as it is.
-    pub fn name(self, option: &str) -> String {
-        let key = option
-            .strip_prefix("storage_options[")
-            .and_then(|k| k.strip_suffix(']'));
-        match (self, argument(option), key) {
-            (FrontEnd::Python, Some(a), _) => a.python.to_string(),
-            (
-                FrontEnd::Cli,
-                Some(Argument {
-                    cli: Some((flag, _)),
-                    ..
-                }),
-                _,
-            ) => flag.to_string(),
-            (FrontEnd::Cli, _, Some(key)) => {
-                format!("--option {}", key.trim_matches('"'))
-            }
-            _ => option.to_string(),
-        }
-    }
-
-    /// How this front end asks for `option` to be given, with the variable that stands in for
-    /// it: `keyset= (or set FASTLOAD_KEYSET)`, `--keyset FILE (or set FASTLOAD_KEYSET)`,
-    /// `overwrite=True`, `--overwrite`.
-    pub fn given(self, option: &str) -> String {
-        let Some(a) = argument(option) else {
-            return option.to_string();
-        };
-        let given = match (self, a.cli) {
-            (FrontEnd::Cli, Some((_, given))) => given.to_string(),
-            _ => a.python_given(),
-        };
-        match a.env {
-            Some(env) => format!("{given} (or set {env})"),
-            None => given.to_string(),
-        }
-    }
-
-    /// How this front end names `option` as left out: `keyset=`, `--encrypt`.
-    pub fn without(self, option: &str) -> String {
-        match (self, argument(option)) {
-            (
-                FrontEnd::Cli,
-                Some(Argument {
-                    cli: Some((_, given)),
-                    ..
-                }),
-            ) => given.to_string(),
-            (_, Some(a)) => format!("{}=", a.python),
-            (_, None) => option.to_string(),
-        }
-    }
 }
 
 /// A yes/no environment value: `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no` (or empty).
