@@ -139,7 +139,7 @@ pub enum Error {
     #[error("{uri}: cannot write these tensors: {message}")]
     InvalidTensors { uri: String, message: String },
 
-    /// A Tink-encrypted file (source/tink/) could not be decrypted: a segment failed
+    /// A Tink-encrypted file (source/decrypt/) could not be decrypted: a segment failed
     /// authentication (`segment`), the file is cut short, or it was opened without a keyset.
     /// Raised as Python's `FormatError`.
     #[error("{path}: {message}")]

@@ -11,11 +11,13 @@
 //!   an argument: keyword, flag, variable), `error` (the one error type, [`Error`]), [`options`]
 //!   (what a load asks for, `FASTLOAD_*`), `bounded` (files and bodies
 //!   read whole, capped), [`runtime`] (the process's tokio runtime) and `per_process` (state a
-//!   forked child rebuilds).
+//!   forked child rebuilds); and the two leaves both directions (reading and writing) share:
+//!   [`uri`] (the one table of schemes, the only place that decides what a URI names) and
+//!   [`tink`] (Tink's streaming-AEAD cipher: keysets and the wire format).
 //! - `memory`: host buffers (the pool, mappings) that bytes land in.
 //! - [`source`]: every byte source behind one [`source::Source`] trait, and the opening of URIs
-//!   into sources with their headers ([`source::Shard`]): `source::open` (the one table of
-//!   schemes, the only place that decides what a URI names), `source::local` (files, shard
+//!   into sources with their headers ([`source::Shard`]): `source::open` (each URI opened as
+//!   the scheme table says), `source::decrypt` (the decrypting decorator), `source::local` (files, shard
 //!   folders), `source::fs` (what filesystem a file is on), [`source::object`] (s3://, gs://,
 //!   az://, http(s)://), `source::hub` (hf://: the Hub's API client, the Hugging Face cache's
 //!   layout, the files), `source::remote` (the one resumable ranged read both remote kinds go
@@ -55,6 +57,8 @@ pub(crate) mod ranks;
 pub mod runtime;
 pub mod serve;
 pub mod source;
+pub mod tink;
+pub mod uri;
 pub mod write;
 
 #[cfg(feature = "python")]

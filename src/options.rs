@@ -142,7 +142,7 @@ pub struct LoadOptions {
     pub verify: Option<bool>,
     /// A Tink keyset (cleartext JSON, or the path of a file holding it) that the files are
     /// encrypted with (`None`: `FASTLOAD_KEYSET`, else the files are read as they are); see
-    /// source/tink/.
+    /// source/decrypt/.
     pub keyset: Option<Secret>,
     /// The associated data the files were encrypted with (`None`: empty).
     pub associated_data: Option<Secret<Vec<u8>>>,

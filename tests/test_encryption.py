@@ -189,7 +189,7 @@ def fastload_encrypt(keyset: str, plain: bytes, ad: bytes, tmp_path: Path) -> by
 
 
 def test_what_fastload_encrypts_tink_decrypts(plain_file, big_keyset, small, tmp_path):
-    """The write direction (src/source/tink/segment.rs `encrypt`): tink reads it back, with and
+    """The write direction (src/tink/segment.rs `encrypt`): tink reads it back, with and
     without associated data, for both templates, at the segment boundaries (nothing, one byte,
     the first segment full); fastload loads it too."""
     plain = plain_file.read_bytes()

@@ -163,6 +163,13 @@ def test_bad_tensors_names_and_metadata_are_refused_before_anything_is_written(t
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("scheme", ["http", "https", "HTTP", "Https"])
+def test_http_urls_are_refused_as_destinations_in_any_letter_case(scheme):
+    # The scheme table decides, whatever the case: never a PUT to a server that only serves reads.
+    with pytest.raises(fastload.ConfigError, match=r"not to http\(s\):// URLs"):
+        fastload.save_file({"a": torch.zeros(2)}, f"{scheme}://127.0.0.1:9/x.safetensors")
+
+
 def test_save_file_replaces_an_existing_file_atomically_by_default(tmp_path):
     # safetensors' save_file (and torch.save) replace an existing file; fastload's does too, by
     # renaming the complete new file into place: a reader that mapped the old file (safetensors'

@@ -140,7 +140,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         keyset: super::keyset_file(args.keyset.as_deref())?,
         ..Default::default()
     };
-    let remote = source::open::any_remote(&args.uris);
+    let remote = crate::uri::any_remote(&args.uris);
     let mut out = Vec::new();
     if !args.sweep {
         let resolved = base.resolve(remote)?;
@@ -277,7 +277,7 @@ fn load_once(
     label: String,
     (local_files, evicted): (usize, bool),
 ) -> CliResult<RunReport> {
-    let resolved = opts.resolve(source::open::any_remote(uris))?;
+    let resolved = opts.resolve(crate::uri::any_remote(uris))?;
     // Set up before the clock starts: the driver probe and the device context are paid once per
     // process by a server, not per load.
     let target = device.target()?;
@@ -353,7 +353,7 @@ struct Described {
 }
 
 fn describe(uris: &[String], options: &LoadOptions) -> CliResult<Described> {
-    let decryption = source::tink::Decryption::for_load(options)?;
+    let decryption = source::decrypt::Decryption::for_load(options)?;
     let shards = source::open::open_all(
         uris,
         &[],

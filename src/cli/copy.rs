@@ -100,11 +100,9 @@ pub(super) fn run(args: CopyArgs) -> CliResult {
 }
 
 /// What `--encrypt` encrypts with: the keyset of `--keyset FILE`, else of `FASTLOAD_KEYSET`.
-fn encryption(keyset: Option<&str>) -> CliResult<crate::source::tink::Encryption> {
+fn encryption(keyset: Option<&str>) -> CliResult<crate::write::Encryption> {
     if let Some(file) = super::keyset_file(keyset)? {
-        return Ok(crate::source::tink::Encryption::new(
-            &file.0, None, "keyset",
-        )?);
+        return Ok(crate::write::Encryption::new(&file.0, None, "keyset")?);
     }
     let keyset = zeroize::Zeroizing::new(std::env::var(ENV_KEYSET).unwrap_or_default());
     if keyset.trim().is_empty() {
@@ -117,9 +115,7 @@ fn encryption(keyset: Option<&str>) -> CliResult<crate::source::tink::Encryption
         )
         .into());
     }
-    Ok(crate::source::tink::Encryption::new(
-        &keyset, None, ENV_KEYSET,
-    )?)
+    Ok(crate::write::Encryption::new(&keyset, None, ENV_KEYSET)?)
 }
 
 /// A progress bar on stderr (bytes, rate) when stderr is a terminal; `None` otherwise.

@@ -158,7 +158,7 @@ pub(super) fn run(args: InspectArgs) -> CliResult {
         &args.uris,
         &[],
         &crate::source::cache::CacheSettings::off(),
-        &source::tink::Decryption::for_load(&crate::options::LoadOptions {
+        &source::decrypt::Decryption::for_load(&crate::options::LoadOptions {
             keyset: super::keyset_file(args.keyset.as_deref())?,
             ..Default::default()
         })?,

@@ -238,11 +238,11 @@ pub fn open_opened(
 }
 
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {
-    let resolved = options.resolve(source::open::any_remote(uris))?;
+    let resolved = options.resolve(crate::uri::any_remote(uris))?;
     let mut cache = crate::source::cache::CacheSettings::for_load(options)?;
     // A rank of a distributed load reads a share of each object: it reads copies, fills none.
     cache.fill &= options.parts.is_none();
-    let decryption = source::tink::Decryption::for_load(options)?;
+    let decryption = source::decrypt::Decryption::for_load(options)?;
     let mut shards = source::open::open_all(uris, &options.storage_options, &cache, &decryption)?;
     if let Some(names) = options.names.as_deref().filter(|_| cache.verify) {
         // Some tensors of each file are read: `verify` checks the files that hold one whole

@@ -36,7 +36,7 @@ fn parse_size(value: &str) -> PyResult<u64> {
 /// fastload reads itself; anything else is a local path or `file://` URL.
 #[pyfunction]
 fn is_remote_uri(uri: &str) -> bool {
-    crate::source::open::is_remote(uri)
+    crate::uri::is_remote(uri)
 }
 
 /// `text` with every credential fastload knows of (or recognises by its place: a URL's password,
@@ -105,10 +105,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", crate::VERSION)?;
     // Facts Python asks instead of copying (tuples: nobody can change them from Python).
     let py = m.py();
-    m.add(
-        "SCHEMES",
-        PyTuple::new(py, crate::source::open::remote_schemes())?,
-    )?;
+    m.add("SCHEMES", PyTuple::new(py, crate::uri::remote_schemes())?)?;
     m.add("DTYPES", PyTuple::new(py, Dtype::ALL.map(Dtype::as_str))?)?;
     let dlpack: Vec<&str> = Dtype::ALL
         .into_iter()

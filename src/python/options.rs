@@ -156,8 +156,8 @@ pub(crate) fn resolve_options(
     super::args::set_peers(&mut opts, peers, peer_token);
     crate::source::cache::CacheSettings::for_load(&opts)?;
     // A keyset that cannot be read fails here, at engine start, naming the option.
-    crate::source::tink::Decryption::for_load(&opts)?;
-    let r = opts.resolve(crate::source::open::any_remote(&uris))?;
+    crate::source::decrypt::Decryption::for_load(&opts)?;
+    let r = opts.resolve(crate::uri::any_remote(&uris))?;
     Ok(ResolvedOptions {
         concurrency: r.concurrency,
         block_size: r.block_size,

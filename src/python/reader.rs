@@ -147,7 +147,7 @@ impl Reader {
             associated_data,
         );
         super::args::set_peers(&mut opts, peers, peer_token);
-        let remote = crate::source::open::any_remote(&uris);
+        let remote = crate::uri::any_remote(&uris);
         let resolved = opts.resolve(remote)?;
         let mut cache = crate::source::cache::CacheSettings::for_load(&opts)?;
         // Ranges of an object are read, never the whole: copies are read, none is written;
@@ -155,7 +155,7 @@ impl Reader {
         // is served from it (`ranges::verify_whole`), and that read fills its copy.
         cache.fill = cache.verify;
         let (block, concurrency) = (resolved.block_size, resolved.concurrency);
-        let decryption = crate::source::tink::Decryption::for_load(&opts)?;
+        let decryption = crate::source::decrypt::Decryption::for_load(&opts)?;
         let shards = off_thread(py, "open", move || {
             let mut shards =
                 crate::source::open::open_all(&uris, &opts.storage_options, &cache, &decryption)?;

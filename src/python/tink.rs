@@ -86,8 +86,8 @@ impl FromPyObject<'_, '_> for AssociatedDataArg {
 pub(crate) fn decryption(
     keyset: Option<KeysetArg>,
     associated_data: Option<AssociatedDataArg>,
-) -> crate::Result<crate::source::tink::Decryption> {
-    crate::source::tink::Decryption::for_load(&crate::options::LoadOptions {
+) -> crate::Result<crate::source::decrypt::Decryption> {
+    crate::source::decrypt::Decryption::for_load(&crate::options::LoadOptions {
         keyset: keyset.map(|k| k.0),
         associated_data: associated_data.map(|a| a.0),
         ..Default::default()
@@ -109,12 +109,12 @@ pub(crate) fn _tink_decrypt<'py>(
     associated_data: Option<AssociatedDataArg>,
     discard: bool,
 ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-    use crate::source::tink::{segment, Keyset};
+    use crate::tink::{segment, Keyset};
     use pyo3::types::PyBytes;
 
     let keys = Keyset::from_spec(&keyset.0 .0).map_err(|e| Error::option("keyset", e))?;
     let ad = associated_data.map(|a| a.0 .0.to_vec()).unwrap_or_default();
-    let failed = |e| crate::source::tink::source::error("<bytes>", None, e);
+    let failed = |e| crate::source::decrypt::source::error("<bytes>", None, e);
     if discard {
         py.detach(|| segment::decrypt_each(&keys.keys[0], &ad, ciphertext, |_| ()))
             .map_err(failed)?;

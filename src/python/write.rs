@@ -120,19 +120,17 @@ fn options(
 pub(crate) fn encryption(
     keyset: Option<KeysetArg>,
     associated_data: Option<AssociatedDataArg>,
-) -> crate::Result<Option<crate::source::tink::Encryption>> {
+) -> crate::Result<Option<crate::write::Encryption>> {
     match (keyset, associated_data) {
         (None, None) => Ok(None),
         (None, Some(_)) => Err(Error::option(
             "associated_data",
             "given without keyset= (nothing is encrypted)",
         )),
-        (Some(k), ad) => crate::source::tink::Encryption::new(
-            &k.0 .0,
-            ad.as_ref().map(|a| a.0 .0.as_slice()),
-            "keyset",
-        )
-        .map(Some),
+        (Some(k), ad) => {
+            crate::write::Encryption::new(&k.0 .0, ad.as_ref().map(|a| a.0 .0.as_slice()), "keyset")
+                .map(Some)
+        }
     }
 }
 

@@ -18,8 +18,8 @@ use clap::Args;
 
 use crate::error::{Error, Result};
 use crate::source::cache::{self, CacheSettings};
-use crate::source::open::{kind, Kind};
 use crate::source::Source;
+use crate::uri::{kind, Kind};
 use manifest::{Catalog, Checkpoint, Content, Identity, Served};
 
 pub mod auth;

@@ -41,6 +41,7 @@ use crate::source::identity::CacheIdentity;
 
 pub(crate) mod cache;
 pub(crate) mod clients;
+pub mod decrypt;
 pub(crate) mod descriptors;
 pub(crate) mod fs;
 pub(crate) mod hub;
@@ -50,7 +51,6 @@ pub mod object;
 pub mod open;
 pub mod peer;
 pub(crate) mod remote;
-pub mod tink;
 
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {

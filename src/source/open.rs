@@ -1,78 +1,14 @@
-//! Opening: the one table of URI schemes, the only place that decides what a URI names, and
-//! [`open_all`], which turns the user's URIs into opened shards (the local cache, a [`Source`]
-//! decorator, applied here and nowhere else).
-//!
-//! Everything else asks this module what a URI is: [`kind`], [`is_remote`], [`any_remote`],
-//! [`remote_schemes`] (Python's `SCHEMES` and `is_remote_uri`).
+//! Opening: [`open_all`] turns the user's URIs into opened shards, each by what the one table of
+//! schemes ([`crate::uri`]) says it names (the local cache, a [`Source`] decorator, applied here
+//! and nowhere else).
 
 use std::sync::Arc;
 
 use super::cache::{self, CacheSettings};
-use super::tink::Decryption;
+use super::decrypt::Decryption;
 use super::{hub, local, object, peer, spawn_read, Shard, Source};
 use crate::error::{Error, Result};
-
-/// What a URI names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// A file or directory on this machine: a plain path or `file://` (the local fast path).
-    Local,
-    /// An object (or prefix) in an object store, opened through `object_store` ([`object`]).
-    ObjectStore,
-    /// A file or folder of a Hugging Face Hub repo ([`hub`]).
-    Hub,
-    /// A checkpoint a `fastload serve` serves, with no origin behind it ([`peer`]).
-    Peer,
-}
-
-/// Every scheme fastload reads, and what it names. A URI with a scheme not listed here is taken
-/// as a local path, which fails naming the scheme.
-pub const SCHEMES: &[(&str, Kind)] = &[
-    ("file", Kind::Local),
-    ("s3", Kind::ObjectStore),
-    ("s3a", Kind::ObjectStore),
-    ("gs", Kind::ObjectStore),
-    ("az", Kind::ObjectStore),
-    ("azure", Kind::ObjectStore),
-    ("abfs", Kind::ObjectStore),
-    ("abfss", Kind::ObjectStore),
-    ("adl", Kind::ObjectStore),
-    ("http", Kind::ObjectStore),
-    ("https", Kind::ObjectStore),
-    ("hf", Kind::Hub),
-    ("peer", Kind::Peer),
-];
-
-/// What `uri` names, by its scheme (`scheme://`, any case); plain paths are local.
-pub fn kind(uri: &str) -> Kind {
-    uri.split_once("://")
-        .and_then(|(scheme, _)| {
-            SCHEMES
-                .iter()
-                .find(|(s, _)| s.eq_ignore_ascii_case(scheme))
-                .map(|&(_, kind)| kind)
-        })
-        .unwrap_or(Kind::Local)
-}
-
-/// True when `uri` is read over the network (an object store or the Hub), not from this machine.
-pub fn is_remote(uri: &str) -> bool {
-    kind(uri) != Kind::Local
-}
-
-/// True when any URI is read over the network.
-pub fn any_remote(uris: &[String]) -> bool {
-    uris.iter().any(|u| is_remote(u))
-}
-
-/// The schemes read over the network, in table order (Python's `SCHEMES`).
-pub fn remote_schemes() -> Vec<&'static str> {
-    SCHEMES
-        .iter()
-        .filter(|(_, kind)| *kind != Kind::Local)
-        .map(|&(scheme, _)| scheme)
-        .collect()
-}
+use crate::uri::{kind, Kind};
 
 /// An object-store URI opened as a store and key (for whole small objects read beside a load:
 /// listings, config files); any other URI is [`Error::UnsupportedUri`].
@@ -206,48 +142,6 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn recognises_schemes() {
-        for uri in [
-            "s3://b/k",
-            "S3://b/k",
-            "s3a://b/k",
-            "gs://b/k",
-            "az://c/k",
-            "abfs://c/k",
-            "abfss://c@a.dfs.core.windows.net/k",
-            "http://h/x",
-            "https://h/x",
-        ] {
-            assert_eq!(kind(uri), Kind::ObjectStore, "{uri}");
-            assert!(is_remote(uri), "{uri}");
-        }
-        for uri in ["hf://org/repo", "HF://org/repo@main/sub"] {
-            assert_eq!(kind(uri), Kind::Hub, "{uri}");
-            assert!(is_remote(uri), "{uri}");
-        }
-        for uri in [
-            "/tmp/x",
-            "x.safetensors",
-            "file:///tmp/x",
-            "memory:///x",
-            "ftp://h/x",
-            "",
-        ] {
-            assert_eq!(kind(uri), Kind::Local, "{uri}");
-            assert!(!is_remote(uri), "{uri}");
-        }
-        assert!(any_remote(&["/x".into(), "hf://o/r".into()]));
-        assert!(!any_remote(&["/x".into(), "file:///y".into()]));
-        assert_eq!(
-            remote_schemes(),
-            [
-                "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "hf",
-                "peer"
-            ]
-        );
-    }
 
     #[test]
     fn object_store_takes_only_object_store_uris() {

@@ -14,15 +14,65 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tokio::task::JoinHandle;
 
+use zeroize::Zeroizing;
+
 use super::Sink;
 use crate::error::{Error, Result};
-use crate::source::tink::segment::{new_header, Geometry, SegmentKey, TAG};
-use crate::source::tink::Encryption;
+use crate::tink::segment::{new_header, Geometry, SegmentKey, TAG};
+use crate::tink::{Keyset, StreamingKey};
 
 /// Plaintext bytes per batch sealed by one task (whole segments, at least one).
 pub const BATCH_BYTES: usize = 8 << 20;
 /// Batches being sealed (or waiting for the sink) at once, at most.
 pub const BATCHES_IN_FLIGHT: usize = 4;
+
+/// How a writer encrypts: the keyset's primary key (an `AesGcmHkdfStreamingKey`, kept alone when
+/// the keyset is read) and the associated data, as Tink's streaming AEAD encrypts. `Debug` shows
+/// the key id only.
+#[derive(Clone)]
+pub struct Encryption {
+    primary: Arc<StreamingKey>,
+    associated_data: Arc<Zeroizing<Vec<u8>>>,
+}
+
+impl std::fmt::Debug for Encryption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Encryption {{ key_id: {:?} }}",
+            Some(self.primary.key_id)
+        )
+    }
+}
+
+impl Encryption {
+    /// The encryption with `keyset` (the JSON or the path of a file holding it) and
+    /// `associated_data` (`None`: empty); errors name `option` (where the keyset came from).
+    pub fn new(keyset: &str, associated_data: Option<&[u8]>, option: &str) -> Result<Encryption> {
+        let keyset = Keyset::from_spec(keyset).map_err(|e| Error::option(option, e))?;
+        let primary = keyset
+            .into_primary()
+            .map_err(|e| Error::option(option, e))?;
+        Ok(Encryption {
+            primary: Arc::new(primary),
+            associated_data: Arc::new(Zeroizing::new(associated_data.unwrap_or_default().to_vec())),
+        })
+    }
+
+    /// The key files are encrypted with (the keyset's primary).
+    pub fn key(&self) -> &StreamingKey {
+        &self.primary
+    }
+
+    pub fn associated_data(&self) -> &[u8] {
+        &self.associated_data
+    }
+
+    /// The layout of the encryption of a `plain_size`-byte file.
+    pub fn geometry(&self, plain_size: u64) -> Geometry {
+        Geometry::for_plaintext(&self.key().params, plain_size)
+    }
+}
 
 /// One batch: ciphertext layout, each segment's plaintext then room for its tag.
 struct Batch {
@@ -227,7 +277,7 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::tink::segment::decrypt;
+    use crate::tink::segment::decrypt;
     use crate::write::WriteOptions;
 
     /// A keyset of one `AesGcmHkdfStreamingKey` with `segment_size`, as Tink's JSON holds it.

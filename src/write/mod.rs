@@ -24,7 +24,7 @@ mod header;
 mod local;
 mod object;
 
-pub use encrypt::EncryptingSink;
+pub use encrypt::{EncryptingSink, Encryption};
 pub use header::{layout, Layout, LayoutError, TensorSpec};
 pub use local::LocalFile;
 pub use object::ObjectUpload;
@@ -46,7 +46,7 @@ pub struct WriteOptions {
     pub metadata: Vec<(String, String)>,
     /// Encrypt the file as Tink's streaming AEAD with this keyset's primary key (`None`: write
     /// the bytes as they are). What [`write_all`] writes (an index, a config) is never encrypted.
-    pub encryption: Option<crate::source::tink::Encryption>,
+    pub encryption: Option<crate::write::Encryption>,
 }
 
 /// Upload parts in flight at most, whatever the memory limit.
@@ -94,8 +94,8 @@ impl Sink {
             return EncryptingSink::create(len, encryption, |n| Sink::create(uri, n, &plain))
                 .map(|e| Sink::Encrypted(Box::new(e)));
         }
-        if crate::source::open::is_remote(uri) {
-            if uri.starts_with("http://") || uri.starts_with("https://") {
+        if crate::uri::is_remote(uri) {
+            if crate::uri::store(uri) == Some(crate::uri::Store::Http) {
                 return Err(Error::UnsupportedUri {
                     uri: crate::source::object::redact_uri(uri),
                     message: "fastload writes to local paths, s3://, gs:// and az://, not to \
@@ -344,7 +344,7 @@ impl FileWriter {
 
 /// Deletes the file or object at `uri` (a stale shard of an earlier save); a missing one is fine.
 pub fn remove(uri: &str, options: &WriteOptions) -> Result<()> {
-    if !crate::source::open::is_remote(uri) {
+    if !crate::uri::is_remote(uri) {
         let path = uri.strip_prefix("file://").unwrap_or(uri);
         return match std::fs::remove_file(path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {

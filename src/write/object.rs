@@ -101,8 +101,7 @@ pub struct ObjectUpload {
 /// their checksums from the store's HTTP client (`source::object::checksums`).
 pub(super) fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String)> {
     let mut out = options.to_vec();
-    let scheme = uri.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
-    let s3 = matches!(scheme.as_deref(), Some("s3" | "s3a"));
+    let s3 = crate::uri::store(uri) == Some(crate::uri::Store::S3);
     let chosen = options.iter().any(|(k, _)| {
         let k = k.to_ascii_lowercase();
         k == "checksum_algorithm" || k == "aws_checksum_algorithm"

@@ -16,7 +16,7 @@ use object_store::{Attribute, GetOptions, ObjectStore};
 use super::list::{digest_id, Item};
 use crate::error::{Error, Result};
 use crate::source::identity::Digest;
-use crate::source::open::{kind, Kind};
+use crate::uri::{kind, Kind};
 use crate::write::WriteOptions;
 
 /// The metadata key (`x-amz-meta-fastload-source` on S3) a copy records its source's identity

@@ -13,8 +13,8 @@ use futures_util::future::BoxFuture;
 
 use super::Item;
 use crate::error::{Error, Result};
-use crate::source::tink::looks_encrypted;
 use crate::source::Source;
+use crate::tink::looks_encrypted;
 use crate::write::WriteOptions;
 
 /// What `item`'s destination is checked against (size, recorded identity) and how it is

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::source::identity::Digest;
-use crate::source::open::{kind, Kind};
 use crate::source::{hub, local, object, Source};
+use crate::uri::{kind, Kind};
 
 /// One file to copy.
 #[derive(Debug, Clone)]

@@ -448,7 +448,7 @@ fn rechecks(item: &Item, options: &CopyOptions) -> bool {
 /// Each item with its destination URI; a name that would leave the destination fails the copy
 /// before anything is written.
 fn destinations(listing: &Listing, dst: &str) -> Result<Vec<(Item, String)>> {
-    let local = crate::source::open::kind(dst) == crate::source::open::Kind::Local;
+    let local = crate::uri::kind(dst) == crate::uri::Kind::Local;
     let into_folder = !listing.single
         || dst.ends_with('/')
         || (local && std::path::Path::new(dst.strip_prefix("file://").unwrap_or(dst)).is_dir());

@@ -37,6 +37,7 @@ use super::{done, emit, encrypted, pump, CopyOptions, Event, Existing, Item, Rep
 use crate::error::{Error, Result};
 use crate::source::object::{open, storage_error, Remote};
 use crate::source::Source;
+use crate::uri::Store;
 use crate::write::object::{attributes, refuse_existing, with_checksum};
 use crate::write::{DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE, MAX_PARTS_IN_FLIGHT, MIN_PART_SIZE};
 
@@ -65,8 +66,7 @@ pub(super) fn part_size(size: u64, options: &CopyOptions) -> u64 {
 
 /// Whether `item`, going to `to`, is split across the ranks (see the module's documentation).
 pub(super) fn splits(item: &Item, to: &str, options: &CopyOptions) -> bool {
-    let scheme = to.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
-    let store = matches!(scheme.as_deref(), Some("s3" | "s3a" | "gs"));
+    let store = matches!(crate::uri::store(to), Some(Store::S3 | Store::Gcs));
     let size = item.source.size();
     options.world > 1
         && options.exchange.is_some()

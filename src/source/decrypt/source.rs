@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
-use super::keyset::Keyset;
-use super::segment::{Geometry, SegmentKey};
 use crate::error::{Error, Result};
 use crate::memory::HostBuffer;
 use crate::source::Source;
+use crate::tink::segment::{Geometry, SegmentKey};
+use crate::tink::Keyset;
 
 /// A decrypted segment kept from opening (the first, which holds the safetensors header, and the
 /// last, authenticated at open so that a truncated file fails there).
@@ -332,17 +332,17 @@ impl Source for DecryptingSource {
 
     /// Segment `k` (k ≥ 1) holds plaintext from `k * (segment_size - TAG) - header_len`.
     fn grid(&self) -> Option<(u64, u64)> {
-        let unit = self.geometry.segment_size - super::segment::TAG as u64;
+        let unit = self.geometry.segment_size - crate::tink::segment::TAG as u64;
         Some((unit, self.geometry.header_len))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::keyset::{Hash, Params, StreamingKey};
-    use super::super::segment::encrypt;
     use super::*;
     use crate::source::testing::Bytes;
+    use crate::tink::keyset::{Hash, Params, StreamingKey};
+    use crate::tink::segment::encrypt;
     use zeroize::Zeroizing;
 
     fn keyset(segment_size: u64, byte: u8) -> Keyset {

@@ -175,6 +175,12 @@ impl Keyset {
         }
     }
 
+    /// The keyset's [`Keyset::primary`] key alone (what a writer keeps).
+    pub fn into_primary(mut self) -> Result<StreamingKey, String> {
+        self.primary()?;
+        Ok(self.keys.swap_remove(0))
+    }
+
     /// The JSON keyset itself (text starting with `{`, after an optional UTF-8 byte-order mark)
     /// or the path of a file holding it. The value is remembered as a secret before it is looked
     /// at (a keyset that is not JSON, such as its base64 or the JSON in quotes, is key material

@@ -1,10 +1,6 @@
-//! Files encrypted with Google Tink's streaming AEAD (`AesGcmHkdfStreaming`, e.g. the
-//! `AES256_GCM_HKDF_1MB` template), read as their plaintext: [`keyset`] reads cleartext JSON
-//! keysets, [`segment`] is the wire format in both directions, and [`source`] the decorator that
-//! the opening code (`open_all` in source/open.rs) puts over each source when a keyset is given.
-//!
-//! The whole file is encrypted, safetensors header included; its segments are authenticated
-//! one by one, so ranged reads stay ranged.
+//! Files encrypted with Google Tink's streaming AEAD read as their plaintext: [`source`] is the
+//! decorator that the opening code (`open_all` in source/open.rs) puts over each source when a
+//! keyset is given, [`Decryption`] what a load asks for. The cipher itself is [`crate::tink`].
 
 use std::sync::Arc;
 
@@ -13,13 +9,10 @@ use zeroize::Zeroizing;
 use crate::error::{Error, Result};
 use crate::options::LoadOptions;
 use crate::source::{open_shard, Shard, Source};
+use crate::tink::{looks_encrypted, Keyset};
 
-pub mod keyset;
-mod layout;
-pub mod segment;
 pub mod source;
 
-pub use keyset::Keyset;
 pub use source::DecryptingSource;
 
 use crate::options::ENV_KEYSET;
@@ -90,49 +83,6 @@ impl Decryption {
     }
 }
 
-/// How a writer encrypts: the keyset's primary key (an `AesGcmHkdfStreamingKey`) and the
-/// associated data, as Tink's streaming AEAD encrypts (see `crate::write`). `Debug` shows the
-/// key id only.
-#[derive(Clone)]
-pub struct Encryption {
-    keyset: Arc<Keyset>,
-    associated_data: Arc<Zeroizing<Vec<u8>>>,
-}
-
-impl std::fmt::Debug for Encryption {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let id = self.keyset.keys.first().map(|k| k.key_id);
-        write!(f, "Encryption {{ key_id: {id:?} }}")
-    }
-}
-
-impl Encryption {
-    /// The encryption with `keyset` (the JSON or the path of a file holding it) and
-    /// `associated_data` (`None`: empty); errors name `option` (where the keyset came from).
-    pub fn new(keyset: &str, associated_data: Option<&[u8]>, option: &str) -> Result<Encryption> {
-        let keyset = Keyset::from_spec(keyset).map_err(|e| Error::option(option, e))?;
-        keyset.primary().map_err(|e| Error::option(option, e))?;
-        Ok(Encryption {
-            keyset: Arc::new(keyset),
-            associated_data: Arc::new(Zeroizing::new(associated_data.unwrap_or_default().to_vec())),
-        })
-    }
-
-    /// The key files are encrypted with (the primary).
-    pub fn key(&self) -> &keyset::StreamingKey {
-        &self.keyset.keys[0]
-    }
-
-    pub fn associated_data(&self) -> &[u8] {
-        &self.associated_data
-    }
-
-    /// The layout of the encryption of a `plain_size`-byte file.
-    pub fn geometry(&self, plain_size: u64) -> segment::Geometry {
-        segment::Geometry::for_plaintext(&self.key().params, plain_size)
-    }
-}
-
 impl Decryption {
     /// Opens `source` and reads its header, as plaintext when a keyset is given. Without one, a
     /// file whose header is not safetensors but looks like Tink's fails saying so (and to pass a
@@ -162,31 +112,9 @@ impl Decryption {
     }
 }
 
-/// Whether a file of `size` bytes that is not valid safetensors looks like a Tink streaming
-/// ciphertext from its first 8 bytes: the first is the header length of a 16- or 32-byte derived
-/// key, and read as a safetensors file's header length (a little-endian u64) they say more bytes
-/// than the file has, as random salt bytes do (unless the salt's first seven bytes are zeros).
-/// A plain file with a bad header of 24 or 40 bytes has a length that fits: it stays a format
-/// error.
-pub fn looks_encrypted(first: &[u8; 8], size: u64) -> bool {
-    let header = usize::from(first[0]);
-    (header == segment::header_len(16) || header == segment::header_len(32))
-        && u64::from_le_bytes(*first) > size - 8
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tells_tink_headers_from_bad_safetensors_headers() {
-        let tink = [40, 0x9c, 0x11, 0, 0, 0, 0, 0];
-        assert!(looks_encrypted(&tink, 1 << 20));
-        assert!(looks_encrypted(&[24, 1, 2, 3, 4, 5, 6, 7], 1 << 30));
-        // A plain file whose 40-byte header is bad, and other lengths.
-        assert!(!looks_encrypted(&[40, 0, 0, 0, 0, 0, 0, 0], 1000));
-        assert!(!looks_encrypted(&[41, 0x9c, 0x11, 0, 0, 0, 0, 0], 1 << 20));
-    }
 
     #[test]
     fn options_and_decryption_debug_hide_the_keyset() {
