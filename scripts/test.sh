@@ -28,9 +28,10 @@ if [ -n "$conflicts" ]; then
     echo "$conflicts"
 fi
 
-echo "== rust: fmt, module layers (no cycle), clippy, tests"
+echo "== rust: fmt, module layers (no cycle), sizes (functions, files; Python's too), clippy, tests"
 cargo fmt --all --check
 .venv/bin/python scripts/check_modules.py
+.venv/bin/python scripts/check_sizes.py
 cargo clippy --all-targets --features python -- -D warnings
 # The build without the GPU path (the `cuda` feature) must stay valid too.
 cargo clippy --all-targets --no-default-features -- -D warnings

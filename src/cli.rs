@@ -17,6 +17,7 @@ mod compare;
 pub(crate) mod copy;
 mod inspect;
 mod limits;
+mod page_cache;
 mod report;
 mod run;
 mod verdict;

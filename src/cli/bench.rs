@@ -4,9 +4,7 @@
 //! [`super::limits`]), and optionally beside the peer loaders ([`super::compare`]).
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
@@ -14,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::compare::{self, Compare, PeerRuns, Peers};
 use super::limits::{self, Limit};
+use super::page_cache::{evict_all, touch_pages, warm_up};
 use super::report::Setup;
 use super::run::{ReadFrom, RunReport};
 use super::verdict::ModeReport;
@@ -24,9 +23,6 @@ use crate::Memory;
 
 const SWEEP_CONCURRENCY: [usize; 5] = [4, 8, 16, 32, 64];
 const SWEEP_BLOCK_MIB: [u64; 5] = [1, 4, 8, 16, 32];
-/// Stride of the consumer's reads: one byte per page makes every page resident and readable
-/// without turning the benchmark into a memory-bandwidth test.
-const PAGE: usize = 4096;
 
 #[derive(Args)]
 pub(super) struct BenchArgs {
@@ -167,65 +163,6 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         }
     }
     Ok(out)
-}
-
-/// Drops the file's pages from the page cache so the next read goes to storage.
-#[allow(unsafe_code)]
-fn evict(path: &Path) -> CliResult {
-    let io_error = |source| CliError::Io {
-        path: path.display().to_string(),
-        source,
-    };
-    let file = File::open(path).map_err(io_error)?;
-    // SAFETY: posix_fadvise takes an open descriptor (kept alive by `file` for the call) and
-    // plain integers; it does not touch this process's memory.
-    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    if rc != 0 {
-        return Err(io_error(std::io::Error::from_raw_os_error(rc)));
-    }
-    Ok(())
-}
-
-/// Evicts every file; true when that took effect (at most a tenth of their pages still
-/// resident). On failure (or on e.g. tmpfs, where eviction does nothing) it says so on stderr
-/// once per `said`.
-fn evict_all(files: &[PathBuf], said: &mut bool) -> bool {
-    let mut ok = true;
-    for f in files {
-        if let Err(e) = evict(f) {
-            if !*said {
-                eprintln!("fastload: note: cannot evict from the page cache: {e}");
-            }
-            ok = false;
-        } else if let Some((resident, pages)) = limits::resident(f) {
-            ok &= resident * 10 <= pages;
-        }
-    }
-    if !ok && !*said {
-        eprintln!("fastload: note: eviction did not take effect here: the cold runs read memory");
-    }
-    *said |= !ok;
-    ok
-}
-
-/// Reads the files once through the page cache.
-fn warm_up(files: &[PathBuf]) {
-    drop(limits::buffered(
-        files,
-        limits::COLD_READERS,
-        8 << 20,
-        "warm-up",
-    ));
-}
-
-/// Reads one byte of every page (and the last byte), as a consumer of the tensors would.
-fn touch_pages(bytes: &[u8]) -> u64 {
-    let bytes = std::hint::black_box(bytes);
-    let mut sum = bytes.last().map_or(0, |&b| b as u64);
-    for i in (0..bytes.len()).step_by(PAGE) {
-        sum = sum.wrapping_add(bytes[i] as u64);
-    }
-    std::hint::black_box(sum)
 }
 
 fn progress_bar(total: u64, label: String) -> ProgressBar {
@@ -528,54 +465,11 @@ pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
         args.uris.clone()
     };
     let described = describe(&uris, &configs[0])?;
-    if modes(&args).contains(&"cold") && described.local.len() < described.shards {
-        eprintln!(
-            "fastload: note: --cold evicts local files only; objects are read over the network \
-             every run"
-        );
-    }
-    let modes = modes(&args);
-    let setup = Setup {
-        uris: &uris,
-        files: described.shards,
-        bytes: described.bytes,
-        tensors: described.tensors,
-        device: &args.device,
-        configs: resolved,
-        repeat: args.repeat.unwrap_or(if args.sweep { 1 } else { 3 }),
-        modes: modes.clone(),
-        sweep: args.sweep,
-        remote: described.local.len() < described.shards,
-        local_files: described.local.len(),
-        cache_dir: crate::source::cache::CacheSettings::for_load(&configs[0])?
-            .dir
-            .map(|d| d.display().to_string()),
-        generated: args.uris.is_empty(),
-    };
+    let setup = setup(&args, &uris, &described, &configs[0], resolved)?;
     if !args.json && !args.limits_only {
         print_stdout(&setup.intro())?;
     }
-    let mut runs = Vec::new();
-    let mut limits = BTreeMap::new();
-    let mut reports = BTreeMap::new();
-    for &cache in &modes {
-        let applicable = measure_limits(
-            &args,
-            &described,
-            &setup.configs[0],
-            cache,
-            setup.repeat,
-            &mut limits,
-        )?;
-        if args.limits_only {
-            continue;
-        }
-        let start = runs.len();
-        let evicted = execute(&args, &setup, &configs, &described.local, cache, &mut runs)?;
-        let mine: Vec<&RunReport> = runs[start..].iter().collect();
-        let evicted = (cache == "cold" && !described.local.is_empty()).then_some(evicted);
-        reports.insert(cache, ModeReport::new(&mine, evicted, &limits, &applicable));
-    }
+    let (runs, limits, reports) = run_modes(&args, &setup, &configs, &described)?;
     if args.limits_only {
         return print_stdout(&if args.json {
             setup.limits_json(&limits)
@@ -591,41 +485,123 @@ pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
     if !args.json {
         print_stdout(&setup.summary(&runs, &limits, &reports))?;
     }
-    let peers = args.compare.clone().unwrap_or(Peers::Default);
-    // The default row only where a peer loads what fastload's runs loaded: local files into
-    // host memory.
-    let comparable = args.device == Device::Cpu && !setup.remote;
-    let compared = match peers {
-        Peers::None => None,
-        Peers::Default if !comparable => None,
-        _ => {
-            let mut mine = BTreeMap::new();
-            for (&mode, report) in &reports {
-                let seconds = runs.iter().filter(|r| r.cache == mode).map(|r| r.seconds);
-                mine.insert(
-                    mode,
-                    PeerRuns {
-                        seconds: seconds.collect(),
-                        bytes: described.bytes,
-                        best_gb_per_s: report.best_gb_per_s,
-                        // Loaded in this process, which imports nothing to load.
-                        imported_in_clock: Default::default(),
-                    },
-                );
-            }
-            let python = compare::python(args.python.as_deref(), host_python);
-            let job = (&peers, mine, python);
-            Some(run_compare(&args, job, &uris, &described, &setup, &modes)?)
-        }
-    };
+    let compared = compare_peers(&args, host_python, &described, &setup, &runs, &reports)?;
     if let (Some(c), false) = (&compared, args.json) {
-        print_stdout(&c.table(&modes))?;
+        print_stdout(&c.table(&setup.modes))?;
     }
     if args.json {
         print_stdout(&setup.json(&runs, &limits, &reports, compared.as_ref()))
     } else {
         Ok(())
     }
+}
+
+/// What the runs read and how: the benchmark's setup, as its intro and report show it.
+fn setup<'a>(
+    args: &'a BenchArgs,
+    uris: &'a [String],
+    described: &Described,
+    first: &LoadOptions,
+    resolved: Vec<Resolved>,
+) -> CliResult<Setup<'a>> {
+    let modes = modes(args);
+    let remote = described.local.len() < described.shards;
+    if modes.contains(&"cold") && remote {
+        eprintln!(
+            "fastload: note: --cold evicts local files only; objects are read over the network \
+             every run"
+        );
+    }
+    Ok(Setup {
+        uris,
+        files: described.shards,
+        bytes: described.bytes,
+        tensors: described.tensors,
+        device: &args.device,
+        configs: resolved,
+        repeat: args.repeat.unwrap_or(if args.sweep { 1 } else { 3 }),
+        modes,
+        sweep: args.sweep,
+        remote,
+        local_files: described.local.len(),
+        cache_dir: crate::source::cache::CacheSettings::for_load(first)?
+            .dir
+            .map(|d| d.display().to_string()),
+        generated: args.uris.is_empty(),
+    })
+}
+
+type Limits = BTreeMap<&'static str, Limit>;
+type Reports = BTreeMap<&'static str, ModeReport>;
+
+/// Each cache mode in turn: its limits measured, then (but with `--limits-only`) its runs.
+fn run_modes(
+    args: &BenchArgs,
+    setup: &Setup<'_>,
+    configs: &[LoadOptions],
+    described: &Described,
+) -> CliResult<(Vec<RunReport>, Limits, Reports)> {
+    let mut runs = Vec::new();
+    let mut limits = BTreeMap::new();
+    let mut reports = BTreeMap::new();
+    for &cache in &setup.modes {
+        let applicable = measure_limits(
+            args,
+            described,
+            &setup.configs[0],
+            cache,
+            setup.repeat,
+            &mut limits,
+        )?;
+        if args.limits_only {
+            continue;
+        }
+        let start = runs.len();
+        let evicted = execute(args, setup, configs, &described.local, cache, &mut runs)?;
+        let mine: Vec<&RunReport> = runs[start..].iter().collect();
+        let evicted = (cache == "cold" && !described.local.is_empty()).then_some(evicted);
+        reports.insert(cache, ModeReport::new(&mine, evicted, &limits, &applicable));
+    }
+    Ok((runs, limits, reports))
+}
+
+/// The comparison with other loaders that `--compare` asks for (by default, where a peer loads
+/// what fastload's runs loaded), given fastload's own runs.
+fn compare_peers(
+    args: &BenchArgs,
+    host_python: Option<&str>,
+    described: &Described,
+    setup: &Setup<'_>,
+    runs: &[RunReport],
+    reports: &Reports,
+) -> CliResult<Option<Compare>> {
+    let peers = args.compare.clone().unwrap_or(Peers::Default);
+    // The default row only where a peer loads what fastload's runs loaded: local files into
+    // host memory.
+    let comparable = args.device == Device::Cpu && !setup.remote;
+    match peers {
+        Peers::None => return Ok(None),
+        Peers::Default if !comparable => return Ok(None),
+        _ => {}
+    }
+    let mut mine = BTreeMap::new();
+    for (&mode, report) in reports {
+        let seconds = runs.iter().filter(|r| r.cache == mode).map(|r| r.seconds);
+        mine.insert(
+            mode,
+            PeerRuns {
+                seconds: seconds.collect(),
+                bytes: described.bytes,
+                best_gb_per_s: report.best_gb_per_s,
+                // Loaded in this process, which imports nothing to load.
+                imported_in_clock: Default::default(),
+            },
+        );
+    }
+    let python = compare::python(args.python.as_deref(), host_python);
+    let job = (&peers, mine, python);
+    let compared = run_compare(args, job, setup.uris, described, setup, &setup.modes)?;
+    Ok(Some(compared))
 }
 
 fn run_compare(
@@ -687,21 +663,4 @@ fn run_compare(
             warm: &warm,
         },
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn touches_every_page() {
-        let mut data = vec![0u8; 3 * PAGE + 10];
-        data[0] = 1;
-        data[PAGE] = 2;
-        data[2 * PAGE] = 4;
-        data[3 * PAGE] = 8;
-        *data.last_mut().unwrap() = 16;
-        assert_eq!(touch_pages(&data), 31);
-        assert_eq!(touch_pages(&[]), 0);
-    }
 }
