@@ -21,6 +21,17 @@ def _no_fastload_env(monkeypatch):
         monkeypatch.delenv(var)
 
 
+@pytest.fixture
+def hub_env(monkeypatch, tmp_path):
+    """No Hub token, not offline, and a Hugging Face home of the test's own; the monkeypatch to
+    set more with (a module's own `hub_env` that binds the mock Hub takes precedence)."""
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    return monkeypatch
+
+
 @pytest.fixture(scope="session")
 def fake_cuda(tmp_path_factory):
     """A directory holding the simulated CUDA driver (libcuda.so.1, see cuda_sim.py), built once."""

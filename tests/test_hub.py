@@ -713,3 +713,27 @@ def test_a_whole_file_for_a_range_is_an_error(xet_hub, xet_env, multi_block_file
     finally:
         xet_hub.bridge.ignores_range = False
     assert "big.safetensors" in str(e.value) and "200 OK" in str(e.value), e.value
+
+
+def test_offline_a_missing_file_is_not_found_and_a_missing_revision_is_named(
+    hub_env, tmp_path, dtypes_file
+):
+    hub = MockHub()
+    try:
+        commit = hub.add("org/m", {"model.safetensors": dtypes_file.read_bytes()})
+        cache = tmp_path / "hf_home" / "hub"
+        huggingface_hub.snapshot_download("org/m", endpoint=hub.base, cache_dir=cache)
+    finally:
+        hub.close()
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    hub_env.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert_same_tensors(fastload.load("hf://org/m"), reference(dtypes_file))
+    for uri in ("hf://org/m/nope.safetensors", f"hf://org/m@{commit}/nope.safetensors"):
+        with pytest.raises(fastload.NotFoundError) as e:
+            fastload.load(uri)
+        assert "nope.safetensors" in e.value.filename, e.value.filename
+        assert "revision" not in str(e.value), str(e.value)
+    with pytest.raises(fastload.StorageError) as e:
+        fastload.load("hf://org/m@v9/model.safetensors")
+    assert not isinstance(e.value, fastload.NotFoundError)
+    assert "revision v9" in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)

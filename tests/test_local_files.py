@@ -1,8 +1,9 @@
 """Local files that change or are not what they seem (issue 14, items 4, 6 and 7): a file cut
 short or replaced under a running load fails with a clear StorageError before any affected tensor
 is handed out; the files open at once do not grow with the shard count; a FIFO, device or socket
-is refused before it is opened. Cases that would crash or hang before their fix run in a fresh
-interpreter with a timeout."""
+is refused before it is opened, and an index that is one (or a dangling link, a folder) is an
+error naming it; non-UTF-8 paths load; a tensor too big to map names its file and tensor. Cases
+that would crash or hang before their fix run in a fresh interpreter with a timeout."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import ctypes
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import fastload
 import pytest
 import torch
 from fastload._pagecache import evict, resident_bytes
+from helpers import assert_same_tensors, reference, run_probe, write_one_tensor
 from safetensors.torch import save_file
 
 MiB = 1 << 20
@@ -276,3 +280,82 @@ def test_a_warm_load_starts_no_thread(six_tensors):
     assert out["equal"], out
     if out["evicted"]:  # pages to read: the runtime's threads read them
         assert out["cold_threads"] > out["before"], out
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "fifo", "link to /dev/zero", "directory"])
+def test_a_broken_index_is_an_error_naming_it(tmp_path, kind):
+    write_one_tensor(tmp_path / "a.safetensors")
+    write_one_tensor(tmp_path / "stray.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    if kind == "dangling link":
+        index.symlink_to(tmp_path / "gone.json")
+    elif kind == "fifo":
+        os.mkfifo(index)
+    elif kind == "directory":
+        index.mkdir()
+    else:
+        index.symlink_to("/dev/zero")
+    with pytest.raises(fastload.FastloadError) as e:
+        fastload.load(tmp_path)
+    assert str(index) in str(e.value)
+    assert not isinstance(e.value, fastload.NotFoundError) or e.value.filename == str(index)
+
+
+def test_non_utf8_paths_load(tmp_path):
+    """Linux paths are bytes: a bytes path and its os.fsdecode() form (with surrogates) load."""
+    raw = os.fsencode(tmp_path) + b"/caf\xe9-\xff"
+    os.mkdir(raw)
+    # The reference writer takes UTF-8 paths only: written under a plain name, then renamed.
+    plain = write_one_tensor(tmp_path / "w.safetensors")
+    want = reference(plain)
+    os.rename(plain, raw + b"/w\xff.safetensors")
+    for uri in (raw, os.fsdecode(raw), raw + b"/w\xff.safetensors", Path(os.fsdecode(raw))):
+        assert_same_tensors(fastload.load(uri), want)
+    assert [t["name"] for t in fastload.inspect(raw)["tensors"]] == list(want)
+    with pytest.raises(fastload.NotFoundError) as e:
+        fastload.load(raw + b"/missing\xff.safetensors")
+    assert "missing" in str(e.value)
+    # The command line too (its arguments are bytes on Linux).
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "inspect", raw, "--json"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert b'"w"' in proc.stdout
+
+
+def test_a_tensor_too_big_to_map_names_the_file_and_tensor(tmp_path):
+    """Under an address-space limit, a 1 TiB tensor (in a sparse file) cannot be mapped: the
+    error says which file and tensor, whatever the method."""
+    path = tmp_path / "huge.safetensors"
+    n = 1 << 40
+    header = {
+        "small": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+        "huge_tensor": {"dtype": "U8", "shape": [n], "data_offsets": [8, 8 + n]},
+    }
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        f.truncate(8 + len(h) + 8 + n)
+    got = run_probe(
+        """
+        import resource, sys, fastload
+        vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize"))
+        limit = vm * 1024 + (8 << 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        out = {}
+        for method in ("read", "mmap"):
+            try:
+                fastload.load(sys.argv[1], method=method, names=["huge_tensor"])
+                out[method] = None
+            except fastload.FastloadError as e:
+                out[method] = [type(e).__name__, str(e)]
+        emit(**out)
+        """,
+        path,
+    )
+    for method, (kind, text) in got.items():
+        assert kind == "StorageError", (method, text)
+        assert str(path) in text and "huge_tensor" in text, (method, text)

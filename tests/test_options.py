@@ -1,9 +1,11 @@
-"""Options (sizes, concurrency, device, environment defaults) and the exception contract."""
+"""Options (sizes, concurrency, device, environment defaults, endpoints) and the exception
+contract: a malformed or mistyped argument is a ConfigError naming it."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -674,3 +676,83 @@ def test_options_type_hints_resolve_without_importing_torch_first():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "memory_limit" in out.stdout
+
+
+# Endpoints from options and variables: a malformed one is a ConfigError naming where it came
+# from, never a panic.
+BAD_ENDPOINTS = ["data:,x", "mailto:x@y", "javascript:alert(1)", "ftp://host/x", "not a url"]
+
+
+@pytest.mark.parametrize("endpoint", BAD_ENDPOINTS)
+def test_a_malformed_hf_endpoint_is_a_config_error(hub_env, endpoint):
+    hub_env.setenv("HF_ENDPOINT", endpoint)
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.load("hf://org/repo")
+    assert e.value.option == "HF_ENDPOINT"
+    assert "panicked" not in str(e.value) and "internal error" not in str(e.value)
+
+
+@pytest.mark.parametrize("endpoint", BAD_ENDPOINTS)
+@pytest.mark.parametrize(
+    "uri, options",
+    [
+        ("hf://org/repo", {}),
+        ("s3://bucket/x.safetensors", {"skip_signature": "true", "region": "us-east-1"}),
+        ("gs://bucket/x.safetensors", {"skip_signature": "true"}),
+        ("az://container/x.safetensors", {"account_name": "acct", "skip_signature": "true"}),
+    ],
+)
+def test_a_malformed_endpoint_option_is_a_config_error(hub_env, uri, options, endpoint):
+    hub_env.delenv("HF_ENDPOINT", raising=False)
+    options = {**options, "endpoint": endpoint, "max_retries": "0", "retry_timeout": "1"}
+    if uri.startswith("hf://"):
+        options = {"endpoint": endpoint}
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.load(uri, storage_options=options)
+    assert e.value.option == 'storage_options["endpoint"]', str(e.value)
+    assert "panicked" not in str(e.value)
+
+
+@pytest.mark.parametrize("var", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"])
+def test_a_malformed_endpoint_variable_is_a_config_error(hub_env, var):
+    hub_env.setenv(var, "data:,x")
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.load(
+            "s3://bucket/x.safetensors",
+            storage_options={"skip_signature": "true", "region": "us-east-1"},
+        )
+    assert e.value.option == var, str(e.value)
+
+
+def test_the_cli_reports_a_malformed_endpoint(hub_env):
+    env = {**os.environ, "HF_ENDPOINT": "data:,x", "RUST_BACKTRACE": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", "inspect", "hf://org/repo"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "HF_ENDPOINT" in proc.stderr
+    assert "panicked" not in proc.stderr
+
+
+# A URI of the wrong type or empty.
+
+
+@pytest.mark.parametrize("uri", [None, 3, [None], ["a.safetensors", 4]])
+def test_a_uri_of_the_wrong_type_is_a_config_error(uri):
+    for call in (fastload.load, fastload.stream, fastload.inspect):
+        with pytest.raises(fastload.ConfigError) as e:
+            call(uri)
+        assert e.value.option == "uri"
+        assert "NoneType" in str(e.value) or "int" in str(e.value)
+
+
+@pytest.mark.parametrize("uri", ["", [""], ["  "]])
+def test_an_empty_uri_is_a_config_error(uri):
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.load(uri)
+    assert e.value.option == "uri"
+    assert "empty" in str(e.value)

@@ -8,5 +8,6 @@
 - `hub`: a mock Hugging Face Hub, its signed storage host and a Xet-style bridge (hf:// tests);
 - `azure`: an Azure Blob server with SharedKey verified (az:// tests);
 - `gcs`: fake-gcs-server and an authenticating proxy in front of it (gs:// tests);
-- `s3`: SeaweedFS and moto, and the fault-injecting proxies (s3:// tests).
+- `s3`: SeaweedFS and moto, and the fault-injecting proxies (s3:// tests);
+- `answer`: a server that answers as the test's function says (hostile bodies, echoed secrets).
 """

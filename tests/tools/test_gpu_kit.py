@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "scripts" / "gpu_kit" / "runner.py"
 sys.path.insert(0, str(RUNNER.parent))
 
