@@ -8,6 +8,7 @@ process's own allocations and page cache use cannot hide or fake a result.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -19,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -277,6 +279,23 @@ def data_offset(path) -> int:
     """Where the data section of a safetensors file starts."""
     with open(path, "rb") as f:
         return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (`"2m"`) mounted at `where`/tmpfs: a disk that fills, for the tests of
+    writes that fail part-way; the test is skipped where mounting is not allowed."""
+    mnt = where / "tmpfs"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 # ---------------------------------------------------------------------------------------------

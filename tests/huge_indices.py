@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 H = 2**62
@@ -22,6 +24,21 @@ I64 = 2**63 - 1
 # alone: torch cannot make most of them); small ones with data are drawn by the tests.
 EMPTY_HUGE = [(0, H, H), (H, 0, H), (0, H), (H, 0), (3, 0, H), (0,)]
 SMALL = [(4, 3), (5, 2, 3), (7,), (2, 1, 4)]
+
+# The edge tests' settings (with their own max_examples): each example reads files, and the
+# files are a module's fixture.
+EDGE_SETTINGS = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.fixture(scope="module")
+def edge_files(tmp_path_factory):
+    """One file per shape above: small tensors with data, tensors of no element with dims of
+    2**62 (safetensors' writer, from the header alone). Bound in each module that uses it."""
+    return write_edge_files(tmp_path_factory.mktemp("edges"))
+
 
 _INTS = [0, 1, 2, -1, -2, 5, H - 1, H, -H, I64, -I64 - 1]
 _BOUNDS = [None, 0, 1, -1, 4, H, -H, I64, -I64 - 1, 2**64]

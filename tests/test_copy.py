@@ -24,6 +24,7 @@ from servers.hub import MockHub, lfs_sha256
 from servers.s3 import BUCKET, SECRET_KEY, Fault, HttpFaultProxy
 
 aws_env = s3_server.aws_env
+s3 = s3_server.s3_client
 
 HERE = Path(__file__).resolve().parent
 PYTHON = str(HERE.parent / "python")
@@ -79,18 +80,6 @@ def env(hub, monkeypatch, tmp_path):
     hub.faults.clear()
     hub.storage.faults.clear()
     hub.storage.poison.clear()
-
-
-@pytest.fixture
-def s3(seaweed, aws_env):
-    aws_env(seaweed)
-    client = seaweed.client()
-    try:
-        client.create_bucket(Bucket=BUCKET)
-    except Exception as e:
-        if "Bucket" not in type(e).__name__:
-            raise
-    return client
 
 
 def objects(client, prefix: str) -> dict[str, bytes]:
@@ -615,11 +604,7 @@ def test_copy_from_the_hub_to_s3_then_serve_it_with_vllm(offline, seaweed, tmp_p
     folder = work / "tiny-llama"
     dst = f"s3://{S3_BUCKET}/copied/tiny-llama/"
     client = seaweed.client()
-    try:
-        client.create_bucket(Bucket=S3_BUCKET)
-    except Exception as e:
-        if "Bucket" not in type(e).__name__:
-            raise
+    s3_server.ensure_bucket(client, S3_BUCKET)
     with engine_hub(folder, "org/tiny-llama", tmp_path / "hf_home") as (_, hub_env):
         env = {**os.environ, **hub_env, **seaweed.env(), "PYTHONPATH": PYTHON}
         done = subprocess.run(
@@ -647,11 +632,7 @@ def test_a_model_and_its_lora_adapter_copied_to_s3_serve_with_vllm(seaweed, tmp_
     (copied back bitwise) enabled, and gives the tokens its own loader gives on the originals,
     which the adapter changes."""
     client = seaweed.client()
-    try:
-        client.create_bucket(Bucket=S3_BUCKET)
-    except Exception as e:
-        if "Bucket" not in type(e).__name__:
-            raise
+    s3_server.ensure_bucket(client, S3_BUCKET)
     results, output = _run_driver("lora", tmp_path, **seaweed.env())
     stored = objects(client, "lora/tiny-llama/adapter/")
     adapter = tmp_path / "tiny-llama" / "adapter"

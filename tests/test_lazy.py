@@ -216,16 +216,11 @@ def test_random_views_over_http_read_only_their_region(range_server, tmp_path, d
     assert sum(n for _, n in data_gets) == ckpt.bytes_read, served
 
 
-@pytest.fixture(scope="module")
-def edge_files(tmp_path_factory):
-    return huge_indices.write_edge_files(tmp_path_factory.mktemp("edges"))
+# huge_indices' fixture, bound here so that pytest finds it.
+edge_files = huge_indices.edge_files
 
 
-@settings(
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(huge_indices.EDGE_SETTINGS, max_examples=300)
 @given(data=st.data())
 def test_indexing_at_the_edges_of_int64(edge_files, data):
     """A lazy tensor indexed with steps and bounds of 2**62 and past int64, negative ints,

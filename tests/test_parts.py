@@ -104,16 +104,11 @@ def test_parts_equal_indexing_the_whole_tensor(tmp_path, data):
         _same(got[n], want, f"{n}{list(full[n].shape)}[{parts.get(n)!r}]")
 
 
-@pytest.fixture(scope="module")
-def edge_files(tmp_path_factory):
-    return huge_indices.write_edge_files(tmp_path_factory.mktemp("edges"))
+# huge_indices' fixture, bound here so that pytest finds it.
+edge_files = huge_indices.edge_files
 
 
-@settings(
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(huge_indices.EDGE_SETTINGS, max_examples=300)
 @given(data=st.data())
 def test_parts_at_the_edges_of_int64(edge_files, data):
     """Steps and bounds of 2**62 and past int64 (``slice(0, 4, 2**62)``), negative ints and

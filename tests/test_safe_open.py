@@ -348,18 +348,11 @@ def test_zero_size_tensors_with_huge_dimensions_slice_as_safetensors(where, rang
         assert f.bytes_read == 0
 
 
-@pytest.fixture(scope="module")
-def edge_files(tmp_path_factory):
-    """One file per shape of huge_indices: small tensors with data, tensors of no element with
-    dims of 2**62 (safetensors' writer, from the header alone)."""
-    return huge_indices.write_edge_files(tmp_path_factory.mktemp("edges"))
+# huge_indices' fixture, bound here so that pytest finds it.
+edge_files = huge_indices.edge_files
 
 
-@settings(
-    max_examples=400,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(huge_indices.EDGE_SETTINGS, max_examples=400)
 @given(data=st.data())
 def test_slices_at_the_edges_of_int64_match_safetensors(edge_files, data):
     """Steps and bounds of 2**62 and past int64, negative ints, ``...`` and ``None``, of small

@@ -25,7 +25,7 @@ import pytest
 import safetensors.torch
 import torch
 from fastload import _fastload
-from helpers import pattern, raw_bytes
+from helpers import mounted_tmpfs, pattern, raw_bytes
 from servers import s3 as s3_server
 from servers.s3 import BUCKET, Fault
 
@@ -192,15 +192,8 @@ def test_a_save_interrupted_at_any_step_leaves_the_old_or_the_new_checkpoint(
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path, "2m") as mnt:
+        yield mnt
 
 
 def test_a_disk_that_fills_during_a_save_leaves_the_old_checkpoint(tmpfs):
@@ -448,15 +441,8 @@ def test_an_s3_copy_whose_kth_request_fails_leaves_the_old_or_the_new_checkpoint
 
 @pytest.fixture
 def bigger_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path, "4m") as mnt:
+        yield mnt
 
 
 # One file at a time (less memory than two parts): the order of what is written is fixed.

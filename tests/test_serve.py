@@ -28,6 +28,7 @@ from servers.hub import MockHub, lfs_sha256
 from servers.s3 import BUCKET
 
 aws_env = s3_server.aws_env
+s3 = s3_server.s3_client
 
 HERE = Path(__file__).resolve().parent
 PYTHON = str(HERE.parent / "python")
@@ -389,18 +390,6 @@ def wait_held(s: Serve, timeout: float = 60.0) -> dict:
             return manifest
         assert time.monotonic() < deadline, manifest
         time.sleep(0.2)
-
-
-@pytest.fixture
-def s3(seaweed, aws_env):
-    aws_env(seaweed)
-    client = seaweed.client()
-    try:
-        client.create_bucket(Bucket=BUCKET)
-    except Exception as e:
-        if "Bucket" not in type(e).__name__:
-            raise
-    return client
 
 
 def test_an_s3_origin_is_served_with_its_etags_and_filled_into_the_cache(

@@ -18,7 +18,7 @@ from pathlib import Path
 import fastload
 import pytest
 import torch
-from helpers import assert_same_tensors, cached_bytes, pattern, raw_bytes
+from helpers import assert_same_tensors, cached_bytes, mounted_tmpfs, pattern, raw_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -259,15 +259,8 @@ def test_invalid_tensors_raise_what_safetensors_save_file_raises(tmp_path, tenso
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path, "1m") as mnt:
+        yield mnt
 
 
 def test_a_full_disk_is_a_storage_error_and_leaves_nothing(small_tmpfs):
@@ -356,14 +349,7 @@ def keys(client, prefix: str) -> list[str]:
 def s3(request, aws_env):
     server = request.getfixturevalue("seaweed" if request.param == "seaweed" else "moto_s3")
     aws_env(server)
-    client = server.client()
-    try:
-        client.create_bucket(Bucket=BUCKET)
-    except client.exceptions.ClientError:
-        pass
-    except Exception as e:  # BucketAlreadyOwnedByYou and friends
-        if "Bucket" not in type(e).__name__:
-            raise
+    s3_server.ensure_bucket(server.client(), BUCKET)
     return server
 
 

@@ -142,14 +142,19 @@ def client(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET
     )
 
 
-def upload(s3, bucket: str, files: dict[str, Path | bytes]) -> None:
-    """Creates `bucket` if needed and puts each key's file or bytes."""
+def ensure_bucket(s3, bucket: str) -> None:
+    """Creates `bucket` unless it is there (a second create is BucketAlreadyOwnedByYou or
+    BucketAlreadyExists, as SeaweedFS and moto name it)."""
     try:
         s3.create_bucket(Bucket=bucket)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
-    except s3.exceptions.BucketAlreadyExists:
-        pass
+    except Exception as e:
+        if "Bucket" not in type(e).__name__:
+            raise
+
+
+def upload(s3, bucket: str, files: dict[str, Path | bytes]) -> None:
+    """Creates `bucket` if needed and puts each key's file or bytes."""
+    ensure_bucket(s3, bucket)
     for key, src in files.items():
         if isinstance(src, bytes):
             s3.put_object(Bucket=bucket, Key=key, Body=src)
@@ -714,6 +719,15 @@ def aws_env(monkeypatch):
         return server
 
     return use
+
+
+@pytest.fixture
+def s3_client(seaweed, aws_env):
+    """SeaweedFS holding BUCKET, the AWS_* variables set for it: its boto3 client."""
+    aws_env(seaweed)
+    client = seaweed.client()
+    ensure_bucket(client, BUCKET)
+    return client
 
 
 @pytest.fixture
