@@ -22,9 +22,13 @@
 //!   az://, http(s)://), `source::hub` (hf://: the Hub's API client, the Hugging Face cache's
 //!   layout, the files), `source::remote` (the one resumable ranged read both remote kinds go
 //!   through), `source::cache` (the local cache, a decorator only `open` applies) and
-//!   `source::identity` (who a remote object is: the data the cache and the Hub share).
-//! - [`write`]: safetensors files (and small files) to a local path or an object store, published
-//!   whole or not at all (a rename, a multipart upload completed last).
+//!   `source::identity` (who a remote object is: the data the cache and the Hub share). Beside
+//!   it, never importing it nor imported by it, [`sink`]: the write direction, every destination
+//!   behind one [`sink::Sink`] trait (a local file, one PUT, a multipart upload, an encrypting
+//!   decorator), each published whole or not at all (a rename, an upload completed last), and
+//!   safetensors files written through them.
+//! - [`copy`]: `fastload copy`: files read from sources and written to sinks, resumably, split
+//!   across the ranks of a group.
 //! - [`plan`] (shards + options → segments and blocks), `ranges` (chosen byte ranges of one
 //!   source, for slices) and `ranks` (the plan shared by the ranks of a process group).
 //! - [`device`]: where tensors go when they leave host memory (the CUDA copy engine).
@@ -50,16 +54,17 @@ pub(crate) mod per_process;
 pub mod pipeline;
 pub mod plan;
 // `ranges` and `ranks` serve the bindings only; their unit tests run in every build.
+pub mod copy;
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) mod ranges;
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) mod ranks;
 pub mod runtime;
 pub mod serve;
+pub mod sink;
 pub mod source;
 pub mod tink;
 pub mod uri;
-pub mod write;
 
 #[cfg(feature = "python")]
 mod python;

@@ -1,5 +1,5 @@
 //! `fastload copy SRC DST`: a file or a whole model folder from any store to any store, read once
-//! in parallel ranged reads and written through the write path (see `crate::write::copy`), with
+//! in parallel ranged reads and written through the write path (see `crate::copy`), with
 //! a progress bar on stderr when it is a terminal.
 
 use std::io::IsTerminal;
@@ -9,9 +9,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{decimal_bytes, plural, CliResult};
+use crate::copy::{self, CopyOptions, Event};
 use crate::options::{Size, ENV_KEYSET};
-use crate::write::copy::{self, CopyOptions, Event};
-use crate::write::WriteOptions;
+use crate::sink::WriteOptions;
 
 #[derive(Args)]
 pub(super) struct CopyArgs {
@@ -100,9 +100,9 @@ pub(super) fn run(args: CopyArgs) -> CliResult {
 }
 
 /// What `--encrypt` encrypts with: the keyset of `--keyset FILE`, else of `FASTLOAD_KEYSET`.
-fn encryption(keyset: Option<&str>) -> CliResult<crate::write::Encryption> {
+fn encryption(keyset: Option<&str>) -> CliResult<crate::sink::Encryption> {
     if let Some(file) = super::keyset_file(keyset)? {
-        return Ok(crate::write::Encryption::new(&file.0, None, "keyset")?);
+        return Ok(crate::sink::Encryption::new(&file.0, None, "keyset")?);
     }
     let keyset = zeroize::Zeroizing::new(std::env::var(ENV_KEYSET).unwrap_or_default());
     if keyset.trim().is_empty() {
@@ -115,7 +115,7 @@ fn encryption(keyset: Option<&str>) -> CliResult<crate::write::Encryption> {
         )
         .into());
     }
-    Ok(crate::write::Encryption::new(&keyset, None, ENV_KEYSET)?)
+    Ok(crate::sink::Encryption::new(&keyset, None, ENV_KEYSET)?)
 }
 
 /// A progress bar on stderr (bytes, rate) when stderr is a terminal; `None` otherwise.

@@ -19,7 +19,7 @@ use bytes::Bytes;
 
 use crate::device::{Engine, Fence, Staging};
 use crate::error::Result;
-use crate::write::FileWriter;
+use crate::sink::FileWriter;
 
 /// The largest block copied at once.
 pub const MAX_BLOCK: usize = 8 << 20;
@@ -238,7 +238,7 @@ pub fn block_size(memory_limit: u64) -> usize {
 mod tests {
     use super::*;
     use crate::device::HostEngine;
-    use crate::write::{TensorSpec, WriteOptions};
+    use crate::sink::{TensorSpec, WriteOptions};
 
     #[test]
     fn block_sizes() {

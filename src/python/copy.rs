@@ -1,4 +1,4 @@
-//! `fastload.copy`: the Rust copy (`crate::write::copy`) run off the GIL, in slices that let
+//! `fastload.copy`: the Rust copy (`crate::copy`) run off the GIL, in slices that let
 //! Ctrl-C through (an interrupted copy aborts the files in flight before the KeyboardInterrupt).
 
 use pyo3::prelude::*;
@@ -9,8 +9,8 @@ use super::args::{
     Switch,
 };
 use super::wait::{off_thread_serving, Ask};
-use crate::write::copy::{self as core, CopyOptions};
-use crate::write::WriteOptions;
+use crate::copy::{self as core, CopyOptions};
+use crate::sink::WriteOptions;
 
 /// How long an interrupted copy may take to abort the uploads of its files in flight.
 const CLEANUP: std::time::Duration = std::time::Duration::from_secs(30);

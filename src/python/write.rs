@@ -16,7 +16,7 @@ use super::wait::off_thread;
 use crate::device::Engine;
 use crate::format::Dtype;
 use crate::pipeline::save::{DeviceBytes, DeviceSaver};
-use crate::write::{FileWriter as Writer, TensorSpec, WriteOptions};
+use crate::sink::{FileWriter as Writer, TensorSpec, WriteOptions};
 use crate::Error;
 
 /// A contiguous CPU tensor's memory, kept alive (a reference to the tensor) while Rust holds its
@@ -120,7 +120,7 @@ fn options(
 pub(crate) fn encryption(
     keyset: Option<KeysetArg>,
     associated_data: Option<AssociatedDataArg>,
-) -> crate::Result<Option<crate::write::Encryption>> {
+) -> crate::Result<Option<crate::sink::Encryption>> {
     match (keyset, associated_data) {
         (None, None) => Ok(None),
         (None, Some(_)) => Err(Error::option(
@@ -128,7 +128,7 @@ pub(crate) fn encryption(
             "given without keyset= (nothing is encrypted)",
         )),
         (Some(k), ad) => {
-            crate::write::Encryption::new(&k.0 .0, ad.as_ref().map(|a| a.0 .0.as_slice()), "keyset")
+            crate::sink::Encryption::new(&k.0 .0, ad.as_ref().map(|a| a.0 .0.as_slice()), "keyset")
                 .map(Some)
         }
     }
@@ -156,7 +156,7 @@ fn closed(uri: &str) -> Error {
 }
 
 impl Drop for FileWriter {
-    /// A writer dropped unfinished aborts (see `crate::write`), with the GIL released: the parts
+    /// A writer dropped unfinished aborts (see `crate::sink`), with the GIL released: the parts
     /// it cancels hold tensors, whose release takes the GIL on the runtime's threads. The lock is
     /// taken with the GIL released too: a call cut short by Ctrl-C may still hold it while its
     /// worker aborts the upload, and that abort needs the GIL to release the tensors (holding the
@@ -205,7 +205,7 @@ impl FileWriter {
         opts.encryption = encryption(keyset, associated_data)?;
         let limit = opts
             .memory_limit
-            .unwrap_or(crate::write::DEFAULT_MEMORY_LIMIT);
+            .unwrap_or(crate::sink::DEFAULT_MEMORY_LIMIT);
         let shown = crate::source::object::redact_uri(&uri);
         let writer = off_thread(py, "save_file", move || {
             Writer::create(&uri, &specs, metadata.as_deref(), &opts)
@@ -331,7 +331,7 @@ pub fn write_bytes(
 ) -> PyResult<()> {
     let opts = options(overwrite, storage_options, None, None);
     Ok(off_thread(py, "write_bytes", move || {
-        crate::write::write_all(&uri, Bytes::from(data), &opts)
+        crate::sink::write_all(&uri, Bytes::from(data), &opts)
     })??)
 }
 
@@ -345,6 +345,6 @@ pub fn remove(
 ) -> PyResult<()> {
     let opts = options(false, storage_options, None, None);
     Ok(off_thread(py, "remove", move || {
-        crate::write::remove(&uri, &opts)
+        crate::sink::remove(&uri, &opts)
     })??)
 }

@@ -158,7 +158,7 @@ fn checkpoint(
     storage_options: &[(String, String)],
     settings: &CacheSettings,
 ) -> Result<Checkpoint> {
-    let listing = crate::write::copy::list(uri, storage_options)?;
+    let listing = crate::copy::list(uri, storage_options)?;
     let local = kind(uri) == Kind::Local;
     let mut files = Vec::new();
     let (rels, sources): (Vec<String>, Vec<Arc<dyn Source>>) = listing

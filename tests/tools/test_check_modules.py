@@ -70,6 +70,23 @@ def test_a_clean_crate_passes_and_comments_and_strings_are_not_imports(tmp_path)
     ]
 
 
+def test_sources_and_sinks_never_import_each_other(tmp_path):
+    files = dict(BASE)
+    files["lib.rs"] = (
+        BASE["lib.rs"].replace("//!   (files).\n", "//!   (files), and [`sink`] beside it.\n")
+        + "pub mod sink;\n"
+    )
+    files["sink.rs"] = "pub trait Sink {}\n"
+    assert check(crate(tmp_path, files)).returncode == 0
+    for importer, imported in [("sink.rs", "source::Shard"), ("source/local.rs", "sink::Sink")]:
+        text = dict(files)
+        text[importer] = files[importer] + f"pub use crate::{imported};\n"
+        out = check(crate(tmp_path, text))
+        assert out.returncode == 1, out.stdout
+        assert "never import each other (APART)" in out.stdout
+        crate(tmp_path, files)
+
+
 def test_an_import_up_the_layers_that_closes_a_cycle_fails(tmp_path):
     files = dict(BASE)
     files["format.rs"] = "pub struct Header;\nfn f() -> usize {\n    crate::plan::SIZE\n}\n"

@@ -75,7 +75,7 @@ pub struct Remote {
     pub retry: RetrySettings,
     /// The same store's low-level multipart API (S3 and GCS, whose uploads take the object's
     /// metadata when they are created; `None` for other stores): several processes upload parts
-    /// of one object ([`crate::write::copy`]'s split files).
+    /// of one object ([`crate::copy`]'s split files).
     pub multipart: Option<Multipart>,
 }
 

@@ -183,6 +183,36 @@ impl LocalFile {
     }
 }
 
+impl super::Sink for LocalFile {
+    fn uri(&self) -> &str {
+        self.shown()
+    }
+
+    fn is_local(&self) -> bool {
+        true
+    }
+
+    fn holds_at_most(&self) -> u64 {
+        0
+    }
+
+    fn write(&mut self, data: bytes::Bytes) -> Result<()> {
+        LocalFile::write(self, &data)
+    }
+
+    fn prepare(&mut self) -> Result<()> {
+        LocalFile::prepare(self)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        LocalFile::finish(*self)
+    }
+
+    fn abort(self: Box<Self>) -> Result<()> {
+        LocalFile::abort(*self)
+    }
+}
+
 impl Drop for LocalFile {
     fn drop(&mut self) {
         // Not published (finish failed, or the writer was dropped): the temporary file goes.

@@ -15,9 +15,9 @@ use object_store::{Attribute, GetOptions, ObjectStore};
 
 use super::list::{digest_id, Item};
 use crate::error::{Error, Result};
+use crate::sink::WriteOptions;
 use crate::source::identity::Digest;
 use crate::uri::{kind, Kind};
-use crate::write::WriteOptions;
 
 /// The metadata key (`x-amz-meta-fastload-source` on S3) a copy records its source's identity
 /// under; locally the extended attribute `user.fastload_source`.

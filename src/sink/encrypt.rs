@@ -83,7 +83,7 @@ struct Batch {
 
 /// A sink whose bytes are encrypted on their way.
 pub struct EncryptingSink {
-    inner: Sink,
+    inner: Box<dyn Sink>,
     key: Arc<SegmentKey>,
     geometry: Geometry,
     /// The segment being filled, and its plaintext bytes so far.
@@ -110,7 +110,7 @@ impl EncryptingSink {
     pub fn create(
         plain_len: u64,
         encryption: &Encryption,
-        make: impl FnOnce(u64) -> Result<Sink>,
+        make: impl FnOnce(u64) -> Result<Box<dyn Sink>>,
     ) -> Result<EncryptingSink> {
         let geometry = encryption.geometry(plain_len);
         let mut inner = make(geometry.ciphertext_size())?;
@@ -141,7 +141,7 @@ impl EncryptingSink {
     }
 
     pub fn is_local(&self) -> bool {
-        matches!(self.inner, Sink::Local(_))
+        self.inner.is_local()
     }
 
     /// Plaintext bytes segment `index` holds.
@@ -265,6 +265,37 @@ impl EncryptingSink {
     }
 }
 
+impl Sink for EncryptingSink {
+    fn uri(&self) -> &str {
+        EncryptingSink::uri(self)
+    }
+
+    fn is_local(&self) -> bool {
+        EncryptingSink::is_local(self)
+    }
+
+    /// Plaintext is copied into the sink's own batches as it arrives.
+    fn holds_at_most(&self) -> u64 {
+        0
+    }
+
+    fn write(&mut self, data: Bytes) -> Result<()> {
+        EncryptingSink::write(self, &data)
+    }
+
+    fn prepare(&mut self) -> Result<()> {
+        EncryptingSink::prepare(self)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        EncryptingSink::finish(*self)
+    }
+
+    fn abort(self: Box<Self>) -> Result<()> {
+        EncryptingSink::abort(*self)
+    }
+}
+
 impl Batch {
     fn new(capacity: usize) -> Batch {
         Batch {
@@ -277,8 +308,8 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sink::WriteOptions;
     use crate::tink::segment::decrypt;
-    use crate::write::WriteOptions;
 
     /// A keyset of one `AesGcmHkdfStreamingKey` with `segment_size`, as Tink's JSON holds it.
     fn keyset_json(segment_size: u64) -> String {
@@ -332,7 +363,7 @@ mod tests {
                 let path = dir.path().join(format!("f{len}-{chunk}"));
                 let uri = path.to_str().unwrap().to_string();
                 let mut sink = EncryptingSink::create(len as u64, &enc, |n| {
-                    Sink::create(&uri, n, &WriteOptions::default())
+                    crate::sink::create(&uri, n, &WriteOptions::default())
                 })
                 .unwrap();
                 for c in plain.chunks(chunk) {
@@ -378,7 +409,7 @@ mod tests {
         let uri = path.to_str().unwrap().to_string();
         let open = || {
             EncryptingSink::create(100, &enc, |n| {
-                Sink::create(&uri, n, &WriteOptions::default())
+                crate::sink::create(&uri, n, &WriteOptions::default())
             })
             .unwrap()
         };

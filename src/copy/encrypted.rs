@@ -1,5 +1,5 @@
 //! A copy with `encryption` (`keyset=`): each `.safetensors` file is encrypted on its way (see
-//! `crate::write::encrypt`); every other file (an index, a config) is copied as it is, as
+//! `crate::sink::encrypt`); every other file (an index, a config) is copied as it is, as
 //! loaders read them in the clear. A source file that already looks Tink-encrypted is refused
 //! rather than encrypted twice (copy it without a keyset to keep it as it is).
 //!
@@ -13,9 +13,9 @@ use futures_util::future::BoxFuture;
 
 use super::Item;
 use crate::error::{Error, Result};
+use crate::sink::WriteOptions;
 use crate::source::Source;
 use crate::tink::looks_encrypted;
-use crate::write::WriteOptions;
 
 /// What `item`'s destination is checked against (size, recorded identity) and how it is
 /// written: `item` and `write` as they are without encryption, or for a file that is not a

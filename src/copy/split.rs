@@ -26,42 +26,26 @@
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use object_store::multipart::{MultipartStore, PartId};
-use object_store::{PutMultipartOptions, PutPayloadMut};
-use tokio::task::JoinSet;
 
 use super::{done, emit, encrypted, pump, CopyOptions, Event, Existing, Item, Report};
 use crate::error::{Error, Result};
-use crate::source::object::{open, storage_error, Remote};
+use crate::sink::multipart::{self, SharedUpload};
+use crate::source::object::storage_error;
 use crate::source::Source;
 use crate::uri::Store;
-use crate::write::object::{attributes, refuse_existing, with_checksum};
-use crate::write::{DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE, MAX_PARTS_IN_FLIGHT, MIN_PART_SIZE};
 
 /// An all-gather across the group: this rank's string in, every rank's out (in rank order).
 pub type Exchange = Arc<dyn Fn(String) -> Result<Vec<String>> + Send + Sync>;
-
-/// S3's limit on parts per upload, with room to spare (as [`crate::write::ObjectUpload`]).
-const MAX_PARTS: u64 = 9_000;
-
-/// How long aborting an upload may take.
-const ABORT: Duration = Duration::from_secs(30);
 
 /// Another rank failed (its error is raised by the group); this rank stopped.
 #[derive(Debug)]
 pub struct Stopped(pub String);
 
-/// Bytes per part of a split file of `size` bytes.
+/// Bytes per part of a split file of `size` bytes (the multipart upload's rule).
 pub(super) fn part_size(size: u64, options: &CopyOptions) -> u64 {
-    options
-        .write
-        .part_size
-        .unwrap_or(DEFAULT_PART_SIZE)
-        .max(MIN_PART_SIZE)
-        .max(size.div_ceil(MAX_PARTS))
+    multipart::part_size(&options.write, size)
 }
 
 /// Whether `item`, going to `to`, is split across the ranks (see the module's documentation).
@@ -139,47 +123,8 @@ pub(super) fn run(
     Ok(Ok(()))
 }
 
-/// An upload of a split file.
-struct Upload {
-    remote: Remote,
-    store: Arc<dyn MultipartStore>,
-    id: String,
-}
-
-impl Upload {
-    /// Opens `to` with the same store settings as [`crate::write::ObjectUpload`] (S3 parts carry
-    /// their CRC64NVME; GCS's crc32c comes from the store's client).
-    fn open(to: &str, options: &CopyOptions, id: String) -> Result<Upload> {
-        let remote = open(to, &with_checksum(to, &options.write.storage_options))?;
-        let store = remote
-            .multipart
-            .clone()
-            .map(|m| m.0)
-            .ok_or_else(|| Error::UnsupportedUri {
-                uri: remote.uri.clone(),
-                message: "this store has no multipart API to split a file across ranks".into(),
-            })?;
-        Ok(Upload { remote, store, id })
-    }
-
-    /// Aborts the upload; not cut short by a Ctrl-C (aborting is what it asks for).
-    fn abort(&self) -> Result<()> {
-        let runtime = crate::runtime::try_get()?;
-        let uri = &self.remote.uri;
-        runtime.block_on(async {
-            let abort = self.store.abort_multipart(&self.remote.path, &self.id);
-            match tokio::time::timeout(ABORT, abort).await {
-                Ok(done) => done.map_err(|e| storage_error(uri, e)),
-                Err(_) => Err(Error::Cancelled {
-                    what: format!("{uri}: aborting the multipart upload (timed out)"),
-                }),
-            }
-        })
-    }
-}
-
 /// Rank 0's step 2: `None` when the destination is already a complete copy, else the upload.
-fn create(item: &Item, to: &str, options: &CopyOptions) -> Result<Option<Upload>> {
+fn create(item: &Item, to: &str, options: &CopyOptions) -> Result<Option<SharedUpload>> {
     let (check, write) = encrypted::target(item, &options.write)?;
     // A split file's digest is never checked on the way (see the module's documentation), so
     // there is nothing to check again either; overwriting copies again whatever is there.
@@ -196,32 +141,58 @@ fn create(item: &Item, to: &str, options: &CopyOptions) -> Result<Option<Upload>
         }
         _ => {}
     }
-    let mut upload = Upload::open(to, options, String::new())?;
     let checked = item.digest.is_none();
     let metadata: Vec<(String, String)> = check
         .id
         .iter()
         .map(|id| (done::ID_KEY.to_string(), done::record(id, checked)))
         .collect();
-    let (store, remote) = (&upload.store, &upload.remote);
-    upload.id = crate::runtime::block_on(&remote.uri, async {
-        let opts = PutMultipartOptions {
-            attributes: attributes(&metadata),
-            ..Default::default()
-        };
-        store
-            .create_multipart_opts(&remote.path, opts)
-            .await
-            .map_err(|e| storage_error(&remote.uri, e))
-    })?;
-    Ok(Some(upload))
+    SharedUpload::create(to, &options.write, &metadata).map(Some)
 }
 
-fn exchanged(exchange: &Exchange, message: String, upload: Option<&Upload>) -> Result<Vec<String>> {
+fn exchanged(
+    exchange: &Exchange,
+    message: String,
+    upload: Option<&SharedUpload>,
+) -> Result<Vec<String>> {
     exchange(message).inspect_err(|_| {
         if let Some(u) = upload {
             let _ = u.abort();
         }
+    })
+}
+
+/// Step 2 as this rank sees it.
+enum Created {
+    /// The destination is a complete copy already.
+    Skip,
+    /// The upload's id, with the upload itself on the rank that created it.
+    Upload(String, Option<Box<SharedUpload>>),
+    Stopped(Stopped),
+}
+
+/// Step 2: rank 0 creates the upload (or finds the copy done); every rank learns which.
+fn created(item: &Item, to: &str, options: &CopyOptions, exchange: &Exchange) -> Result<Created> {
+    let (created, message) = match (options.rank == 0).then(|| create(item, to, options)) {
+        None => (None, String::new()),
+        Some(Ok(None)) => (None, "skip".into()),
+        Some(Ok(Some(u))) => {
+            let m = format!("id:{}", u.id());
+            (Some(Box::new(u)), m)
+        }
+        Some(Err(e)) => {
+            exchange(format!("err:{e}"))?;
+            return Err(e);
+        }
+    };
+    let all = exchanged(exchange, message, created.as_deref())?;
+    let first = all.first().cloned().unwrap_or_default();
+    if first == "skip" {
+        return Ok(Created::Skip);
+    }
+    Ok(match first.strip_prefix("id:") {
+        Some(id) => Created::Upload(id.to_string(), created),
+        None => Created::Stopped(failure(&all[..1]).unwrap_or(Stopped(first))),
     })
 }
 
@@ -235,47 +206,35 @@ fn one(
     stop: &AtomicBool,
     report: &mut Report,
 ) -> Result<std::result::Result<(), Stopped>> {
-    let (rank, size) = (options.rank, item.source.size());
-    // Step 2: rank 0 creates the upload; every rank learns its id.
-    let (created, message) = match (rank == 0).then(|| create(item, to, options)) {
-        None => (None, String::new()),
-        Some(Ok(None)) => (None, "skip".into()),
-        Some(Ok(Some(u))) => {
-            let m = format!("id:{}", u.id);
-            (Some(u), m)
+    let size = item.source.size();
+    let (id, created) = match created(item, to, options, exchange)? {
+        Created::Skip => {
+            if options.rank == 0 {
+                report.skipped.push(to.to_string());
+            }
+            let bytes = my_bytes(size, options);
+            let skipped = true;
+            emit(
+                options,
+                Event::Done {
+                    dst: to.to_string(),
+                    bytes,
+                    skipped,
+                },
+            );
+            return Ok(Ok(()));
         }
-        Some(Err(e)) => {
-            exchange(format!("err:{e}"))?;
-            return Err(e);
-        }
-    };
-    let all = exchanged(exchange, message, created.as_ref())?;
-    let first = all.first().cloned().unwrap_or_default();
-    if first == "skip" {
-        if rank == 0 {
-            report.skipped.push(to.to_string());
-        }
-        emit(
-            options,
-            Event::Done {
-                dst: to.to_string(),
-                bytes: my_bytes(size, options),
-                skipped: true,
-            },
-        );
-        return Ok(Ok(()));
-    }
-    let Some(id) = first.strip_prefix("id:") else {
-        return Ok(Err(failure(&all[..1]).unwrap_or(Stopped(first))));
+        Created::Stopped(stopped) => return Ok(Err(stopped)),
+        Created::Upload(id, created) => (id, created),
     };
     // Step 3: this rank's parts.
-    let opened = match created {
-        Some(u) => Ok(u),
-        None => Upload::open(to, options, id.to_string()),
-    };
     let part_size = part_size(size, options);
     let parts = usize::try_from(size.div_ceil(part_size)).unwrap_or(usize::MAX);
-    let range = my_parts(parts, rank, options.world);
+    let range = my_parts(parts, options.rank, options.world);
+    let opened = match created {
+        Some(u) => Ok(*u),
+        None => SharedUpload::open(to, &options.write, id),
+    };
     let (upload, uploaded) = match opened {
         Ok(u) => {
             let done = put_parts(&item.source, &u, range.clone(), part_size, options, stop);
@@ -283,6 +242,37 @@ fn one(
         }
         Err(e) => (None, Err(e)),
     };
+    if let Err(stopped) = complete(to, upload.as_ref(), uploaded, parts, options, exchange)? {
+        return Ok(Err(stopped));
+    }
+    report.bytes += range_bytes(&range, part_size, size);
+    if options.rank == 0 {
+        report.copied.push(to.to_string());
+        let (bytes, skipped) = (size, false);
+        emit(
+            options,
+            Event::Done {
+                dst: to.to_string(),
+                bytes,
+                skipped,
+            },
+        );
+    }
+    Ok(Ok(()))
+}
+
+/// Step 3's end and step 4: every rank's part ids (or failure) gathered; rank 0 completes the
+/// upload with all of them in order, or aborts it when any rank failed; every rank learns the
+/// outcome.
+fn complete(
+    to: &str,
+    upload: Option<&SharedUpload>,
+    uploaded: Result<Vec<String>>,
+    parts: usize,
+    options: &CopyOptions,
+    exchange: &Exchange,
+) -> Result<std::result::Result<(), Stopped>> {
+    let rank0 = options.rank == 0;
     let message = match &uploaded {
         Ok(ids) => format!(
             "ok:{}",
@@ -290,26 +280,25 @@ fn one(
         ),
         Err(e) => format!("err:{e}"),
     };
-    let all = exchanged(exchange, message, upload.as_ref().filter(|_| rank == 0))?;
+    let all = exchanged(exchange, message, upload.filter(|_| rank0))?;
     let mut failed = failure(&all);
-    let mut ids = Vec::with_capacity(parts);
-    for m in &all {
-        let part: Vec<String> = m
-            .strip_prefix("ok:")
-            .and_then(|j| serde_json::from_str(j).ok())
-            .unwrap_or_default();
-        ids.extend(part.into_iter().map(|content_id| PartId { content_id }));
-    }
+    let ids: Vec<String> = all
+        .iter()
+        .flat_map(|m| {
+            m.strip_prefix("ok:")
+                .and_then(|j| serde_json::from_str::<Vec<String>>(j).ok())
+                .unwrap_or_default()
+        })
+        .collect();
     if failed.is_none() && ids.len() != parts {
         failed = Some(Stopped(format!(
             "{to}: the ranks reported {} parts of {parts}",
             ids.len()
         )));
     }
-    // Step 4: rank 0 completes the upload (or aborts it); every rank learns the outcome.
-    let completed = match (&upload, &failed) {
-        (Some(u), None) if rank == 0 => Some(complete(u, ids, options.write.overwrite)),
-        (Some(u), Some(_)) if rank == 0 => {
+    let completed = match (upload, &failed) {
+        (Some(u), None) if rank0 => Some(u.complete(ids, options.write.overwrite)),
+        (Some(u), Some(_)) if rank0 => {
             let _ = u.abort();
             None
         }
@@ -324,22 +313,10 @@ fn one(
     if let Some(Err(e)) = completed {
         return Err(e);
     }
-    if let Some(stopped) = failed.or_else(|| failure(&all)) {
-        return Ok(Err(stopped));
-    }
-    report.bytes += range_bytes(&range, part_size, size);
-    if rank == 0 {
-        report.copied.push(to.to_string());
-        emit(
-            options,
-            Event::Done {
-                dst: to.to_string(),
-                bytes: size,
-                skipped: false,
-            },
-        );
-    }
-    Ok(Ok(()))
+    Ok(match failed.or_else(|| failure(&all)) {
+        Some(stopped) => Err(stopped),
+        None => Ok(()),
+    })
 }
 
 /// The bytes of a file of `size` bytes that the parts `range` hold.
@@ -348,31 +325,11 @@ pub(super) fn range_bytes(range: &Range<usize>, part_size: u64, size: u64) -> u6
     end.saturating_sub(range.start as u64 * part_size)
 }
 
-/// Rank 0: completes the upload with every part (refusing an object that appeared meanwhile,
-/// unless overwriting); aborts it on failure.
-fn complete(upload: &Upload, parts: Vec<PartId>, overwrite: bool) -> Result<()> {
-    let remote = &upload.remote;
-    let done = crate::runtime::block_on(&remote.uri, async {
-        if !overwrite {
-            refuse_existing(remote).await?;
-        }
-        upload
-            .store
-            .complete_multipart(&remote.path, &upload.id, parts)
-            .await
-            .map_err(|e| storage_error(&remote.uri, e))
-    });
-    if done.is_err() {
-        let _ = upload.abort();
-    }
-    done.map(|_| ())
-}
-
 /// Reads the parts `parts` of `source` and uploads them (up to the memory limit's worth at a
 /// time); their ids, in order.
 fn put_parts(
     source: &Arc<dyn Source>,
-    upload: &Upload,
+    upload: &SharedUpload,
     parts: Range<usize>,
     part_size: u64,
     options: &CopyOptions,
@@ -381,83 +338,22 @@ fn put_parts(
     let size = source.size();
     let bytes =
         (parts.start as u64 * part_size).min(size)..(parts.end as u64 * part_size).min(size);
-    let limit = options.write.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
-    let in_flight = usize::try_from(limit / part_size)
-        .map_or(MAX_PARTS_IN_FLIGHT, |n| n.clamp(1, MAX_PARTS_IN_FLIGHT));
-    let full = usize::try_from(part_size).unwrap_or(usize::MAX);
-    let uri = upload.remote.uri.clone();
-    let mut ids: Vec<Option<String>> = vec![None; parts.len()];
-    let mut tasks: JoinSet<object_store::Result<(usize, PartId)>> = JoinSet::new();
-    let mut buffer = PutPayloadMut::new();
-    let mut next = parts.start;
-    let start = |buffer: &mut PutPayloadMut, tasks: &mut JoinSet<_>, idx: usize| {
-        let payload = std::mem::take(buffer).freeze();
-        let (store, path, id) = (
-            upload.store.clone(),
-            upload.remote.path.clone(),
-            upload.id.clone(),
-        );
-        tasks.spawn(async move {
-            let part = store.put_part(&path, &id, idx, payload).await?;
-            Ok((idx, part))
-        });
+    let uri = upload.uri().to_string();
+    let mut out = upload.parts(parts.start, part_size, &options.write);
+    let mut write = |data: Bytes| -> Result<()> {
+        crate::runtime::block_on(&uri, async {
+            out.write(data).await.map_err(|e| storage_error(&uri, e))
+        })
     };
-    {
-        let mut write = |mut data: Bytes| -> Result<()> {
-            crate::runtime::block_on(&uri, async {
-                while !data.is_empty() {
-                    let room = full - buffer.content_length();
-                    buffer.push(data.split_to(data.len().min(room)));
-                    if buffer.content_length() == full {
-                        drain(&mut tasks, &mut ids, parts.start, in_flight, &uri).await?;
-                        start(&mut buffer, &mut tasks, next);
-                        next += 1;
-                    }
-                }
-                Ok(())
-            })
-        };
-        pump(source, bytes, &mut write, options, stop)?;
-    }
+    pump(source, bytes, &mut write, options, stop)?;
     crate::runtime::block_on(&uri, async {
-        if buffer.content_length() > 0 {
-            start(&mut buffer, &mut tasks, next);
-        }
-        drain(&mut tasks, &mut ids, parts.start, 0, &uri).await
+        out.flush().await.map_err(|e| storage_error(&uri, e))
     })?;
-    ids.into_iter()
-        .collect::<Option<Vec<String>>>()
+    out.ids()
+        .filter(|ids| ids.len() == parts.len())
         .ok_or_else(|| Error::Internal {
             message: format!("{uri}: a part of this rank was not uploaded"),
         })
-}
-
-/// Waits until fewer than `n` parts are uploading (0: none), recording their ids; the first
-/// failure ends it.
-async fn drain(
-    tasks: &mut JoinSet<object_store::Result<(usize, PartId)>>,
-    ids: &mut [Option<String>],
-    first: usize,
-    n: usize,
-    uri: &str,
-) -> Result<()> {
-    while !tasks.is_empty() && tasks.len() >= n {
-        match tasks.join_next().await {
-            Some(Ok(Ok((idx, part)))) => {
-                if let Some(slot) = ids.get_mut(idx - first) {
-                    *slot = Some(part.content_id);
-                }
-            }
-            Some(Ok(Err(e))) => return Err(storage_error(uri, e)),
-            Some(Err(e)) => {
-                return Err(Error::Internal {
-                    message: format!("{uri}: a part upload ended: {e}"),
-                })
-            }
-            None => break,
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

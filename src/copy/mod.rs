@@ -31,8 +31,8 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
-use super::{Sink, WriteOptions, DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE, MIN_PART_SIZE};
 use crate::error::{Error, Result};
+use crate::sink::{self, multipart, Sink, WriteOptions, DEFAULT_MEMORY_LIMIT};
 use crate::source::cache::verify::VerifyingSource;
 use crate::source::Source;
 
@@ -298,10 +298,7 @@ pub const MAX_FILES_IN_FLIGHT: usize = 4;
 /// within its share of the memory limit.
 fn files_in_flight(count: usize, write: &WriteOptions) -> usize {
     let limit = write.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
-    let part = write
-        .part_size
-        .unwrap_or(DEFAULT_PART_SIZE)
-        .max(MIN_PART_SIZE);
+    let part = multipart::part_size(write, 0);
     let by_memory = usize::try_from(limit / (2 * part)).unwrap_or(usize::MAX);
     count.min(MAX_FILES_IN_FLIGHT).min(by_memory).max(1)
 }
@@ -508,7 +505,7 @@ fn copy_file(
     write: &WriteOptions,
     options: &CopyOptions,
     stop: &AtomicBool,
-) -> Result<Sink> {
+) -> Result<Box<dyn Sink>> {
     let source: Arc<dyn Source> = match (&item.digest, options.verify) {
         (Some(digest), true) => Arc::new(VerifyingSource::new(item.source.clone(), digest)),
         _ => item.source.clone(),
@@ -517,7 +514,7 @@ fn copy_file(
     if let Some(id) = id {
         write.metadata.push((ID_KEY.to_string(), id.to_string()));
     }
-    let mut sink = Sink::create(to, source.size(), &write)?;
+    let mut sink = sink::create(to, source.size(), &write)?;
     if let Err(e) = pump(
         &source,
         0..source.size(),
@@ -532,7 +529,7 @@ fn copy_file(
 }
 
 /// Publishes a file [`copy_file`] wrote, recording `id` on a local one.
-fn publish(sink: Sink, to: &str, id: Option<&str>) -> Result<()> {
+fn publish(sink: Box<dyn Sink>, to: &str, id: Option<&str>) -> Result<()> {
     let local = sink.is_local();
     sink.finish()?;
     if let (true, Some(id)) = (local, id) {

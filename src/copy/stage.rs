@@ -22,12 +22,12 @@ use object_store::ObjectStoreExt;
 
 use super::{done, emit, CopyOptions, Event};
 use crate::error::{Error, Result};
-use crate::write::{remove, Sink, WriteOptions};
+use crate::sink::{remove, Sink, WriteOptions};
 
 /// A file written whole, not yet published.
 pub(super) struct File {
     pub to: String,
-    pub sink: Sink,
+    pub sink: Box<dyn Sink>,
     /// The source's identity recorded with a local file once it is published.
     pub id: Option<String>,
     pub bytes: u64,
