@@ -385,25 +385,11 @@ impl Setup<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::run::{best, ReadFrom};
+    use super::super::run::{best, sample_run, ReadFrom};
     use super::*;
 
     fn run(n: usize, gb_per_s: f64) -> RunReport {
-        RunReport {
-            run: n,
-            cache: "warm",
-            read_from: ReadFrom::PageCache,
-            concurrency: 16,
-            block_size: 8 << 20,
-            method: "mmap",
-            bytes: 1000,
-            tensors: 2,
-            segments: 1,
-            seconds: 1000.0 / gb_per_s / 1e9,
-            gb_per_s,
-            first_tensor_ms: Some(1.5),
-            checksum: 7,
-        }
+        sample_run(n, gb_per_s, ReadFrom::PageCache, "mmap")
     }
 
     #[test]

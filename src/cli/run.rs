@@ -53,3 +53,28 @@ pub(super) fn best<'a, R: std::borrow::Borrow<RunReport> + 'a>(runs: &'a [R]) ->
         .reduce(|best, r| if r.gb_per_s > best.gb_per_s { r } else { best })
         .expect("at least one run")
 }
+
+/// A warm run of 1000 bytes at `gb_per_s`, for the tests of the report and the verdict.
+#[cfg(test)]
+pub(super) fn sample_run(
+    n: usize,
+    gb_per_s: f64,
+    from: ReadFrom,
+    method: &'static str,
+) -> RunReport {
+    RunReport {
+        run: n,
+        cache: "warm",
+        read_from: from,
+        concurrency: 16,
+        block_size: 8 << 20,
+        method,
+        bytes: 1000,
+        tensors: 2,
+        segments: 1,
+        seconds: 1000.0 / gb_per_s / 1e9,
+        gb_per_s,
+        first_tensor_ms: Some(1.5),
+        checksum: 7,
+    }
+}

@@ -249,25 +249,8 @@ impl ModeReport {
 
 #[cfg(test)]
 mod tests {
+    use super::super::run::sample_run as run;
     use super::*;
-
-    fn run(n: usize, gb_per_s: f64, from: ReadFrom, method: &'static str) -> RunReport {
-        RunReport {
-            run: n,
-            cache: "warm",
-            read_from: from,
-            concurrency: 16,
-            block_size: 8 << 20,
-            method,
-            bytes: 1000,
-            tensors: 2,
-            segments: 1,
-            seconds: 1000.0 / gb_per_s / 1e9,
-            gb_per_s,
-            first_tensor_ms: Some(1.5),
-            checksum: 7,
-        }
-    }
 
     fn limits(rates: &[(&'static str, Option<f64>)]) -> BTreeMap<&'static str, Limit> {
         rates
