@@ -27,12 +27,13 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// The identity of a remote object as its source pinned it.
-    pub fn of(id: &CacheIdentity) -> Identity {
+    /// The identity of a remote object as its source pinned it, with the version id its HEAD
+    /// gave (object stores that keep versions).
+    pub fn of(id: &CacheIdentity, version: Option<String>) -> Identity {
         Identity {
             sha256: id.sha256.as_ref().map(|s| s.to_ascii_lowercase()),
             etag: id.etag.clone(),
-            version: None,
+            version,
             commit: id.hub.as_ref().map(|h| h.commit.clone()),
             size: id.size,
         }

@@ -27,6 +27,7 @@ mod hold;
 mod listen;
 pub mod manifest;
 mod metrics;
+mod pin;
 pub mod ranges;
 mod routes;
 
@@ -176,16 +177,26 @@ fn checkpoint(
         })
         .map(|item| (item.rel, item.source))
         .unzip();
+    // Each object pinned by a HEAD, its version id too (a listing names none): serve/pin.rs.
+    let (sources, versions): (Vec<_>, Vec<_>) =
+        if kind(uri) == Kind::ObjectStore && pin::wanted(uri) {
+            pin::head_all(uri, &rels, listing.single, storage_options)?
+                .into_iter()
+                .unzip()
+        } else {
+            sources.into_iter().map(|s| (s, None)).unzip()
+        };
     let identities: Vec<_> = sources.iter().map(|s| s.cache_identity()).collect();
     // A serve's own peers (FASTLOAD_PEERS): a chain, or a cache daemon in front of the origin.
     let sources = crate::source::peer::wrap(sources, &settings.peers, storage_options)?;
-    for ((rel, source), id) in rels
+    for (((rel, source), id), version) in rels
         .into_iter()
         .zip(cache::wrap(sources, settings))
         .zip(identities)
+        .zip(versions)
     {
         let (identity, origin_uri) = match (&id, local) {
-            (Some(id), _) => (Identity::of(id), Some(id.uri.clone())),
+            (Some(id), _) => (Identity::of(id, version), Some(id.uri.clone())),
             (None, true) => (local_identity(source.as_ref())?, file_url(source.as_ref())),
             (None, false) => (
                 Identity {

@@ -18,10 +18,15 @@ use futures_util::{StreamExt, TryStreamExt};
 use serde::Deserialize;
 
 use super::identity::{canonical_identity, CacheIdentity, StoredChecksum};
-use super::remote::{io_error, read_range_from, Answer, Pin, RangedGet, Response, RetrySettings};
+use super::remote::{
+    io_error, read_range_from, Answer, Pin, RangedGet, Response, RetrySettings, Version,
+};
 use super::Source;
 use crate::error::{Error, Result};
 use crate::options::Secret;
+
+mod uri;
+pub use uri::open_uri;
 
 /// The environment variables of the two options.
 pub const ENV_PEERS: &str = "FASTLOAD_PEERS";
@@ -139,6 +144,23 @@ impl FileEntry {
         )
     }
 
+    /// Whether this entry's bytes are those of the origin object the client pinned as
+    /// `identity`: the same canonical identity, or, where the client pinned no version id (a
+    /// listing gives none) but a strong ETag, the same but for the version id the serve pinned by
+    /// its HEAD: the ETag and size the client's own origin reads check name the same bytes.
+    fn stands_for(&self, identity: &str) -> bool {
+        if self.canonical() == identity {
+            return true;
+        }
+        let id = &self.identity;
+        let etag = Version {
+            etag: id.etag.clone(),
+            ..Version::default()
+        };
+        let versionless = canonical_identity(None, id.etag.as_deref(), None, self.size);
+        id.sha256.is_none() && etag.strong_etag().is_some() && versionless == identity
+    }
+
     /// Whether this entry is the origin object `uri`: the same `origin_uri`, or for a Hub
     /// checkpoint (origin `hf://org/repo@commit`) the same repo, commit and path.
     fn is_origin(&self, checkpoint: &Checkpoint, uri: &str) -> bool {
@@ -161,21 +183,28 @@ pub struct Location {
     pub peer: usize,
     /// `{base}/v1/files/{NAME}/{path}`.
     pub url: String,
+    /// The canonical identity the peer lists it under: what requests ask for and answers must
+    /// carry.
+    pub identity: String,
 }
 
-/// Every peer (in the order given) whose manifest lists the origin object `uri` with the
-/// canonical identity `identity`.
+/// Every peer (in the order given) whose manifest lists the origin object `uri` under an
+/// identity that stands for `identity` ([`FileEntry::stands_for`]).
 pub fn locate(manifests: &[(usize, String, Manifest)], uri: &str, identity: &str) -> Vec<Location> {
     let mut found = Vec::new();
     for (peer, base, manifest) in manifests {
         let hit = manifest.checkpoints.iter().find_map(|c| {
             c.files
                 .iter()
-                .find(|f| f.is_origin(c, uri) && f.canonical() == identity)
-                .map(|f| file_url(base, &c.name, &f.path))
+                .find(|f| f.is_origin(c, uri) && f.stands_for(identity))
+                .map(|f| (file_url(base, &c.name, &f.path), f.canonical()))
         });
-        if let Some(url) = hit {
-            found.push(Location { peer: *peer, url });
+        if let Some((url, identity)) = hit {
+            found.push(Location {
+                peer: *peer,
+                url,
+                identity,
+            });
         }
     }
     found
@@ -350,7 +379,7 @@ pub fn wrap(
                 .into_iter()
                 .map(|l| {
                     let peer = l.peer;
-                    let get = PeerGet::new(l, &identity, set.clone());
+                    let get = PeerGet::new(l, set.clone());
                     (peer, Box::new(get) as Box<dyn RangedGet>)
                 })
                 .collect();
@@ -375,10 +404,10 @@ struct PeerGet {
 }
 
 impl PeerGet {
-    fn new(location: Location, identity: &str, set: Arc<PeerSet>) -> PeerGet {
+    fn new(location: Location, set: Arc<PeerSet>) -> PeerGet {
         PeerGet {
+            identity: location.identity.clone(),
             location,
-            identity: identity.to_string(),
             set,
         }
     }
@@ -566,138 +595,3 @@ impl Source for PeerSource {
 
 #[cfg(test)]
 mod tests;
-
-/// Opens `peer://host:port/NAME[/path]`: the files of checkpoint NAME on that serve (its
-/// `.safetensors` files, or the one file or folder `path` names), each pinned to the identity
-/// its manifest lists and checked on every response. The token is the load's `peer_token`; the
-/// serve is reached over https where the load's `peers` list it so.
-pub fn open_uri(
-    uri: &str,
-    settings: &PeerSettings,
-    storage_options: &[(String, String)],
-) -> Result<Vec<Arc<dyn Source>>> {
-    let (authority, name, path) = parse_peer_uri(uri)?;
-    let https = format!("https://{authority}");
-    let base = match settings.peers.contains(&https) {
-        true => https,
-        false => format!("http://{authority}"),
-    };
-    let (mut retry, _) = super::object::split_retry_options(storage_options)?;
-    let wanted = PeerSettings {
-        peers: vec![base.clone()],
-        token: settings.token.clone(),
-    };
-    let set = Arc::new(PeerSet::new(wanted, &retry)?);
-    retry.max_retries = 0;
-    let manifest = crate::runtime::block_on(uri, {
-        let (set, base) = (set.clone(), base.clone());
-        async move { set.manifest(&base).await }
-    })?;
-    let checkpoint = manifest
-        .checkpoints
-        .iter()
-        .find(|c| c.name == name)
-        .ok_or_else(|| Error::NotFound {
-            path: format!("{uri} (the serve has no checkpoint {name:?})"),
-        })?;
-    let mut files: Vec<&FileEntry> = checkpoint
-        .files
-        .iter()
-        .filter(|f| match &path {
-            Some(p) => f.path == *p || f.path.starts_with(&format!("{}/", p.trim_end_matches('/'))),
-            None => true,
-        })
-        .filter(|f| path.as_deref() == Some(f.path.as_str()) || f.path.ends_with(".safetensors"))
-        .collect();
-    files.sort_by(|a, b| a.path.cmp(&b.path));
-    if files.is_empty() {
-        return Err(Error::NotFound {
-            path: format!("{uri} (no such .safetensors file on the serve)"),
-        });
-    }
-    Ok(files
-        .into_iter()
-        .map(|f| {
-            let location = Location {
-                peer: 0,
-                url: file_url(&base, &checkpoint.name, &f.path),
-            };
-            let identity = f.canonical();
-            Arc::new(ServedFile {
-                name: format!("peer://{authority}/{}/{}", checkpoint.name, f.path),
-                size: f.size,
-                get: PeerGet::new(location, &identity, set.clone()),
-                identity,
-                pin: Pin::new(Some(f.size), None),
-                retry: retry.clone(),
-            }) as Arc<dyn Source>
-        })
-        .collect())
-}
-
-/// `peer://host:port/NAME[/path]` as its authority, NAME and path.
-fn parse_peer_uri(uri: &str) -> Result<(String, String, Option<String>)> {
-    let wrong = |why: &str| Error::UnsupportedUri {
-        uri: uri.to_string(),
-        message: format!("{why}: expected peer://host:port/NAME[/path]"),
-    };
-    let rest = uri
-        .split_once("://")
-        .map(|(_, r)| r)
-        .ok_or_else(|| wrong("no scheme"))?;
-    let (authority, tail) = rest.split_once('/').ok_or_else(|| wrong("no NAME"))?;
-    base_url(authority).map_err(|_| wrong("not host:port"))?;
-    let (name, path) = match tail.split_once('/') {
-        Some((n, p)) if !p.trim_matches('/').is_empty() => (n, Some(p.trim_matches('/'))),
-        Some((n, _)) => (n, None),
-        None => (tail, None),
-    };
-    if name.is_empty() || path.is_some_and(|p| p.split('/').any(|s| s == ".." || s.is_empty())) {
-        return Err(wrong("no NAME, or a path with '..' or '//'"));
-    }
-    Ok((
-        authority.to_string(),
-        name.to_string(),
-        path.map(str::to_string),
-    ))
-}
-
-/// A file of a serve loaded straight from it (`peer://`): no origin behind it.
-#[derive(Debug)]
-struct ServedFile {
-    name: String,
-    size: u64,
-    get: PeerGet,
-    identity: String,
-    pin: Pin,
-    retry: RetrySettings,
-}
-
-impl Source for ServedFile {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
-        Box::pin(super::remote::read_range(
-            &self.get,
-            &self.pin,
-            &self.name,
-            offset,
-            dst,
-            &self.retry,
-        ))
-    }
-
-    fn content_identity(&self) -> Option<String> {
-        Some(self.identity.clone())
-    }
-
-    fn version(&self) -> Option<String> {
-        Some(format!("size {} {}", self.size, self.identity))
-    }
-}

@@ -185,11 +185,13 @@ fn a_file_is_located_on_the_peers_that_list_its_origin_and_identity_in_order() {
         [
             Location {
                 peer: 1,
-                url: "http://b:2/v1/files/m/m.safetensors".into()
+                url: "http://b:2/v1/files/m/m.safetensors".into(),
+                identity: identity.clone(),
             },
             Location {
                 peer: 2,
-                url: "https://c:3/v1/files/m/m.safetensors".into()
+                url: "https://c:3/v1/files/m/m.safetensors".into(),
+                identity: identity.clone(),
             },
         ]
     );
@@ -201,6 +203,37 @@ fn a_file_is_located_on_the_peers_that_list_its_origin_and_identity_in_order() {
     let found = locate(&manifests, "hf://o/r@0123/sub/m.safetensors", "sha256:abcd");
     assert_eq!(found.len(), 1);
     assert_eq!(found[0].url, "http://d:4/v1/files/h/sub/m.safetensors");
+}
+
+#[test]
+fn a_version_id_the_client_did_not_pin_is_asked_for_as_the_peer_lists_it() {
+    let entry = |etag: &str, version: &str| {
+        format!(
+            r#"{{"checkpoints": [{{"name": "m", "origin": "s3://b/", "files": [
+            {{"path": "m.safetensors", "size": 10, "origin_uri": "s3://b/m.safetensors",
+              "identity": {{"sha256": null, "etag": "{etag}", "version": {version}}}}}]}}]}}"#
+        )
+    };
+    let at = |json: String| vec![(0, "http://a:1".to_string(), manifest(&json))];
+    let uri = "s3://b/m.safetensors";
+    let versioned = at(entry("\\\"e1\\\"", "\"v1\""));
+    // A client that listed (no version id): the same ETag and size; asked for as the peer
+    // lists it.
+    let listed = canonical_identity(None, Some("\"e1\""), None, 10);
+    let found = locate(&versioned, uri, &listed);
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].identity, "etag:e1;version:v1;size:10");
+    // A client that pinned the version by a HEAD: that version or none.
+    assert_eq!(
+        locate(&versioned, uri, "etag:e1;version:v1;size:10").len(),
+        1
+    );
+    assert!(locate(&versioned, uri, "etag:e1;version:v2;size:10").is_empty());
+    // Another ETag, or a weak one (it names no content), is never taken for it.
+    assert!(locate(&versioned, uri, "etag:e2;version:-;size:10").is_empty());
+    let weak = at(entry("W/\\\"e1\\\"", "\"v1\""));
+    let weak_listed = canonical_identity(None, Some("W/\"e1\""), None, 10);
+    assert!(locate(&weak, uri, &weak_listed).is_empty());
 }
 
 #[test]
