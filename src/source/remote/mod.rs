@@ -110,41 +110,7 @@ pub async fn read_range_from(
     *done = 0;
     while *done < len {
         let start = offset + *done as u64;
-        let want = pin.current();
-        let known = pin.known_unserved();
-        let response = match get.get(start..end, &want).await? {
-            Answer::Bytes(response) => response,
-            Answer::Refused { sent } => {
-                let asked = (start..end, want);
-                return Err(refused(get, name, &sent, known, asked).await);
-            }
-            Answer::Gone => return Err(gone(name, pin, &want)),
-        };
-        if let Err(e) = pin.check(name, &response.version, response.size) {
-            drop(response.body);
-            let asked = (start..end, want);
-            return Err(disagreeing(get, name, known, &response.version, asked)
-                .await
-                .unwrap_or(e));
-        }
-        if response.version.etag.is_none() && pin.confirmation_due() {
-            // A server that sends no ETag with its bytes, pinned to its listing's: its HEAD
-            // gives the ETag as it compares it, so that the next requests carry If-Match.
-            if let Some(head) = get.head().await? {
-                pin.confirm(name, &head)?;
-            }
-        }
-        if response.range != (start..end) {
-            let what = match response.size {
-                Some(size) if size < end => format!("object is {size} bytes"),
-                _ => format!("the server sent bytes {:?}", response.range),
-            };
-            return Err(io_error(
-                name,
-                io::ErrorKind::UnexpectedEof,
-                format!("{what}, cannot read bytes {offset}..{end} (did it change while loading?)"),
-            ));
-        }
+        let response = checked_response(get, pin, name, start..end, offset).await?;
         let before = *done;
         let cut = match copy_body(response.body, dst, done, &mut resume, offset, name).await? {
             Body::Ended(cut) => cut,
@@ -184,6 +150,54 @@ pub async fn read_range_from(
         }
     }
     Ok(())
+}
+
+/// The answer to a request for `range` (of a read that began at `offset`), checked against the
+/// pin: the version it is of, and the range it carries.
+async fn checked_response(
+    get: &dyn RangedGet,
+    pin: &Pin,
+    name: &str,
+    range: Range<u64>,
+    offset: u64,
+) -> Result<Response> {
+    let (start, end) = (range.start, range.end);
+    let want = pin.current();
+    let known = pin.known_unserved();
+    let response = match get.get(start..end, &want).await? {
+        Answer::Bytes(response) => response,
+        Answer::Refused { sent } => {
+            let asked = (start..end, want);
+            return Err(refused(get, name, &sent, known, asked).await);
+        }
+        Answer::Gone => return Err(gone(name, pin, &want)),
+    };
+    if let Err(e) = pin.check(name, &response.version, response.size) {
+        drop(response.body);
+        let asked = (start..end, want);
+        return Err(disagreeing(get, name, known, &response.version, asked)
+            .await
+            .unwrap_or(e));
+    }
+    if response.version.etag.is_none() && pin.confirmation_due() {
+        // A server that sends no ETag with its bytes, pinned to its listing's: its HEAD
+        // gives the ETag as it compares it, so that the next requests carry If-Match.
+        if let Some(head) = get.head().await? {
+            pin.confirm(name, &head)?;
+        }
+    }
+    if response.range != (start..end) {
+        let what = match response.size {
+            Some(size) if size < end => format!("object is {size} bytes"),
+            _ => format!("the server sent bytes {:?}", response.range),
+        };
+        return Err(io_error(
+            name,
+            io::ErrorKind::UnexpectedEof,
+            format!("{what}, cannot read bytes {offset}..{end} (did it change while loading?)"),
+        ));
+    }
+    Ok(response)
 }
 
 /// The error of a request refused with 412 Precondition Failed, naming the precondition the
