@@ -461,9 +461,12 @@ def checkpoint_tensors(
     storage_options: Mapping[str, object] | None = None,
     keyset: str | os.PathLike[str] | None = None,
     associated_data: bytes | str | None = None,
+    peers: Sequence[str] | str | None = None,
+    peer_token: str | None = None,
 ) -> list[tuple[str, str, tuple[int, ...], int]]:
     """``(name, dtype, shape, bytes)`` of every tensor, in file order, checked as a load checks
-    them (``names`` must exist, names must be unique across files); reads headers only."""
+    them (``names`` must exist, names must be unique across files); reads headers only, from
+    the ``peers`` (else ``FASTLOAD_PEERS``) that hold the same files."""
 
 def plan_ranks(
     tensors: list[tuple[str, str, tuple[int, ...], int]],

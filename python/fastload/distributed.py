@@ -5,10 +5,10 @@
 Every rank runs the same steps and computes the same plan from the same headers:
 
 1. Headers. Each rank reads the headers (``_fastload.checkpoint_tensors``: small, no tensor data,
-   checked as a local load checks them); the group agrees on them with one ``all_gather_object``
-   of (error, header digest, wanted names, memory limit). An error on any rank (missing file, bad
-   header, unknown tensor name) is raised on every rank as the same exception, before any data
-   moves.
+   checked as a local load checks them; from the load's peers where they hold the files); the
+   group agrees on them with one ``all_gather_object`` of (error, header digest, wanted names,
+   memory limit). An error on any rank (missing file, bad header, unknown tensor name) is raised
+   on every rank as the same exception, before any data moves.
 2. Split (``_fastload.plan_ranks``, planned in Rust: ``src/ranks.rs``). The tensors that any rank
    wants are laid end to end in file order; their total is cut into ``world_size`` contiguous
    ranges of equal bytes (a tensor is split where two ranges meet), and each range into chunks of
@@ -261,6 +261,8 @@ class DistributedStream:
                 storage_options=native.get("storage_options"),
                 keyset=native.get("keyset"),
                 associated_data=native.get("associated_data"),
+                peers=native.get("peers"),
+                peer_token=native.get("peer_token"),
             )
             digest = hashlib.sha256(json.dumps(table).encode()).hexdigest()
             if options.get("parts"):

@@ -6,14 +6,15 @@ use std::collections::HashSet;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use super::args::{Names, StorageOptions};
+use super::args::{Names, PeerTokenArg, PeersArg, StorageOptions};
 use crate::ranks::{self, Entry};
 
 /// Every tensor of the files `uris` name, in file order, as `(name, dtype, shape, bytes)`; reads
 /// headers only. Raises what a local load raises for the same files: `FormatError` for a name in
 /// two files, `TensorNotFoundError` for a name in `names` that no file holds.
 #[pyfunction]
-#[pyo3(signature = (uris, *, names=None, storage_options=None, keyset=None, associated_data=None))]
+#[pyo3(signature = (uris, *, names=None, storage_options=None, keyset=None, associated_data=None, peers=None, peer_token=None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn checkpoint_tensors<'py>(
     py: Python<'py>,
     uris: Vec<String>,
@@ -21,17 +22,19 @@ pub(crate) fn checkpoint_tensors<'py>(
     storage_options: Option<StorageOptions>,
     keyset: Option<super::tink::KeysetArg>,
     associated_data: Option<super::tink::AssociatedDataArg>,
+    peers: Option<PeersArg>,
+    peer_token: Option<PeerTokenArg>,
 ) -> PyResult<Bound<'py, PyList>> {
     let decryption = super::tink::decryption(keyset, associated_data)?;
     let storage_options = storage_options.unwrap_or_default().0;
     let names = names.map(|n| n.0);
+    // The headers come from the load's peers (`peers`, else FASTLOAD_PEERS), as its bytes do.
+    let mut settings = crate::source::cache::CacheSettings::off();
+    settings.peers =
+        crate::source::peer::PeerSettings::resolve(peers.map(|p| p.0), peer_token.map(|t| t.0))?;
     let entries = super::gil::detach(py, || {
-        let shards = crate::source::open::open_all(
-            &uris,
-            &storage_options,
-            &crate::source::cache::CacheSettings::off(),
-            &decryption,
-        )?;
+        let shards =
+            crate::source::open::open_all(&uris, &storage_options, &settings, &decryption)?;
         ranks::entries(shards, names.as_deref())
     })?;
     let out = PyList::empty(py);
