@@ -130,7 +130,12 @@ pub const ARGUMENTS: &[Argument] = &[
         Accepts::Any,
     ),
     load_option("associated_data", None, None, Accepts::Any),
-    load_option("peers", Some("FASTLOAD_PEERS"), None, Accepts::Any),
+    load_option(
+        "peers",
+        Some("FASTLOAD_PEERS"),
+        Some(("--peers", "--peers HOST:PORT,...")),
+        Accepts::Any,
+    ),
     load_option(
         "peer_token",
         Some("FASTLOAD_PEER_TOKEN"),

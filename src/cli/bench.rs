@@ -109,6 +109,10 @@ pub(super) struct BenchArgs {
     /// printed) [default: $FASTLOAD_KEYSET, its JSON or a path]
     #[arg(long, value_name = "FILE")]
     keyset: Option<String>,
+    /// Read each file from the first of these serves (host:port or https://host:port) that
+    /// holds its version, else from its origin (docs/peers.md) [default: $FASTLOAD_PEERS]
+    #[arg(long, value_name = "HOST:PORT,...", value_delimiter = ',')]
+    peers: Option<Vec<String>>,
     /// Size of the generated checkpoint used when no URI is given, e.g. 256MiB; it is cached in
     /// $FASTLOAD_CACHE_DIR, else in the user cache directory under fastload/
     #[arg(
@@ -134,6 +138,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         method: args.method,
         cache: args.cache.clone(),
         keyset: super::keyset_file(args.keyset.as_deref())?,
+        peers: args.peers.clone(),
         ..Default::default()
     };
     let remote = crate::uri::any_remote(&args.uris);
