@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trees import write_tree
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_modules.py"
 
@@ -19,14 +21,8 @@ def check(root, *args):
 
 
 def crate(root, files, allowed=None):
-    for name, text in files.items():
-        path = root / "src" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    if allowed is not None:
-        (root / "scripts").mkdir(exist_ok=True)
-        (root / "scripts" / "module_cycles_allowed.txt").write_text(allowed)
-    return root
+    scripts = None if allowed is None else {"module_cycles_allowed.txt": allowed}
+    return write_tree(root, {f"src/{name}": text for name, text in files.items()}, scripts)
 
 
 # format (bottom) <- source <- plan (above); source's submodules are nodes of their own.

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trees import write_tree
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_sizes.py"
 
@@ -19,14 +21,7 @@ def check(root):
 
 
 def tree(root, files, allowed=None):
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    if allowed is not None:
-        (root / "scripts").mkdir(exist_ok=True)
-        (root / "scripts" / "size_allowed.txt").write_text(allowed)
-    return root
+    return write_tree(root, files, None if allowed is None else {"size_allowed.txt": allowed})
 
 
 def rust_fn(name, lines, marker=None):
