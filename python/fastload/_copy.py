@@ -96,57 +96,65 @@ def copy(
     encrypted as it is). Without ``keyset`` bytes are copied as they are, encrypted or not.
 
     Returns this rank's ``{"copied": [...], "skipped": [...], "bytes": n}``."""
-    group, rank, world = _group(process_group)
-    exchange = None
-    if group is not None:
-        import torch.distributed as dist
 
-        def exchange(message: str) -> list[str]:  # called back on this thread, by _fastload.copy
-            out: list[Any] = [None] * world
-            dist.all_gather_object(out, message, group=group)
-            return [str(m) for m in out]
+    options = {
+        "overwrite": overwrite,
+        "storage_options": storage_options,
+        "verify": bool(verify),
+        "concurrency": concurrency,
+        "block_size": block_size,
+        "memory_limit": memory_limit,
+        "part_size": part_size,
+        "progress": bool(progress),
+        "keyset": keyset,
+        "associated_data": associated_data,
+    }
+    return _done(_in_group(process_group, _destination(src), _destination(dst), options))
+
+
+def _done(report: dict[str, Any]) -> dict[str, Any]:
+    """A copy's report, once it is done; a stopped copy raises."""
+    stopped = report.pop("stopped", None)
+    if stopped is not None:
+        # Another rank failed, and its error was raised on every rank; should none have been, a
+        # stopped copy is still never reported as done.
+        raise FastloadError(f"copy stopped: {stopped}")
+    return report
+
+
+def _in_group(process_group: Any, src: str, dst: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The native copy with ``options`` on this rank of ``process_group`` (see :func:`_group`),
+    the ranks exchanging through an all-gather of one str per rank; in a group, an error on any
+    rank is raised on every rank."""
+    group, rank, world = _group(process_group)
+    if group is None:
+        return _fastload.copy(src, dst, rank=rank, world=world, **options)
+    import torch.distributed as dist
+
+    # Called back on this thread, by _fastload.copy; it holds the group itself (not a cell of
+    # this frame, which deletes both below).
+    def exchange(message: str, group: Any = group) -> list[str]:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, message, group=group)
+        return [str(m) for m in out]
 
     error: BaseException | None = None
     report: dict[str, Any] = {"copied": [], "skipped": [], "bytes": 0}
     try:
-        report = _fastload.copy(
-            _destination(src),
-            _destination(dst),
-            overwrite=overwrite,
-            storage_options=storage_options,
-            verify=bool(verify),
-            concurrency=concurrency,
-            block_size=block_size,
-            memory_limit=memory_limit,
-            part_size=part_size,
-            rank=rank,
-            world=world,
-            progress=bool(progress),
-            keyset=keyset,
-            associated_data=associated_data,
-            exchange=exchange,
-        )
+        report = _fastload.copy(src, dst, rank=rank, world=world, exchange=exchange, **options)
     except Exception as e:
-        if group is None:
-            raise
         error = e
-    if group is not None:
-        from .distributed import _gather, _portable, _raise_first
+    from .distributed import _gather, _portable, _raise_first
 
-        errors = _gather(_portable(error), group, world)
-        # The raised error's traceback keeps this frame: neither the group nor the error itself
-        # is left in it. Otherwise the group outlives destroy_process_group() (in a cycle only the
-        # garbage collector breaks, or for as long as the caller keeps the error), and gloo's
-        # threads, still running at interpreter exit, abort the process when one of them needs
-        # the GIL ("terminate called without an active exception").
-        del group, exchange
-        try:
-            _raise_first(errors, rank, error)
-        finally:
-            del errors, error
-    stopped = report.pop("stopped", None)
-    if stopped is not None:
-        # Another rank failed, and its error was raised above on every rank; should none have
-        # been, a stopped copy is still never reported as done.
-        raise FastloadError(f"copy stopped: {stopped}")
+    errors = _gather(_portable(error), group, world)
+    # The raised error's traceback keeps this frame: neither the group nor the error itself is
+    # left in it. Otherwise the group outlives destroy_process_group() (in a cycle only the
+    # garbage collector breaks, or for as long as the caller keeps the error), and gloo's
+    # threads, still running at interpreter exit, abort the process when one of them needs the
+    # GIL ("terminate called without an active exception").
+    del group, exchange
+    try:
+        _raise_first(errors, rank, error)
+    finally:
+        del errors, error
     return report

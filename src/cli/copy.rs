@@ -83,8 +83,12 @@ pub(super) fn run(args: CopyArgs) -> CliResult {
             metadata: Vec::new(),
             encryption,
         },
-        concurrency: args.concurrency.unwrap_or(copy::DEFAULT_CONCURRENCY),
-        block_size: args.block_size.map_or(copy::DEFAULT_BLOCK_SIZE, |s| s.0),
+        concurrency: args
+            .concurrency
+            .unwrap_or(crate::options::DEFAULT_COPY_CONCURRENCY),
+        block_size: args
+            .block_size
+            .map_or(crate::options::DEFAULT_COPY_BLOCK_SIZE, |s| s.0),
         verify: !args.no_verify,
         progress: bar.clone(),
         ..CopyOptions::default()

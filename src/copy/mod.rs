@@ -32,7 +32,10 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 use crate::error::{Error, Result};
-use crate::sink::{self, multipart, Sink, WriteOptions, DEFAULT_MEMORY_LIMIT};
+use crate::options::{
+    DEFAULT_COPY_BLOCK_SIZE, DEFAULT_COPY_CONCURRENCY, DEFAULT_WRITE_MEMORY_LIMIT,
+};
+use crate::sink::{self, multipart, Sink, WriteOptions};
 use crate::source::cache::verify::VerifyingSource;
 use crate::source::Source;
 
@@ -45,14 +48,6 @@ mod stage;
 pub use done::{Existing, ID_KEY};
 pub use list::{list, Item, Listing};
 pub use split::Exchange;
-
-/// Reads in flight per file, by default.
-pub const DEFAULT_CONCURRENCY: usize = 8;
-/// Bytes per read, by default: with [`DEFAULT_CONCURRENCY`] reads in flight, a window of one
-/// default upload part, so that on a link shared by the reads the first block (the one the
-/// upload waits for) lands early and uploading overlaps downloading (8 MiB blocks measured
-/// 1.49x the wire time against 1.21x with 2 MiB on a 50 MiB/s mock Hub).
-pub const DEFAULT_BLOCK_SIZE: u64 = 2 << 20;
 
 /// What a copy reports as it goes.
 #[derive(Debug, Clone)]
@@ -91,8 +86,8 @@ impl Default for CopyOptions {
     fn default() -> Self {
         CopyOptions {
             write: WriteOptions::default(),
-            concurrency: DEFAULT_CONCURRENCY,
-            block_size: DEFAULT_BLOCK_SIZE,
+            concurrency: DEFAULT_COPY_CONCURRENCY,
+            block_size: DEFAULT_COPY_BLOCK_SIZE,
             verify: true,
             rank: 0,
             world: 1,
@@ -297,7 +292,7 @@ pub const MAX_FILES_IN_FLIGHT: usize = 4;
 /// How many of `count` files are copied at once: each keeps at least two upload parts going
 /// within its share of the memory limit.
 fn files_in_flight(count: usize, write: &WriteOptions) -> usize {
-    let limit = write.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
+    let limit = write.memory_limit.unwrap_or(DEFAULT_WRITE_MEMORY_LIMIT);
     let part = multipart::part_size(write, 0);
     let by_memory = usize::try_from(limit / (2 * part)).unwrap_or(usize::MAX);
     count.min(MAX_FILES_IN_FLIGHT).min(by_memory).max(1)
@@ -321,7 +316,10 @@ fn run(
     let files = files_in_flight(order.len(), &options.write);
     let mut each = options.clone();
     if files > 1 {
-        let limit = options.write.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
+        let limit = options
+            .write
+            .memory_limit
+            .unwrap_or(DEFAULT_WRITE_MEMORY_LIMIT);
         each.write.memory_limit = Some(limit / files as u64);
     }
     let next = AtomicUsize::new(0);

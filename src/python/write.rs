@@ -205,7 +205,7 @@ impl FileWriter {
         opts.encryption = encryption(keyset, associated_data)?;
         let limit = opts
             .memory_limit
-            .unwrap_or(crate::sink::DEFAULT_MEMORY_LIMIT);
+            .unwrap_or(crate::options::DEFAULT_WRITE_MEMORY_LIMIT);
         let shown = crate::source::object::redact_uri(&uri);
         let writer = off_thread(py, "save_file", move || {
             Writer::create(&uri, &specs, metadata.as_deref(), &opts)

@@ -38,20 +38,23 @@ pub use encrypt::{EncryptingSink, Encryption};
 pub use file::FileWriter;
 pub use header::{layout, Layout, LayoutError, TensorSpec};
 pub use local::LocalFile;
-pub use multipart::{MultipartSink, SharedUpload, DEFAULT_MEMORY_LIMIT, DEFAULT_PART_SIZE};
+pub use multipart::{MultipartSink, SharedUpload};
 pub use object::ObjectPut;
 
-/// How a destination is written.
+/// How a destination is written. Its defaults live with every other option's, in
+/// [`crate::options`]; the values it takes are checked there too ([`WriteOptions::check`]).
 #[derive(Debug, Clone, Default)]
 pub struct WriteOptions {
     /// Replace an existing destination (otherwise [`Error::Exists`]).
     pub overwrite: bool,
     /// Object-store settings, as for reads (`endpoint`, `region`, `access_key_id`, ...).
     pub storage_options: Vec<(String, String)>,
-    /// Bytes of upload parts in flight at once (object stores); `None`: [`DEFAULT_MEMORY_LIMIT`].
+    /// Bytes of upload parts in flight at once (object stores); `None`:
+    /// [`crate::options::DEFAULT_WRITE_MEMORY_LIMIT`].
     pub memory_limit: Option<u64>,
-    /// Bytes per upload part (object stores); `None`: [`DEFAULT_PART_SIZE`], raised as needed to
-    /// stay within the stores' 10,000 parts.
+    /// Bytes per upload part (object stores); `None`:
+    /// [`crate::options::DEFAULT_PART_SIZE`], raised as needed to stay within the stores' 10,000
+    /// parts ([`multipart::part_size`]).
     pub part_size: Option<u64>,
     /// User metadata stored with an object (`x-amz-meta-<key>` on S3, custom metadata on GCS and
     /// Azure): a copy records who its source was, so that a rerun can skip it.
@@ -60,9 +63,6 @@ pub struct WriteOptions {
     /// the bytes as they are). What [`write_all`] writes (an index, a config) is never encrypted.
     pub encryption: Option<crate::sink::Encryption>,
 }
-
-/// The smallest part S3 accepts (but for the last one).
-pub const MIN_PART_SIZE: u64 = crate::options::MIN_PART_SIZE;
 
 impl WriteOptions {
     /// Checks the values every front end passes as given (`options::check`): a part size the

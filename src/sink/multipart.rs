@@ -26,17 +26,13 @@ use tokio::task::JoinSet;
 
 use super::{Sink, WriteOptions};
 use crate::error::{Error, Result};
+use crate::options::{
+    DEFAULT_PART_SIZE, DEFAULT_WRITE_MEMORY_LIMIT, MAX_PARTS_IN_FLIGHT, MIN_PART_SIZE,
+};
 use crate::source::object::{open, storage_error, Remote};
 
 /// S3's limit on parts per upload, with room to spare.
 pub const MAX_PARTS: u64 = 9_000;
-/// Upload parts in flight at most, whatever the memory limit.
-pub const MAX_PARTS_IN_FLIGHT: usize = 64;
-/// Default bytes held by parts being uploaded.
-pub const DEFAULT_MEMORY_LIMIT: u64 = 256 << 20;
-/// Default part size: large enough that per-request costs vanish, small enough to spread a file
-/// over many parallel requests.
-pub const DEFAULT_PART_SIZE: u64 = 16 << 20;
 
 /// How long aborting an upload may take (a dropped writer must not leave parts behind, nor hang
 /// its owner on a dead server).
@@ -48,14 +44,14 @@ pub fn part_size(options: &WriteOptions, len: u64) -> u64 {
     options
         .part_size
         .unwrap_or(DEFAULT_PART_SIZE)
-        .max(crate::options::MIN_PART_SIZE)
+        .max(MIN_PART_SIZE)
         .max(len.div_ceil(MAX_PARTS))
 }
 
 /// Parts of `part_size` bytes in flight at once: as many as the memory limit holds (else
-/// [`DEFAULT_MEMORY_LIMIT`]'s), at least one, at most [`MAX_PARTS_IN_FLIGHT`].
+/// [`DEFAULT_WRITE_MEMORY_LIMIT`]'s), at least one, at most [`MAX_PARTS_IN_FLIGHT`].
 pub fn parts_in_flight(options: &WriteOptions, part_size: u64) -> usize {
-    let limit = options.memory_limit.unwrap_or(DEFAULT_MEMORY_LIMIT);
+    let limit = options.memory_limit.unwrap_or(DEFAULT_WRITE_MEMORY_LIMIT);
     usize::try_from(limit / part_size.max(1))
         .map_or(MAX_PARTS_IN_FLIGHT, |n| n.clamp(1, MAX_PARTS_IN_FLIGHT))
 }
@@ -532,7 +528,7 @@ mod tests {
 
     #[test]
     fn parts_grow_to_fit_the_part_limit_and_stay_within_the_memory_limit() {
-        let min = crate::options::MIN_PART_SIZE;
+        let min = MIN_PART_SIZE;
         let mut options = WriteOptions::default();
         assert_eq!(part_size(&options, 1), DEFAULT_PART_SIZE);
         let huge = DEFAULT_PART_SIZE * MAX_PARTS * 3;
