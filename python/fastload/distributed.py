@@ -286,11 +286,13 @@ class DistributedStream:
                 "(tensor names, dtypes, shapes or sizes differ)",
                 option="uri",
             )
-        self._plan = plan = _fastload.plan_ranks(
-            table, [v[2] for v in views], [v[3] for v in views]
-        )
+        self._plan = _fastload.plan_ranks(table, [v[2] for v in views], [v[3] for v in views])
+        self._read_own_bytes(uris, native)
 
-        # Step 2: this rank's bytes, read by the native loader.
+    def _read_own_bytes(self, uris: Any, native: dict[str, Any]) -> None:
+        """Step 2 (the group agreed on the plan): this rank's bytes, read by the native loader.
+        An error starting it waits for the first round, where the group agrees on errors."""
+        plan = self._plan
         self._error: BaseException | None = None
         parts = plan.parts(self._rank)
         # Over NCCL the pieces are wanted on the device: read them through the GPU path (a
@@ -335,7 +337,7 @@ class DistributedStream:
                 self._let_go()
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stream's steps; ``self`` is a weak proxy of it (see ``_start``)."""
+        """The stream's steps; ``self`` is a weak proxy of it (see ``_read_own_bytes``)."""
         plan = self._plan
         for i, t in enumerate(plan.tensors):
             if t[3] == 0 and plan.wants(self._rank, i):
