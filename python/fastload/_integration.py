@@ -1,7 +1,10 @@
 """What the serving-engine loaders (``fastload.vllm``, ``fastload.sglang``) share: the options of
 ``model_loader_extra_config``, where the weights are (local path, URL, ``hf://`` for a Hub repo
 id), the device to stream to, the stream itself (shared over a process group with
-``distributed``), the load's log line and the memory given back after it.
+``distributed``), the load's log line and the memory given back after it; whether a load reads
+lazily, the tensor-parallel group's exchange of row-parallel weights, one load's reads
+(:class:`Reads`), and the engine-neutral half of the loader classes (:class:`Loader`), which
+each engine module puts on its engine's ``BaseModelLoader`` (:func:`on_base`).
 
 Imports neither engine nor torch at module level: the engine modules import this one at their
 own import, which must stay cheap.
@@ -13,11 +16,12 @@ import fnmatch
 import logging
 import os
 import time
+import types
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from . import _options
 from ._errors import _scrub
@@ -232,12 +236,13 @@ class Meter:
             self.bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
-    def log(self) -> None:
+    def log(self, stacklevel: int = 2) -> None:
         seconds = time.perf_counter() - self.start
         rate = self.bytes / seconds / 1e9 if seconds > 0 else float("inf")
-        # Attributed to the caller (the engine's loader module), as engines' log lines name it.
+        # Attributed to the caller (``stacklevel``: 2, the function that calls this one) in the
+        # engine's loader module, as engines' log lines name it.
         self.logger.info(
-            "Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate, stacklevel=2
+            "Loading weights took %.2f seconds (%.2f GB/s)", seconds, rate, stacklevel=stacklevel
         )
 
 
@@ -311,3 +316,228 @@ def pull_small_files(
         time.perf_counter() - started,
     )
     return folder
+
+
+# --------------------------------------------------------------------- the loaders' shared half
+
+_T = TypeVar("_T")
+
+
+def sliced(options: Options, split: Callable[[], bool]) -> bool:
+    """Whether a load reads lazily, each worker only what it keeps: ``slices`` as given, else
+    where the engine splits the model over workers (``split()``: tensor or pipeline parallel, or
+    experts spread) and ``distributed`` is off (with it, whole tensors are read once and shared,
+    as before). A worker that keeps every tensor whole streams them instead: the stream reads
+    ahead in parallel, where lazy tensors are read one after the other as the model asks."""
+    if options.slices is not None:
+        return options.slices
+    if options.distributed:
+        return False
+    return split()
+
+
+def is_expert_weight(name: str) -> bool:
+    return ".experts." in name
+
+
+def column_exchange(tp: Any, experts_spread: bool, share: bool) -> Any:
+    """The exchange of row-parallel weights over an engine's tensor-parallel group coordinator
+    ``tp`` (vLLM's and SGLang's have the same shape; ``fastload._exchange``: each rank reads a
+    block of rows and gets its columns of the others' over the group's gloo group), or None at
+    TP 1 or where no gloo group was built. Every rank of a TP group is on one pipeline stage and
+    runs the same weight loaders in the same order, which the exchange needs; expert weights are
+    left out where experts are spread (``experts_spread``: ranks load different ones).
+    ``share`` (``distributed: true``): tensors read whole are read once by the group and
+    broadcast too."""
+    from ._exchange import ColumnExchange
+
+    if tp.world_size <= 1 or tp.cpu_group is None:
+        return None
+    skip = is_expert_weight if experts_spread else None
+    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip, share)
+
+
+def rank_name(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> str:
+    """A worker as the sliced-reads log line names it."""
+    return f"tp rank {tp_rank}/{tp_size}, pp rank {pp_rank}/{pp_size}"
+
+
+class Reads:
+    """One load's weights from its ``sources`` (``(uri, prefix)`` pairs) as the engine's
+    ``load_weights`` takes them (:meth:`weights`): lazy tensors (:meth:`lazily`; each read when a
+    weight loader copies it, only the part it narrowed it to: ``fastload._lazy``), or whole
+    tensors streamed (:meth:`whole`). :meth:`run` runs the load and logs it."""
+
+    def __init__(
+        self, sources: list[tuple[Any, str]], options: Options, logger: logging.Logger
+    ) -> None:
+        self.sources, self.options, self.logger = sources, options, logger
+        self.meter = Meter(logger)
+        self.exchange: Any = None
+        # What the load read (Stats.as_dict()) once it is over; None for whole tensors.
+        self.stats: dict[str, Any] | None = None
+        self._lazy: Any = None  # a sliced load's _lazy.Stats
+        self._every_layer = False
+        self._rank: Callable[[], str] = str
+        self._device: Any = None
+        self._group: Any = None
+
+    def lazily(self, exchange: Any, every_layer: bool, rank: Callable[[], str]) -> Reads:
+        """Lazy tensors. ``exchange`` (:func:`column_exchange`'s, or None): row-parallel weights
+        are read once over the group and exchanged. ``every_layer``: the worker loads every
+        layer (no pipeline stage), which the read-ahead may then read ahead of the model.
+        ``rank()``: the worker's name for the log line."""
+        from . import _lazy
+
+        self._lazy = _lazy.Stats()
+        self.exchange, self._every_layer, self._rank = exchange, every_layer, rank
+        return self
+
+    def whole(self, device: Any, group: Any) -> Reads:
+        """Whole tensors streamed to ``device``, shared over ``group`` where one is given
+        (:func:`stream`)."""
+        self._device, self._group = device, group
+        return self
+
+    def _tensors(self, uri: Any) -> Iterator[tuple[str, Any]]:
+        if self._lazy is None:
+            return self.meter.count(stream(uri, self._device, self.options, self._group))
+        from . import _lazy
+
+        kwargs = self.options.stream_kwargs
+        checkpoint = _lazy.Checkpoint(
+            uri, self._lazy, self.exchange, all_layers=self._every_layer, **kwargs
+        )
+        return iter(checkpoint)
+
+    def weights(
+        self, per_source: Callable[[Iterator[tuple[str, Any]], str], Iterator[Any]] | None = None
+    ) -> Iterator[tuple[str, Any]]:
+        """``(prefix + name, tensor)`` for the tensors of each source in turn; where given,
+        ``per_source(tensors, prefix)`` makes a source's pairs instead (SGLang's MTP drafts)."""
+        for uri, prefix in self.sources:
+            tensors = self._tensors(uri)
+            if per_source is not None:
+                yield from per_source(tensors, prefix)
+            else:
+                yield from ((prefix + name, tensor) for name, tensor in tensors)
+
+    def close(self) -> None:
+        """The weights are in (or the load failed): answers a rank still waiting for an
+        exchange, then turns it off (``ColumnExchange.close``; again is a no-op)."""
+        if self.exchange is not None:
+            self.exchange.close()
+
+    def run(self, load: Callable[[], _T]) -> _T:
+        """``load()`` (which feeds :meth:`weights` to the model), then the memory fastload keeps
+        given back (:func:`released`) and the exchange closed; once it succeeded, the load's
+        log lines, attributed to the engine's code that called this, and :attr:`stats`."""
+        try:
+            with released(self.logger):
+                result = load()
+        finally:
+            self.close()
+        if self._lazy is not None:
+            self.meter.bytes = self._lazy.read_bytes
+        self.meter.log(stacklevel=3)
+        if self._lazy is not None:
+            self.logger.info(
+                "fastload sliced reads on %s: %s", self._rank(), self._lazy.line(), stacklevel=2
+            )
+            self.stats = self._lazy.as_dict()
+        return result
+
+
+class Loader:
+    """The engine-neutral half of an engine's loader class: its checked options, where its
+    weights are, the Hub's small files and the sources of a load. Written without the engine's
+    ``BaseModelLoader``, which only a process that loads weights may import: an engine module's
+    loader classes derive from this one at module level, and :func:`on_base` puts each on the
+    engine's base class when the engine asks for it (``super()`` here is then that base)."""
+
+    # The model config's attribute that names the model ("model", "model_path").
+    model_attr: ClassVar[str]
+    # The engine's variable that selects ModelScope, whose repos fastload does not stream.
+    modelscope_env: ClassVar[str]
+    # Repo ids become hf:// URIs streamed from the Hub (else: downloaded with the engine's
+    # helper, :meth:`_download`).
+    stream_hub: ClassVar[bool] = True
+
+    load_config: Any  # set by the engine's base class
+
+    def __init__(self, load_config: Any) -> None:
+        # The engine's BaseModelLoader.__init__: next in the MRO of the class on_base makes.
+        super().__init__(load_config)  # type: ignore[call-arg]
+        self.options = self._parse(load_config)
+        if self.options.slices is not False:
+            # The lazy tensors' machinery, imported with the loader as the stream's is with
+            # fastload, not inside the first load (about 10 ms).
+            from . import _lazy  # noqa: F401
+        # What the last sliced load read (Stats.as_dict()), None after a whole-tensor one.
+        self.stats: dict[str, Any] | None = None
+
+    def _parse(self, load_config: Any) -> Options:
+        """``load_config``'s extra config, checked."""
+        raise NotImplementedError
+
+    def _download(self, repo: str, revision: str | None, index: bool) -> str:
+        """A repo's safetensors (with ``index``, its index file too), downloaded with the
+        engine's helper; returns the local folder."""
+        raise NotImplementedError
+
+    def _secondary(self, extra: Any) -> tuple[Any, str]:
+        """``(uri, prefix)`` for secondary weights the model asks for (``secondary_weights``)."""
+        raise NotImplementedError
+
+    def _apply_overrides(self, model: Any, root: str) -> Any:
+        """The files of ``root`` the model names itself (``allow_patterns_overrides``), or
+        ``root``."""
+        raise NotImplementedError
+
+    def _weights_location(self, model_config: Any) -> str:
+        """Where the weights are: ``weights_uri``, else ``model_weights`` (the original
+        object-store URI when the engine reads the config from a local copy), else the model."""
+        return str(
+            self.options.weights_uri
+            or getattr(model_config, "model_weights", None)
+            or getattr(model_config, self.model_attr)
+        )
+
+    def _revision(self, where: str, model_config: Any) -> str | None:
+        """The config's revision where ``where`` is the model it names."""
+        return model_config.revision if where == getattr(model_config, self.model_attr) else None
+
+    def _resolve(self, where: str, revision: str | None, index: bool = True) -> str:
+        """A local path or URL fastload reads: repo ids stream from the Hub (``hf://``) where
+        they can, else are downloaded first."""
+        if is_url(where) or os.path.exists(where):
+            return where
+        hub = hub_uri(where, revision, self.modelscope_env) if self.stream_hub else None
+        return hub or self._download(where, revision, index)
+
+    def _location(self, model_config: Any, index: bool = True) -> str:
+        where = self._weights_location(model_config)
+        return self._resolve(where, self._revision(where, model_config), index)
+
+    def download_model(self, model_config: Any) -> None:
+        location = self._location(model_config)
+        if location.startswith("hf://"):
+            # The small files; the load streams the weights from the Hub.
+            where = self._weights_location(model_config)
+            config = self.load_config
+            revision = self._revision(where, model_config)
+            download_small_files(where, revision, config.download_dir, config.ignore_patterns)
+
+    def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
+        """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""
+        sources = [(self._apply_overrides(model, self._location(model_config)), "")]
+        sources += [self._secondary(extra) for extra in getattr(model, "secondary_weights", ())]
+        return sources
+
+
+def on_base(cls: type, base: type, name: str) -> type:
+    """``cls`` (a loader class on :class:`Loader`) on the engine's ``base`` class, named
+    ``name`` in ``cls``'s module: the class the engine module hands out and registers, and
+    which pickles by that name (the module's ``__getattr__`` gives it)."""
+    namespace = {"__module__": cls.__module__, "__qualname__": name, "__doc__": cls.__doc__}
+    return types.new_class(name, (cls, base), exec_body=lambda ns: ns.update(namespace))

@@ -198,25 +198,13 @@ def _pull_config(uri: str, storage_options: Any, config: bool) -> str:
 # ---------------------------------------------------------------------------------- the loader
 
 
-def _weights_location(options: _integration.Options, model_config: Any) -> str:
-    """``weights_uri``, else ``model_weights`` (the object-store URI when SGLang reads the config
-    from a local copy), else ``model_path``."""
-    return str(
-        options.weights_uri
-        or getattr(model_config, "model_weights", None)
-        or model_config.model_path
-    )
-
-
 def _sliced(options: _integration.Options) -> bool:
-    """Whether a load reads lazily, each worker only what it keeps: ``slices`` as given, else
-    where the model is split over workers (SGLang's tensor, pipeline or expert parallel width
-    above 1) and ``distributed`` is off (with it, whole tensors are read once and shared). A
-    worker that keeps every tensor whole streams them instead (the stream reads ahead)."""
-    if options.slices is not None:
-        return options.slices
-    if options.distributed:
-        return False
+    """Whether a load reads lazily (``_integration.sliced``): by default where SGLang splits the
+    model over workers (its tensor, pipeline or expert parallel width above 1)."""
+    return _integration.sliced(options, _split)
+
+
+def _split() -> bool:
     # SGLang's parallel context: the widths its layers partition their weights by
     # (tests/test_sglang_slices.py pins the names).
     from sglang.srt.runtime_context import get_parallel
@@ -226,202 +214,141 @@ def _sliced(options: _integration.Options) -> bool:
 
 
 def _column_exchange(share: bool = False) -> Any:
-    """The tensor-parallel group's exchange of row-parallel weights (``fastload._exchange``:
-    each rank reads a block of rows and gets its columns of the others' over the group's gloo
-    group), or None at TP 1 or where no process group was built. Every rank of a TP group is on
-    one pipeline stage and runs the same weight loaders in the same order, which the exchange
-    needs; expert weights are left out where experts are spread (ranks load different ones).
-    Weights partitioned by a narrower group (attention under DP attention, experts by their MoE
-    TP group) narrow to other column blocks, which the exchange leaves to each rank. ``share``
-    (``distributed: true``): tensors read whole are read once by the group and broadcast too."""
+    """The exchange of row-parallel weights over SGLang's tensor-parallel group
+    (``_integration.column_exchange``), or None where no process group was built; expert
+    weights are left out where experts are spread. Weights partitioned by a narrower group
+    (attention under DP attention, experts by their MoE TP group) narrow to other column blocks,
+    which the exchange leaves to each rank."""
     from sglang.srt.distributed import get_tp_group
     from sglang.srt.runtime_context import get_parallel
 
-    from ._exchange import ColumnExchange
-
-    tp = get_tp_group()
-    if tp.world_size <= 1 or tp.cpu_group is None:
-        return None
-    skip = _is_expert_weight if get_parallel().moe_ep_size > 1 else None
-    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip, share)
-
-
-def _is_expert_weight(name: str) -> bool:
-    return ".experts." in name
+    return _integration.column_exchange(get_tp_group(), get_parallel().moe_ep_size > 1, share)
 
 
 def _rank_name() -> str:
     from sglang.srt.runtime_context import get_parallel
 
     p = get_parallel()
-    return f"tp rank {p.tp_rank}/{p.tp_size}, pp rank {p.pp_rank}/{p.pp_size}"
+    return _integration.rank_name(p.tp_rank, p.tp_size, p.pp_rank, p.pp_size)
 
 
 @cache
 def _loader_class() -> type:
-    import torch
-    from sglang.srt.distributed import get_tp_group
+    """``FastloadModelLoader``: the loader on SGLang's ``BaseModelLoader``."""
     from sglang.srt.model_loader import loader
-    from sglang.srt.model_loader.utils import (
-        set_default_torch_dtype,
-    )
-    from sglang.srt.model_loader.weight_utils import (
-        download_safetensors_index_file_from_hf,
-        download_weights_from_hf,
-    )
 
-    from . import ConfigError
+    return _integration.on_base(_FastloadModelLoader, loader.BaseModelLoader, "FastloadModelLoader")
 
-    default = loader.DefaultModelLoader
 
-    class FastloadModelLoader(loader.BaseModelLoader):
-        """SGLang loader: a safetensors checkpoint streamed by fastload into
-        ``model.load_weights``, then SGLang's own post-processing (quantization methods'
-        ``process_weights_after_loading``), as ``DefaultModelLoader`` does."""
+class _FastloadModelLoader(_integration.Loader):
+    """SGLang loader: a safetensors checkpoint streamed by fastload into ``model.load_weights``,
+    then SGLang's own post-processing (quantization methods' ``process_weights_after_loading``),
+    as ``DefaultModelLoader`` does."""
 
-        def __init__(self, load_config: Any) -> None:
-            super().__init__(load_config)
-            self.options = _integration.Options.parse(
-                LOAD_FORMAT, load_config.model_loader_extra_config, KEYS
+    model_attr = "model_path"
+    modelscope_env = "SGLANG_USE_MODELSCOPE"
+
+    def _parse(self, load_config: Any) -> _integration.Options:
+        extra = load_config.model_loader_extra_config
+        return _integration.Options.parse(LOAD_FORMAT, extra, KEYS)
+
+    def _download(self, repo: str, revision: str | None, index: bool) -> str:
+        """A repo fastload cannot stream (ModelScope), downloaded with SGLang's helper (its
+        index file too)."""
+        from sglang.srt.model_loader.weight_utils import (
+            download_safetensors_index_file_from_hf,
+            download_weights_from_hf,
+        )
+
+        config = self.load_config
+        folder = download_weights_from_hf(
+            repo,
+            config.download_dir,
+            ["*.safetensors"],
+            revision,
+            ignore_patterns=config.ignore_patterns,
+        )
+        download_safetensors_index_file_from_hf(
+            repo, "model.safetensors.index.json", config.download_dir, revision
+        )
+        return str(folder)
+
+    def _secondary(self, extra: Any) -> tuple[Any, str]:
+        where = self._resolve(extra.model_or_path, extra.revision)
+        patterns = getattr(extra, "allow_patterns_overrides", None)
+        return self._apply_overrides(patterns, where), extra.prefix
+
+    @staticmethod
+    def _apply_overrides(model_or_patterns: Any, root: str) -> Any:
+        # A model may name its weight files itself (allow_patterns_overrides).
+        patterns = model_or_patterns
+        if not isinstance(patterns, (list, tuple)):
+            patterns = getattr(model_or_patterns, "allow_patterns_overrides", None)
+        if not patterns or not os.path.isdir(root):
+            return root
+        import glob
+
+        for pattern in patterns:
+            files = sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
+            if files:
+                return files
+        raise FileNotFoundError(f"no weight files {list(patterns)} in {root!r}")
+
+    def load_model(self, *, model_config: Any, device_config: Any) -> Any:
+        import torch
+        from sglang.srt.model_loader import loader
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+        from . import ConfigError
+
+        if getattr(model_config, "modelopt_quant", None):
+            raise ConfigError(
+                f"load format {LOAD_FORMAT!r} does not run ModelOpt quantization "
+                "(modelopt_quant); use SGLang's own load format for it"
             )
-            # What the last sliced load read (Stats.as_dict()), None after a whole-tensor one.
-            self.stats: dict[str, Any] | None = None
+        target = torch.device(device_config.device)
+        quant_config = loader._get_quantization_config(model_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype):
+            with target:
+                model = loader._initialize_model(model_config, self.load_config, quant_config)
+            self.load_weights(model, model_config, target)
+        return model.eval()
 
-        def _resolve(self, where: str, revision: str | None) -> str:
-            """A path or URL fastload reads: repo ids stream from the Hub (``hf://``), or are
-            downloaded with SGLang's helper where they cannot (ModelScope)."""
-            if _integration.is_url(where) or os.path.exists(where):
-                return where
-            hub = _integration.hub_uri(where, revision, "SGLANG_USE_MODELSCOPE")
-            if hub is not None:
-                return hub
-            folder = download_weights_from_hf(
-                where,
-                self.load_config.download_dir,
-                ["*.safetensors"],
-                revision,
-                ignore_patterns=self.load_config.ignore_patterns,
-            )
-            download_safetensors_index_file_from_hf(
-                where, "model.safetensors.index.json", self.load_config.download_dir, revision
-            )
-            return str(folder)
+    def load_weights(self, model: Any, model_config: Any, target: Any) -> None:
+        """Streams the weights into ``model.load_weights`` (see ``_reads``) and post-processes
+        them as ``DefaultModelLoader.load_weights_and_postprocess`` does."""
+        from sglang.srt.model_loader.loader import DefaultModelLoader as default
 
-        def _location(self, model_config: Any) -> str:
-            where = _weights_location(self.options, model_config)
-            revision = model_config.revision if where == model_config.model_path else None
-            return self._resolve(where, revision)
+        reads = self._reads(model, model_config, target)
+        draft = self.load_config.draft_model_idx
 
-        def download_model(self, model_config: Any) -> None:
-            location = self._location(model_config)
-            if location.startswith("hf://"):
-                # The small files; load_model streams the weights from the Hub.
-                where = _weights_location(self.options, model_config)
-                revision = model_config.revision if where == model_config.model_path else None
-                _integration.download_small_files(
-                    where, revision, self.load_config.download_dir, self.load_config.ignore_patterns
-                )
+        def mtp_draft(tensors: Iterator[tuple[str, Any]], prefix: str) -> Iterator[Any]:
+            # Multi-layer MTP drafts: only this draft's layer, renamed to layer 0.
+            return default._filter_mtp_weights(tensors, prefix, draft)
 
-        def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
-            """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""
-            sources: list[tuple[Any, str]] = [
-                (self._apply_overrides(model, self._location(model_config)), "")
-            ]
-            for extra in getattr(model, "secondary_weights", ()):
-                where = self._resolve(extra.model_or_path, extra.revision)
-                patterns = getattr(extra, "allow_patterns_overrides", None)
-                sources.append((self._apply_overrides(patterns, where), extra.prefix))
-            return sources
+        def weights() -> Iterator[tuple[str, Any]]:
+            yield from reads.weights(mtp_draft if draft is not None else None)
+            # The weights are in: answers a rank still waiting for an exchange before the
+            # post-processing (which may use the group) starts.
+            reads.close()
 
-        @staticmethod
-        def _apply_overrides(model_or_patterns: Any, root: str) -> Any:
-            # A model may name its weight files itself (allow_patterns_overrides).
-            patterns = model_or_patterns
-            if not isinstance(patterns, (list, tuple)):
-                patterns = getattr(model_or_patterns, "allow_patterns_overrides", None)
-            if not patterns or not os.path.isdir(root):
-                return root
-            import glob
+        reads.run(lambda: default.load_weights_and_postprocess(model, weights(), target))
+        self.stats = reads.stats
 
-            for pattern in patterns:
-                files = sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
-                if files:
-                    return files
-            raise FileNotFoundError(f"no weight files {list(patterns)} in {root!r}")
+    def _reads(self, model: Any, model_config: Any, target: Any) -> _integration.Reads:
+        """Lazy tensors where the load is sliced (``_sliced``), each read when a weight loader
+        copies it, only the part it narrowed it to (row-parallel weights: read once over the
+        group and exchanged); else whole tensors streamed (shared over SGLang's tensor-parallel
+        group with ``distributed``: its workers load the same checkpoint)."""
+        from sglang.srt.distributed import get_tp_group
+        from sglang.srt.runtime_context import get_parallel
 
-        def load_model(self, *, model_config: Any, device_config: Any) -> Any:
-            if getattr(model_config, "modelopt_quant", None):
-                raise ConfigError(
-                    f"load format {LOAD_FORMAT!r} does not run ModelOpt quantization "
-                    "(modelopt_quant); use SGLang's own load format for it"
-                )
-            target = torch.device(device_config.device)
-            quant_config = loader._get_quantization_config(model_config, self.load_config)
-            with set_default_torch_dtype(model_config.dtype):
-                with target:
-                    model = loader._initialize_model(model_config, self.load_config, quant_config)
-                self.load_weights(model, model_config, target)
-            return model.eval()
-
-        def load_weights(self, model: Any, model_config: Any, target: Any) -> None:
-            """Streams the weights into ``model.load_weights`` (lazy tensors where the model is
-            split: see ``_sliced``) and post-processes them as
-            ``DefaultModelLoader.load_weights_and_postprocess`` does."""
-            sources = self._sources(model, model_config)
-            draft = self.load_config.draft_model_idx
-            meter = _integration.Meter(logger)
-            stats = exchange = None
-            if _sliced(self.options):
-                from sglang.srt.runtime_context import get_parallel
-
-                from . import _lazy
-
-                stats = sliced = _lazy.Stats()
-                exchange = _column_exchange(self.options.distributed)
-                # A pipeline stage reads its own layers only; else each worker reads every layer.
-                every_layer = get_parallel().pp_size == 1
-
-                def items(uri: Any) -> Iterator[tuple[str, Any]]:
-                    # Each read when a weight loader copies it, only the part it narrowed it to
-                    # (row-parallel weights: read once over the group and exchanged).
-                    yield from _lazy.Checkpoint(
-                        uri, sliced, exchange, all_layers=every_layer, **self.options.stream_kwargs
-                    )
-            else:
-                device = _integration.target_device(target, model)
-                group = None
-                if self.options.distributed:
-                    # SGLang's tensor-parallel group: its workers load the same checkpoint.
-                    group = _integration.group_for(get_tp_group(), device)
-
-                def items(uri: Any) -> Iterator[tuple[str, Any]]:
-                    return meter.count(_integration.stream(uri, device, self.options, group))
-
-            def weights() -> Iterator[tuple[str, Any]]:
-                for uri, prefix in sources:
-                    if draft is not None:
-                        # Multi-layer MTP drafts: only this draft's layer, renamed to layer 0.
-                        yield from default._filter_mtp_weights(items(uri), prefix, draft)
-                    else:
-                        yield from ((prefix + name, tensor) for name, tensor in items(uri))
-                if exchange is not None:
-                    # The weights are in: answers a rank still waiting for an exchange before
-                    # the post-processing (which may use the group) starts.
-                    exchange.close()
-
-            try:
-                with _integration.released(logger):
-                    default.load_weights_and_postprocess(model, weights(), target)
-            finally:
-                if exchange is not None:
-                    exchange.close()
-            if stats is not None:
-                meter.bytes = stats.read_bytes
-            meter.log()
-            if stats is not None:
-                logger.info("fastload sliced reads on %s: %s", _rank_name(), stats.line())
-            self.stats = stats.as_dict() if stats is not None else None
-
-    FastloadModelLoader.__module__ = __name__
-    FastloadModelLoader.__qualname__ = FastloadModelLoader.__name__
-    return FastloadModelLoader
+        reads = _integration.Reads(self._sources(model, model_config), self.options, logger)
+        if _sliced(self.options):
+            exchange = _column_exchange(self.options.distributed)
+            # A pipeline stage reads its own layers only; else each worker reads every layer.
+            return reads.lazily(exchange, get_parallel().pp_size == 1, _rank_name)
+        device = _integration.target_device(target, model)
+        distributed = self.options.distributed
+        group = _integration.group_for(get_tp_group(), device) if distributed else None
+        return reads.whole(device, group)

@@ -162,7 +162,8 @@ class _RunOnImport(importlib.abc.MetaPathFinder):
 # EngineArgs.create_engine_config, which LLM() and `vllm serve` call in the process that builds
 # the config. Wrapped, it pulls those files with fastload's own object-store client into a local
 # folder first, so vLLM never sees the URI as its model path, and sets `model_weights` to the URI
-# once the config is built: the loaders stream the weights from there (`_weights_location`).
+# once the config is built: the loaders stream the weights from there
+# (`_integration.Loader._weights_location`).
 
 _ARGS_MODULE = "vllm.engine.arg_utils"
 _HOOK_NAME = "EngineArgs.create_engine_config"
@@ -347,51 +348,6 @@ def _check_pattern(pattern: Any) -> None:
         )
 
 
-def _weights_location(options: _Options, model_config: Any) -> str:
-    """Where the weights are: ``weights_uri``, else ``model_weights`` (the original object-store
-    URI when vLLM pulled config files to a local directory), else ``model``."""
-    return options.weights_uri or getattr(model_config, "model_weights", "") or model_config.model
-
-
-def _hub_uri(repo: str, revision: str | None) -> str | None:
-    """``hf://ORG/REPO[@REVISION]`` for a Hugging Face repo id (None: vLLM's download)."""
-    return _integration.hub_uri(repo, revision, "VLLM_USE_MODELSCOPE")
-
-
-def _download_small_files(load_config: Any, repo: str, revision: str | None) -> str:
-    """A Hub repo's small files (config, tokenizer, ...: what the engine reads, not the whole
-    repo), into vLLM's download dir."""
-    return _integration.download_small_files(
-        repo, revision, load_config.download_dir, load_config.ignore_patterns
-    )
-
-
-def _download(load_config: Any, repo: str, revision: str | None, index: bool) -> str:
-    """A Hugging Face (or ModelScope) repo's safetensors, fetched with vLLM's own helpers."""
-    from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
-        weight_utils,
-    )
-
-    modelscope = getattr(weight_utils, "maybe_download_from_modelscope", None)
-    if modelscope is not None:
-        local = modelscope(repo, revision)
-        if local:
-            return str(local)
-    folder = weight_utils.download_weights_from_hf(
-        repo,
-        load_config.download_dir,
-        ["*.safetensors"],
-        revision,
-        ignore_patterns=load_config.ignore_patterns,
-    )
-    if index:
-        # Repos that hold both sharded and consolidated files: the index says which to load.
-        weight_utils.download_safetensors_index_file_from_hf(
-            repo, "model.safetensors.index.json", load_config.download_dir, revision=revision
-        )
-    return str(folder)
-
-
 def _world_group(device: Any) -> Any:
     """vLLM's world group for a shared read (fastload.distributed), or None for a lone worker."""
     from vllm.distributed import get_world_group  # type: ignore[import-not-found]
@@ -399,21 +355,20 @@ def _world_group(device: Any) -> Any:
     return _integration.group_for(get_world_group(), device)
 
 
-def _stream(uri: Any, device: Any, options: _Options, prefix: str = "") -> Iterator[Any]:
+def _stream(
+    uri: Any, device: Any, options: _integration.Options, prefix: str = ""
+) -> Iterator[Any]:
     group = _world_group(device) if options.distributed else None
     return _integration.stream(uri, device, options, group, prefix)
 
 
-def _sliced(options: _Options, parallel_config: Any) -> bool:
-    """Whether a load reads lazily, each worker only what it keeps: ``slices`` as given, else
-    where the model is split over workers (tensor or pipeline parallel, or experts spread) and
-    ``distributed`` is off (with it, whole tensors are read once and shared, as before). A
-    worker that keeps every tensor whole streams them instead: the stream reads ahead in
-    parallel, where lazy tensors are read one after the other as the model asks."""
-    if options.slices is not None:
-        return options.slices
-    if options.distributed:
-        return False
+def _sliced(options: _integration.Options, parallel_config: Any) -> bool:
+    """Whether a load reads lazily (``_integration.sliced``): by default where vLLM splits the
+    model over workers (tensor or pipeline parallel, or experts spread)."""
+    return _integration.sliced(options, functools.partial(_split, parallel_config))
+
+
+def _split(parallel_config: Any) -> bool:
     from vllm.distributed import (  # type: ignore[import-not-found]
         get_pp_group,
         get_tensor_model_parallel_world_size,
@@ -424,34 +379,19 @@ def _sliced(options: _Options, parallel_config: Any) -> bool:
 
 
 def _column_exchange(parallel_config: Any, share: bool = False) -> Any:
-    """The tensor-parallel group's exchange of row-parallel weights (``fastload._exchange``:
-    each rank reads a block of rows and gets its columns of the others'), or None at TP 1.
-    ``share`` (``distributed: true``): tensors read whole are read once by the group and
-    broadcast too.
-    Every rank of a TP group is on one pipeline stage and runs the same weight loaders in the
-    same order, which the exchange needs; expert weights are left out where experts are spread
-    (ranks load different ones)."""
+    """The exchange of row-parallel weights over vLLM's tensor-parallel group
+    (``_integration.column_exchange``), expert weights left out where experts are spread."""
     from vllm.distributed import get_tp_group  # type: ignore[import-not-found]
 
-    from ._exchange import ColumnExchange
-
-    tp = get_tp_group()
-    if tp.world_size <= 1:
-        return None
     experts = bool(getattr(parallel_config, "enable_expert_parallel", False))
-    skip = _is_expert_weight if experts else None
-    return ColumnExchange(tp.cpu_group, tp.rank_in_group, tp.world_size, skip, share)
-
-
-def _is_expert_weight(name: str) -> bool:
-    return ".experts." in name
+    return _integration.column_exchange(get_tp_group(), experts, share)
 
 
 def _rank_name() -> str:
     from vllm.distributed import get_pp_group, get_tp_group  # type: ignore[import-not-found]
 
     tp, pp = get_tp_group(), get_pp_group()
-    return f"tp rank {tp.rank_in_group}/{tp.world_size}, pp rank {pp.rank_in_group}/{pp.world_size}"
+    return _integration.rank_name(tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
 
 
 def _released() -> AbstractContextManager[None]:
@@ -476,213 +416,185 @@ def _check_all_loaded(model: Any, model_config: Any, loaded: Any) -> None:
 
 @cache
 def _loader_classes() -> dict[str, type]:
+    """The loader classes on vLLM's ``BaseModelLoader``, by their public names."""
     from vllm.model_executor.model_loader.base_loader import (  # type: ignore[import-not-found]
         BaseModelLoader,
     )
 
-    class _Loader(BaseModelLoader):  # type: ignore[misc]
-        _allowed = _KEYS
-        # Repo ids become hf:// URIs streamed from the Hub (else: downloaded first).
-        _stream_hub = False
+    classes = (
+        ("FastloadModelLoader", _FastloadModelLoader),
+        ("FastloadShardedStateLoader", _FastloadShardedStateLoader),
+    )
+    return {name: _integration.on_base(cls, BaseModelLoader, name) for name, cls in classes}
 
-        def __init__(self, load_config: Any) -> None:
-            super().__init__(load_config)
-            self.options = _Options.parse(
-                load_config.load_format, load_config.model_loader_extra_config, self._allowed
+
+class _Loader(_integration.Loader):
+    """What both load formats' loaders do on vLLM (each is put on vLLM's ``BaseModelLoader`` by
+    ``_loader_classes``)."""
+
+    model_attr = "model"
+    modelscope_env = "VLLM_USE_MODELSCOPE"
+    stream_hub = False
+    _allowed = _KEYS
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        self._load_device: Any = None
+        self._parallel_config: Any = None
+
+    def _parse(self, load_config: Any) -> _Options:
+        extra = load_config.model_loader_extra_config
+        return _Options.parse(load_config.load_format, extra, self._allowed)
+
+    def load_model(self, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        # load_weights() is not told the device; vLLM builds the model on this one.
+        load_device = getattr(vllm_config.load_config, "device", None)
+        self._load_device = load_device or vllm_config.device_config.device
+        self._parallel_config = getattr(vllm_config, "parallel_config", None)
+        # BaseModelLoader's (next in the MRO of the class on_base makes).
+        return super().load_model(vllm_config, *args, **kwargs)  # type: ignore[misc]
+
+    def _download(self, repo: str, revision: str | None, index: bool) -> str:
+        """A Hugging Face (or ModelScope) repo's safetensors, fetched with vLLM's own helpers."""
+        from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
+            weight_utils,
+        )
+
+        modelscope = getattr(weight_utils, "maybe_download_from_modelscope", None)
+        if modelscope is not None:
+            local = modelscope(repo, revision)
+            if local:
+                return str(local)
+        config = self.load_config
+        folder = weight_utils.download_weights_from_hf(
+            repo,
+            config.download_dir,
+            ["*.safetensors"],
+            revision,
+            ignore_patterns=config.ignore_patterns,
+        )
+        if index:
+            # Repos that hold both sharded and consolidated files: the index says which to load.
+            weight_utils.download_safetensors_index_file_from_hf(
+                repo, "model.safetensors.index.json", config.download_dir, revision=revision
             )
-            self._load_device: Any = None
-            self._parallel_config: Any = None
-            if self.options.slices is not False:
-                # The lazy tensors' machinery, imported with the loader as the stream's is with
-                # fastload, not inside the first load (about 10 ms).
-                from . import _lazy  # noqa: F401
-            # What the last sliced load read (Stats.as_dict()), None after a whole-tensor one.
-            self.stats: dict[str, Any] | None = None
+        return str(folder)
 
-        def load_model(self, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-            # load_weights() is not told the device; vLLM builds the model on this one.
-            load_device = getattr(vllm_config.load_config, "device", None)
-            self._load_device = load_device or vllm_config.device_config.device
-            self._parallel_config = getattr(vllm_config, "parallel_config", None)
-            return super().load_model(vllm_config, *args, **kwargs)
 
-        def _location(self, model_config: Any, index: bool) -> str:
-            """A local path or URL fastload can read; repo ids are downloaded first."""
-            location = _weights_location(self.options, model_config)
-            if _is_url(location) or os.path.exists(location):
-                return location
-            revision = model_config.revision if location == model_config.model else None
-            hub = _hub_uri(location, revision) if self._stream_hub else None
-            return hub or _download(self.load_config, location, revision, index)
+class _FastloadModelLoader(_Loader):
+    """``load_format="fastload"``: a safetensors checkpoint streamed into
+    ``model.load_weights``."""
 
-    class FastloadModelLoader(_Loader):
-        """``load_format="fastload"``: a safetensors checkpoint streamed into
-        ``model.load_weights``."""
+    stream_hub = True
 
-        _stream_hub = True
+    def _secondary(self, extra: Any) -> tuple[Any, str]:
+        where = self._resolve(extra.model_or_path, extra.revision)
+        if getattr(extra, "subfolder", None):
+            where = where.rstrip("/") + "/" + extra.subfolder
+        return where, getattr(extra, "prefix", "")
 
-        def download_model(self, model_config: Any) -> None:
-            location = self._location(model_config, index=True)
-            if location.startswith("hf://"):
-                # The small files; load_weights streams the weights from the Hub.
-                repo = _weights_location(self.options, model_config)
-                revision = model_config.revision if repo == model_config.model else None
-                _download_small_files(self.load_config, repo, revision)
-
-        def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
-            """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""
-            root = self._location(model_config, index=True)
-            sources: list[tuple[Any, str]] = [(self._apply_overrides(model, root), "")]
-            for extra in getattr(model, "secondary_weights", ()):
-                where = extra.model_or_path
-                if not (_is_url(where) or os.path.exists(where)):
-                    where = _hub_uri(where, extra.revision) or _download(
-                        self.load_config, where, extra.revision, index=True
-                    )
-                if getattr(extra, "subfolder", None):
-                    where = where.rstrip("/") + "/" + extra.subfolder
-                sources.append((where, getattr(extra, "prefix", "")))
-            return sources
-
-        @staticmethod
-        def _apply_overrides(model: Any, root: str) -> Any:
-            # A model may name its weight files itself (vLLM's allow_patterns_overrides).
-            patterns = getattr(model, "allow_patterns_overrides", None)
-            if not patterns or not os.path.isdir(root):
-                return root
-            for pattern in patterns:
-                files = sorted(glob.glob(os.path.join(root, pattern)))
-                if files:
-                    return files
+    @staticmethod
+    def _apply_overrides(model: Any, root: str) -> Any:
+        # A model may name its weight files itself (vLLM's allow_patterns_overrides).
+        patterns = getattr(model, "allow_patterns_overrides", None)
+        if not patterns or not os.path.isdir(root):
             return root
+        for pattern in patterns:
+            files = sorted(glob.glob(os.path.join(root, pattern)))
+            if files:
+                return files
+        return root
 
-        def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
-            """vLLM's weight iterator (``DefaultModelLoader.get_all_weights``), which its
-            in-place reload from disk (``reload_weights``) feeds to ``model.load_weights`` and
-            refuses a loader without: whole tensors, streamed to the model's device."""
-            device = _integration.target_device(self._load_device, model)
-            for uri, prefix in self._sources(model, model_config):
-                yield from _stream(uri, device, self.options, prefix)
+    def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
+        """vLLM's weight iterator (``DefaultModelLoader.get_all_weights``), which its in-place
+        reload from disk (``reload_weights``) feeds to ``model.load_weights`` and refuses a
+        loader without: whole tensors, streamed to the model's device."""
+        device = _integration.target_device(self._load_device, model)
+        for uri, prefix in self._sources(model, model_config):
+            yield from _stream(uri, device, self.options, prefix)
 
-        def load_weights(self, model: Any, model_config: Any) -> None:
-            sources = self._sources(model, model_config)
-            if _sliced(self.options, self._parallel_config):
-                loaded = self._load_sliced(model, sources)
-            else:
-                device = _integration.target_device(self._load_device, model)
-                meter = _integration.Meter(logger)
+    def load_weights(self, model: Any, model_config: Any) -> None:
+        reads = self._reads(model, model_config)
+        loaded = reads.run(lambda: model.load_weights(reads.weights()))
+        self.stats = reads.stats
+        _check_all_loaded(model, model_config, loaded)
 
-                def weights() -> Iterator[tuple[str, Any]]:
-                    for uri, prefix in sources:
-                        yield from _stream(uri, device, self.options, prefix)
-
-                with _released():
-                    loaded = model.load_weights(meter.count(weights()))
-                meter.log()
-                self.stats = None
-            _check_all_loaded(model, model_config, loaded)
-
-        def _load_sliced(self, model: Any, sources: list[tuple[Any, str]]) -> Any:
-            """``model.load_weights`` fed lazy tensors: each read when a weight loader copies
-            it, only the part it narrowed it to (fastload._lazy)."""
-            from . import _lazy
-
-            stats = _lazy.Stats()
-            meter = _integration.Meter(logger)
-            exchange = _column_exchange(self._parallel_config, self.options.distributed)
+    def _reads(self, model: Any, model_config: Any) -> _integration.Reads:
+        """Lazy tensors where the load is sliced (``_sliced``), each read when a weight loader
+        copies it, only the part it narrowed it to; else whole tensors streamed to the model's
+        device (shared over vLLM's world group with ``distributed``)."""
+        parallel = self._parallel_config
+        reads = _integration.Reads(self._sources(model, model_config), self.options, logger)
+        if _sliced(self.options, parallel):
+            exchange = _column_exchange(parallel, self.options.distributed)
             # A pipeline stage reads its own layers only; else each worker reads every layer.
-            every_layer = getattr(self._parallel_config, "pipeline_parallel_size", 1) == 1
+            every_layer = getattr(parallel, "pipeline_parallel_size", 1) == 1
+            return reads.lazily(exchange, every_layer, _rank_name)
+        device = _integration.target_device(self._load_device, model)
+        return reads.whole(device, _world_group(device) if self.options.distributed else None)
 
-            def weights() -> Iterator[tuple[str, Any]]:
-                for uri, prefix in sources:
-                    checkpoint = _lazy.Checkpoint(
-                        uri, stats, exchange, all_layers=every_layer, **self.options.stream_kwargs
-                    )
-                    for name, tensor in checkpoint:
-                        yield prefix + name, tensor
 
-            try:
-                with _released():
-                    loaded = model.load_weights(weights())
-            finally:
-                if exchange is not None:
-                    exchange.close()
-            meter.bytes = stats.read_bytes
-            meter.log()
-            logger.info("fastload sliced reads on %s: %s", _rank_name(), stats.line())
-            self.stats = stats.as_dict()
-            return loaded
+class _FastloadShardedStateLoader(_Loader):
+    """``load_format="fastload_sharded"``: the files vLLM's ``save_sharded_state`` wrote, each
+    worker reading only its own and copying them into its state dict."""
 
-    class FastloadShardedStateLoader(_Loader):
-        """``load_format="fastload_sharded"``: the files vLLM's ``save_sharded_state`` wrote,
-        each worker reading only its own and copying them into its state dict."""
+    _allowed = _SHARDED_KEYS
 
-        _allowed = _SHARDED_KEYS
+    def download_model(self, model_config: Any) -> None:
+        self._location(model_config, index=False)
 
-        def download_model(self, model_config: Any) -> None:
-            self._location(model_config, index=False)
-
-        def _files(self, root: str) -> list[str]:
-            name = _render_pattern(self.options.pattern, part="*")
-            if _is_url(root):
-                files = self._probe(root)
-            else:
-                files = sorted(glob.glob(os.path.join(glob.escape(root), name)))
-            if not files:
-                raise FileNotFoundError(
-                    f"no sharded-state files {name!r} in {root!r}: write them with vLLM's "
-                    f"save_sharded_state (with the same tensor/pipeline parallel sizes), or use "
-                    f"load_format={LOAD_FORMAT!r} for an ordinary checkpoint"
-                )
-            return files
-
-        def _probe(self, root: str) -> list[str]:
-            """This rank's objects under a URL prefix: parts 0, 1, ... as save_model numbers them
-            (no listing, and no other rank's object is touched)."""
-            import fastload
-
-            options = self.options.stream_kwargs.get("storage_options")
-            files: list[str] = []
-            while True:
-                uri = (
-                    root.rstrip("/") + "/" + _render_pattern(self.options.pattern, part=len(files))
-                )
-                if files and uri == files[-1]:
-                    return files  # a pattern without {part}: one file per rank
-                try:
-                    fastload.inspect(uri, storage_options=options)
-                except FileNotFoundError:
-                    return files
-                files.append(uri)
-
-        def load_weights(self, model: Any, model_config: Any) -> None:
-            from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
-                sharded_state_loader,
+    def _files(self, root: str) -> list[str]:
+        name = _render_pattern(self.options.pattern, part="*")
+        if _is_url(root):
+            files = self._probe(root)
+        else:
+            files = sorted(glob.glob(os.path.join(glob.escape(root), name)))
+        if not files:
+            raise FileNotFoundError(
+                f"no sharded-state files {name!r} in {root!r}: write them with vLLM's "
+                f"save_sharded_state (with the same tensor/pipeline parallel sizes), or use "
+                f"load_format={LOAD_FORMAT!r} for an ordinary checkpoint"
             )
+        return files
 
-            device = _integration.target_device(self._load_device, model)
-            files = self._files(self._location(model_config, index=False))
-            filter_subtensors = sharded_state_loader.ShardedStateLoader._filter_subtensors
-            state_dict = filter_subtensors(model.state_dict())
-            meter = _integration.Meter(logger)
-            # Each rank reads its own files: nothing to share over the group.
-            own = replace(self.options, distributed=False)
-            with _released():
-                for key, tensor in meter.count(_stream(files, device, own)):
-                    param = state_dict.pop(key, None)
-                    if param is None:
-                        raise ValueError(f"{key!r} in {files} is not a parameter of this model")
-                    _copy_into(param, tensor, key)
-            meter.log()
-            if state_dict:
-                raise ValueError(f"Missing keys {tuple(state_dict)} in loaded state!")
+    def _probe(self, root: str) -> list[str]:
+        """This rank's objects under a URL prefix: parts 0, 1, ... as save_model numbers them
+        (no listing, and no other rank's object is touched)."""
+        import fastload
 
-    loaders: dict[str, type] = {}
-    for cls in (FastloadModelLoader, FastloadShardedStateLoader):
-        cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-        loaders[cls.__name__] = cls
-    return loaders
+        options = self.options.stream_kwargs.get("storage_options")
+        files: list[str] = []
+        while True:
+            uri = root.rstrip("/") + "/" + _render_pattern(self.options.pattern, part=len(files))
+            if files and uri == files[-1]:
+                return files  # a pattern without {part}: one file per rank
+            try:
+                fastload.inspect(uri, storage_options=options)
+            except FileNotFoundError:
+                return files
+            files.append(uri)
+
+    def load_weights(self, model: Any, model_config: Any) -> None:
+        from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
+            sharded_state_loader,
+        )
+
+        device = _integration.target_device(self._load_device, model)
+        files = self._files(self._location(model_config, index=False))
+        filter_subtensors = sharded_state_loader.ShardedStateLoader._filter_subtensors
+        state_dict = filter_subtensors(model.state_dict())
+        meter = _integration.Meter(logger)
+        # Each rank reads its own files: nothing to share over the group.
+        own = replace(self.options, distributed=False)
+        with _released():
+            for key, tensor in meter.count(_stream(files, device, own)):
+                param = state_dict.pop(key, None)
+                if param is None:
+                    raise ValueError(f"{key!r} in {files} is not a parameter of this model")
+                _copy_into(param, tensor, key)
+        meter.log()
+        if state_dict:
+            raise ValueError(f"Missing keys {tuple(state_dict)} in loaded state!")
 
 
 def _copy_into(param: Any, tensor: Any, key: str) -> None:
