@@ -385,8 +385,8 @@ class Reads:
     def lazily(self, exchange: Any, every_layer: bool, rank: Callable[[], str]) -> Reads:
         """Lazy tensors. ``exchange`` (:func:`column_exchange`'s, or None): row-parallel weights
         are read once over the group and exchanged. ``every_layer``: the worker loads every
-        layer (no pipeline stage), which the read-ahead may then read ahead of the model.
-        ``rank()``: the worker's name for the log line."""
+        layer (no pipeline stage), so the read-ahead reads the next layer with the one the
+        model is at. ``rank()``: the worker's name for the log line."""
         from . import _lazy
 
         self._lazy = _lazy.Stats()
@@ -462,6 +462,9 @@ class Loader:
     # Repo ids become hf:// URIs streamed from the Hub (else: downloaded with the engine's
     # helper, :meth:`_download`).
     stream_hub: ClassVar[bool] = True
+    # Where none of the patterns a model names its weight files by matches: the folder's files
+    # are loaded (False), or the load fails (True).
+    overrides_required: ClassVar[bool] = False
 
     load_config: Any  # set by the engine's base class
 
@@ -480,19 +483,48 @@ class Loader:
         """``load_config``'s extra config, checked."""
         raise NotImplementedError
 
-    def _download(self, repo: str, revision: str | None, index: bool) -> str:
-        """A repo's safetensors (with ``index``, its index file too), downloaded with the
-        engine's helper; returns the local folder."""
+    def _weight_utils(self) -> Any:
+        """The engine's ``weight_utils`` module (SGLang's is a fork of vLLM's: the download
+        helpers :meth:`_download` uses have the same names and arguments)."""
         raise NotImplementedError
 
     def _secondary(self, extra: Any) -> tuple[Any, str]:
         """``(uri, prefix)`` for secondary weights the model asks for (``secondary_weights``)."""
         raise NotImplementedError
 
-    def _apply_overrides(self, model: Any, root: str) -> Any:
-        """The files of ``root`` the model names itself (``allow_patterns_overrides``), or
-        ``root``."""
-        raise NotImplementedError
+    def _download(self, repo: str, revision: str | None, index: bool) -> str:
+        """A repo's safetensors (with ``index``, its index file too), downloaded with the
+        engine's helpers; returns the local folder."""
+        weight_utils, config = self._weight_utils(), self.load_config
+        folder = weight_utils.download_weights_from_hf(
+            repo,
+            config.download_dir,
+            ["*.safetensors"],
+            revision,
+            ignore_patterns=config.ignore_patterns,
+        )
+        if index:
+            # Repos that hold both sharded and consolidated files: the index says which to load.
+            weight_utils.download_safetensors_index_file_from_hf(
+                repo, "model.safetensors.index.json", config.download_dir, revision=revision
+            )
+        return str(folder)
+
+    def _overridden(self, patterns: Any, root: str) -> Any:
+        """The files of the folder ``root`` that match the first of ``patterns`` (a model's
+        ``allow_patterns_overrides``: it names its weight files itself) that matches any;
+        ``root`` where none is given or none matches (an error where ``overrides_required``)."""
+        if not patterns or not os.path.isdir(root):
+            return root
+        import glob
+
+        for pattern in patterns:
+            files = sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
+            if files:
+                return files
+        if self.overrides_required:
+            raise FileNotFoundError(f"no weight files {list(patterns)} in {root!r}")
+        return root
 
     def _weights_location(self, model_config: Any) -> str:
         """Where the weights are: ``weights_uri``, else ``model_weights`` (the original
@@ -530,7 +562,8 @@ class Loader:
 
     def _sources(self, model: Any, model_config: Any) -> list[tuple[Any, str]]:
         """(uri, prefix) for the checkpoint and any secondary weights the model asks for."""
-        sources = [(self._apply_overrides(model, self._location(model_config)), "")]
+        patterns = getattr(model, "allow_patterns_overrides", None)
+        sources = [(self._overridden(patterns, self._location(model_config)), "")]
         sources += [self._secondary(extra) for extra in getattr(model, "secondary_weights", ())]
         return sources
 

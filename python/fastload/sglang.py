@@ -39,7 +39,6 @@ Importing this module imports neither sglang nor torch.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
@@ -247,52 +246,21 @@ class _FastloadModelLoader(_integration.Loader):
 
     model_attr = "model_path"
     modelscope_env = "SGLANG_USE_MODELSCOPE"
+    overrides_required = True
 
     def _parse(self, load_config: Any) -> _integration.Options:
         extra = load_config.model_loader_extra_config
         return _integration.Options.parse(LOAD_FORMAT, extra, KEYS)
 
-    def _download(self, repo: str, revision: str | None, index: bool) -> str:
-        """A repo fastload cannot stream (ModelScope), downloaded with SGLang's helper (its
-        index file too)."""
-        from sglang.srt.model_loader.weight_utils import (
-            download_safetensors_index_file_from_hf,
-            download_weights_from_hf,
-        )
+    def _weight_utils(self) -> Any:
+        from sglang.srt.model_loader import weight_utils
 
-        config = self.load_config
-        folder = download_weights_from_hf(
-            repo,
-            config.download_dir,
-            ["*.safetensors"],
-            revision,
-            ignore_patterns=config.ignore_patterns,
-        )
-        download_safetensors_index_file_from_hf(
-            repo, "model.safetensors.index.json", config.download_dir, revision
-        )
-        return str(folder)
+        return weight_utils
 
     def _secondary(self, extra: Any) -> tuple[Any, str]:
         where = self._resolve(extra.model_or_path, extra.revision)
         patterns = getattr(extra, "allow_patterns_overrides", None)
-        return self._apply_overrides(patterns, where), extra.prefix
-
-    @staticmethod
-    def _apply_overrides(model_or_patterns: Any, root: str) -> Any:
-        # A model may name its weight files itself (allow_patterns_overrides).
-        patterns = model_or_patterns
-        if not isinstance(patterns, (list, tuple)):
-            patterns = getattr(model_or_patterns, "allow_patterns_overrides", None)
-        if not patterns or not os.path.isdir(root):
-            return root
-        import glob
-
-        for pattern in patterns:
-            files = sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
-            if files:
-                return files
-        raise FileNotFoundError(f"no weight files {list(patterns)} in {root!r}")
+        return self._overridden(patterns, where), extra.prefix
 
     def load_model(self, *, model_config: Any, device_config: Any) -> Any:
         import torch

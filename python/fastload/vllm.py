@@ -454,31 +454,21 @@ class _Loader(_integration.Loader):
         # BaseModelLoader's (next in the MRO of the class on_base makes).
         return super().load_model(vllm_config, *args, **kwargs)  # type: ignore[misc]
 
-    def _download(self, repo: str, revision: str | None, index: bool) -> str:
-        """A Hugging Face (or ModelScope) repo's safetensors, fetched with vLLM's own helpers."""
+    def _weight_utils(self) -> Any:
         from vllm.model_executor.model_loader import (  # type: ignore[import-not-found]
             weight_utils,
         )
 
-        modelscope = getattr(weight_utils, "maybe_download_from_modelscope", None)
+        return weight_utils
+
+    def _download(self, repo: str, revision: str | None, index: bool) -> str:
+        """A Hugging Face (or ModelScope) repo's safetensors, fetched with vLLM's own helpers."""
+        modelscope = getattr(self._weight_utils(), "maybe_download_from_modelscope", None)
         if modelscope is not None:
             local = modelscope(repo, revision)
             if local:
                 return str(local)
-        config = self.load_config
-        folder = weight_utils.download_weights_from_hf(
-            repo,
-            config.download_dir,
-            ["*.safetensors"],
-            revision,
-            ignore_patterns=config.ignore_patterns,
-        )
-        if index:
-            # Repos that hold both sharded and consolidated files: the index says which to load.
-            weight_utils.download_safetensors_index_file_from_hf(
-                repo, "model.safetensors.index.json", config.download_dir, revision=revision
-            )
-        return str(folder)
+        return super()._download(repo, revision, index)
 
 
 class _FastloadModelLoader(_Loader):
@@ -492,18 +482,6 @@ class _FastloadModelLoader(_Loader):
         if getattr(extra, "subfolder", None):
             where = where.rstrip("/") + "/" + extra.subfolder
         return where, getattr(extra, "prefix", "")
-
-    @staticmethod
-    def _apply_overrides(model: Any, root: str) -> Any:
-        # A model may name its weight files itself (vLLM's allow_patterns_overrides).
-        patterns = getattr(model, "allow_patterns_overrides", None)
-        if not patterns or not os.path.isdir(root):
-            return root
-        for pattern in patterns:
-            files = sorted(glob.glob(os.path.join(root, pattern)))
-            if files:
-                return files
-        return root
 
     def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
         """vLLM's weight iterator (``DefaultModelLoader.get_all_weights``), which its in-place
