@@ -128,43 +128,12 @@ impl HubGet<'_> {
     async fn request(&self, range: std::ops::Range<u64>, pinned: &Version) -> Result<Answer> {
         let file = self.file;
         let name = file.name.as_str();
-        let (start, end) = (range.start, range.end);
         let mut refresh = false;
         let mut refused = 0;
         loop {
             let location = file.location(refresh).await?;
-            // The pin is the storage host's ETag: another host (a location resolved again
-            // elsewhere) has its own, and the file's metadata was checked on resolving.
-            let host = location.url.origin().ascii_serialization();
-            let if_match = {
-                let mut pin_host = file.pin_host.lock().expect("pin lock");
-                if pin_host.as_deref() != Some(host.as_str()) {
-                    if pin_host.is_some() {
-                        file.pin.reset();
-                    }
-                    *pin_host = Some(host);
-                    None
-                } else {
-                    pinned.strong_etag().map(str::to_string)
-                }
-            };
-            let range_header = format!("bytes={start}-{}", end - 1);
-            let response = file
-                .hub
-                .send(name, || {
-                    let request = file
-                        .hub
-                        .request(Method::GET, &location.url)
-                        .header(RANGE, range_header.as_str())
-                        // The bytes as stored: a CDN (the Hub's Xet bridge on CloudFront)
-                        // ignores Range and sends the whole file when gzip is accepted.
-                        .header(ACCEPT_ENCODING, "identity");
-                    match &if_match {
-                        Some(etag) => request.header(IF_MATCH, etag.as_str()),
-                        None => request,
-                    }
-                })
-                .await?;
+            let if_match = self.if_match(&location, pinned);
+            let response = self.send(&location, &range, if_match.as_deref()).await?;
             let status = response.status();
             if status == StatusCode::PRECONDITION_FAILED {
                 let sent = if_match.map(|etag| format!("If-Match: {etag}"));
@@ -187,48 +156,102 @@ impl HubGet<'_> {
                 continue;
             }
             let response = file.hub.check(name, &file.repo_id, response).await?;
-            let headers = response.headers();
-            let (served, size) = match status {
-                StatusCode::PARTIAL_CONTENT => content_range(name, headers, start, end)?,
-                StatusCode::OK if start == 0 && end == file.size && whole(headers, end) => {
-                    (0..file.size, None)
-                }
-                StatusCode::OK => {
-                    return Err(io_error(
-                        name,
-                        io::ErrorKind::InvalidData,
-                        format!(
-                            "the storage host ignored Range: it answered 200 OK with the whole \
-                             file (Content-Length {}) to a request for bytes {start}..{end}",
-                            api::header(headers, CONTENT_LENGTH.as_str()).unwrap_or("absent")
-                        ),
-                    ))
-                }
-                _ => {
-                    return Err(io_error(
-                        name,
-                        io::ErrorKind::InvalidData,
-                        format!("the storage host answered {status} to a range request"),
-                    ))
-                }
-            };
-            let version = Version {
-                etag: api::header(headers, ETAG.as_str()).map(str::to_string),
-                version: None,
-                last_modified: api::header(headers, LAST_MODIFIED.as_str()).map(str::to_string),
-            };
-            let owned = name.to_string();
-            let body = response
-                .bytes_stream()
-                .map_err(move |e| net_error(&owned, e))
-                .boxed();
-            return Ok(Answer::Bytes(Response {
-                range: served,
-                size,
-                version,
-                body,
-            }));
+            return self.answer(response, &range);
         }
+    }
+
+    /// The `If-Match` of a read from `location`: the pinned ETag while reads stay on the host it
+    /// came from. The pin is the storage host's ETag: another host (a location resolved again
+    /// elsewhere) has its own, and the file's metadata was checked on resolving.
+    fn if_match(&self, location: &Location, pinned: &Version) -> Option<String> {
+        let file = self.file;
+        let host = location.url.origin().ascii_serialization();
+        let mut pin_host = file.pin_host.lock().expect("pin lock");
+        if pin_host.as_deref() != Some(host.as_str()) {
+            if pin_host.is_some() {
+                file.pin.reset();
+            }
+            *pin_host = Some(host);
+            None
+        } else {
+            pinned.strong_etag().map(str::to_string)
+        }
+    }
+
+    /// One ranged GET of `location`, through the Hub's retry loop.
+    async fn send(
+        &self,
+        location: &Location,
+        range: &std::ops::Range<u64>,
+        if_match: Option<&str>,
+    ) -> Result<reqwest::Response> {
+        let file = self.file;
+        let range_header = format!("bytes={}-{}", range.start, range.end - 1);
+        file.hub
+            .send(&file.name, || {
+                let request = file
+                    .hub
+                    .request(Method::GET, &location.url)
+                    .header(RANGE, range_header.as_str())
+                    // The bytes as stored: a CDN (the Hub's Xet bridge on CloudFront) ignores
+                    // Range and sends the whole file when gzip is accepted.
+                    .header(ACCEPT_ENCODING, "identity");
+                match if_match {
+                    Some(etag) => request.header(IF_MATCH, etag),
+                    None => request,
+                }
+            })
+            .await
+    }
+
+    /// A storage host's answer to the read of `range` (checked by the Hub's rules): the bytes
+    /// and the version they are of, or why they cannot be used.
+    fn answer(&self, response: reqwest::Response, range: &std::ops::Range<u64>) -> Result<Answer> {
+        let file = self.file;
+        let name = file.name.as_str();
+        let (start, end) = (range.start, range.end);
+        let status = response.status();
+        let headers = response.headers();
+        let (served, size) = match status {
+            StatusCode::PARTIAL_CONTENT => content_range(name, headers, start, end)?,
+            StatusCode::OK if start == 0 && end == file.size && whole(headers, end) => {
+                (0..file.size, None)
+            }
+            StatusCode::OK => {
+                return Err(io_error(
+                    name,
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "the storage host ignored Range: it answered 200 OK with the whole \
+                         file (Content-Length {}) to a request for bytes {start}..{end}",
+                        api::header(headers, CONTENT_LENGTH.as_str()).unwrap_or("absent")
+                    ),
+                ))
+            }
+            _ => {
+                return Err(io_error(
+                    name,
+                    io::ErrorKind::InvalidData,
+                    format!("the storage host answered {status} to a range request"),
+                ))
+            }
+        };
+        let version = Version {
+            etag: api::header(headers, ETAG.as_str()).map(str::to_string),
+            version: None,
+            last_modified: api::header(headers, LAST_MODIFIED.as_str()).map(str::to_string),
+        };
+        let owned = name.to_string();
+        let body = response
+            .bytes_stream()
+            .map_err(move |e| net_error(&owned, e))
+            .boxed();
+        Ok(Answer::Bytes(Response {
+            range: served,
+            size,
+            version,
+            body,
+        }))
     }
 }
 

@@ -272,6 +272,18 @@ pub(super) fn apply(
     let Some(config) = config else {
         return Ok((b, flow));
     };
+    Ok((apply_config(b, env, &files, config, explicit), flow))
+}
+
+/// The profile's config-file settings that `b` does not have yet: region, endpoint (its
+/// `services` section's first) and addressing style.
+fn apply_config(
+    mut b: AmazonS3Builder,
+    env: &[(String, String)],
+    files: &Files,
+    config: &Section,
+    explicit: &mut HashSet<AmazonS3ConfigKey>,
+) -> AmazonS3Builder {
     let unset = |b: &AmazonS3Builder, key: AmazonS3ConfigKey| b.get_config_value(&key).is_none();
     if unset(&b, AmazonS3ConfigKey::Region) && unset(&b, AmazonS3ConfigKey::DefaultRegion) {
         if let Some(region) = config.get("region") {
@@ -309,7 +321,7 @@ pub(super) fn apply(
             explicit.insert(virtual_key);
         }
     }
-    Ok((b, flow))
+    b
 }
 
 /// What a profile says about credentials.

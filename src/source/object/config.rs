@@ -54,96 +54,12 @@ pub fn open_with_env(
     crate::error::remember_url_credentials(uri);
     install_crypto();
     let (retry, store_options) = split_retry_options(options)?;
+    let config = retry.request_config();
     let built = match scheme {
-        ObjectStoreScheme::AmazonS3 => {
-            let b = s3_builder(uri, &store_options, &env)?;
-            let key = AmazonS3ConfigKey::Endpoint;
-            let from = || endpoint_source(&key, &store_options, &env, &["AWS_"], "endpoint_url");
-            check_store_endpoint(b.get_config_value(&key), from)?;
-            let signing = Arc::new(AwsSigning::default());
-            b.with_retry(retry.request_config())
-                .with_http_connector(ChecksumConnector(StoreChecksums::S3(signing.clone())))
-                .build()
-                .map(|s| {
-                    let _ = signing.credentials.set(s.credentials().clone());
-                    let s = Arc::new(s);
-                    (
-                        s.clone() as Arc<dyn ObjectStore>,
-                        Some(Multipart(s as Arc<dyn MultipartStore>)),
-                    )
-                })
-        }
-        ObjectStoreScheme::GoogleCloudStorage => {
-            let b = gcs_builder(uri, &store_options, &env)?;
-            let key = GoogleConfigKey::BaseUrl;
-            let from = || {
-                endpoint_source(
-                    &key,
-                    &store_options,
-                    &env,
-                    &["GOOGLE_"],
-                    "STORAGE_EMULATOR_HOST",
-                )
-            };
-            check_store_endpoint(b.get_config_value(&key), from)?;
-            b.with_retry(retry.request_config())
-                .with_http_connector(ChecksumConnector(StoreChecksums::Gcs))
-                .build()
-                .map(|s| {
-                    let s = Arc::new(s);
-                    (
-                        s.clone() as Arc<dyn ObjectStore>,
-                        Some(Multipart(s as Arc<dyn MultipartStore>)),
-                    )
-                })
-        }
-        ObjectStoreScheme::MicrosoftAzure => {
-            let b = azure_builder(uri, &store_options, &env)?;
-            let key = AzureConfigKey::Endpoint;
-            let from = || {
-                endpoint_source(
-                    &key,
-                    &store_options,
-                    &env,
-                    &["AZURE_"],
-                    "the connection string",
-                )
-            };
-            check_store_endpoint(b.get_config_value(&key), from)?;
-            let signing = Arc::new(AzureSigning::default());
-            b.with_retry(retry.request_config())
-                .with_http_connector(ChecksumConnector(StoreChecksums::Azure(signing.clone())))
-                .build()
-                .map(|s| {
-                    let _ = signing.credentials.set(s.credentials().clone());
-                    (Arc::new(s) as Arc<dyn ObjectStore>, None)
-                })
-        }
-        ObjectStoreScheme::Http => {
-            // A presigned URL's query (its signature) must go with every request of the object:
-            // object_store builds each request's URL from this base, keeping its query.
-            let base = match url.query() {
-                Some(query) => {
-                    crate::error::remember_secret(query);
-                    format!("{}?{query}", &url[..url::Position::BeforePath])
-                }
-                None => url[..url::Position::BeforePath].to_string(),
-            };
-            let mut b = HttpBuilder::new().with_url(base);
-            for (k, v) in CLIENT_DEFAULTS {
-                b = b.with_config(*k, *v);
-            }
-            if url.scheme() == "http" {
-                b = b.with_config(ClientConfigKey::AllowHttp, "true");
-            }
-            for (k, v) in &store_options {
-                b = b.with_config(parse_key::<ClientConfigKey>("http", k)?, v);
-            }
-            b.with_retry(retry.request_config())
-                .with_http_connector(SharedStoreClients)
-                .build()
-                .map(|s| (Arc::new(s) as Arc<dyn ObjectStore>, None))
-        }
+        ObjectStoreScheme::AmazonS3 => build_s3(uri, &store_options, &env, config)?,
+        ObjectStoreScheme::GoogleCloudStorage => build_gcs(uri, &store_options, &env, config)?,
+        ObjectStoreScheme::MicrosoftAzure => build_azure(uri, &store_options, &env, config)?,
+        ObjectStoreScheme::Http => build_http(&url, &store_options, config)?,
         _ => return Err(unsupported(&shown, "not an object-store URL")),
     };
     let (store, multipart) = built.map_err(|e| build_error(&shown, e))?;
@@ -156,6 +72,106 @@ pub fn open_with_env(
         retry,
         multipart,
     })
+}
+
+/// A built store and its multipart uploads (where its scheme has them), or object_store's
+/// reason it could not be built; the `Err` around it is a refusal of our own (an option).
+type Built = std::result::Result<(Arc<dyn ObjectStore>, Option<Multipart>), object_store::Error>;
+
+fn build_s3(
+    uri: &str,
+    options: &[(String, String)],
+    env: &[(String, String)],
+    retry: object_store::RetryConfig,
+) -> Result<Built> {
+    let b = s3_builder(uri, options, env)?;
+    let key = AmazonS3ConfigKey::Endpoint;
+    let from = || endpoint_source(&key, options, env, &["AWS_"], "endpoint_url");
+    check_store_endpoint(b.get_config_value(&key), from)?;
+    let signing = Arc::new(AwsSigning::default());
+    Ok(b.with_retry(retry)
+        .with_http_connector(ChecksumConnector(StoreChecksums::S3(signing.clone())))
+        .build()
+        .map(|s| {
+            let _ = signing.credentials.set(s.credentials().clone());
+            let s = Arc::new(s);
+            (
+                s.clone() as Arc<dyn ObjectStore>,
+                Some(Multipart(s as Arc<dyn MultipartStore>)),
+            )
+        }))
+}
+
+fn build_gcs(
+    uri: &str,
+    options: &[(String, String)],
+    env: &[(String, String)],
+    retry: object_store::RetryConfig,
+) -> Result<Built> {
+    let b = gcs_builder(uri, options, env)?;
+    let key = GoogleConfigKey::BaseUrl;
+    let from = || endpoint_source(&key, options, env, &["GOOGLE_"], "STORAGE_EMULATOR_HOST");
+    check_store_endpoint(b.get_config_value(&key), from)?;
+    Ok(b.with_retry(retry)
+        .with_http_connector(ChecksumConnector(StoreChecksums::Gcs))
+        .build()
+        .map(|s| {
+            let s = Arc::new(s);
+            (
+                s.clone() as Arc<dyn ObjectStore>,
+                Some(Multipart(s as Arc<dyn MultipartStore>)),
+            )
+        }))
+}
+
+fn build_azure(
+    uri: &str,
+    options: &[(String, String)],
+    env: &[(String, String)],
+    retry: object_store::RetryConfig,
+) -> Result<Built> {
+    let b = azure_builder(uri, options, env)?;
+    let key = AzureConfigKey::Endpoint;
+    let from = || endpoint_source(&key, options, env, &["AZURE_"], "the connection string");
+    check_store_endpoint(b.get_config_value(&key), from)?;
+    let signing = Arc::new(AzureSigning::default());
+    Ok(b.with_retry(retry)
+        .with_http_connector(ChecksumConnector(StoreChecksums::Azure(signing.clone())))
+        .build()
+        .map(|s| {
+            let _ = signing.credentials.set(s.credentials().clone());
+            (Arc::new(s) as Arc<dyn ObjectStore>, None)
+        }))
+}
+
+fn build_http(
+    url: &Url,
+    options: &[(String, String)],
+    retry: object_store::RetryConfig,
+) -> Result<Built> {
+    // A presigned URL's query (its signature) must go with every request of the object:
+    // object_store builds each request's URL from this base, keeping its query.
+    let base = match url.query() {
+        Some(query) => {
+            crate::error::remember_secret(query);
+            format!("{}?{query}", &url[..url::Position::BeforePath])
+        }
+        None => url[..url::Position::BeforePath].to_string(),
+    };
+    let mut b = HttpBuilder::new().with_url(base);
+    for (k, v) in CLIENT_DEFAULTS {
+        b = b.with_config(*k, *v);
+    }
+    if url.scheme() == "http" {
+        b = b.with_config(ClientConfigKey::AllowHttp, "true");
+    }
+    for (k, v) in options {
+        b = b.with_config(parse_key::<ClientConfigKey>("http", k)?, v);
+    }
+    Ok(b.with_retry(retry)
+        .with_http_connector(SharedStoreClients)
+        .build()
+        .map(|s| (Arc::new(s) as Arc<dyn ObjectStore>, None)))
 }
 
 /// Checks the endpoint a builder ended up with, wherever it came from (`from` names that): a value
