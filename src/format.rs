@@ -16,7 +16,7 @@ mod names;
 mod shards;
 
 pub use error::{FormatError, JsonPosition};
-pub use index::{index_shard_names, INDEX_FILE};
+pub use index::{index_json, index_shard_names, INDEX_FILE};
 use json::{parse_json, RawInfo};
 pub use names::{check_inside, NameProblem};
 pub use shards::{check_complete, check_folder};

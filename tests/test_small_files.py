@@ -87,6 +87,28 @@ def test_unchanged_files_are_kept_and_tampered_ones_fetched_again(s3_model, tmp_
     assert (what, data) == ("unchanged", None)
 
 
+def test_a_destination_reused_for_another_checkpoint_gets_its_files(tmp_path):
+    """A destination filled from one checkpoint, then from another whose server gives its
+    config the same ETag (nginx's is the file's mtime and size: two files of one size written in
+    the same second share it): each copy records the object it copies, as the local cache's
+    copies do, so the other checkpoint's file is fetched, not kept as "not modified"."""
+    from servers.http import start_server
+
+    a = start_server({"/m/config.json": b'{"v": 1}'})
+    b = start_server({"/m/config.json": b'{"v": 2}'})
+    try:
+        a.etags["/m/config.json"] = b.etags["/m/config.json"] = '"5f3a1c-8"'
+        dest = tmp_path / "dest"
+        assert _remote_files.fetch_small_files(a.url("m/"), ["config.json"], dest)
+        assert _remote_files.fetch_small_files(a.url("m/"), ["config.json"], dest)
+        assert [r[3] for r in a.behaviour.log] == [200, 304]  # kept: the server said so
+        assert _remote_files.fetch_small_files(b.url("m/"), ["config.json"], dest)
+        assert (dest / "config.json").read_bytes() == b'{"v": 2}'
+    finally:
+        a.close()
+        b.close()
+
+
 def test_the_engine_pull_removes_files_whose_objects_are_gone(s3_model, tmp_path):
     """vLLM's folder for a URI is reused between runs: a tokenizer file deleted from the prefix
     must not stay behind (a stale extra tokenizer file changes what the tokenizer loads)."""
@@ -314,6 +336,24 @@ def test_engines_pull_from_a_hub_repo_of_many_files(many_hub, monkeypatch, caplo
     monkeypatch.setattr(_integration, "SMALL_FILE_LIMIT", 10)
     with pytest.raises(fastload.StorageError, match=r"config\.json: \d+ bytes, more than"):
         _integration.download_small_files("org/many", None, str(tmp_path / "dl3"), None)
+
+
+@pytest.mark.parametrize("var", ["HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"])
+def test_engines_pull_into_the_cache_the_environment_names(many_hub, monkeypatch, tmp_path, var):
+    """With no download folder, an engine's Hub pull fills the Hugging Face cache the environment
+    names now, the one its weights' hf:// reads use (the legacy ``HUGGINGFACE_HUB_CACHE`` over
+    ``HF_HOME``; ``XDG_CACHE_HOME`` without it), though huggingface_hub read its variables when
+    it was imported."""
+    import huggingface_hub  # noqa: F401 (imported before the variable changes)
+
+    monkeypatch.setenv(var, str(tmp_path / "named"))
+    if var == "XDG_CACHE_HOME":
+        monkeypatch.delenv("HF_HOME")
+    cache = tmp_path / "named"
+    cache = cache if var == "HUGGINGFACE_HUB_CACHE" else cache / "huggingface" / "hub"
+    folder = Path(_integration.download_small_files("org/many", None, None, None))
+    assert folder.parent.parent == cache / "models--org--many"
+    assert (folder / "config.json").is_file()
 
 
 def test_engines_pull_from_an_object_store_prefix_of_many_files(

@@ -295,6 +295,48 @@ def test_hub_subfolder_and_revision(models, hub, hub_env):
     assert not safetensors_under(hub_env / "hf_home", hub_env / "tmp")
 
 
+def test_hub_uris_name_what_a_load_reads(models, hub, hub_env):
+    """The small files come from the repo, revision and folder the weights stream from, as
+    fastload.load reads the URI: a ``refs/convert/NAME`` revision written as is, and the scheme
+    in any case."""
+    nested = {f"ckpt/{k}": v for k, v in tree(models["sharded"]).items()}
+    hub.add("org/converted", nested)  # main: another model, which must not be read
+    converted = {f"ckpt/{k}": v for k, v in tree(models["llama"]).items()}
+    hub.add("org/converted", converted, branch="refs/convert/fastload")
+    check(LlamaForCausalLM, "hf://org/converted@refs/convert/fastload/ckpt", models["llama"])
+    check(LlamaForCausalLM, "HF://org/llama", models["llama"])
+    assert not safetensors_under(hub_env / "hf_home", hub_env / "tmp")
+
+
+@pytest.mark.parametrize("uri", ["hf://org/../llama", "hf://../org/llama", "hf://./llama@main"])
+def test_hub_uris_with_dot_segments_in_the_repo_are_refused(hub, hub_env, uri):
+    """``.`` and ``..`` as a repo's org or name: ConfigError before anything is fetched, as a
+    load refuses them."""
+    before = len(hub.requests())
+    with pytest.raises(fastload.ConfigError) as e:
+        fastload.transformers.from_pretrained(LlamaForCausalLM, uri)
+    assert e.value.option == "uri" and ".." in str(e.value)
+    assert len(hub.requests()) == before
+
+
+@pytest.mark.parametrize("var", ["HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"])
+def test_small_files_go_to_the_cache_the_environment_names(models, hub, hub_env, monkeypatch, var):
+    """The config lands in the Hugging Face cache the environment names when the model is
+    loaded, the one the weights' hf:// reads use: the legacy ``HUGGINGFACE_HUB_CACHE`` (over
+    ``HF_HOME``) and ``XDG_CACHE_HOME`` (without ``HF_HOME``) included, though huggingface_hub
+    read its variables when it was imported."""
+    import huggingface_hub  # noqa: F401 (imported before the variable changes)
+
+    named = hub_env / "named"
+    monkeypatch.setenv(var, str(named))
+    if var == "XDG_CACHE_HOME":
+        monkeypatch.delenv("HF_HOME")
+    check(AutoModelForCausalLM, "hf://org/llama", models["llama"])
+    cache = named if var == "HUGGINGFACE_HUB_CACHE" else named / "huggingface" / "hub"
+    assert [p.name for p in (cache / "models--org--llama").rglob("config.json")] == ["config.json"]
+    assert not (hub_env / "hf_home").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # S3 (SeaweedFS)
 

@@ -471,6 +471,20 @@ def test_save_shards_as_huggingface_hub_splits_them(tmp_path):
     assert os.listdir(tmp_path / "one") == ["model.safetensors"]
 
 
+def test_save_writes_the_index_byte_for_byte_as_transformers_does(tmp_path):
+    """The index's bytes are transformers' ``save_pretrained`` form of the same split: keys
+    sorted, two-space indent, non-ASCII and control characters escaped, a final newline."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    names = ["b.w", "a.w", "caf\u00e9.w", "emoji\U0001f600", 'q"\\\n\x7f', "z" * 300]
+    state = {n: pattern((64,), torch.float32, seed=i) for i, n in enumerate(names)}
+    split = split_torch_state_dict_into_shards(state, max_shard_size=300)
+    fastload.save(state, tmp_path / "m", max_shard_size=300)
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    want = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    assert (tmp_path / "m" / "model.safetensors.index.json").read_bytes() == want
+
+
 @st.composite
 def shared_storages(draw):
     """A state dict in a drawn order whose tensors are views of a few storages, as a fused qkv

@@ -59,12 +59,17 @@ __all__ = [
     "copy",
     "cuda_device_count",
     "fetch_object",
+    "fetch_small_file",
+    "hub_cache_dir",
     "index_files",
+    "index_json",
     "inspect_json",
     "is_remote_uri",
     "list_objects",
+    "parse_hub_uri",
     "parse_size",
     "plan_ranks",
+    "prune_small_files",
     "read_object",
     "release_memory",
     "remove",
@@ -491,6 +496,20 @@ def check_inside(name: str, source: str) -> str:
     ``#`` or control characters. Else ``ConfigError`` naming ``source`` (where the name came
     from) and the name."""
 
+def index_json(weight_map: Sequence[tuple[str, str]], total_size: int) -> bytes:
+    """The bytes of ``model.safetensors.index.json``: ``weight_map`` pairs of (tensor name,
+    shard file) and ``total_size``, written as transformers and ``huggingface_hub`` write it
+    (``json.dumps(index, indent=2, sort_keys=True)`` and a newline)."""
+
+def parse_hub_uri(uri: str) -> tuple[str, str | None, str] | None:
+    """``(repo_id, revision, path)`` of ``hf://ORG/REPO[@REVISION][/path]`` (scheme in any case;
+    ``refs/pr/N`` and ``refs/convert/NAME`` as written or URL-encoded), as a load reads it; None
+    when ``uri`` is not an ``hf://`` URI; ``ConfigError`` for one that names no repo."""
+
+def hub_cache_dir() -> str:
+    """The Hugging Face cache folder the environment names now, as ``huggingface_hub`` resolves
+    it (``HF_HUB_CACHE``, ``HUGGINGFACE_HUB_CACHE``, ``HF_HOME``, ``XDG_CACHE_HOME``)."""
+
 def parse_size(value: str) -> int: ...
 def scrub(text: str) -> str:
     """``text`` with every credential fastload knows of, every URL password and every
@@ -536,6 +555,25 @@ def fetch_object(
     ``("read", bytes, etag, size)``; ``("unchanged", None, if_none_match, 0)`` when the store
     says the object still has the ETag ``if_none_match``; ``("too_large", None, None, size)`` for
     an object over ``max_bytes``, unread. A missing object raises ``NotFoundError``."""
+
+def fetch_small_file(
+    uri: str,
+    dest: str,
+    name: str,
+    max_bytes: int,
+    *,
+    storage_options: Mapping[str, object] | None = None,
+) -> tuple[Literal["kept", "written", "missing", "too_large"], int]:
+    """The copy of the object ``uri`` at ``dest/name`` (``name`` checked by ``check_inside``),
+    fetched unless the one there is current, with the cache's record of what it copies at
+    ``dest/.cache/fastload/NAME.json``: ``("kept", 0)``, ``("written", size)``, ``("missing",
+    0)`` (a copy fastload left of it removed) or ``("too_large", size)`` for an object over
+    ``max_bytes``, unread. A link in ``dest`` where a folder or the file must be raises
+    ``StorageError``."""
+
+def prune_small_files(dest: str, keep: list[str]) -> None:
+    """Removes the files ``fetch_small_file`` put directly into ``dest`` whose names are not in
+    ``keep``; other files stay."""
 
 def cached_memory() -> dict[str, int]: ...
 def release_memory() -> dict[str, int]: ...

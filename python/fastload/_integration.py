@@ -137,10 +137,12 @@ def download_small_files(
 
     import huggingface_hub
 
-    from . import _remote_files
+    from . import _fastload, _remote_files
 
     ignore = ignore_patterns or []
     ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    # The cache the environment names now, which fastload's hf:// reads the weights through.
+    cache_dir = cache_dir or _fastload.hub_cache_dir()
     endpoint = os.environ.get("HF_ENDPOINT") or None
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return str(

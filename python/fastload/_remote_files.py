@@ -16,29 +16,24 @@ each fetched by name, only those the library asks for (never the whole repositor
   when the :class:`Checkpoint` is closed, or else when the process that made it exits.
 
 Names that come from data (object keys, ``auto_map`` modules, component folders) pass
-``_fastload.check_inside`` before anything is read or written, and files are written only
-through real directories inside the destination (never through a symbolic link), each under a
-unique temporary name renamed into place, so that processes filling one folder at once all
-succeed. A reused destination is revalidated: each file is kept only while the store says its
-ETag is the one it was fetched at (``If-None-Match``; a sidecar ``.cache/fastload/NAME.json``
-holds the ETag and the file's sha256), else fetched again.
+``_fastload.check_inside`` before anything is read or written. The copies are the Rust cache's
+(``_fastload.fetch_small_file``): written only through real directories inside the destination
+(never through a symbolic link), each under a unique temporary name renamed into place, so that
+processes filling one folder at once all succeed; a reused destination is revalidated, each file
+kept only while the store says its ETag is the one it was fetched at (``If-None-Match``; the
+cache's record ``.cache/fastload/NAME.json`` holds the object's URI, size, ETag and sha256), else
+fetched again.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import errno
 import fnmatch
 import glob
-import hashlib
-import json
 import logging
 import os
 import re
-import secrets
 import shutil
-import stat
 import tempfile
 import threading
 import urllib.parse
@@ -58,7 +53,6 @@ __all__ = [
     "fetch_small_files",
     "open_checkpoint",
     "select_small_files",
-    "write_inside",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,9 +104,6 @@ ENGINE_PATTERNS: tuple[str, ...] = ("*.json", "*.py", "*.model", "*.txt", "*.jin
 
 # The most bytes one small file may have (tokenizer.json of large vocabularies is ~30 MB).
 MAX_SMALL_FILE = 64 << 20
-
-# Beside the files of a destination: what each was fetched at (see the module's docstring).
-_META = ".cache/fastload"
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -174,163 +165,10 @@ def _skip_too_large(
     )
 
 
-# ------------------------------------------------------------------ writing inside a destination
-
-
-def _not_followed(dest: Path, rel: str, what: str) -> StorageError:
-    return StorageError(
-        f"{dest / rel}: {what} in the destination folder; fastload writes no file through it"
-    )
-
-
-def _dir_fd(dest: Path, parts: Sequence[str], create: bool) -> int:
-    """A descriptor of ``dest/parts...``, each part a real directory (made when ``create``),
-    never a symbolic link; ``dest`` itself may be one."""
-    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for i, part in enumerate(parts):
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, dir_fd=fd)
-            try:
-                child = os.open(
-                    part,
-                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    dir_fd=fd,
-                )
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    rel = "/".join(parts[: i + 1])
-                    raise _not_followed(dest, rel, "a symbolic link or not a directory") from None
-                raise
-            os.close(fd)
-            fd = child
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def write_inside(dest: str | os.PathLike[str], rel: str, data: bytes) -> None:
-    """Writes ``data`` to ``dest/rel`` (``rel`` checked by ``check_inside`` first): through real
-    directories inside ``dest`` only, under a unique temporary name renamed onto ``rel``, so that
-    a reader never sees half a file and writers racing on one name all succeed. A symbolic link
-    (or anything but a regular file) already at ``rel`` or on the way is refused."""
-    dest = Path(dest)
-    _fastload.check_inside(rel, str(dest))
-    parts = rel.split("/")
-    fd = _dir_fd(dest, parts[:-1], create=True)
-    try:
-        leaf = parts[-1]
-        try:
-            st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISREG(st.st_mode):
-                kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-                raise _not_followed(dest, rel, kind)
-        tmp = f".{leaf[:200]}.{secrets.token_hex(8)}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        tfd = os.open(tmp, flags, 0o666, dir_fd=fd)
-        try:
-            with os.fdopen(tfd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=fd)
-            raise
-    finally:
-        os.close(fd)
-
-
-def _read_inside(dest: Path, rel: str) -> bytes | None:
-    """The regular file ``dest/rel`` reached without following a link; None where there is none
-    (or a link is on the way)."""
-    parts = rel.split("/")
-    try:
-        fd = _dir_fd(dest, parts[:-1], create=False)
-    except (OSError, StorageError):
-        return None
-    try:
-        ffd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    with os.fdopen(ffd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        return f.read()
-
-
-def _unlink_inside(dest: Path, rel: str) -> None:
-    parts = rel.split("/")
-    try:
-        fd = _dir_fd(dest, parts[:-1], create=False)
-    except (OSError, StorageError):
-        return
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(parts[-1], dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def _known_etag(dest: Path, name: str) -> str | None:
-    """The ETag ``dest/name`` was fetched at, when its sidecar says so and the file still holds
-    the bytes the sidecar describes (writers racing on one name may leave a file and a sidecar
-    of two versions: such a file is fetched again, never kept on the wrong ETag)."""
-    raw = _read_inside(dest, f"{_META}/{name}.json")
-    if raw is None:
-        return None
-    try:
-        meta = json.loads(raw)
-        etag, digest = meta["etag"], meta["sha256"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    data = _read_inside(dest, name)
-    if not isinstance(etag, str) or data is None or hashlib.sha256(data).hexdigest() != digest:
-        return None
-    return etag
-
-
-def _remember(dest: Path, name: str, etag: str | None, data: bytes) -> None:
-    meta = f"{_META}/{name}.json"
-    if etag is None:
-        _unlink_inside(dest, meta)
-        return
-    record = {"etag": etag, "sha256": hashlib.sha256(data).hexdigest()}
-    write_inside(dest, meta, json.dumps(record).encode())
-
-
-def _forget(dest: Path, name: str) -> None:
-    """Removes ``dest/name`` when fastload put it there (it has a sidecar): its object is gone."""
-    meta = f"{_META}/{name}.json"
-    if _read_inside(dest, meta) is not None:
-        _unlink_inside(dest, name)
-        _unlink_inside(dest, meta)
-
-
-def fetched_names(dest: str | os.PathLike[str]) -> list[str]:
-    """The files directly in ``dest`` that fastload fetched there (they have a sidecar)."""
-    root = Path(dest) / _META
-    if root.is_symlink() or not root.is_dir():
-        return []
-    return sorted(
-        p.name[: -len(".json")]
-        for p in root.iterdir()
-        if p.name.endswith(".json") and p.is_file() and not p.is_symlink()
-    )
-
-
 def prune(dest: str | os.PathLike[str], keep: Collection[str]) -> None:
     """Removes the files fastload fetched directly into ``dest`` that are not in ``keep`` (their
-    objects are gone, or no longer pulled)."""
-    for name in fetched_names(dest):
-        if name not in keep:
-            _forget(Path(dest), name)
+    objects are gone, or no longer pulled); files of others stay."""
+    _fastload.prune_small_files(os.fspath(dest), list(keep))
 
 
 def fetch_small_files(
@@ -353,20 +191,14 @@ def fetch_small_files(
     root = Path(dest)
 
     def one(name: str) -> str | None:
-        known = _known_etag(root, name)
-        try:
-            what, data, etag, size = _fastload.fetch_object(
-                base + name, max_size, if_none_match=known, storage_options=storage_options
-            )
-        except NotFoundError:
-            _forget(root, name)
+        what, size = _fastload.fetch_small_file(
+            base + name, os.fspath(root), name, max_size, storage_options=storage_options
+        )
+        if what == "missing":
             return None
         if what == "too_large":
             _skip_too_large(base, name, size, max_size, required, logger)
             return None
-        if data is not None:
-            write_inside(root, name, data)
-            _remember(root, name, etag, data)
         return name
 
     if not wanted:
@@ -528,23 +360,6 @@ class Checkpoint:
         self.close()
 
 
-def _hf_parts(uri: str) -> tuple[str, str | None, str]:
-    """``(repo_id, revision, subfolder)`` of ``hf://ORG/REPO[@REV][/SUB]``."""
-    rest = uri[len("hf://") :].strip("/")
-    parts = rest.split("/")
-    if len(parts) < 2 or not parts[0] or not parts[1]:
-        raise ConfigError(f"{uri}: expected hf://ORG/REPO[@REVISION][/FOLDER]", option="uri")
-    repo, revision = parts[1], None
-    if "@" in repo:
-        repo, revision = repo.split("@", 1)
-        revision = urllib.parse.unquote(revision)
-        # refs/pr/N may be written as is: its '/' then splits the path.
-        if revision == "refs" and len(parts) >= 4 and parts[2] == "pr":
-            revision = f"refs/pr/{parts[3]}"
-            parts = parts[:2] + parts[4:]
-    return f"{parts[0]}/{repo}", revision, "/".join(parts[2:])
-
-
 def open_checkpoint_for(
     uri: str | os.PathLike[str],
     kwargs: dict[str, Any],
@@ -586,9 +401,11 @@ def open_checkpoint(
         text = urllib.parse.unquote(urllib.parse.urlparse(text).path)
     if "://" not in text and os.path.isdir(text):
         return Checkpoint(text, Path(text), text, storage_options=storage_options)
-    if text.startswith("hf://") or ("://" not in text and _REPO_ID.match(text)):
-        if text.startswith("hf://"):
-            repo_id, rev, sub = _hf_parts(text)
+    # hf:// as a load reads it (any case of the scheme, refs/pr and refs/convert revisions).
+    parsed = _fastload.parse_hub_uri(text)
+    if parsed is not None or ("://" not in text and _REPO_ID.match(text)):
+        if parsed is not None:
+            repo_id, rev, sub = parsed
             if rev is not None and revision is not None and rev != revision:
                 raise ConfigError(
                     f"{text}: names revision {rev!r} but revision={revision!r} was passed",
@@ -602,12 +419,10 @@ def open_checkpoint(
         options: dict[str, Any] = dict(storage_options or {})
         if isinstance(token, str):
             options.setdefault("token", token)
-        # The environment as it is now (huggingface_hub read it at its import), as fastload's
-        # hf:// reads it for the weights: the same endpoint and cache for both.
-        if cache_dir is None and os.environ.get("HF_HUB_CACHE"):
-            cache_dir = os.environ["HF_HUB_CACHE"]
-        elif cache_dir is None and os.environ.get("HF_HOME"):
-            cache_dir = os.path.join(os.environ["HF_HOME"], "hub")
+        # The cache the environment names now (huggingface_hub read it at its import), as
+        # fastload's hf:// reads it for the weights: the same cache for both.
+        if cache_dir is None:
+            cache_dir = _fastload.hub_cache_dir()
         hub = _HubRepo(
             repo_id,
             revision,

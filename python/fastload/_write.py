@@ -7,7 +7,6 @@ at the destination."""
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Mapping
@@ -477,12 +476,9 @@ def save(
 def _index(
     tensors: dict[str, torch.Tensor], names: list[str], shards: list[dict[str, torch.Tensor]]
 ) -> bytes:
-    """The index file's bytes, as transformers writes them."""
-    index = {
-        "metadata": {"total_size": total_size(tensors)},
-        "weight_map": {t: name for name, shard in zip(names, shards) for t in shard},
-    }
-    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    """The index file's bytes, as transformers writes them (by the crate that reads them)."""
+    pairs = [(t, name) for name, shard in zip(names, shards) for t in shard]
+    return _fastload.index_json(pairs, total_size(tensors))
 
 
 def check_tensors_for_save(state_dict: object) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 //! The index file of a sharded checkpoint (`model.safetensors.index.json`): which shard files it
 //! names. Pure, like the header parser: the caller reads the bytes (capped) and adds the name.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write;
 
 use super::{check_complete, check_inside, FormatError};
 
@@ -43,9 +44,85 @@ pub fn index_shard_names(bytes: &[u8]) -> Result<Vec<String>, FormatError> {
     Ok(files)
 }
 
+/// The bytes of an index naming, for each tensor, the shard file that holds it, with the
+/// checkpoint's `total_size`: what transformers' `save_pretrained` and `huggingface_hub` write
+/// (Python's `json.dumps(index, indent=2, sort_keys=True)` and a newline, non-ASCII escaped),
+/// byte for byte, so that a checkpoint saved by fastload diffs clean against one saved by them.
+/// A tensor listed twice keeps its last file.
+pub fn index_json<'a>(
+    weight_map: impl IntoIterator<Item = (&'a str, &'a str)>,
+    total_size: u64,
+) -> Vec<u8> {
+    let map: BTreeMap<&str, &str> = weight_map.into_iter().collect();
+    let mut out = format!("{{\n  \"metadata\": {{\n    \"total_size\": {total_size}\n  }},\n");
+    out.push_str("  \"weight_map\": {");
+    for (i, (tensor, file)) in map.iter().enumerate() {
+        out.push_str(if i == 0 { "\n    " } else { ",\n    " });
+        push_json_string(&mut out, tensor);
+        out.push_str(": ");
+        push_json_string(&mut out, file);
+    }
+    out.push_str(if map.is_empty() {
+        "}\n}\n"
+    } else {
+        "\n  }\n}\n"
+    });
+    out.into_bytes()
+}
+
+/// `text` as a JSON string the way Python's `json.dumps` writes it by default (`ensure_ascii`):
+/// printable ASCII as is, the usual short escapes, everything else `\uXXXX` per UTF-16 unit.
+fn push_json_string(out: &mut String, text: &str) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            ' '..='~' => out.push(c),
+            _ => {
+                for unit in c.encode_utf16(&mut [0; 2]) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+        }
+    }
+    out.push('"');
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_index_is_written_as_python_json_dumps_writes_it() {
+        // json.dumps({"metadata": {"total_size": 12}, "weight_map": {...}}, indent=2,
+        // sort_keys=True) + "\n", as Python 3.12 prints it.
+        let map = [
+            ("z", "model-00002-of-00002.safetensors"),
+            ("a.w\"\\\n\u{7f}\u{1}", "model-00001-of-00002.safetensors"),
+            ("é😀", "model-00001-of-00002.safetensors"),
+        ];
+        let want = concat!(
+            "{\n  \"metadata\": {\n    \"total_size\": 12\n  },\n  \"weight_map\": {\n",
+            "    \"a.w\\\"\\\\\\n\\u007f\\u0001\": \"model-00001-of-00002.safetensors\",\n",
+            "    \"z\": \"model-00002-of-00002.safetensors\",\n",
+            "    \"\\u00e9\\ud83d\\ude00\": \"model-00001-of-00002.safetensors\"\n",
+            "  }\n}\n"
+        );
+        assert_eq!(String::from_utf8(index_json(map, 12)).unwrap(), want);
+        assert_eq!(
+            String::from_utf8(index_json([], 0)).unwrap(),
+            "{\n  \"metadata\": {\n    \"total_size\": 0\n  },\n  \"weight_map\": {}\n}\n"
+        );
+        // What it writes, the reader takes back.
+        let names = index_shard_names(&index_json(map, 12)).unwrap();
+        assert_eq!(names.len(), 2);
+    }
 
     #[test]
     fn lists_each_shard_once_in_order() {

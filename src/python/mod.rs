@@ -9,6 +9,7 @@ mod copy;
 mod dlpack;
 mod errors;
 mod gil;
+mod hub;
 mod item;
 mod names;
 mod objects;
@@ -132,6 +133,9 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_remote_uri, m)?)?;
     m.add_function(wrap_pyfunction!(names::index_files, m)?)?;
     m.add_function(wrap_pyfunction!(names::check_inside, m)?)?;
+    m.add_function(wrap_pyfunction!(names::index_json, m)?)?;
+    m.add_function(wrap_pyfunction!(hub::parse_hub_uri, m)?)?;
+    m.add_function(wrap_pyfunction!(hub::hub_cache_dir, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(scrub, m)?)?;
     m.add_function(wrap_pyfunction!(cache_stats, m)?)?;
@@ -143,6 +147,8 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
     m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(objects::fetch_object, m)?)?;
+    m.add_function(wrap_pyfunction!(objects::fetch_small_file, m)?)?;
+    m.add_function(wrap_pyfunction!(objects::prune_small_files, m)?)?;
     m.add_function(wrap_pyfunction!(cached_memory, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     // A daemon thread coming back from a wait of ours after the interpreter began to exit parks

@@ -4,12 +4,13 @@
 Content-Range, HEAD with Content-Length, 416 for ranges past the end, ETag and Last-Modified, and
 no listing (PROPFIND gets 501, as `http.server` answers, or 405, as nginx does). `If-Match` is
 honoured as real servers do (412 Precondition Failed when no tag matches the current ETag,
-strongly compared). A `Behaviour` makes it misbehave the way some servers do: ignore Range (200
-with the whole body, as some static servers and CDNs do), answer the first requests with an error
-status, forbid everything, send bodies at a trickle, have an object overwritten after a number
-of GETs of it (optionally ignoring `If-Match` and `If-Unmodified-Since`, as some servers do), or
-send its validators as some servers and proxies do (no ETag at all, none with a GET's bytes, a
-rewritten one).
+strongly compared), and so is a GET's `If-None-Match` (304 Not Modified when a tag matches,
+weakly compared, as nginx answers). A `Behaviour` makes it misbehave the way some servers do:
+ignore Range (200 with the whole body, as some static servers and CDNs do), answer the first
+requests with an error status, forbid everything, send bodies at a trickle, have an object
+overwritten after a number of GETs of it (optionally ignoring `If-Match` and
+`If-Unmodified-Since`, as some servers do), or send its validators as some servers and proxies do
+(no ETag at all, none with a GET's bytes, a rewritten one).
 """
 
 from __future__ import annotations
@@ -139,6 +140,12 @@ class _Handler(Handler):
                     b.refused_if_match += 1
             b.log.append((self.command, path, rng, status))
 
+        if self.command == "GET" and sent_etag and _none_match(self, sent_etag):
+            noted(304)
+            self.send_response(304)
+            self.send_header("ETag", sent_etag)
+            self.end_headers()
+            return
         reply = serve(
             self,
             data,
@@ -229,6 +236,15 @@ class RangeServer(Server):
             path = "/" + name.lstrip("/")
             self.etags[path] = f'"{hashlib.md5(data).hexdigest()}"'
             self.files[path] = data
+
+
+def _none_match(handler: Handler, etag: str) -> bool:
+    """Whether the request's `If-None-Match` names `etag` (or `*`), weakly compared."""
+    tags = handler.headers.get("If-None-Match")
+    if tags is None:
+        return False
+    bare = etag.removeprefix("W/")
+    return any(t.strip() == "*" or t.strip().removeprefix("W/") == bare for t in tags.split(","))
 
 
 def start_server(files, behaviour=None, tls=None) -> RangeServer:

@@ -42,13 +42,13 @@ pub struct Entry {
 /// by their sha256 instead: file names are limited to 255 bytes.
 const MAX_BLOB_NAME: usize = 128;
 
-/// What a non-Hub entry records about the object it copies.
+/// What a non-Hub entry (and a named copy, [`super::named`]) records about the object it copies.
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
-struct Sidecar {
-    uri: String,
-    size: u64,
-    etag: Option<String>,
-    sha256: Option<String>,
+pub(super) struct Record {
+    pub uri: String,
+    pub size: u64,
+    pub etag: Option<String>,
+    pub sha256: Option<String>,
 }
 
 impl Entry {
@@ -124,7 +124,7 @@ impl Entry {
                 let Ok(bytes) = fs::read(sidecar) else {
                     return false;
                 };
-                serde_json::from_slice::<Sidecar>(&bytes).is_ok_and(|s| s == self.record())
+                serde_json::from_slice::<Record>(&bytes).is_ok_and(|s| s == self.record())
             }
         }
     }
@@ -186,8 +186,8 @@ impl Entry {
         (id.len() == 40 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
     }
 
-    fn record(&self) -> Sidecar {
-        Sidecar {
+    fn record(&self) -> Record {
+        Record {
             uri: self.identity.uri.clone(),
             size: self.identity.size,
             etag: self.identity.etag.clone(),

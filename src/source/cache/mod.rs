@@ -7,7 +7,9 @@
 //! a verified copy with a local source, or wraps it in a filling source. Objects from the Hugging Face Hub
 //! ([`CacheIdentity::hub`]) are cached in the Hugging Face cache ([`layout`]), so that
 //! `huggingface_hub`, transformers and vLLM find them; everything else under the fastload cache
-//! directory ([`default_dir`]).
+//! directory ([`default_dir`]). The small files beside a checkpoint (config, tokenizer) are
+//! copies of the same kind kept under their own names in a folder libraries read ([`named`]),
+//! with the same record of what they copy.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -27,6 +29,11 @@ use fill::FillingSource;
 pub mod crc;
 pub mod entry;
 mod fill;
+// The small files beside a checkpoint are fetched for the Python integrations only.
+#[cfg(any(feature = "python", test))]
+mod inside;
+#[cfg(any(feature = "python", test))]
+pub mod named;
 pub mod verify;
 
 /// What the tests of the cache's decorators share.

@@ -84,6 +84,10 @@ impl HubUri {
         if org.is_empty() || name.is_empty() {
             return Err(bad("the repo must be ORG/REPO"));
         }
+        // huggingface_hub refuses these as a repo's org or name; a path would climb out with them.
+        if [org, name].iter().any(|p| *p == "." || *p == "..") {
+            return Err(bad("'.' and '..' are not a repo's org or name"));
+        }
         let path = path.trim_matches('/');
         if path.split('/').any(|p| p == ".." || p == ".") {
             return Err(bad("'.' and '..' are not allowed in a Hub path"));

@@ -61,6 +61,9 @@ fn rejects_what_is_not_a_repo() {
         "hf://org/repo@",
         "hf://org/repo?x=1",
         "hf://org/repo/../other",
+        "hf://org/../repo",
+        "hf://../repo/x",
+        "hf://org/.@main",
         "s3://org/repo",
     ] {
         let err = HubUri::parse(bad).unwrap_err();
