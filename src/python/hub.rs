@@ -7,7 +7,7 @@ use std::ffi::OsString;
 use pyo3::prelude::*;
 
 use crate::source::hub::{layout, HubUri};
-use crate::source::open::{kind, Kind};
+use crate::uri::{kind, Kind};
 
 /// `(repo_id, revision, path)` of an `hf://ORG/REPO[@REVISION][/path]` URI (scheme in any case;
 /// `revision` None for the default branch; `path` without leading or trailing `/`), as a load
