@@ -16,7 +16,8 @@ behind a real link (a 10 Gb/s card shared by 8 GPU workers gives each about 150 
     python benches/latency_proxy.py --target 127.0.0.1:8333 --delay-ms 10
     # prints "PORT <n>" once listening; serves until killed, or for --lifetime seconds
 
-Or in-process: `start_in_thread(target, delay_s) -> (port, stop)`.
+Or in-process: `start_in_thread(target, delay_s) -> (port, stop)`. `--splice` (`splice=True`) is
+the SpliceLine below, for links of GB/s that this asyncio relay cannot carry.
 
 Built on asyncio protocols (no stream buffering): one copy from the socket into `bytes`, one send.
 Cost measured here: about 0.6 CPU-seconds per GB relayed (uvloop did not lower it), so at the
@@ -30,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
+import select
 import socket
 import sys
 import threading
@@ -197,17 +200,179 @@ class LatencyProxy:
                 await asyncio.sleep(0.2)
 
 
+class SpliceLine:
+    """The same link for rates a Python relay cannot carry (gigabytes a second): the target's
+    replies move socket -> pipe -> socket with os.splice, so their bytes never enter Python,
+    paced on the shared link by the bytes each splice moved (a chunk leaves when the link would
+    have carried its last byte). The round trip is put on the requests (small: Python holds
+    each for twice the one-way delay, in arrival order) instead of half on each direction: a
+    reply still comes one round trip plus its time on the link after its request, as over the
+    real link, for any request/reply protocol (HTTP). A connection's first request also pays
+    one round trip (the handshake). Threads: per connection, one reads requests, one sends them
+    when due, one splices the replies (os.splice and the sleeps release the GIL).
+
+    What it carries is checked where it is used: benches/peer_bench.py's row "raw parallel GET
+    through the same delay line" against the line's rate."""
+
+    def __init__(
+        self, target: tuple[str, int], delay_s: float, port: int = 0, rate: float | None = None
+    ) -> None:
+        self.target = target
+        self.delay = delay_s
+        self.rate = rate
+        self.port = port
+        self.bytes = 0
+        self.connections = 0
+        self.link_free = 0.0  # time.monotonic() at which the link is free
+        self.lock = threading.Lock()
+
+    def serve(self, lifetime: float, ready=None, stop: threading.Event | None = None) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port), backlog=1024)
+        listener.settimeout(0.2)
+        self.port = listener.getsockname()[1]
+        if ready is not None:
+            ready(self.port)
+        deadline = time.monotonic() + lifetime
+        with listener:
+            while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+                try:
+                    client, _ = listener.accept()
+                except socket.timeout:
+                    continue
+                self.connections += 1
+                threading.Thread(target=self._connection, args=(client,), daemon=True).start()
+
+    def _connection(self, client: socket.socket) -> None:
+        client.settimeout(None)
+        start_after = time.monotonic() + 2 * self.delay  # the handshake's round trip
+        try:
+            upstream = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        for s in (client, upstream):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        due: collections.deque = collections.deque()
+        ready = threading.Condition()
+        threading.Thread(
+            target=self._send_requests, args=(upstream, due, ready), daemon=True
+        ).start()
+        threading.Thread(target=self._replies, args=(upstream, client), daemon=True).start()
+        while True:
+            try:
+                data = client.recv(1 << 16)
+            except OSError:
+                data = b""
+            self.bytes += len(data)
+            with ready:
+                due.append((max(time.monotonic(), start_after) + 2 * self.delay, data))
+                ready.notify()
+            if not data:
+                return
+
+    @staticmethod
+    def _send_requests(upstream: socket.socket, due: collections.deque, ready) -> None:
+        while True:
+            with ready:
+                while not due:
+                    ready.wait()
+                when, data = due.popleft()
+            time.sleep(max(0.0, when - time.monotonic()))
+            try:
+                if not data:
+                    upstream.shutdown(socket.SHUT_WR)
+                    return
+                upstream.sendall(data)
+            except OSError:
+                return
+
+    def _replies(self, upstream: socket.socket, client: socket.socket) -> None:
+        """The target's replies to the client through a pipe: this thread fills it from the
+        upstream socket, another drains it into the client's, paced, so that reading and
+        writing overlap (one thread doing both waits on each in turn)."""
+        import fcntl
+
+        r, w = os.pipe()
+        try:
+            fcntl.fcntl(w, 1031, SPLICE_CHUNK)  # F_SETPIPE_SZ
+        except OSError:
+            pass
+        drain = threading.Thread(target=self._drain, args=(r, upstream, client), daemon=True)
+        drain.start()
+        arrived = select.poll()
+        arrived.register(upstream.fileno(), select.POLLIN)
+        try:
+            # A splice from a socket holds the pipe's lock while it waits for the socket, which
+            # would stop the drain too: it is only asked once bytes (or the end) are there.
+            while arrived.poll() and os.splice(upstream.fileno(), w, SPLICE_CHUNK):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(w)  # the drain sees the end once the pipe is empty
+        drain.join()
+        os.close(r)
+        upstream.close()
+
+    def _drain(self, r: int, upstream: socket.socket, client: socket.socket) -> None:
+        try:
+            while True:
+                # What the pipe holds, up to a chunk (Linux 6.5+ sends the last piece without
+                # MSG_MORE when the pipe is empty: nothing is held back).
+                n = os.splice(r, client.fileno(), SPLICE_CHUNK)
+                if n == 0:  # the filling side closed the pipe: the end of the replies
+                    client.shutdown(socket.SHUT_WR)
+                    break
+                self.bytes += n
+                if not self.rate:
+                    continue
+                with self.lock:
+                    # A link left idle only because this relay was not scheduled (a busy VM)
+                    # may catch up by at most SLACK: over any longer span it carries no more
+                    # than its rate.
+                    now = time.monotonic()
+                    self.link_free = max(self.link_free, now - SLACK) + n / self.rate
+                    wait = self.link_free - now
+                # Waits shorter than SLACK cost a wakeup each (as long as a small chunk's time
+                # on the link on a busy VM): the link time stays booked for the next chunks.
+                if wait > SLACK:
+                    time.sleep(wait)
+        except OSError:
+            # The client went away: stop the filling side too.
+            try:
+                upstream.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        finally:
+            client.close()
+
+
+SPLICE_CHUNK = 1 << 20  # the most a pipe holds unprivileged (/proc/sys/fs/pipe-max-size)
+SLACK = 0.002  # seconds of link time a late relay may make up (1% of a 0.2 s transfer)
+
+
 def start_in_thread(
-    target: tuple[str, int], delay_s: float, lifetime: float = 3600.0, rate: float | None = None
+    target: tuple[str, int],
+    delay_s: float,
+    lifetime: float = 3600.0,
+    rate: float | None = None,
+    splice: bool = False,
 ) -> tuple[int, threading.Event]:
     """Runs a proxy on a daemon thread; returns its port and an Event that stops it (its
     ``proxy`` attribute: the proxy, whose ``bytes`` count what it relayed both ways). ``rate``:
-    bytes per second of the link the target's replies share (None: none)."""
+    bytes per second of the link the target's replies share (None: none); ``splice``: the
+    :class:`SpliceLine` (for rates the asyncio relay cannot carry)."""
     stop = threading.Event()
     got: list[int] = []
     ready = threading.Event()
 
     def run() -> None:
+        if splice:
+            line = SpliceLine(target, delay_s, rate=rate)
+            stop.proxy = line  # type: ignore[attr-defined]
+            line.serve(lifetime, ready=lambda p: (got.append(p), ready.set()), stop=stop)
+            return
         proxy = LatencyProxy(target, delay_s, rate=rate)
         stop.proxy = proxy  # type: ignore[attr-defined]  # its counters, for the caller
         asyncio.run(proxy.serve(lifetime, ready=lambda p: (got.append(p), ready.set()), stop=stop))
@@ -227,9 +392,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--rate-mbps", type=float, default=None, help="MB/s of the link the replies share"
     )
+    ap.add_argument(
+        "--splice", action="store_true", help="relay replies with os.splice (GB/s rates)"
+    )
     args = ap.parse_args(argv)
     host, port = args.target.rsplit(":", 1)
     rate = None if args.rate_mbps is None else args.rate_mbps * 1e6
+    if args.splice:
+        line = SpliceLine((host, int(port)), args.delay_ms / 1000.0, args.port, rate)
+        try:
+            line.serve(args.lifetime, ready=lambda p: print(f"PORT {p}", flush=True))
+        except KeyboardInterrupt:
+            pass
+        return
     proxy = LatencyProxy((host, int(port)), args.delay_ms / 1000.0, args.port, rate)
 
     def ready(p: int) -> None:

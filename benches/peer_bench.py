@@ -8,8 +8,9 @@ Starts SeaweedFS (`weed mini`, tests/servers/s3.py) on 127.0.0.1 and uploads a c
 and 200 MB/s (benches/latency_proxy.py: `--origin-delay-ms` each way, `--origin-rate-mbps`);
 starts `python -m fastload serve s3://bucket/peer-bench/` (port 0) reading SeaweedFS directly,
 and fills it (one raw read of every file); puts the serve behind its own delay line
-(`--peer-rate-mbps`, 2000 by default, 0.25 ms each way). Then, each load in a fresh process
-(`fastload.load`, CPU):
+(`--peer-rate-mbps`, 2000 by default, 0.25 ms each way). Both lines are latency_proxy.py's
+SpliceLine: the replies' bytes never enter Python, so the line carries GB/s on a 2-core VM.
+Then, each load in a fresh process (`fastload.load`, CPU):
 
 - origin:        the origin URI through its delay line, no peer.
 - peer:          the same URI with `peers=[the serve's delay line]`; its wire time is
@@ -18,7 +19,8 @@ and fills it (one raw read of every file); puts the serve behind its own delay l
                  against
 - raw GET:       a raw parallel-GET client (16 threads, 8 MiB ranges, http.client) reading every
                  file from the serve on loopback (the serve's own ceiling here), and through
-                 the peer's delay line (the delay line's ceiling: a Python relay).
+                 the peer's delay line (the delay line's ceiling: it must reach about the
+                 link's rate for the peer row's ratio to be the loader's).
 - kill at P%:    the loopback peer row with the serve SIGKILLed once it sent P% of the bytes
                  (`/metrics`); the load must finish from the origin, bitwise equal (sha256 of
                  every tensor against a load from the origin), and the bytes the origin sent
@@ -168,7 +170,8 @@ class Serve:
 
 
 def raw_get(port: int, files: list[tuple[str, int]]) -> float:
-    """Every file read from the serve with 16 threads of 8 MiB ranges; seconds."""
+    """Every file read from the serve with 16 threads of 8 MiB ranges, each into its thread's
+    buffer (http.client's readinto: the bytes are copied once); seconds."""
     jobs = [(p, a, min(a + BLOCK, size)) for p, size in files for a in range(0, size, BLOCK)]
     local = threading.local()
 
@@ -176,9 +179,16 @@ def raw_get(port: int, files: list[tuple[str, int]]) -> float:
         path, a, b = job
         if not hasattr(local, "conn"):
             local.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            local.buf = memoryview(bytearray(BLOCK))  # one buffer a thread: no allocation a GET
         local.conn.request("GET", path, headers={"Range": f"bytes={a}-{b - 1}"})
         r = local.conn.getresponse()
-        return len(r.read())
+        got = 0
+        while got < b - a:
+            n = r.readinto(local.buf[got : b - a])
+            if not n:
+                break
+            got += n
+        return got
 
     t = time.perf_counter()
     with ThreadPoolExecutor(CONCURRENCY) as pool:
@@ -228,7 +238,10 @@ def main() -> None:
         total = sum(p.stat().st_size for p in paths)
         port = int(seaweed.endpoint.rsplit(":", 1)[1])
         o_port, o_stop = latency_proxy.start_in_thread(
-            ("127.0.0.1", port), args.origin_delay_ms / 1000, rate=args.origin_rate_mbps * 1e6
+            ("127.0.0.1", port),
+            args.origin_delay_ms / 1000,
+            rate=args.origin_rate_mbps * 1e6,
+            splice=True,
         )
         base_env = {**os.environ, **seaweed.env()}
         base_env.pop("FASTLOAD_PEERS", None)
@@ -240,7 +253,10 @@ def main() -> None:
         files = files_of(serve.manifest())
         raw_get(serve.port, files)  # fills the serve from the origin
         p_port, p_stop = latency_proxy.start_in_thread(
-            ("127.0.0.1", serve.port), args.peer_delay_ms / 1000, rate=args.peer_rate_mbps * 1e6
+            ("127.0.0.1", serve.port),
+            args.peer_delay_ms / 1000,
+            rate=args.peer_rate_mbps * 1e6,
+            splice=True,
         )
         via_link = f"127.0.0.1:{p_port}"
         loop = f"127.0.0.1:{serve.port}"
@@ -337,6 +353,7 @@ def main() -> None:
         seaweed.stop()
 
     lines = [
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs); "
         f"checkpoint {total / 1e6:.0f} MB, {len(paths)} shards; {args.runs} runs a row "
         f"(median (min-max) s of a process's second load; kill rows: its first); block "
         f"{BLOCK >> 20} MiB, concurrency {CONCURRENCY}",
