@@ -34,6 +34,7 @@ import collections
 import os
 import select
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -381,6 +382,23 @@ def start_in_thread(
     if not ready.wait(10):
         raise RuntimeError("latency proxy did not start within 10 s")
     return got[0], stop
+
+
+def start_process(
+    target: tuple[str, int], delay_s: float, rate: float | None = None
+) -> tuple[int, subprocess.Popen]:
+    """The :class:`SpliceLine` in a process of its own (its threads then share no GIL with the
+    caller's, a raw client's say); returns its port and the process (kill it to stop)."""
+    args = [sys.executable, __file__, "--splice", "--target", f"{target[0]}:{target[1]}"]
+    args += ["--delay-ms", str(delay_s * 1000)]
+    if rate:
+        args += ["--rate-mbps", str(rate / 1e6)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("PORT "):
+        proc.kill()
+        raise RuntimeError(f"latency proxy did not start: {line!r}")
+    return int(line.split()[1]), proc
 
 
 def main(argv: list[str] | None = None) -> None:

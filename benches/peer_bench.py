@@ -252,11 +252,9 @@ def main() -> None:
         serve = Serve(uri, serve_env)
         files = files_of(serve.manifest())
         raw_get(serve.port, files)  # fills the serve from the origin
-        p_port, p_stop = latency_proxy.start_in_thread(
-            ("127.0.0.1", serve.port),
-            args.peer_delay_ms / 1000,
-            rate=args.peer_rate_mbps * 1e6,
-            splice=True,
+        # In a process of its own: the raw GET's threads would share its GIL here.
+        p_port, p_line = latency_proxy.start_process(
+            ("127.0.0.1", serve.port), args.peer_delay_ms / 1000, rate=args.peer_rate_mbps * 1e6
         )
         via_link = f"127.0.0.1:{p_port}"
         loop = f"127.0.0.1:{serve.port}"
@@ -347,7 +345,7 @@ def main() -> None:
             raw_get(serve.port, files_of(serve.manifest()))
             loop = f"127.0.0.1:{serve.port}"
         serve.kill()
-        p_stop.set()
+        p_line.kill()
         o_stop.set()
     finally:
         seaweed.stop()
