@@ -81,6 +81,15 @@ pub fn store(uri: &str) -> Option<Store> {
     scheme_of(uri).and_then(|s| s.store)
 }
 
+/// The path a local URI names as writes and copies take it: the URI without its `file://` (any
+/// case); a plain path as it is.
+pub fn local_path(uri: &str) -> &str {
+    match scheme_of(uri) {
+        Some(s) if s.kind == Kind::Local => &uri[s.name.len() + "://".len()..],
+        _ => uri,
+    }
+}
+
 /// True when `uri` is read over the network (an object store or the Hub), not from this machine.
 pub fn is_remote(uri: &str) -> bool {
     kind(uri) != Kind::Local
@@ -144,6 +153,15 @@ mod tests {
                 "peer"
             ]
         );
+    }
+
+    #[test]
+    fn local_paths_lose_their_file_scheme_in_any_case() {
+        assert_eq!(local_path("file:///tmp/x"), "/tmp/x");
+        assert_eq!(local_path("FILE:///tmp/x"), "/tmp/x");
+        assert_eq!(local_path("/tmp/file://x"), "/tmp/file://x");
+        assert_eq!(local_path("rel/x"), "rel/x");
+        assert_eq!(local_path("s3://b/k"), "s3://b/k");
     }
 
     #[test]

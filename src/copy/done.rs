@@ -57,7 +57,7 @@ pub fn existing(dst: &str, item: &Item, options: &WriteOptions, recheck: bool) -
     if kind(dst) != Kind::Local {
         return existing_object(dst, item, options, recheck);
     }
-    let path = dst.strip_prefix("file://").unwrap_or(dst);
+    let path = crate::uri::local_path(dst);
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Existing::Absent),
@@ -159,7 +159,7 @@ fn hash_file(path: &str, digest: &Digest) -> Result<String> {
 /// Records `id` on the local file at `dst` (best effort: a filesystem without user extended
 /// attributes falls back to hashing, or to refusing the file, on the next run).
 pub fn mark_local(dst: &str, id: &str) {
-    let path = dst.strip_prefix("file://").unwrap_or(dst);
+    let path = crate::uri::local_path(dst);
     let (Ok(p), Ok(name)) = (std::ffi::CString::new(path), std::ffi::CString::new(XATTR)) else {
         return;
     };

@@ -123,7 +123,7 @@ fn list_objects(src: &str, storage_options: &[(String, String)]) -> Result<Listi
 }
 
 fn list_local(src: &str) -> Result<Listing> {
-    let root = Path::new(src.strip_prefix("file://").unwrap_or(src));
+    let root = Path::new(crate::uri::local_path(src));
     let meta = std::fs::metadata(root).map_err(|e| Error::io(src, e))?;
     let mut files = Vec::new();
     let single = !meta.is_dir();

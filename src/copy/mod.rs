@@ -446,7 +446,7 @@ fn destinations(listing: &Listing, dst: &str) -> Result<Vec<(Item, String)>> {
     let local = crate::uri::kind(dst) == crate::uri::Kind::Local;
     let into_folder = !listing.single
         || dst.ends_with('/')
-        || (local && std::path::Path::new(dst.strip_prefix("file://").unwrap_or(dst)).is_dir());
+        || (local && std::path::Path::new(crate::uri::local_path(dst)).is_dir());
     if !into_folder {
         return Ok(listing
             .items

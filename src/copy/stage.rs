@@ -233,7 +233,7 @@ fn stale_files(all: &[&str], write: &WriteOptions) -> Result<Vec<String>> {
 /// The names of the files directly in `folder` (none when it does not exist).
 fn list_names(folder: &str, write: &WriteOptions) -> Result<Vec<String>> {
     if !crate::uri::is_remote(folder) {
-        let path = folder.strip_prefix("file://").unwrap_or(folder);
+        let path = crate::uri::local_path(folder);
         return match std::fs::read_dir(path) {
             Ok(dir) => Ok(dir
                 .filter_map(|e| e.ok()?.file_name().into_string().ok())
@@ -276,7 +276,7 @@ fn roll_back(rest: Vec<File>, published: &[String], write: &WriteOptions) {
 /// Whether a file or object is at `uri`.
 fn exists(uri: &str, write: &WriteOptions) -> Result<bool> {
     if !crate::uri::is_remote(uri) {
-        let path = uri.strip_prefix("file://").unwrap_or(uri);
+        let path = crate::uri::local_path(uri);
         return Ok(std::path::Path::new(path).symlink_metadata().is_ok());
     }
     let remote = crate::source::object::open(uri, &write.storage_options)?;

@@ -120,7 +120,7 @@ pub fn create(uri: &str, len: u64, options: &WriteOptions) -> Result<Box<dyn Sin
     }
     match crate::uri::kind(uri) {
         Kind::Local => {
-            let path = uri.strip_prefix("file://").unwrap_or(uri);
+            let path = crate::uri::local_path(uri);
             Ok(Box::new(LocalFile::create(path, len, options)?))
         }
         _ if crate::uri::store(uri) == Some(Store::Http) => Err(Error::UnsupportedUri {
@@ -147,7 +147,7 @@ pub fn write_all(uri: &str, data: Bytes, options: &WriteOptions) -> Result<()> {
 /// Deletes the file or object at `uri` (a stale shard of an earlier save); a missing one is fine.
 pub fn remove(uri: &str, options: &WriteOptions) -> Result<()> {
     if crate::uri::kind(uri) == Kind::Local {
-        let path = uri.strip_prefix("file://").unwrap_or(uri);
+        let path = crate::uri::local_path(uri);
         return match std::fs::remove_file(path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
                 path: path.to_string(),
