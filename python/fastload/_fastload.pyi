@@ -39,6 +39,7 @@ from typing import Any, Literal, TypedDict, final
 __all__ = [
     "DLPACK_DTYPES",
     "DTYPES",
+    "INDEX_FILE",
     "OPTIONS",
     "SCHEMES",
     "FileWriter",
@@ -86,6 +87,8 @@ SCHEMES: tuple[str, ...]
 DTYPES: tuple[str, ...]
 # The dtypes whose capsules carry the dtype itself; the others carry flat uint8 bytes.
 DLPACK_DTYPES: tuple[str, ...]
+# The index file of a sharded checkpoint, read by loads and written by ``save``.
+INDEX_FILE: str
 
 _Size = int | str
 _Cache = bool | str | os.PathLike[str]

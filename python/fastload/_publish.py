@@ -24,7 +24,7 @@ from typing import Any
 
 from . import _fastload
 
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = _fastload.INDEX_FILE  # the index loads read, written last
 SINGLE_FILE = "model.safetensors"
 # The files of a checkpoint `save` writes: an earlier save's are stale once a new one is written.
 _CHECKPOINT_FILE = re.compile(
