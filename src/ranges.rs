@@ -9,10 +9,10 @@
 
 use std::sync::Arc;
 
-use tokio::sync::Semaphore;
-
 use crate::error::{Error, Result};
 use crate::memory::HostBuffer;
+use crate::runtime::Abort;
+use crate::source::reads::{CancelOnDrop, Reads};
 use crate::source::{self, Source};
 
 /// One read: `len` bytes at file offset `src` into the buffer at `dst`.
@@ -106,32 +106,18 @@ pub fn read_whole(source: Arc<dyn Source>, block: u64, concurrency: usize) -> Re
         bytes: size,
         reads: blocks.len() as u64,
     };
-    crate::runtime::block_on("reading a whole file", async move {
-        let slots = Arc::new(Semaphore::new(concurrency.max(1)));
-        let mut tasks = Vec::with_capacity(blocks.len());
-        let name = source.name().to_string();
-        for (at, len) in blocks {
-            let slot = slots
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| Error::Internal {
-                    message: "read slots closed".into(),
-                })?;
-            let src = source.clone();
-            let task = async move {
-                let mut bytes = vec![0u8; len as usize];
-                let out = src.read_into(at, &mut bytes).await;
-                drop(slot);
-                out
-            };
-            tasks.push(AbortOnDrop(source::spawn_read(source.as_ref(), task)));
+    let (name, on) = (source.name().to_string(), source.clone());
+    let reads = blocks.into_iter().map(move |(at, len)| {
+        let src = source.clone();
+        async move {
+            let mut bytes = vec![0u8; len as usize];
+            src.read_into(at, &mut bytes).await
         }
-        for t in &mut tasks {
-            source::joined((&mut t.0).await, &name)?;
-        }
-        Ok(())
-    })?;
+    });
+    crate::runtime::block_on(
+        "reading a whole file",
+        run_all(on, &name, concurrency, reads),
+    )?;
     Ok(done)
 }
 
@@ -163,50 +149,63 @@ pub fn verify_whole(
     Ok(())
 }
 
-/// Runs `plan`'s reads into `buffer`, at most `concurrency` at once, each a task of its own where
-/// the source's reads belong ([`source::spawn_read`]); the first error ends the wait.
+/// Runs `plan`'s reads into `buffer` ([`run_all`]).
 async fn fill(
     source: Arc<dyn Source>,
     buffer: Arc<HostBuffer>,
     plan: Vec<Read>,
     concurrency: usize,
 ) -> Result<()> {
-    let slots = Arc::new(Semaphore::new(concurrency.max(1)));
-    let mut tasks = Vec::with_capacity(plan.len());
-    let name = source.name().to_string();
-    for r in plan {
-        let slot = slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| Error::Internal {
-                message: "read slots closed".into(),
-            })?;
+    let (name, on) = (source.name().to_string(), source.clone());
+    let reads = plan.into_iter().map(move |r| {
         let (src, buf) = (source.clone(), buffer.clone());
-        let task = async move {
+        async move {
             // SAFETY: the reads' destinations are disjoint (each range has its own place in the
-            // buffer) and the buffer is handed out only after every task ended.
+            // buffer) and the buffer is handed out only after every read ended.
             #[allow(unsafe_code)]
             let dst = unsafe { buf.slice_mut(r.dst as usize, r.len as usize) };
-            let out = src.read_into(r.src, dst).await;
-            drop(slot);
-            out
-        };
-        tasks.push(AbortOnDrop(source::spawn_read(source.as_ref(), task)));
+            src.read_into(r.src, dst).await
+        }
+    });
+    run_all(on, &name, concurrency, reads).await
+}
+
+/// Runs `reads` of `source`, at most `concurrency` at once, each a task of its own where the
+/// source's reads belong ([`Reads`], as a load's driver starts its reads), and waits for every
+/// one; the first error (in their order) ends the wait, and the reads still running are dropped
+/// with it (each keeps what it writes into alive until then).
+///
+/// Not a use of the load's driver (`crate::pipeline::driver`, a layer up): it walks a plan's
+/// segments under a memory budget and hands them to a consumer; these fill one buffer, waited for.
+async fn run_all<F>(
+    source: Arc<dyn Source>,
+    name: &str,
+    concurrency: usize,
+    reads: impl IntoIterator<Item = F>,
+) -> Result<()>
+where
+    F: std::future::Future<Output = Result<()>> + Send + 'static,
+{
+    let stop = CancelOnDrop(Arc::new(Abort::default()));
+    let slots = Reads::new(concurrency, stop.0.clone());
+    let mut tasks = Vec::new();
+    for read in reads {
+        let started = slots.start(source.as_ref(), read).await;
+        tasks.push(started.ok_or_else(|| cancelled(name))?);
     }
-    for t in &mut tasks {
-        source::joined((&mut t.0).await, &name)?;
+    for task in tasks {
+        let out = task
+            .await
+            .map(|out| out.unwrap_or_else(|| Err(cancelled(name))));
+        source::joined(out, name)?;
     }
     Ok(())
 }
 
-/// Aborts the task when dropped (an error elsewhere, an interrupted wait), so that no read keeps
-/// writing into a buffer nobody waits for; the buffer itself is kept alive by the task.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
+/// Reads of a wait that ended before they did (they were dropped with it).
+fn cancelled(name: &str) -> Error {
+    Error::Cancelled {
+        what: format!("reading {name}"),
     }
 }
 

@@ -50,6 +50,7 @@ pub(crate) mod local;
 pub mod object;
 pub mod open;
 pub mod peer;
+pub mod reads;
 pub(crate) mod remote;
 
 /// One file or object that tensors are read from.
