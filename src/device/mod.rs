@@ -9,7 +9,7 @@
 //!   a copy stream. It runs the pipeline's staging, ordering and overlap logic on machines without
 //!   a GPU (tests, CI), and is what `target="host"` selects.
 //!
-//! The pipeline (`pipeline/staged.rs`) reads each block into a [`Staging`] buffer, enqueues the
+//! The pipeline (`pipeline/staged/`) reads each block into a [`Staging`] buffer, enqueues the
 //! copies of the tensor pieces it holds, records a [`Fence`], and returns the buffer to the ring
 //! once the fence passed; a segment's tensors are handed out after their last fence.
 

@@ -3,10 +3,11 @@
 //! completion order. Dropping the [`Loader`] cancels what has not started and frees buffers.
 //!
 //! Every block is read through the shard's [`crate::source::Source`]; the pipeline never knows
-//! whether a file or an object is behind it. Two ways to run a plan:
-//! - into host memory (this file): each segment gets one `HostBuffer`, a mapping of the source
-//!   where it can be mapped and `method` asks for it, else pooled memory its blocks are read into;
-//!   the tensors are views of it;
+//! whether a file or an object is behind it. One [`driver`] walks the plan and reads its blocks,
+//! into one of two landings:
+//! - host memory ([`host`]): each segment gets one `HostBuffer`, a mapping of the source where it
+//!   can be mapped and `method` asks for it, else pooled memory its blocks are read into; the
+//!   tensors are views of it;
 //! - staged ([`staged`]): blocks are read into a ring of staging buffers and copied by a
 //!   [`crate::device::Engine`] into destination memory (a GPU) while later blocks are read.
 //!
@@ -23,19 +24,21 @@
 //! memory (a GPU's), allocated when a segment's first block lands. Taking the budget in plan order
 //! keeps it deadlock-free: every segment holding some was fully started before the next asks.
 
+mod driver;
+mod host;
 pub mod save;
 mod staged;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::device::{Destination, Target};
 use crate::error::{Error, Result};
-use crate::memory::{self, HostBuffer};
+use crate::memory::HostBuffer;
 use crate::options::{LoadOptions, Method, Resolved};
 use crate::plan::{self, Plan, TensorSlot};
 use crate::runtime::Abort;
@@ -272,16 +275,6 @@ fn plan_shards(
     Ok((plan, resolved))
 }
 
-/// Permits are KiB so that a u32 acquire covers any segment.
-/// The grid the reads of `seg` are cut on (its file's source: an encrypted file's segments).
-fn grid(plan: &Plan, seg: &plan::Segment) -> Option<(u64, u64)> {
-    plan.shards[seg.shard].source.grid()
-}
-
-fn kib(bytes: u64) -> u32 {
-    bytes.div_ceil(1024).min(u32::MAX as u64) as u32
-}
-
 /// The producing side of a load, shared by both pipelines: the channel to the consumer, the
 /// cancel flag and the counters.
 struct Feed {
@@ -322,294 +315,7 @@ async fn beside_reads<T: Send + 'static>(
     }
 }
 
-/// One segment being read into one host buffer.
-struct SegmentJob {
-    plan: Arc<Plan>,
-    index: usize,
-    buffer: Arc<HostBuffer>,
-    remaining: AtomicUsize,
-    permit: Mutex<Option<OwnedSemaphorePermit>>,
-    feed: Arc<Feed>,
-}
-
-impl SegmentJob {
-    /// Fills `len` bytes at `off` of the buffer: faults a mapping's pages in (that is the read),
-    /// or reads from the source into pooled memory.
-    #[allow(unsafe_code)]
-    async fn read_block(&self, off: u64, len: u64) -> Result<()> {
-        let seg = &self.plan.segments[self.index];
-        let shard = &self.plan.shards[seg.shard];
-        let (o, l) = (off as usize, len as usize);
-        if self.buffer.is_fresh() {
-            // Faulting fresh pages in bulk is several times faster than one fault per page
-            // while the read copies into them (and for a mapping it is the read itself).
-            let (buffer, name) = (self.buffer.clone(), shard.name.clone());
-            beside_reads(shard.source.as_ref(), move || buffer.populate(o, l, &name)).await?;
-        }
-        if self.buffer.is_mapped() {
-            // The pages are the file's own: past the end of a file cut short meanwhile they read
-            // as zeros, with no error. Checked before the segment can be handed out.
-            shard.source.check_unchanged()?;
-        }
-        if !self.buffer.is_mapped() {
-            // SAFETY: every block of this buffer goes to exactly one reader, and the buffer is
-            // published only after the last reader finished.
-            let dst = unsafe { self.buffer.slice_mut(o, l) };
-            shard.source.read_into(seg.start + off, dst).await?;
-        }
-        self.feed.stats.bytes_read.fetch_add(len, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn block_finished(&self, result: Result<()>) {
-        match result {
-            Err(e) => self.feed.fail(e),
-            Ok(()) => {
-                if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    self.publish();
-                }
-            }
-        }
-    }
-
-    fn publish(&self) {
-        self.buffer.mark_populated();
-        let seg = &self.plan.segments[self.index];
-        let permit = self
-            .permit
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .expect("segment published twice");
-        let loaded = Loaded {
-            memory: Memory::Host(self.buffer.clone()),
-            shard: seg.shard,
-            tensors: seg.tensors.clone(),
-        };
-        self.feed.deliver(loaded, Some(permit));
-    }
-}
-
-struct Driver {
-    plan: Arc<Plan>,
-    /// The first segment to read (those before it were handed over by [`publish_cached`]).
-    from: usize,
-    opts: Resolved,
-    budget: Arc<Semaphore>,
-    budget_kib: u32,
-    feed: Arc<Feed>,
-}
-
-impl Driver {
-    async fn run(self) {
-        let reads = Arc::new(Semaphore::new(self.opts.concurrency));
-        for index in self.from..self.plan.segments.len() {
-            let seg = &self.plan.segments[index];
-            let need = kib(seg.len).clamp(1, self.budget_kib);
-            let Ok(permit) = self.budget.clone().acquire_many_owned(need).await else {
-                return;
-            };
-            if self.feed.cancelled() {
-                return;
-            }
-            let source = &self.plan.shards[seg.shard].source;
-            // Sources that cannot be mapped (object stores) are read into pooled buffers.
-            let mapped = match self.opts.method {
-                Method::Mmap => source.map(seg.start, seg.len as usize),
-                _ => None,
-            };
-            let buffer = match mapped.unwrap_or_else(|| HostBuffer::alloc(seg.len as usize)) {
-                Ok(b) => Arc::new(b),
-                Err(e) => return self.feed.fail(e.memory_for(|| self.plan.describe(index))),
-            };
-            if buffer.is_mapped() && !buffer.is_fresh() {
-                // Every page is in the page cache: nothing to read, no block tasks (in a warm
-                // load they cost more than the rest of it). The file is checked now, as after
-                // a read, and again at hand-out.
-                if let Err(e) = source.check_unchanged() {
-                    return self.feed.fail(e);
-                }
-                self.feed
-                    .stats
-                    .bytes_read
-                    .fetch_add(seg.len, Ordering::Relaxed);
-                self.feed
-                    .stats
-                    .bytes_cached
-                    .fetch_add(seg.len, Ordering::Relaxed);
-                let job = SegmentJob {
-                    plan: self.plan.clone(),
-                    index,
-                    buffer,
-                    remaining: AtomicUsize::new(0),
-                    permit: Mutex::new(Some(permit)),
-                    feed: self.feed.clone(),
-                };
-                job.publish();
-                continue;
-            }
-            let blocks: Vec<(u64, u64)> = plan::blocks_on(
-                seg.start,
-                seg.len,
-                self.opts.block_size,
-                grid(&self.plan, seg),
-            )
-            .collect();
-            let job = Arc::new(SegmentJob {
-                plan: self.plan.clone(),
-                index,
-                buffer,
-                remaining: AtomicUsize::new(blocks.len()),
-                permit: Mutex::new(Some(permit)),
-                feed: self.feed.clone(),
-            });
-            if blocks.is_empty() {
-                job.publish();
-                continue;
-            }
-            for (off, len) in blocks {
-                let Ok(slot) = reads.clone().acquire_owned().await else {
-                    return;
-                };
-                if self.feed.cancelled() {
-                    return;
-                }
-                let task = {
-                    let job = job.clone();
-                    async move {
-                        if job.feed.cancelled() {
-                            return;
-                        }
-                        // Cancelled midway (a failure elsewhere, close, Ctrl-C): the request is
-                        // dropped, not left to end at the storage timeout.
-                        let result = tokio::select! {
-                            result = job.read_block(off, len) => result,
-                            () = job.feed.cancel.triggered() => return,
-                        };
-                        drop(slot);
-                        job.block_finished(result);
-                    }
-                };
-                source::spawn_read(source.as_ref(), task);
-            }
-        }
-    }
-}
-
-/// Hands the leading segments of `plan` whose pages are all in the page cache to the consumer, on
-/// the calling thread; returns the index of the first segment it left to the [`Driver`] (one
-/// with pages to read, or one that cannot be mapped: the driver maps it again and reports any
-/// error). A warm load of local files is then a few system calls per segment: no runtime, no
-/// task, no thread (on a process's first load, starting those cost more than the rest of it).
-/// Each segment stays a mapping of its own, unmapped once its tensors are freed, so that a
-/// consumer that drops tensors as it goes holds no more of the file than before.
-///
-/// Such segments take no share of the memory budget: their pages are the page cache's, mapped
-/// lazily, not memory the loader allocated or reads into (nor a read the budget would pace).
-/// The file is checked again when each segment is handed out ([`Loader::next_segment`]), as
-/// for every mapped segment.
-fn publish_cached(plan: &Plan, feed: &Feed) -> usize {
-    for (index, seg) in plan.segments.iter().enumerate() {
-        let source = &plan.shards[seg.shard].source;
-        // `map` reopens the file and checks it is the one whose header was read.
-        let buffer = match source.map(seg.start, seg.len as usize) {
-            Some(Ok(buffer)) if buffer.is_mapped() && !buffer.is_fresh() => buffer,
-            _ => return index,
-        };
-        feed.stats.bytes_read.fetch_add(seg.len, Ordering::Relaxed);
-        feed.stats
-            .bytes_cached
-            .fetch_add(seg.len, Ordering::Relaxed);
-        let loaded = Loaded {
-            memory: Memory::Host(Arc::new(buffer)),
-            shard: seg.shard,
-            tensors: seg.tensors.clone(),
-        };
-        feed.deliver(loaded, None);
-    }
-    plan.segments.len()
-}
-
-/// What `method="auto"` does for a load into host memory, and why. Local files are mapped:
-/// mapping page-cache pages costs no copy and no zeroing of fresh memory, and the benchmark
-/// (benches/run.py) shows it ahead cold and warm. Everything else is read in blocks into pooled
-/// buffers: objects cannot be mapped, and on network and FUSE filesystems a page fault is a small
-/// synchronous round trip (see `source::fs`). Encrypted files are read too: their bytes are
-/// decrypted, never mapped.
-fn auto_method(plan: &Plan) -> (Method, String) {
-    for shard in &plan.shards {
-        if shard.source.grid().is_some() {
-            return (
-                Method::Read,
-                format!(
-                    "{} is encrypted: read in blocks of whole segments and decrypted (it \
-                     cannot be mapped)",
-                    shard.name
-                ),
-            );
-        }
-        let Some(path) = shard.source.local_path() else {
-            return (
-                Method::Read,
-                format!(
-                    "{} is not a local file: read into pooled buffers",
-                    shard.name
-                ),
-            );
-        };
-        if let Some(fs) = source::fs::remote_filesystem(path) {
-            return (
-                Method::Read,
-                format!(
-                    "{} is on {fs}, where each page fault of a mapping is a round trip: read in \
-                     blocks instead",
-                    shard.name
-                ),
-            );
-        }
-    }
-    (
-        Method::Mmap,
-        "local filesystem: mapped, no copy".to_string(),
-    )
-}
-
 impl Loader {
-    /// Starts reading `plan`: segments mapped from the page cache are handed over at once
-    /// ([`publish_cached`]), the rest are read on the process runtime.
-    pub fn start(plan: Plan, opts: Resolved) -> Loader {
-        let (method, method_reason) = match opts.method {
-            Method::Auto => auto_method(&plan),
-            m => (m, opts.method_reason.clone()),
-        };
-        memory::set_pool_limit(opts.memory_limit);
-        let budget_kib = kib(opts.memory_limit).min(Semaphore::MAX_PERMITS as u32);
-        let budget = Arc::new(Semaphore::new(budget_kib as usize));
-        let opts = Resolved {
-            method,
-            method_reason,
-            ..opts
-        };
-        let (loader, feed) = Loader::new(plan, vec![budget.clone()], opts.clone(), None);
-        let from = match opts.method {
-            Method::Mmap => publish_cached(&loader.plan, &feed),
-            _ => 0,
-        };
-        if from < loader.plan.segments.len() {
-            let driver = Driver {
-                plan: loader.plan.clone(),
-                from,
-                opts,
-                budget,
-                budget_kib,
-                feed,
-            };
-            crate::runtime::get().spawn(driver.run());
-        }
-        // Else the feed goes here: the consumer's channel ends after the last segment.
-        loader
-    }
-
     /// A loader over `plan` and the feed its producers publish to. `budgets` are closed when the
     /// consumer goes away; `config` is what `stats()` reports; `engine` names a staged load's copy
     /// engine.

@@ -1,0 +1,200 @@
+//! The two threads of a staged load behind its reads: the copy thread asks the allocator for a
+//! segment's destinations when its first block arrives and enqueues one copy per tensor piece a
+//! block holds, then a fence; the completion thread waits for the fences in order, returns each
+//! staging buffer to the ring and hands a segment out after its last block.
+
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::time::Instant;
+
+use super::{Block, Shared};
+use crate::device::{Allocator, Destination, Fence, Staging};
+use crate::error::{Error, Result};
+use crate::pipeline::{add_since, Loaded, Memory};
+use crate::plan;
+
+/// Starts the copy and completion threads of a load; returns the copy thread's channel (they end
+/// once it is closed and the blocks in it are through).
+pub(super) fn spawn(
+    shared: &Arc<Shared>,
+    allocator: Box<dyn Allocator>,
+) -> std_mpsc::Sender<Block> {
+    let (copy_tx, copy_rx) = std_mpsc::channel::<Block>();
+    let (done_tx, done_rx) = std_mpsc::channel::<(Fence, Block, Option<Error>)>();
+    {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("fastload-copy".into())
+            .spawn(move || copier(&shared, allocator, copy_rx, done_tx))
+            .expect("spawning the copy thread");
+    }
+    {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("fastload-copy-done".into())
+            .spawn(move || completer(&shared, done_rx))
+            .expect("spawning the copy completion thread");
+    }
+    copy_tx
+}
+
+/// The copy thread: destinations on a segment's first block, then one copy per tensor piece.
+fn copier(
+    shared: &Shared,
+    mut allocator: Box<dyn Allocator>,
+    rx: std_mpsc::Receiver<Block>,
+    done: std_mpsc::Sender<(Fence, Block, Option<Error>)>,
+) {
+    if let Err(e) = shared.engine.enter() {
+        shared.feed.fail(e);
+        return;
+    }
+    let stats = &shared.feed.stats;
+    loop {
+        let idle = Instant::now();
+        let Ok(block) = rx.recv() else {
+            break;
+        };
+        add_since(&stats.copy_idle_ns, idle);
+        if shared.feed.cancelled() {
+            continue;
+        }
+        let copied = copy_block(shared, allocator.as_mut(), &block);
+        // A fence even after a failed copy: pieces already enqueued may still be reading the
+        // staging buffer, which must not be reused before they finished.
+        match shared.engine.record() {
+            Ok(fence) => {
+                let _ = done.send((fence, block, copied.err()));
+            }
+            Err(e) => {
+                // Cannot tell when the engine is done with this buffer: never reuse it.
+                if let Some(staging) = block.staging {
+                    std::mem::forget(staging);
+                }
+                shared.feed.fail(copied.err().unwrap_or(e));
+            }
+        }
+    }
+}
+
+fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> Result<()> {
+    let seg = &shared.plan.segments[block.job.index];
+    let mut guard = block
+        .job
+        .destinations
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        let allocating = Instant::now();
+        let allocation = allocator.allocate(&seg.tensors);
+        add_since(&shared.feed.stats.alloc_ns, allocating);
+        let allocation = allocation?;
+        if allocation.destinations.len() != seg.tensors.len() {
+            return Err(Error::device(format!(
+                "the allocator returned {} destinations for {} tensors",
+                allocation.destinations.len(),
+                seg.tensors.len()
+            )));
+        }
+        if let Some(stream) = allocation.stream {
+            shared.engine.order_after(stream)?;
+        }
+        *guard = Some(allocation.destinations);
+    }
+    let destinations = guard.as_ref().expect("set above");
+    let Some(staging) = &block.staging else {
+        return Ok(());
+    };
+    let (lo, hi) = (block.off, block.off + block.len);
+    let copying = Instant::now();
+    let copied = copy_pieces(shared, seg, destinations, staging, lo, hi);
+    add_since(&shared.feed.stats.copy_ns, copying);
+    copied
+}
+
+/// Enqueues the copies of the tensor pieces in `[lo, hi)` of a segment, read into `staging`.
+fn copy_pieces(
+    shared: &Shared,
+    seg: &plan::Segment,
+    destinations: &[Destination],
+    staging: &Staging,
+    lo: u64,
+    hi: u64,
+) -> Result<()> {
+    // Tensors of a segment are contiguous and in order: find the first one this block touches.
+    let first = seg.tensors.partition_point(|t| t.offset + t.len <= lo);
+    for (t, d) in seg.tensors[first..].iter().zip(&destinations[first..]) {
+        if t.offset >= hi {
+            break;
+        }
+        let a = t.offset.max(lo);
+        let b = (t.offset + t.len).min(hi);
+        if b <= a {
+            continue;
+        }
+        // SAFETY: `a - lo .. b - lo` lies inside the bytes read into `staging`, which the
+        // completion thread keeps until the fence after these copies passed; the destination
+        // range lies inside the tensor's destination, written by this block only.
+        #[allow(unsafe_code)]
+        unsafe {
+            shared.engine.copy(
+                d.addr + (a - t.offset),
+                staging.as_ptr().add((a - lo) as usize),
+                (b - a) as usize,
+            )?;
+        }
+        shared
+            .feed
+            .stats
+            .bytes_copied
+            .fetch_add(b - a, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// The completion thread: fences in order; a segment is handed out after its last block.
+fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error>)>) {
+    if let Err(e) = shared.engine.enter() {
+        shared.feed.fail(e);
+        // Without the engine, fences cannot be waited for: keep their buffers out of reuse.
+        for (_, block, _) in rx {
+            if let Some(staging) = block.staging {
+                std::mem::forget(staging);
+            }
+        }
+        return;
+    }
+    for (fence, block, failed) in rx {
+        let waiting = Instant::now();
+        let waited = shared.engine.wait(fence);
+        add_since(&shared.feed.stats.fence_wait_ns, waiting);
+        let Block { job, staging, .. } = block; // drops the ring slot
+        match (&waited, staging) {
+            // The copies may still read the buffer: never reuse it (as the copier does when it
+            // cannot record a fence).
+            (Err(_), Some(staging)) => std::mem::forget(staging),
+            (_, staging) => drop(staging),
+        }
+        if let Some(e) = failed.or(waited.err()) {
+            shared.feed.fail(e);
+            continue;
+        }
+        if job.remaining.fetch_sub(1, Ordering::AcqRel) != 1 || shared.feed.cancelled() {
+            continue;
+        }
+        let seg = &shared.plan.segments[job.index];
+        let destinations = job
+            .destinations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default();
+        let budget = job.budget.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let loaded = Loaded {
+            memory: Memory::Placed(destinations),
+            shard: seg.shard,
+            tensors: seg.tensors.clone(),
+        };
+        shared.feed.deliver(loaded, budget);
+    }
+}

@@ -1,0 +1,418 @@
+//! The staged pipeline on the host engine and on engines and allocators built to be slow or
+//! to fail, against checkpoints written here.
+
+use super::*;
+use crate::device::{host_bytes, Allocation, Allocator, Fence, HostAllocator, HostEngine};
+use crate::error::Error;
+use crate::options::LoadOptions;
+use crate::pipeline::{Loaded, Memory};
+use crate::plan::TensorSlot;
+use std::io::Write;
+use std::sync::atomic::AtomicU64;
+
+/// A checkpoint of `sizes` U8 tensors whose bytes are a function of their position.
+fn checkpoint(sizes: &[usize]) -> (tempfile::NamedTempFile, Vec<u8>) {
+    let mut header = serde_json::Map::new();
+    let mut at = 0usize;
+    for (i, &n) in sizes.iter().enumerate() {
+        header.insert(
+            format!("t{i:03}"),
+            serde_json::json!({"dtype": "U8", "shape": [n], "data_offsets": [at, at + n]}),
+        );
+        at += n;
+    }
+    let json = serde_json::to_vec(&header).unwrap();
+    let data: Vec<u8> = (0..at).map(|i| (i * 7 % 251) as u8).collect();
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(&json).unwrap();
+    f.write_all(&data).unwrap();
+    (f, data)
+}
+
+type Named = Vec<(String, Vec<u8>)>;
+
+/// A staged load of `file` through `engine`, into memory from `allocator`.
+fn open(
+    file: &tempfile::NamedTempFile,
+    opts: &LoadOptions,
+    engine: Arc<dyn Engine>,
+    allocator: Box<dyn Allocator>,
+) -> Loader {
+    let uris = vec![file.path().to_string_lossy().into_owned()];
+    super::super::open_staged(&uris, opts, Target { engine, allocator }).expect("open")
+}
+
+/// A staged load of `file` into host memory from `allocator`.
+fn open_host(
+    file: &tempfile::NamedTempFile,
+    opts: &LoadOptions,
+    allocator: Box<dyn Allocator>,
+) -> Loader {
+    open(file, opts, Arc::new(HostEngine::new()), allocator)
+}
+
+fn run(
+    sizes: &[usize],
+    opts: LoadOptions,
+    engine: Arc<dyn Engine>,
+    allocator: Box<dyn Allocator>,
+) -> (Named, Vec<u8>, Loader) {
+    let (file, data) = checkpoint(sizes);
+    let mut loader = open(&file, &opts, engine, allocator);
+    let mut out = Vec::new();
+    while let Some(seg) = loader.next_segment() {
+        let seg = seg.expect("segment");
+        let Memory::Placed(dest) = seg.memory else {
+            panic!("staged load returned host memory");
+        };
+        for (t, d) in seg.tensors.iter().zip(&dest) {
+            out.push((t.name.clone(), host_bytes(d).unwrap().to_vec()));
+        }
+    }
+    out.sort();
+    (out, data, loader)
+}
+
+fn expected(sizes: &[usize], data: &[u8]) -> Named {
+    let mut at = 0;
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            at += n;
+            (format!("t{i:03}"), data[at - n..at].to_vec())
+        })
+        .collect()
+}
+
+fn opts(block: u64, limit: u64) -> LoadOptions {
+    LoadOptions {
+        block_size: Some(block),
+        memory_limit: Some(limit),
+        concurrency: Some(4),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn copies_every_tensor_bitwise_with_pieces_and_empties() {
+    // Tensors smaller than, equal to and many times a block; empty ones in between.
+    let sizes = [3, 0, 4096, 70_000, 0, 1, 1 << 20, 5000, 12_345, 0];
+    let (got, data, loader) = run(
+        &sizes,
+        opts(16 << 10, 1 << 20),
+        Arc::new(HostEngine::new()),
+        Box::new(HostAllocator),
+    );
+    assert_eq!(got, expected(&sizes, &data));
+    let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+    assert_eq!(loader.stats().bytes_copied.load(Ordering::Relaxed), total);
+    assert_eq!(loader.engine(), Some("host"));
+}
+
+/// A host engine whose copies are slow, so that reads run ahead of them.
+struct SlowEngine {
+    inner: HostEngine,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+}
+
+impl Engine for SlowEngine {
+    fn name(&self) -> String {
+        "slow".into()
+    }
+    fn staging(&self, len: usize) -> Result<Staging> {
+        self.inner.staging(len)
+    }
+    #[allow(unsafe_code)]
+    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.inner.copy(dst, src, len)
+    }
+    fn record(&self) -> Result<Fence> {
+        let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(n, Ordering::SeqCst);
+        self.inner.record()
+    }
+    fn wait(&self, fence: Fence) -> Result<()> {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.inner.wait(fence)
+    }
+}
+
+#[test]
+fn reads_run_ahead_of_copies_within_the_ring() {
+    let engine = Arc::new(SlowEngine {
+        inner: HostEngine::new(),
+        in_flight: AtomicUsize::new(0),
+        max_in_flight: AtomicUsize::new(0),
+    });
+    let sizes = [3 << 20, 100, 2 << 20];
+    let (block, limit) = (128u64 << 10, 1u64 << 20);
+    let (got, data, loader) = run(
+        &sizes,
+        opts(block, limit),
+        engine.clone(),
+        Box::new(HostAllocator),
+    );
+    assert_eq!(got, expected(&sizes, &data));
+    // Host memory: never more than the ring, whatever the tensor sizes (5 MiB here).
+    let peak = loader.stats().staging_peak.load(Ordering::Relaxed);
+    assert!(peak <= limit, "staging peak {peak} over the {limit} limit");
+    // Overlap: several blocks were waiting on copies while later ones were read.
+    let most = engine.max_in_flight.load(Ordering::SeqCst);
+    assert!(
+        most >= 2,
+        "copies never overlapped reads (max in flight {most})"
+    );
+    assert!(most as u64 <= limit / block);
+}
+
+#[test]
+fn the_ring_is_sized_by_concurrency_not_by_the_memory_limit() {
+    // A copy thread held up by a slow first allocation while 2 reads at a time run ahead:
+    // the ring holds 2 x 2 blocks, whatever the limit lets it (64 MiB: 1024 blocks here).
+    struct SlowFirst(bool);
+    impl Allocator for SlowFirst {
+        fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+            if !std::mem::replace(&mut self.0, true) {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
+            HostAllocator.allocate(tensors)
+        }
+    }
+    let sizes = [256usize << 10; 16];
+    let block = 64u64 << 10;
+    let o = LoadOptions {
+        block_size: Some(block),
+        memory_limit: Some(64 << 20),
+        concurrency: Some(2),
+        ..Default::default()
+    };
+    let (got, data, loader) = run(
+        &sizes,
+        o,
+        Arc::new(HostEngine::new()),
+        Box::new(SlowFirst(false)),
+    );
+    assert_eq!(got, expected(&sizes, &data));
+    let peak = loader.stats().staging_peak.load(Ordering::Relaxed);
+    assert!(
+        peak <= 4 * block,
+        "staging peak {peak} over 2 x concurrency blocks"
+    );
+    assert_eq!(ring_slots(64 << 20, block, 2), 4);
+    assert_eq!(ring_slots(1 << 20, 512 << 10, 16), 2);
+    assert_eq!(ring_slots(1 << 30, 8 << 20, 16), 32);
+}
+
+#[test]
+fn phases_say_where_the_time_went() {
+    // An allocator that takes 50 ms per segment and a copy engine whose every fence wait
+    // takes 2 ms: the load's phases count at least that much in each (and the consumer,
+    // which waits for every segment, waited too).
+    struct Slow;
+    impl Allocator for Slow {
+        fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+            std::thread::sleep(Duration::from_millis(50));
+            HostAllocator.allocate(tensors)
+        }
+    }
+    let engine = Arc::new(SlowEngine {
+        inner: HostEngine::new(),
+        in_flight: AtomicUsize::new(0),
+        max_in_flight: AtomicUsize::new(0),
+    });
+    let sizes = [1usize << 20, 1 << 20];
+    let (got, data, loader) = run(&sizes, opts(256 << 10, 4 << 20), engine, Box::new(Slow));
+    assert_eq!(got, expected(&sizes, &data));
+    let stats = loader.stats();
+    let ms = |c: &AtomicU64| c.load(Ordering::Relaxed) / 1_000_000;
+    assert!(ms(&stats.alloc_ns) >= 50, "alloc {}", ms(&stats.alloc_ns));
+    // Eight blocks, each waited for at least 2 ms.
+    assert!(
+        ms(&stats.fence_wait_ns) >= 16,
+        "fence {}",
+        ms(&stats.fence_wait_ns)
+    );
+    assert!(ms(&stats.consumer_wait_ns) >= 50);
+    assert!(stats.read_ns.load(Ordering::Relaxed) > 0);
+    assert!(stats.staging_wait_ns.load(Ordering::Relaxed) > 0);
+    assert!(stats.copy_idle_ns.load(Ordering::Relaxed) > 0);
+    assert!(stats.copy_ns.load(Ordering::Relaxed) > 0);
+}
+
+struct FailingAllocator {
+    after: usize,
+}
+
+impl Allocator for FailingAllocator {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+        if self.after == 0 {
+            return Err(Error::device("out of device memory (test)"));
+        }
+        self.after -= 1;
+        HostAllocator.allocate(tensors)
+    }
+}
+
+#[test]
+fn allocator_failure_ends_the_load_with_its_error() {
+    let (file, _) = checkpoint(&[1 << 20, 1 << 20, 1 << 20]);
+    let mut loader = open_host(
+        &file,
+        &opts(64 << 10, 1 << 20),
+        Box::new(FailingAllocator { after: 1 }),
+    );
+    let mut failed = None;
+    while let Some(seg) = loader.next_segment() {
+        if let Err(e) = seg {
+            failed = Some(e.to_string());
+        }
+    }
+    assert_eq!(failed.as_deref(), Some("out of device memory (test)"));
+}
+
+/// Host destinations that count the bytes alive (allocated and not yet dropped).
+struct Counting {
+    live: Arc<AtomicUsize>,
+    peak: Arc<AtomicUsize>,
+}
+
+struct Counted {
+    _buffer: crate::memory::HostBuffer,
+    len: usize,
+    live: Arc<AtomicUsize>,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.len, Ordering::SeqCst);
+    }
+}
+
+impl Allocator for Counting {
+    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+        let mut destinations = Vec::new();
+        for t in tensors {
+            let len = t.len as usize;
+            let buffer = crate::memory::HostBuffer::alloc_populated(len, "test")?;
+            let now = self.live.fetch_add(len, Ordering::SeqCst) + len;
+            self.peak.fetch_max(now, Ordering::SeqCst);
+            destinations.push(Destination {
+                addr: buffer.as_ptr() as u64,
+                owner: Box::new(Counted {
+                    _buffer: buffer,
+                    len,
+                    live: self.live.clone(),
+                }),
+            });
+        }
+        Ok(Allocation {
+            destinations,
+            stream: None,
+        })
+    }
+}
+
+#[test]
+fn destinations_of_undelivered_segments_stay_within_the_memory_limit() {
+    // 32 tensors of 256 KiB, a 1 MiB limit (segments of 256 KiB), and a consumer much
+    // slower than the reads that drops each segment: destination memory never holds more
+    // than the limit. Before the budget, the whole 8 MiB piled up.
+    let sizes = [256usize << 10; 32];
+    let (file, data) = checkpoint(&sizes);
+    let (live, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let limit = 1u64 << 20;
+    let mut loader = open_host(
+        &file,
+        &opts(64 << 10, limit),
+        Box::new(Counting {
+            live: live.clone(),
+            peak: peak.clone(),
+        }),
+    );
+    let mut got = Vec::new();
+    while let Some(seg) = loader.next_segment() {
+        let seg = seg.unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let Memory::Placed(dest) = seg.memory else {
+            panic!()
+        };
+        for (t, d) in seg.tensors.iter().zip(&dest) {
+            let Some(c) = d.owner.downcast_ref::<Counted>() else {
+                panic!()
+            };
+            got.push((t.name.clone(), c._buffer.as_slice().to_vec()));
+        }
+    }
+    got.sort();
+    assert_eq!(got, expected(&sizes, &data));
+    let peak = peak.load(Ordering::SeqCst) as u64;
+    assert!(
+        peak <= limit,
+        "destination peak {peak} over the {limit} limit"
+    );
+    assert_eq!(live.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_consumer_that_keeps_every_segment_is_not_limited() {
+    let sizes = [256usize << 10; 16];
+    let (file, _) = checkpoint(&sizes);
+    let mut loader = open_host(&file, &opts(64 << 10, 1 << 20), Box::new(HostAllocator));
+    let kept: Vec<Loaded> = std::iter::from_fn(|| loader.next_segment())
+        .map(|s| s.unwrap())
+        .collect();
+    assert_eq!(kept.iter().map(|s| s.tensors.len()).sum::<usize>(), 16);
+}
+
+#[test]
+fn close_from_another_thread_ends_a_waiting_consumer() {
+    // An allocator that never returns until released: the consumer waits in next_segment.
+    struct Gate(Arc<std::sync::Barrier>);
+    impl Allocator for Gate {
+        fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
+            self.0.wait();
+            HostAllocator.allocate(tensors)
+        }
+    }
+    let (file, _) = checkpoint(&[4096, 4096]);
+    let gate = Arc::new(std::sync::Barrier::new(2));
+    let mut loader = open_host(&file, &opts(4096, 1 << 20), Box::new(Gate(gate.clone())));
+    let control = loader.control().clone();
+    let closer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        control.close();
+    });
+    let got = loader.next_segment();
+    closer.join().unwrap();
+    assert!(
+        matches!(
+            got,
+            Some(Err(Error::Closed {
+                delivered: 0,
+                planned: 2
+            }))
+        ),
+        "{:?}",
+        got.map(|r| r.map(|_| ()))
+    );
+    assert!(loader.next_segment().is_none());
+    gate.wait(); // lets the copy thread end
+}
+
+#[test]
+fn dropping_the_loader_midway_returns_the_ring() {
+    let (file, _) = checkpoint(&[4 << 20, 4 << 20]);
+    let mut loader = open_host(&file, &opts(256 << 10, 1 << 20), Box::new(HostAllocator));
+    let first = loader.next_segment().unwrap().unwrap();
+    assert_eq!(first.tensors.len(), 1);
+    drop(loader);
+    // Nothing hangs and the copy threads end; the first tensor stays readable.
+    let Memory::Placed(d) = first.memory else {
+        panic!()
+    };
+    assert_eq!(host_bytes(&d[0]).unwrap().len(), 4 << 20);
+}
