@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("source and sink", ["source", "source::*", "object", "hub", "cache", "sink"]),
     # Reads sources, writes sinks.
     ("copy", ["copy"]),
-    ("plan", ["plan", "ranges", "ranks"]),
+    ("plan", ["plan", "regions", "ranges", "ranks"]),
     ("device", ["device"]),
     ("pipeline", ["pipeline"]),
     # `fastload serve`: reads sources (and the write path's listing), holds files in the device

@@ -29,8 +29,10 @@
 //!   safetensors files written through them.
 //! - [`copy`]: `fastload copy`: files read from sources and written to sinks, resumably, split
 //!   across the ranks of a group.
-//! - [`plan`] (shards + options → segments and blocks), `ranges` (chosen byte ranges of one
-//!   source, for slices) and `ranks` (the plan shared by the ranks of a process group).
+//! - [`plan`] (shards + options → segments and blocks), [`regions`] (a tensor's region: its
+//!   index normalised, the runs and reads it needs, by the source's cost of a request), `ranges`
+//!   (chosen byte ranges of one source, for slices) and `ranks` (the plan shared by the ranks of
+//!   a process group).
 //! - [`device`]: where tensors go when they leave host memory (the CUDA copy engine).
 //! - [`pipeline`]: runs a plan: reads every block through `Source`, bounded in bytes and reads
 //!   in flight, and hands tensors out as their segments land.
@@ -59,6 +61,7 @@ pub mod copy;
 pub(crate) mod ranges;
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) mod ranks;
+pub mod regions;
 pub mod runtime;
 pub mod serve;
 pub mod sink;

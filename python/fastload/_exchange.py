@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._safe_open import plan
+from ._regions import RegionSource, plan
 
 __all__ = ["ColumnExchange"]
 
@@ -94,13 +94,13 @@ class ColumnExchange:
         # Tensors the ranks named alike but whose files differ (each rank read its own).
         self.differed = 0
 
-    def wants(self, source: Any, index: tuple[Any, ...]) -> bool:
+    def wants(self, source: RegionSource, index: tuple[Any, ...]) -> bool:
         """Whether ``source[index]`` is this rank's column block of a tensor the group reads
         once; the same answer on every rank of the group (see the module's doc)."""
         shape = source.shape
         if not self.enabled or len(shape) != 2 or len(index) != 2:
             return False
-        if getattr(source, "mapped", False):
+        if source.mapped:
             # A mapped local file: each rank copies its columns straight out of the pages
             # (which the ranks of a host share in its page cache), no request to save.
             return False
@@ -119,20 +119,22 @@ class ColumnExchange:
         assert first is not None
         return sum(n for _, n in first.ranges) > rows * width * source.dtype.itemsize
 
-    def shares(self, source: Any) -> bool:
+    def shares(self, source: RegionSource) -> bool:
         """Whether ``source`` read whole is read by one rank of the group and broadcast; the
         same answer on every rank (a pure function of the tensor)."""
         if not (self.enabled and self.share) or source.nbytes == 0:
             return False
-        if getattr(source, "mapped", False):
+        if source.mapped:
             return False  # a mapped local file's pages are the host's, shared already
         return self.skip is None or not self.skip(source.name)
 
-    def owner(self, source: Any) -> int:
+    def owner(self, source: RegionSource) -> int:
         """The rank of the group that reads ``source`` when it is shared."""
         return zlib.crc32(source.name.encode()) % self.world
 
-    def read_whole(self, source: Any, data: torch.Tensor | None = None) -> torch.Tensor | None:
+    def read_whole(
+        self, source: RegionSource, data: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """``source`` whole (its bytes, as a flat uint8 tensor) through the group: read by its
         owner (``data``: its bytes, read already, ahead), broadcast to every other rank; None
         where the ranks disagree (the caller reads it itself). The owner's failed read is raised
@@ -162,12 +164,12 @@ class ColumnExchange:
         dist.broadcast(out, src=src, group=self.group)
         return out
 
-    def _bounds(self, source: Any) -> list[int]:
+    def _bounds(self, source: RegionSource) -> list[int]:
         """The first row of each rank's block, and the number of rows."""
         rows = source.shape[0]
         return [rows * i // self.world for i in range(self.world + 1)]
 
-    def block(self, source: Any) -> tuple[int, int] | None:
+    def block(self, source: RegionSource) -> tuple[int, int] | None:
         """The byte range ``(offset, len)`` from the tensor's start of the rows this rank reads
         for the group (``None``: no rows), so that it can be read ahead."""
         bounds = self._bounds(source)
@@ -178,7 +180,7 @@ class ColumnExchange:
         return bounds[self.rank] * row_bytes, mine * row_bytes
 
     def read(
-        self, source: Any, index: tuple[Any, ...], block: torch.Tensor | None = None
+        self, source: RegionSource, index: tuple[Any, ...], block: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """``source[index]`` through an exchange, or None where this region is not exchanged
         (or the ranks disagree): the caller reads it itself. ``block``: this rank's rows
@@ -235,7 +237,9 @@ class ColumnExchange:
         self.received_bytes += (bounds[-1] - mine) * piece
         return out
 
-    def _announce(self, kind: int, source: Any = None, ok: bool = True) -> list[int]:
+    def _announce(
+        self, kind: int, source: RegionSource | None = None, ok: bool = True
+    ) -> list[int]:
         if source is None:
             return [kind, 0, 0, 0, 0, int(ok)]
         # ``place``: the tensor's file (its URI and the version opened) and data offsets in it.

@@ -40,7 +40,10 @@ __all__ = [
     "DLPACK_DTYPES",
     "DTYPES",
     "INDEX_FILE",
+    "LOCAL_READ_COST",
+    "MAPPED_READ_COST",
     "OPTIONS",
+    "REMOTE_READ_COST",
     "SCHEMES",
     "FileWriter",
     "Item",
@@ -48,6 +51,7 @@ __all__ = [
     "PendingRead",
     "RankPlan",
     "Reader",
+    "Region",
     "ResolvedOptions",
     "Stats",
     "Stream",
@@ -67,9 +71,11 @@ __all__ = [
     "inspect_json",
     "is_remote_uri",
     "list_objects",
+    "merge_runs",
     "parse_hub_uri",
     "parse_size",
     "plan_ranks",
+    "plan_region",
     "prune_small_files",
     "read_object",
     "release_memory",
@@ -89,6 +95,12 @@ DTYPES: tuple[str, ...]
 DLPACK_DTYPES: tuple[str, ...]
 # The index file of a sharded checkpoint, read by loads and written by ``save``.
 INDEX_FILE: str
+
+# What one more request costs a reader of chosen ranges, in bytes it could read instead
+# (``Source::read_cost``): a file's pread, an object store's round trip, a mapping (no request).
+LOCAL_READ_COST: int
+REMOTE_READ_COST: int
+MAPPED_READ_COST: int
 
 _Size = int | str
 _Cache = bool | str | os.PathLike[str]
@@ -322,6 +334,8 @@ class _Header(TypedDict):
     metadata: dict[str, str] | None
     # The version opened (validators, digest, or size and mtime); None where the source has none.
     version: str | None
+    # What one more request to the file costs (``Source::read_cost``), in bytes.
+    read_cost: int
 
 @final
 class Reader:
@@ -580,3 +594,71 @@ def prune_small_files(dest: str, keep: list[str]) -> None:
 
 def cached_memory() -> dict[str, int]: ...
 def release_memory() -> dict[str, int]: ...
+
+# (read_cost, spans, waste, spans_win, span_max): how runs are grouped into reads
+# (``crate::regions::Merge``).
+_Merge = tuple[int, bool, float, float, int]
+
+@final
+class Region:
+    """A region of a tensor (``tensor[index]``) as the native planner plans it: ``refused``
+    (why the index is not one: ``(kind, item position, dim)``, kind one of ``"item"``,
+    ``"step"``, ``"ellipses"``, ``"too_many"``, ``"out_of_range"``), else its ``shape`` and,
+    unless it selects nothing (``empty``), its plan."""
+
+    @property
+    def refused(self) -> tuple[str, int, int | None] | None: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def empty(self) -> bool: ...
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        """The runs to read, ``(offset, len)`` in bytes from the tensor's start."""
+    def ranges_at(self, at: int) -> list[tuple[int, int]]:
+        """The runs as file ranges: ``(at + offset, len)``."""
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def run_count(self) -> int: ...
+    @property
+    def size(self) -> tuple[int, ...]:
+        """The box the runs hold, in elements (its strides: ``stride``)."""
+    @property
+    def stride(self) -> tuple[int, ...]: ...
+    @property
+    def view(self) -> tuple[Any, ...] | None:
+        """What indexes the box into the region; ``None`` where it is the box itself."""
+    @property
+    def lead(self) -> int:
+        """Leading dims of the box that pick the run."""
+    @property
+    def reads(self) -> list[tuple[int, int]]:
+        """The reads, ``(begin, end)`` in bytes from the tensor's start."""
+    @property
+    def strips(self) -> list[list[tuple[int, int, int, int]]]:
+        """Each read's runs as strips: ``(first run, runs, elements between, first element)``."""
+    def ranges_named(self, name: str) -> list[tuple[str, int, int]]:
+        """The reads as a load's byte ranges of tensor ``name``: ``(name, begin, end)``."""
+    @property
+    def read_bytes(self) -> int:
+        """The bytes the reads hold (the gaps they span included)."""
+    @property
+    def read_count(self) -> int: ...
+    def strips_at(self, begin: int) -> list[tuple[int, int, int, int]]:
+        """The strips of the read that begins at ``begin``."""
+
+def plan_region(
+    shape: Sequence[int],
+    itemsize: int,
+    index: Any,
+    read_cost: int,
+    merge: _Merge | None = None,
+    new_axes: bool = True,
+) -> Region:
+    """``tensor[index]`` of a C-contiguous tensor as a :class:`Region`, its runs planned with
+    ``read_cost`` per request and grouped into reads by ``merge`` (``None``: a read per run);
+    ``new_axes``: ``None`` in the index adds a dim (else refused). Planned once per region."""
+
+def merge_runs(runs: Sequence[tuple[int, int]], merge: _Merge) -> list[tuple[int, int]]:
+    """``(first run, runs)`` groups of ``runs`` read as one (``crate::regions::merge``)."""

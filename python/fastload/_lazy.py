@@ -7,8 +7,8 @@ View ops (``narrow``, basic indexing and slicing, ``select``, ``split``/``chunk`
 ``unsqueeze``/``squeeze``, ``detach``, a ``view`` to its own shape) compose into a new lazy
 tensor of the same file region, still unread; any other op (``copy_`` into a parameter, ``to``,
 ``t()``, arithmetic, ...) reads the region the lazy tensor covers (only its byte ranges, planned
-by ``_safe_open.plan``) and runs on what was read. So a tensor nobody asks for is never read, a
-``narrow(...).copy_`` reads the narrowed rows (or columns), and code that does anything else
+natively: ``fastload._regions``) and runs on what was read. So a tensor nobody asks for is never
+read, a ``narrow(...).copy_`` reads the narrowed rows (or columns), and code that does anything else
 still gets the right values, from a whole read. In-place ops act on the region once read (the
 lazy tensor keeps it): later uses of the same lazy tensor see them.
 
@@ -27,15 +27,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import _fastload, _options, _readahead, _torch_glue, _uris
-from ._safe_open import (
-    LOCAL_READ_COST,
-    MAPPED_READ_COST,
-    REMOTE_READ_COST,
-    index_reads,
-    plan,
-    safe_open,
-)
-from ._safe_open import empty as _empty
+from ._regions import MAPPED_READ_COST, Region
+from ._regions import empty as _empty
+from ._safe_open import safe_open
 
 __all__ = ["Checkpoint", "LazyTensor", "Stats"]
 
@@ -128,58 +122,31 @@ class Stats:
         return out
 
 
-class _Source:
-    """One tensor of a file: where its bytes are, and what has been read of it."""
+class _Source(Region):
+    """One tensor of a file (a :class:`fastload._regions.Region`), and what has been read of it:
+    through the group's exchange, the read-ahead, or alone."""
 
-    __slots__ = (
-        "ahead",
-        "at",
-        "cost",
-        "counted",
-        "dtype",
-        "exchange",
-        "key",
-        "mapped",
-        "name",
-        "nbytes",
-        "place",
-        "position",
-        "reader",
-        "shape",
-        "shard",
-        "stats",
-        "whole",
-    )
+    __slots__ = ("ahead", "counted", "exchange", "key", "position", "stats", "whole")
 
-    def __init__(
-        self,
-        reader: Any,
-        shard: int,
-        at: int,
-        nbytes: int,
-        dtype: torch.dtype,
-        shape: tuple[int, ...],
-        cost: int,
-        stats: Stats,
-        name: str,
-        exchange: Any = None,
-        mapped: bool = False,
-        place: tuple[str, str | None, int, int] = ("", None, 0, 0),
-    ) -> None:
-        self.reader, self.shard, self.at, self.nbytes = reader, shard, at, nbytes
-        # The file (its URI, the version opened) and the data offsets in it: what the ranks of
-        # an exchange compare before they exchange the tensor's bytes.
-        self.place = place
-        # The file is mapped, not read (``Reader.map``: local, not encrypted): a region is a view
-        # of the file's pages, no request to a store (``cost``: MAPPED_READ_COST, one span). The
-        # same on every rank that opens the file.
-        self.mapped = mapped
-        self.dtype, self.shape, self.cost, self.stats, self.name = dtype, shape, cost, stats, name
+    def __init__(self, region: Region, stats: Stats, exchange: Any = None) -> None:
+        super().__init__(
+            region.reader,
+            region.shard,
+            region.at,
+            region.nbytes,
+            region.dtype,
+            region.shape,
+            region.cost,
+            region.name,
+            region.mapped,
+            region.place,
+        )
+        self.stats = stats
         self.exchange = exchange  # a _exchange.ColumnExchange, or None
         self.whole: torch.Tensor | None = None  # once read whole: later regions view it
         self.counted: str | None = None  # "sliced", "whole" or "exchanged", once read
         self.ahead: _readahead.ReadAhead | None = None
-        self.key = _readahead.key(name, shape, dtype)
+        self.key = _readahead.key(self.name, self.shape, self.dtype)
         self.position = 0
 
     @property
@@ -248,54 +215,9 @@ class _Source:
             s.shared_bytes += self.nbytes
             s.shared_tensors += 1
             self.counted = "shared"
-        _, finish = index_reads(torch, self.dtype, self.shape, self.nbytes, index, self.cost)
+        _, finish = self.reads(index)
         self.whole = finish(raw)
         return self.whole
-
-    def fetch(self, index: tuple[Any, ...]) -> tuple[torch.Tensor, int]:
-        """``tensor[index]`` read (from any thread), and the bytes that took."""
-        # Mapped: one span, the region a strided view of it, copied once by the consumer (pages
-        # outside the region but inside the span are faulted in: counted as read).
-        ranges, finish = index_reads(
-            torch, self.dtype, self.shape, self.nbytes, index, self.cost, not self.mapped
-        )
-        out = finish(self.raw(ranges) if ranges else None)
-        return out, sum(n for _, n in ranges)
-
-    def start(self, index: tuple[Any, ...]) -> _Later:
-        """``fetch(index)`` started now, in flight while the caller goes on (read-ahead):
-        ``result()`` gives ``(tensor, bytes)``. A mapped file's region is mapped at once."""
-        if self.mapped:
-            return _Later(None, out=self.fetch(index))
-        ranges, finish = index_reads(
-            torch, self.dtype, self.shape, self.nbytes, index, self.cost, True
-        )
-        return self.start_raw(ranges, finish)
-
-    def start_raw(self, ranges: list[tuple[int, int]], finish: Any = None) -> _Later:
-        """``raw(ranges)`` started now (``finish``: made of the bytes once in; ``result()``
-        gives ``(it, bytes)``)."""
-        nbytes = sum(n for _, n in ranges)
-        pending = None
-        if ranges:
-            pending = self.reader.read_later(self.shard, [(self.at + o, n) for o, n in ranges])
-        return _Later(pending, finish, nbytes)
-
-    def region_bytes(self, index: tuple[Any, ...]) -> int:
-        """The bytes ``fetch(index)`` reads."""
-        p = plan(self.shape, self.dtype.itemsize, index, self.cost)
-        return self.nbytes if p is None else sum(n for _, n in p.ranges)
-
-    def raw(self, ranges: list[tuple[int, int]]) -> torch.Tensor:
-        """The bytes of ``ranges`` (``(offset, len)`` from the tensor's start), one after the
-        other, as a uint8 tensor; not counted."""
-        if len(ranges) == 1 and self.mapped:
-            ((o, n),) = ranges
-            capsule = self.reader.map(self.shard, self.at + o, n)
-            if capsule is not None:
-                return torch.from_dlpack(capsule)
-        capsule = self.reader.read(self.shard, [(self.at + o, n) for o, n in ranges])
-        return torch.from_dlpack(capsule)
 
     def count_exchanged(self, got: int, exchanged: bool = True) -> None:
         """``got`` bytes read as this rank's row block of an exchange (``exchanged``: false
@@ -328,36 +250,6 @@ class _Source:
             if self.counted is None:
                 s.sliced_tensors += 1
                 self.counted = "sliced"
-
-
-class _Later:
-    """A read in flight (``Reader.read_later``): ``result()`` waits for it once and gives
-    ``(finish(its bytes as a uint8 tensor), bytes read)`` (no ``finish``: the bytes), then and
-    after; its error, if it failed, every time. ``pending`` None: nothing to wait for (``out``
-    is the result, or ``finish`` gets None)."""
-
-    __slots__ = ("_error", "_finish", "_nbytes", "_out", "_pending")
-
-    def __init__(self, pending: Any, finish: Any = None, nbytes: int = 0, out: Any = None) -> None:
-        self._pending, self._finish, self._nbytes = pending, finish, nbytes
-        self._out: tuple[Any, int] | None = out
-        self._error: Exception | None = None
-
-    def result(self) -> tuple[Any, int]:
-        if self._out is None and self._error is None:
-            try:
-                # A Ctrl-C while waiting leaves it pending: a later result() is an error then
-                # (the read can be waited for once), never another's bytes.
-                pending = self._pending
-                raw = None if pending is None else torch.from_dlpack(pending.wait())
-                self._out = (raw if self._finish is None else self._finish(raw), self._nbytes)
-                self._pending = None
-            except Exception as e:
-                self._error = e
-        if self._error is not None:
-            raise self._error
-        assert self._out is not None
-        return self._out
 
 
 def _range_item(it: Any) -> bool:
@@ -717,8 +609,8 @@ class Checkpoint:
             # Whether the file maps (local, not encrypted): asked once, with an empty mapping.
             mapped = not remote and self.map_local and self.reader.map(shard, 0, 0) is not None
             read_any |= not mapped
-            cost = REMOTE_READ_COST if remote else LOCAL_READ_COST
-            cost = MAPPED_READ_COST if mapped else cost
+            # What one more request costs (``Source::read_cost``); nothing for a mapping.
+            cost = MAPPED_READ_COST if mapped else header["read_cost"]
             for name, dtype, shape, begin, end in header["tensors"]:
                 tdtype = self._glue.DTYPES.get(dtype)
                 if tdtype is None:
@@ -728,22 +620,19 @@ class Checkpoint:
                         self._glue.UnsupportedDtype(dtype, name).describe(file), path=file
                     )
                 tshape = safe_open._torch_shape(dtype, tuple(shape))
-                sources.append(
-                    _Source(
-                        self.reader,
-                        shard,
-                        header["data_start"] + begin,
-                        end - begin,
-                        tdtype,
-                        tshape,
-                        cost,
-                        self.stats,
-                        name,
-                        self.exchange,
-                        mapped,
-                        (file, header.get("version"), begin, end),
-                    )
+                region = Region(
+                    self.reader,
+                    shard,
+                    header["data_start"] + begin,
+                    end - begin,
+                    tdtype,
+                    tshape,
+                    cost,
+                    name,
+                    mapped,
+                    (file, header.get("version"), begin, end),
                 )
+                sources.append(_Source(region, self.stats, self.exchange))
         return sources, read_any
 
     def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:

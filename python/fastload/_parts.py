@@ -7,17 +7,17 @@ tensor: ints (a dim dropped), slices of ints with steps >= 1 (bounds clamped as 
 them) and one ``...``; a tuple of them, one per dim at most. Anything else is refused with
 :class:`ConfigError` (``option="parts"``) before anything is read.
 
-How: each part is planned by :func:`fastload._safe_open.plan` with no cost per read, so it needs
-the fewest bytes (the same planner ``safe_open(...).get_slice(name)[index]`` uses): the part's
-rows when it slices the first dims, else a run per row of the dims it slices (``[:, a:b]``
-needs ``b - a`` columns of every row). A step in the innermost dim it runs along reads the
-elements it skips too. :func:`merge_runs` then groups the runs into reads by the source's cost
-model (:func:`_cost`): a gap between runs is read when that costs less than another request
-(within 10% of the part's bytes, or beyond that when it saves most of the requests: a column slice
-of narrow rows is a few reads of the rows it crosses, not a request per row; wide rows stay a
-read each). The reads go to the native loader as byte ranges within tensors
-(``_fastload.Stream(parts=...)``, the selection a distributed load reads its share with), which
-reads them as any load does: in parallel blocks, ``concurrency`` in flight, within
+How: each part is planned natively (``_fastload.plan_region``, the planner of every region, see
+``fastload._regions``) with no cost per read, so it needs the fewest bytes: the part's rows when
+it slices the first dims, else a run per row of the dims it slices (``[:, a:b]`` needs ``b - a``
+columns of every row). A step in the innermost dim it runs along reads the elements it skips
+too. The runs are then grouped into reads (:func:`merge_runs`) by what a request to the file's
+source costs (``Source::read_cost``): a gap between runs is read when that costs less than
+another request (within 10% of the part's bytes, or beyond that when it saves most of the
+requests: a column slice of narrow rows is a few reads of the rows it crosses, not a request per
+row; wide rows stay a read each). The reads go to the native loader as byte ranges within
+tensors (``_fastload.Stream(parts=...)``, the selection a distributed load reads its share
+with), which reads them as any load does: in parallel blocks, ``concurrency`` in flight, within
 ``memory_limit``, from every source, to the CPU or through the staged GPU path. Each read
 arrives as a piece; a part of one read is a strided view of it (copied when it selects less than
 the read), a part of several is assembled as its pieces land, each run copied once (a strided
@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import _fastload, _safe_open
+from . import _fastload, _regions, _safe_open
 from ._errors import ConfigError, FormatError, TensorNotFoundError
 
 # The integer dtype each width of element is moved as.
@@ -54,21 +54,17 @@ class _Part(NamedTuple):
     name: str
     dtype: str  # safetensors'
     shape: tuple[int, ...]  # the file's
-    plan: _safe_open.Plan | None
+    plan: Any  # a _fastload.Region with runs, or None
     out_shape: tuple[int, ...]  # of the result
     runs: int  # pieces it arrives in
     tdtype: Any = None  # torch's
     carrier: Any = None  # the integer dtype of its width: its elements move as their bits
     lead: int = 0  # dims that pick the run (the rest lie within one)
-    # Each piece (by its first byte in the tensor): where its runs go, as strips of runs evenly
-    # apart, `(first run, runs, elements from one run to the next, first run's element in the
-    # piece)`.
-    strips: Mapping[int, list[tuple[int, int, int, int]]] | None = None
 
 
 class Cost(NamedTuple):
     """The cost model `merge_runs` decides with: what one more read costs, in bytes one could
-    read instead (``_safe_open.REMOTE_READ_COST``, ``LOCAL_READ_COST``), and whether reads
+    read instead (``Source::read_cost``: ``_regions.REMOTE_READ_COST``, ...), and whether reads
     beyond ``WASTE`` may be chosen when they save enough of it."""
 
     read: int
@@ -100,44 +96,15 @@ def merge_runs(runs: Sequence[tuple[int, int]], cost: Cost) -> list[tuple[int, i
     n = len(runs)
     if n <= 1:
         return [(0, n)] if n else []
-    gaps = [runs[i + 1][0] - runs[i][0] - runs[i][1] for i in range(n - 1)]
-    small = [i for i, g in enumerate(gaps) if g == 0 or g < cost.read]
-    merged = {i for i in small if gaps[i] <= WASTE * runs[i][1]}
-    if cost.spans and len(small) > len(merged):
-        need = sum(length for _, length in runs)
-        within = need + sum(gaps[i] for i in merged) + (n - len(merged)) * cost.read
-        spans = need + sum(gaps[i] for i in small) + (n - len(small)) * cost.read
-        if spans * SPANS_WIN <= within:
-            merged = set(small)
-    groups: list[tuple[int, int]] = []
-    first = 0
-    for i in range(n - 1):
-        end = runs[i + 1][0] + runs[i + 1][1]
-        if i not in merged or (gaps[i] and end - runs[first][0] > SPAN_MAX):
-            groups.append((first, i + 1 - first))
-            first = i + 1
-    groups.append((first, n - first))
-    return groups
+    # The runs as a region of one dim of bytes whose reads the planner groups: a run each.
+    native = _fastload.merge_runs(list(runs), _settings(cost))
+    return [(first, count) for first, count in native]
 
 
-def _strips(
-    runs: Sequence[tuple[int, int]], first: int, count: int, itemsize: int
-) -> list[tuple[int, int, int, int]]:
-    """Runs ``first .. first + count`` of one read as strips of runs evenly apart (see
-    ``_Part.strips``): one strip for the rows of a 2-d slice, one per outer index else."""
-    base = runs[first][0]
-    out: list[tuple[int, int, int, int]] = []
-    j, end = first, first + count
-    while j < end:
-        k, step = j + 1, 0  # k: the strip's end
-        if k < end:
-            step = runs[k][0] - runs[j][0]
-            while k + 1 < end and runs[k + 1][0] - runs[k][0] == step:
-                k += 1
-            k += 1
-        out.append((j, k - j, step // itemsize, (runs[j][0] - base) // itemsize))
-        j = k
-    return out
+def _settings(cost: Cost) -> tuple[int, bool, float, float, int]:
+    """The native planner's merge settings (``crate::regions::Merge``), as they are now (tests
+    change them)."""
+    return (cost.read, cost.spans, WASTE, SPANS_WIN, SPAN_MAX)
 
 
 def _describe(index: Any) -> str:
@@ -155,54 +122,42 @@ def _describe(index: Any) -> str:
     return "[" + ", ".join(shown) + "]"
 
 
-def normalize(name: str, index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
-    """``index`` with one entry per dim (ints made non-negative, ``...`` expanded, missing
-    trailing dims ``slice(None)``), or :class:`ConfigError` naming the tensor and the problem."""
+def normalize(
+    name: str,
+    index: Any,
+    shape: tuple[int, ...],
+    itemsize: int = 1,
+    merge: tuple[Any, ...] | None = None,
+) -> Any:
+    """``index`` of a tensor of ``shape`` (elements of ``itemsize`` bytes) as a region (a
+    ``_fastload.Region``: its shape, and its runs planned with no cost per read, grouped into
+    reads by ``merge``, see :func:`_settings`), or :class:`ConfigError` naming the tensor and
+    the problem."""
+    region = _fastload.plan_region(shape, itemsize, index, 0, merge, new_axes=False)
+    if region.refused is None:
+        return region
     where = f"invalid option parts: tensor {name!r} of shape {list(shape)}"
+    kind, at, dim = region.refused
     items = index if isinstance(index, tuple) else (index,)
-    for it in items:
-        ok = it is Ellipsis or (isinstance(it, int) and not isinstance(it, bool))
-        if isinstance(it, slice):
-            bounds = (it.start, it.stop, it.step)
-            ok = all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in bounds)
-            if ok and it.step is not None and it.step < 1:
-                raise ConfigError(
-                    f"{where}: step {it.step} in {_describe(index)}: steps must be >= 1",
-                    option="parts",
-                )
-        if not ok:
-            raise ConfigError(
-                f"{where}: {it!r} in {index!r} is not supported: a part is indexed with ints, "
-                "slices of ints (steps >= 1) and one ...",
-                option="parts",
-            )
-    ellipses = sum(1 for it in items if it is Ellipsis)
-    if ellipses > 1:
-        raise ConfigError(f"{where}: {_describe(index)} has more than one ...", option="parts")
-    used = len(items) - ellipses
-    if used > len(shape):
-        raise ConfigError(
-            f"{where}: {_describe(index)} indexes {used} dims, the tensor has {len(shape)}",
-            option="parts",
+    if kind == "step":
+        step = items[at].step
+        problem = f"step {step} in {_describe(index)}: steps must be >= 1"
+    elif kind == "item":
+        problem = (
+            f"{items[at]!r} in {index!r} is not supported: a part is indexed with ints, "
+            "slices of ints (steps >= 1) and one ..."
         )
-    fill = (slice(None),) * (len(shape) - used)
-    if ellipses:
-        at = items.index(Ellipsis)
-        items = (*items[:at], *fill, *items[at + 1 :])
+    elif kind == "ellipses":
+        problem = f"{_describe(index)} has more than one ..."
+    elif kind == "too_many":
+        problem = f"{_describe(index)} indexes {at} dims, the tensor has {len(shape)}"
     else:
-        items = (*items, *fill)
-    out: list[Any] = []
-    for dim, (it, n) in enumerate(zip(items, shape)):
-        if isinstance(it, int):
-            if not -n <= it < n:
-                raise ConfigError(
-                    f"{where}: index {it} in {_describe(index)} is out of range for dim {dim} "
-                    f"of size {n}",
-                    option="parts",
-                )
-            it = it + n if it < 0 else it
-        out.append(it)
-    return tuple(out)
+        assert dim is not None  # "out_of_range" names the dim
+        problem = (
+            f"index {items[at]} in {_describe(index)} is out of range for dim {dim} "
+            f"of size {shape[dim]}"
+        )
+    raise ConfigError(f"{where}: {problem}", option="parts")
 
 
 def wanted_names(
@@ -264,7 +219,9 @@ class Parts:
         glue = _torch_glue()
         torch = glue.torch
         table: dict[str, tuple[str, tuple[int, ...], str, int]] = {}
+        costs: dict[str, int] = {}
         for h in headers:
+            costs[h["file"]] = h["read_cost"]
             for tname, dtype, shape, begin, end in h["tensors"]:
                 table.setdefault(tname, (dtype, tuple(shape), h["file"], end - begin))
         where = uri_hint if len(headers) <= 1 else f"{uri_hint} and {len(headers) - 1} more files"
@@ -283,7 +240,7 @@ class Parts:
         for tname in wanted:
             dtype, shape, file, size = table[tname]
             if tname in parts:
-                cost = _cost(file)
+                cost = _cost(costs[file])
                 self._plan_part(tname, dtype, shape, file, parts[tname], glue, cost)
             else:
                 self._whole(tname, dtype, shape, size)
@@ -313,25 +270,22 @@ class Parts:
         if tdtype is None:
             raise FormatError(glue.UnsupportedDtype(dtype, name).describe(file), path=file)
         tshape = _safe_open.safe_open._torch_shape(dtype, shape)
-        basic = normalize(name, index, tshape)
-        out_shape = tuple(
-            len(range(*it.indices(n))) for it, n in zip(basic, tshape) if isinstance(it, slice)
-        )
+        itemsize = tdtype.itemsize
+        region = normalize(name, index, tshape, itemsize, _settings(cost))
+        out_shape = tuple(region.shape)
         self.part_tensors += 1
-        self.part_full_bytes += math.prod(tshape) * tdtype.itemsize
-        planned = _planned(tshape, tdtype.itemsize, basic, cost)
-        if planned is None:
+        self.part_full_bytes += math.prod(tshape) * itemsize
+        if region.empty:
             self._parts[name] = _Part(name, dtype, shape, None, out_shape, 0)
             self.empty.append((name, _safe_open.empty(torch, out_shape, tdtype)))
             return
-        plan, reads, strips, lead = planned
-        carrier = getattr(torch, _CARRIER_NAMES[tdtype.itemsize])
-        self.ranges.extend((name, begin, end) for begin, end in reads)
-        self.part_bytes += sum(end - begin for begin, end in reads)
-        self.part_runs += len(plan.ranges)
-        self.part_reads += len(strips)
+        carrier = _regions.carrier(torch, itemsize)
+        self.ranges.extend(region.ranges_named(name))
+        self.part_bytes += region.read_bytes
+        self.part_runs += region.run_count
+        self.part_reads += region.read_count
         self._parts[name] = _Part(
-            name, dtype, shape, plan, out_shape, len(strips), tdtype, carrier, lead, strips
+            name, dtype, shape, region, out_shape, region.read_count, tdtype, carrier, region.lead
         )
 
     def take(self, name: str, begin: int | None, raw: Any) -> Any:
@@ -343,8 +297,9 @@ class Parts:
             return self._from_bytes(p.dtype, p.shape, raw, name)
         size, stride, carrier = plan.size, plan.stride, p.carrier
         inner, inner_stride = size[p.lead :], stride[p.lead :]
-        assert p.strips is not None
-        strips = p.strips[begin or 0]
+        # Where the piece's runs go, as strips of runs evenly apart, `(first run, runs,
+        # elements from one run to the next, first run's element in the piece)`.
+        strips = plan.strips_at(begin or 0)
         elements = raw.view(carrier)
 
         def strip(count: int, step: int, at: int) -> Any:
@@ -391,52 +346,7 @@ class Parts:
         }
 
 
-# Parts planned (see _planned), by shape, element size, index and cost model: the layers of a
-# model repeat their shapes and a rank's indices, so a load plans a few dozen distinct parts
-# (Llama-3-8B at TP 2: 262,306 runs in 0.4-0.5 s planned one by one, each layer again).
-_PLANNED: dict[Any, Any] = {}
-_PLANNED_MAX = 1024
-
-
-def _planned(tshape: tuple[int, ...], itemsize: int, basic: tuple[Any, ...], cost: Cost) -> Any:
-    """A part's plan (``_safe_open.plan`` with no cost per read), its reads (``(begin, end)``
-    within the tensor, by :func:`merge_runs`), the strips of each read (by its begin) and its
-    lead dims; ``None`` for a part of no bytes. Worked out once per distinct part, and shared
-    (read only) by the tensors that have it."""
-
-    def make() -> Any:
-        plan = _safe_open.plan(tshape, itemsize, basic, read_cost=0)
-        if plan is None:
-            return None
-        runs = plan.ranges
-        reads: list[tuple[int, int]] = []
-        strips: dict[int, list[tuple[int, int, int, int]]] = {}
-        for first, count in merge_runs(runs, cost):
-            begin = runs[first][0]
-            end = runs[first + count - 1][0] + runs[first + count - 1][1]
-            strips[begin] = _strips(runs, first, count, itemsize)
-            reads.append((begin, end))
-        return plan, reads, strips, _lead_dims(plan.size, len(runs))
-
-    # merge_runs' settings as they are now are part of the key (tests change them).
-    key = (tuple(tshape), itemsize, _safe_open.index_key(basic), cost, (WASTE, SPANS_WIN, SPAN_MAX))
-    return _safe_open.remembered(_PLANNED, _PLANNED_MAX, key, make)
-
-
-def _cost(file: str) -> Cost:
-    """The cost model of the reads of ``file``'s parts (see :func:`merge_runs`)."""
-    if _fastload.is_remote_uri(file) or file.startswith("hf://"):
-        return Cost(_safe_open.REMOTE_READ_COST, spans=True)
-    return Cost(_safe_open.LOCAL_READ_COST, spans=True)
-
-
-def _lead_dims(size: tuple[int, ...], runs: int) -> int:
-    """How many leading dims of ``size`` the runs walk: the planner's run dim (the product of the
-    sizes before it is the number of runs; the smallest such prefix, as size-1 dims change
-    nothing)."""
-    product = 1
-    for d, n in enumerate(size):
-        if product == runs:
-            return d
-        product *= n
-    return len(size)
+def _cost(file_cost: int) -> Cost:
+    """The cost model of the reads of a file's parts (see :func:`merge_runs`), by what one more
+    request to its source costs (``Source::read_cost``)."""
+    return Cost(file_cost, spans=True)

@@ -37,7 +37,11 @@ used).
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._regions import AheadSource
 
 # Tensors past the one the consumer is at that may be read ahead.
 WINDOW = 32
@@ -76,14 +80,13 @@ def key(name: str, shape: tuple[int, ...], dtype: Any) -> tuple[str, tuple[int, 
 
 class ReadAhead:
     """The read-ahead of one checkpoint's lazy tensors (see the module's doc) over ``sources``:
-    its ``_Source``s in the order they are handed out. Each has ``name``, ``key``, ``position``,
-    ``done`` (read already), ``region_bytes(index)``, ``start(index)`` and ``start_raw(ranges)``
-    (reads started at once, in flight on native threads that never take the GIL, each with
-    ``result() -> (tensor, bytes read)``). Called from the consumer's thread only."""
+    its ``_Source``s in the order they are handed out (``fastload._regions.AheadSource``: reads
+    started at once, in flight on native threads that never take the GIL, each with ``result()
+    -> (tensor, bytes read)``). Called from the consumer's thread only."""
 
     def __init__(
         self,
-        sources: list[Any],
+        sources: Sequence[AheadSource],
         window: int = WINDOW,
         limit: int = LIMIT,
         all_layers: bool = False,
@@ -144,7 +147,7 @@ class ReadAhead:
         self._launch()
 
     def take(
-        self, source: Any, index: Any, full: bool, block: bool = False
+        self, source: AheadSource, index: Any, full: bool, block: bool = False
     ) -> tuple[Any, int] | None:
         """What was read ahead for ``source`` if it is the region ``index``, else ``None`` (what
         was read ahead is dropped); from now on ``index`` is what ``source``'s name is read as,
@@ -280,7 +283,7 @@ class ReadAhead:
         self._count_unused()
 
 
-def _guess(source: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:
+def _guess(source: AheadSource) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """For a 2-D tensor of a tensor-parallel group's load: this rank's block of rows (``(first,
     end)``) and its byte range, as the group's exchange reads it (``None``: no guess)."""
     exchange = getattr(source, "exchange", None)
@@ -300,7 +303,7 @@ def _guess(source: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:
     return (first, end), (first * row_bytes, (end - first) * row_bytes)
 
 
-def _cut(source: Any, guess: tuple[Any, ...], index: Any, block: bool) -> Any:
+def _cut(source: AheadSource, guess: tuple[Any, ...], index: Any, block: bool) -> Any:
     """How to get what the consumer asks for from a guessed row block (raw bytes), or ``None``
     where it lies outside it. ``block``: the exchange's row block is asked for (its bytes, a
     view of the guess's)."""

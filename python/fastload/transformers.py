@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from . import _fastload, _remote_files
 from ._errors import ConfigError, _scrub
+from ._transformers_slices import _File
 
 if TYPE_CHECKING:
     from ._options import Options
+    from ._regions import RegionSource
 
 __all__ = ["from_pretrained", "small_files"]
 
@@ -452,7 +454,7 @@ class _Exchange:
                     self.exchange = ColumnExchange(self.own_group, dist.get_rank(), world)
         return self.exchange
 
-    def read(self, source: _ExchangeSource, index: Any) -> Any:
+    def read(self, source: RegionSource, index: Any) -> Any:
         """``source[index]`` exchanged over the group, or None (the caller reads it)."""
         with self._lock:
             exchange = self._bind()
@@ -490,181 +492,6 @@ def _exchangeable(kwargs: Mapping[str, Any]) -> bool:
     import torch.distributed as dist
 
     return bool(dist.is_available() and dist.is_gloo_available())
-
-
-class _File:
-    """One weight file opened once (``fastload.safe_open``: its source and header, pinned to the
-    version it saw); :meth:`read` loads a tensor or a part of it through that handle, reading
-    only the part's bytes (``parts=``), or, through ``exchange``, a row-parallel weight's columns
-    from a block of rows read once over the group. Counts what it read as parts, whole and
-    exchanged."""
-
-    def __init__(
-        self,
-        uri: str,
-        options: Mapping[str, Any],
-        counts: dict[str, int],
-        shard: int = 0,
-        exchange: _Exchange | None = None,
-    ) -> None:
-        from . import _options
-        from ._safe_open import safe_open
-
-        taken = _options.taken_by("safe_open")
-        self._handle = safe_open(uri, **{k: v for k, v in options.items() if k in taken})
-        self._options = {k: v for k, v in options.items() if k not in ("names", "parts")}
-        self._counts = counts
-        self._lock = threading.Lock()
-        self._shard = shard
-        self._exchange = exchange
-
-    def _count(self, **got: int) -> None:
-        with self._lock:
-            for key, n in got.items():
-                self._counts[key] = self._counts.get(key, 0) + n
-
-    def _exchanged(self, name: str, index: Any) -> Any:
-        """``name[index]`` through the exchange, or None."""
-        if self._exchange is None or not isinstance(index, tuple):
-            return None
-        dtype, shape, begin, end = self._handle._tensors[name]
-        tshape = self._handle._torch_shape(dtype, shape)
-        if len(index) != len(tshape) or not all(isinstance(i, slice) for i in index):
-            return None
-        # transformers' slices (``slice(a, b)``) as the exchange compares them: steps explicit.
-        norm = tuple(slice(*i.indices(n)) for i, n in zip(index, tshape))
-        source = _ExchangeSource(self, name, dtype, tshape, begin, end)
-        return self._exchange.read(source, norm)
-
-    def slices(self) -> dict[str, _Slice]:
-        h = self._handle
-        return {
-            name: _Slice(self, name, dtype, shape)
-            for name, (dtype, shape, _b, _e) in h._tensors.items()
-        }
-
-    def read(self, name: str, index: Any) -> Any:
-        from . import Stream
-
-        exchanged = self._exchanged(name, index)
-        if exchanged is not None:
-            return exchanged
-        whole = index is Ellipsis or (
-            isinstance(index, tuple) and all(i is Ellipsis for i in index)
-        )
-        parts = None
-        if not whole:
-            from ._parts import normalize
-
-            dtype, shape, _b, _e = self._handle._tensors[name]
-            try:
-                normalize(name, index, self._handle._torch_shape(dtype, shape))
-                parts = {name: index}
-            except ConfigError:
-                parts = (
-                    None  # not a box of the tensor (None, lists, ...): whole, then torch indexes it
-                )
-        h = self._handle
-        with Stream(h._uri, _reader=h._open(), names=[name], parts=parts, **self._options) as s:
-            tensor = dict(s)[name]
-            stats = s.stats()
-        keys = ("part_tensors", "part_bytes", "part_tensor_bytes", "whole_tensors", "whole_bytes")
-        self._count(**{key: int(stats[key]) for key in keys})
-        if parts is None and not whole:
-            tensor = tensor[index]
-        return tensor
-
-    def close(self) -> None:
-        self._handle.close()
-
-
-class _ExchangeSource:
-    """A tensor of a :class:`_File` as ``fastload._exchange`` reads it: its name, shape, dtype,
-    place (file, version and data offsets: what ranks compare before an exchange), the read
-    cost of its source, and its raw byte ranges."""
-
-    __slots__ = (
-        "_begin",
-        "_file",
-        "at",
-        "cost",
-        "dtype",
-        "name",
-        "nbytes",
-        "place",
-        "shape",
-        "shard",
-    )
-
-    def __init__(
-        self, file: _File, name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int
-    ) -> None:
-        from ._safe_open import LOCAL_READ_COST, REMOTE_READ_COST
-
-        h = file._handle
-        self._file, self._begin = file, begin
-        self.name, self.shape, self.shard, self.at = name, shape, file._shard, begin
-        self.dtype = h._torch_dtype(name, dtype)
-        self.nbytes = end - begin
-        self.cost = REMOTE_READ_COST if h._remote else LOCAL_READ_COST
-        # The file (its URI, the version opened) and the data offsets in it: compared by the
-        # ranks before they exchange the tensor's bytes.
-        self.place = (h._file, h._version, begin, end)
-
-    def raw(self, ranges: list[tuple[int, int]]) -> Any:
-        return self._file._handle._read(self._begin, ranges)
-
-    def count_exchanged(self, got: int, exchanged: bool = True) -> None:
-        """``got`` bytes read as this rank's block of rows (``exchanged``: false where the ranks
-        then did not exchange, and the caller reads its part itself)."""
-        if exchanged:
-            self._file._count(exchanged_tensors=1, exchanged_bytes=got)
-        else:
-            self._file._count(part_bytes=got)
-
-
-class _Slice:
-    """A checkpoint tensor not read yet, handed to transformers in the state dict where a load from
-    files hands it ``safetensors``' ``get_slice``: tensor parallelism indexes it for the rank's
-    shard (``slice[rows, cols]``), and only that part's bytes are read; ``slice[...]`` reads it
-    whole. ``dtype``, ``shape`` and ``is_floating_point`` answer what transformers asks of a state
-    dict's tensors before reading them."""
-
-    __slots__ = ("_dtype", "_file", "_name", "_shape")
-
-    def __init__(self, file: _File, name: str, dtype: str, shape: tuple[int, ...]) -> None:
-        self._file, self._name, self._dtype, self._shape = file, name, dtype, shape
-
-    def get_shape(self) -> list[int]:
-        return list(self._shape)
-
-    def get_dtype(self) -> str:
-        return self._dtype
-
-    @property
-    def dtype(self) -> Any:
-        from . import _torch_glue
-
-        return _torch_glue().DTYPES[self._dtype]
-
-    @property
-    def shape(self) -> Any:
-        import torch
-
-        return torch.Size(self._shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self._shape)
-
-    def is_floating_point(self) -> bool:
-        return bool(self.dtype.is_floating_point)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._file.read(self._name, index)
-
-    def __repr__(self) -> str:
-        return f"fastload slice {self._name!r} ({self._dtype}, {list(self._shape)})"
 
 
 def _from_slices(

@@ -16,6 +16,7 @@ mod objects;
 mod options;
 mod ranks;
 mod reader;
+mod regions;
 mod stream;
 mod tink;
 mod wait;
@@ -116,6 +117,13 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .collect();
     m.add("DLPACK_DTYPES", PyTuple::new(py, dlpack)?)?;
     m.add("OPTIONS", options::option_table(py)?)?;
+    // What one more request costs the planner of slices (`Source::read_cost`): by kind.
+    m.add("LOCAL_READ_COST", crate::source::LOCAL_READ_COST)?;
+    m.add("REMOTE_READ_COST", crate::source::REMOTE_READ_COST)?;
+    m.add("MAPPED_READ_COST", crate::source::MAPPED_READ_COST)?;
+    m.add_class::<regions::Region>()?;
+    m.add_function(wrap_pyfunction!(regions::plan_region, m)?)?;
+    m.add_function(wrap_pyfunction!(regions::merge_runs, m)?)?;
     m.add_class::<stream::Stream>()?;
     m.add_class::<item::Item>()?;
     m.add_class::<item::Stats>()?;

@@ -175,8 +175,8 @@ impl Reader {
     }
 
     /// Each file's header (`{file, size, tensors: [(name, dtype, shape, begin, end)], metadata}`)
-    /// plus `data_start` (the file offset tensor offsets count from) and `version` (the version
-    /// opened, a string; `None` where the source tells none); `metadata` is `None` when
+    /// plus `data_start` (the file offset tensor offsets count from), `version` (the version
+    /// opened, a string; `None` where the source tells none) and `read_cost`; `metadata` is `None` when
     /// the header has no `__metadata__`, as
     /// `safetensors.safe_open(...).metadata()` tells it apart from `{}`.
     fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -187,6 +187,8 @@ impl Reader {
             d.set_item("metadata", s.header.metadata.clone())?;
             // The version opened (`Source::version`): ranks compare it before an exchange.
             d.set_item("version", s.source.version())?;
+            // What one more request costs (`Source::read_cost`): slices plan their runs by it.
+            d.set_item("read_cost", s.source.read_cost())?;
             out.append(d)?;
         }
         Ok(out)

@@ -104,6 +104,10 @@ impl Source for LocalFile {
         true
     }
 
+    fn read_cost(&self) -> u64 {
+        super::LOCAL_READ_COST
+    }
+
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
         // pread blocks: on an async worker, hand its other tasks to another thread meanwhile (on
         // a blocking thread, where the pipeline runs file reads, this just runs the closure).

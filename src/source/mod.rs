@@ -53,6 +53,16 @@ pub mod peer;
 pub mod reads;
 pub(crate) mod remote;
 
+/// What one more request costs a reader of chosen ranges, in bytes it could read instead
+/// (`crate::regions`: a gap between two runs is read when that is cheaper than another request).
+/// An object store's request: its round trip, shared by the reads in flight (about 20 ms x
+/// 1.5 GB/s / 64).
+pub const REMOTE_READ_COST: u64 = 512 * 1024;
+/// A file's read: a task and a `pread`.
+pub const LOCAL_READ_COST: u64 = 16 * 1024;
+/// A mapped file: no request at all, a region is a view of its span's pages (one span).
+pub const MAPPED_READ_COST: u64 = 1 << 62;
+
 /// One file or object that tensors are read from.
 pub trait Source: Send + Sync + fmt::Debug {
     /// The path or URI as the user would recognise it; errors name it.
@@ -74,6 +84,12 @@ pub trait Source: Send + Sync + fmt::Debug {
     /// worker costs a hand-off of the worker each time, measurable at 8 MiB blocks.
     fn reads_block(&self) -> bool {
         false
+    }
+
+    /// What one more request to this source costs, in bytes ([`REMOTE_READ_COST`] unless the
+    /// source says otherwise: files, and decorators, which cost what their inner source costs).
+    fn read_cost(&self) -> u64 {
+        REMOTE_READ_COST
     }
 
     /// Where reads of this source are best cut: `Some((unit, shift))` when its bytes come in

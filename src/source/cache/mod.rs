@@ -115,6 +115,10 @@ impl<D: Decorator> Source for D {
         self.inner().reads_block()
     }
 
+    fn read_cost(&self) -> u64 {
+        self.inner().read_cost()
+    }
+
     fn stored_checksum(&self) -> Option<crate::source::identity::StoredChecksum> {
         self.inner().stored_checksum()
     }

@@ -319,6 +319,10 @@ impl Source for DecryptingSource {
         self.inner.reads_block()
     }
 
+    fn read_cost(&self) -> u64 {
+        self.inner.read_cost()
+    }
+
     /// The encrypted file's path: `fastload bench --cold` evicts it from the page cache. (It is
     /// never mapped: `map` stays `None`, its bytes are decrypted.)
     fn local_path(&self) -> Option<&std::path::Path> {
