@@ -70,3 +70,54 @@ impl Drop for CancelOnDrop {
         self.0.trigger();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::testing::Bytes;
+    use futures_util::FutureExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn a_read_waits_for_a_slot_and_cancel_drops_the_reads_in_flight() {
+        crate::runtime::get().block_on(async {
+            let source: Arc<dyn Source> = Arc::new(Bytes {
+                name: "mem".into(),
+                data: vec![0; 16],
+            });
+            let src = source.as_ref();
+            let cancel = Arc::new(Abort::default());
+            let reads = Reads::new(2, cancel.clone());
+            // Reads that end once the gate lets them through, one per permit.
+            let (gate, ended) = (Arc::new(Semaphore::new(0)), Arc::new(AtomicUsize::new(0)));
+            let read = || {
+                let (gate, ended) = (gate.clone(), ended.clone());
+                async move {
+                    gate.acquire().await.expect("open").forget();
+                    ended.fetch_add(1, Ordering::SeqCst);
+                }
+            };
+            let first = reads.start(src, read()).await.expect("a free slot");
+            let second = reads.start(src, read()).await.expect("a free slot");
+            // Both slots are taken until a read ends: a third waits.
+            assert!(reads.start(src, read()).now_or_never().is_none());
+            gate.add_permits(1);
+            let third = reads
+                .start(src, read())
+                .await
+                .expect("the slot of the read that ended");
+            cancel.trigger();
+            // Each task ends: the gated ones dropped by the cancel (never left waiting).
+            let mut outs = Vec::new();
+            for task in [first, second, third] {
+                let out = tokio::time::timeout(std::time::Duration::from_secs(30), task).await;
+                outs.push(out.expect("a cancelled read ends").unwrap());
+            }
+            outs.sort();
+            assert_eq!(outs, vec![None, None, Some(())]);
+            assert_eq!(ended.load(Ordering::SeqCst), 1);
+            // Cancelled: nothing starts any more.
+            assert!(reads.start(src, read()).await.is_none());
+        });
+    }
+}
