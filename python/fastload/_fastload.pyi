@@ -313,7 +313,7 @@ class Stream:
         associated_data: bytes | str | None = None,
         peers: Sequence[str] | str | None = None,
         peer_token: str | None = None,
-        parts: list[tuple[str, int, int]] | None = None,
+        parts: Sequence[tuple[str, int, int] | tuple[str, Region]] | None = None,
         target: str | None = None,
         allocate: _Allocate | None = None,
         reader: Reader | None = None,

@@ -228,7 +228,8 @@ class Parts:
         wanted = wanted_names(table, parts, names, where, uri_hint)
         self._torch = torch
         self._from_bytes = glue.from_bytes
-        self.ranges: list[tuple[str, int, int]] = []
+        # `(name, begin, end)`, or `(name, region)`: the region's reads (expanded natively).
+        self.ranges: list[Any] = []
         self.empty: list[tuple[str, Any]] = []  # results of no bytes, handed out first
         self._parts: dict[str, _Part] = {}
         self._lock = threading.Lock()
@@ -280,7 +281,7 @@ class Parts:
             self.empty.append((name, _safe_open.empty(torch, out_shape, tdtype)))
             return
         carrier = _regions.carrier(torch, itemsize)
-        self.ranges.extend(region.ranges_named(name))
+        self.ranges.append((name, region))
         self.part_bytes += region.read_bytes
         self.part_runs += region.run_count
         self.part_reads += region.read_count

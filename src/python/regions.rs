@@ -205,6 +205,28 @@ impl Region {
     }
 }
 
+/// The `parts` a `Stream` reads: `(name, begin, end)` byte ranges within tensors, or `(name,
+/// region)`, a planned region's reads (expanded here: no Python int per read).
+pub(crate) struct PartRanges(pub Vec<crate::options::Part>);
+
+impl FromPyObject<'_, '_> for PartRanges {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let mut out = Vec::new();
+        for item in obj.try_iter()? {
+            let item = item?;
+            if let Ok((name, region)) = item.extract::<(String, PyRef<'_, Region>)>() {
+                let reads = region.plan()?.reads.iter();
+                out.extend(reads.map(|&(b, e)| (name.clone(), b, e)));
+            } else {
+                out.push(item.extract::<crate::options::Part>()?);
+            }
+        }
+        Ok(PartRanges(out))
+    }
+}
+
 fn merge_settings(m: (u64, bool, f64, f64, u64)) -> Merge {
     let (read_cost, spans, waste, spans_win, span_max) = m;
     Merge {

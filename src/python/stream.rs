@@ -18,7 +18,7 @@ use super::reader::Reader;
 use super::wait::{off_thread, SLICE};
 use crate::device::{self, Allocation, Allocator, Destination, PerTensor, Target};
 use crate::pipeline::{self, Control, Loaded, Loader, Memory};
-use crate::plan::{Part, TensorSlot};
+use crate::plan::TensorSlot;
 
 /// Destinations from a Python callable, called (with the GIL, from the copy thread) once per
 /// segment with the byte sizes of its tensors; it returns `(stream, [(owner, address), ...])`:
@@ -59,8 +59,8 @@ impl Allocator for PyAllocator {
 
 /// A running load. Each `next()` waits (GIL released, in slices so that Ctrl-C raises
 /// KeyboardInterrupt within one) for the next completed segment and returns its tensors as a list
-/// of [`Item`]s. With `parts` (byte ranges `(name, begin, end)` within tensors) only those ranges
-/// are read, and each comes back as a U8 item of shape `(len,)` with `begin` set.
+/// of [`Item`]s. With `parts` (byte ranges `(name, begin, end)` within tensors, or `(name,
+/// region)`: a planned region's reads) only those ranges are read, and each comes back as a U8 item of shape `(len,)` with `begin` set.
 ///
 /// With `target` ("cuda", "cuda:N", or "host" for the same staged pipeline into host memory),
 /// blocks go through staging buffers into destination memory: with `allocate` (see
@@ -124,7 +124,7 @@ impl Stream {
         associated_data: Option<super::tink::AssociatedDataArg>,
         peers: Option<super::args::PeersArg>,
         peer_token: Option<super::args::PeerTokenArg>,
-        parts: Option<Vec<Part>>,
+        parts: Option<super::regions::PartRanges>,
         target: Option<String>,
         allocate: Option<Py<PyAny>>,
         reader: Option<PyRef<'_, Reader>>,
@@ -141,7 +141,7 @@ impl Stream {
             keyset,
             associated_data,
         );
-        opts.parts = parts;
+        opts.parts = parts.map(|p| p.0);
         super::args::set_peers(&mut opts, peers, peer_token);
         if let Some(reader) = reader {
             // A safe_open handle's load: its files as it opened them, each read pinned to the
