@@ -32,6 +32,7 @@ pub(super) struct BenchArgs {
     /// by their usual environment variables. None: a generated llama-like checkpoint (see --size).
     #[arg(value_name = "URI")]
     uris: Vec<String>,
+    // boilerplate: the read flags as `copy` declares them, with bench's own help and defaults
     /// Reads in flight at once [default: $FASTLOAD_CONCURRENCY, else 16, or 64 for object stores]
     #[arg(long, value_name = "N")]
     concurrency: Option<usize>,

@@ -33,6 +33,7 @@ pub(super) struct CopyArgs {
     /// Do not check Hub files' sha256 / git blob id while they stream
     #[arg(long)]
     no_verify: bool,
+    // boilerplate: the read flags as `bench` declares them, with copy's own help and defaults
     /// Reads in flight per file [default: 8]
     #[arg(long, value_name = "N")]
     concurrency: Option<usize>,

@@ -18,6 +18,7 @@ use crate::options::{LoadOptions, Method, OptionDef, OPTIONS};
 #[pyclass(module = "fastload._fastload", name = "OptionDef", frozen)]
 pub struct PyOptionDef(&'static OptionDef);
 
+// boilerplate: one getter a field, as pyo3 exposes a field to Python
 #[pymethods]
 impl PyOptionDef {
     #[getter]
@@ -123,6 +124,8 @@ impl ResolvedOptions {
 
 /// Resolves and checks options as a load of `uris` would (without opening anything: `uris` only
 /// say whether an object store is read); raises `ConfigError` for a value that cannot be used.
+// boilerplate: pyo3 takes each keyword argument as a parameter of its own: the load options,
+// as `Stream` and `Reader` take them too
 #[pyfunction]
 #[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None))]
 #[allow(clippy::too_many_arguments)]

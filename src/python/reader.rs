@@ -118,6 +118,8 @@ impl Reader {
 
 #[pymethods]
 impl Reader {
+    // boilerplate: pyo3 takes each keyword argument as a parameter of its own (the load options
+    // a Reader takes, as `resolve_options` and `Stream` take them)
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (uris, *, concurrency=None, block_size=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None))]

@@ -106,6 +106,8 @@ type Step = Option<Result<Option<Loaded>, Arc<crate::Error>>>;
 
 #[pymethods]
 impl Stream {
+    // boilerplate: pyo3 takes each keyword argument as a parameter of its own (the load options,
+    // as `resolve_options` and `Reader` take them)
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None, parts=None, target=None, allocate=None, reader=None))]

@@ -145,6 +145,7 @@ impl CrcSource {
     }
 }
 
+// boilerplate: a checking decorator: reads go to its source, each read is checked (as in verify.rs)
 impl Decorator for CrcSource {
     fn inner(&self) -> &dyn Source {
         self.inner.as_ref()

@@ -184,6 +184,7 @@ pub fn mismatch_of(name: &str, what: &str, want: &str, got: &str) -> Error {
     )
 }
 
+// boilerplate: a checking decorator: reads go to its source, each read is checked (as in crc.rs)
 impl Decorator for VerifyingSource {
     fn inner(&self) -> &dyn Source {
         self.inner.as_ref()
