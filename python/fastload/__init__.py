@@ -72,16 +72,7 @@ __all__ = [
 
 def _uri(u: object) -> str:
     """One path or URI as the native loader takes it: a ``str`` that is valid UTF-8."""
-    if isinstance(u, os.PathLike):
-        u = os.fspath(u)
-    if isinstance(u, bytes):
-        u = os.fsdecode(u)
-    if not isinstance(u, str):
-        raise ConfigError(
-            "invalid option uri: expected a path or URI (str, bytes or os.PathLike) or a list "
-            f"of them, got {type(u).__name__}",
-            option="uri",
-        )
+    u = _options.path_str(u, "(str, bytes or os.PathLike) or a list of them")
     if not u.strip():
         raise ConfigError(
             f"invalid option uri: {u!r} is empty: name a file, a directory or a URI", option="uri"

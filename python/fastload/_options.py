@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Union
 
 from . import _fastload
+from ._errors import ConfigError
 
 if TYPE_CHECKING:
     from types import EllipsisType
@@ -160,6 +161,21 @@ def native(options: Mapping[str, Any]) -> dict[str, Any]:
 # bytes: a Linux path that need not be UTF-8.
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 Uri = Union[PathLike, Iterable[PathLike]]
+
+
+def path_str(u: object, accepted: str) -> str:
+    """A path or URI as a ``str`` (an ``os.PathLike`` by its path, ``bytes`` decoded as the file
+    system does); anything else a ``ConfigError`` saying what is ``accepted``."""
+    if isinstance(u, os.PathLike):
+        u = os.fspath(u)
+    if isinstance(u, bytes):
+        u = os.fsdecode(u)
+    if not isinstance(u, str):
+        raise ConfigError(
+            f"invalid option uri: expected a path or URI {accepted}, got {type(u).__name__}",
+            option="uri",
+        )
+    return u
 
 
 F = TypeVar("F", bound=Callable[..., Any])

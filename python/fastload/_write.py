@@ -16,6 +16,7 @@ import torch
 
 from . import _fastload
 from ._errors import ConfigError, DestinationExistsError
+from ._options import path_str
 from ._publish import SINGLE_FILE, Staged, checkpoint_files, join
 from ._torch import DTYPES
 
@@ -25,16 +26,7 @@ _F4 = getattr(torch, "float4_e2m1fn_x2", None)
 
 
 def _destination(uri: object) -> str:
-    if isinstance(uri, os.PathLike):
-        uri = os.fspath(uri)
-    if isinstance(uri, bytes):
-        uri = os.fsdecode(uri)
-    if not isinstance(uri, str):
-        raise ConfigError(
-            f"invalid option uri: expected a path or URI (str or os.PathLike), got "
-            f"{type(uri).__name__}",
-            option="uri",
-        )
+    uri = path_str(uri, "(str or os.PathLike)")
     if not uri.strip():
         raise ConfigError("invalid option uri: empty", option="uri")
     return uri
