@@ -58,6 +58,8 @@ class SafeOpenOptions(TypedDict, total=False):
     """fastload's options (:class:`fastload.Options`) a :class:`safe_open` takes: all but
     ``device`` (its own parameter) and ``names``."""
 
+    # boilerplate: the keys of Options that safe_open takes, spelled out: a TypedDict cannot be
+    # derived from another by leaving keys out
     concurrency: int | None
     block_size: Size | None
     memory_limit: Size | None
