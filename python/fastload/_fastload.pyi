@@ -63,7 +63,6 @@ __all__ = [
     "cli_main",
     "copy",
     "cuda_device_count",
-    "fetch_object",
     "fetch_small_file",
     "hub_cache_dir",
     "index_files",
@@ -560,18 +559,6 @@ def read_object(
     uri: str, max_bytes: int, *, storage_options: Mapping[str, object] | None = None
 ) -> bytes:
     """One object's bytes, whole; over ``max_bytes`` raises ``StorageError`` without reading it."""
-
-def fetch_object(
-    uri: str,
-    max_bytes: int,
-    *,
-    if_none_match: str | None = None,
-    storage_options: Mapping[str, object] | None = None,
-) -> tuple[Literal["read", "unchanged", "too_large"], bytes | None, str | None, int]:
-    """One small object unless it is unchanged or too large, for copies kept between loads:
-    ``("read", bytes, etag, size)``; ``("unchanged", None, if_none_match, 0)`` when the store
-    says the object still has the ETag ``if_none_match``; ``("too_large", None, None, size)`` for
-    an object over ``max_bytes``, unread. A missing object raises ``NotFoundError``."""
 
 def fetch_small_file(
     uri: str,

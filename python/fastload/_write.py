@@ -401,6 +401,7 @@ def _exists_error(uri: str) -> DestinationExistsError:
     )
 
 
+# boilerplate: the write options of save_file again (public signatures, each spelled out)
 def save(
     state_dict: Mapping[str, torch.Tensor],
     uri: str | os.PathLike[str],

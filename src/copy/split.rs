@@ -196,6 +196,18 @@ fn created(item: &Item, to: &str, options: &CopyOptions, exchange: &Exchange) ->
     })
 }
 
+/// Reports `to` done: `bytes` this rank copied of it, or `skipped` when it was already there.
+fn report_done(options: &CopyOptions, to: &str, bytes: u64, skipped: bool) {
+    emit(
+        options,
+        Event::Done {
+            dst: to.to_string(),
+            bytes,
+            skipped,
+        },
+    );
+}
+
 /// One split file, steps 2 to 4. Every rank makes the same three exchanges (two when the upload
 /// was not created).
 fn one(
@@ -212,16 +224,7 @@ fn one(
             if options.rank == 0 {
                 report.skipped.push(to.to_string());
             }
-            let bytes = my_bytes(size, options);
-            let skipped = true;
-            emit(
-                options,
-                Event::Done {
-                    dst: to.to_string(),
-                    bytes,
-                    skipped,
-                },
-            );
+            report_done(options, to, my_bytes(size, options), true);
             return Ok(Ok(()));
         }
         Created::Stopped(stopped) => return Ok(Err(stopped)),
@@ -248,15 +251,7 @@ fn one(
     report.bytes += range_bytes(&range, part_size, size);
     if options.rank == 0 {
         report.copied.push(to.to_string());
-        let (bytes, skipped) = (size, false);
-        emit(
-            options,
-            Event::Done {
-                dst: to.to_string(),
-                bytes,
-                skipped,
-            },
-        );
+        report_done(options, to, size, false);
     }
     Ok(Ok(()))
 }

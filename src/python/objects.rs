@@ -57,41 +57,6 @@ pub fn read_object<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
-/// One small object unless it is unchanged or too large, for copies kept between loads:
-/// `("read", bytes, etag, size)`; `("unchanged", None, if_none_match, 0)` when the store says the
-/// object still has the ETag `if_none_match`; `("too_large", None, None, size)` for an object of
-/// more than `max_bytes`, unread. A missing object raises `NotFoundError`.
-#[pyfunction]
-#[pyo3(signature = (uri, max_bytes, *, if_none_match=None, storage_options=None))]
-pub fn fetch_object<'py>(
-    py: Python<'py>,
-    uri: String,
-    max_bytes: u64,
-    if_none_match: Option<String>,
-    storage_options: Option<StorageOptions>,
-) -> PyResult<Fetched<'py>> {
-    use crate::source::object::Small;
-
-    let options = storage_options.unwrap_or_default().0;
-    let known = if_none_match.clone();
-    let small = off_thread(py, "fetch_object", move || -> crate::Result<Small> {
-        let remote = crate::source::object::open(&uri, &options)?;
-        let path = remote.path.clone();
-        crate::runtime::block_on(
-            &remote.uri,
-            crate::source::object::read_small_unless(&remote, &path, max_bytes, known),
-        )
-    })??;
-    Ok(match small {
-        Small::Read { bytes, etag } => {
-            let size = bytes.len() as u64;
-            ("read", Some(PyBytes::new(py, &bytes)), etag, size)
-        }
-        Small::Unchanged => ("unchanged", None, if_none_match, 0),
-        Small::TooLarge { size } => ("too_large", None, None, size),
-    })
-}
-
 /// The copy of the object `uri` at `dest/name` (`name` relative, `/`-separated, checked first),
 /// fetched unless the one there is current, with the cache's record of what it copies beside it
 /// (`.cache/fastload/NAME.json`): `("kept", 0)`, `("written", size)`, `("missing", 0)` (a copy
@@ -134,11 +99,3 @@ pub fn fetch_small_file(
 pub fn prune_small_files(py: Python<'_>, dest: PathBuf, keep: Vec<String>) {
     super::gil::detach(py, move || crate::source::cache::named::prune(&dest, &keep));
 }
-
-/// What `fetch_object` returns: (what happened, bytes, ETag, size).
-type Fetched<'py> = (
-    &'static str,
-    Option<Bound<'py, PyBytes>>,
-    Option<String>,
-    u64,
-);

@@ -419,6 +419,20 @@ mod tests {
         }
     }
 
+    /// The error of a read whose fifth segment was flipped: it names that segment.
+    fn assert_segment_4(e: &Error) {
+        assert!(
+            matches!(
+                e,
+                Error::Decryption {
+                    segment: Some(4),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
     #[test]
     fn wrong_keys_and_flips_name_the_segment() {
         let ks = keyset(100, 1);
@@ -459,16 +473,7 @@ mod tests {
         let e = futures_util::FutureExt::now_or_never(s.read_into(330, &mut dst))
             .unwrap()
             .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::Decryption {
-                    segment: Some(4),
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_segment_4(&e);
         assert_eq!(dst, [0u8; 10], "no byte of a failed segment is handed out");
         // Read as a file is, straight into the buffer: the read fails naming the segment.
         let mut bad = ct.clone();
@@ -478,15 +483,6 @@ mod tests {
         let e = futures_util::FutureExt::now_or_never(s.read_into(200, &mut dst))
             .unwrap()
             .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::Decryption {
-                    segment: Some(4),
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_segment_4(&e);
     }
 }

@@ -98,6 +98,7 @@ struct HubGet<'f> {
     file: &'f HubFile,
 }
 
+// boilerplate: the RangedGet signature, as every location of an object implements it
 impl RangedGet for HubGet<'_> {
     fn get<'a>(
         &'a self,

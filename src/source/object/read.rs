@@ -152,6 +152,7 @@ pub async fn read_range_into(
     read_pinned(store, path, offset, dst, uri, retry, &pin).await
 }
 
+// boilerplate: the parameters of read_range_into again, with the pin it takes
 /// [`read_range_into`], pinned to `pin`.
 pub async fn read_pinned(
     store: &dyn ObjectStore,

@@ -90,6 +90,7 @@ pub async fn read_range(
     read_range_from(get, pin, name, offset, dst, retry, &mut 0).await
 }
 
+// boilerplate: the parameters of read_range again, with the count it keeps
 /// [`read_range`], counting in `done` the bytes that landed in `dst` (from its start), also
 /// when it fails: a read that goes on from another location of the same object (a peer's
 /// failure, source/peer.rs) starts at the first byte missing.
