@@ -15,6 +15,9 @@
 //!   [`uri`] (the one table of schemes, the only place that decides what a URI names) and
 //!   [`tink`] (Tink's streaming-AEAD cipher: keysets and the wire format).
 //! - `memory`: host buffers (the pool, mappings) that bytes land in.
+//! - `store`: the object-store clients both directions build (a URI and storage options to a
+//!   store of s3://, gs://, az://, http(s)://; credentials, signing, errors, shared HTTP clients,
+//!   retry settings).
 //! - [`source`]: every byte source behind one [`source::Source`] trait, and the opening of URIs
 //!   into sources with their headers ([`source::Shard`]): `source::open` (each URI opened as
 //!   the scheme table says), `source::decrypt` (the decrypting decorator), `source::local` (files, shard
@@ -66,6 +69,7 @@ pub mod runtime;
 pub mod serve;
 pub mod sink;
 pub mod source;
+pub mod store;
 pub mod tink;
 pub mod uri;
 

@@ -10,8 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fastload::source::object;
 use fastload::source::object::RemoteObject;
-use fastload::source::object::{self, Remote, RetrySettings};
+use fastload::store::{self, Remote, RetrySettings};
 use fastload::Error;
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -197,7 +198,7 @@ fn env(endpoint: &str, secret: &str) -> Vec<(String, String)> {
 }
 
 fn open(uri: &str, endpoint: &str) -> Remote {
-    object::open_with_env(uri, &[], env(endpoint, SECRET)).unwrap()
+    store::open_with_env(uri, &[], env(endpoint, SECRET)).unwrap()
 }
 
 fn data(n: usize, seed: u64) -> Vec<u8> {
@@ -363,7 +364,7 @@ async fn reads_and_lists_against_seaweedfs() {
     eprintln!("missing bucket: {err}");
 
     let bad =
-        object::open_with_env("s3://models/big.bin", &[], env(ep, "wrong-secret-value")).unwrap();
+        store::open_with_env("s3://models/big.bin", &[], env(ep, "wrong-secret-value")).unwrap();
     let err = object::resolve(&bad).await.unwrap_err();
     let text = err.to_string();
     assert!(
@@ -395,7 +396,7 @@ async fn reads_and_lists_against_seaweedfs() {
     // Anonymous (unsigned) access to a public bucket.
     let public = open("s3://public/", ep);
     put_retrying(&public, "p/x.safetensors", safetensors(5)).await;
-    let anon = object::open_with_env(
+    let anon = store::open_with_env(
         "s3://public/p/",
         &[("skip_signature".into(), "true".into())],
         vec![

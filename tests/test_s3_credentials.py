@@ -1,5 +1,5 @@
 """S3 credentials found the ways the AWS CLI finds them, through aws-config's chain
-(src/source/object/aws_credentials.rs): a `credential_process` program, SSO from a cached token
+(src/store/aws_credentials.rs): a `credential_process` program, SSO from a cached token
 and a portal of ours, an EKS-style container credential endpoint of ours, a role assumed through
 moto's STS (from a source profile, and from `credential_source = Ec2InstanceMetadata`), and IMDSv2
 of ours. Every server is on 127.0.0.1: AWS_EC2_METADATA_DISABLED stays set, except where

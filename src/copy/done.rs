@@ -104,7 +104,7 @@ fn existing_object(
     options: &WriteOptions,
     recheck: bool,
 ) -> Result<Existing> {
-    let remote = crate::source::object::open(dst, &options.storage_options)?;
+    let remote = crate::store::open(dst, &options.storage_options)?;
     crate::runtime::block_on(dst, async {
         let opts = GetOptions {
             head: true,
@@ -119,7 +119,7 @@ fn existing_object(
                 })
             }
             Err(object_store::Error::NotFound { .. }) => Ok(Existing::Absent),
-            Err(e) => Err(crate::source::object::storage_error(&remote.uri, e)),
+            Err(e) => Err(crate::store::storage_error(&remote.uri, e)),
         }
     })
 }

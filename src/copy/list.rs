@@ -74,7 +74,7 @@ pub fn digest_id(digest: &Digest) -> String {
 }
 
 fn list_objects(src: &str, storage_options: &[(String, String)]) -> Result<Listing> {
-    let remote = object::open(src, storage_options)?;
+    let remote = crate::store::open(src, storage_options)?;
     let http = src.starts_with("http://") || src.starts_with("https://");
     let (single, found) = crate::runtime::block_on(src, async {
         if !remote.is_prefix || http {

@@ -147,7 +147,7 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
     }
     if dst.starts_with("hf://") || dst.starts_with("http://") || dst.starts_with("https://") {
         return Err(Error::UnsupportedUri {
-            uri: crate::source::object::redact_uri(dst),
+            uri: crate::store::redact_uri(dst),
             message: "fastload copies to local paths, s3://, gs:// and az://".into(),
         });
     }

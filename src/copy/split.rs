@@ -32,8 +32,8 @@ use bytes::Bytes;
 use super::{done, emit, encrypted, pump, CopyOptions, Event, Existing, Item, Report};
 use crate::error::{Error, Result};
 use crate::sink::multipart::{self, SharedUpload};
-use crate::source::object::storage_error;
 use crate::source::Source;
+use crate::store::storage_error;
 use crate::uri::Store;
 
 /// An all-gather across the group: this rank's string in, every rank's out (in rank order).

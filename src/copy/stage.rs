@@ -245,7 +245,7 @@ fn list_names(folder: &str, write: &WriteOptions) -> Result<Vec<String>> {
             }),
         };
     }
-    let remote = crate::source::object::open(&format!("{folder}/"), &write.storage_options)?;
+    let remote = crate::store::open(&format!("{folder}/"), &write.storage_options)?;
     let found = crate::runtime::block_on(&remote.uri, crate::source::object::list_folder(&remote))?;
     Ok(found
         .iter()
@@ -279,12 +279,12 @@ fn exists(uri: &str, write: &WriteOptions) -> Result<bool> {
         let path = crate::uri::local_path(uri);
         return Ok(std::path::Path::new(path).symlink_metadata().is_ok());
     }
-    let remote = crate::source::object::open(uri, &write.storage_options)?;
+    let remote = crate::store::open(uri, &write.storage_options)?;
     crate::runtime::block_on(uri, async {
         match remote.store.head(&remote.path).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
-            Err(e) => Err(crate::source::object::storage_error(&remote.uri, e)),
+            Err(e) => Err(crate::store::storage_error(&remote.uri, e)),
         }
     })
 }

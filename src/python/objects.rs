@@ -24,7 +24,7 @@ pub fn list_objects(
         py,
         "list_objects",
         move || -> crate::Result<Vec<(String, u64)>> {
-            let remote = crate::source::object::open(&uri, &options)?;
+            let remote = crate::store::open(&uri, &options)?;
             let found =
                 crate::runtime::block_on(&remote.uri, crate::source::object::list_folder(&remote))?;
             Ok(found
@@ -47,7 +47,7 @@ pub fn read_object<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let options = storage_options.unwrap_or_default().0;
     let bytes = off_thread(py, "read_object", move || -> crate::Result<Vec<u8>> {
-        let remote = crate::source::object::open(&uri, &options)?;
+        let remote = crate::store::open(&uri, &options)?;
         let path = remote.path.clone();
         crate::runtime::block_on(
             &remote.uri,
@@ -81,7 +81,7 @@ pub fn fetch_small_file(
     })?;
     let options = storage_options.unwrap_or_default().0;
     let fetched = off_thread(py, "fetch_small_file", move || -> crate::Result<Fetched> {
-        let remote = crate::source::object::open(&uri, &options)?;
+        let remote = crate::store::open(&uri, &options)?;
         let path = remote.path.clone();
         crate::runtime::block_on(&remote.uri, fetch(&remote, &path, &dest, &name, max_bytes))
     })??;

@@ -206,7 +206,7 @@ impl FileWriter {
         let limit = opts
             .memory_limit
             .unwrap_or(crate::options::DEFAULT_WRITE_MEMORY_LIMIT);
-        let shown = crate::source::object::redact_uri(&uri);
+        let shown = crate::store::redact_uri(&uri);
         let writer = off_thread(py, "save_file", move || {
             Writer::create(&uri, &specs, metadata.as_deref(), &opts)
         })??;

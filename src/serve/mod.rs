@@ -230,7 +230,7 @@ fn origin(uri: &str, single: bool, hub: &Option<String>) -> Option<String> {
         Kind::Hub => hub.clone(),
         Kind::ObjectStore => {
             let bare = uri.split(['?', '#']).next().unwrap_or(uri);
-            let bare = crate::source::object::redact_uri(bare);
+            let bare = crate::store::redact_uri(bare);
             Some(if single || bare.ends_with('/') {
                 bare
             } else {
@@ -238,7 +238,7 @@ fn origin(uri: &str, single: bool, hub: &Option<String>) -> Option<String> {
             })
         }
         Kind::Local => {
-            let path = std::path::absolute(uri.strip_prefix("file://").unwrap_or(uri)).ok()?;
+            let path = std::path::absolute(crate::uri::local_path(uri)).ok()?;
             let url = if single {
                 url::Url::from_file_path(&path)
             } else {

@@ -30,7 +30,7 @@ pub fn head_all(
 ) -> Result<Vec<Headed>> {
     use futures_util::stream::{self, StreamExt, TryStreamExt};
 
-    let remote = object::open(uri, storage_options)?;
+    let remote = crate::store::open(uri, storage_options)?;
     let paths: Vec<Path> = rels
         .iter()
         .map(|rel| match single {

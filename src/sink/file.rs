@@ -26,7 +26,7 @@ impl FileWriter {
         options: &WriteOptions,
     ) -> Result<FileWriter> {
         let layout = layout(specs, metadata).map_err(|e| Error::InvalidTensors {
-            uri: crate::source::object::redact_uri(uri),
+            uri: crate::store::redact_uri(uri),
             message: e.to_string(),
         })?;
         let mut sink = create(uri, layout.file_len(), options)?;

@@ -124,7 +124,7 @@ pub fn create(uri: &str, len: u64, options: &WriteOptions) -> Result<Box<dyn Sin
             Ok(Box::new(LocalFile::create(path, len, options)?))
         }
         _ if crate::uri::store(uri) == Some(Store::Http) => Err(Error::UnsupportedUri {
-            uri: crate::source::object::redact_uri(uri),
+            uri: crate::store::redact_uri(uri),
             message: "fastload writes to local paths, s3://, gs:// and az://, not to http(s):// \
                       URLs"
                 .into(),
@@ -156,11 +156,11 @@ pub fn remove(uri: &str, options: &WriteOptions) -> Result<()> {
             _ => Ok(()),
         };
     }
-    let remote = crate::source::object::open(uri, &options.storage_options)?;
+    let remote = crate::store::open(uri, &options.storage_options)?;
     crate::runtime::block_on(&remote.uri, async {
         match remote.store.delete(&remote.path).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(crate::source::object::storage_error(&remote.uri, e)),
+            Err(e) => Err(crate::store::storage_error(&remote.uri, e)),
         }
     })
 }

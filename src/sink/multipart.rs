@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::options::{
     DEFAULT_PART_SIZE, DEFAULT_WRITE_MEMORY_LIMIT, MAX_PARTS_IN_FLIGHT, MIN_PART_SIZE,
 };
-use crate::source::object::{open, storage_error, Remote};
+use crate::store::{open, storage_error, Remote};
 
 /// S3's limit on parts per upload, with room to spare.
 pub const MAX_PARTS: u64 = 9_000;
@@ -62,7 +62,7 @@ pub fn parts_in_flight(options: &WriteOptions, part_size: u64) -> usize {
 /// CRC64NVME rather than sha256: S3 then keeps a full-object CRC64NVME of a multipart object too
 /// (`x-amz-checksum-type: FULL_OBJECT`), which `verify=True` checks on reads; a multipart
 /// object uploaded with sha256 has only a composite checksum of its parts. GCS and Azure get
-/// their checksums from the store's HTTP client (`source::object::checksums`).
+/// their checksums from the store's HTTP client (`store::checksums`).
 pub(crate) fn with_checksum(uri: &str, options: &[(String, String)]) -> Vec<(String, String)> {
     let mut out = options.to_vec();
     let s3 = crate::uri::store(uri) == Some(crate::uri::Store::S3);

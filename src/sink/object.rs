@@ -9,7 +9,7 @@ use object_store::{PutMode, PutOptions, PutPayloadMut};
 use super::multipart::{self, attributes, open_object, refuse_existing, MultipartSink};
 use super::{Sink, WriteOptions};
 use crate::error::{Error, Result};
-use crate::source::object::{storage_error, Remote};
+use crate::store::{storage_error, Remote};
 
 /// Opens `uri` for an object of `len` bytes: one PUT ([`ObjectPut`]) when it fits in one part,
 /// else a [`MultipartSink`]. Without `overwrite`, an object already there is refused now.

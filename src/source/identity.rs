@@ -46,40 +46,7 @@ pub enum Digest {
     GitBlob(String),
 }
 
-/// The checksum of a whole object that its store keeps and reports (S3's
-/// `x-amz-checksum-*` with `x-amz-checksum-mode: ENABLED`, GCS's `x-goog-hash`, Azure's
-/// `Content-MD5`), which `verify=True` checks the bytes read against.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum StoredChecksum {
-    /// CRCs, which combine: ranges read in any order are checked without holding their bytes.
-    Crc64Nvme(u64),
-    Crc32c(u32),
-    Crc32(u32),
-    /// Digests of the bytes in order.
-    Sha256([u8; 32]),
-    Md5([u8; 16]),
-    /// S3's checksum of a multipart upload's part checksums (`<base64>-<parts>`,
-    /// `x-amz-checksum-type: COMPOSITE`): checking it needs each part's size, which a HEAD
-    /// does not give.
-    Composite {
-        algorithm: String,
-        parts: u32,
-    },
-}
-
-impl StoredChecksum {
-    /// Its name, as the store's header says it ("crc64nvme", "md5", ...).
-    pub fn algorithm(&self) -> &str {
-        match self {
-            StoredChecksum::Crc64Nvme(_) => "crc64nvme",
-            StoredChecksum::Crc32c(_) => "crc32c",
-            StoredChecksum::Crc32(_) => "crc32",
-            StoredChecksum::Sha256(_) => "sha256",
-            StoredChecksum::Md5(_) => "md5",
-            StoredChecksum::Composite { algorithm, .. } => algorithm,
-        }
-    }
-}
+pub use crate::store::StoredChecksum;
 
 impl CacheIdentity {
     /// What the content can be checked against: its sha256, else (a Hub file outside LFS) the

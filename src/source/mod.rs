@@ -8,16 +8,14 @@
 //! - [`local`]: files on this machine (plain paths, `file://`, directories of shards, index
 //!   files), read with positioned reads and mapped for zero-copy loads ([`fs`]: which
 //!   filesystem a path is on);
-//! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://): store
-//!   configuration, listing, errors, and the objects as sources;
+//! - [`object`]: objects behind `object_store` (s3://, gs://, az://, http(s)://) in stores
+//!   [`crate::store`] builds: listing, ranged reads, and the objects as sources;
 //! - [`hub`]: files of a Hugging Face Hub repo (hf://): its API client, the Hugging Face cache's
 //!   layout, and the files as sources;
 //! - [`remote`]: the one resumable ranged read both remote kinds read through (resumption, the
 //!   stall rule, version pinning, give-up messages); they supply only the request;
 //! - [`cache`]: the local cache of remote objects, a decorator over other sources that only
 //!   [`open`] applies;
-//! - [`clients`]: the HTTP clients (connection pools) every remote open of a process shares;
-//!   [`descriptors`]: descriptors running out, said as such;
 //! - [`tink`]: files encrypted with Tink's streaming AEAD, read as their plaintext (a
 //!   decorator [`open`] applies over the others when a keyset is given);
 //! - [`peer`]: serves (`fastload serve`) that hold the same pinned objects, read in place of
@@ -40,9 +38,7 @@ use crate::memory::HostBuffer;
 use crate::source::identity::CacheIdentity;
 
 pub(crate) mod cache;
-pub(crate) mod clients;
 pub mod decrypt;
-pub(crate) mod descriptors;
 pub(crate) mod fs;
 pub(crate) mod hub;
 pub(crate) mod identity;

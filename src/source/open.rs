@@ -12,14 +12,17 @@ use crate::uri::{kind, Kind};
 
 /// An object-store URI opened as a store and key (for whole small objects read beside a load:
 /// listings, config files); any other URI is [`Error::UnsupportedUri`].
-pub fn object_store(uri: &str, storage_options: &[(String, String)]) -> Result<object::Remote> {
+pub fn object_store(
+    uri: &str,
+    storage_options: &[(String, String)],
+) -> Result<crate::store::Remote> {
     if kind(uri) != Kind::ObjectStore {
         return Err(Error::UnsupportedUri {
-            uri: object::redact_uri(uri),
+            uri: crate::store::redact_uri(uri),
             message: "not an object-store URL".into(),
         });
     }
-    object::open(uri, storage_options)
+    crate::store::open(uri, storage_options)
 }
 
 /// Headers read at once when there are many shards.
@@ -27,7 +30,7 @@ const HEADER_CONCURRENCY: usize = 16;
 
 /// Resolves the URIs (files, shard directories, index files, object-store prefixes, Hub repos)
 /// and opens every file or object, in a stable order, reading headers concurrently.
-/// `storage_options` configure object stores (see [`object::open`]) and the Hub's retries;
+/// `storage_options` configure object stores (see [`crate::store::open`]) and the Hub's retries;
 /// remote sources are cached locally as `cache` says ([`cache::wrap`]); files are read as
 /// plaintext with `decryption`'s keyset, if any (the cache keeps their ciphertext).
 pub fn open_all(

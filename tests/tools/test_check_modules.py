@@ -73,8 +73,15 @@ def test_sources_and_sinks_never_import_each_other(tmp_path):
         + "pub mod sink;\n"
     )
     files["sink.rs"] = "pub trait Sink {}\n"
+    files["source/mod.rs"] = "pub mod object;\n" + BASE["source/mod.rs"]
+    files["source/object.rs"] = "pub struct Remote;\n"
     assert check(crate(tmp_path, files)).returncode == 0
-    for importer, imported in [("sink.rs", "source::Shard"), ("source/local.rs", "sink::Sink")]:
+    # Neither the source itself nor any of its submodules: object stores included.
+    for importer, imported in [
+        ("sink.rs", "source::Shard"),
+        ("sink.rs", "source::object::Remote"),
+        ("source/local.rs", "sink::Sink"),
+    ]:
         text = dict(files)
         text[importer] = files[importer] + f"pub use crate::{imported};\n"
         out = check(crate(tmp_path, text))

@@ -11,7 +11,8 @@ use std::path::Path;
 use super::entry::{hex, Record};
 use super::inside;
 use crate::error::{Error, Result};
-use crate::source::object::{read_small_unless, Remote, Small};
+use crate::source::object::{read_small_unless, Small};
+use crate::store::Remote;
 
 /// Where the records lie, inside the folder.
 const RECORDS: &str = ".cache/fastload";

@@ -14,10 +14,10 @@ use super::location::Location;
 use super::{HubSettings, HubUri};
 use crate::bounded::{Capped, Whole};
 use crate::error::{Error, Result};
-use crate::source::object::RetrySettings;
 pub use crate::source::remote::io_error;
 use crate::source::remote::{self, Attempt};
-use crate::source::{clients, descriptors};
+use crate::store::RetrySettings;
+use crate::store::{clients, descriptors};
 
 /// Redirects to follow within the Hub (a renamed repo answers 307 with a relative location).
 const MAX_HUB_REDIRECTS: usize = 5;
@@ -56,10 +56,10 @@ pub struct FileMeta {
 
 impl Hub {
     pub fn new(settings: HubSettings, retry: RetrySettings) -> Result<Hub> {
-        crate::source::object::install_crypto();
+        crate::store::install_crypto();
         let endpoint = crate::options::check_endpoint(&settings.endpoint)
             .map_err(|e| Error::option("HF_ENDPOINT", e))?;
-        // One client per process (crate::source::clients): its settings are the same for
+        // One client per process (crate::store::clients): its settings are the same for
         // every open, and each of its own would hold sockets and read the CA files again.
         let client = clients::hub_client(|| {
             reqwest::Client::builder()

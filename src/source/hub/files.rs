@@ -348,7 +348,7 @@ pub fn open(
     let parsed = HubUri::parse(uri)?;
     // The retry and stall-rule keys of object stores (max_retries, retry_timeout, min_rate,
     // min_rate_window) drive the Hub's requests and reads too.
-    let (retry, rest) = crate::source::object::split_retry_options(storage_options)?;
+    let (retry, rest) = crate::store::split_retry_options(storage_options)?;
     let settings = HubSettings::from_env(&rest)?;
     if settings.offline {
         return local::open(&[offline_path(&parsed)?.display().to_string()]);
@@ -384,7 +384,7 @@ pub type Tree = (bool, Vec<(String, Arc<dyn Source>)>);
 /// source's `cache_identity` gives its sha256 or git blob id.
 pub fn open_tree(uri: &str, storage_options: &[(String, String)]) -> Result<Tree> {
     let parsed = HubUri::parse(uri)?;
-    let (retry, rest) = crate::source::object::split_retry_options(storage_options)?;
+    let (retry, rest) = crate::store::split_retry_options(storage_options)?;
     let settings = HubSettings::from_env(&rest)?;
     let hub = Hub::new(settings, retry)?;
     crate::runtime::block_on(uri, async move {

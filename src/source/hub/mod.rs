@@ -201,7 +201,7 @@ impl HubSettings {
         let endpoint = endpoint.trim().trim_end_matches('/').to_string();
         crate::error::remember_url_credentials(&endpoint);
         crate::options::check_endpoint(&endpoint).map_err(|e| {
-            let shown = crate::source::object::redact_uri(&endpoint);
+            let shown = crate::store::redact_uri(&endpoint);
             Error::option(endpoint_from, format!("{shown:?}: {e}"))
         })?;
         let hf_home = hf_home(&env);

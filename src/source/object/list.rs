@@ -6,11 +6,11 @@ use futures_util::StreamExt;
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectStore};
 
-use super::errors::*;
 use super::*;
 use crate::bounded::{Capped, Whole, MAX_WHOLE_READ};
 use crate::error::{Error, Result};
 use crate::format::{check_folder, index_shard_names, FormatError, INDEX_FILE};
+use crate::store::*;
 
 /// One object found under a URI: where, how large, and its validators as the store reported
 /// them (the local cache tells a changed object from its copy by the ETag; every read is pinned
@@ -113,7 +113,7 @@ pub async fn resolve(remote: &Remote) -> Result<Vec<Found>> {
 
 /// Whether the store can list a prefix (every store but plain http(s)://).
 fn lists(remote: &Remote) -> bool {
-    !remote.uri.starts_with("http")
+    crate::uri::store(&remote.uri) != Some(crate::uri::Store::Http)
 }
 
 /// Size and ETag of one object.

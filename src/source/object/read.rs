@@ -9,10 +9,9 @@ use futures_util::stream::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt};
 
-use super::errors::*;
 use crate::error::Result;
-use crate::source::remote::RetrySettings;
 use crate::source::remote::{self, Answer, Pin, RangedGet, Response, Version};
+use crate::store::*;
 
 /// One object of a store, as [`RangedGet`] sees it.
 pub struct ObjectGet<'a> {

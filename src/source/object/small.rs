@@ -7,10 +7,9 @@ use futures_util::StreamExt;
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectStore};
 
-use super::errors::storage_error;
-use super::Remote;
 use crate::bounded::{Capped, Whole};
 use crate::error::Result;
+use crate::store::{storage_error, Remote};
 
 /// What a conditional fetch of a small object found.
 #[derive(Debug, PartialEq, Eq)]

@@ -8,11 +8,11 @@ use futures_util::future::BoxFuture;
 use object_store::path::Path;
 use object_store::ObjectStore;
 
-use super::RetrySettings;
 use crate::error::Result;
 use crate::source::identity::{CacheIdentity, StoredChecksum};
 use crate::source::remote::Pin;
 use crate::source::Source;
+use crate::store::RetrySettings;
 
 /// One object of a store.
 #[derive(Debug)]
@@ -134,7 +134,7 @@ pub fn open_sources(
 ) -> Result<Vec<Arc<dyn Source>>> {
     use futures_util::stream::{self, StreamExt, TryStreamExt};
 
-    let remote = super::open(uri, storage_options)?;
+    let remote = crate::store::open(uri, storage_options)?;
     let objects = crate::runtime::block_on(uri, super::resolve(&remote))?;
     let objects: Vec<RemoteObject> = objects
         .into_iter()
@@ -146,13 +146,14 @@ pub fn open_sources(
         })
         .collect();
     // Plain http(s) servers keep no checksum fastload reads (and refuse a presigned URL's HEAD).
-    let objects = if checksums && !remote.uri.starts_with("http") {
+    let objects = if checksums && crate::uri::store(&remote.uri) != Some(crate::uri::Store::Http) {
         crate::runtime::block_on(uri, async {
             stream::iter(objects)
                 .map(|mut object| async move {
-                    object.checksum = super::stored_checksum(object.store.as_ref(), &object.path)
-                        .await
-                        .map_err(|e| super::storage_error(&object.name, e))?;
+                    object.checksum =
+                        crate::store::stored_checksum(object.store.as_ref(), &object.path)
+                            .await
+                            .map_err(|e| crate::store::storage_error(&object.name, e))?;
                     Ok::<_, crate::error::Error>(object)
                 })
                 .buffered(super::HEAD_CONCURRENCY)

@@ -335,8 +335,8 @@ impl PeerSet {
 
 /// The process's client for peers.
 fn peer_client() -> Result<reqwest::Client> {
-    super::object::install_crypto();
-    super::clients::peer_client(|| {
+    crate::store::install_crypto();
+    crate::store::clients::peer_client(|| {
         reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(2))
@@ -359,7 +359,7 @@ pub fn wrap(
     if !settings.enabled() || sources.iter().all(|s| s.cache_identity().is_none()) {
         return Ok(sources);
     }
-    let (retry, _) = super::object::split_retry_options(storage_options)?;
+    let (retry, _) = crate::store::split_retry_options(storage_options)?;
     let set = Arc::new(PeerSet::new(settings.clone(), &retry)?);
     let manifests = crate::runtime::block_on("peers", {
         let set = set.clone();

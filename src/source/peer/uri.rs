@@ -26,7 +26,7 @@ pub fn open_uri(
         true => https,
         false => format!("http://{authority}"),
     };
-    let (mut retry, _) = crate::source::object::split_retry_options(storage_options)?;
+    let (mut retry, _) = crate::store::split_retry_options(storage_options)?;
     let wanted = PeerSettings {
         peers: vec![base.clone()],
         token: settings.token.clone(),

@@ -25,19 +25,9 @@ use futures_util::stream::{BoxStream, StreamExt};
 use crate::error::{Error, Result};
 
 mod pin;
-mod retry;
 
+pub use crate::store::{io_error, Decision, ResumeState, RetrySettings};
 pub use pin::{changed, disagree, Pin, Version};
-pub use retry::{Decision, ResumeState, RetrySettings};
-
-/// An [`Error::Io`] naming `uri`, of `kind`, with `message` scrubbed of known secrets: how every
-/// remote source (object stores, the Hub) words a failure that is not a missing object.
-pub fn io_error(uri: &str, kind: io::ErrorKind, message: impl Into<String>) -> Error {
-    Error::Io {
-        path: uri.to_string(),
-        source: io::Error::new(kind, crate::error::scrub(&message.into())),
-    }
-}
 
 /// What one ranged request answered.
 pub struct Response {

@@ -1,4 +1,4 @@
-//! What every store's builder shares, at the bottom of src/source/object/: the HTTP client
+//! What every store's builder shares, at the bottom of src/store/: the HTTP client
 //! defaults, reading variables out of an environment given as pairs, and option keys parsed into
 //! object_store's config keys. Nothing here knows a cloud.
 
@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 /// - `read_timeout`: no byte for this long means a stalled connection, and the read is resumed;
 /// - `connect_timeout`: a dead or filtered endpoint fails fast;
 /// - `pool_max_idle_per_host`, `pool_idle_timeout`: the idle connections a client keeps, as
-///   `crate::source::clients` says (every store of a process with the same settings shares one
+///   `crate::store::clients` says (every store of a process with the same settings shares one
 ///   client).
 pub(super) const CLIENT_DEFAULTS: &[(ClientConfigKey, &str)] = &[
     (ClientConfigKey::Timeout, "120s"),

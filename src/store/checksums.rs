@@ -38,8 +38,42 @@ use object_store::client::{
 };
 use object_store::ClientOptions;
 
-use crate::source::clients::SharedStoreClients;
-use crate::source::identity::StoredChecksum;
+use super::clients::SharedStoreClients;
+
+/// The checksum of a whole object that its store keeps and reports (S3's
+/// `x-amz-checksum-*` with `x-amz-checksum-mode: ENABLED`, GCS's `x-goog-hash`, Azure's
+/// `Content-MD5`), which `verify=True` checks the bytes read against.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoredChecksum {
+    /// CRCs, which combine: ranges read in any order are checked without holding their bytes.
+    Crc64Nvme(u64),
+    Crc32c(u32),
+    Crc32(u32),
+    /// Digests of the bytes in order.
+    Sha256([u8; 32]),
+    Md5([u8; 16]),
+    /// S3's checksum of a multipart upload's part checksums (`<base64>-<parts>`,
+    /// `x-amz-checksum-type: COMPOSITE`): checking it needs each part's size, which a HEAD
+    /// does not give.
+    Composite {
+        algorithm: String,
+        parts: u32,
+    },
+}
+
+impl StoredChecksum {
+    /// Its name, as the store's header says it ("crc64nvme", "md5", ...).
+    pub fn algorithm(&self) -> &str {
+        match self {
+            StoredChecksum::Crc64Nvme(_) => "crc64nvme",
+            StoredChecksum::Crc32c(_) => "crc32c",
+            StoredChecksum::Crc32(_) => "crc32",
+            StoredChecksum::Sha256(_) => "sha256",
+            StoredChecksum::Md5(_) => "md5",
+            StoredChecksum::Composite { algorithm, .. } => algorithm,
+        }
+    }
+}
 
 const GOOG_HASH: HeaderName = HeaderName::from_static("x-goog-hash");
 const CONTENT_MD5: HeaderName = HeaderName::from_static("content-md5");

@@ -5,8 +5,8 @@ use std::io;
 use object_store::client::{HttpError, HttpErrorKind};
 use url::Url;
 
+use super::descriptors;
 use crate::error::Error;
-use crate::source::descriptors;
 
 pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
     Error::UnsupportedUri {
@@ -15,7 +15,14 @@ pub(super) fn unsupported(uri: &str, message: impl Into<String>) -> Error {
     }
 }
 
-pub use crate::source::remote::io_error;
+/// An [`Error::Io`] naming `uri`, of `kind`, with `message` scrubbed of known secrets: how every
+/// remote source (object stores, the Hub) words a failure that is not a missing object.
+pub fn io_error(uri: &str, kind: io::ErrorKind, message: impl Into<String>) -> Error {
+    Error::Io {
+        path: uri.to_string(),
+        source: io::Error::new(kind, crate::error::scrub(&message.into())),
+    }
+}
 
 pub(super) fn build_error(uri: &str, e: object_store::Error) -> Error {
     if descriptors::exhausted(&e) {

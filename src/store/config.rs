@@ -1,4 +1,4 @@
-//! Building a store from a URI, options and the environment: the top of src/source/object/'s
+//! Building a store from a URI, options and the environment: the top of src/store/'s
 //! one-way flow. Parses the URI, takes our own retry options out, and hands the rest to the scheme's
 //! builder (s3.rs, gcs.rs, azure.rs; plain HTTP here).
 
@@ -22,10 +22,10 @@ use super::keys::{parse_key, CLIENT_DEFAULTS};
 use super::s3::s3_builder;
 use super::*;
 
+use super::clients::SharedStoreClients;
+use super::retry::RetrySettings;
 use crate::error::{Error, Result};
 use crate::options::Size;
-use crate::source::clients::SharedStoreClients;
-use crate::source::remote::RetrySettings;
 
 /// Parses `uri` and builds its store. `options` are object_store configuration keys for the
 /// scheme (`endpoint`, `region`, `access_key_id`, `skip_signature`, `timeout`, ...) plus
