@@ -109,7 +109,7 @@ def is_url(uri: str) -> bool:
     (``_fastload.SCHEMES``)."""
     from . import _fastload
 
-    return uri.startswith("file:") or _fastload.is_remote_uri(uri)
+    return uri[:5].lower() == "file:" or _fastload.is_remote_uri(uri)
 
 
 def hub_uri(repo: str, revision: str | None, modelscope_env: str) -> str | None:
@@ -555,7 +555,9 @@ class Loader:
 
     def download_model(self, model_config: Any) -> None:
         location = self._location(model_config)
-        if location.startswith("hf://"):
+        from . import _fastload
+
+        if _fastload.parse_hub_uri(location) is not None:
             # The small files; the load streams the weights from the Hub.
             where = self._weights_location(model_config)
             config = self.load_config

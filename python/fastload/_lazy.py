@@ -605,7 +605,7 @@ class Checkpoint:
         sources, read_any = [], False
         for shard, header in enumerate(self.reader.headers()):
             file = header["file"]
-            remote = _fastload.is_remote_uri(file) or file.startswith("hf://")
+            remote = _fastload.is_remote_uri(file)
             # Whether the file maps (local, not encrypted): asked once, with an empty mapping.
             mapped = not remote and self.map_local and self.reader.map(shard, 0, 0) is not None
             read_any |= not mapped
