@@ -156,11 +156,12 @@ def _transformers_files(sc: dict, group, rank: int) -> dict:
     """``_own_files`` through transformers' tensor-parallel path (``fastload.transformers``:
     its ``_File`` slices indexed for the rank's columns, exchanged through ``_Exchange`` over
     the default group)."""
+    from fastload._regions import ReadStats
     from fastload.transformers import _Exchange, _File
     from safetensors.torch import load_file
 
     world = sc["world"]
-    exchange, counts = _Exchange(None), {}
+    exchange, counts = _Exchange(None), ReadStats()
     file = _File(sc["uris"][rank], {}, counts, 0, exchange)
     out: dict = {"id": sc["id"], "equal": {}}
     try:
@@ -176,7 +177,7 @@ def _transformers_files(sc: dict, group, rank: int) -> dict:
     finally:
         exchange.close()
         file.close()
-    out["counts"] = counts
+    out["counts"] = counts.part_counts()
     return out
 
 

@@ -153,3 +153,49 @@ def test_what_a_request_costs_is_the_files_source(range_server, tmp_path):
         with safe_open(where, "pt") as f:
             assert f.get_slice("w")[:, 0:32768].shape == (64, 32768)
             assert f.bytes_read == read, where
+
+
+def test_the_three_region_readers_count_one_slice_alike(tmp_path):
+    """The engines' lazy tensors, a ``parts=`` load and transformers' tensor-parallel slices
+    count what they read in one shape (``_regions.ReadStats``), and read of the same slice of
+    the same file, they count the same: one tensor of two read as a part, its bytes, the whole
+    tensor's size, the other tensor not read."""
+    import fastload
+    from fastload._lazy import Checkpoint
+    from fastload._regions import ReadStats
+    from fastload.transformers import _File
+    from safetensors.torch import save_file
+
+    w, other = torch.arange(16 * 32, dtype=torch.float32).reshape(16, 32), torch.ones(8)
+    path = tmp_path / "m.safetensors"
+    save_file({"w": w, "other": other}, str(path))
+    rows = (slice(2, 6),)
+
+    lazy = ReadStats()
+    got = dict(Checkpoint(path, lazy))["w"][rows]
+    assert torch.equal(torch.empty(4, 32).copy_(got), w[rows])
+
+    with fastload.Stream(path, _target="host", parts={"w": rows}, names=["w"]) as s:
+        assert torch.equal(dict(s)["w"], w[rows])
+        assert s._parts is not None
+        parts = s._parts.counts
+
+    sliced = ReadStats()
+    file = _File(str(path), {}, sliced)
+    try:
+        file.slices()
+        assert torch.equal(file.read("w", rows), w[rows])
+    finally:
+        file.close()
+
+    assert type(lazy) is type(parts) is type(sliced) is ReadStats
+    want = {"sliced_tensors": 1, "sliced_bytes": 4 * 32 * 4, "sliced_tensor_bytes": w.nbytes}
+    for stats in (lazy, parts, sliced):
+        got_counts = stats.as_dict()
+        assert {k: got_counts[k] for k in want} == want, got_counts
+    # The parts= plan also says how it read the part (one run, one read).
+    assert (parts.sliced_runs, parts.sliced_reads) == (1, 1)
+    # Each counted the file's two tensors; names=["w"] planned only one.
+    assert (lazy.tensors, sliced.tensors, parts.tensors) == (2, 2, 1)
+    assert lazy.skipped_tensors == sliced.skipped_tensors == 1
+    assert lazy.read_bytes == parts.read_bytes == sliced.read_bytes == 4 * 32 * 4

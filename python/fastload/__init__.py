@@ -330,19 +330,15 @@ class Stream:
         """Bytes and tensors planned, read and delivered so far; time to the first tensor; the
         method and options in force. After ``close()``, the counters as they were then (so the
         caller can tell how far a closed stream got)."""
-        stats = dict(self._native.stats().as_dict())
+        native = self._native.stats()
+        stats = dict(native.as_dict())
         if self._parts is not None:
             stats.update(self._parts.stats())
         else:
-            stats.update(
-                part_tensors=0,
-                part_bytes=0,
-                part_tensor_bytes=0,
-                part_runs=0,
-                part_reads=0,
-                whole_tensors=stats["tensor_count"],
-                whole_bytes=stats["total_bytes"],
-            )
+            from ._regions import ReadStats
+
+            whole = ReadStats(whole_tensors=native.tensor_count, whole_bytes=native.total_bytes)
+            stats.update(whole.part_counts())
         return stats
 
     def close(self) -> None:

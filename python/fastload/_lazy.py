@@ -20,14 +20,13 @@ fastload reads, pinned to the versions it opened) and hands out a lazy tensor pe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from . import _fastload, _options, _readahead, _torch_glue, _uris
-from ._regions import MAPPED_READ_COST, Region
+from ._regions import MAPPED_READ_COST, ReadStats, Region
 from ._regions import empty as _empty
 from ._safe_open import safe_open
 
@@ -39,87 +38,8 @@ READER_OPTIONS = _options.taken_by("reader")
 _aten = torch.ops.aten
 
 
-@dataclass
-class Stats:
-    """What the lazy tensors of a load read. A tensor counts as ``whole`` when a read of it
-    covered all its bytes, ``exchanged`` when this rank read a block of its rows for the group
-    and got its columns from the others (``fastload._exchange``), else ``sliced``; ``skipped``
-    were never read; ``shared`` were read whole by another rank of the group, which sent them
-    (``distributed`` sliced reads: not read here). ``fallbacks``: ops other than views and
-    ``copy_`` that read a region, by name (a weight loader that does more than narrow and
-    copy)."""
-
-    tensors: int = 0
-    bytes: int = 0
-    sliced_tensors: int = 0
-    sliced_bytes: int = 0
-    whole_tensors: int = 0
-    whole_bytes: int = 0
-    exchanged_tensors: int = 0
-    exchanged_bytes: int = 0
-    # Read whole by another rank of the group and broadcast to this one (not read here).
-    shared_tensors: int = 0
-    shared_bytes: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    # Read ahead (fastload._readahead): bytes used (counted as sliced or whole too), and bytes
-    # read for a region the consumer then did not read (counted in read_bytes only).
-    ahead_bytes: int = 0
-    ahead_unused_bytes: int = 0
-    # Reads the consumer waited for (not read ahead): each at least one round trip to storage.
-    waited_reads: int = 0
-
-    @property
-    def read_bytes(self) -> int:
-        return self.sliced_bytes + self.whole_bytes + self.exchanged_bytes + self.ahead_unused_bytes
-
-    @property
-    def skipped_tensors(self) -> int:
-        read = self.sliced_tensors + self.whole_tensors + self.exchanged_tensors
-        return self.tensors - read - self.shared_tensors
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "tensors": self.tensors,
-            "bytes": self.bytes,
-            "read_bytes": self.read_bytes,
-            "sliced_tensors": self.sliced_tensors,
-            "sliced_bytes": self.sliced_bytes,
-            "whole_tensors": self.whole_tensors,
-            "whole_bytes": self.whole_bytes,
-            "exchanged_tensors": self.exchanged_tensors,
-            "exchanged_bytes": self.exchanged_bytes,
-            "shared_tensors": self.shared_tensors,
-            "shared_bytes": self.shared_bytes,
-            "skipped_tensors": self.skipped_tensors,
-            "fallbacks": dict(self.fallbacks),
-            "ahead_bytes": self.ahead_bytes,
-            "ahead_unused_bytes": self.ahead_unused_bytes,
-            "waited_reads": self.waited_reads,
-        }
-
-    def line(self) -> str:
-        """One line for a log: what was read, of how much, and how."""
-        share = self.read_bytes / self.bytes if self.bytes else 0.0
-        out = (
-            f"read {self.read_bytes} of {self.bytes} checkpoint bytes ({share:.0%}): "
-            f"{self.sliced_bytes} bytes as slices of {self.sliced_tensors} tensors, "
-            f"{self.whole_bytes} bytes as {self.whole_tensors} whole tensors, "
-        )
-        if self.exchanged_tensors:
-            out += (
-                f"{self.exchanged_bytes} bytes as row blocks of {self.exchanged_tensors} "
-                "tensors exchanged over the group, "
-            )
-        if self.shared_tensors:
-            out += (
-                f"{self.shared_bytes} bytes of {self.shared_tensors} whole tensors read by "
-                "another rank and received, "
-            )
-        out += f"{self.skipped_tensors} tensors not read"
-        if self.fallbacks:
-            ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
-            out += f"; read for other ops: {ops}"
-        return out
+# The one shape of read statistics (kept under this name for the engines).
+Stats = ReadStats
 
 
 class _Source(Region):
@@ -242,6 +162,7 @@ class _Source(Region):
                 s.whole_tensors += 1
                 if self.counted == "sliced":
                     s.sliced_tensors -= 1
+                    s.sliced_tensor_bytes -= self.nbytes
                 elif self.counted == "exchanged":
                     s.exchanged_tensors -= 1
                 self.counted = "whole"
@@ -249,6 +170,7 @@ class _Source(Region):
             s.sliced_bytes += got
             if self.counted is None:
                 s.sliced_tensors += 1
+                s.sliced_tensor_bytes += self.nbytes
                 self.counted = "sliced"
 
 

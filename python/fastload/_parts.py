@@ -235,11 +235,11 @@ class Parts:
         self._lock = threading.Lock()
         self._buffers: dict[str, Any] = {}  # part of several runs -> the tensor they land in
         self._left: dict[str, int] = {}  # part of several runs -> its runs not landed yet
-        self.part_tensors = self.part_bytes = self.part_full_bytes = 0
-        self.part_runs = self.part_reads = 0
-        self.whole_tensors = self.whole_bytes = 0
+        self.counts = _regions.ReadStats()
         for tname in wanted:
             dtype, shape, file, size = table[tname]
+            self.counts.tensors += 1
+            self.counts.bytes += size
             if tname in parts:
                 cost = _cost(costs[file])
                 self._plan_part(tname, dtype, shape, file, parts[tname], glue, cost)
@@ -247,8 +247,8 @@ class Parts:
                 self._whole(tname, dtype, shape, size)
 
     def _whole(self, name: str, dtype: str, shape: tuple[int, ...], size: int) -> None:
-        self.whole_tensors += 1
-        self.whole_bytes += size
+        self.counts.whole_tensors += 1
+        self.counts.whole_bytes += size
         self._parts[name] = _Part(name, dtype, shape, None, shape, 1)
         if size == 0:
             empty = self._torch.empty(0, dtype=self._torch.uint8)
@@ -274,17 +274,17 @@ class Parts:
         itemsize = tdtype.itemsize
         region = normalize(name, index, tshape, itemsize, _settings(cost))
         out_shape = tuple(region.shape)
-        self.part_tensors += 1
-        self.part_full_bytes += math.prod(tshape) * itemsize
+        self.counts.sliced_tensors += 1
+        self.counts.sliced_tensor_bytes += math.prod(tshape) * itemsize
         if region.empty:
             self._parts[name] = _Part(name, dtype, shape, None, out_shape, 0)
             self.empty.append((name, _safe_open.empty(torch, out_shape, tdtype)))
             return
         carrier = _regions.carrier(torch, itemsize)
         self.ranges.append((name, region))
-        self.part_bytes += region.read_bytes
-        self.part_runs += region.run_count
-        self.part_reads += region.read_count
+        self.counts.sliced_bytes += region.read_bytes
+        self.counts.sliced_runs += region.run_count
+        self.counts.sliced_reads += region.read_count
         self._parts[name] = _Part(
             name, dtype, shape, region, out_shape, region.read_count, tdtype, carrier, region.lead
         )
@@ -335,16 +335,9 @@ class Parts:
         return buffer.view(p.tdtype).reshape(p.out_shape)
 
     def stats(self) -> dict[str, int]:
-        """What the plan reads as parts and as whole tensors."""
-        return {
-            "part_tensors": self.part_tensors,
-            "part_bytes": self.part_bytes,
-            "part_tensor_bytes": self.part_full_bytes,
-            "part_runs": self.part_runs,
-            "part_reads": self.part_reads,
-            "whole_tensors": self.whole_tensors,
-            "whole_bytes": self.whole_bytes,
-        }
+        """What the plan reads as parts and as whole tensors (:attr:`counts`, spelled as
+        ``Stream.stats()`` spells them)."""
+        return self.counts.part_counts()
 
 
 def _cost(file_cost: int) -> Cost:

@@ -12,11 +12,13 @@ grouped into reads. Plans are kept per distinct region (a model's layers repeat 
 :class:`Region` is one tensor of an opened file whose regions are read: the one type
 ``SafeSlice``, the lazy tensors and transformers' slices are views over. :class:`RegionSource`
 is what the exchange (``_exchange``) and the read-ahead (``_readahead``) ask of one.
+:class:`ReadStats` is what any of them read: the one shape of their statistics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
 
 from . import _fastload
@@ -326,3 +328,114 @@ class Later:
             raise self._error
         assert self._out is not None
         return self._out
+
+
+@dataclass
+class ReadStats:
+    """What a load that reads regions of tensors read: the engines' lazy tensors
+    (``_lazy.Stats``), a ``parts=`` load (``Parts.stats()``) and transformers' tensor-parallel
+    slices (``model._fastload_stats``) all count into one. A tensor counts as ``whole`` when a
+    read of it covered all its bytes, ``exchanged`` when this rank read a block of its rows for
+    the group and got its columns from the others (``fastload._exchange``), else ``sliced``
+    (a part: ``sliced_tensor_bytes`` are the whole sizes of those tensors, ``sliced_runs`` and
+    ``sliced_reads`` the runs of bytes and the reads a ``parts=`` plan made of them);
+    ``skipped`` were never read; ``shared`` were read whole by another rank of the group, which
+    sent them (``distributed`` sliced reads: not read here). ``fallbacks``: ops other than views
+    and ``copy_`` that read a region, by name (a weight loader that does more than narrow and
+    copy)."""
+
+    tensors: int = 0
+    bytes: int = 0
+    sliced_tensors: int = 0
+    sliced_bytes: int = 0
+    sliced_tensor_bytes: int = 0
+    sliced_runs: int = 0
+    sliced_reads: int = 0
+    whole_tensors: int = 0
+    whole_bytes: int = 0
+    exchanged_tensors: int = 0
+    exchanged_bytes: int = 0
+    # Read whole by another rank of the group and broadcast to this one (not read here).
+    shared_tensors: int = 0
+    shared_bytes: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    # Read ahead (fastload._readahead): bytes used (counted as sliced or whole too), and bytes
+    # read for a region the consumer then did not read (counted in read_bytes only).
+    ahead_bytes: int = 0
+    ahead_unused_bytes: int = 0
+    # Reads the consumer waited for (not read ahead): each at least one round trip to storage.
+    waited_reads: int = 0
+
+    @property
+    def read_bytes(self) -> int:
+        return self.sliced_bytes + self.whole_bytes + self.exchanged_bytes + self.ahead_unused_bytes
+
+    @property
+    def skipped_tensors(self) -> int:
+        read = self.sliced_tensors + self.whole_tensors + self.exchanged_tensors
+        return self.tensors - read - self.shared_tensors
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "read_bytes": self.read_bytes,
+            "sliced_tensors": self.sliced_tensors,
+            "sliced_bytes": self.sliced_bytes,
+            "sliced_tensor_bytes": self.sliced_tensor_bytes,
+            "sliced_runs": self.sliced_runs,
+            "sliced_reads": self.sliced_reads,
+            "whole_tensors": self.whole_tensors,
+            "whole_bytes": self.whole_bytes,
+            "exchanged_tensors": self.exchanged_tensors,
+            "exchanged_bytes": self.exchanged_bytes,
+            "shared_tensors": self.shared_tensors,
+            "shared_bytes": self.shared_bytes,
+            "skipped_tensors": self.skipped_tensors,
+            "fallbacks": dict(self.fallbacks),
+            "ahead_bytes": self.ahead_bytes,
+            "ahead_unused_bytes": self.ahead_unused_bytes,
+            "waited_reads": self.waited_reads,
+        }
+
+    def part_counts(self) -> dict[str, int]:
+        """The counts in the spelling of ``Stream.stats()`` and transformers'
+        ``model._fastload_stats`` (parts as ``part_*``); ``exchanged_*`` only where a tensor
+        was exchanged (a ``parts=`` load never exchanges)."""
+        out = {
+            "part_tensors": self.sliced_tensors,
+            "part_bytes": self.sliced_bytes,
+            "part_tensor_bytes": self.sliced_tensor_bytes,
+            "part_runs": self.sliced_runs,
+            "part_reads": self.sliced_reads,
+            "whole_tensors": self.whole_tensors,
+            "whole_bytes": self.whole_bytes,
+        }
+        if self.exchanged_tensors:
+            out["exchanged_tensors"] = self.exchanged_tensors
+            out["exchanged_bytes"] = self.exchanged_bytes
+        return out
+
+    def line(self) -> str:
+        """One line for a log: what was read, of how much, and how."""
+        share = self.read_bytes / self.bytes if self.bytes else 0.0
+        out = (
+            f"read {self.read_bytes} of {self.bytes} checkpoint bytes ({share:.0%}): "
+            f"{self.sliced_bytes} bytes as slices of {self.sliced_tensors} tensors, "
+            f"{self.whole_bytes} bytes as {self.whole_tensors} whole tensors, "
+        )
+        if self.exchanged_tensors:
+            out += (
+                f"{self.exchanged_bytes} bytes as row blocks of {self.exchanged_tensors} "
+                "tensors exchanged over the group, "
+            )
+        if self.shared_tensors:
+            out += (
+                f"{self.shared_bytes} bytes of {self.shared_tensors} whole tensors read by "
+                "another rank and received, "
+            )
+        out += f"{self.skipped_tensors} tensors not read"
+        if self.fallbacks:
+            ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
+            out += f"; read for other ops: {ops}"
+        return out

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _fastload
-from ._regions import Region, Runs, file_ranges
+from ._regions import ReadStats, Region, Runs, file_ranges
 
 if TYPE_CHECKING:
     from .transformers import _Exchange
@@ -30,7 +30,7 @@ class _File:
         self,
         uri: str,
         options: Mapping[str, Any],
-        counts: dict[str, int],
+        counts: ReadStats,
         shard: int = 0,
         exchange: _Exchange | None = None,
     ) -> None:
@@ -48,7 +48,7 @@ class _File:
     def _count(self, **got: int) -> None:
         with self._lock:
             for key, n in got.items():
-                self._counts[key] = self._counts.get(key, 0) + n
+                setattr(self._counts, key, getattr(self._counts, key) + n)
 
     def _tensor(self, name: str) -> _Tensor:
         tensor = self._tensors.get(name)
@@ -58,6 +58,9 @@ class _File:
 
     def slices(self) -> dict[str, _Slice]:
         h = self._handle
+        self._count(
+            tensors=len(h._tensors), bytes=sum(e - b for _d, _s, b, e in h._tensors.values())
+        )
         return {
             name: _Slice(self, name, dtype, shape)
             for name, (dtype, shape, _b, _e) in h._tensors.items()
@@ -80,7 +83,7 @@ class _File:
         box = not whole and tensor.is_box(index)
         out, got = tensor.fetch(index if box else Ellipsis)
         if box:
-            self._count(part_tensors=1, part_bytes=got, part_tensor_bytes=tensor.nbytes)
+            self._count(sliced_tensors=1, sliced_bytes=got, sliced_tensor_bytes=tensor.nbytes)
             return out
         self._count(whole_tensors=1, whole_bytes=tensor.nbytes)
         return out if whole else out[index]
@@ -146,7 +149,7 @@ class _Tensor(Region):
         if exchanged:
             self._file._count(exchanged_tensors=1, exchanged_bytes=got)
         else:
-            self._file._count(part_bytes=got)
+            self._file._count(sliced_bytes=got)
 
 
 class _Slice:

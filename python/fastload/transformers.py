@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _fastload, _remote_files
 from ._errors import ConfigError, _scrub
+from ._regions import ReadStats
 from ._transformers_slices import _File
 
 if TYPE_CHECKING:
@@ -507,7 +508,7 @@ def _from_slices(
     import logging
 
     model_class, folder, model_args = cls_args
-    counts: dict[str, int] = {}
+    counts = ReadStats()
     exchange = _Exchange(kwargs.get("tp_size")) if _exchangeable(kwargs) else None
     files = [_File(u, options, counts, i, exchange) for i, u in enumerate(uris)]
     try:
@@ -528,15 +529,15 @@ def _from_slices(
     logging.getLogger("fastload").info(
         "fastload: read %d bytes as parts of %d tensors (%d bytes whole), %d tensors whole "
         "(%d bytes), and %d bytes as row blocks of %d tensors exchanged over the group",
-        counts.get("part_bytes", 0),
-        counts.get("part_tensors", 0),
-        counts.get("part_tensor_bytes", 0),
-        counts.get("whole_tensors", 0),
-        counts.get("whole_bytes", 0),
-        counts.get("exchanged_bytes", 0),
-        counts.get("exchanged_tensors", 0),
+        counts.sliced_bytes,
+        counts.sliced_tensors,
+        counts.sliced_tensor_bytes,
+        counts.whole_tensors,
+        counts.whole_bytes,
+        counts.exchanged_bytes,
+        counts.exchanged_tensors,
     )
-    model._fastload_stats = dict(counts)
+    model._fastload_stats = counts.part_counts()
     if kwargs.get("generation_config") is None:
         _load_generation_config(model, folder, kwargs)
     return model
