@@ -10,7 +10,7 @@ pub enum Kind {
     /// A file or directory on this machine: a plain path or `file://` (the local fast path).
     Local,
     /// An object (or prefix) in an object store, opened through `object_store`
-    /// (`source::object`); which store: [`Store`].
+    /// (`store` builds its client, `source::object` reads, `sink` writes); which store: [`Store`].
     ObjectStore,
     /// A file or folder of a Hugging Face Hub repo (`source::hub`).
     Hub,

@@ -707,3 +707,21 @@ def test_copy_checks_its_options_in_one_place_for_python_and_the_command_line(tm
         out = subprocess.run([*cli, flag, value], capture_output=True, text=True, env=env)
         assert out.returncode == 1 and says in out.stderr, out.stderr
     assert not dst.exists()
+
+
+@pytest.mark.parametrize(
+    "dst",
+    [
+        "hf://org/repo",
+        "HF://org/repo",
+        "https://example.invalid/x",
+        "HTTP://x/y",
+        "peer://127.0.0.1:1/m",
+    ],
+)
+def test_read_only_destinations_are_refused_before_anything_is_read(tmp_path, dst):
+    """The Hub, plain HTTP(S) servers and a serve are only read: a copy to one is refused, in any
+    letter case, naming what a copy writes to, before the source is listed (it does not exist)."""
+    with pytest.raises(fastload.ConfigError, match="copies to local paths") as e:
+        fastload.copy(str(tmp_path / "missing"), dst)
+    assert "missing" not in str(e.value)

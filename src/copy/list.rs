@@ -75,7 +75,7 @@ pub fn digest_id(digest: &Digest) -> String {
 
 fn list_objects(src: &str, storage_options: &[(String, String)]) -> Result<Listing> {
     let remote = crate::store::open(src, storage_options)?;
-    let http = src.starts_with("http://") || src.starts_with("https://");
+    let http = crate::uri::store(src) == Some(crate::uri::Store::Http);
     let (single, found) = crate::runtime::block_on(src, async {
         if !remote.is_prefix || http {
             match object::head(&remote, &remote.path).await {

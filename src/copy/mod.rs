@@ -38,6 +38,7 @@ use crate::options::{
 use crate::sink::{self, multipart, Sink, WriteOptions};
 use crate::source::cache::verify::VerifyingSource;
 use crate::source::Source;
+use crate::uri::Kind;
 
 mod done;
 mod encrypted;
@@ -145,7 +146,8 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
             format!("rank {} of a group of {}", options.rank, options.world),
         ));
     }
-    if dst.starts_with("hf://") || dst.starts_with("http://") || dst.starts_with("https://") {
+    let read_only = matches!(crate::uri::kind(dst), Kind::Hub | Kind::Peer);
+    if read_only || crate::uri::store(dst) == Some(crate::uri::Store::Http) {
         return Err(Error::UnsupportedUri {
             uri: crate::store::redact_uri(dst),
             message: "fastload copies to local paths, s3://, gs:// and az://".into(),

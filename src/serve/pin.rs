@@ -14,7 +14,7 @@ use crate::source::Source;
 /// Whether the objects of `uri` are pinned by a HEAD: a store that keeps versions (S3, GCS,
 /// Azure). A plain http(s) listing is made of HEADs already, and such servers keep no versions.
 pub fn wanted(uri: &str) -> bool {
-    !(uri.starts_with("http://") || uri.starts_with("https://"))
+    crate::uri::store(uri) != Some(crate::uri::Store::Http)
 }
 
 /// An object as a HEAD found it, and the version id it pinned.
