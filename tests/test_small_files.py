@@ -79,12 +79,14 @@ def test_unchanged_files_are_kept_and_tampered_ones_fetched_again(s3_model, tmp_
     assert (dest / "config.json").stat().st_ino == inodes["config.json"]  # not rewritten
     assert (dest / "tokenizer.json").read_bytes() == b'{"t": 1}'
     assert (dest / "tokenizer.json").stat().st_ino != edited
-    # What the sidecar records is the store's answer: the same ETag is "unchanged".
+    # What the record keeps is the store's answer: asked with its ETag, the store says "not
+    # modified" and the file is kept.
     meta = json.loads((dest / ".cache/fastload/config.json.json").read_text())
-    what, data, _, _ = _fastload.fetch_object(
-        uri + "config.json", 100, if_none_match=meta["etag"], storage_options=options
+    assert meta["etag"] and meta["uri"] == uri + "config.json"
+    got = _fastload.fetch_small_file(
+        uri + "config.json", str(dest), "config.json", 100, storage_options=options
     )
-    assert (what, data) == ("unchanged", None)
+    assert got == ("kept", 0)
 
 
 def test_a_destination_reused_for_another_checkpoint_gets_its_files(tmp_path):

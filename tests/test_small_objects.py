@@ -1,4 +1,4 @@
-"""``_fastload.list_objects`` and ``_fastload.read_object``: the folder listing and whole small
+"""``_fastload.list_objects`` and ``_fastload.fetch_small_file``: the folder listing and whole small
 reads that bring a model's config and tokenizer files from an object store (fastload.vllm pulls
 them for ``vllm serve s3://... --load-format fastload``), on SeaweedFS, fake-gcs-server and the
 Azure server of stores.py, with the stores' own credentials and endpoint rules."""
@@ -40,22 +40,27 @@ def test_list_folder_with_sizes(store, store_files, sharded_dir):
     assert _fastload.list_objects(store.uri("nothing-here/")) == []
 
 
-def test_read_whole_object(store, sharded_dir):
+def test_small_objects_are_read_whole_up_to_their_limit(store, sharded_dir, tmp_path):
+    """A small object (the index here, as a config or tokenizer file would be) is read whole into
+    the destination; exactly at the limit is fine, one byte under it is left unread."""
     index = sharded_dir / "model.safetensors.index.json"
-    data = _fastload.read_object(store.uri(f"sharded/{index.name}"), 1 << 20)
-    assert data == index.read_bytes()
-    # Exactly at the limit is fine; one byte under it is refused unread, naming the object.
-    size = index.stat().st_size
-    assert _fastload.read_object(store.uri(f"sharded/{index.name}"), size) == data
-    refused = f"more than {size - 1} bytes, the limit for a body read whole"
-    with pytest.raises(fastload.StorageError, match=refused) as info:
-        _fastload.read_object(store.uri(f"sharded/{index.name}"), size - 1)
-    assert store.uri(f"sharded/{index.name}") in str(info.value)
+    uri, size = store.uri(f"sharded/{index.name}"), index.stat().st_size
+    dest = tmp_path / "small"
+    dest.mkdir()
+    assert _fastload.fetch_small_file(uri, str(dest), index.name, 1 << 20) == ("written", size)
+    assert (dest / index.name).read_bytes() == index.read_bytes()
+    (dest / index.name).unlink()
+    assert _fastload.fetch_small_file(uri, str(dest), index.name, size) == ("written", size)
+    (dest / index.name).unlink()
+    assert _fastload.fetch_small_file(uri, str(dest), index.name, size - 1) == ("too_large", size)
+    assert not (dest / index.name).exists()
 
 
-def test_missing_object_and_bucket(store):
-    with pytest.raises(fastload.NotFoundError, match=r"no-such\.json"):
-        _fastload.read_object(store.uri("sharded/no-such.json"), 1 << 20)
+def test_missing_object_and_bucket(store, tmp_path):
+    got = _fastload.fetch_small_file(
+        store.uri("sharded/no-such.json"), str(tmp_path), "no-such.json", 1 << 20
+    )
+    assert got == ("missing", 0)
     missing = store.missing_bucket().rsplit("/", 1)[0]
     with pytest.raises(fastload.StorageError, match=missing.split("://")[1].split("/")[0]):
         _fastload.list_objects(missing + "/")

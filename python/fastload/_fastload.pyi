@@ -76,7 +76,6 @@ __all__ = [
     "plan_ranks",
     "plan_region",
     "prune_small_files",
-    "read_object",
     "release_memory",
     "remove",
     "resolve_options",
@@ -554,11 +553,6 @@ def list_objects(
 ) -> list[tuple[str, int]]:
     """``(uri, size)`` of every object directly under ``uri`` taken as a folder, in name order
     (an empty list where there is none); the stores, credentials and endpoint rules of a load."""
-
-def read_object(
-    uri: str, max_bytes: int, *, storage_options: Mapping[str, object] | None = None
-) -> bytes:
-    """One object's bytes, whole; over ``max_bytes`` raises ``StorageError`` without reading it."""
 
 def fetch_small_file(
     uri: str,

@@ -154,7 +154,6 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "bench-bindings")]
     m.add_function(wrap_pyfunction!(tink::_tink_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(objects::list_objects, m)?)?;
-    m.add_function(wrap_pyfunction!(objects::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(objects::fetch_small_file, m)?)?;
     m.add_function(wrap_pyfunction!(objects::prune_small_files, m)?)?;
     m.add_function(wrap_pyfunction!(cached_memory, m)?)?;

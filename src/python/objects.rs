@@ -6,7 +6,6 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
 
 use super::args::StorageOptions;
 use super::wait::off_thread;
@@ -34,27 +33,6 @@ pub fn list_objects(
         },
     )??;
     Ok(found)
-}
-
-/// One object's bytes, whole; an object larger than `max_bytes` raises `StorageError` unread.
-#[pyfunction]
-#[pyo3(signature = (uri, max_bytes, *, storage_options=None))]
-pub fn read_object<'py>(
-    py: Python<'py>,
-    uri: String,
-    max_bytes: u64,
-    storage_options: Option<StorageOptions>,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let options = storage_options.unwrap_or_default().0;
-    let bytes = off_thread(py, "read_object", move || -> crate::Result<Vec<u8>> {
-        let remote = crate::store::open(&uri, &options)?;
-        let path = remote.path.clone();
-        crate::runtime::block_on(
-            &remote.uri,
-            crate::source::object::read_small(&remote, &path, max_bytes),
-        )
-    })??;
-    Ok(PyBytes::new(py, &bytes))
 }
 
 /// The copy of the object `uri` at `dest/name` (`name` relative, `/`-separated, checked first),

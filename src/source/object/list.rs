@@ -129,12 +129,6 @@ pub(super) async fn get_small(remote: &Remote, path: &Path) -> Result<Vec<u8>> {
     get_capped(remote, path, Whole::Index, MAX_WHOLE_READ).await
 }
 
-/// One whole object (a config or tokenizer file) into memory; an object over `max_bytes` is an
-/// error naming it, read no further.
-pub async fn read_small(remote: &Remote, path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
-    get_capped(remote, path, Whole::Body, max_bytes).await
-}
-
 /// Every object directly under the remote's key taken as a folder (`s3://bucket/model` and
 /// `s3://bucket/model/` list the same), with sizes, in name order; none is an empty list.
 pub async fn list_folder(remote: &Remote) -> Result<Vec<Found>> {

@@ -17,7 +17,7 @@ mod tests;
 #[cfg(test)]
 mod tests_pin;
 
-pub use list::{head, list_folder, list_safetensors, list_tree, read_small, resolve, Found};
+pub use list::{head, list_folder, list_safetensors, list_tree, resolve, Found};
 pub use read::{read_pinned, read_range_into};
 pub use small::{read_small_unless, Small};
 pub use source::{open_sources, RemoteObject};
