@@ -52,8 +52,8 @@ _OWN_KWARGS = frozenset(
     torch_dtype device_map max_memory offload_folder offload_buffers quantization_config
     subfolder _commit_hash variant adapter_kwargs adapter_name generation_config gguf_file
     distributed_config device_mesh tp_plan tp_size trust_remote_code allow_all_kernels
-    use_kernels kernel_config key_mapping mirror _fast_init low_cpu_mem_usage from_tf from_flax
-    offload_state_dict attn_implementation experts_implementation config cache_dir
+    use_kernels kernel_config kernels_mode key_mapping mirror _fast_init low_cpu_mem_usage
+    from_tf from_flax offload_state_dict attn_implementation experts_implementation config cache_dir
     ignore_mismatched_sizes force_download local_files_only token revision use_safetensors
     weights_only fusion_config disable_mmap use_auth_token load_in_8bit load_in_4bit
     resume_download _adapter_model_path""".split()
