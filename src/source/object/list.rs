@@ -63,15 +63,30 @@ impl Found {
 
 /// Every `*.safetensors` directly under the remote's prefix (one whole checkpoint:
 /// [`check_folder`]), or exactly the files that its `model.safetensors.index.json` names, in a
-/// stable order, with their sizes.
+/// stable order, with their sizes. Where the store lists, the index probe and the listing are
+/// asked at once: one round trip to the store whether an index is there or not (the listing
+/// sizes an index's shards too).
 pub async fn list_safetensors(remote: &Remote) -> Result<Vec<Found>> {
     let index = remote.path.clone().join(INDEX_FILE);
-    match get_small(remote, &index).await {
-        Ok(bytes) => return from_index(remote, &index, &bytes).await,
+    let probe = get_small(remote, &index);
+    let (probed, listing) = if lists(remote) {
+        let (probed, listing) = futures_util::join!(probe, list_dir(remote, &remote.path));
+        (probed, Some(listing))
+    } else {
+        (probe.await, None)
+    };
+    match probed {
+        Ok(bytes) => {
+            let listed = listing.and_then(|l| l.ok());
+            return from_index_listed(remote, &index, &bytes, listed).await;
+        }
         Err(Error::NotFound { .. }) => {}
         Err(e) => return Err(e),
     }
-    let listing = list_dir(remote, &remote.path).await?;
+    let listing = match listing {
+        Some(listing) => listing?,
+        None => list_dir(remote, &remote.path).await?,
+    };
     let mut files: Vec<Found> = listing
         .into_iter()
         .filter(|f| f.path.extension() == Some("safetensors"))
@@ -167,11 +182,31 @@ pub(super) async fn list_dir(remote: &Remote, prefix: &Path) -> Result<Vec<Found
 /// The files an index names (relative to the index's folder), sized by one listing of that folder
 /// or, where the store cannot list (plain HTTP), by HEAD requests.
 pub(super) async fn from_index(remote: &Remote, index: &Path, bytes: &[u8]) -> Result<Vec<Found>> {
-    let name = remote.uri_of(index);
-    let dir: Path = {
-        let parts: Vec<_> = index.parts().collect();
-        Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned())
+    // A plain HTTP server cannot list: object_store would ask WebDAV's PROPFIND, which such
+    // servers refuse (501, 405) and object_store retries as a server error, for seconds.
+    let listed = match lists(remote) {
+        true => list_dir(remote, &parent(index)).await.ok(),
+        false => None,
     };
+    from_index_listed(remote, index, bytes, listed).await
+}
+
+/// The folder an object is in.
+fn parent(path: &Path) -> Path {
+    let parts: Vec<_> = path.parts().collect();
+    Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned())
+}
+
+/// The files an index names, sized by `listed` (the objects of the index's folder, where it could
+/// be listed), the others by a HEAD each.
+async fn from_index_listed(
+    remote: &Remote,
+    index: &Path,
+    bytes: &[u8],
+    listed: Option<Vec<Found>>,
+) -> Result<Vec<Found>> {
+    let name = remote.uri_of(index);
+    let dir = parent(index);
     let mut files = Vec::new();
     for file in index_shard_names(bytes).map_err(|e| Error::format(&name, e))? {
         let rel = Path::parse(&file).map_err(|e| {
@@ -180,15 +215,11 @@ pub(super) async fn from_index(remote: &Remote, index: &Path, bytes: &[u8]) -> R
         })?;
         files.push(Path::from_iter(dir.parts().chain(rel.parts())));
     }
-    // A plain HTTP server cannot list: object_store would ask WebDAV's PROPFIND, which such
-    // servers refuse (501, 405) and object_store retries as a server error, for seconds.
-    let listed: HashMap<Path, Found> = match lists(remote) {
-        false => HashMap::new(),
-        true => match list_dir(remote, &dir).await {
-            Ok(objects) => objects.into_iter().map(|f| (f.path.clone(), f)).collect(),
-            Err(_) => HashMap::new(),
-        },
-    };
+    let listed: HashMap<Path, Found> = listed
+        .unwrap_or_default()
+        .into_iter()
+        .map(|f| (f.path.clone(), f))
+        .collect();
     let sizes: Vec<Result<Found>> = futures_util::stream::iter(files)
         .map(|p| {
             let known = listed.get(&p).cloned();

@@ -89,7 +89,9 @@ async fn reads_ranges_exactly() {
     );
 }
 
-/// Cuts the first `cuts` bodies after `keep` bytes (then errors), or pads every body.
+/// Cuts the first `cuts` bodies after `keep` bytes (then errors), or pads every body; with
+/// `meet`, a GET and a listing each wait at that barrier until the other arrives (a caller that
+/// asks them one after the other never gets an answer).
 #[derive(Debug)]
 struct Flaky {
     inner: InMemory,
@@ -97,6 +99,7 @@ struct Flaky {
     cuts: AtomicUsize,
     pad: bool,
     gets: AtomicUsize,
+    meet: Option<tokio::sync::Barrier>,
 }
 
 impl Flaky {
@@ -107,6 +110,7 @@ impl Flaky {
             cuts: AtomicUsize::new(cuts),
             pad,
             gets: AtomicUsize::new(0),
+            meet: None,
         }
     }
 }
@@ -142,6 +146,9 @@ impl ObjectStore for Flaky {
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
         self.gets.fetch_add(1, Ordering::SeqCst);
+        if let Some(meet) = &self.meet {
+            meet.wait().await;
+        }
         let r = self.inner.get_opts(location, options).await?;
         let (meta, range, attributes) = (r.meta.clone(), r.range.clone(), r.attributes.clone());
         let body = r.bytes().await?;
@@ -184,6 +191,9 @@ impl ObjectStore for Flaky {
     }
 
     async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        if let Some(meet) = &self.meet {
+            meet.wait().await;
+        }
         self.inner.list_with_delimiter(prefix).await
     }
 
@@ -363,6 +373,44 @@ async fn honours_the_index_and_names_missing_shards() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Format { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn a_prefix_asks_for_its_index_and_its_listing_at_once() {
+    // Each request waits for the other: resolved only if both are in flight together (one
+    // round trip to the store), with an index and without.
+    for with_index in [false, true] {
+        let inner = InMemory::new();
+        let mut files = vec![
+            ("m/s-1.safetensors", data(11)),
+            ("m/s-2.safetensors", data(22)),
+        ];
+        if with_index {
+            files.push((
+                "m/model.safetensors.index.json",
+                index(&[("w", "s-2.safetensors")]),
+            ));
+        }
+        for (name, bytes) in files {
+            inner
+                .put(&Path::from(name), PutPayload::from(bytes))
+                .await
+                .unwrap();
+        }
+        let mut store = Flaky::new(inner, 0, 0, false);
+        store.meet = Some(tokio::sync::Barrier::new(2));
+        let r = remote(Arc::new(store), "m", true);
+        let found = tokio::time::timeout(Duration::from_secs(10), list_safetensors(&r))
+            .await
+            .expect("the index probe waited for the listing, or the listing for the probe")
+            .unwrap();
+        let want: &[(&str, u64)] = match with_index {
+            true => &[("m/s-2.safetensors", 22)],
+            false => &[("m/s-1.safetensors", 11), ("m/s-2.safetensors", 22)],
+        };
+        let want: Vec<(Path, u64)> = want.iter().map(|(p, n)| (Path::from(*p), *n)).collect();
+        assert_eq!(sized(found), want, "index {with_index}");
+    }
 }
 
 /// The header of an object, read as the loader reads it: through its source.
