@@ -96,6 +96,21 @@ def test_peers_from_the_environment(origin, checkpoint, monkeypatch):
     assert origin_bytes(origin) == 0
 
 
+def test_the_manifests_are_asked_while_the_origin_is_opened(origin, checkpoint):
+    """A load with peers asks their manifests while it pins the origin, not after: here the
+    origin answers nothing until the peer was asked for its manifest, so a load that asked
+    them in turn would leave the origin's wait to run out (10 s)."""
+    peer = peer_of(origin, checkpoint.read_bytes())
+    origin.behaviour.hold = peer.state.manifest_asked
+    try:
+        got = load(origin.url(f"m/{NAME}"), peers=[peer.base])
+    finally:
+        peer.close()
+    assert_same_tensors(got, reference(checkpoint))
+    assert origin.behaviour.held_out == 0
+    assert origin_bytes(origin) == 0
+
+
 def test_a_peer_of_another_version_is_not_used(origin, checkpoint):
     data = checkpoint.read_bytes()
     other = bytearray(data)

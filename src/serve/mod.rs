@@ -188,7 +188,8 @@ fn checkpoint(
         };
     let identities: Vec<_> = sources.iter().map(|s| s.cache_identity()).collect();
     // A serve's own peers (FASTLOAD_PEERS): a chain, or a cache daemon in front of the origin.
-    let sources = crate::source::peer::wrap(sources, &settings.peers, storage_options)?;
+    let peers = crate::source::peer::ask(&settings.peers, &[uri.to_string()], storage_options)?;
+    let sources = crate::source::peer::wrap(sources, peers)?;
     for (((rel, source), id), version) in rels
         .into_iter()
         .zip(cache::wrap(sources, settings))

@@ -42,6 +42,8 @@ pub fn open_all(
     if uris.is_empty() {
         return Err(Error::option("uri", "no file given"));
     }
+    // The peers' manifests are fetched while the origins are listed and pinned.
+    let asked = peer::ask(&cache.peers, uris, storage_options)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::new();
     let mut local_uris = Vec::new();
     // Local URIs are resolved together so that a file named twice is loaded once; the order of
@@ -72,7 +74,7 @@ pub fn open_all(
         }
     }
     sources.extend(local::open(&local_uris)?);
-    let sources = peer::wrap(sources, &cache.peers, storage_options)?;
+    let sources = peer::wrap(sources, asked)?;
     read_headers(cache::wrap(sources, cache), decryption)
 }
 

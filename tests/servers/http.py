@@ -72,6 +72,10 @@ class Behaviour:
     refused_if_match: int = 0  # 412s answered
     rng: random.Random | None = None
     failed: int = 0
+    # Every request waits (up to 10 s) until `hold` is set; `held_out` counts the waits that ran
+    # out (a client that asked something else only after this server answered).
+    hold: threading.Event | None = None
+    held_out: int = 0
     log: list = field(default_factory=list)  # (method, path, Range header, status)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -96,6 +100,9 @@ class _Handler(Handler):
         files: dict[str, bytes] = self.server.files
         path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         rng = self.headers.get("Range")
+        if b.hold is not None and not b.hold.wait(10):
+            with b.lock:
+                b.held_out += 1
         with b.lock:
             failing = b.failed < b.fail_first
             if failing:

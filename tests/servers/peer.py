@@ -57,6 +57,7 @@ class PeerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     requests: list = field(default_factory=list)  # (path, identity header, auth ok)
     release: threading.Event = field(default_factory=threading.Event)
+    manifest_asked: threading.Event = field(default_factory=threading.Event)
 
 
 class PeerServer(Server):
@@ -92,6 +93,7 @@ class _PeerHandler(Handler):
         if not ok:
             return self._plain(401, b"", (("WWW-Authenticate", "Bearer"),))
         if self.path == "/v1/manifest":
+            state.manifest_asked.set()
             return self._plain(200, json.dumps(self._manifest()).encode())
         prefix = "/v1/files/"
         name, _, path = self.path[len(prefix) :].partition("/")

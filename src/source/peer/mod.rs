@@ -349,21 +349,58 @@ fn peer_client() -> Result<reqwest::Client> {
     })
 }
 
-/// Wraps every source that a peer holds with the same identity (one manifest fetch per peer
-/// for the whole load); the others are returned as they are.
-pub fn wrap(
-    sources: Vec<Arc<dyn Source>>,
+/// The peers' manifests being fetched (one request each, on the process runtime) while the
+/// origins are opened and pinned: the two wait on different machines, so a load with peers
+/// waits for the slower of them, not for both in turn. Dropped unused, the requests stop.
+pub struct Asked {
+    set: Arc<PeerSet>,
+    manifests: tokio::task::JoinHandle<Vec<(usize, String, Manifest)>>,
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        self.manifests.abort();
+    }
+}
+
+/// Starts fetching the manifests of the peers `settings` names, where any of `uris` is read from
+/// an origin a peer may hold (an object store, the Hub); `None` otherwise.
+pub fn ask(
     settings: &PeerSettings,
+    uris: &[String],
     storage_options: &[(String, String)],
-) -> Result<Vec<Arc<dyn Source>>> {
-    if !settings.enabled() || sources.iter().all(|s| s.cache_identity().is_none()) {
-        return Ok(sources);
+) -> Result<Option<Asked>> {
+    use crate::uri::{kind, Kind};
+    let remote = uris
+        .iter()
+        .any(|u| matches!(kind(u), Kind::ObjectStore | Kind::Hub));
+    if !settings.enabled() || !remote {
+        return Ok(None);
     }
     let (retry, _) = crate::store::split_retry_options(storage_options)?;
     let set = Arc::new(PeerSet::new(settings.clone(), &retry)?);
-    let manifests = crate::runtime::block_on("peers", {
+    let manifests = crate::runtime::try_get()?.spawn({
         let set = set.clone();
-        async move { Ok(set.manifests().await) }
+        async move { set.manifests().await }
+    });
+    Ok(Some(Asked { set, manifests }))
+}
+
+/// Wraps every source that a peer holds with the same identity (one manifest fetch per peer
+/// for the whole load, [`ask`]ed before the origins were opened); the others are returned as
+/// they are.
+pub fn wrap(sources: Vec<Arc<dyn Source>>, asked: Option<Asked>) -> Result<Vec<Arc<dyn Source>>> {
+    let Some(mut asked) = asked else {
+        return Ok(sources);
+    };
+    if sources.iter().all(|s| s.cache_identity().is_none()) {
+        return Ok(sources);
+    }
+    let set = asked.set.clone();
+    let manifests = crate::runtime::block_on("peers", async {
+        (&mut asked.manifests).await.map_err(|e| Error::Internal {
+            message: format!("fetching the peers' manifests: {e}"),
+        })
     })?;
     Ok(sources
         .into_iter()
