@@ -358,6 +358,49 @@ def test_the_real_serve_of_an_s3_origin_serves_a_load_of_that_origin(
     assert served >= len(data)
 
 
+def test_the_real_serve_of_a_hub_origin_serves_a_load_of_that_origin(
+    checkpoint, monkeypatch, tmp_path
+):
+    """Two processes: `fastload serve hf://org/pair` filled from the mock Hub, and a load of the
+    same hf:// URI with peers= that takes every byte of the file from the serve: the Hub's
+    storage sends it nothing (the Hub's API still names the commit and sha256 it pins)."""
+    import urllib.request
+
+    from servers.hub import MockHub
+
+    data = checkpoint.read_bytes()
+    hub = MockHub()
+    try:
+        hub.add("org/pair", {NAME: data, "config.json": b'{"model_type": "llama"}'})
+        serve_env = {
+            "HF_ENDPOINT": hub.base,
+            "HF_HOME": str(tmp_path / "serve-hf"),
+            "FASTLOAD_CACHE": str(tmp_path / "serve-cache"),
+        }
+        serve = RealServe(["hf://org/pair"], serve_env)
+        try:
+            # The serve fills from the Hub on first use: one whole read of the file.
+            with urllib.request.urlopen(f"{serve.base}/v1/files/pair/{NAME}", timeout=60) as r:
+                assert r.read() == data
+            filled = serve.bytes_served()
+            monkeypatch.setenv("HF_ENDPOINT", hub.base)
+            monkeypatch.setenv("HF_HOME", str(tmp_path / "client-hf"))
+            monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "client-cache"))
+            for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE"):
+                monkeypatch.delenv(var, raising=False)
+            before = [r for r in hub.requests(hub.storage) if r[0] == "GET"]
+            got = load("hf://org/pair", peers=[serve.base.split("://")[1]])
+            after = [r for r in hub.requests(hub.storage) if r[0] == "GET"]
+            served = serve.bytes_served() - filled
+        finally:
+            serve.close()
+    finally:
+        hub.close()
+    assert_same_tensors(got, reference(checkpoint))
+    assert after == before
+    assert served >= len(data)
+
+
 def test_fastload_bench_reads_from_the_peers_its_peers_flag_names(
     s3_store, checkpoint, monkeypatch, tmp_path
 ):
