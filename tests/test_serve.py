@@ -58,13 +58,15 @@ class Serve:
         return self.err_path.read_text(errors="replace")
 
     def request(self, path: str, headers: dict[str, str] | None = None, source: str = "127.0.0.1"):
-        """`GET path` exactly as given (no normalisation): (status, headers, body)."""
+        """`GET path` exactly as given (no normalisation): (status, headers, body); a serve that
+        does not answer within a minute fails the test instead of hanging it."""
+        address = {"source_address": (source, 0), "timeout": 60}
         if self.scheme == "https":
             conn = http.client.HTTPSConnection(
-                "127.0.0.1", self.port, context=self.context, source_address=(source, 0)
+                "127.0.0.1", self.port, context=self.context, **address
             )
         else:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, source_address=(source, 0))
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, **address)
         try:
             conn.request("GET", path, headers=headers or {})
             r = conn.getresponse()
@@ -299,6 +301,35 @@ def test_metrics_count_bytes_and_answers_per_client(serve, folder):
     files = files_of(folder)
     assert f"fastload_serve_files_held {len(files)}\n" in metrics
     assert f"fastload_serve_bytes_held {sum(map(len, files.values()))}\n" in metrics
+    s.stop()
+
+
+def test_clients_that_stop_reading_do_not_hold_up_the_others(serve, folder):
+    """64 connections each ask for a whole 32 MiB file and never read a byte of it (their
+    answers fill the socket buffers and wait); the serve still answers another client's
+    manifest and ranges at once, bitwise, and goes on after they hang up."""
+    import socket
+
+    big = bytes(range(256)) * (128 << 10)
+    (folder / "big.bin").write_bytes(big)
+    s = serve(str(folder))
+    stuck = []
+    try:
+        for _ in range(64):
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.sendall(b"GET /v1/files/model/big.bin HTTP/1.1\r\nHost: peer\r\n\r\n")
+            stuck.append(c)
+        time.sleep(0.5)  # let their answers start and fill the buffers
+        assert s.manifest()["checkpoints"][0]["name"] == "model"
+        check_ranges(s, "model", {k: v for k, v in files_of(folder).items() if k != "big.bin"})
+        status, _, body = s.request("/v1/files/model/big.bin", {"Range": "bytes=1000-1999"})
+        assert (status, body) == (206, big[1000:2000])
+    finally:
+        for c in stuck:
+            c.close()
+    status, _, body = s.request("/v1/files/model/big.bin")
+    assert (status, body) == (200, big)
     s.stop()
 
 
