@@ -27,6 +27,10 @@ Then, each load in a fresh process (`fastload.load`, CPU):
                  (the origin delay line's counter) must stay within what the peer had not sent
                  plus one block per read in flight. The serve is started again afterwards.
 
+Each load row also gives the time from the call to its first tensor (a stream's first item; the
+load is `dict(fastload.stream(...))`, which is what `fastload.load` does): what the load waits
+for before the peer's bytes flow, the origin's listing and the peer's manifest among it.
+
 Results: printed as a markdown table, and benches/out/peer_results.json.
 """
 
@@ -87,19 +91,27 @@ WORKER = r"""
 import hashlib, json, sys, time
 import fastload
 job = json.loads(sys.argv[1])
-times = []
+times, firsts = [], []
 got = None
 for _ in range(job["loads"]):
     got = None  # the last load's tensors freed first: each load lands in memory it can reuse
     t = time.perf_counter()
-    got = fastload.load(job["uri"], peers=job["peers"], block_size=job["block"],
-                        concurrency=job["concurrency"])
+    got, first = {}, None
+    # load() is dict(stream(...)): the same work, with the first tensor's arrival seen.
+    with fastload.stream(job["uri"], peers=job["peers"], block_size=job["block"],
+                         concurrency=job["concurrency"]) as s:
+        for name, tensor in s:
+            if first is None:
+                first = time.perf_counter() - t
+            got[name] = tensor
     times.append(time.perf_counter() - t)
+    firsts.append(first)
 seconds, first = times[-1], times[0]
 h = hashlib.sha256()
 for k in sorted(got):
     h.update(k.encode()); h.update(got[k].numpy().tobytes())
-print(json.dumps({"seconds": seconds, "first": first, "digest": h.hexdigest(),
+print(json.dumps({"seconds": seconds, "first": first, "first_tensor": firsts[-1],
+                  "digest": h.hexdigest(),
                   "bytes": sum(v.numel() * v.element_size() for v in got.values())}))
 """
 
@@ -263,6 +275,7 @@ def main() -> None:
         timings: dict[str, list[float]] = {k: [] for k in ("origin", "peer", "loopback", "raw")}
         digest = None
         firsts: dict[str, list[float]] = {}
+        first_tensor: dict[str, list[float]] = {}  # ms from the call to the first tensor
         for _ in range(args.runs):
             # Loopback: no delay line at all, the origin's pinning (a listing) included.
             for row, peers, env in (
@@ -275,15 +288,23 @@ def main() -> None:
                 assert r["digest"] == digest, f"{row}: bytes differ"
                 timings[row].append(r["seconds"])
                 firsts.setdefault(row, []).append(r["first"])
+                first_tensor.setdefault(row, []).append(r["first_tensor"] * 1e3)
             timings["raw"].append(raw_get(serve.port, files))
             timings.setdefault("raw_link", []).append(raw_get(p_port, files))
         for row in ("origin", "peer", "loopback"):
             print(f"{row}: a process's first load {cell(firsts[row])} s", file=sys.stderr)
-        rows.append({"row": "origin (20 ms, 200 MB/s)", "seconds": timings["origin"]})
+        rows.append(
+            {
+                "row": "origin (20 ms, 200 MB/s)",
+                "seconds": timings["origin"],
+                "first_ms": first_tensor["origin"],
+            }
+        )
         rows.append(
             {
                 "row": f"peer ({args.peer_rate_mbps:.0f} MB/s link)",
                 "seconds": timings["peer"],
+                "first_ms": first_tensor["peer"],
                 "vs": f"{wire / statistics.median(timings['peer']):.2f}x wire time {wire:.2f} s",
             }
         )
@@ -297,7 +318,12 @@ def main() -> None:
         )
         ratio = statistics.median(timings["raw"]) / statistics.median(timings["loopback"])
         rows.append(
-            {"row": "peer, loopback", "seconds": timings["loopback"], "vs": f"{ratio:.2f}x raw GET"}
+            {
+                "row": "peer, loopback",
+                "seconds": timings["loopback"],
+                "first_ms": first_tensor["loopback"],
+                "vs": f"{ratio:.2f}x raw GET",
+            }
         )
         rows.append({"row": "raw parallel GET, loopback", "seconds": timings["raw"]})
 
@@ -356,12 +382,15 @@ def main() -> None:
         f"(median (min-max) s of a process's second load; kill rows: its first); block "
         f"{BLOCK >> 20} MiB, concurrency {CONCURRENCY}",
         "",
-        "| row | seconds | GB/s | vs |",
-        "|---|---|---|---|",
+        "| row | seconds | GB/s | first tensor ms | vs |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
         gbs = total / statistics.median(r["seconds"]) / 1e9
-        lines.append(f"| {r['row']} | {cell(r['seconds'])} | {gbs:.2f} | {r.get('vs', '')} |")
+        first = cell(r["first_ms"]) if "first_ms" in r else ""
+        lines.append(
+            f"| {r['row']} | {cell(r['seconds'])} | {gbs:.2f} | {first} | {r.get('vs', '')} |"
+        )
     text = "\n".join(lines)
     print(text)
     out = HERE / "out"
