@@ -332,6 +332,20 @@ class RealServe:
             if x.startswith("fastload_serve_bytes_total")
         )
 
+    def wait_held(self, timeout: float = 60.0) -> None:
+        """Until the manifest says the serve holds every file (its background fill is done)."""
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(f"{self.base}/v1/manifest", timeout=10) as r:
+                manifest = json.loads(r.read())
+            if all(f["held"] for c in manifest["checkpoints"] for f in c["files"]):
+                return
+            assert time.monotonic() < deadline, manifest
+            time.sleep(0.1)
+
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
@@ -379,9 +393,12 @@ def test_the_real_serve_of_a_hub_origin_serves_a_load_of_that_origin(
         }
         serve = RealServe(["hf://org/pair"], serve_env)
         try:
-            # The serve fills from the Hub on first use: one whole read of the file.
+            # The serve fills from the Hub on first use: one whole read of the file, then the
+            # fill finishes in the background (until then the serve reads the Hub for what it is
+            # asked).
             with urllib.request.urlopen(f"{serve.base}/v1/files/pair/{NAME}", timeout=60) as r:
                 assert r.read() == data
+            serve.wait_held()
             filled = serve.bytes_served()
             monkeypatch.setenv("HF_ENDPOINT", hub.base)
             monkeypatch.setenv("HF_HOME", str(tmp_path / "client-hf"))
