@@ -96,16 +96,16 @@ got = None
 for _ in range(job["loads"]):
     got = None  # the last load's tensors freed first: each load lands in memory it can reuse
     t = time.perf_counter()
-    got, first = {}, None
+    got, arrived = {}, None
     # load() is dict(stream(...)): the same work, with the first tensor's arrival seen.
     with fastload.stream(job["uri"], peers=job["peers"], block_size=job["block"],
                          concurrency=job["concurrency"]) as s:
         for name, tensor in s:
-            if first is None:
-                first = time.perf_counter() - t
+            if arrived is None:
+                arrived = time.perf_counter() - t
             got[name] = tensor
     times.append(time.perf_counter() - t)
-    firsts.append(first)
+    firsts.append(arrived)
 seconds, first = times[-1], times[0]
 h = hashlib.sha256()
 for k in sorted(got):

@@ -20,7 +20,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -490,3 +490,15 @@ def gloo_threads() -> int:
         except OSError:  # a thread that ended meanwhile
             pass
     return sum(n.startswith(("pt_gloo", "gloo")) for n in names)
+
+
+def wait_held(manifest: Callable[[], dict], timeout: float = 60.0) -> dict:
+    """A serve's manifest (asked by `manifest()`) once it holds every file: its background fill
+    is done, so it answers from what it holds, not from its origin."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = manifest()
+        if all(f["held"] for c in got["checkpoints"] for f in c["files"]):
+            return got
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import fastload
 import pytest
-from helpers import assert_same_tensors, reference, run_ranks
+from helpers import assert_same_tensors, reference, run_ranks, wait_held
 from servers import http as http_server
 from servers import peer as peer_server
 from servers.peer import Fault, PeerFile
@@ -332,19 +332,11 @@ class RealServe:
             if x.startswith("fastload_serve_bytes_total")
         )
 
-    def wait_held(self, timeout: float = 60.0) -> None:
-        """Until the manifest says the serve holds every file (its background fill is done)."""
-        import time
+    def manifest(self) -> dict:
         import urllib.request
 
-        deadline = time.monotonic() + timeout
-        while True:
-            with urllib.request.urlopen(f"{self.base}/v1/manifest", timeout=10) as r:
-                manifest = json.loads(r.read())
-            if all(f["held"] for c in manifest["checkpoints"] for f in c["files"]):
-                return
-            assert time.monotonic() < deadline, manifest
-            time.sleep(0.1)
+        with urllib.request.urlopen(f"{self.base}/v1/manifest", timeout=10) as r:
+            return json.loads(r.read())
 
     def close(self) -> None:
         self.proc.kill()
@@ -398,7 +390,7 @@ def test_the_real_serve_of_a_hub_origin_serves_a_load_of_that_origin(
             # asked).
             with urllib.request.urlopen(f"{serve.base}/v1/files/pair/{NAME}", timeout=60) as r:
                 assert r.read() == data
-            serve.wait_held()
+            wait_held(serve.manifest)
             filled = serve.bytes_served()
             monkeypatch.setenv("HF_ENDPOINT", hub.base)
             monkeypatch.setenv("HF_HOME", str(tmp_path / "client-hf"))

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_held
 from servers import s3 as s3_server
 from servers.hub import MockHub, lfs_sha256
 from servers.s3 import BUCKET
@@ -412,17 +413,6 @@ def test_sigint_stops_a_serve_cleanly(serve, folder):
     s.stop(signal.SIGINT)
 
 
-def wait_held(s: Serve, timeout: float = 60.0) -> dict:
-    """The manifest once every file is held (the background fill is done)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        manifest = s.manifest()
-        if all(f["held"] for c in manifest["checkpoints"] for f in c["files"]):
-            return manifest
-        assert time.monotonic() < deadline, manifest
-        time.sleep(0.2)
-
-
 def test_an_s3_origin_is_served_with_its_etags_and_filled_into_the_cache(
     serve, s3, sharded_dir, tmp_path
 ):
@@ -436,7 +426,7 @@ def test_an_s3_origin_is_served_with_its_etags_and_filled_into_the_cache(
     (ckpt,) = s.manifest()["checkpoints"]
     assert ckpt["name"] == "model" and ckpt["origin"] == f"s3://{BUCKET}/{prefix}"
     check_ranges(s, "model", files)
-    listed = {f["path"]: f for f in wait_held(s)["checkpoints"][0]["files"]}
+    listed = {f["path"]: f for f in wait_held(s.manifest)["checkpoints"][0]["files"]}
     assert set(listed) == set(files)
     for key, data in files.items():
         etag = s3.head_object(Bucket=BUCKET, Key=prefix + key)["ETag"]
@@ -476,7 +466,7 @@ def test_an_hf_origin_is_served_with_its_commit_and_sha256s(serve, hub, tmp_path
     (ckpt,) = s.manifest()["checkpoints"]
     assert ckpt["name"] == "served" and ckpt["origin"] == f"hf://org/served@{hub.commit}"
     check_ranges(s, "served", hub.tree)
-    listed = {f["path"]: f for f in wait_held(s)["checkpoints"][0]["files"]}
+    listed = {f["path"]: f for f in wait_held(s.manifest)["checkpoints"][0]["files"]}
     assert set(listed) == set(hub.tree)
     for path, data in hub.tree.items():
         f = listed[path]
@@ -503,7 +493,7 @@ def test_a_serve_reads_its_origin_from_another_serve_through_fastload_peers(
         s3.put_object(Bucket=BUCKET, Key=prefix + key, Body=data)
     uri = f"s3://{BUCKET}/{prefix}"
     first = serve(uri, env={"FASTLOAD_CACHE": str(tmp_path / "first")})
-    wait_held(first)
+    wait_held(first.manifest)
     second = serve(
         uri,
         env={
@@ -512,7 +502,7 @@ def test_a_serve_reads_its_origin_from_another_serve_through_fastload_peers(
         },
     )
     check_ranges(second, "model", files)
-    wait_held(second)
+    wait_held(second.manifest)
     # The second serve's fill came from the first (no origin read needed for those bytes).
     metrics = first.request("/metrics")[2].decode()
     sent = re.search(r'fastload_serve_bytes_total\{client="127\.0\.0\.1"\} (\d+)', metrics)
