@@ -380,6 +380,24 @@ impl HostBuffer {
         matches!(self.kind, Kind::Mapped { .. })
     }
 
+    /// A file mapping's whole pages (the first page's address and the length, in whole pages),
+    /// made read-only first: what a device can be lent to copy from in place, page-locked where
+    /// the pages are (`Engine::lend`). Read-only, so the device is never asked for write access,
+    /// which pins a private mapping's pages only after copying each out of the page cache.
+    /// `None` for memory that is not a file mapping.
+    pub fn pages_read_only(&self) -> Option<std::io::Result<(usize, usize)>> {
+        let Kind::Mapped { base, map_len } = self.kind else {
+            return None;
+        };
+        let len = map_len.div_ceil(page_size()) * page_size();
+        // SAFETY: `[base, base + len)` is this buffer's own mapping (mmap maps whole pages).
+        let rc = unsafe { libc::mprotect(base as *mut libc::c_void, len, libc::PROT_READ) };
+        if rc != 0 {
+            return Some(Err(std::io::Error::last_os_error()));
+        }
+        Some(Ok((base, len)))
+    }
+
     /// Whether the pages must be populated before use: a new anonymous mapping, or a new file
     /// mapping of pages not all in the page cache.
     pub fn is_fresh(&self) -> bool {

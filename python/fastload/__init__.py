@@ -136,7 +136,7 @@ def _torch_glue() -> ModuleType:
     return _tensors
 
 
-def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
+def _target_for(device: Any) -> tuple[Any, str | None]:
     """The torch device for ``device``, and the native target ("cuda:N") when it is a GPU."""
     torch = _torch_glue().torch
     try:
@@ -155,13 +155,6 @@ def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
         )
     if dev.type == "cpu":
         return dev, None
-    # The method as the native module reads it (checked, any spelling it takes), not the env's.
-    if method is not None and _fastload.resolve_options(method=method).method == "mmap":
-        raise ConfigError(
-            f"invalid option method: {method!r} applies to device='cpu' only "
-            "(GPU loads always read into page-locked staging buffers)",
-            option="method",
-        )
     # Our own check first: without a driver it raises a clear FastloadError, where torch would
     # raise its own error from current_device().
     count = _fastload.cuda_device_count()
@@ -194,7 +187,7 @@ class Stream:
         **options: Unpack[Options],
     ) -> None:
         _options.check("Stream", options)
-        dev, target = _target_for(options.get("device", "cpu"), options.get("method"))
+        dev, target = _target_for(options.get("device", "cpu"))
         _torch = _torch_glue()
         if _target == "host":
             # The GPU path's staged pipeline into host memory (tests, and machines without one).

@@ -221,14 +221,24 @@ class Stats:
         and left to fault in on first access instead of being populated (counted in
         ``bytes_read`` too)."""
     @property
+    def lent_bytes(self) -> int:
+        """GPU loads with ``method="mmap"``: bytes the device copied from the files' mapped
+        pages where they are (page-locked in place, read-only: no copy out of the page cache)."""
+    @property
+    def lend_refused(self) -> str | None:
+        """GPU loads with ``method="mmap"``: why the load stopped lending the files' pages to
+        the device (a source that is not a local file, a driver that cannot page-lock read-only
+        memory), the rest having been read into staging buffers; ``None`` if it never did."""
+    @property
     def phases_ms(self) -> dict[str, float]:
         """Where the load's time went, in milliseconds: ``consumer_wait`` (the consumer waiting
         for a segment) for every load; staged loads also ``read`` and ``staging_wait`` (reads,
         and reads waiting for a staging buffer: pinning one, or one coming back; added up over
         the reads in flight), ``ring_wait`` (no ring slot free: blocks waiting for their
         copies), ``alloc`` (the allocator: torch's, from Python), ``copy`` (enqueueing copies),
-        ``copy_idle`` (the copy thread waiting for a read) and ``fence_wait`` (waiting for the
-        copies to finish on the device)."""
+        ``copy_idle`` (the copy thread waiting for a read), ``fence_wait`` (waiting for the
+        copies to finish on the device) and ``lend`` (``method="mmap"``: mapping blocks and
+        page-locking their pages, added up over the reads in flight)."""
     def as_dict(self) -> dict[str, int | float | str | dict[str, float] | None]:
         """Every counter above, by name."""
 

@@ -85,9 +85,12 @@ class Options(TypedDict, total=False):
     whole tensor, and only the bytes it needs are read. Tensors without a part load whole (every
     tensor, or ``names``, which must then include each part's tensor). Anything else is refused
     with ``ConfigError`` (``option="parts"``) before anything is read.
-    ``method``: how local files are read to CPU: ``"auto"`` (default, ``FASTLOAD_METHOD``: maps
-    files on a local filesystem, reads files on network and FUSE filesystems), ``"mmap"`` or
-    ``"read"``; ``stats()["method_reason"]`` says why a method ran.
+    ``method``: how local files are read: ``"auto"`` (default, ``FASTLOAD_METHOD``: to CPU, maps
+    files on a local filesystem and reads files on network and FUSE filesystems; to a GPU, reads
+    into page-locked staging buffers), ``"mmap"`` or ``"read"``; ``stats()["method_reason"]``
+    says why a method ran. To a GPU, ``"mmap"`` has the device copy the files' mapped pages where
+    they are (page-locked in place, read-only: no copy out of the page cache), falling back to
+    staging buffers where it cannot (``stats()["lend_refused"]`` says why).
     ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)
     that override the environment; values are converted with ``str()``.
     ``cache``: keep a local copy of remote objects, written while they stream: ``True`` (the

@@ -16,7 +16,7 @@ use super::page_cache::{evict_all, touch_pages, warm_up};
 use super::report::Setup;
 use super::run::{ReadFrom, RunReport};
 use super::verdict::ModeReport;
-use super::{checkpoint, print_stdout, CliError, CliResult, Device};
+use super::{checkpoint, print_stdout, CliResult, Device};
 use crate::options::{CacheChoice, LoadOptions, Method, Resolved, Size};
 use crate::source;
 use crate::Memory;
@@ -268,6 +268,7 @@ fn load_once(
         concurrency: resolved.concurrency,
         block_size: resolved.block_size,
         method: loader.method().as_str(),
+        lend_refused: loader.stats().lend_refused.get().cloned(),
         bytes,
         tensors,
         segments,
@@ -455,12 +456,6 @@ fn modes(args: &BenchArgs) -> Vec<&'static str> {
 pub(super) fn run(args: BenchArgs, host_python: Option<&str>) -> CliResult {
     if args.clean {
         return print_stdout(&checkpoint::clean()?);
-    }
-    if args.device != Device::Cpu && args.method != Method::Auto {
-        return Err(CliError::Unsupported(format!(
-            "--method applies to --device cpu only (device {} always reads into staging buffers)",
-            args.device
-        )));
     }
     // Fails early, before a checkpoint is generated, when the device cannot be used.
     drop(args.device.target()?);

@@ -32,6 +32,10 @@ pub(super) struct RunReport {
     pub block_size: u64,
     /// The read strategy the loader used.
     pub method: &'static str,
+    /// `--device cuda --method mmap`: why the load stopped lending the files' pages to the
+    /// device and read the rest into staging buffers, if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lend_refused: Option<String>,
     pub bytes: u64,
     pub tensors: usize,
     /// The plan's segments: tensors are handed out a segment at a time.
@@ -69,6 +73,7 @@ pub(super) fn sample_run(
         concurrency: 16,
         block_size: 8 << 20,
         method,
+        lend_refused: None,
         bytes: 1000,
         tensors: 2,
         segments: 1,

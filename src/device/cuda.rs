@@ -10,6 +10,8 @@
 //!   bodies are written into it by ordinary CPU copies) and kept in a process-wide pool, so a
 //!   second load reuses the pinned memory of the first instead of pinning again (pinning runs at a
 //!   few GB/s and would otherwise be paid per load).
+//! - Lent pages: a file's mapped pages page-locked where they are, read-only (`lent`), for loads
+//!   that copy from the page cache with no CPU copy (`method="mmap"`).
 //! - Copies: `cuMemcpyHtoDAsync` (loads) and `cuMemcpyDtoHAsync` (saves) on one non-blocking
 //!   stream per engine; a fence is an event recorded after a block's copies.
 //! - Fork: CUDA cannot be used in a child forked after it was initialised; every entry point
@@ -19,6 +21,7 @@
 #![allow(unsafe_code)]
 
 mod driver;
+mod lent;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -27,8 +30,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use driver::{Api, Status};
 
+pub use lent::Lent;
+
 use super::{Allocation, Allocator, Destination, Engine, Fence, Staging, StagingMemory};
 use crate::error::{Error, Result};
+use crate::memory::HostBuffer;
 use crate::plan::TensorSlot;
 
 /// `Ok` for success, else the driver's name and text for `status`.
@@ -542,6 +548,7 @@ impl Engine for CudaEngine {
             ptr: NonNull::new(memory.addr as *mut u8).expect("cuMemHostAlloc returned null"),
             len: memory.cap,
             pinned_in: memory.pinned_in,
+            lent_in: None,
             _memory: StagingMemory::Pinned(memory),
         })
     }
@@ -552,6 +559,11 @@ impl Engine for CudaEngine {
 
     fn keep_staging(&self, bytes: u64) {
         set_pinned_limit(bytes as usize);
+    }
+
+    fn lend(&self, memory: HostBuffer) -> Result<Staging> {
+        self.gpu.bind()?;
+        lent::lend(&self.gpu, memory)
     }
 
     fn enter(&self) -> Result<()> {

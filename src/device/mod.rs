@@ -78,6 +78,14 @@ pub trait Engine: Send + Sync {
             self.name()
         )))
     }
+    /// `memory` (a file's mapped pages) made a source of copies in place, with no copy out of
+    /// the page cache: a [`Staging`] buffer over its bytes that is never written and gives the
+    /// memory back when dropped (a GPU page-locks the pages where they are, read-only). An
+    /// error when the engine cannot: the caller reads into [`Engine::staging`] instead.
+    /// An engine into host memory copies from any memory: it takes the mapping as it is.
+    fn lend(&self, memory: HostBuffer) -> Result<Staging> {
+        Ok(Staging::over(memory, None))
+    }
     /// A fence after the copies enqueued so far.
     fn record(&self) -> Result<Fence>;
     /// Blocks until `fence` passed.
@@ -147,6 +155,9 @@ enum StagingMemory {
     Host(HostBuffer),
     #[cfg(feature = "cuda")]
     Pinned(cuda::Pinned),
+    /// A file's mapped pages, page-locked in place for the device ([`Engine::lend`]).
+    #[cfg(feature = "cuda")]
+    Lent(cuda::Lent),
 }
 
 /// A host buffer that blocks are read into before they are copied out.
@@ -156,6 +167,9 @@ pub struct Staging {
     /// How long allocating it took, when the engine had to allocate page-locked memory for it
     /// (none of its cached buffers was free): what a load's `pinned_*` counters add up.
     pinned_in: Option<std::time::Duration>,
+    /// Lent memory ([`Engine::lend`]): copied from where it is, never written; how long making
+    /// it usable by the device took.
+    lent_in: Option<std::time::Duration>,
     _memory: StagingMemory,
 }
 
@@ -174,8 +188,26 @@ impl Staging {
             ptr: NonNull::new(buffer.as_ptr()).expect("host buffer is not null"),
             len: buffer.len(),
             pinned_in: None,
+            lent_in: None,
             _memory: StagingMemory::Host(buffer),
         })
+    }
+
+    /// Lent memory: `buffer`'s bytes, copied from where they are; `took` to make them usable.
+    fn over(buffer: HostBuffer, took: Option<std::time::Duration>) -> Staging {
+        Staging {
+            // A buffer of no bytes has a dangling, never-read address.
+            ptr: NonNull::new(buffer.as_ptr()).unwrap_or(NonNull::dangling()),
+            len: buffer.len(),
+            pinned_in: None,
+            lent_in: Some(took.unwrap_or_default()),
+            _memory: StagingMemory::Host(buffer),
+        }
+    }
+
+    /// Whether this is lent memory ([`Engine::lend`]), and how long lending it took.
+    pub fn lent_in(&self) -> Option<std::time::Duration> {
+        self.lent_in
     }
 
     pub fn len(&self) -> usize {
@@ -208,6 +240,7 @@ impl Staging {
     /// The first `len` bytes, for a reader to fill.
     pub fn slice_mut(&mut self, len: usize) -> &mut [u8] {
         assert!(len <= self.len, "read larger than its staging buffer");
+        assert!(self.lent_in.is_none(), "lent memory is never written");
         // SAFETY: `&mut self` is the only access to this memory, valid for `self.len` bytes.
         #[allow(unsafe_code)]
         unsafe {

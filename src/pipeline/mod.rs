@@ -75,6 +75,11 @@ pub struct Stats {
     /// was being allocated (`cuMemHostAlloc`).
     pub pinned_bytes: AtomicU64,
     pub pinned_ns: AtomicU64,
+    /// Staged loads with `method="mmap"`: bytes the engine copied from the files' mapped pages
+    /// where they are ([`crate::device::Engine::lend`]), and why the load stopped lending them
+    /// and read the rest into staging buffers, if it did.
+    pub lent_bytes: AtomicU64,
+    pub lend_refused: std::sync::OnceLock<String>,
     /// Bytes of mapped segments whose pages were all in the page cache already: mapped and
     /// left to fault in on first access, not populated (they count as read too).
     pub bytes_cached: AtomicU64,
@@ -90,6 +95,9 @@ pub struct Stats {
     pub copy_ns: AtomicU64,
     pub copy_idle_ns: AtomicU64,
     pub fence_wait_ns: AtomicU64,
+    /// Mapping blocks' pages and lending them to the engine (page-locking them in place), added
+    /// up over the reads in flight.
+    pub lend_ns: AtomicU64,
     /// Every load: the consumer waiting in [`Loader::next_segment`] for a segment.
     pub consumer_wait_ns: AtomicU64,
 }

@@ -72,9 +72,14 @@ pub struct Stats {
     pub pinned_ms: f64,
     /// Bytes mapped from the page cache without populating (every page was cached already).
     pub bytes_cached: u64,
+    /// Staged loads with `method="mmap"`: bytes the device copied from the files' mapped pages
+    /// where they are, and why the load stopped lending them (the rest read into staging).
+    pub lent_bytes: u64,
+    pub lend_refused: Option<String>,
     /// Where the load's time went, in milliseconds (`pipeline::Stats`): `consumer_wait` for
     /// every load; for staged loads also `read` and `staging_wait` (added up over the reads in
-    /// flight), `ring_wait`, `alloc`, `copy`, `copy_idle` and `fence_wait`.
+    /// flight), `ring_wait`, `alloc`, `copy`, `copy_idle` and `fence_wait`, and `lend` (mapping
+    /// and page-locking lent blocks, added up over the reads in flight).
     pub phases_ms: BTreeMap<&'static str, f64>,
 }
 
@@ -100,6 +105,8 @@ impl Stats {
             pinned_bytes: s.pinned_bytes.load(Relaxed),
             pinned_ms: s.pinned_ns.load(Relaxed) as f64 / 1e6,
             bytes_cached: s.bytes_cached.load(Relaxed),
+            lent_bytes: s.lent_bytes.load(Relaxed),
+            lend_refused: s.lend_refused.get().cloned(),
             phases_ms: phases(s),
         }
     }
@@ -115,6 +122,7 @@ fn phases(s: &crate::pipeline::Stats) -> BTreeMap<&'static str, f64> {
         ("copy", ms(&s.copy_ns)),
         ("copy_idle", ms(&s.copy_idle_ns)),
         ("fence_wait", ms(&s.fence_wait_ns)),
+        ("lend", ms(&s.lend_ns)),
         ("consumer_wait", ms(&s.consumer_wait_ns)),
     ])
 }
@@ -146,6 +154,8 @@ impl Stats {
             pinned_bytes,
             pinned_ms,
             bytes_cached,
+            lent_bytes,
+            lend_refused,
             phases_ms
         );
         Ok(d)

@@ -47,7 +47,16 @@
  *   memory of some other allocator and not checked.
  *   cuMemFreeHost while queued copies still read or write the buffer fails with
  *   CUDA_ERROR_INVALID_VALUE and the memory stays allocated.
- * - Flags. cuMemHostAlloc takes PORTABLE|DEVICEMAP|WRITECOMBINED, cuStreamCreate DEFAULT or
+ *   cuMemHostRegister page-locks the caller's memory where it is (FAKE_CUDA_REGISTER_RATE bytes a
+ *   second, default unlimited): whole pages only (stricter than the driver); memory mapped
+ *   read-only needs CU_MEMHOSTREGISTER_READ_ONLY (the driver would ask the kernel for write
+ *   access); a range that overlaps page-locked memory is CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+ *   FAKE_CUDA_READ_ONLY_REGISTER=0 plays a device without read-only registration
+ *   (CUDA_ERROR_NOT_SUPPORTED for that flag). Registered memory counts as pinned. cuMemHostUnregister
+ *   while queued copies still read it fails like cuMemFreeHost above; of memory not registered it
+ *   is CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED.
+ * - Flags. cuMemHostAlloc takes PORTABLE|DEVICEMAP|WRITECOMBINED, cuMemHostRegister
+ *   PORTABLE|DEVICEMAP|IOMEMORY|READ_ONLY, cuStreamCreate DEFAULT or
  *   NON_BLOCKING, cuEventCreate BLOCKING_SYNC|DISABLE_TIMING|INTERPROCESS (INTERPROCESS only with
  *   DISABLE_TIMING), cuStreamWaitEvent 0 or CU_EVENT_WAIT_EXTERNAL; anything else is
  *   CUDA_ERROR_INVALID_VALUE.
@@ -103,11 +112,15 @@ enum {
     INVALID_CONTEXT = 201,
     INVALID_HANDLE = 400,
     NOT_READY = 600,
+    HOST_MEMORY_ALREADY_REGISTERED = 712,
+    HOST_MEMORY_NOT_REGISTERED = 713,
+    NOT_SUPPORTED = 801,
     UNKNOWN = 999,
 };
 
 enum { MAX_DEVICES = 16 };
 enum { HOST_PORTABLE = 1, HOST_DEVICEMAP = 2, HOST_WRITECOMBINED = 4 };
+enum { REGISTER_PORTABLE = 1, REGISTER_DEVICEMAP = 2, REGISTER_IOMEMORY = 4, REGISTER_READ_ONLY = 8 };
 enum { STREAM_NON_BLOCKING = 1 };
 enum { EVENT_BLOCKING_SYNC = 1, EVENT_DISABLE_TIMING = 2, EVENT_INTERPROCESS = 4 };
 #define STREAM_LEGACY ((CUstream)0x1)
@@ -130,6 +143,7 @@ struct pinned {
     unsigned flags;
     CUcontext ctx;
     size_t pending; /* queued operations that read or write it */
+    int registered; /* cuMemHostRegister'ed memory of the caller's, not cuMemHostAlloc'ed */
 };
 
 struct op {
@@ -186,7 +200,7 @@ static struct pinned **pins;
 static size_t npins, cap_pins;
 static struct dalloc *dallocs;
 static size_t ndallocs, cap_dallocs;
-static uint64_t lag_us = 2000, copy_rate, pin_rate; /* bytes per second, 0: unlimited */
+static uint64_t lag_us = 2000, copy_rate, pin_rate, register_rate; /* bytes/s, 0: unlimited */
 static size_t device_capacity = (size_t)1 << 40;
 
 static unsigned long long copies, copied_bytes, host_allocs, host_frees, violations;
@@ -522,6 +536,7 @@ CUresult cuInit(unsigned flags) {
         lag_us = env_number("FAKE_CUDA_LAG_US", 2000);
         copy_rate = env_number("FAKE_CUDA_COPY_RATE", 0);
         pin_rate = env_number("FAKE_CUDA_PIN_RATE", 0);
+        register_rate = env_number("FAKE_CUDA_REGISTER_RATE", 0);
         device_capacity = env_number("FAKE_CUDA_DEVICE_MEMORY", (size_t)1 << 40);
         pthread_condattr_t attr;
         pthread_condattr_init(&attr);
@@ -766,7 +781,7 @@ CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
         free(mem);
         return OUT_OF_MEMORY;
     }
-    *pin = (struct pinned){(uintptr_t)mem, len, flags, current, 0};
+    *pin = (struct pinned){(uintptr_t)mem, len, flags, current, 0, 0};
     pthread_mutex_lock(&lock);
     if (npins == cap_pins) {
         cap_pins = cap_pins ? 2 * cap_pins : 64;
@@ -789,6 +804,10 @@ CUresult cuMemFreeHost(void *p) {
     for (size_t i = 0; i < npins; i++) {
         struct pinned *pin = pins[i];
         if (pin->at != (uintptr_t)p) continue;
+        if (pin->registered) {
+            pthread_mutex_unlock(&lock);
+            return violation(INVALID_VALUE, "cuMemFreeHost of memory from cuMemHostRegister");
+        }
         if (pin->pending) {
             size_t pending = pin->pending;
             pthread_mutex_unlock(&lock);
@@ -806,6 +825,87 @@ CUresult cuMemFreeHost(void *p) {
     }
     pthread_mutex_unlock(&lock);
     return violation(INVALID_VALUE, "cuMemFreeHost of memory not from cuMemHostAlloc");
+}
+
+/* Whether every page of [a, a + len) is mapped writable (/proc/self/maps). */
+static int writable(uintptr_t a, size_t len) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return 1;
+    char line[512];
+    int ok = 1;
+    while (ok && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        char perms[8];
+        if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3) continue;
+        if (hi > a && lo < a + len && perms[1] != 'w') ok = 0;
+    }
+    fclose(f);
+    return ok;
+}
+
+CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
+    NEED_CONTEXT("cuMemHostRegister");
+    unsigned known = REGISTER_PORTABLE | REGISTER_DEVICEMAP | REGISTER_IOMEMORY | REGISTER_READ_ONLY;
+    if (flags & ~known) return violation(INVALID_VALUE, "cuMemHostRegister flags %#x", flags);
+    long page = sysconf(_SC_PAGESIZE);
+    if (!p || !len || (uintptr_t)p % (uintptr_t)page || len % (size_t)page)
+        return violation(INVALID_VALUE, "cuMemHostRegister of %zu bytes at %p: not whole pages",
+                         len, p);
+    /* A device without CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED. */
+    if ((flags & REGISTER_READ_ONLY) && env_number("FAKE_CUDA_READ_ONLY_REGISTER", 1) == 0)
+        return NOT_SUPPORTED;
+    if (!(flags & REGISTER_READ_ONLY) && !writable((uintptr_t)p, len))
+        return violation(INVALID_VALUE,
+                         "cuMemHostRegister of read-only memory without "
+                         "CU_MEMHOSTREGISTER_READ_ONLY");
+    if (register_rate) { /* page-locking takes time */
+        uint64_t us = (uint64_t)((double)len * 1e6 / (double)register_rate);
+        struct timespec t = {(time_t)(us / 1000000u), (long)(us % 1000000u) * 1000};
+        nanosleep(&t, NULL);
+    }
+    struct pinned *pin = calloc(1, sizeof *pin);
+    if (!pin) return OUT_OF_MEMORY;
+    *pin = (struct pinned){(uintptr_t)p, len, flags, current, 0, 1};
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < npins; i++)
+        if (pins[i]->at < pin->at + len && pin->at < pins[i]->at + pins[i]->len) {
+            pthread_mutex_unlock(&lock);
+            free(pin);
+            return violation(HOST_MEMORY_ALREADY_REGISTERED,
+                             "cuMemHostRegister of %zu bytes at %p: already page-locked", len, p);
+        }
+    if (npins == cap_pins) {
+        cap_pins = cap_pins ? 2 * cap_pins : 64;
+        pins = realloc(pins, cap_pins * sizeof *pins);
+    }
+    pins[npins++] = pin;
+    pinned_now += len;
+    if (pinned_now > pinned_peak) pinned_peak = pinned_now;
+    pthread_mutex_unlock(&lock);
+    return OK;
+}
+
+CUresult cuMemHostUnregister(void *p) {
+    NEED_CONTEXT("cuMemHostUnregister");
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < npins; i++) {
+        struct pinned *pin = pins[i];
+        if (pin->at != (uintptr_t)p || !pin->registered) continue;
+        if (pin->pending) {
+            size_t pending = pin->pending;
+            pthread_mutex_unlock(&lock);
+            return violation(INVALID_VALUE,
+                             "cuMemHostUnregister of memory that %zu queued copies still read",
+                             pending);
+        }
+        pins[i] = pins[--npins];
+        pinned_now -= pin->len;
+        pthread_mutex_unlock(&lock);
+        free(pin);
+        return OK;
+    }
+    pthread_mutex_unlock(&lock);
+    return violation(HOST_MEMORY_NOT_REGISTERED, "cuMemHostUnregister of %p: not registered", p);
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *d, size_t len) {
@@ -966,6 +1066,11 @@ static const struct { CUresult code; const char *name, *text; } errors[] = {
     {INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the requested memory range is already mapped"},
+    {HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+     "pointer does not correspond to a registered memory region"},
+    {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 

@@ -25,6 +25,8 @@ pub type DevicePtr = u64;
 pub const CUDA_ERROR_NOT_INITIALIZED: Status = 3;
 pub const CUDA_ERROR_NO_DEVICE: Status = 100;
 pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x01;
+pub const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 0x08;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 0x01;
 pub const CU_EVENT_BLOCKING_SYNC: c_uint = 0x01;
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x02;
@@ -84,6 +86,8 @@ entry_points! {
     cuEventDestroy_v2: fn(Event);
     cuMemHostAlloc: fn(*mut *mut c_void, usize, c_uint);
     cuMemFreeHost: fn(*mut c_void);
+    cuMemHostRegister_v2: fn(*mut c_void, usize, c_uint);
+    cuMemHostUnregister: fn(*mut c_void);
     cuMemAlloc_v2: fn(*mut DevicePtr, usize);
     cuMemFree_v2: fn(DevicePtr);
     cuMemcpyHtoDAsync_v2: fn(DevicePtr, *const c_void, usize, Stream);

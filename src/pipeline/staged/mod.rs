@@ -24,10 +24,11 @@
 //! never wait behind a segment that cannot start.
 
 mod copy;
+mod lend;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,6 +40,9 @@ use crate::device::{Destination, Engine, Staging, Target};
 use crate::error::Result;
 use crate::options::{Method, Resolved};
 use crate::plan::Plan;
+
+/// Bytes in a page: the most a lent block's pages span beyond its bytes.
+const PAGE: u64 = 4096;
 
 /// The block size of a staged load: [`Resolved::staged_block_size`], shrunk so the ring has at
 /// least two slots.
@@ -69,6 +73,9 @@ struct Shared {
     engine: Arc<dyn Engine>,
     feed: Arc<Feed>,
     pinning: Mutex<Pinning>,
+    /// `method="mmap"`: blocks are the files' mapped pages lent to the engine
+    /// ([`Engine::lend`]) rather than read into staging buffers, until a block cannot be.
+    lending: AtomicBool,
 }
 
 /// When this load was allocating page-locked staging memory: the intervals of the allocations
@@ -117,11 +124,20 @@ struct Block {
     _slot: Option<OwnedSemaphorePermit>,
 }
 
+/// What `method="mmap"` does in a staged load, as `stats()["method_reason"]` says it.
+const LENDING: &str = "the device copies the files' mapped pages where they are, page-locked in \
+                       place (no copy out of the page cache)";
+
 pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let Target { engine, allocator } = target;
     let block = block_for(&opts);
-    // The ring counts what a staging buffer really takes, so the limit holds for any block size.
-    let slot = (engine.staging_size(block as usize) as u64).max(block);
+    let lending = opts.method == Method::Mmap;
+    // The ring counts what a staging buffer really takes, so the limit holds for any block size;
+    // a lent block's pages span at most one page more than its bytes.
+    let mut slot = (engine.staging_size(block as usize) as u64).max(block);
+    if lending {
+        slot = slot.max(block + PAGE);
+    }
     let slots = ring_slots(opts.memory_limit, slot, opts.concurrency);
     engine.keep_staging(slots as u64 * slot);
     crate::memory::set_pool_limit(opts.memory_limit);
@@ -132,10 +148,16 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     };
     let budget = Budget::new(opts.memory_limit);
     let target_name = engine.name();
-    // What runs: staging buffers read whole blocks of `block` bytes.
+    // What runs: staging buffers read whole blocks of `block` bytes, or the blocks' pages lent.
+    let (method, method_reason) = if lending {
+        (Method::Mmap, format!("{}: {LENDING}", opts.method_reason))
+    } else {
+        let why = "staged loads read into page-locked staging buffers";
+        (Method::Read, why.to_string())
+    };
     let config = Resolved {
-        method: Method::Read,
-        method_reason: "staged loads read into page-locked staging buffers".into(),
+        method,
+        method_reason,
         block_size: block,
         ..opts
     };
@@ -147,6 +169,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         engine,
         feed: feed.clone(),
         pinning: Mutex::new(Pinning::default()),
+        lending: AtomicBool::new(lending),
     });
     let copy_tx = copy::spawn(&shared, allocator);
     let driver = Driver {
@@ -226,11 +249,16 @@ impl Landing for Staged {
         Some(slot)
     }
 
-    /// Reads one block into a staging buffer from the engine.
+    /// Reads one block into a staging buffer from the engine (or lends the engine its pages).
     async fn read(&self, job: &Job, off: u64, len: u64) -> Result<Staging> {
         let shared = &self.shared;
         let seg = &shared.plan.segments[job.index];
         let shard = &shared.plan.shards[seg.shard];
+        if shared.lending.load(Ordering::Relaxed) {
+            if let Some(lent) = lend::block(shared, shard, seg.start + off, len).await? {
+                return Ok(lent);
+            }
+        }
         // Page-locking new memory can take long: off the runtime's workers.
         let (engine, block) = (shared.engine.clone(), self.ring.block as usize);
         let waiting = Instant::now();

@@ -416,3 +416,84 @@ fn dropping_the_loader_midway_returns_the_ring() {
     };
     assert_eq!(host_bytes(&d[0]).unwrap().len(), 4 << 20);
 }
+
+#[test]
+fn mmap_lends_the_files_pages_and_copies_bitwise() {
+    let sizes = [3, 0, 4096, 70_000, 0, 1, 1 << 20, 5000, 12_345, 0];
+    let opts = LoadOptions {
+        method: Method::Mmap,
+        ..opts(16 << 10, 1 << 20)
+    };
+    let (got, data, loader) = run(
+        &sizes,
+        opts,
+        Arc::new(HostEngine::new()),
+        Box::new(HostAllocator),
+    );
+    assert_eq!(got, expected(&sizes, &data));
+    let stats = loader.stats();
+    let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+    assert_eq!(stats.lent_bytes.load(Ordering::Relaxed), total);
+    assert_eq!(stats.bytes_copied.load(Ordering::Relaxed), total);
+    assert!(stats.lend_refused.get().is_none());
+    assert_eq!(loader.method(), Method::Mmap);
+    assert!(loader.config().method_reason.contains("mapped pages"));
+}
+
+/// A host engine that lends the first `lends` blocks, then cannot.
+struct LendsSome {
+    inner: HostEngine,
+    lends: usize,
+    asked: AtomicUsize,
+}
+
+impl Engine for LendsSome {
+    fn name(&self) -> String {
+        "lends-some".into()
+    }
+    fn staging(&self, len: usize) -> Result<Staging> {
+        self.inner.staging(len)
+    }
+    fn lend(&self, memory: crate::memory::HostBuffer) -> Result<Staging> {
+        if self.asked.fetch_add(1, Ordering::SeqCst) >= self.lends {
+            return Err(Error::device("no more lending here"));
+        }
+        self.inner.lend(memory)
+    }
+    #[allow(unsafe_code)]
+    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.inner.copy(dst, src, len)
+    }
+    fn record(&self) -> Result<Fence> {
+        self.inner.record()
+    }
+    fn wait(&self, fence: Fence) -> Result<()> {
+        self.inner.wait(fence)
+    }
+}
+
+#[test]
+fn a_block_that_cannot_be_lent_is_read_and_lending_stops() {
+    let sizes = [70_000, 1 << 20, 5000, 300_000];
+    let engine = Arc::new(LendsSome {
+        inner: HostEngine::new(),
+        lends: 3,
+        asked: AtomicUsize::new(0),
+    });
+    let opts = LoadOptions {
+        method: Method::Mmap,
+        concurrency: Some(1),
+        ..opts(16 << 10, 1 << 20)
+    };
+    let (got, data, loader) = run(&sizes, opts, engine.clone(), Box::new(HostAllocator));
+    assert_eq!(got, expected(&sizes, &data));
+    let stats = loader.stats();
+    let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+    let lent = stats.lent_bytes.load(Ordering::Relaxed);
+    assert!(lent > 0 && lent <= 3 * (16 << 10), "{lent}");
+    assert_eq!(stats.bytes_copied.load(Ordering::Relaxed), total);
+    let refused = stats.lend_refused.get().expect("a reason");
+    assert!(refused.contains("no more lending here"), "{refused}");
+    // The refusal stopped lending: the rest was read, not offered again.
+    assert_eq!(engine.asked.load(Ordering::SeqCst), 4);
+}
