@@ -70,7 +70,7 @@ def test_cli_bench_cuda_without_a_driver(dtypes_file):
 
 def test_gpu_options_are_checked_before_the_driver(dtypes_file):
     with pytest.raises(fastload.ConfigError) as info:
-        fastload.load(dtypes_file, device="cuda", method="mmap")
+        fastload.load(dtypes_file, device="cuda", method="mapped")
     assert info.value.option == "method"
     with pytest.raises(fastload.ConfigError) as info:
         fastload.load(dtypes_file, device="mps")

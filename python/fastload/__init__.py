@@ -136,7 +136,7 @@ def _torch_glue() -> ModuleType:
     return _tensors
 
 
-def _target_for(device: Any) -> tuple[Any, str | None]:
+def _target_for(device: Any, method: str | None) -> tuple[Any, str | None]:
     """The torch device for ``device``, and the native target ("cuda:N") when it is a GPU."""
     torch = _torch_glue().torch
     try:
@@ -155,6 +155,9 @@ def _target_for(device: Any) -> tuple[Any, str | None]:
         )
     if dev.type == "cpu":
         return dev, None
+    if method is not None:
+        # Checked before the driver is asked: a misspelt method is a ConfigError everywhere.
+        _fastload.resolve_options(method=method)
     # Our own check first: without a driver it raises a clear FastloadError, where torch would
     # raise its own error from current_device().
     count = _fastload.cuda_device_count()
@@ -187,7 +190,7 @@ class Stream:
         **options: Unpack[Options],
     ) -> None:
         _options.check("Stream", options)
-        dev, target = _target_for(options.get("device", "cpu"))
+        dev, target = _target_for(options.get("device", "cpu"), options.get("method"))
         _torch = _torch_glue()
         if _target == "host":
             # The GPU path's staged pipeline into host memory (tests, and machines without one).
@@ -198,8 +201,6 @@ class Stream:
         native = _options.native(options)
         self._uris = _uris(uri)
         self._storage_options = native.get("storage_options")
-        if target is not None:
-            native.pop("method", None)  # staged loads read one way
         # parts=: the headers first (through a Reader whose files the load then reads, pinned
         # to the versions it saw), planned into byte ranges of the native load (see _parts).
         self._parts: _parts.Parts | None = None

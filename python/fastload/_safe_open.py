@@ -106,7 +106,7 @@ class safe_open:
             )
         _check_backend(backend)
         self._glue = _torch_glue()
-        self._device, self._target = _target_for(_device(device))
+        self._device, self._target = _target_for(_device(device), options.get("method"))
         self._uri = _uris(filename)
         self._options = options
         native = {k: options[k] for k in _READER_OPTIONS if k in options}  # type: ignore[literal-required]

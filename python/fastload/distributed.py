@@ -299,8 +299,6 @@ class DistributedStream:
         # page-locked ring and async copies) instead of into host memory and then across.
         self._staged = self._comm.type == "cuda"
         if parts:
-            if self._staged:
-                native.pop("method", None)
             native.pop("names", None)
             try:
                 self._native = _fastload.Stream(

@@ -86,7 +86,9 @@
  * that got past initialisation and fault injection); fake_cuda_calls() returns those counts
  * in-process, so a test can count what one load costs.
  */
+#include <errno.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -858,6 +860,10 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
         return violation(INVALID_VALUE,
                          "cuMemHostRegister of read-only memory without "
                          "CU_MEMHOSTREGISTER_READ_ONLY");
+    /* The driver faults every page in and pins it: a page that cannot be (a file's past its
+     * end) fails the call. */
+    if (madvise(p, len, 22 /* MADV_POPULATE_READ */) != 0 && errno == EFAULT)
+        return INVALID_VALUE;
     if (register_rate) { /* page-locking takes time */
         uint64_t us = (uint64_t)((double)len * 1e6 / (double)register_rate);
         struct timespec t = {(time_t)(us / 1000000u), (long)(us % 1000000u) * 1000};

@@ -497,3 +497,88 @@ fn a_block_that_cannot_be_lent_is_read_and_lending_stops() {
     // The refusal stopped lending: the rest was read, not offered again.
     assert_eq!(engine.asked.load(Ordering::SeqCst), 4);
 }
+
+/// A host engine that cuts the file short while lending its `at`-th block.
+struct TruncatesWhileLending {
+    inner: HostEngine,
+    path: std::path::PathBuf,
+    at: usize,
+    asked: AtomicUsize,
+}
+
+impl Engine for TruncatesWhileLending {
+    fn name(&self) -> String {
+        "truncates".into()
+    }
+    fn staging(&self, len: usize) -> Result<Staging> {
+        self.inner.staging(len)
+    }
+    fn lend(&self, memory: crate::memory::HostBuffer) -> Result<Staging> {
+        if self.asked.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&self.path)
+                .unwrap();
+            let len = file.metadata().unwrap().len();
+            file.set_len(len - 1).unwrap();
+        }
+        self.inner.lend(memory)
+    }
+    #[allow(unsafe_code)]
+    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.inner.copy(dst, src, len)
+    }
+    fn record(&self) -> Result<Fence> {
+        self.inner.record()
+    }
+    fn wait(&self, fence: Fence) -> Result<()> {
+        self.inner.wait(fence)
+    }
+}
+
+#[test]
+fn a_file_cut_short_while_its_pages_are_lent_is_an_error_not_wrong_bytes() {
+    // The last block's: no later block maps the file (which would see it changed) after it.
+    let sizes = [70_000, 100_000, 5000, 300_000];
+    let (file, data) = checkpoint(&sizes);
+    let opts = LoadOptions {
+        method: Method::Mmap,
+        concurrency: Some(1),
+        ..opts(16 << 10, 1 << 20)
+    };
+    let counting = Arc::new(LendsSome {
+        inner: HostEngine::new(),
+        lends: usize::MAX,
+        asked: AtomicUsize::new(0),
+    });
+    let mut loader = open(&file, &opts, counting.clone(), Box::new(HostAllocator));
+    while loader.next_segment().is_some() {}
+    let engine = Arc::new(TruncatesWhileLending {
+        inner: HostEngine::new(),
+        path: file.path().to_path_buf(),
+        at: counting.asked.load(Ordering::SeqCst),
+        asked: AtomicUsize::new(0),
+    });
+    let mut loader = open(&file, &opts, engine, Box::new(HostAllocator));
+    let want = expected(&sizes, &data);
+    let mut error = None;
+    while let Some(seg) = loader.next_segment() {
+        match seg {
+            Ok(seg) => {
+                let Memory::Placed(dest) = seg.memory else {
+                    panic!("staged load returned host memory");
+                };
+                for (t, d) in seg.tensors.iter().zip(&dest) {
+                    let (_, bytes) = want.iter().find(|(n, _)| *n == t.name).unwrap();
+                    assert_eq!(host_bytes(d).unwrap(), &bytes[..], "{}", t.name);
+                }
+            }
+            Err(e) => {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let error = error.expect("the load failed");
+    assert!(error.contains("the file changed while loading"), "{error}");
+}
