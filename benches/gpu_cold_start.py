@@ -14,6 +14,8 @@ usable (``torch.cuda.synchronize``):
 - ``fastload``: ``fastload.load(dir, device=...)`` (as ``stream``, for its ``stats()``: where the
   time went, what it pinned), then a second load in the same process; the page-locked memory it
   keeps against ``memory_limit`` and torch's device memory peak against the tensors' bytes;
+- ``fastload-mmap``: the same with ``method="mmap"``: the files' pages lent to the device
+  (registered read-only where they are) and copied with no CPU copy out of the page cache;
 - peers: ``safetensors`` (``load_file(device=)``), ``fastsafetensors`` (``nogds=True``),
   ``instanttensor`` and ``runai`` (runai-model-streamer), where they import (``--peers DIR``: a
   folder their wheels were installed in); a peer that cannot run is reported with why;
@@ -50,6 +52,7 @@ PEERS = ("safetensors", "fastsafetensors", "instanttensor", "runai")
 # What each row imports before its clock (no row pays for another's import).
 IMPORTS = {
     "fastload": ["fastload", "fastload._torch"],
+    "fastload-mmap": ["fastload", "fastload._torch"],
     "parts-tp2": ["fastload", "fastload._torch"],
     "parts-tp8": ["fastload", "fastload._torch"],
     "lazy-tp2": ["fastload", "fastload._lazy"],
@@ -116,7 +119,8 @@ def _fastload_once(job: dict, **options) -> dict:
 
 def _stats_of(stats: dict) -> dict:
     keys = ("pinned_bytes", "pinned_ms", "staging_peak_bytes", "first_segment_ms", "concurrency",
-            "block_size", "memory_limit", "bytes_read", "phases_ms", "part_bytes")  # fmt: skip
+            "block_size", "memory_limit", "bytes_read", "phases_ms", "part_bytes", "method",
+            "lent_bytes", "lend_refused")  # fmt: skip
     return {k: stats[k] for k in keys if k in stats}
 
 
@@ -125,7 +129,8 @@ def row_fastload(job: dict) -> dict:
     import fastload
     import torch
 
-    first = _fastload_once(job)
+    options = job.get("options", {})
+    first = _fastload_once(job, **options)
     out: dict[str, Any] = {"seconds": first["seconds"], "bytes": first["bytes"],
                            "stats": _stats_of(first["stats"])}  # fmt: skip
     cached = fastload.cached_memory()
@@ -137,7 +142,7 @@ def row_fastload(job: dict) -> dict:
         out["device_rounding"] = sum(-(-t.nbytes // 512) * 512 for t in first["got"].values())
     del first
     if job.get("second", True):
-        second = _fastload_once(job)
+        second = _fastload_once(job, **options)
         out["second"] = {"seconds": second["seconds"], "bytes": second["bytes"],
                          "stats": _stats_of(second["stats"])}  # fmt: skip
     return out
@@ -212,6 +217,7 @@ def row_peer(run):
 ROWS = {
     "copy": row_copy,
     "fastload": row_fastload,
+    "fastload-mmap": lambda job: row_fastload({**job, "options": {"method": "mmap"}}),
     "safetensors": row_safetensors,
     "fastsafetensors": row_peer(run_fastsafetensors),
     "instanttensor": row_instanttensor,
@@ -268,6 +274,15 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
         ("cold load / best cold peer",
          rates.get("cold fastload") / best["cold"] if best["cold"] and rates.get("cold fastload")
          else None, 1.0),
+    ]  # fmt: skip
+    # The same targets with method="mmap" (the files' pages lent to the device): which of the
+    # two ways reaches them, side by side.
+    rows += [
+        ("warm first load, mmap / page-locked copy rate", ratio("warm fastload-mmap", "copy"), 0.8),
+        ("warm second load, mmap / page-locked copy rate",
+         ratio("warm fastload-mmap second", "copy"), 0.9),
+        ("cold load, mmap / disk O_DIRECT rate",
+         ratio("cold fastload-mmap", "disk O_DIRECT"), 0.95),
     ]  # fmt: skip
     for tp in (2, 8):
         for kind in ("parts", "lazy"):
@@ -378,7 +393,7 @@ def summarise(report: dict) -> dict:
         key = "copy" if r["row"] == "copy" else f"{r['cache']} {r['row']}"
         rates[key] = max(rates.get(key) or 0.0, r["gb_per_s"])
         if "second" in r:
-            second = f"{r['cache']} fastload second"
+            second = f"{r['cache']} {r['row']} second"
             rate = r["second"]["bytes"] / r["second"]["seconds"] / 1e9
             rates[second] = max(rates.get(second) or 0.0, rate)
     # The disk's rate: O_DIRECT reads; where the filesystem refuses O_DIRECT, 8 buffered readers
@@ -387,7 +402,7 @@ def summarise(report: dict) -> dict:
     for label in ("disk O_DIRECT", "disk buffered x8"):
         rates[label] = cold.get(label, {}).get("gb_per_s")
     memory = [_memory_checks(r, r.get("stats", {}).get("block_size", 0))
-              for r in report["rows"] if r["row"] == "fastload"]  # fmt: skip
+              for r in report["rows"] if r["row"].startswith("fastload")]  # fmt: skip
     return {"rates": rates, "verdicts": verdicts(rates), "memory": memory}
 
 

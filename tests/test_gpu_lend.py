@@ -5,14 +5,17 @@ into staging buffers as ``method="read"`` does, and ``stats()["lend_refused"]`` 
 
 On the simulated driver (tests/fake_cuda/fake_cuda.c), which checks what the real one would
 punish: memory that is not whole pages, read-only memory registered without the read-only flag,
-overlapping registrations, and memory unregistered while queued copies still read it.
+overlapping registrations, and memory unregistered while queued copies still read it; and
+``gpu``-marked tests on a real device (the GPU kit runs them).
 """
 
 from __future__ import annotations
 
 import cuda_sim
 import fastload
-from helpers import reference, run_probe
+import pytest
+import torch
+from helpers import assert_same_tensor, reference, run_probe
 
 LOAD = """
 import fastload, torch
@@ -44,14 +47,14 @@ emit(bad=bad, runs=runs)
 
 def _load(fake_cuda, tmp_path, uri, ref, block="64KiB", limit="1MiB", loads=1, **env):
     log = tmp_path / "log"
-    out = run_probe(
-        LOAD, uri, ref, block, limit, loads, env=cuda_sim.env(fake_cuda, log, **env)
-    )
+    out = run_probe(LOAD, uri, ref, block, limit, loads, env=cuda_sim.env(fake_cuda, log, **env))
     return out, cuda_sim.log(log)
 
 
 def test_mmap_lends_every_block_and_pins_nothing_of_its_own(fake_cuda, multi_block_file, tmp_path):
-    out, counters = _load(fake_cuda, tmp_path, str(multi_block_file), str(multi_block_file), loads=2)
+    out, counters = _load(
+        fake_cuda, tmp_path, str(multi_block_file), str(multi_block_file), loads=2
+    )
     assert out["bad"] == []
     for stats in out["runs"]:
         assert stats["method"] == "mmap" and "mapped pages" in stats["method_reason"]
@@ -147,3 +150,33 @@ def test_mmap_is_taken_for_gpu_loads(dtypes_file):
     except fastload.FastloadError:
         return  # no driver here
     assert sorted(got) == sorted(reference(dtypes_file))
+
+
+# ---------------------------------------------------------------------------------------------
+# A real GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_mmap_loads_bitwise_from_the_lent_pages(dtypes_file, gil_file):
+    # Whether this driver lends read-only pages or not, the tensors are the file's; where it
+    # does, every byte came from the file's own pages and nothing was pinned for staging.
+    for path, block, limit in [(dtypes_file, "4KiB", "1MiB"), (gil_file, "8MiB", "64MiB")]:
+        torch.cuda.synchronize()
+        with fastload.stream(
+            path, device="cuda", method="mmap", block_size=block, memory_limit=limit
+        ) as s:
+            got = dict(s)
+            stats = s.stats()
+        want = reference(path)
+        assert sorted(got) == sorted(want)
+        for name, ref in want.items():
+            assert_same_tensor(got[name].cpu(), ref, name)
+        assert stats["bytes_copied"] == stats["total_bytes"]
+        if stats["lend_refused"] is None:
+            assert stats["lent_bytes"] == stats["total_bytes"], stats
+            assert stats["pinned_bytes"] == 0, stats
+        else:
+            print(f"lending refused by this driver: {stats['lend_refused']}")

@@ -21,6 +21,11 @@ gpu_bench.py, and in a server), each load timed until its tensors are on the dev
   (2 x 16 blocks) instead of 256 MiB, half the pinning, smaller reads.
 - ``fastload_c64``: the same first and second loads with ``concurrency=64``: a 1 GiB ring (2 x 64
   blocks of 8 MiB), as every GPU load had before the ring was sized by ``concurrency``.
+- ``fastload_mmap`` / ``fastload_mmap_b32``: the same first and second loads with
+  ``method="mmap"``: each block's pages of the file lent to the device (registered read-only
+  where they are, ``cuMemHostRegister``) and copied from the page cache with no CPU copy, at the
+  default block size and at 32 MiB (fewer registrations); ``lent_bytes`` and ``lend_refused``
+  say whether they were.
 - ``safetensors``: ``load_file(device=...)`` twice in one process.
 - ``costs``: the pieces on their own, in a fresh process: torch allocating the checkpoint's
   tensors on the device one ``torch.empty`` each (what fastload's allocator does, cold then from
@@ -142,6 +147,8 @@ STAT_KEYS = (
     "block_size",
     "memory_limit",
     "bytes_copied",
+    "lent_bytes",
+    "lend_refused",
     "phases_ms",
 )
 
@@ -160,6 +167,7 @@ def where_the_time_went(load: dict) -> dict:
         "context_before_clock": (load.get("context_s") or 0.0) * 1e3,
         "pinning": load.get("pinned_ms") or 0.0,
         "staging_wait_per_read": phases.get("staging_wait", 0.0) / n,
+        "lending_per_read": phases.get("lend", 0.0) / n,
         "reads_per_read": phases.get("read", 0.0) / n,
         "ring_full": phases.get("ring_wait", 0.0),
         "torch_alloc": phases.get("alloc", 0.0),
@@ -509,15 +517,20 @@ def _first(row: dict, load: str = "first") -> dict:
 def summary(rows: dict) -> str:
     """One line: each fastload load, safetensors, and the costs on their own."""
     parts = []
-    for name in ("fastload", "fastload_b4", "fastload_c64"):
+    names = ("fastload", "fastload_b4", "fastload_c64", "fastload_mmap", "fastload_mmap_b32")
+    for name in names:
         for ld in rows.get(name, {}).get("loads", []):
             pinned = ld.get("pinned_bytes") or 0
+            lent = ld.get("lent_bytes") or 0
+            refused = f", lending refused: {ld['lend_refused']}" if ld.get("lend_refused") else ""
             parts.append(
                 f"{name} {ld['load']} {ld['seconds']:.3f} s ({ld['gb_per_s']:.2f} GB/s; pinned "
                 f"{pinned / MiB:.0f} MiB in {ld.get('pinned_ms') or 0:.0f} ms, staging peak "
-                f"{(ld.get('staging_peak_bytes') or 0) / MiB:.0f} MiB)"
+                f"{(ld.get('staging_peak_bytes') or 0) / MiB:.0f} MiB"
+                + (f", lent {lent / MiB:.0f} MiB" if lent else "")
+                + f"{refused})"
             )
-    for name in ("fastload", "fastload_b4", "fastload_c64"):
+    for name in names:
         for ld in rows.get(name, {}).get("loads", []):
             if ld["load"] == "first":
                 parts.append(breakdown_line(name, ld))
@@ -559,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where the JSON goes [$OUT, else --work]")
     ap.add_argument("--size", help="checkpoint size [2GiB; 64MiB on the simulated driver]")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--rows", default="fastload,fastload_b4,fastload_c64,safetensors,costs,profile")
+    ap.add_argument("--rows", default="fastload,fastload_b4,fastload_c64,fastload_mmap,"
+                    "fastload_mmap_b32,safetensors,costs,profile")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=60, help="seconds per row")
     args = ap.parse_args(argv)
     if args.child:
@@ -594,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
                         "loads": ["first", "second"]},
         "fastload_c64": {"row": "fastload", "options": {"concurrency": 64},
                          "loads": ["first", "second"]},
+        "fastload_mmap": {"row": "fastload", "options": {"method": "mmap"},
+                          "loads": ["first", "second"]},
+        "fastload_mmap_b32": {"row": "fastload",
+                              "options": {"method": "mmap", "block_size": "32MiB"},
+                              "loads": ["first", "second"]},
         "safetensors": {"row": "safetensors"},
         "costs": {"row": "costs"},
         "profile": {"row": "profile", "options": {},

@@ -139,6 +139,12 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
     assert "fastload first: " in checks["profile_load"]["details"]
     assert "waited most on" in checks["profile_load"]["details"]
     assert checks["profile_load"]["numbers"]["rows"]["fastload"]["loads"] == [first, second, again]
+    # method="mmap": every block's pages lent to the device, no staging buffer pinned.
+    for row in ("fastload_mmap", "fastload_mmap_b32"):
+        for load in profile["rows"][row]["loads"]:
+            assert load["lent_bytes"] == load["bytes"] > 0 and load["lend_refused"] is None, load
+            assert load["pinned_bytes"] == 0 and load["where_ms"]["lending_per_read"] > 0, load
+    assert "fastload_mmap first: " in checks["profile_load"]["details"]
 
 
 def test_a_failing_check_does_not_stop_the_others(fake_cuda, tmp_path):
@@ -292,7 +298,8 @@ def test_cold_start_bench_runs_without_a_gpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "benches" / "gpu_cold_start.py"), "--device", "cpu",
          "--size", "4MiB", "--cache", "warm", "--reps", "1", "--rows",
-         "fastload,safetensors,instanttensor,parts-tp2,lazy-tp8", "--ckpt-dir", str(tmp_path),
+         "fastload,fastload-mmap,safetensors,instanttensor,parts-tp2,lazy-tp8", "--ckpt-dir",
+         str(tmp_path),
          "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -300,9 +307,12 @@ def test_cold_start_bench_runs_without_a_gpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["files"] == 4 and report["tensors"] == len(full)
     rows = {r["row"]: r for r in report["rows"]}
-    assert sorted(rows) == ["fastload", "lazy-tp8", "parts-tp2", "safetensors"], report["notes"]
+    assert sorted(rows) == ["fastload", "fastload-mmap", "lazy-tp8", "parts-tp2", "safetensors"]
     assert rows["fastload"]["bytes"] == rows["safetensors"]["bytes"] == report["bytes"]
     assert rows["fastload"]["second"]["bytes"] == report["bytes"]
+    assert rows["fastload-mmap"]["second"]["bytes"] == report["bytes"]
+    assert rows["fastload-mmap"]["stats"]["method"] == "mmap"
+    assert report["rates"]["warm fastload-mmap second"] > 0
     # A rank's slices read less than the whole checkpoint.
     assert 0 < rows["parts-tp2"]["bytes"] < report["bytes"]
     assert 0 < rows["lazy-tp8"]["bytes"] < rows["parts-tp2"]["bytes"]
@@ -311,7 +321,8 @@ def test_cold_start_bench_runs_without_a_gpu(tmp_path):
     verdicts = {v["target"]: v for v in report["verdicts"]}
     assert verdicts["warm first load / page-locked copy rate"]["met"] is None
     assert verdicts["TP 2 parts / whole load"]["ratio"] > 0
-    assert report["memory"] == [{"pinned_cached": 0, "pinned_within_limit": True}]
+    assert report["memory"] == [{"pinned_cached": 0, "pinned_within_limit": True}] * 2
+    assert verdicts["warm first load, mmap / page-locked copy rate"]["met"] is None
     assert "targets:" in proc.stdout
 
 
