@@ -26,19 +26,26 @@ pub(super) async fn block(
 ) -> Result<Option<Staging>> {
     let started = Instant::now();
     let (source, engine) = (shard.source.clone(), shared.engine.clone());
+    // Outer: what reading would fail on too; inner: what stops lending.
     let lent = super::super::beside_reads(shard.source.as_ref(), move || {
         let mapped = match source.map(at, len as usize) {
-            Some(mapped) => mapped?,
+            Some(Ok(mapped)) => mapped,
+            Some(Err(e)) => return Ok(Err(e)),
             None => {
-                return Err(Error::device(format!(
+                return Ok(Err(Error::device(format!(
                     "{} is not a local file (only a file's pages can be mapped)",
                     source.name()
-                )))
+                ))))
             }
         };
-        engine.lend(mapped)
+        if mapped.is_fresh() {
+            // Pages not all cached: read them in as a mapped load does (large reads from
+            // several threads), rather than one fault at a time inside the registration.
+            mapped.populate(0, len as usize, source.name())?;
+        }
+        Ok(engine.lend(mapped))
     })
-    .await;
+    .await?;
     let stats = &shared.feed.stats;
     add_since(&stats.lend_ns, started);
     match lent {

@@ -582,3 +582,42 @@ fn a_file_cut_short_while_its_pages_are_lent_is_an_error_not_wrong_bytes() {
     let error = error.expect("the load failed");
     assert!(error.contains("the file changed while loading"), "{error}");
 }
+
+#[test]
+#[allow(unsafe_code)]
+fn mmap_lends_pages_that_were_not_cached() {
+    use std::os::unix::io::AsRawFd;
+    // Pages out of the page cache: read in before they are lent (populated, as a mapped load
+    // reads them), then copied as the file holds them.
+    let sizes = [70_000, 1 << 20, 5000, 300_000];
+    let (file, data) = checkpoint(&sizes);
+    file.as_file().sync_all().unwrap();
+    // SAFETY: an open descriptor and plain integers.
+    let rc =
+        unsafe { libc::posix_fadvise(file.as_file().as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0);
+    let opts = LoadOptions {
+        method: Method::Mmap,
+        ..opts(64 << 10, 1 << 20)
+    };
+    let mut loader = open(
+        &file,
+        &opts,
+        Arc::new(HostEngine::new()),
+        Box::new(HostAllocator),
+    );
+    let mut got = Vec::new();
+    while let Some(seg) = loader.next_segment() {
+        let seg = seg.expect("segment");
+        let Memory::Placed(dest) = seg.memory else {
+            panic!("staged load returned host memory");
+        };
+        for (t, d) in seg.tensors.iter().zip(&dest) {
+            got.push((t.name.clone(), host_bytes(d).unwrap().to_vec()));
+        }
+    }
+    got.sort();
+    assert_eq!(got, expected(&sizes, &data));
+    let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+    assert_eq!(loader.stats().lent_bytes.load(Ordering::Relaxed), total);
+}
