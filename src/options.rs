@@ -345,10 +345,12 @@ pub const METHOD: OptionDef = OptionDef {
     name: "method",
     python_type: "str | None",
     signature_default: None,
-    default: "`auto` (`mmap` for local files on a local filesystem, else `read`)",
+    default: "`auto` (to CPU, `mmap` for local files on a local filesystem, else `read`; to a \
+              GPU, `read`)",
     env: Some(ENV_METHOD),
-    help: "local read strategy: `auto`, `mmap` (map the file's pages, no copy), `read` (pread \
-           into pooled, pre-faulted buffers)",
+    help: "local read strategy: `auto`, `mmap` (map the file's pages, no copy; to a GPU, the \
+           pages lent to the device read-only where they are, see [GPU](gpu.md)), `read` \
+           (pread into pooled, pre-faulted buffers; to a GPU, into the page-locked ring)",
     takers: &[Native, SafeOpen],
 };
 pub const STORAGE_OPTIONS: OptionDef = OptionDef {
