@@ -349,7 +349,7 @@ pub const METHOD: OptionDef = OptionDef {
               GPU, `read`)",
     env: Some(ENV_METHOD),
     help: "local read strategy: `auto`, `mmap` (map the file's pages, no copy; to a GPU, the \
-           pages lent to the device read-only where they are, see [GPU](gpu.md)), `read` \
+           pages lent to the device read-only where they are, see \"GPU\"), `read` \
            (pread into pooled, pre-faulted buffers; to a GPU, into the page-locked ring)",
     takers: &[Native, SafeOpen],
 };
