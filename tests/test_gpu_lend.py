@@ -11,6 +11,10 @@ overlapping registrations, and memory unregistered while queued copies still rea
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import cuda_sim
 import fastload
 import pytest
@@ -137,8 +141,29 @@ def test_objects_are_not_lent(fake_cuda, http_store, dtypes_file, tmp_path):
     assert out["bad"] == []
     stats = out["runs"][0]
     assert stats["lent_bytes"] == 0
-    assert "is not a local file" in stats["lend_refused"], stats
+    assert "cannot be mapped" in stats["lend_refused"], stats
     assert counters.get("calls.cuMemHostRegister", 0) == 0, counters
+
+
+def test_cli_bench_lends_with_method_mmap(fake_cuda, gil_file, tmp_path):
+    log = tmp_path / "log"
+    argv = ["bench", str(gil_file), "--device", "cuda", "--method", "mmap", "--repeat", "1",
+            "--block-size", "1MiB", "--memory-limit", "8MiB", "--json"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastload._cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cuda_sim.env(fake_cuda, log),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [(r["method"], r.get("lend_refused")) for r in report["runs"]] == [("mmap", None)]
+    counters = cuda_sim.log(log)
+    assert counters["violations"] == 0, counters
+    assert counters["calls.cuMemHostRegister"] >= 512, counters
+    assert counters["calls.cuMemHostRegister"] == counters["calls.cuMemHostUnregister"]
+    assert counters["pinned_peak"] <= 8 << 20, counters
 
 
 def test_mmap_is_taken_for_gpu_loads(dtypes_file):

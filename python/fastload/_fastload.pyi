@@ -227,8 +227,9 @@ class Stats:
     @property
     def lend_refused(self) -> str | None:
         """GPU loads with ``method="mmap"``: why the load stopped lending the files' pages to
-        the device (a source that is not a local file, a driver that cannot page-lock read-only
-        memory), the rest having been read into staging buffers; ``None`` if it never did."""
+        the device (a source that is not a plain local file, a driver that cannot page-lock
+        read-only memory), the rest having been read into staging buffers; ``None`` if it never
+        did."""
     @property
     def phases_ms(self) -> dict[str, float]:
         """Where the load's time went, in milliseconds: ``consumer_wait`` (the consumer waiting

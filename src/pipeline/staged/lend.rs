@@ -1,7 +1,7 @@
 //! `method="mmap"` in a staged load: a block is the file's mapped pages, lent to the engine
 //! ([`Engine::lend`](crate::device::Engine::lend): a GPU page-locks them where they are, so the
 //! copy engine reads the page cache with no CPU copy) instead of being read into a page-locked
-//! staging buffer. The first block that cannot be lent (a source that is not a local file, a
+//! staging buffer. The first block that cannot be lent (a source that is not a plain local file, a
 //! driver that cannot page-lock read-only memory, a mapping that fails) stops lending for the
 //! load: `stats()["lend_refused"]` says why, and that block and the rest are read into staging
 //! buffers as `method="read"` does.
@@ -33,7 +33,7 @@ pub(super) async fn block(
             Some(Err(e)) => return Ok(Err(e)),
             None => {
                 return Ok(Err(Error::device(format!(
-                    "{} is not a local file (only a file's pages can be mapped)",
+                    "{} cannot be mapped (only a plain local file's pages can be lent)",
                     source.name()
                 ))))
             }
