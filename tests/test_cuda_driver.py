@@ -229,7 +229,7 @@ emit(ok=got == want, pins=calls().get("cuMemHostAlloc", 0), at_first=pins_at_fir
     # each with a read waiting on it).
     phases = stats["phases_ms"]
     assert set(phases) == {"read", "staging_wait", "ring_wait", "alloc", "copy", "copy_idle",
-                           "fence_wait", "consumer_wait", "lend"}, phases  # fmt: skip
+                           "fence_wait", "consumer_wait", "lend", "unlend"}, phases  # fmt: skip
     assert phases["lend"] == 0, phases  # method="read": nothing lent
     assert phases["staging_wait"] >= stats["pinned_ms"] > 0, stats
 

@@ -31,7 +31,15 @@ def allocate(sizes):  # host tensors stand in for device memory
     ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
     return None, [(t, t.data_ptr()) for t in ts]
 
-runs, bad = [], []
+import ctypes
+def calls():  # the simulator's calls so far, in this process
+    fn = ctypes.CDLL("libcuda.so.1").fake_cuda_calls
+    fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int
+    buf = ctypes.create_string_buffer(8192)
+    n = fn(buf, len(buf))
+    return dict((k, int(v)) for k, v in (f.split("=", 1) for f in buf.raw[:n].decode().split()))
+
+runs, bad, held = [], [], []
 want = load_file(ref)
 def same(a, b):
     flat = lambda t: t.reshape(-1).view(torch.uint8)
@@ -43,9 +51,12 @@ for _ in range(loads):
     for batch in s:
         for item in batch:
             got[item.name] = _torch.from_bytes(item.dtype, item.shape, item.data, uri)
+        if len(got) == len(want):  # the last tensor is out: no lent page is still registered
+            c = calls()
+            held.append(c.get("cuMemHostRegister", 0) - c.get("cuMemHostUnregister", 0))
     runs.append(s.stats().as_dict())
     bad += [n for n in want if n not in got or not same(want[n], got[n])]
-emit(bad=bad, runs=runs)
+emit(bad=bad, runs=runs, held=held)
 """
 
 
@@ -57,15 +68,20 @@ def _load(fake_cuda, tmp_path, uri, ref, block="64KiB", limit="1MiB", loads=1, *
 
 def test_mmap_lends_every_block_and_pins_nothing_of_its_own(fake_cuda, multi_block_file, tmp_path):
     out, counters = _load(
-        fake_cuda, tmp_path, str(multi_block_file), str(multi_block_file), loads=2
+        fake_cuda,
+        tmp_path,
+        str(multi_block_file),
+        str(multi_block_file),
+        loads=2,
+        FAKE_CUDA_UNREGISTER_US="3000",  # releases that take time: still none held at the end
     )
-    assert out["bad"] == []
+    assert out["bad"] == [] and out["held"] == [0, 0]
     for stats in out["runs"]:
         assert stats["method"] == "mmap" and "mapped pages" in stats["method_reason"]
         assert stats["lend_refused"] is None
         assert stats["lent_bytes"] == stats["total_bytes"] == stats["bytes_copied"]
         assert stats["pinned_bytes"] == 0
-        assert stats["phases_ms"]["lend"] > 0
+        assert stats["phases_ms"]["lend"] > 0 and stats["phases_ms"]["unlend"] > 0
     assert counters["violations"] == 0, counters
     # No staging buffer was pinned: every copy came from the file's pages, each registration
     # undone once its copies were through, and never more at once than the memory limit.

@@ -238,8 +238,9 @@ class Stats:
         the reads in flight), ``ring_wait`` (no ring slot free: blocks waiting for their
         copies), ``alloc`` (the allocator: torch's, from Python), ``copy`` (enqueueing copies),
         ``copy_idle`` (the copy thread waiting for a read), ``fence_wait`` (waiting for the
-        copies to finish on the device) and ``lend`` (``method="mmap"``: mapping blocks and
-        page-locking their pages, added up over the reads in flight)."""
+        copies to finish on the device), ``lend`` (``method="mmap"``: mapping blocks and
+        page-locking their pages, added up over the reads in flight) and ``unlend`` (giving them
+        back, added up over the threads that do)."""
     def as_dict(self) -> dict[str, int | float | str | dict[str, float] | None]:
         """Every counter above, by name."""
 

@@ -168,6 +168,7 @@ def where_the_time_went(load: dict) -> dict:
         "pinning": load.get("pinned_ms") or 0.0,
         "staging_wait_per_read": phases.get("staging_wait", 0.0) / n,
         "lending_per_read": phases.get("lend", 0.0) / n,
+        "unlending": phases.get("unlend", 0.0),
         "reads_per_read": phases.get("read", 0.0) / n,
         "ring_full": phases.get("ring_wait", 0.0),
         "torch_alloc": phases.get("alloc", 0.0),

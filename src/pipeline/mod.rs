@@ -98,6 +98,8 @@ pub struct Stats {
     /// Mapping blocks' pages and lending them to the engine (page-locking them in place), added
     /// up over the reads in flight.
     pub lend_ns: AtomicU64,
+    /// Giving lent blocks back (unregistering their pages), on the release threads.
+    pub unlend_ns: AtomicU64,
     /// Every load: the consumer waiting in [`Loader::next_segment`] for a segment.
     pub consumer_wait_ns: AtomicU64,
 }

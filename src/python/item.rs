@@ -79,7 +79,8 @@ pub struct Stats {
     /// Where the load's time went, in milliseconds (`pipeline::Stats`): `consumer_wait` for
     /// every load; for staged loads also `read` and `staging_wait` (added up over the reads in
     /// flight), `ring_wait`, `alloc`, `copy`, `copy_idle` and `fence_wait`, and `lend` (mapping
-    /// and page-locking lent blocks, added up over the reads in flight).
+    /// and page-locking lent blocks, added up over the reads in flight) and `unlend` (giving them
+    /// back, added up over the release threads).
     pub phases_ms: BTreeMap<&'static str, f64>,
 }
 
@@ -123,6 +124,7 @@ fn phases(s: &crate::pipeline::Stats) -> BTreeMap<&'static str, f64> {
         ("copy_idle", ms(&s.copy_idle_ns)),
         ("fence_wait", ms(&s.fence_wait_ns)),
         ("lend", ms(&s.lend_ns)),
+        ("unlend", ms(&s.unlend_ns)),
         ("consumer_wait", ms(&s.consumer_wait_ns)),
     ])
 }

@@ -53,8 +53,9 @@
  *   access); a range that overlaps page-locked memory is CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
  *   FAKE_CUDA_READ_ONLY_REGISTER=0 plays a device without read-only registration
  *   (CUDA_ERROR_NOT_SUPPORTED for that flag). Registered memory counts as pinned. cuMemHostUnregister
- *   while queued copies still read it fails like cuMemFreeHost above; of memory not registered it
- *   is CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED.
+ *   takes FAKE_CUDA_UNREGISTER_US microseconds (default 0); while queued copies still read the
+ *   memory it fails like cuMemFreeHost above; of memory not registered it is
+ *   CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED.
  * - Flags. cuMemHostAlloc takes PORTABLE|DEVICEMAP|WRITECOMBINED, cuMemHostRegister
  *   PORTABLE|DEVICEMAP|IOMEMORY|READ_ONLY, cuStreamCreate DEFAULT or
  *   NON_BLOCKING, cuEventCreate BLOCKING_SYNC|DISABLE_TIMING|INTERPROCESS (INTERPROCESS only with
@@ -893,6 +894,11 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
 
 CUresult cuMemHostUnregister(void *p) {
     NEED_CONTEXT("cuMemHostUnregister");
+    uint64_t us = env_number("FAKE_CUDA_UNREGISTER_US", 0); /* unpinning takes time */
+    if (us) {
+        struct timespec t = {(time_t)(us / 1000000u), (long)(us % 1000000u) * 1000};
+        nanosleep(&t, NULL);
+    }
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < npins; i++) {
         struct pinned *pin = pins[i];

@@ -2,10 +2,19 @@
 //! segment's destinations when its first block arrives and enqueues one copy per tensor piece a
 //! block holds, then a fence; the completion thread waits for the fences in order, returns each
 //! staging buffer to the ring and hands a segment out after its last block.
+//!
+//! Lent blocks (`method="mmap"`: a file's pages page-locked in place) are given back by release
+//! threads beside the completion thread: unregistering pages is the driver's work, per page, and
+//! on the completion thread it would hold up every later fence. A block's ring slot goes with it,
+//! so the pages lent at once stay within the ring's bound; the last segment is handed out only
+//! after every release is done, so a finished load holds no lent pages.
 
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc as std_mpsc, Arc};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Instant;
+
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::{Block, Shared};
 use crate::device::{Allocator, Destination, Fence, Staging};
@@ -32,10 +41,74 @@ pub(super) fn spawn(
         let shared = shared.clone();
         std::thread::Builder::new()
             .name("fastload-copy-done".into())
-            .spawn(move || completer(&shared, done_rx))
+            .spawn(move || completer(&shared, done_rx, Releases::start(&shared)))
             .expect("spawning the copy completion thread");
     }
     copy_tx
+}
+
+/// Threads that give lent blocks back (and their ring slots with them).
+struct Releases {
+    tx: Option<std_mpsc::Sender<(Staging, Option<OwnedSemaphorePermit>)>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Release threads per load: unregistering may run in parallel in the driver.
+const RELEASE_THREADS: usize = 2;
+
+impl Releases {
+    fn start(shared: &Arc<Shared>) -> Releases {
+        let (tx, rx) = std_mpsc::channel::<(Staging, Option<OwnedSemaphorePermit>)>();
+        let rx = Arc::new(Mutex::new(rx));
+        let threads = (0..RELEASE_THREADS)
+            .map(|_| {
+                let (shared, rx) = (shared.clone(), rx.clone());
+                std::thread::Builder::new()
+                    .name("fastload-release".into())
+                    .spawn(move || {
+                        // The engine's context, for the driver calls of the release.
+                        let entered = shared.engine.enter();
+                        loop {
+                            let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                            let Ok((staging, slot)) = next else { break };
+                            if entered.is_err() {
+                                std::mem::forget(staging); // cannot be given back here
+                            } else {
+                                let releasing = Instant::now();
+                                drop(staging);
+                                add_since(&shared.feed.stats.unlend_ns, releasing);
+                            }
+                            drop(slot);
+                        }
+                    })
+                    .expect("spawning a release thread")
+            })
+            .collect();
+        Releases {
+            tx: Some(tx),
+            threads,
+        }
+    }
+
+    fn send(&self, staging: Staging, slot: Option<OwnedSemaphorePermit>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send((staging, slot));
+        }
+    }
+
+    /// Waits until every block sent was given back.
+    fn finish(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Releases {
+    fn drop(&mut self) {
+        self.finish();
+    }
 }
 
 /// The copy thread: destinations on a segment's first block, then one copy per tensor piece.
@@ -153,7 +226,11 @@ fn copy_pieces(
 }
 
 /// The completion thread: fences in order; a segment is handed out after its last block.
-fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error>)>) {
+fn completer(
+    shared: &Shared,
+    rx: std_mpsc::Receiver<(Fence, Block, Option<Error>)>,
+    mut releases: Releases,
+) {
     if let Err(e) = shared.engine.enter() {
         shared.feed.fail(e);
         // Without the engine, fences cannot be waited for: keep their buffers out of reuse.
@@ -164,16 +241,23 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
         }
         return;
     }
+    let mut delivered = 0;
     for (fence, block, failed) in rx {
         let waiting = Instant::now();
         let waited = shared.engine.wait(fence);
         add_since(&shared.feed.stats.fence_wait_ns, waiting);
-        let Block { job, staging, .. } = block; // drops the ring slot
+        let Block {
+            job,
+            staging,
+            _slot,
+            ..
+        } = block;
         match (&waited, staging) {
             // The copies may still read the buffer: never reuse it (as the copier does when it
             // cannot record a fence).
             (Err(_), Some(staging)) => std::mem::forget(staging),
-            (_, staging) => drop(staging),
+            (Ok(()), Some(staging)) if staging.lent_in().is_some() => releases.send(staging, _slot),
+            (_, staging) => drop((staging, _slot)),
         }
         if let Some(e) = failed.or(waited.err()) {
             shared.feed.fail(e);
@@ -195,6 +279,10 @@ fn completer(shared: &Shared, rx: std_mpsc::Receiver<(Fence, Block, Option<Error
             shard: seg.shard,
             tensors: seg.tensors.clone(),
         };
+        delivered += 1;
+        if delivered == shared.plan.segments.len() {
+            releases.finish(); // a finished load holds no lent pages
+        }
         shared.feed.deliver(loaded, budget);
     }
 }
