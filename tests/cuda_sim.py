@@ -100,6 +100,19 @@ def env(
     return out
 
 
+def run_cli(lib_dir: Path, log: Path, *argv: str, timeout: float = 300):
+    """`python -m fastload._cli ARGV...` on the simulator in `lib_dir`, counters to `log`."""
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "fastload._cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(lib_dir, log),
+    )
+
+
 def log(path: Path) -> dict[str, int]:
     """The counters the simulator wrote at exit to `path` (FAKE_CUDA_LOG): LOG_KEYS, then
     `calls.NAME` for every entry point called."""

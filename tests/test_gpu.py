@@ -293,28 +293,9 @@ print(json.dumps(seen))
 
 def test_fake_driver_cli_bench(fake_cuda, gil_file, tmp_path):
     log = tmp_path / "log"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastload._cli",
-            "bench",
-            str(gil_file),
-            "--device",
-            "cuda",
-            "--repeat",
-            "2",
-            "--block-size",
-            "1MiB",
-            "--memory-limit",
-            "8MiB",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=cuda_sim.env(fake_cuda, log),
-    )
+    argv = ["bench", str(gil_file), "--device", "cuda", "--repeat", "2", "--block-size", "1MiB",
+            "--memory-limit", "8MiB", "--json"]  # fmt: skip
+    proc = cuda_sim.run_cli(fake_cuda, log, *argv)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["bytes"] == 512 << 20 and len(report["runs"]) == 2

@@ -12,8 +12,6 @@ overlapping registrations, and memory unregistered while queued copies still rea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import cuda_sim
 import fastload
@@ -165,13 +163,7 @@ def test_cli_bench_lends_with_method_mmap(fake_cuda, gil_file, tmp_path):
     log = tmp_path / "log"
     argv = ["bench", str(gil_file), "--device", "cuda", "--method", "mmap", "--repeat", "1",
             "--block-size", "1MiB", "--memory-limit", "8MiB", "--json"]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastload._cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=cuda_sim.env(fake_cuda, log),
-    )
+    proc = cuda_sim.run_cli(fake_cuda, log, *argv)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert [(r["method"], r.get("lend_refused")) for r in report["runs"]] == [("mmap", None)]

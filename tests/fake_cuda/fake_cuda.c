@@ -317,6 +317,17 @@ static struct pinned *pinned_at(const void *p, size_t len) {
     return NULL;
 }
 
+/* Records page-locked memory (caller holds the lock). */
+static void add_pin(struct pinned *pin) {
+    if (npins == cap_pins) {
+        cap_pins = cap_pins ? 2 * cap_pins : 64;
+        pins = realloc(pins, cap_pins * sizeof *pins);
+    }
+    pins[npins++] = pin;
+    pinned_now += pin->len;
+    if (pinned_now > pinned_peak) pinned_peak = pinned_now;
+}
+
 static struct dalloc *device_at(CUdeviceptr d) {
     for (size_t i = 0; i < ndallocs; i++)
         if (d >= dallocs[i].at && d < dallocs[i].at + (dallocs[i].len ? dallocs[i].len : 1))
@@ -786,13 +797,7 @@ CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
     }
     *pin = (struct pinned){(uintptr_t)mem, len, flags, current, 0, 0};
     pthread_mutex_lock(&lock);
-    if (npins == cap_pins) {
-        cap_pins = cap_pins ? 2 * cap_pins : 64;
-        pins = realloc(pins, cap_pins * sizeof *pins);
-    }
-    pins[npins++] = pin;
-    pinned_now += len;
-    if (pinned_now > pinned_peak) pinned_peak = pinned_now;
+    add_pin(pin);
     host_allocs++;
     pthread_mutex_unlock(&lock);
     *p = mem;
@@ -881,13 +886,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
             return violation(HOST_MEMORY_ALREADY_REGISTERED,
                              "cuMemHostRegister of %zu bytes at %p: already page-locked", len, p);
         }
-    if (npins == cap_pins) {
-        cap_pins = cap_pins ? 2 * cap_pins : 64;
-        pins = realloc(pins, cap_pins * sizeof *pins);
-    }
-    pins[npins++] = pin;
-    pinned_now += len;
-    if (pinned_now > pinned_peak) pinned_peak = pinned_now;
+    add_pin(pin);
     pthread_mutex_unlock(&lock);
     return OK;
 }

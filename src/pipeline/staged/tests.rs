@@ -440,24 +440,33 @@ fn mmap_lends_the_files_pages_and_copies_bitwise() {
     assert!(loader.config().method_reason.contains("mapped pages"));
 }
 
-/// A host engine that lends the first `lends` blocks, then cannot.
-struct LendsSome {
+/// A host engine that runs `hook` with the number of each lend asked of it (from 1) before
+/// lending: an error refuses that block.
+struct Lends {
     inner: HostEngine,
-    lends: usize,
     asked: AtomicUsize,
+    hook: Box<dyn Fn(usize) -> Result<()> + Send + Sync>,
 }
 
-impl Engine for LendsSome {
+impl Lends {
+    fn new(hook: impl Fn(usize) -> Result<()> + Send + Sync + 'static) -> Arc<Lends> {
+        Arc::new(Lends {
+            inner: HostEngine::new(),
+            asked: AtomicUsize::new(0),
+            hook: Box::new(hook),
+        })
+    }
+}
+
+impl Engine for Lends {
     fn name(&self) -> String {
-        "lends-some".into()
+        "lends".into()
     }
     fn staging(&self, len: usize) -> Result<Staging> {
         self.inner.staging(len)
     }
     fn lend(&self, memory: crate::memory::HostBuffer) -> Result<Staging> {
-        if self.asked.fetch_add(1, Ordering::SeqCst) >= self.lends {
-            return Err(Error::device("no more lending here"));
-        }
+        (self.hook)(self.asked.fetch_add(1, Ordering::SeqCst) + 1)?;
         self.inner.lend(memory)
     }
     #[allow(unsafe_code)]
@@ -475,10 +484,9 @@ impl Engine for LendsSome {
 #[test]
 fn a_block_that_cannot_be_lent_is_read_and_lending_stops() {
     let sizes = [70_000, 1 << 20, 5000, 300_000];
-    let engine = Arc::new(LendsSome {
-        inner: HostEngine::new(),
-        lends: 3,
-        asked: AtomicUsize::new(0),
+    let engine = Lends::new(|n| match n {
+        1..=3 => Ok(()),
+        _ => Err(Error::device("no more lending here")),
     });
     let opts = LoadOptions {
         method: Method::Mmap,
@@ -498,44 +506,6 @@ fn a_block_that_cannot_be_lent_is_read_and_lending_stops() {
     assert_eq!(engine.asked.load(Ordering::SeqCst), 4);
 }
 
-/// A host engine that cuts the file short while lending its `at`-th block.
-struct TruncatesWhileLending {
-    inner: HostEngine,
-    path: std::path::PathBuf,
-    at: usize,
-    asked: AtomicUsize,
-}
-
-impl Engine for TruncatesWhileLending {
-    fn name(&self) -> String {
-        "truncates".into()
-    }
-    fn staging(&self, len: usize) -> Result<Staging> {
-        self.inner.staging(len)
-    }
-    fn lend(&self, memory: crate::memory::HostBuffer) -> Result<Staging> {
-        if self.asked.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .open(&self.path)
-                .unwrap();
-            let len = file.metadata().unwrap().len();
-            file.set_len(len - 1).unwrap();
-        }
-        self.inner.lend(memory)
-    }
-    #[allow(unsafe_code)]
-    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
-        self.inner.copy(dst, src, len)
-    }
-    fn record(&self) -> Result<Fence> {
-        self.inner.record()
-    }
-    fn wait(&self, fence: Fence) -> Result<()> {
-        self.inner.wait(fence)
-    }
-}
-
 #[test]
 fn a_file_cut_short_while_its_pages_are_lent_is_an_error_not_wrong_bytes() {
     // The last block's: no later block maps the file (which would see it changed) after it.
@@ -546,18 +516,17 @@ fn a_file_cut_short_while_its_pages_are_lent_is_an_error_not_wrong_bytes() {
         concurrency: Some(1),
         ..opts(16 << 10, 1 << 20)
     };
-    let counting = Arc::new(LendsSome {
-        inner: HostEngine::new(),
-        lends: usize::MAX,
-        asked: AtomicUsize::new(0),
-    });
+    let counting = Lends::new(|_| Ok(()));
     let mut loader = open(&file, &opts, counting.clone(), Box::new(HostAllocator));
     while loader.next_segment().is_some() {}
-    let engine = Arc::new(TruncatesWhileLending {
-        inner: HostEngine::new(),
-        path: file.path().to_path_buf(),
-        at: counting.asked.load(Ordering::SeqCst),
-        asked: AtomicUsize::new(0),
+    let last = counting.asked.load(Ordering::SeqCst);
+    let path = file.path().to_path_buf();
+    let engine = Lends::new(move |n| {
+        if n == last {
+            let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            file.set_len(file.metadata().unwrap().len() - 1).unwrap();
+        }
+        Ok(())
     });
     let mut loader = open(&file, &opts, engine, Box::new(HostAllocator));
     let want = expected(&sizes, &data);
