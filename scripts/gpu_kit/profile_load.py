@@ -33,6 +33,8 @@ gpu_bench.py, and in a server), each load timed until its tensors are on the dev
   ``cuMemHostAlloc`` as fastload's staging uses it); and the warm file's own pages registered
   read-only (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_READ_ONLY``) and copied to the
   device from there (whether the copy engine can read the page cache without a CPU copy).
+- every fastload load's checksum (its tensors' bytes summed on the device, after the clock):
+  the check fails if two loads of the file disagree.
 - ``profile``: one first load under ``torch.profiler`` (CPU and CUDA activities): the host-to-device
   copies on the GPU (count, busy time, first start and last end after the load started) and the
   CUDA API calls seen (count and time per name); the trace is written beside the JSON.
@@ -200,6 +202,17 @@ def breakdown_line(name: str, load: dict) -> str:
     return f"{name} {load['load']}: {w['wall']:.0f} ms = {parts} (ms); waited most on {w['limit']}"
 
 
+def checksum(torch, tensors: dict) -> int:
+    """The tensors' bytes summed per tensor (on their device), combined in name order: the
+    fastload rows of one run load one file, so any two that differ got other bytes (a lent
+    page copied before it was read, a stale staging buffer)."""
+    total = 0
+    for name in sorted(tensors):
+        flat = tensors[name].reshape(-1).view(torch.uint8)
+        total = (total * 1_000_003 + int(flat.sum(dtype=torch.int64)) + flat.numel()) % (1 << 61)
+    return total
+
+
 def row_fastload(job: dict) -> dict:
     import fastload
 
@@ -229,6 +242,7 @@ def row_fastload(job: dict) -> dict:
             **_timeline(arrivals),
             "cached_after": fastload.cached_memory(),
             **({"released_before": released} if released else {}),
+            "checksum": checksum(torch, got),  # after the clock
         }
         one["where_ms"] = where_the_time_went(one)
         loads.append(one)
@@ -639,8 +653,17 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "profile_load.json").write_text(json.dumps(report, indent=1, default=str))
     errors = {k: v["error"] for k, v in report["rows"].items() if "error" in v}
     first = _first(report["rows"].get("fastload", {}))
-    ok = not errors and bool(first)
-    details = summary(report["rows"]) if ok else f"rows failed: {errors}"
+    sums = {f"{name} {ld['load']}": ld["checksum"] for name, row in report["rows"].items()
+            for ld in row.get("loads", []) if "checksum" in ld}  # fmt: skip
+    report["checksums_agree"] = len(set(sums.values())) <= 1
+    ok = not errors and bool(first) and report["checksums_agree"]
+    details = (
+        summary(report["rows"])
+        if ok
+        else f"rows failed: {errors}"
+        if errors or not first
+        else f"the loads got different bytes: checksums {sums}"
+    )
     report["json"] = str(out_dir / "profile_load.json")
     res = result("pass" if ok else "fail", details, **report)
     print(RESULT_TAG + json.dumps(res, default=str), flush=True)

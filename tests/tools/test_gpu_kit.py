@@ -145,6 +145,8 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
             assert load["lent_bytes"] == load["bytes"] > 0 and load["lend_refused"] is None, load
             assert load["pinned_bytes"] == 0 and load["where_ms"]["lending_per_read"] > 0, load
     assert "fastload_mmap first: " in checks["profile_load"]["details"]
+    # Every load of the file got its bytes, lent or staged.
+    assert profile["checksums_agree"] and first["checksum"] > 0, profile
 
 
 def test_a_failing_check_does_not_stop_the_others(fake_cuda, tmp_path):

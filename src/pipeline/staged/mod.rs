@@ -45,9 +45,9 @@ use crate::plan::Plan;
 const PAGE: u64 = 4096;
 
 /// The block size of a staged load: [`Resolved::staged_block_size`], shrunk so the ring has at
-/// least two slots.
-fn block_for(opts: &Resolved) -> u64 {
-    let half = (opts.memory_limit / 2) / 4096 * 4096;
+/// least two slots of a block and `spare` bytes.
+fn block_for(opts: &Resolved, spare: u64) -> u64 {
+    let half = (opts.memory_limit / 2).saturating_sub(spare) / 4096 * 4096;
     opts.staged_block_size.min(half).max(4096)
 }
 
@@ -130,8 +130,8 @@ const LENDING: &str = "the device copies the files' mapped pages where they are,
 
 pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let Target { engine, allocator } = target;
-    let block = block_for(&opts);
     let lending = opts.method == Method::Mmap;
+    let block = block_for(&opts, if lending { PAGE } else { 0 });
     // The ring counts what a staging buffer really takes, so the limit holds for any block size;
     // a lent block's pages span at most one page more than its bytes.
     let mut slot = (engine.staging_size(block as usize) as u64).max(block);

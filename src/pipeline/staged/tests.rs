@@ -590,3 +590,24 @@ fn mmap_lends_pages_that_were_not_cached() {
     let total: u64 = sizes.iter().map(|&n| n as u64).sum();
     assert_eq!(loader.stats().lent_bytes.load(Ordering::Relaxed), total);
 }
+
+#[test]
+fn lent_blocks_leave_room_for_the_page_they_may_span_within_the_memory_limit() {
+    // Two blocks of half the limit could not be lent within it: a block's pages span one page
+    // more than its bytes when it starts inside a page.
+    let sizes = [3, 1 << 20, 5000];
+    let opts = LoadOptions {
+        method: Method::Mmap,
+        ..opts(512 << 10, 1 << 20)
+    };
+    let (got, data, loader) = run(
+        &sizes,
+        opts,
+        Arc::new(HostEngine::new()),
+        Box::new(HostAllocator),
+    );
+    assert_eq!(got, expected(&sizes, &data));
+    assert_eq!(loader.config().block_size, (512 << 10) - PAGE);
+    let peak = loader.stats().staging_peak.load(Ordering::Relaxed);
+    assert!(peak + 2 * PAGE <= 1 << 20, "{peak}");
+}
