@@ -874,3 +874,40 @@ def test_transformers_from_pretrained_with_load_options_keyset(small, tmp_path):
     assert_same_state(got, LlamaForCausalLM.from_pretrained(plain))
     err = failure(lambda: fastload.transformers.from_pretrained(LlamaForCausalLM, enc))
     assert "keyset" in str(err)
+
+
+def test_an_encrypted_file_to_a_gpu_with_mmap_is_read_not_lent(
+    fake_cuda, plain_file, encrypted, big_keyset, tmp_path
+):
+    # Its pages hold ciphertext: lending them would copy ciphertext to the device. The load
+    # says it could not lend them and decrypts through the ring (on the simulated driver).
+    import cuda_sim
+
+    keyset = tmp_path / "keyset.json"
+    keyset.write_text(big_keyset[0])
+    code = """
+import fastload, torch
+from fastload import _fastload, _torch
+from safetensors.torch import load_file
+enc, plain, keyset = sys.argv[1], sys.argv[2], sys.argv[3]
+def allocate(sizes):
+    ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    return None, [(t, t.data_ptr()) for t in ts]
+s = _fastload.Stream([enc], target="cuda:0", allocate=allocate, method="mmap", keyset=keyset,
+                     block_size="256KiB", memory_limit="4MiB")
+got = {}
+for batch in s:
+    for item in batch:
+        got[item.name] = _torch.from_bytes(item.dtype, item.shape, item.data, enc)
+want = load_file(plain)
+flat = lambda t: t.reshape(-1).view(torch.uint8)
+bad = [n for n in want if n not in got or not torch.equal(flat(got[n]), flat(want[n]))]
+emit(bad=bad, stats=s.stats().as_dict())
+"""
+    log = tmp_path / "log"
+    out = helpers.run_probe(code, encrypted, plain_file, keyset, env=cuda_sim.env(fake_cuda, log))
+    assert out["bad"] == []
+    stats = out["stats"]
+    assert stats["lent_bytes"] == 0 and "cannot be mapped" in stats["lend_refused"], stats
+    counters = cuda_sim.log(log)
+    assert counters.get("calls.cuMemHostRegister", 0) == 0 and counters["violations"] == 0
