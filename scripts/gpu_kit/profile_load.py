@@ -650,12 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     if sim_target:
         merge_sim_logs(Path(sim_target), sim_logs)
     report["seconds"] = time.perf_counter() - started
-    (out_dir / "profile_load.json").write_text(json.dumps(report, indent=1, default=str))
-    errors = {k: v["error"] for k, v in report["rows"].items() if "error" in v}
-    first = _first(report["rows"].get("fastload", {}))
     sums = {f"{name} {ld['load']}": ld["checksum"] for name, row in report["rows"].items()
             for ld in row.get("loads", []) if "checksum" in ld}  # fmt: skip
     report["checksums_agree"] = len(set(sums.values())) <= 1
+    (out_dir / "profile_load.json").write_text(json.dumps(report, indent=1, default=str))
+    errors = {k: v["error"] for k, v in report["rows"].items() if "error" in v}
+    first = _first(report["rows"].get("fastload", {}))
     ok = not errors and bool(first) and report["checksums_agree"]
     details = (
         summary(report["rows"])

@@ -57,7 +57,14 @@ struct Releases {
 const RELEASE_THREADS: usize = 2;
 
 impl Releases {
+    /// Threads for a load that lends; none for one that reads into the ring.
     fn start(shared: &Arc<Shared>) -> Releases {
+        if !shared.lending.load(Ordering::Relaxed) {
+            return Releases {
+                tx: None,
+                threads: Vec::new(),
+            };
+        }
         let (tx, rx) = std_mpsc::channel::<(Staging, Option<OwnedSemaphorePermit>)>();
         let rx = Arc::new(Mutex::new(rx));
         let threads = (0..RELEASE_THREADS)
@@ -90,9 +97,13 @@ impl Releases {
         }
     }
 
+    /// Gives `staging` back on a release thread (here, where there is none).
     fn send(&self, staging: Staging, slot: Option<OwnedSemaphorePermit>) {
-        if let Some(tx) = &self.tx {
-            let _ = tx.send((staging, slot));
+        match &self.tx {
+            Some(tx) => {
+                let _ = tx.send((staging, slot));
+            }
+            None => drop((staging, slot)),
         }
     }
 
