@@ -23,7 +23,7 @@ use crate::per_process::PerProcess;
 
 const ALIGN: usize = 2 << 20;
 
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {

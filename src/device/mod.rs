@@ -84,7 +84,7 @@ pub trait Engine: Send + Sync {
     /// error when the engine cannot: the caller reads into [`Engine::staging`] instead.
     /// An engine into host memory copies from any memory: it takes the mapping as it is.
     fn lend(&self, memory: HostBuffer) -> Result<Staging> {
-        Ok(Staging::over(memory, None))
+        Ok(Staging::over(memory))
     }
     /// A fence after the copies enqueued so far.
     fn record(&self) -> Result<Fence>;
@@ -193,14 +193,14 @@ impl Staging {
         })
     }
 
-    /// Lent memory: `buffer`'s bytes, copied from where they are; `took` to make them usable.
-    fn over(buffer: HostBuffer, took: Option<std::time::Duration>) -> Staging {
+    /// Lent host memory: `buffer`'s bytes, copied from where they are (nothing to set up).
+    fn over(buffer: HostBuffer) -> Staging {
         Staging {
             // A buffer of no bytes has a dangling, never-read address.
             ptr: NonNull::new(buffer.as_ptr()).unwrap_or(NonNull::dangling()),
             len: buffer.len(),
             pinned_in: None,
-            lent_in: Some(took.unwrap_or_default()),
+            lent_in: Some(std::time::Duration::ZERO),
             _memory: StagingMemory::Host(buffer),
         }
     }

@@ -41,8 +41,11 @@ use crate::error::Result;
 use crate::options::{Method, Resolved};
 use crate::plan::Plan;
 
-/// Bytes in a page: the most a lent block's pages span beyond its bytes.
-const PAGE: u64 = 4096;
+/// What a lent block's pages may span beyond its bytes: its start inside a page, and its end
+/// rounded up to a whole page.
+fn lent_spare() -> u64 {
+    2 * crate::memory::page_size() as u64
+}
 
 /// The block size of a staged load: [`Resolved::staged_block_size`], shrunk so the ring has at
 /// least two slots of a block and `spare` bytes.
@@ -131,12 +134,12 @@ const LENDING: &str = "the device copies the files' mapped pages where they are,
 pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let Target { engine, allocator } = target;
     let lending = opts.method == Method::Mmap;
-    let block = block_for(&opts, if lending { PAGE } else { 0 });
+    let block = block_for(&opts, if lending { lent_spare() } else { 0 });
     // The ring counts what a staging buffer really takes, so the limit holds for any block size;
-    // a lent block's pages span at most one page more than its bytes.
+    // a lent block's pages span more than its bytes.
     let mut slot = (engine.staging_size(block as usize) as u64).max(block);
     if lending {
-        slot = slot.max(block + PAGE);
+        slot = slot.max(block + lent_spare());
     }
     let slots = ring_slots(opts.memory_limit, slot, opts.concurrency);
     engine.keep_staging(slots as u64 * slot);
