@@ -29,13 +29,7 @@ def allocate(sizes):  # host tensors stand in for device memory
     ts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
     return None, [(t, t.data_ptr()) for t in ts]
 
-import ctypes
-def calls():  # the simulator's calls so far, in this process
-    fn = ctypes.CDLL("libcuda.so.1").fake_cuda_calls
-    fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int
-    buf = ctypes.create_string_buffer(8192)
-    n = fn(buf, len(buf))
-    return dict((k, int(v)) for k, v in (f.split("=", 1) for f in buf.raw[:n].decode().split()))
+import cuda_sim  # beside helpers: the simulator's calls so far, in this process
 
 runs, bad, held = [], [], []
 want = load_file(ref)
@@ -50,7 +44,7 @@ for _ in range(loads):
         for item in batch:
             got[item.name] = _torch.from_bytes(item.dtype, item.shape, item.data, uri)
         if len(got) == len(want):  # the last tensor is out: no lent page is still registered
-            c = calls()
+            c = cuda_sim.calls()
             held.append(c.get("cuMemHostRegister", 0) - c.get("cuMemHostUnregister", 0))
     runs.append(s.stats().as_dict())
     bad += [n for n in want if n not in got or not same(want[n], got[n])]

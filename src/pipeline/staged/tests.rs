@@ -60,6 +60,11 @@ fn run(
 ) -> (Named, Vec<u8>, Loader) {
     let (file, data) = checkpoint(sizes);
     let mut loader = open(&file, &opts, engine, allocator);
+    (collect(&mut loader), data, loader)
+}
+
+/// Every tensor a staged load delivers, by name.
+fn collect(loader: &mut Loader) -> Named {
     let mut out = Vec::new();
     while let Some(seg) = loader.next_segment() {
         let seg = seg.expect("segment");
@@ -71,7 +76,7 @@ fn run(
         }
     }
     out.sort();
-    (out, data, loader)
+    out
 }
 
 fn expected(sizes: &[usize], data: &[u8]) -> Named {
@@ -575,18 +580,7 @@ fn mmap_lends_pages_that_were_not_cached() {
         Arc::new(HostEngine::new()),
         Box::new(HostAllocator),
     );
-    let mut got = Vec::new();
-    while let Some(seg) = loader.next_segment() {
-        let seg = seg.expect("segment");
-        let Memory::Placed(dest) = seg.memory else {
-            panic!("staged load returned host memory");
-        };
-        for (t, d) in seg.tensors.iter().zip(&dest) {
-            got.push((t.name.clone(), host_bytes(d).unwrap().to_vec()));
-        }
-    }
-    got.sort();
-    assert_eq!(got, expected(&sizes, &data));
+    assert_eq!(collect(&mut loader), expected(&sizes, &data));
     let total: u64 = sizes.iter().map(|&n| n as u64).sum();
     assert_eq!(loader.stats().lent_bytes.load(Ordering::Relaxed), total);
 }
