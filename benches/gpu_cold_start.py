@@ -16,6 +16,8 @@ usable (``torch.cuda.synchronize``):
   keeps against ``memory_limit`` and torch's device memory peak against the tensors' bytes;
 - ``fastload-mmap``: the same with ``method="mmap"``: the files' pages lent to the device
   (registered read-only where they are) and copied with no CPU copy out of the page cache;
+- ``fastload-direct`` (cold only: warm, it reads as ``fastload`` does): ``method="direct"``, the
+  blocks read around the page cache (``O_DIRECT``) straight into the page-locked ring;
 - peers: ``safetensors`` (``load_file(device=)``), ``fastsafetensors`` (``nogds=True``),
   ``instanttensor`` and ``runai`` (runai-model-streamer), where they import (``--peers DIR``: a
   folder their wheels were installed in); a peer that cannot run is reported with why;
@@ -53,6 +55,7 @@ PEERS = ("safetensors", "fastsafetensors", "instanttensor", "runai")
 IMPORTS = {
     "fastload": ["fastload", "fastload._torch"],
     "fastload-mmap": ["fastload", "fastload._torch"],
+    "fastload-direct": ["fastload", "fastload._torch"],
     "parts-tp2": ["fastload", "fastload._torch"],
     "parts-tp8": ["fastload", "fastload._torch"],
     "lazy-tp2": ["fastload", "fastload._lazy"],
@@ -120,7 +123,8 @@ def _fastload_once(job: dict, **options) -> dict:
 def _stats_of(stats: dict) -> dict:
     keys = ("pinned_bytes", "pinned_ms", "staging_peak_bytes", "first_segment_ms", "concurrency",
             "block_size", "memory_limit", "bytes_read", "phases_ms", "part_bytes", "method",
-            "lent_bytes", "lend_refused")  # fmt: skip
+            "method_reason", "lent_bytes", "lend_refused", "direct_bytes",
+            "direct_refused")  # fmt: skip
     return {k: stats[k] for k in keys if k in stats}
 
 
@@ -218,6 +222,7 @@ ROWS = {
     "copy": row_copy,
     "fastload": row_fastload,
     "fastload-mmap": lambda job: row_fastload({**job, "options": {"method": "mmap"}}),
+    "fastload-direct": lambda job: row_fastload({**job, "options": {"method": "direct"}}),
     "safetensors": row_safetensors,
     "fastsafetensors": row_peer(run_fastsafetensors),
     "instanttensor": row_instanttensor,
@@ -283,6 +288,14 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
          ratio("warm fastload-mmap second", "copy"), 0.9),
         ("cold load, mmap / disk O_DIRECT rate",
          ratio("cold fastload-mmap", "disk O_DIRECT"), 0.95),
+    ]  # fmt: skip
+    # And cold with method="direct" (blocks read around the page cache into the ring).
+    rows += [
+        ("cold load, direct / disk O_DIRECT rate",
+         ratio("cold fastload-direct", "disk O_DIRECT"), 0.95),
+        ("cold load, direct / best cold peer",
+         rates.get("cold fastload-direct") / best["cold"]
+         if best["cold"] and rates.get("cold fastload-direct") else None, 1.0),
     ]  # fmt: skip
     for tp in (2, 8):
         for kind in ("parts", "lazy"):
@@ -377,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = rows[(i + rep) % len(rows)]  # rotated: drift hits every row alike
                 if "tp" in row and (cache == "cold" or rep > 0):
                     continue  # the slices' targets are warm ones; one run each keeps it short
+                if row == "fastload-direct" and cache == "warm":
+                    continue  # warm, its blocks are cached: it reads as the fastload row does
                 run(cache, row)
     report.update(summarise(report), complete=True)
     report["seconds"] = time.perf_counter() - started

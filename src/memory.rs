@@ -192,7 +192,7 @@ const SYS_CACHESTAT: libc::c_long = 451;
 /// microsecond. A miss the samples do not catch costs only speed: those pages are read when first
 /// touched instead of in parallel now. Files are evicted and read in long runs, which the samples
 /// do catch. `false` when the kernel cannot say (before Linux 6.5).
-fn in_page_cache(file: &File, offset: u64, len: usize) -> bool {
+pub(crate) fn in_page_cache(file: &File, offset: u64, len: usize) -> bool {
     let page = page_size() as u64;
     let pages = (len as u64).div_ceil(page);
     if pages <= CACHE_SAMPLES {

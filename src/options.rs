@@ -90,6 +90,9 @@ pub enum Method {
     Mmap,
     /// `pread` into reused, pre-faulted anonymous buffers.
     Read,
+    /// Blocks not in the page cache read around it (`O_DIRECT`) straight into aligned buffers;
+    /// cached blocks, and files whose filesystem refuses `O_DIRECT`, read as [`Method::Read`].
+    Direct,
 }
 
 impl Method {
@@ -98,6 +101,7 @@ impl Method {
             Method::Auto => "auto",
             Method::Mmap => "mmap",
             Method::Read => "read",
+            Method::Direct => "direct",
         }
     }
 }
@@ -116,7 +120,10 @@ impl FromStr for Method {
             "auto" => Ok(Method::Auto),
             "mmap" => Ok(Method::Mmap),
             "read" | "pread" => Ok(Method::Read),
-            _ => Err(format!("{s:?} is not a method (use auto, mmap or read)")),
+            "direct" => Ok(Method::Direct),
+            _ => Err(format!(
+                "{s:?} is not a method (use auto, mmap, read or direct)"
+            )),
         }
     }
 }
@@ -350,7 +357,9 @@ pub const METHOD: OptionDef = OptionDef {
     env: Some(ENV_METHOD),
     help: "local read strategy: `auto`, `mmap` (map the file's pages, no copy; to a GPU, the \
            pages lent to the device read-only where they are, see \"GPU\"), `read` \
-           (pread into pooled, pre-faulted buffers; to a GPU, into the page-locked ring)",
+           (pread into pooled, pre-faulted buffers; to a GPU, into the page-locked ring), \
+           `direct` (blocks not in the page cache read around it, `O_DIRECT`, into the buffers \
+           `read` uses; cached blocks as `read`)",
     takers: &[Native, SafeOpen],
 };
 pub const STORAGE_OPTIONS: OptionDef = OptionDef {

@@ -11,7 +11,8 @@ Option inputs, as the native module converts them (``src/python/args.rs``); ``No
   Default 1 GiB.
 - ``names``: any iterable of ``str`` (a bare ``str`` is its characters), duplicates dropped.
   Default: every tensor.
-- ``method``: ``"auto"`` (default), ``"mmap"``, ``"read"`` (or ``"pread"``), any case.
+- ``method``: ``"auto"`` (default), ``"mmap"``, ``"read"`` (or ``"pread"``), ``"direct"``, any
+  case.
 - ``storage_options``: a mapping with ``str`` keys; values are converted with ``str()``, ``bool`` as
   ``"true"``/``"false"``. Default: none (the environment configures object stores).
 - ``cache``: ``True`` (the default directory), ``False`` (off), a ``str`` or ``os.PathLike`` (that
@@ -188,7 +189,7 @@ class Stats:
         """Milliseconds from the start to the first completed segment; ``None`` before it."""
     @property
     def method(self) -> str:
-        """``"mmap"`` or ``"read"``: the method that ran."""
+        """``"mmap"``, ``"read"`` or ``"direct"``: the method that ran."""
     @property
     def method_reason(self) -> str:
         """Why that method ran (asked for, or what ``"auto"`` saw: a local or network filesystem,
@@ -231,6 +232,15 @@ class Stats:
         read-only memory), the rest having been read into staging buffers; ``None`` if it never
         did."""
     @property
+    def direct_bytes(self) -> int:
+        """GPU loads with ``method="direct"``: bytes read around the page cache (``O_DIRECT``)
+        straight into page-locked staging buffers (blocks not in the page cache)."""
+    @property
+    def direct_refused(self) -> str | None:
+        """GPU loads with ``method="direct"``: why the load stopped reading around the page
+        cache (a source that is not a local file, a filesystem that refuses ``O_DIRECT``), the
+        rest having been read through it; ``None`` if it never did."""
+    @property
     def phases_ms(self) -> dict[str, float]:
         """Where the load's time went, in milliseconds: ``consumer_wait`` (the consumer waiting
         for a segment) for every load; staged loads also ``read`` and ``staging_wait`` (reads,
@@ -256,7 +266,7 @@ class ResolvedOptions:
     def memory_limit(self) -> int: ...
     @property
     def method(self) -> str:
-        """``"auto"``, ``"mmap"`` or ``"read"``."""
+        """``"auto"``, ``"mmap"``, ``"read"`` or ``"direct"``."""
     @property
     def names(self) -> list[str] | None:
         """Deduplicated, in the order given; ``None`` for every tensor."""

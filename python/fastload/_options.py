@@ -87,10 +87,14 @@ class Options(TypedDict, total=False):
     with ``ConfigError`` (``option="parts"``) before anything is read.
     ``method``: how local files are read: ``"auto"`` (default, ``FASTLOAD_METHOD``: to CPU, maps
     files on a local filesystem and reads files on network and FUSE filesystems; to a GPU, reads
-    into page-locked staging buffers), ``"mmap"`` or ``"read"``; ``stats()["method_reason"]``
-    says why a method ran. To a GPU, ``"mmap"`` has the device copy the files' mapped pages where
-    they are (page-locked in place, read-only: no copy out of the page cache), falling back to
-    staging buffers where it cannot (``stats()["lend_refused"]`` says why).
+    into page-locked staging buffers), ``"mmap"``, ``"read"`` or ``"direct"``;
+    ``stats()["method_reason"]`` says why a method ran. To a GPU, ``"mmap"`` has the device copy
+    the files' mapped pages where they are (page-locked in place, read-only: no copy out of the
+    page cache), falling back to staging buffers where it cannot (``stats()["lend_refused"]``
+    says why); ``"direct"`` reads blocks that are not in the page cache around it (``O_DIRECT``)
+    straight into the page-locked staging buffers, cached blocks as ``"read"`` does, falling
+    back to ``"read"`` where a file cannot (``stats()["direct_refused"]``; CPU loads read as
+    ``"read"`` does).
     ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)
     that override the environment; values are converted with ``str()``.
     ``cache``: keep a local copy of remote objects, written while they stream: ``True`` (the

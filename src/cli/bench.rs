@@ -270,6 +270,7 @@ fn load_once(
         block_size: resolved.block_size,
         method: loader.method().as_str(),
         lend_refused: loader.stats().lend_refused.get().cloned(),
+        direct_refused: loader.stats().direct_refused.get().cloned(),
         bytes,
         tensors,
         segments,

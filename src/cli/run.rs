@@ -36,6 +36,10 @@ pub(super) struct RunReport {
     /// device and read the rest into staging buffers, if it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lend_refused: Option<String>,
+    /// `--device cuda --method direct`: why the load stopped reading around the page cache and
+    /// read the rest through it, if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub direct_refused: Option<String>,
     pub bytes: u64,
     pub tensors: usize,
     /// The plan's segments: tensors are handed out a segment at a time.
@@ -74,6 +78,7 @@ pub(super) fn sample_run(
         block_size: 8 << 20,
         method,
         lend_refused: None,
+        direct_refused: None,
         bytes: 1000,
         tensors: 2,
         segments: 1,

@@ -205,6 +205,7 @@ impl ModeReport {
         };
         let how = match (self.read_from, method) {
             (ReadFrom::Storage, "mmap") => "mapped, pages read from storage on first touch",
+            (ReadFrom::Storage, "direct") => "read from storage around the page cache into buffers",
             (ReadFrom::Storage, _) => "read from storage into buffers",
             (ReadFrom::PageCache | ReadFrom::LocalCopy, "mmap") => "mapped, nothing copied",
             (ReadFrom::PageCache, _) => "copied out of the page cache",

@@ -247,6 +247,19 @@ impl Staging {
             std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len)
         }
     }
+
+    /// Starts its bytes `lead` bytes in: a block read around the page cache
+    /// ([`crate::source::Source::read_direct`]) fills the aligned span around it, whose first
+    /// bytes come before the block's.
+    pub fn start_at(&mut self, lead: usize) {
+        assert!(lead <= self.len, "a block starting past its staging buffer");
+        // SAFETY: `lead <= len`: inside (or one past) this buffer.
+        #[allow(unsafe_code)]
+        {
+            self.ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(lead)) };
+        }
+        self.len -= lead;
+    }
 }
 
 enum HostJob {

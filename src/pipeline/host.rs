@@ -22,6 +22,16 @@ impl Loader {
     pub fn start(plan: Plan, opts: Resolved) -> Loader {
         let (method, method_reason) = match opts.method {
             Method::Auto => auto_method(&plan),
+            // Reads around the page cache need buffers aligned to the file's pages, which a
+            // segment's tensors (views at their own offsets) are not: that is a GPU load's ring.
+            Method::Direct => (
+                Method::Read,
+                format!(
+                    "{}, but reads around the page cache (O_DIRECT) run in GPU loads only: read \
+                     into pooled buffers",
+                    opts.method_reason
+                ),
+            ),
             m => (m, opts.method_reason.clone()),
         };
         memory::set_pool_limit(opts.memory_limit);

@@ -80,6 +80,11 @@ pub struct Stats {
     /// and read the rest into staging buffers, if it did.
     pub lent_bytes: AtomicU64,
     pub lend_refused: std::sync::OnceLock<String>,
+    /// Staged loads with `method="direct"`: bytes read around the page cache (`O_DIRECT`) into
+    /// staging buffers, and why the load stopped doing so and read the rest through the page
+    /// cache, if it did.
+    pub direct_bytes: AtomicU64,
+    pub direct_refused: std::sync::OnceLock<String>,
     /// Bytes of mapped segments whose pages were all in the page cache already: mapped and
     /// left to fault in on first access, not populated (they count as read too).
     pub bytes_cached: AtomicU64,

@@ -107,7 +107,7 @@ impl FromPyObject<'_, '_> for Concurrency {
 
 /// How local files are read.
 ///
-/// Supported Python input: `"auto"`, `"mmap"`, `"read"` (or `"pread"`), in any case.
+/// Supported Python input: `"auto"`, `"mmap"`, `"read"` (or `"pread"`), `"direct"`, in any case.
 pub struct MethodArg(pub Method);
 
 impl FromPyObject<'_, '_> for MethodArg {

@@ -76,6 +76,10 @@ pub struct Stats {
     /// where they are, and why the load stopped lending them (the rest read into staging).
     pub lent_bytes: u64,
     pub lend_refused: Option<String>,
+    /// Staged loads with `method="direct"`: bytes read around the page cache (`O_DIRECT`), and
+    /// why the load stopped doing so (the rest read through the page cache).
+    pub direct_bytes: u64,
+    pub direct_refused: Option<String>,
     /// Where the load's time went, in milliseconds (`pipeline::Stats`): `consumer_wait` for
     /// every load; for staged loads also `read` and `staging_wait` (added up over the reads in
     /// flight), `ring_wait`, `alloc`, `copy`, `copy_idle` and `fence_wait`, and `lend` (mapping
@@ -108,6 +112,8 @@ impl Stats {
             bytes_cached: s.bytes_cached.load(Relaxed),
             lent_bytes: s.lent_bytes.load(Relaxed),
             lend_refused: s.lend_refused.get().cloned(),
+            direct_bytes: s.direct_bytes.load(Relaxed),
+            direct_refused: s.direct_refused.get().cloned(),
             phases_ms: phases(s),
         }
     }
@@ -158,6 +164,8 @@ impl Stats {
             bytes_cached,
             lent_bytes,
             lend_refused,
+            direct_bytes,
+            direct_refused,
             phases_ms
         );
         Ok(d)

@@ -106,7 +106,7 @@ pub struct ResolvedOptions {
     concurrency: usize,
     block_size: u64,
     memory_limit: u64,
-    /// `"auto"`, `"mmap"` or `"read"`.
+    /// `"auto"`, `"mmap"`, `"read"` or `"direct"`.
     method: &'static str,
     /// Deduplicated, in the order given; `None` for every tensor.
     names: Option<Vec<String>>,

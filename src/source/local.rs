@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
-use super::Source;
+use super::{DirectRead, Source};
 use crate::error::{Error, Result};
 use crate::format::{check_folder, index_shard_names, FormatError, INDEX_FILE};
 use crate::memory::HostBuffer;
@@ -121,6 +121,55 @@ impl Source for LocalFile {
             self.reopen()
                 .and_then(|file| HostBuffer::map_file(&file, offset, len, &self.name)),
         )
+    }
+
+    fn read_direct(&self, offset: u64, dst: &mut [u8]) -> Result<DirectRead> {
+        let align = super::direct_align();
+        debug_assert!(
+            offset % align as u64 == 0
+                && dst.len() % align == 0
+                && dst.as_ptr() as usize % align == 0,
+            "an unaligned read around the page cache"
+        );
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_DIRECT)
+            .open(&self.path)
+        {
+            Ok(file) => file,
+            // What filesystems without direct I/O (tmpfs, some FUSE) answer.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                return Ok(DirectRead::Refused(format!(
+                    "its filesystem refuses O_DIRECT ({e})"
+                )))
+            }
+            Err(e) => return Err(Error::io(&self.name, e)),
+        };
+        let meta = file.metadata().map_err(|e| Error::io(&self.name, e))?;
+        self.same_file(&meta)?;
+        if crate::memory::in_page_cache(&file, offset, dst.len()) {
+            return Ok(DirectRead::Cached);
+        }
+        let mut done = 0usize;
+        while done < dst.len() {
+            match file.read_at(&mut dst[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => {
+                    done += n;
+                    if n % align != 0 {
+                        break; // the file's end: direct reads past it come back short
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if done == 0 && e.raw_os_error() == Some(libc::EINVAL) => {
+                    return Ok(DirectRead::Refused(format!(
+                        "its filesystem refused a read with O_DIRECT ({e})"
+                    )))
+                }
+                Err(e) => return Err(Error::io(&self.name, e)),
+            }
+        }
+        Ok(DirectRead::Read(done))
     }
 
     fn check_unchanged(&self) -> Result<()> {

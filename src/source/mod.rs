@@ -102,6 +102,18 @@ pub trait Source: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Reads `dst.len()` bytes at `offset` around the page cache (`O_DIRECT`), straight into
+    /// `dst`: `offset`, `dst.len()` and `dst`'s address are multiples of [`direct_align`]. What
+    /// it read ([`DirectRead::Read`], fewer bytes only at the end of the file), or why the range
+    /// is better read with [`Source::read_into`]: its pages are in the page cache, or this source
+    /// has no such read (not a local file, a filesystem that refuses `O_DIRECT`). Blocks its
+    /// thread, as file reads do ([`Source::reads_block`]).
+    fn read_direct(&self, _offset: u64, _dst: &mut [u8]) -> Result<DirectRead> {
+        Ok(DirectRead::Refused(
+            "not a local file (only a file's reads can go around the page cache)".into(),
+        ))
+    }
+
     /// Checks that the source still holds the bytes it had when its header was read. Called
     /// after a mapping's pages were faulted in: a file cut short meanwhile reads as zeros (or
     /// faults) past its new end, with no error from the mapping itself.
@@ -149,6 +161,33 @@ pub trait Source: Send + Sync + fmt::Debug {
             id.size, id.etag, id.sha256
         ))
     }
+}
+
+/// What [`Source::read_direct`] did.
+#[derive(Debug)]
+pub enum DirectRead {
+    /// Read around the page cache: this many bytes.
+    Read(usize),
+    /// The range's pages are all in the page cache: a copy from there beats the disk.
+    Cached,
+    /// This source cannot read around the page cache, and why.
+    Refused(String),
+}
+
+/// What reads around the page cache align their offsets, lengths and buffers to: the page size,
+/// a multiple of every storage device's logical block size that Linux runs on (512 or 4096).
+pub fn direct_align() -> usize {
+    crate::memory::page_size()
+}
+
+/// The aligned span around `len` bytes at `at`, for [`Source::read_direct`]: its start, where
+/// the bytes begin in it (`lead`, under one [`direct_align`]), and its length (at most `len`
+/// plus two aligned units).
+pub fn direct_span(at: u64, len: u64) -> (u64, usize, usize) {
+    let align = direct_align() as u64;
+    let start = at / align * align;
+    let end = (at + len).div_ceil(align) * align;
+    (start, (at - start) as usize, (end - start) as usize)
 }
 
 /// One safetensors file or object, opened, with its validated header.

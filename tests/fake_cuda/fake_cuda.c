@@ -789,7 +789,9 @@ CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
         pthread_mutex_unlock(&pinning);
     }
     struct pinned *pin = calloc(1, sizeof *pin);
-    void *mem = malloc(len ? len : 1);
+    /* Whole pages, as the driver's page-locked memory is (reads around the page cache need it). */
+    void *mem = NULL;
+    if (posix_memalign(&mem, (size_t)sysconf(_SC_PAGESIZE), len ? len : 1) != 0) mem = NULL;
     if (!pin || !mem) {
         free(pin);
         free(mem);

@@ -328,6 +328,28 @@ def test_cold_start_bench_runs_without_a_gpu(tmp_path):
     assert "targets:" in proc.stdout
 
 
+def test_cold_start_runs_method_direct_cold_only(tmp_path):
+    # The fastload-direct row runs cold (warm, its blocks are cached and it reads as the
+    # fastload row does); on the harness without a device it loads to the CPU, which reads.
+    out = tmp_path / "cold.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benches" / "gpu_cold_start.py"), "--device", "cpu",
+         "--size", "4MiB", "--cache", "warm,cold", "--reps", "1", "--rows",
+         "fastload,fastload-direct", "--ckpt-dir", str(tmp_path), "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    runs = sorted((r["cache"], r["row"]) for r in report["rows"])
+    assert runs == [("cold", "fastload"), ("cold", "fastload-direct"), ("warm", "fastload")]
+    direct = next(r for r in report["rows"] if r["row"] == "fastload-direct")
+    assert direct["bytes"] == report["bytes"]
+    assert "GPU loads only" in direct["stats"]["method_reason"]
+    verdicts = {v["target"]: v for v in report["verdicts"]}
+    assert verdicts["cold load, direct / disk O_DIRECT rate"]["ratio"] is not None
+    assert "cold load, direct / disk O_DIRECT rate" in proc.stdout
+
+
 def test_storage_to_gpu_table_takes_the_cold_start_rates(tmp_path):
     # Without pinned_h2d, the cold_start check's own copy rate is what the rows are a fraction
     # of; the disk's rate is a cold row, rows not measured are left out.

@@ -24,6 +24,7 @@
 //! never wait behind a segment that cannot start.
 
 mod copy;
+mod direct;
 mod lend;
 #[cfg(test)]
 mod tests;
@@ -41,9 +42,9 @@ use crate::error::Result;
 use crate::options::{Method, Resolved};
 use crate::plan::Plan;
 
-/// What a lent block's pages may span beyond its bytes: its start inside a page, and its end
-/// rounded up to a whole page.
-fn lent_spare() -> u64 {
+/// What a block's pages may span beyond its bytes (its start inside a page, and its end rounded
+/// up to a whole page): a lent block's pages, a direct read's aligned span.
+fn span_spare() -> u64 {
     2 * crate::memory::page_size() as u64
 }
 
@@ -79,6 +80,9 @@ struct Shared {
     /// `method="mmap"`: blocks are the files' mapped pages lent to the engine
     /// ([`Engine::lend`]) rather than read into staging buffers, until a block cannot be.
     lending: AtomicBool,
+    /// `method="direct"`: blocks not in the page cache are read around it ([`direct`]), until a
+    /// source cannot be.
+    direct: AtomicBool,
 }
 
 /// When this load was allocating page-locked staging memory: the intervals of the allocations
@@ -127,6 +131,10 @@ struct Block {
     _slot: Option<OwnedSemaphorePermit>,
 }
 
+/// What `method="direct"` does in a staged load, as `stats()["method_reason"]` says it.
+const DIRECT: &str = "blocks not in the page cache are read around it (O_DIRECT) into page-locked \
+                      staging buffers, cached blocks copied out of it";
+
 /// What `method="mmap"` does in a staged load, as `stats()["method_reason"]` says it.
 const LENDING: &str = "the device copies the files' mapped pages where they are, page-locked in \
                        place (no copy out of the page cache)";
@@ -134,13 +142,14 @@ const LENDING: &str = "the device copies the files' mapped pages where they are,
 pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let Target { engine, allocator } = target;
     let lending = opts.method == Method::Mmap;
-    let block = block_for(&opts, if lending { lent_spare() } else { 0 });
+    let direct = opts.method == Method::Direct;
+    let spare = if lending || direct { span_spare() } else { 0 };
+    let block = block_for(&opts, spare);
+    // A direct read's buffer takes the aligned span around its block.
+    let buffer = block + if direct { spare } else { 0 };
     // The ring counts what a staging buffer really takes, so the limit holds for any block size;
     // a lent block's pages span more than its bytes.
-    let mut slot = (engine.staging_size(block as usize) as u64).max(block);
-    if lending {
-        slot = slot.max(block + lent_spare());
-    }
+    let slot = (engine.staging_size(buffer as usize) as u64).max(block + spare);
     let slots = ring_slots(opts.memory_limit, slot, opts.concurrency);
     engine.keep_staging(slots as u64 * slot);
     crate::memory::set_pool_limit(opts.memory_limit);
@@ -148,12 +157,15 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         semaphore: Arc::new(Semaphore::new(slots)),
         slots,
         block,
+        buffer,
     };
     let budget = Budget::new(opts.memory_limit);
     let target_name = engine.name();
     // What runs: staging buffers read whole blocks of `block` bytes, or the blocks' pages lent.
     let (method, method_reason) = if lending {
         (Method::Mmap, format!("{}: {LENDING}", opts.method_reason))
+    } else if direct {
+        (Method::Direct, format!("{}: {DIRECT}", opts.method_reason))
     } else {
         let why = "staged loads read into page-locked staging buffers";
         (Method::Read, why.to_string())
@@ -173,6 +185,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         feed: feed.clone(),
         pinning: Mutex::new(Pinning::default()),
         lending: AtomicBool::new(lending),
+        direct: AtomicBool::new(direct),
     });
     let copy_tx = copy::spawn(&shared, allocator);
     let driver = Driver {
@@ -192,11 +205,13 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     loader
 }
 
-/// The staging ring: `slots` buffers of `block` bytes.
+/// The staging ring: `slots` buffers for blocks of `block` bytes, each `buffer` bytes (a direct
+/// read's buffer takes the aligned span around its block).
 struct Ring {
     semaphore: Arc<Semaphore>,
     slots: usize,
     block: u64,
+    buffer: u64,
 }
 
 /// The driver's landing in a staged load: blocks are read into staging buffers of the ring and
@@ -263,13 +278,18 @@ impl Landing for Staged {
             }
         }
         // Page-locking new memory can take long: off the runtime's workers.
-        let (engine, block) = (shared.engine.clone(), self.ring.block as usize);
+        let (engine, block) = (shared.engine.clone(), self.ring.buffer as usize);
         let waiting = Instant::now();
         let mut staging =
             super::beside_reads(shard.source.as_ref(), move || engine.staging(block)).await?;
         add_since(&shared.feed.stats.staging_wait_ns, waiting);
         if let Some(took) = staging.pinned_in() {
             shared.pinned(took, staging.len());
+        }
+        if shared.direct.load(Ordering::Relaxed)
+            && direct::block(shared, shard, seg.start + off, len, &mut staging)?
+        {
+            return Ok(staging);
         }
         let reading = Instant::now();
         shard

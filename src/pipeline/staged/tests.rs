@@ -601,7 +601,189 @@ fn lent_blocks_leave_room_for_the_page_they_may_span_within_the_memory_limit() {
         Box::new(HostAllocator),
     );
     assert_eq!(got, expected(&sizes, &data));
-    assert_eq!(loader.config().block_size, (512 << 10) - lent_spare());
+    assert_eq!(loader.config().block_size, (512 << 10) - span_spare());
     let peak = loader.stats().staging_peak.load(Ordering::Relaxed);
-    assert!(peak + 2 * lent_spare() <= 1 << 20, "{peak}");
+    assert!(peak + 2 * span_spare() <= 1 << 20, "{peak}");
+}
+
+/// Drops `file`'s pages from the page cache (written back first).
+#[allow(unsafe_code)]
+fn evict(file: &std::fs::File) {
+    use std::os::unix::io::AsRawFd;
+    file.sync_all().unwrap();
+    // SAFETY: an open descriptor and plain integers.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0);
+}
+
+fn direct_opts(block: u64, limit: u64) -> LoadOptions {
+    LoadOptions {
+        method: Method::Direct,
+        ..opts(block, limit)
+    }
+}
+
+/// A host engine that runs `hook` with the number of each staging buffer asked of it (from 1),
+/// and hands out buffers one byte off the page grid when `misaligned`.
+struct Stagings {
+    inner: HostEngine,
+    asked: AtomicUsize,
+    misaligned: bool,
+    hook: Box<dyn Fn(usize) + Send + Sync>,
+}
+
+impl Stagings {
+    fn new(misaligned: bool, hook: impl Fn(usize) + Send + Sync + 'static) -> Arc<Stagings> {
+        Arc::new(Stagings {
+            inner: HostEngine::new(),
+            asked: AtomicUsize::new(0),
+            misaligned,
+            hook: Box::new(hook),
+        })
+    }
+
+    /// One whose first staging buffer is asked for after the headers were read: the file at
+    /// `path` is evicted from the page cache then (the header's read brought some of it in).
+    fn evicting(path: &std::path::Path, misaligned: bool) -> Arc<Stagings> {
+        let path = path.to_path_buf();
+        // Blocks read side by side wait here until the file is out.
+        let once = std::sync::Once::new();
+        Stagings::new(misaligned, move |_| {
+            once.call_once(|| evict(&std::fs::File::open(&path).unwrap()));
+        })
+    }
+}
+
+impl Engine for Stagings {
+    fn name(&self) -> String {
+        "stagings".into()
+    }
+    fn staging(&self, len: usize) -> Result<Staging> {
+        (self.hook)(self.asked.fetch_add(1, Ordering::SeqCst) + 1);
+        if !self.misaligned {
+            return self.inner.staging(len);
+        }
+        let mut staging = self.inner.staging(len + 1)?;
+        staging.start_at(1);
+        Ok(staging)
+    }
+    #[allow(unsafe_code)]
+    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.inner.copy(dst, src, len)
+    }
+    fn record(&self) -> Result<Fence> {
+        self.inner.record()
+    }
+    fn wait(&self, fence: Fence) -> Result<()> {
+        self.inner.wait(fence)
+    }
+}
+
+#[test]
+fn direct_reads_uncached_blocks_around_the_page_cache_bitwise() {
+    // Tensors that start and end inside pages, pieces of large ones, empty ones: every block's
+    // aligned span is read, and the block is taken from `lead` bytes into it.
+    let sizes = [3, 0, 4096, 70_000, 0, 1, 1 << 20, 5000, 12_345, 0, 777_777];
+    let (file, data) = checkpoint(&sizes);
+    let engine = Stagings::evicting(file.path(), false);
+    let opts = direct_opts(64 << 10, 1 << 20);
+    let mut loader = open(&file, &opts, engine, Box::new(HostAllocator));
+    assert_eq!(collect(&mut loader), expected(&sizes, &data));
+    let stats = loader.stats();
+    let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+    assert_eq!(stats.bytes_copied.load(Ordering::Relaxed), total);
+    assert!(
+        stats.direct_refused.get().is_none(),
+        "{:?}",
+        stats.direct_refused
+    );
+    assert_eq!(stats.direct_bytes.load(Ordering::Relaxed), total);
+    assert_eq!(loader.method(), Method::Direct);
+    assert!(loader.config().method_reason.contains("O_DIRECT"));
+    // Around the page cache: the reads left none of the file's pages there.
+    let block = crate::memory::in_page_cache(file.as_file(), 512 << 10, 64 << 10);
+    assert!(!block, "direct reads went through the page cache");
+}
+
+#[test]
+fn direct_copies_cached_blocks_out_of_the_page_cache() {
+    let sizes = [70_000, 1 << 20, 5000];
+    let (file, data) = checkpoint(&sizes);
+    let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+    let mut loader = open_host(
+        &file,
+        &direct_opts(64 << 10, 1 << 20),
+        Box::new(HostAllocator),
+    );
+    assert_eq!(collect(&mut loader), expected(&sizes, &data));
+    let direct = loader.stats().direct_bytes.load(Ordering::Relaxed);
+    // A kernel that cannot say what is cached (before Linux 6.5) has every block read around it.
+    let known = crate::memory::in_page_cache(file.as_file(), 0, 4096);
+    assert_eq!(direct, if known { 0 } else { total });
+}
+
+#[test]
+fn a_block_that_cannot_be_read_directly_stops_direct_reads() {
+    // Buffers off the page grid cannot take a direct read: the first block says so, and that
+    // block and the rest are read as method="read" reads them.
+    let sizes = [70_000, 1 << 20, 5000, 300_000];
+    let (file, data) = checkpoint(&sizes);
+    let engine = Stagings::evicting(file.path(), true);
+    let mut loader = open(
+        &file,
+        &direct_opts(64 << 10, 1 << 20),
+        engine,
+        Box::new(HostAllocator),
+    );
+    assert_eq!(collect(&mut loader), expected(&sizes, &data));
+    let stats = loader.stats();
+    assert_eq!(stats.direct_bytes.load(Ordering::Relaxed), 0);
+    let refused = stats.direct_refused.get().expect("a reason");
+    assert!(
+        refused.contains("cannot take the aligned span"),
+        "{refused}"
+    );
+    assert!(refused.contains("read through the page cache"), "{refused}");
+}
+
+#[test]
+fn a_file_cut_short_before_a_direct_read_is_an_error_not_wrong_bytes() {
+    let sizes = [70_000, 100_000, 5000, 300_000];
+    let (file, data) = checkpoint(&sizes);
+    let path = file.path().to_path_buf();
+    let size = std::fs::metadata(&path).unwrap().len();
+    // Before the third block's read: the file loses its last bytes and is evicted.
+    let engine = Stagings::new(false, move |n| {
+        if n == 3 {
+            let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            file.set_len(size - 1).unwrap();
+            evict(&file);
+        }
+    });
+    let opts = LoadOptions {
+        concurrency: Some(1),
+        ..direct_opts(16 << 10, 1 << 20)
+    };
+    let mut loader = open(&file, &opts, engine, Box::new(HostAllocator));
+    let want = expected(&sizes, &data);
+    let mut error = None;
+    while let Some(seg) = loader.next_segment() {
+        match seg {
+            Ok(seg) => {
+                let Memory::Placed(dest) = seg.memory else {
+                    panic!("staged load returned host memory");
+                };
+                for (t, d) in seg.tensors.iter().zip(&dest) {
+                    let (_, bytes) = want.iter().find(|(n, _)| *n == t.name).unwrap();
+                    assert_eq!(host_bytes(d).unwrap(), &bytes[..], "{}", t.name);
+                }
+            }
+            Err(e) => {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let error = error.expect("the load failed");
+    assert!(error.contains("truncated"), "{error}");
 }
