@@ -257,8 +257,8 @@ pub fn release_pool() -> u64 {
 enum Kind {
     /// Zero bytes: nothing allocated.
     Empty,
-    /// From the anonymous pool; `cap` bytes mapped at `ptr`.
-    Anon { cap: usize },
+    /// From the anonymous pool; `cap` bytes mapped `lead` bytes before `ptr`.
+    Anon { cap: usize, lead: usize },
     /// A private file mapping of `map_len` bytes at `base`; `ptr` points inside it.
     Mapped { base: usize, map_len: usize },
 }
@@ -279,6 +279,14 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     /// An anonymous buffer of `len` bytes, reused from the pool when one fits.
     pub fn alloc(len: usize) -> Result<HostBuffer> {
+        HostBuffer::alloc_at(0, len)
+    }
+
+    /// An anonymous buffer of `len` bytes that starts `lead` bytes (under a page) into its
+    /// allocation, which has room for a page after them too: the aligned span around bytes of a
+    /// file at an offset `lead` past a page boundary, for reads around the page cache
+    /// ([`HostBuffer::span_mut`]).
+    pub fn alloc_at(lead: usize, len: usize) -> Result<HostBuffer> {
         if len == 0 {
             return Ok(HostBuffer {
                 ptr: NonNull::dangling(),
@@ -287,7 +295,8 @@ impl HostBuffer {
                 fresh: AtomicBool::new(false),
             });
         }
-        let cap = len.div_ceil(ALIGN) * ALIGN;
+        let room = if lead > 0 { lead + page_size() } else { 0 };
+        let cap = (len + room).div_ceil(ALIGN) * ALIGN;
         let taken = POOL.lock().take(cap)?;
         let (addr, fresh) = match taken {
             Taken::Whole(addr) => (addr, false),
@@ -295,9 +304,11 @@ impl HostBuffer {
             Taken::Nothing => (map_anonymous(cap)?, true),
         };
         Ok(HostBuffer {
-            ptr: NonNull::new(addr as *mut u8).expect("mapped address is not null"),
+            // SAFETY: `lead < cap`: inside the mapping.
+            ptr: NonNull::new(unsafe { (addr as *mut u8).add(lead) })
+                .expect("mapped address is not null"),
             len,
-            kind: Kind::Anon { cap },
+            kind: Kind::Anon { cap, lead },
             fresh: AtomicBool::new(fresh),
         })
     }
@@ -456,6 +467,21 @@ impl HostBuffer {
         std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len)
     }
 
+    /// A mutable view of `len` bytes at `at` of the allocation around an anonymous buffer, which
+    /// starts [`HostBuffer::alloc_at`]'s `lead` bytes before the buffer: where a read around the
+    /// page cache puts an aligned span.
+    ///
+    /// # Safety
+    /// As [`HostBuffer::slice_mut`]: no other live reference may overlap this range.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn span_mut(&self, at: usize, len: usize) -> &mut [u8] {
+        let Kind::Anon { cap, lead } = self.kind else {
+            panic!("a span of memory that is not an anonymous buffer");
+        };
+        assert!(at + len <= cap, "span outside the allocation");
+        std::slice::from_raw_parts_mut(self.ptr.as_ptr().sub(lead).add(at), len)
+    }
+
     /// The whole buffer, for reading once all writes are done.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the memory is valid for `len` bytes while `self` lives; callers read only after
@@ -469,8 +495,8 @@ impl Drop for HostBuffer {
         match self.kind {
             Kind::Empty => {}
             Kind::Mapped { base, map_len } => unmap(base, map_len),
-            Kind::Anon { cap } => {
-                let addr = self.ptr.as_ptr() as usize;
+            Kind::Anon { cap, lead } => {
+                let addr = self.ptr.as_ptr() as usize - lead;
                 if self.is_fresh() {
                     // Some pages may never have been faulted in: not worth keeping.
                     unmap(addr, cap);

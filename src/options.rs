@@ -358,8 +358,8 @@ pub const METHOD: OptionDef = OptionDef {
     help: "local read strategy: `auto`, `mmap` (map the file's pages, no copy; to a GPU, the \
            pages lent to the device read-only where they are, see \"GPU\"), `read` \
            (pread into pooled, pre-faulted buffers; to a GPU, into the page-locked ring), \
-           `direct` (to a GPU, blocks not in the page cache read around it, `O_DIRECT`, into \
-           the page-locked ring; cached blocks, and loads to CPU, as `read`)",
+           `direct` (blocks not in the page cache read around it, `O_DIRECT`, into the \
+           buffers `read` uses; cached blocks as `read`)",
     takers: &[Native, SafeOpen],
 };
 pub const STORAGE_OPTIONS: OptionDef = OptionDef {

@@ -1,9 +1,10 @@
-"""GPU loads with ``method="direct"``: blocks that are not in the page cache are read around it
-(``O_DIRECT``) straight into the page-locked staging buffers, with no copy out of the page cache;
-cached blocks are copied out of it as ``method="read"`` does; a file that cannot be read that way
-has the rest of the load read through the page cache, and ``stats()["direct_refused"]`` says
-why. On the simulated driver (tests/fake_cuda/fake_cuda.c: copies only from page-locked memory
-it handed out), and ``gpu``-marked on a real device (the GPU kit runs it).
+"""Loads with ``method="direct"``: blocks that are not in the page cache are read around it
+(``O_DIRECT``) straight into the page-locked staging buffers (to CPU: the pooled buffers), with
+no copy out of the page cache; cached blocks are copied out of it as ``method="read"`` does; a
+file that cannot be read that way has the rest of the load read through the page cache, and
+``stats()["direct_refused"]`` says why. To a GPU on the simulated driver
+(tests/fake_cuda/fake_cuda.c: copies only from page-locked memory it handed out) and
+``gpu``-marked on a real device (the GPU kit runs it); to CPU as it is.
 """
 
 from __future__ import annotations
@@ -88,13 +89,15 @@ def test_direct_reads_a_cold_file_around_the_page_cache(fake_cuda, cold_file, tm
 
 def test_direct_copies_a_warm_file_out_of_the_page_cache(fake_cuda, cold_file, tmp_path):
     cold_file.read_bytes()  # every page cached
+    before = cached_bytes(cold_file)
     out, counters = _load(fake_cuda, tmp_path, str(cold_file), str(cold_file))
     assert out["bad"] == []
     stats = out["stats"]
     assert stats["method"] == "direct" and stats["direct_refused"] is None, stats
     assert stats["bytes_copied"] == stats["total_bytes"]
     # A kernel that cannot say what is cached (before Linux 6.5) reads every block around it.
-    assert stats["direct_bytes"] in (0, stats["total_bytes"]), stats
+    cached = f"{before} of {cold_file.stat().st_size} bytes cached before the load"
+    assert stats["direct_bytes"] in (0, stats["total_bytes"]), (cached, stats)
     assert counters["violations"] == 0, counters
 
 
@@ -110,16 +113,73 @@ def test_objects_are_read_through_the_page_cache(fake_cuda, http_store, dtypes_f
     assert counters["violations"] == 0, counters
 
 
-def test_cpu_loads_read_with_method_direct(cold_file):
+@pytest.mark.parametrize("block", ["8MiB", "64KiB"])
+def test_cpu_loads_read_a_cold_file_around_the_page_cache(cold_file, block):
+    # Into pooled buffers that sit in their allocation as each segment sits in the file's
+    # pages: a block's span may reach before the segment (its first) or past it (its last).
     evict(cold_file)
+    with fastload.stream(cold_file, method="direct", block_size=block) as s:
+        got = dict(s)
+        stats = s.stats()
+    past_first_block = cached_bytes(cold_file, 4 * MiB)
+    assert stats["method"] == "direct" and "O_DIRECT" in stats["method_reason"], stats
+    assert stats["direct_refused"] is None, stats
+    # Blocks inside the header's read (256 KiB, read without read-ahead) are copied out of the
+    # page cache; every other one went around it.
+    assert stats["total_bytes"] - stats["direct_bytes"] <= 256 << 10, stats
+    assert past_first_block == 0, past_first_block
+    want = reference(cold_file)
+    assert sorted(got) == sorted(want)
+    for name, ref in want.items():
+        assert_same_tensor(got[name], ref, name)
+
+
+def test_cpu_loads_copy_a_warm_file_out_of_the_page_cache(cold_file):
+    cold_file.read_bytes()
     with fastload.stream(cold_file, method="direct") as s:
         got = dict(s)
         stats = s.stats()
-    assert stats["method"] == "read", stats
-    assert "GPU loads only" in stats["method_reason"], stats
-    want = reference(cold_file)
-    for name, ref in want.items():
+    # A kernel that cannot say what is cached (before Linux 6.5) reads every block around it.
+    assert stats["direct_bytes"] in (0, stats["total_bytes"]), stats
+    for name, ref in reference(cold_file).items():
         assert_same_tensor(got[name], ref, name)
+
+
+def test_a_block_size_off_the_page_grid_reads_through_the_page_cache(cold_file):
+    evict(cold_file)
+    with fastload.stream(cold_file, method="direct", block_size=1_000_000) as s:
+        got = dict(s)
+        stats = s.stats()
+    assert stats["method"] == "read" and "not whole pages" in stats["method_reason"], stats
+    for name, ref in reference(cold_file).items():
+        assert_same_tensor(got[name], ref, name)
+
+
+def test_cpu_loads_of_objects_are_read_through_the_page_cache(http_store, dtypes_file):
+    uri = http_store.uri("all.safetensors")
+    with fastload.stream(uri, method="direct", block_size="4KiB") as s:
+        got = dict(s)
+        stats = s.stats()
+    assert stats["direct_bytes"] == 0
+    assert "not a local file" in stats["direct_refused"], stats
+    for name, ref in reference(dtypes_file).items():
+        assert_same_tensor(got[name], ref, name)
+
+
+def test_a_file_cut_short_before_its_direct_reads_is_an_error(tmp_path, cold_file):
+    # The header is read, then the file loses its tail: the reads fail, never zeros.
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(cold_file.read_bytes())
+    s = fastload.stream(
+        path, method="direct", block_size="64KiB", concurrency=1, memory_limit="1MiB"
+    )
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 4096)
+    evict(path)
+    with pytest.raises(fastload.FastloadError) as info, s:
+        for _ in s:
+            pass
+    assert "truncated" in str(info.value) and str(path) in str(info.value)
 
 
 def test_cli_bench_reads_around_the_page_cache_with_method_direct(fake_cuda, gil_file, tmp_path):

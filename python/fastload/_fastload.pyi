@@ -233,11 +233,12 @@ class Stats:
         did."""
     @property
     def direct_bytes(self) -> int:
-        """GPU loads with ``method="direct"``: bytes read around the page cache (``O_DIRECT``)
-        straight into page-locked staging buffers (blocks not in the page cache)."""
+        """Loads with ``method="direct"``: bytes read around the page cache (``O_DIRECT``)
+        straight into page-locked staging buffers, or to CPU pooled buffers (blocks not in the
+        page cache)."""
     @property
     def direct_refused(self) -> str | None:
-        """GPU loads with ``method="direct"``: why the load stopped reading around the page
+        """Loads with ``method="direct"``: why the load stopped reading around the page
         cache (a source that is not a local file, a filesystem that refuses ``O_DIRECT``), the
         rest having been read through it; ``None`` if it never did."""
     @property

@@ -91,10 +91,10 @@ class Options(TypedDict, total=False):
     ``stats()["method_reason"]`` says why a method ran. To a GPU, ``"mmap"`` has the device copy
     the files' mapped pages where they are (page-locked in place, read-only: no copy out of the
     page cache), falling back to staging buffers where it cannot (``stats()["lend_refused"]``
-    says why); ``"direct"`` reads blocks that are not in the page cache around it (``O_DIRECT``)
-    straight into the page-locked staging buffers, cached blocks as ``"read"`` does, falling
-    back to ``"read"`` where a file cannot (``stats()["direct_refused"]``; CPU loads read as
-    ``"read"`` does).
+    says why). ``"direct"`` reads blocks that are not in the page cache around it (``O_DIRECT``)
+    straight into the buffers ``"read"`` uses (to a GPU, the page-locked staging buffers),
+    cached blocks as ``"read"`` does, falling back to ``"read"`` where a file cannot
+    (``stats()["direct_refused"]`` says why).
     ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)
     that override the environment; values are converted with ``str()``.
     ``cache``: keep a local copy of remote objects, written while they stream: ``True`` (the

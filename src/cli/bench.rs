@@ -47,8 +47,8 @@ pub(super) struct BenchArgs {
     /// How local files are read: auto (the loader picks), mmap (map the file and fault pages in
     /// from several threads; with a GPU device, lend the file's pages to it where they are),
     /// read (pread into reused buffers; with a GPU device, into the page-locked ring) or direct
-    /// (with a GPU device, blocks not in the page cache read around it, O_DIRECT, into the
-    /// page-locked ring; on cpu, as read) [default: $FASTLOAD_METHOD, else auto]
+    /// (blocks not in the page cache read around it, O_DIRECT, into the buffers read uses)
+    /// [default: $FASTLOAD_METHOD, else auto]
     #[arg(
         long,
         value_name = "METHOD",

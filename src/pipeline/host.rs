@@ -3,11 +3,12 @@
 //! pooled memory its blocks are read into; the tensors are views of it. Segments whose pages are
 //! all in the page cache are handed over before the driver starts ([`publish_cached`]).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::OwnedSemaphorePermit;
 
+use super::direct::Direct;
 use super::driver::{Budget, Driver, Landing};
 use super::{beside_reads, Feed, Loaded, Loader, Memory};
 use crate::error::Result;
@@ -22,16 +23,16 @@ impl Loader {
     pub fn start(plan: Plan, opts: Resolved) -> Loader {
         let (method, method_reason) = match opts.method {
             Method::Auto => auto_method(&plan),
-            // Reads around the page cache need buffers aligned to the file's pages, which a
-            // segment's tensors (views at their own offsets) are not: that is a GPU load's ring.
-            Method::Direct => (
+            // Blocks cut off the page grid would share pages that two reads both write.
+            Method::Direct if opts.block_size % source::direct_align() as u64 != 0 => (
                 Method::Read,
                 format!(
-                    "{}, but reads around the page cache (O_DIRECT) run in GPU loads only: read \
-                     into pooled buffers",
-                    opts.method_reason
+                    "{}, but block_size={} is not whole pages, which reads around the page \
+                     cache need: read into pooled buffers",
+                    opts.method_reason, opts.block_size
                 ),
             ),
+            Method::Direct => (Method::Direct, format!("{}: {DIRECT}", opts.method_reason)),
             m => (m, opts.method_reason.clone()),
         };
         memory::set_pool_limit(opts.memory_limit);
@@ -50,6 +51,7 @@ impl Loader {
             let host = Host {
                 plan: loader.plan.clone(),
                 method: opts.method,
+                direct: AtomicBool::new(opts.method == Method::Direct),
                 feed: feed.clone(),
             };
             let driver = Driver {
@@ -68,10 +70,17 @@ impl Loader {
     }
 }
 
+/// What `method="direct"` does in a load to host memory, as `stats()["method_reason"]` says it.
+const DIRECT: &str = "blocks not in the page cache are read around it (O_DIRECT) into pooled \
+                      buffers, cached blocks copied out of it";
+
 /// Segments read into host buffers.
 struct Host {
     plan: Arc<Plan>,
     method: Method,
+    /// `method="direct"`: blocks not in the page cache are read around it, until a source
+    /// cannot be ([`Host::read_direct`]).
+    direct: AtomicBool,
     feed: Arc<Feed>,
 }
 
@@ -101,8 +110,14 @@ impl Landing for Host {
             Method::Mmap => source.map(seg.start, seg.len as usize),
             _ => None,
         };
+        // A direct read fills whole pages: the buffer sits in its allocation as the segment sits
+        // in the file's pages.
+        let lead = match self.method {
+            Method::Direct => (seg.start % source::direct_align() as u64) as usize,
+            _ => 0,
+        };
         let buffer = mapped
-            .unwrap_or_else(|| HostBuffer::alloc(seg.len as usize))
+            .unwrap_or_else(|| HostBuffer::alloc_at(lead, seg.len as usize))
             .map_err(|e| e.memory_for(|| self.plan.describe(index)))?;
         let cached = buffer.is_mapped() && !buffer.is_fresh();
         let job = SegmentJob {
@@ -149,7 +164,7 @@ impl Landing for Host {
             // as zeros, with no error. Checked before the segment can be handed out.
             shard.source.check_unchanged()?;
         }
-        if !job.buffer.is_mapped() {
+        if !job.buffer.is_mapped() && !self.read_direct(job, off, len)? {
             // SAFETY: every block of this buffer goes to exactly one reader, and the buffer is
             // published only after the last reader finished.
             let dst = unsafe { job.buffer.slice_mut(o, l) };
@@ -172,6 +187,31 @@ impl Landing for Host {
 }
 
 impl Host {
+    /// `method="direct"`: reads the `len` bytes at `off` of the segment around the page cache
+    /// into the allocation around its buffer ([`super::direct`]); `false` when they are to be
+    /// read as `method="read"` reads them. Blocks are cut on whole pages of the file (block_size
+    /// is), so the spans of two blocks never share a page; only a segment's first and last
+    /// block reach past its bytes, into its buffer's lead and tail room.
+    #[allow(unsafe_code)]
+    fn read_direct(&self, job: &SegmentJob, off: u64, len: u64) -> Result<bool> {
+        if !self.direct.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let seg = &self.plan.segments[job.index];
+        let (start, _, span) = source::direct_span(seg.start + off, len);
+        let page = source::direct_align() as u64;
+        // SAFETY: this block's span: its own pages (see above), inside the allocation.
+        let dst = unsafe {
+            job.buffer
+                .span_mut((start - seg.start / page * page) as usize, span)
+        };
+        let direct = Direct {
+            on: &self.direct,
+            stats: &self.feed.stats,
+        };
+        direct.read(&self.plan.shards[seg.shard], seg.start + off, len, dst)
+    }
+
     fn publish(&self, job: &SegmentJob) {
         job.buffer.mark_populated();
         let seg = &self.plan.segments[job.index];

@@ -24,6 +24,7 @@
 //! memory (a GPU's), allocated when a segment's first block lands. Taking the budget in plan order
 //! keeps it deadlock-free: every segment holding some was fully started before the next asks.
 
+mod direct;
 mod driver;
 mod host;
 pub mod save;
@@ -80,8 +81,8 @@ pub struct Stats {
     /// and read the rest into staging buffers, if it did.
     pub lent_bytes: AtomicU64,
     pub lend_refused: std::sync::OnceLock<String>,
-    /// Staged loads with `method="direct"`: bytes read around the page cache (`O_DIRECT`) into
-    /// staging buffers, and why the load stopped doing so and read the rest through the page
+    /// Loads with `method="direct"`: bytes read around the page cache (`O_DIRECT`) into staging
+    /// or pooled buffers, and why the load stopped doing so and read the rest through the page
     /// cache, if it did.
     pub direct_bytes: AtomicU64,
     pub direct_refused: std::sync::OnceLock<String>,

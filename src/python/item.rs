@@ -76,7 +76,7 @@ pub struct Stats {
     /// where they are, and why the load stopped lending them (the rest read into staging).
     pub lent_bytes: u64,
     pub lend_refused: Option<String>,
-    /// Staged loads with `method="direct"`: bytes read around the page cache (`O_DIRECT`), and
+    /// Loads with `method="direct"`: bytes read around the page cache (`O_DIRECT`), and
     /// why the load stopped doing so (the rest read through the page cache).
     pub direct_bytes: u64,
     pub direct_refused: Option<String>,

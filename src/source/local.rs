@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -113,6 +114,20 @@ impl Source for LocalFile {
         // a blocking thread, where the pipeline runs file reads, this just runs the closure).
         Box::pin(async move {
             tokio::task::block_in_place(|| read_exact_at(&self.reopen()?, dst, offset, &self.name))
+        })
+    }
+
+    fn read_head<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            tokio::task::block_in_place(|| {
+                let file = self.reopen()?;
+                // SAFETY: an open descriptor and plain integers; advice only (errors ignored).
+                #[allow(unsafe_code)]
+                unsafe {
+                    libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+                }
+                read_exact_at(&file, dst, offset, &self.name)
+            })
         })
     }
 

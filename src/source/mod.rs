@@ -74,6 +74,15 @@ pub trait Source: Send + Sync + fmt::Debug {
     /// `'static` owner; see [`Source::reads_block`].
     fn read_into<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>>;
 
+    /// [`Source::read_into`] for a header's bytes ([`open_shard`]). Files read them without the
+    /// kernel's read-ahead: its window would leave pages of tensor data cached, some marked to
+    /// start the next window when read, so that a load reading around the page cache
+    /// (`method="direct"`) would copy a block of them out of the cache and, by that read, have
+    /// the kernel cache the blocks after it too.
+    fn read_head<'a>(&'a self, offset: u64, dst: &'a mut [u8]) -> BoxFuture<'a, Result<()>> {
+        self.read_into(offset, dst)
+    }
+
     /// Whether a read holds its thread until the bytes are in (files: `pread`), rather than
     /// waiting on I/O asynchronously (the network). Callers with many reads run such sources'
     /// reads on the runtime's blocking threads ([`spawn_read`]): `block_in_place` on an async
@@ -190,6 +199,21 @@ pub fn direct_span(at: u64, len: u64) -> (u64, usize, usize) {
     (start, (at - start) as usize, (end - start) as usize)
 }
 
+/// The error of a read around the page cache of `len` bytes at `at` that came back short, the
+/// file ending at `end`: it was cut short while loading.
+pub fn short_read(name: &str, at: u64, len: u64, end: u64) -> Error {
+    Error::Io {
+        path: name.to_string(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "file ended at byte {end} while reading {len} bytes at offset {at} (was it \
+                 truncated while loading?)"
+            ),
+        ),
+    }
+}
+
 /// One safetensors file or object, opened, with its validated header.
 #[derive(Debug, Clone)]
 pub struct Shard {
@@ -217,13 +241,13 @@ pub async fn open_shard(source: Arc<dyn Source>) -> Result<Shard> {
     let size = source.size();
     let name = source.name().to_string();
     let mut probe = vec![0u8; size.min(HEADER_PROBE) as usize];
-    source.read_into(0, &mut probe).await?;
+    source.read_head(0, &mut probe).await?;
     let n = format::header_len(&probe, size).map_err(|e| Error::format(&name, e))?;
     let end = (format::PREFIX_LEN + n) as usize;
     if end > probe.len() {
         let have = probe.len();
         probe.resize(end, 0);
-        source.read_into(have as u64, &mut probe[have..]).await?;
+        source.read_head(have as u64, &mut probe[have..]).await?;
     }
     let header = format::parse_header(&probe[format::PREFIX_LEN as usize..end], size)
         .map_err(|e| Error::format(&name, e))?;

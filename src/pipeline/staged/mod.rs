@@ -24,7 +24,6 @@
 //! never wait behind a segment that cannot start.
 
 mod copy;
-mod direct;
 mod lend;
 #[cfg(test)]
 mod tests;
@@ -35,12 +34,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::direct::Direct;
 use super::driver::{Budget, Driver, Landing};
 use super::{add_since, Feed, Loader};
 use crate::device::{Destination, Engine, Staging, Target};
 use crate::error::Result;
 use crate::options::{Method, Resolved};
 use crate::plan::Plan;
+use crate::source::Shard;
 
 /// What a block's pages may span beyond its bytes (its start inside a page, and its end rounded
 /// up to a whole page): a lent block's pages, a direct read's aligned span.
@@ -286,9 +287,7 @@ impl Landing for Staged {
         if let Some(took) = staging.pinned_in() {
             shared.pinned(took, staging.len());
         }
-        if shared.direct.load(Ordering::Relaxed)
-            && direct::block(shared, shard, seg.start + off, len, &mut staging)?
-        {
+        if shared.read_direct(shard, seg.start + off, len, &mut staging)? {
             return Ok(staging);
         }
         let reading = Instant::now();
@@ -326,6 +325,36 @@ impl Landing for Staged {
 }
 
 impl Shared {
+    /// `method="direct"`: reads the `len` bytes at `at` of `shard` around the page cache into
+    /// `staging` ([`super::direct`]), which then starts where they do; `false` when they are to
+    /// be read as `method="read"` reads them.
+    fn read_direct(&self, shard: &Shard, at: u64, len: u64, staging: &mut Staging) -> Result<bool> {
+        let direct = Direct {
+            on: &self.direct,
+            stats: &self.feed.stats,
+        };
+        if !self.direct.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let (_, lead, span) = crate::source::direct_span(at, len);
+        let aligned = staging.as_ptr() as usize % crate::source::direct_align() == 0;
+        if !aligned || span > staging.len() {
+            let why = format!(
+                "its staging buffer ({} bytes at {:p}) cannot take the aligned span of {span} \
+                 bytes",
+                staging.len(),
+                staging.as_ptr()
+            );
+            direct.stop(&shard.name, &why);
+            return Ok(false);
+        }
+        let read = direct.read(shard, at, len, staging.slice_mut(span))?;
+        if read {
+            staging.start_at(lead);
+        }
+        Ok(read)
+    }
+
     /// Counts a staging buffer of `len` bytes that took `took` to page-lock, just now.
     fn pinned(&self, took: Duration, len: usize) {
         let end = Instant::now();
