@@ -102,6 +102,23 @@ def assert_same_tensor(t, ref: torch.Tensor, name: str = "") -> None:
     assert torch.equal(raw_bytes(t), raw_bytes(ref)), f"{name}: bytes differ"
 
 
+def cuda_stream_bitwise(path, **options) -> dict:
+    """Streams `path` to the GPU with `options`; checks every tensor bit for bit against the
+    reference reader and that every byte was copied; returns the stream's stats."""
+    import fastload
+
+    torch.cuda.synchronize()
+    with fastload.stream(path, device="cuda", **options) as s:
+        got = dict(s)
+        stats = s.stats()
+    want = reference(path)
+    assert sorted(got) == sorted(want)
+    for name, ref in want.items():
+        assert_same_tensor(got[name].cpu(), ref, name)
+    assert stats["bytes_copied"] == stats["total_bytes"]
+    return stats
+
+
 def reference(*paths) -> dict:
     """What `safetensors.torch.load_file` returns for these files, merged."""
     out: dict = {}

@@ -15,7 +15,14 @@ import cuda_sim
 import fastload
 import pytest
 import torch
-from helpers import assert_same_tensor, cached_bytes, evict, reference, run_probe
+from helpers import (
+    assert_same_tensor,
+    cached_bytes,
+    cuda_stream_bitwise,
+    evict,
+    reference,
+    run_probe,
+)
 from safetensors.torch import save_file
 
 LOAD = """
@@ -212,17 +219,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_direct_loads_a_cold_file_bitwise(cold_file, gil_file):
     for path, block, limit in [(cold_file, "4MiB", "16MiB"), (gil_file, "8MiB", "64MiB")]:
         evict(path)
-        torch.cuda.synchronize()
-        with fastload.stream(
-            path, device="cuda", method="direct", block_size=block, memory_limit=limit
-        ) as s:
-            got = dict(s)
-            stats = s.stats()
-        want = reference(path)
-        assert sorted(got) == sorted(want)
-        for name, ref in want.items():
-            assert_same_tensor(got[name].cpu(), ref, name)
-        assert stats["bytes_copied"] == stats["total_bytes"]
+        stats = cuda_stream_bitwise(path, method="direct", block_size=block, memory_limit=limit)
         if stats["direct_refused"] is None:
             assert stats["direct_bytes"] == stats["total_bytes"], stats
         else:

@@ -17,7 +17,7 @@ import cuda_sim
 import fastload
 import pytest
 import torch
-from helpers import assert_same_tensor, reference, run_probe
+from helpers import cuda_stream_bitwise, reference, run_probe
 
 LOAD = """
 import fastload, torch
@@ -191,17 +191,7 @@ def test_cuda_mmap_loads_bitwise_from_the_lent_pages(dtypes_file, gil_file):
     # Whether this driver lends read-only pages or not, the tensors are the file's; where it
     # does, every byte came from the file's own pages and nothing was pinned for staging.
     for path, block, limit in [(dtypes_file, "4KiB", "1MiB"), (gil_file, "8MiB", "64MiB")]:
-        torch.cuda.synchronize()
-        with fastload.stream(
-            path, device="cuda", method="mmap", block_size=block, memory_limit=limit
-        ) as s:
-            got = dict(s)
-            stats = s.stats()
-        want = reference(path)
-        assert sorted(got) == sorted(want)
-        for name, ref in want.items():
-            assert_same_tensor(got[name].cpu(), ref, name)
-        assert stats["bytes_copied"] == stats["total_bytes"]
+        stats = cuda_stream_bitwise(path, method="mmap", block_size=block, memory_limit=limit)
         if stats["lend_refused"] is None:
             assert stats["lent_bytes"] == stats["total_bytes"], stats
             assert stats["pinned_bytes"] == 0, stats

@@ -79,6 +79,25 @@ fn collect(loader: &mut Loader) -> Named {
     out
 }
 
+/// The error a load ends with, every tensor delivered before it checked against `want`: a load
+/// of a file that changed under it fails, and never hands out wrong bytes first.
+fn failure_after_right_bytes(loader: &mut Loader, want: &Named) -> String {
+    while let Some(seg) = loader.next_segment() {
+        let seg = match seg {
+            Ok(seg) => seg,
+            Err(e) => return e.to_string(),
+        };
+        let Memory::Placed(dest) = seg.memory else {
+            panic!("staged load returned host memory");
+        };
+        for (t, d) in seg.tensors.iter().zip(&dest) {
+            let (_, bytes) = want.iter().find(|(n, _)| *n == t.name).unwrap();
+            assert_eq!(host_bytes(d).unwrap(), &bytes[..], "{}", t.name);
+        }
+    }
+    panic!("the load did not fail");
+}
+
 fn expected(sizes: &[usize], data: &[u8]) -> Named {
     let mut at = 0;
     sizes
@@ -445,33 +464,69 @@ fn mmap_lends_the_files_pages_and_copies_bitwise() {
     assert!(loader.config().method_reason.contains("mapped pages"));
 }
 
-/// A host engine that runs `hook` with the number of each lend asked of it (from 1) before
-/// lending: an error refuses that block.
-struct Lends {
+/// A host engine that runs hooks with the number of each lend and each staging buffer asked of
+/// it (from 1) first: a lend hook's error refuses that block. Its buffers are one byte off the
+/// page grid when `misaligned`.
+struct Hooked {
     inner: HostEngine,
-    asked: AtomicUsize,
-    hook: Box<dyn Fn(usize) -> Result<()> + Send + Sync>,
+    lends: AtomicUsize,
+    stagings: AtomicUsize,
+    misaligned: bool,
+    on_lend: Box<dyn Fn(usize) -> Result<()> + Send + Sync>,
+    on_staging: Box<dyn Fn(usize) + Send + Sync>,
 }
 
-impl Lends {
-    fn new(hook: impl Fn(usize) -> Result<()> + Send + Sync + 'static) -> Arc<Lends> {
-        Arc::new(Lends {
+impl Hooked {
+    fn lending(hook: impl Fn(usize) -> Result<()> + Send + Sync + 'static) -> Arc<Hooked> {
+        Hooked::new(false, Box::new(hook), Box::new(|_| {}))
+    }
+
+    fn staging(misaligned: bool, hook: impl Fn(usize) + Send + Sync + 'static) -> Arc<Hooked> {
+        Hooked::new(misaligned, Box::new(|_| Ok(())), Box::new(hook))
+    }
+
+    /// One whose first staging buffer is asked for after the headers were read: the file at
+    /// `path` is evicted from the page cache then (the header's read brought some of it in).
+    fn evicting(path: &std::path::Path, misaligned: bool) -> Arc<Hooked> {
+        let path = path.to_path_buf();
+        // Blocks read side by side wait here until the file is out.
+        let once = std::sync::Once::new();
+        Hooked::staging(misaligned, move |_| {
+            once.call_once(|| evict(&std::fs::File::open(&path).unwrap()));
+        })
+    }
+
+    fn new(
+        misaligned: bool,
+        on_lend: Box<dyn Fn(usize) -> Result<()> + Send + Sync>,
+        on_staging: Box<dyn Fn(usize) + Send + Sync>,
+    ) -> Arc<Hooked> {
+        Arc::new(Hooked {
             inner: HostEngine::new(),
-            asked: AtomicUsize::new(0),
-            hook: Box::new(hook),
+            lends: AtomicUsize::new(0),
+            stagings: AtomicUsize::new(0),
+            misaligned,
+            on_lend,
+            on_staging,
         })
     }
 }
 
-impl Engine for Lends {
+impl Engine for Hooked {
     fn name(&self) -> String {
-        "lends".into()
+        "hooked".into()
     }
     fn staging(&self, len: usize) -> Result<Staging> {
-        self.inner.staging(len)
+        (self.on_staging)(self.stagings.fetch_add(1, Ordering::SeqCst) + 1);
+        if !self.misaligned {
+            return self.inner.staging(len);
+        }
+        let mut staging = self.inner.staging(len + 1)?;
+        staging.start_at(1);
+        Ok(staging)
     }
     fn lend(&self, memory: crate::memory::HostBuffer) -> Result<Staging> {
-        (self.hook)(self.asked.fetch_add(1, Ordering::SeqCst) + 1)?;
+        (self.on_lend)(self.lends.fetch_add(1, Ordering::SeqCst) + 1)?;
         self.inner.lend(memory)
     }
     #[allow(unsafe_code)]
@@ -489,7 +544,7 @@ impl Engine for Lends {
 #[test]
 fn a_block_that_cannot_be_lent_is_read_and_lending_stops() {
     let sizes = [70_000, 1 << 20, 5000, 300_000];
-    let engine = Lends::new(|n| match n {
+    let engine = Hooked::lending(|n| match n {
         1..=3 => Ok(()),
         _ => Err(Error::device("no more lending here")),
     });
@@ -508,7 +563,7 @@ fn a_block_that_cannot_be_lent_is_read_and_lending_stops() {
     let refused = stats.lend_refused.get().expect("a reason");
     assert!(refused.contains("no more lending here"), "{refused}");
     // The refusal stopped lending: the rest was read, not offered again.
-    assert_eq!(engine.asked.load(Ordering::SeqCst), 4);
+    assert_eq!(engine.lends.load(Ordering::SeqCst), 4);
 }
 
 #[test]
@@ -521,12 +576,12 @@ fn a_file_cut_short_while_its_pages_are_lent_is_an_error_not_wrong_bytes() {
         concurrency: Some(1),
         ..opts(16 << 10, 1 << 20)
     };
-    let counting = Lends::new(|_| Ok(()));
+    let counting = Hooked::lending(|_| Ok(()));
     let mut loader = open(&file, &opts, counting.clone(), Box::new(HostAllocator));
     while loader.next_segment().is_some() {}
-    let last = counting.asked.load(Ordering::SeqCst);
+    let last = counting.lends.load(Ordering::SeqCst);
     let path = file.path().to_path_buf();
-    let engine = Lends::new(move |n| {
+    let engine = Hooked::lending(move |n| {
         if n == last {
             let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
             file.set_len(file.metadata().unwrap().len() - 1).unwrap();
@@ -534,26 +589,7 @@ fn a_file_cut_short_while_its_pages_are_lent_is_an_error_not_wrong_bytes() {
         Ok(())
     });
     let mut loader = open(&file, &opts, engine, Box::new(HostAllocator));
-    let want = expected(&sizes, &data);
-    let mut error = None;
-    while let Some(seg) = loader.next_segment() {
-        match seg {
-            Ok(seg) => {
-                let Memory::Placed(dest) = seg.memory else {
-                    panic!("staged load returned host memory");
-                };
-                for (t, d) in seg.tensors.iter().zip(&dest) {
-                    let (_, bytes) = want.iter().find(|(n, _)| *n == t.name).unwrap();
-                    assert_eq!(host_bytes(d).unwrap(), &bytes[..], "{}", t.name);
-                }
-            }
-            Err(e) => {
-                error = Some(e.to_string());
-                break;
-            }
-        }
-    }
-    let error = error.expect("the load failed");
+    let error = failure_after_right_bytes(&mut loader, &expected(&sizes, &data));
     assert!(error.contains("the file changed while loading"), "{error}");
 }
 
@@ -623,69 +659,13 @@ fn direct_opts(block: u64, limit: u64) -> LoadOptions {
     }
 }
 
-/// A host engine that runs `hook` with the number of each staging buffer asked of it (from 1),
-/// and hands out buffers one byte off the page grid when `misaligned`.
-struct Stagings {
-    inner: HostEngine,
-    asked: AtomicUsize,
-    misaligned: bool,
-    hook: Box<dyn Fn(usize) + Send + Sync>,
-}
-
-impl Stagings {
-    fn new(misaligned: bool, hook: impl Fn(usize) + Send + Sync + 'static) -> Arc<Stagings> {
-        Arc::new(Stagings {
-            inner: HostEngine::new(),
-            asked: AtomicUsize::new(0),
-            misaligned,
-            hook: Box::new(hook),
-        })
-    }
-
-    /// One whose first staging buffer is asked for after the headers were read: the file at
-    /// `path` is evicted from the page cache then (the header's read brought some of it in).
-    fn evicting(path: &std::path::Path, misaligned: bool) -> Arc<Stagings> {
-        let path = path.to_path_buf();
-        // Blocks read side by side wait here until the file is out.
-        let once = std::sync::Once::new();
-        Stagings::new(misaligned, move |_| {
-            once.call_once(|| evict(&std::fs::File::open(&path).unwrap()));
-        })
-    }
-}
-
-impl Engine for Stagings {
-    fn name(&self) -> String {
-        "stagings".into()
-    }
-    fn staging(&self, len: usize) -> Result<Staging> {
-        (self.hook)(self.asked.fetch_add(1, Ordering::SeqCst) + 1);
-        if !self.misaligned {
-            return self.inner.staging(len);
-        }
-        let mut staging = self.inner.staging(len + 1)?;
-        staging.start_at(1);
-        Ok(staging)
-    }
-    #[allow(unsafe_code)]
-    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
-        self.inner.copy(dst, src, len)
-    }
-    fn record(&self) -> Result<Fence> {
-        self.inner.record()
-    }
-    fn wait(&self, fence: Fence) -> Result<()> {
-        self.inner.wait(fence)
-    }
-}
-
 #[test]
 fn direct_reads_uncached_blocks_around_the_page_cache_bitwise() {
     // Tensors that start and end inside pages, pieces of large ones, empty ones: every block's
     // aligned span is read, and the block is taken from `lead` bytes into it.
     let sizes = [3, 0, 4096, 70_000, 0, 1, 1 << 20, 5000, 12_345, 0, 777_777];
     let (file, data) = checkpoint(&sizes);
-    let engine = Stagings::evicting(file.path(), false);
+    let engine = Hooked::evicting(file.path(), false);
     let opts = direct_opts(64 << 10, 1 << 20);
     let mut loader = open(&file, &opts, engine, Box::new(HostAllocator));
     assert_eq!(collect(&mut loader), expected(&sizes, &data));
@@ -728,7 +708,7 @@ fn a_block_that_cannot_be_read_directly_stops_direct_reads() {
     // block and the rest are read as method="read" reads them.
     let sizes = [70_000, 1 << 20, 5000, 300_000];
     let (file, data) = checkpoint(&sizes);
-    let engine = Stagings::evicting(file.path(), true);
+    let engine = Hooked::evicting(file.path(), true);
     let mut loader = open(
         &file,
         &direct_opts(64 << 10, 1 << 20),
@@ -753,7 +733,7 @@ fn a_file_cut_short_before_a_direct_read_is_an_error_not_wrong_bytes() {
     let path = file.path().to_path_buf();
     let size = std::fs::metadata(&path).unwrap().len();
     // Before the third block's read: the file loses its last bytes and is evicted.
-    let engine = Stagings::new(false, move |n| {
+    let engine = Hooked::staging(false, move |n| {
         if n == 3 {
             let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
             file.set_len(size - 1).unwrap();
@@ -765,25 +745,6 @@ fn a_file_cut_short_before_a_direct_read_is_an_error_not_wrong_bytes() {
         ..direct_opts(16 << 10, 1 << 20)
     };
     let mut loader = open(&file, &opts, engine, Box::new(HostAllocator));
-    let want = expected(&sizes, &data);
-    let mut error = None;
-    while let Some(seg) = loader.next_segment() {
-        match seg {
-            Ok(seg) => {
-                let Memory::Placed(dest) = seg.memory else {
-                    panic!("staged load returned host memory");
-                };
-                for (t, d) in seg.tensors.iter().zip(&dest) {
-                    let (_, bytes) = want.iter().find(|(n, _)| *n == t.name).unwrap();
-                    assert_eq!(host_bytes(d).unwrap(), &bytes[..], "{}", t.name);
-                }
-            }
-            Err(e) => {
-                error = Some(e.to_string());
-                break;
-            }
-        }
-    }
-    let error = error.expect("the load failed");
+    let error = failure_after_right_bytes(&mut loader, &expected(&sizes, &data));
     assert!(error.contains("truncated"), "{error}");
 }
