@@ -335,16 +335,20 @@ def test_cold_start_runs_method_direct_cold_only(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "benches" / "gpu_cold_start.py"), "--device", "cpu",
          "--size", "4MiB", "--cache", "warm,cold", "--reps", "1", "--rows",
-         "fastload,fastload-direct", "--ckpt-dir", str(tmp_path), "--json", str(out)],
+         "fastload,fastload-direct,fastload-direct-b16", "--ckpt-dir", str(tmp_path), "--json",
+         str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     runs = sorted((r["cache"], r["row"]) for r in report["rows"])
-    assert runs == [("cold", "fastload"), ("cold", "fastload-direct"), ("warm", "fastload")]
+    assert runs == [("cold", "fastload"), ("cold", "fastload-direct"),
+                    ("cold", "fastload-direct-b16"), ("warm", "fastload")]  # fmt: skip
     direct = next(r for r in report["rows"] if r["row"] == "fastload-direct")
     assert direct["bytes"] == report["bytes"]
     assert direct["stats"]["method"] == "direct" and direct["stats"]["direct_bytes"] > 0
+    b16 = next(r for r in report["rows"] if r["row"] == "fastload-direct-b16")
+    assert b16["stats"]["block_size"] == 16 << 20
     verdicts = {v["target"]: v for v in report["verdicts"]}
     assert verdicts["cold load, direct / disk O_DIRECT rate"]["ratio"] is not None
     assert "cold load, direct / disk O_DIRECT rate" in proc.stdout
