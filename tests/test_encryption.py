@@ -125,6 +125,19 @@ def test_lazy_slices_of_a_local_encrypted_file_are_read_not_mapped(
     assert got["w"]._source.mapped is False
 
 
+def test_an_encrypted_file_with_method_direct_is_decrypted_through_the_page_cache(
+    plain_file, encrypted, big_keyset
+):
+    # Its reads are cut on its segments, not on whole pages: none goes around the page cache.
+    helpers.evict(encrypted)
+    with fastload.stream(str(encrypted), keyset=big_keyset[0], method="direct") as s:
+        got = dict(s)
+        stats = s.stats()
+    assert_same_tensors(got, helpers.reference(plain_file))
+    assert stats["direct_bytes"] == 0, stats
+    assert "encrypted" in stats["direct_refused"], stats
+
+
 def test_tink_files_load_bitwise_through_every_entry_point(plain_file, encrypted, big_keyset):
     keyset = big_keyset[0]
     want = helpers.reference(plain_file)

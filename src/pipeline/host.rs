@@ -198,6 +198,17 @@ impl Host {
             return Ok(false);
         }
         let seg = &self.plan.segments[job.index];
+        let shard = &self.plan.shards[seg.shard];
+        let direct = Direct {
+            on: &self.direct,
+            stats: &self.feed.stats,
+        };
+        if shard.source.grid().is_some() {
+            // Cut on its encryption's segments, not on whole pages: two spans could share one.
+            let why = "an encrypted file is read in whole segments and decrypted";
+            direct.stop(&shard.name, why);
+            return Ok(false);
+        }
         let (start, _, span) = source::direct_span(seg.start + off, len);
         let page = source::direct_align() as u64;
         // SAFETY: this block's span: its own pages (see above), inside the allocation.
@@ -205,11 +216,7 @@ impl Host {
             job.buffer
                 .span_mut((start - seg.start / page * page) as usize, span)
         };
-        let direct = Direct {
-            on: &self.direct,
-            stats: &self.feed.stats,
-        };
-        direct.read(&self.plan.shards[seg.shard], seg.start + off, len, dst)
+        direct.read(shard, seg.start + off, len, dst)
     }
 
     fn publish(&self, job: &SegmentJob) {
