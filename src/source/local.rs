@@ -57,11 +57,16 @@ impl LocalFile {
 
     /// The file, opened for one read and checked to be the one this source describes.
     fn reopen(&self) -> Result<File> {
+        self.reopen_with(0)
+    }
+
+    /// [`LocalFile::reopen`] with open `flags` besides (`O_DIRECT`).
+    fn reopen_with(&self, flags: libc::c_int) -> Result<File> {
         // O_NONBLOCK: should a FIFO have been put at the path since, opening it does not block
         // (for a regular file the flag changes nothing).
         let file = std::fs::OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_NONBLOCK)
+            .custom_flags(libc::O_NONBLOCK | flags)
             .open(&self.path)
             .map_err(|e| Error::io(&self.name, e))?;
         let meta = file.metadata().map_err(|e| Error::io(&self.name, e))?;
@@ -146,22 +151,15 @@ impl Source for LocalFile {
                 && dst.as_ptr() as usize % align == 0,
             "an unaligned read around the page cache"
         );
-        let file = match std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_DIRECT)
-            .open(&self.path)
-        {
-            Ok(file) => file,
+        let file = match self.reopen_with(libc::O_DIRECT) {
             // What filesystems without direct I/O (tmpfs, some FUSE) answer.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
                 return Ok(DirectRead::Refused(format!(
-                    "its filesystem refuses O_DIRECT ({e})"
+                    "its filesystem refuses O_DIRECT ({source})"
                 )))
             }
-            Err(e) => return Err(Error::io(&self.name, e)),
+            opened => opened?,
         };
-        let meta = file.metadata().map_err(|e| Error::io(&self.name, e))?;
-        self.same_file(&meta)?;
         if crate::memory::in_page_cache(&file, offset, dst.len()) {
             return Ok(DirectRead::Cached);
         }
@@ -208,17 +206,8 @@ fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, name: &str) -> Result
     while done < buf.len() {
         match file.read_at(&mut buf[done..], offset + done as u64) {
             Ok(0) => {
-                return Err(Error::Io {
-                    path: name.to_string(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!(
-                            "file ended at byte {} while reading {} bytes at offset {offset} (was it truncated while loading?)",
-                            offset + done as u64,
-                            buf.len()
-                        ),
-                    ),
-                })
+                let end = offset + done as u64;
+                return Err(super::short_read(name, offset, buf.len() as u64, end));
             }
             Ok(n) => done += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

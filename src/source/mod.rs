@@ -199,8 +199,8 @@ pub fn direct_span(at: u64, len: u64) -> (u64, usize, usize) {
     (start, (at - start) as usize, (end - start) as usize)
 }
 
-/// The error of a read around the page cache of `len` bytes at `at` that came back short, the
-/// file ending at `end`: it was cut short while loading.
+/// The error of a read of `len` bytes at `at` that came back short, the file ending at `end`: it
+/// was cut short while loading (a `pread`, or a read around the page cache).
 pub fn short_read(name: &str, at: u64, len: u64, end: u64) -> Error {
     Error::Io {
         path: name.to_string(),
