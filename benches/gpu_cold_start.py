@@ -272,6 +272,11 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
 
     best = {c: max((rates[f"{c} {p}"] for p in PEERS if rates.get(f"{c} {p}")), default=None)
             for c in ("warm", "cold")}  # fmt: skip
+
+    def over_best(row, cache):
+        rate = rates.get(f"{cache} {row}")
+        return rate / best[cache] if best[cache] and rate else None
+
     rows = [
         ("warm first load / page-locked copy rate", ratio("warm fastload", "copy"), 0.8),
         ("warm second load / page-locked copy rate", ratio("warm fastload second", "copy"), 0.9),
@@ -279,12 +284,8 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
         if rates.get("disk O_DIRECT") or not rates.get("disk buffered x8")
         else ("cold load / disk rate (buffered x8: no O_DIRECT here)",
               ratio("cold fastload", "disk buffered x8"), 0.95),
-        ("warm load / best warm peer",
-         rates.get("warm fastload") / best["warm"] if best["warm"] and rates.get("warm fastload")
-         else None, 1.2),
-        ("cold load / best cold peer",
-         rates.get("cold fastload") / best["cold"] if best["cold"] and rates.get("cold fastload")
-         else None, 1.0),
+        ("warm load / best warm peer", over_best("fastload", "warm"), 1.2),
+        ("cold load / best cold peer", over_best("fastload", "cold"), 1.0),
     ]  # fmt: skip
     # The same targets with method="mmap" (the files' pages lent to the device): which of the
     # two ways reaches them, side by side.
@@ -299,9 +300,7 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
     rows += [
         ("cold load, direct / disk O_DIRECT rate",
          ratio("cold fastload-direct", "disk O_DIRECT"), 0.95),
-        ("cold load, direct / best cold peer",
-         rates.get("cold fastload-direct") / best["cold"]
-         if best["cold"] and rates.get("cold fastload-direct") else None, 1.0),
+        ("cold load, direct / best cold peer", over_best("fastload-direct", "cold"), 1.0),
         ("cold load, direct 16 MiB blocks / disk O_DIRECT rate",
          ratio("cold fastload-direct-b16", "disk O_DIRECT"), 0.95),
     ]  # fmt: skip
