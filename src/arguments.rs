@@ -7,6 +7,7 @@ pub const ENV_CONCURRENCY: &str = "FASTLOAD_CONCURRENCY";
 pub const ENV_BLOCK_SIZE: &str = "FASTLOAD_BLOCK_SIZE";
 pub const ENV_MEMORY_LIMIT: &str = "FASTLOAD_MEMORY_LIMIT";
 pub const ENV_METHOD: &str = "FASTLOAD_METHOD";
+pub const ENV_COPY_STREAMS: &str = "FASTLOAD_COPY_STREAMS";
 pub const ENV_CACHE: &str = "FASTLOAD_CACHE";
 pub const ENV_VERIFY: &str = "FASTLOAD_VERIFY";
 pub const ENV_KEYSET: &str = "FASTLOAD_KEYSET";
@@ -108,6 +109,12 @@ pub const ARGUMENTS: &[Argument] = &[
         Some(ENV_METHOD),
         Some(("--method", "--method METHOD")),
         Accepts::Any,
+    ),
+    load_option(
+        "copy_streams",
+        Some(ENV_COPY_STREAMS),
+        Some(("--copy-streams", "--copy-streams N")),
+        Accepts::Count(1, 16),
     ),
     load_option(
         "storage_options",

@@ -137,6 +137,8 @@ pub struct LoadOptions {
     pub memory_limit: Option<u64>,
     pub names: Option<Vec<String>>,
     pub method: Method,
+    /// Copy queues of a staged load (`None`: `FASTLOAD_COPY_STREAMS`, else one).
+    pub copy_streams: Option<usize>,
     /// Object-store settings (`endpoint`, `region`, `access_key_id`, ...); override `AWS_*` etc.
     pub storage_options: Vec<(String, String)>,
     /// Byte ranges `(tensor, begin, end)` within tensors to read instead of whole tensors (how a
@@ -219,6 +221,9 @@ pub struct Resolved {
     pub method: Method,
     /// Why `method` is what it is (`stats()["method_reason"]`).
     pub method_reason: String,
+    /// Copy queues of a staged load: blocks are copied on them in turn (see
+    /// [`crate::device::Engine::lane`]).
+    pub copy_streams: usize,
     /// The block size of a staged (GPU) load: `block_size` where the caller or
     /// `FASTLOAD_BLOCK_SIZE` chose it, else [`DEFAULT_STAGED_LOCAL_BLOCK_SIZE`] for local files
     /// (a smaller page-locked ring for a process's first load to pin; measured on an H100,
@@ -227,8 +232,8 @@ pub struct Resolved {
 }
 
 pub use crate::arguments::{
-    ENV_BLOCK_SIZE, ENV_CACHE, ENV_CONCURRENCY, ENV_KEYSET, ENV_MEMORY_LIMIT, ENV_METHOD,
-    ENV_VERIFY,
+    ENV_BLOCK_SIZE, ENV_CACHE, ENV_CONCURRENCY, ENV_COPY_STREAMS, ENV_KEYSET, ENV_MEMORY_LIMIT,
+    ENV_METHOD, ENV_VERIFY,
 };
 
 /// A place that takes an option, besides `fastload.load`, `stream`, `Stream` and
@@ -362,6 +367,17 @@ pub const METHOD: OptionDef = OptionDef {
            buffers `read` uses; cached blocks as `read`)",
     takers: &[Native, SafeOpen],
 };
+pub const COPY_STREAMS: OptionDef = OptionDef {
+    name: "copy_streams",
+    python_type: "int | None",
+    signature_default: None,
+    default: "1",
+    env: Some(ENV_COPY_STREAMS),
+    help: "copy queues of a GPU load (CUDA streams, 1 to 16): blocks are copied to the device \
+           on each in turn, so that more than one of its copy engines may run at once; CPU \
+           loads copy nothing and ignore it",
+    takers: &[Native, SafeOpen, ExtraConfig],
+};
 pub const STORAGE_OPTIONS: OptionDef = OptionDef {
     name: "storage_options",
     python_type: "Mapping[str, object] | None",
@@ -448,6 +464,7 @@ pub const OPTIONS: &[OptionDef] = &[
     NAMES,
     PARTS,
     METHOD,
+    COPY_STREAMS,
     STORAGE_OPTIONS,
     CACHE,
     VERIFY,
@@ -611,6 +628,13 @@ impl LoadOptions {
             DEFAULT_MEMORY_LIMIT,
             |s: Size| s.0,
         )?;
+        let (copy_streams, copy_streams_from) = chosen(
+            self.copy_streams,
+            COPY_STREAMS.name,
+            ENV_COPY_STREAMS,
+            1,
+            |c: Count| c.0,
+        )?;
         let (method, method_reason) = match self.method {
             Method::Auto => match env_value::<Method>(ENV_METHOD)? {
                 Some(m) => (m, format!("{ENV_METHOD}={}", m.as_str())),
@@ -621,6 +645,7 @@ impl LoadOptions {
         check(CONCURRENCY.name, concurrency_from, concurrency as u64)?;
         check(BLOCK_SIZE.name, block_size_from, block_size)?;
         check(MEMORY_LIMIT.name, memory_limit_from, memory_limit)?;
+        check(COPY_STREAMS.name, copy_streams_from, copy_streams as u64)?;
         let given = self.block_size.is_some() || block_size_from == ENV_BLOCK_SIZE;
         let staged_block_size = if given || remote {
             block_size
@@ -633,6 +658,7 @@ impl LoadOptions {
             memory_limit,
             method,
             method_reason,
+            copy_streams,
             staged_block_size,
         })
     }
@@ -713,6 +739,7 @@ mod tests {
             memory_limit: _,
             names: _,
             method: _,
+            copy_streams: _,
             storage_options: _,
             cache: _,
             verify: _,
@@ -728,6 +755,7 @@ mod tests {
             "memory_limit",
             "names",
             "method",
+            "copy_streams",
             "storage_options",
             "cache",
             "verify",

@@ -28,6 +28,7 @@ LOG_KEYS = (
     "device_peak",  # most device bytes allocated at once on any one device
     "device_now",  # device bytes still allocated at exit (all devices)
     "violations",  # misuse detected (each also printed to stderr as "fake_cuda: violation: ...")
+    "copy_streams",  # streams that carried host-to-device copies (the legacy one counts)
 )
 
 

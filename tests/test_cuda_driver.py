@@ -452,6 +452,7 @@ from fastload import _fastload
 from safetensors.torch import load_file
 from cuda_sim import Driver
 path, mode, broken = sys.argv[1], sys.argv[2], sys.argv[3] == "broken"
+copy_streams = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 cu = Driver()
 cu.init()
 ctx0 = cu.context(0)
@@ -491,34 +492,42 @@ else:
 got, error = {}, None
 try:
     s = _fastload.Stream([path], target=target, allocate=allocate, block_size="64KiB",
-                         memory_limit="1MiB")
+                         memory_limit="1MiB", copy_streams=copy_streams)
     for batch in s:
         for item in batch:
             got[item.name] = item.data
+    streams = s.stats().as_dict()["copy_streams"]
 except Exception as e:
-    error = str(e)
+    error, streams = str(e), None
 cu.bind(ctx0)
 cu.ok("cuCtxSynchronize")  # the consumer's later work sees what stream 0 left behind
 got = {k: bytes(v.numpy()) for k, v in got.items()}
 want = {k: bytes(v.reshape(-1).view(torch.uint8).numpy()) for k, v in load_file(path).items()}
-emit(error=error, bad=sorted(k for k in want if got.get(k) != want[k]), n=len(got))
+emit(error=error, bad=sorted(k for k in want if got.get(k) != want[k]), n=len(got),
+     streams=streams)
 """
 
 
 @VARIANTS
+@pytest.mark.parametrize("copy_streams", [1, 3])
 def test_pipeline_orders_copies_after_the_consumers_stream(
-    fake_cuda, dtypes_file, tmp_path, broken
+    fake_cuda, dtypes_file, eight_mib, tmp_path, broken, copy_streams
 ):
+    # With several copy streams, each one's copies wait for the consumer's stream: any block of
+    # a segment may be copied on any of them (eight_mib: 128 blocks of 64 KiB).
     log = tmp_path / "log"
     env = cuda_sim.env(fake_cuda, log, **SLOW)
     mode = "broken" if broken else "correct"
-    out = run_probe(PIPELINE, dtypes_file, "consumer-stream", mode, env=env)
-    assert out["error"] is None
+    path = dtypes_file if copy_streams == 1 else eight_mib
+    out = run_probe(PIPELINE, path, "consumer-stream", mode, str(copy_streams), env=env)
+    assert out["error"] is None and out["streams"] == copy_streams, out
     if broken:
         assert out["bad"], "copies landed before the consumer's stream was done"
     else:
         assert out["bad"] == [] and out["n"] > 0
-    assert cuda_sim.log(log)["violations"] == 0
+    counters = cuda_sim.log(log)
+    assert counters["violations"] == 0, counters
+    assert counters["copy_streams"] == copy_streams, counters
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,9 @@ BAD_VALUES = [
     ("memory_limit", 0),
     ("concurrency", 0),
     ("concurrency", -1),
+    ("copy_streams", 0),
+    ("copy_streams", 17),
+    ("copy_streams", -2),
 ]
 
 
@@ -112,6 +115,9 @@ WRONG_TYPES = [
     ("memory_limit", [1]),
     ("method", "fast"),
     ("method", 1),
+    ("copy_streams", True),
+    ("copy_streams", "2"),
+    ("copy_streams", 1.0),
     ("names", 7),
     ("names", ["F32.7", 3]),
     ("storage_options", "region=x"),
@@ -129,11 +135,14 @@ def test_wrong_types_name_the_option(dtypes_file, option, value):
 def test_options_are_resolved_by_the_native_module(monkeypatch):
     from fastload import _fastload
 
-    for var in ("FASTLOAD_CONCURRENCY", "FASTLOAD_BLOCK_SIZE", "FASTLOAD_MEMORY_LIMIT"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("CONCURRENCY", "BLOCK_SIZE", "MEMORY_LIMIT", "COPY_STREAMS"):
+        monkeypatch.delenv(f"FASTLOAD_{var}", raising=False)
     r = _fastload.resolve_options(["model/"], block_size="64KiB", names=iter("abca"))
     assert (r.concurrency, r.block_size, r.memory_limit) == (16, 64 << 10, 1 << 30)
-    assert r.method == "auto" and r.names == ["a", "b", "c"]
+    assert r.method == "auto" and r.names == ["a", "b", "c"] and r.copy_streams == 1
+    assert _fastload.resolve_options(copy_streams=4).copy_streams == 4
+    monkeypatch.setenv("FASTLOAD_COPY_STREAMS", "16")
+    assert _fastload.resolve_options().copy_streams == 16
     assert _fastload.resolve_options(["s3://bucket/model/"]).concurrency == 64
     assert _fastload.resolve_options(method="PREAD").method == "read"
     monkeypatch.setenv("FASTLOAD_MEMORY_LIMIT", "2GiB")
@@ -176,7 +185,7 @@ def attempt(**kw):
         for k in want)
     return {"same": same}
 
-explicit = {option: int(good) if option == "concurrency" else good}
+explicit = {option: int(good) if option in ("concurrency", "copy_streams") else good}
 emit(default=attempt(), explicit=attempt(**explicit))
 """
 
@@ -197,11 +206,13 @@ ENV_CASES = {
     "concurrency": ("0", "2"),
     "block_size": ("banana", "1MiB"),
     "memory_limit": ("lots", "8MiB"),
+    "copy_streams": ("99", "2"),
 }
 VALID_ENV = {
     "FASTLOAD_CONCURRENCY": "2",
     "FASTLOAD_BLOCK_SIZE": "64KiB",
     "FASTLOAD_MEMORY_LIMIT": "1MiB",
+    "FASTLOAD_COPY_STREAMS": "3",
 }
 
 

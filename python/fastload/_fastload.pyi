@@ -13,6 +13,8 @@ Option inputs, as the native module converts them (``src/python/args.rs``); ``No
   Default: every tensor.
 - ``method``: ``"auto"`` (default), ``"mmap"``, ``"read"`` (or ``"pread"``), ``"direct"``, any
   case.
+- ``copy_streams``: copy queues (CUDA streams) of a staged load, an ``int`` >= 1 (at most 16);
+  not ``bool``. Default 1.
 - ``storage_options``: a mapping with ``str`` keys; values are converted with ``str()``, ``bool`` as
   ``"true"``/``"false"``. Default: none (the environment configures object stores).
 - ``cache``: ``True`` (the default directory), ``False`` (off), a ``str`` or ``os.PathLike`` (that
@@ -204,6 +206,10 @@ class Stats:
     def target(self) -> str | None:
         """``"cuda:N"`` or ``"host"`` for a staged load, else ``None``."""
     @property
+    def copy_streams(self) -> int | None:
+        """Staged loads: the copy queues (CUDA streams) blocks were copied on in turn; ``None``
+        for a load that copies nothing."""
+    @property
     def bytes_copied(self) -> int:
         """Staged loads: bytes copied into destinations."""
     @property
@@ -269,6 +275,8 @@ class ResolvedOptions:
     def method(self) -> str:
         """``"auto"``, ``"mmap"``, ``"read"`` or ``"direct"``."""
     @property
+    def copy_streams(self) -> int: ...
+    @property
     def names(self) -> list[str] | None:
         """Deduplicated, in the order given; ``None`` for every tensor."""
 
@@ -327,6 +335,7 @@ class Stream:
         memory_limit: _Size | None = None,
         names: Iterable[str] | None = None,
         method: str | None = None,
+        copy_streams: int | None = None,
         storage_options: Mapping[str, object] | None = None,
         cache: _Cache | None = None,
         verify: bool | None = None,
@@ -486,6 +495,7 @@ def resolve_options(
     memory_limit: _Size | None = None,
     names: Iterable[str] | None = None,
     method: str | None = None,
+    copy_streams: int | None = None,
     storage_options: Mapping[str, object] | None = None,
     cache: _Cache | None = None,
     verify: bool | None = None,

@@ -95,6 +95,9 @@ class Options(TypedDict, total=False):
     straight into the buffers ``"read"`` uses (to a GPU, the page-locked staging buffers),
     cached blocks as ``"read"`` does, falling back to ``"read"`` where a file cannot
     (``stats()["direct_refused"]`` says why).
+    ``copy_streams``: copy queues of a GPU load (CUDA streams, 1 to 16): blocks are copied to
+    the device on each in turn, so that more than one of its copy engines may run at once;
+    default ``FASTLOAD_COPY_STREAMS``, else 1. CPU loads copy nothing and ignore it.
     ``storage_options``: object-store settings (``endpoint``, ``region``, ``access_key_id``, ...)
     that override the environment; values are converted with ``str()``.
     ``cache``: keep a local copy of remote objects, written while they stream: ``True`` (the
@@ -128,6 +131,7 @@ class Options(TypedDict, total=False):
     names: Iterable[str] | None
     parts: Mapping[str, Index] | None
     method: str | None
+    copy_streams: int | None
     storage_options: Mapping[str, object] | None
     cache: bool | str | os.PathLike[str] | None
     verify: bool | None

@@ -242,11 +242,14 @@ def measure(job: dict) -> dict:
         __import__(IMPORTS[name])
     except Exception as e:  # a missing/broken peer is a row note, not a crash
         return {"skipped": f"import {IMPORTS[name]} failed: {type(e).__name__}: {e}"}
-    if name == "fastload" and (job.get("options") or {}).get("method"):
+    if name == "fastload" and job.get("options"):
         import fastload
 
-        if "method" not in inspect.signature(fastload.load).parameters:
-            return {"skipped": "fastload.load has no method= option"}
+        # An installed fastload older than the options asked for (a released version's row).
+        taken = inspect.signature(fastload.load).parameters
+        missing = [f"{o}=" for o in job["options"] if o not in taken]
+        if missing:
+            return {"skipped": f"fastload.load has no {', '.join(missing)} option"}
 
     if name == "tensorizer" and not job.get("tensorizer_file"):
         return {"skipped": job.get("tensorizer_error") or "no tensorizer copy of the checkpoint"}

@@ -64,6 +64,7 @@ class SafeOpenOptions(TypedDict, total=False):
     block_size: Size | None
     memory_limit: Size | None
     method: str | None
+    copy_streams: int | None
     storage_options: Mapping[str, object] | None
     cache: bool | str | os.PathLike[str] | None
     verify: bool | None

@@ -56,6 +56,10 @@ pub(super) struct BenchArgs {
         hide_default_value = true
     )]
     method: Method,
+    /// Copy queues of a GPU load (CUDA streams, 1 to 16): blocks are copied to the device on
+    /// each in turn [default: $FASTLOAD_COPY_STREAMS, else 1]
+    #[arg(long, value_name = "N")]
+    copy_streams: Option<usize>,
     /// Where tensors land: cpu; cuda or cuda:N (through page-locked staging buffers and async
     /// copies into device memory); host (the same staged pipeline into host memory, no GPU)
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
@@ -139,6 +143,7 @@ fn configs(args: &BenchArgs) -> CliResult<Vec<(LoadOptions, Resolved)>> {
         memory_limit: args.memory_limit.map(|s| s.0),
         names: None,
         method: args.method,
+        copy_streams: args.copy_streams,
         cache: args.cache.clone(),
         keyset: super::keyset_file(args.keyset.as_deref())?,
         peers: args.peers.clone(),
@@ -628,6 +633,9 @@ fn run_compare(
     }
     if args.method != Method::Auto {
         options.insert("method".into(), args.method.as_str().into());
+    }
+    if let Some(n) = args.copy_streams {
+        options.insert("copy_streams".into(), n.into());
     }
     // The file's path (never its content): fastload's row reads the files as this run does.
     if let Some(keyset) = &args.keyset {

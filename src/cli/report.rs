@@ -63,6 +63,8 @@ struct Report<'a> {
     /// As requested (after FASTLOAD_METHOD); `method_used` is what the loader picked.
     method: &'static str,
     method_used: &'static str,
+    /// Copy queues of a staged load (`--copy-streams`; CPU loads copy nothing).
+    copy_streams: usize,
     /// Of the best run when sweeping.
     concurrency: usize,
     block_size: u64,
@@ -125,6 +127,11 @@ impl Setup<'_> {
                 Size(first.block_size)
             )
         };
+        let streams = if first.copy_streams > 1 {
+            format!(" ({} copy streams)", first.copy_streams)
+        } else {
+            String::new()
+        };
         let kept = if self.generated {
             "(generated once and kept there for later runs; `fastload bench --clean` removes it)\n"
         } else {
@@ -132,7 +139,7 @@ impl Setup<'_> {
         };
         format!(
             "fastload bench: {} ({}, {}) from {}\n{kept}\
-             device {}, method {}{config}, memory limit {}, {}, {}\n\n{}",
+             device {}{streams}, method {}{config}, memory limit {}, {}, {}\n\n{}",
             decimal_bytes(self.bytes),
             plural(self.files, "file"),
             plural(self.tensors, "tensor"),
@@ -360,6 +367,7 @@ impl Setup<'_> {
             device: self.device.to_string(),
             method: first.method.as_str(),
             method_used: best.method,
+            copy_streams: first.copy_streams,
             concurrency: best.concurrency,
             block_size: best.block_size,
             memory_limit: first.memory_limit,
@@ -418,6 +426,7 @@ mod tests {
                 memory_limit: 1 << 30,
                 method: crate::Method::Auto,
                 method_reason: String::new(),
+                copy_streams: 1,
                 staged_block_size: 8 << 20,
             }],
             repeat: 1,

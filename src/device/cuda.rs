@@ -605,6 +605,10 @@ impl Engine for CudaEngine {
         })
     }
 
+    fn lane(&self) -> Result<Arc<dyn Engine>> {
+        Ok(Arc::new(CudaEngine::new(self.gpu.ordinal)?))
+    }
+
     fn record(&self) -> Result<Fence> {
         self.gpu.bind()?;
         let api = self.gpu.api;

@@ -86,6 +86,16 @@ pub trait Engine: Send + Sync {
     fn lend(&self, memory: HostBuffer) -> Result<Staging> {
         Ok(Staging::over(memory))
     }
+    /// Another engine into the same memory whose copies run in a queue of their own (a CUDA
+    /// stream beside this one's; into host memory, another worker thread), sharing this one's
+    /// staging memory: the further copy streams of a load (`copy_streams`). Its fences are
+    /// waited for on it.
+    fn lane(&self) -> Result<Arc<dyn Engine>> {
+        Err(Error::device(format!(
+            "{}: copies run in one queue only",
+            self.name()
+        )))
+    }
     /// A fence after the copies enqueued so far.
     fn record(&self) -> Result<Fence>;
     /// Blocks until `fence` passed.
@@ -357,6 +367,10 @@ impl Engine for HostEngine {
             src: src as usize,
             len,
         })
+    }
+
+    fn lane(&self) -> Result<Arc<dyn Engine>> {
+        Ok(Arc::new(HostEngine::new()))
     }
 
     fn record(&self) -> Result<Fence> {

@@ -236,7 +236,7 @@ pub fn open(uris: &[String], options: &LoadOptions) -> Result<Loader> {
 /// Like [`open`], but tensors go to `target`'s destinations through its copy engine.
 pub fn open_staged(uris: &[String], options: &LoadOptions, target: Target) -> Result<Loader> {
     let (plan, resolved) = prepare(uris, options)?;
-    Ok(staged::start(plan, resolved, target))
+    staged::start(plan, resolved, target)
 }
 
 /// Like [`open`] (with `target`, [`open_staged`]), over shards opened already: a `safe_open`
@@ -250,10 +250,10 @@ pub fn open_opened(
 ) -> Result<Loader> {
     let resolved = options.resolve(remote)?;
     let (plan, resolved) = plan_shards(shards, options, resolved)?;
-    Ok(match target {
-        None => Loader::start(plan, resolved),
+    match target {
+        None => Ok(Loader::start(plan, resolved)),
         Some(target) => staged::start(plan, resolved, target),
-    })
+    }
 }
 
 fn prepare(uris: &[String], options: &LoadOptions) -> Result<(Plan, Resolved)> {

@@ -86,22 +86,39 @@ impl FromPyObject<'_, '_> for Concurrency {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
-        let n = if obj.is_instance_of::<PyBool>() {
-            None
-        } else {
-            obj.extract::<i128>().ok()
-        };
-        match n {
-            Some(n) if n >= 1 => Ok(Concurrency(usize::try_from(n).unwrap_or(usize::MAX))),
-            Some(n) => {
-                Err(Error::option("concurrency", format!("{n} is not a positive int")).into())
-            }
-            None => Err(Error::option(
-                "concurrency",
-                format!("expected a positive int, got {}", type_name(&obj)),
-            )
-            .into()),
-        }
+        positive_int(obj, "concurrency").map(Concurrency)
+    }
+}
+
+/// Copy queues of a GPU load (`copy_streams`).
+///
+/// Supported Python input: an `int` >= 1 (the upper bound is checked when options are resolved).
+/// Not `bool`, not a numeric `str`.
+pub struct CopyStreams(pub usize);
+
+impl FromPyObject<'_, '_> for CopyStreams {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        positive_int(obj, "copy_streams").map(CopyStreams)
+    }
+}
+
+/// An `int` >= 1 given as `option` (not a `bool`, not a numeric `str`).
+fn positive_int(obj: Borrowed<'_, '_, PyAny>, option: &str) -> PyResult<usize> {
+    let n = if obj.is_instance_of::<PyBool>() {
+        None
+    } else {
+        obj.extract::<i128>().ok()
+    };
+    match n {
+        Some(n) if n >= 1 => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
+        Some(n) => Err(Error::option(option, format!("{n} is not a positive int")).into()),
+        None => Err(Error::option(
+            option,
+            format!("expected a positive int, got {}", type_name(&obj)),
+        )
+        .into()),
     }
 }
 

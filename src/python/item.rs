@@ -64,6 +64,8 @@ pub struct Stats {
     pub memory_limit: u64,
     /// `"cuda:N"` or `"host"` for a staged load, `None` otherwise.
     pub target: Option<String>,
+    /// A staged load's copy queues (`copy_streams`); `None` for a load that copies nothing.
+    pub copy_streams: Option<usize>,
     pub bytes_copied: u64,
     pub staging_peak_bytes: u64,
     /// Page-locked staging memory this load allocated (not reused from earlier loads' cache),
@@ -105,6 +107,7 @@ impl Stats {
             block_size: l.config().block_size,
             memory_limit: l.config().memory_limit,
             target: l.engine().map(str::to_owned),
+            copy_streams: l.engine().map(|_| l.config().copy_streams),
             bytes_copied: s.bytes_copied.load(Relaxed),
             staging_peak_bytes: s.staging_peak.load(Relaxed),
             pinned_bytes: s.pinned_bytes.load(Relaxed),
@@ -157,6 +160,7 @@ impl Stats {
             block_size,
             memory_limit,
             target,
+            copy_streams,
             bytes_copied,
             staging_peak_bytes,
             pinned_bytes,

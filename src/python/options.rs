@@ -7,8 +7,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::args::{
-    BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
-    VerifyArg,
+    BlockSize, Bytes, CacheArg, Concurrency, CopyStreams, MemoryLimit, MethodArg, Names,
+    StorageOptions, VerifyArg,
 };
 use super::tink::{AssociatedDataArg, KeysetArg};
 use crate::options::{LoadOptions, Method, OptionDef, OPTIONS};
@@ -76,6 +76,7 @@ pub(crate) fn load_options(
     memory_limit: Option<Bytes<MemoryLimit>>,
     names: Option<Names>,
     method: Option<MethodArg>,
+    copy_streams: Option<CopyStreams>,
     storage_options: Option<StorageOptions>,
     cache: Option<CacheArg>,
     verify: Option<VerifyArg>,
@@ -88,6 +89,7 @@ pub(crate) fn load_options(
         memory_limit: memory_limit.map(|m| m.0),
         names: names.map(|n| n.0),
         method: method.map_or(Method::Auto, |m| m.0),
+        copy_streams: copy_streams.map(|c| c.0),
         storage_options: storage_options.unwrap_or_default().0,
         parts: None,
         cache: cache.map(|c| c.0),
@@ -108,6 +110,8 @@ pub struct ResolvedOptions {
     memory_limit: u64,
     /// `"auto"`, `"mmap"`, `"read"` or `"direct"`.
     method: &'static str,
+    /// Copy queues of a GPU load.
+    copy_streams: usize,
     /// Deduplicated, in the order given; `None` for every tensor.
     names: Option<Vec<String>>,
 }
@@ -116,8 +120,9 @@ pub struct ResolvedOptions {
 impl ResolvedOptions {
     fn __repr__(&self) -> String {
         format!(
-            "ResolvedOptions(concurrency={}, block_size={}, memory_limit={}, method={:?})",
-            self.concurrency, self.block_size, self.memory_limit, self.method
+            "ResolvedOptions(concurrency={}, block_size={}, memory_limit={}, method={:?}, \
+             copy_streams={})",
+            self.concurrency, self.block_size, self.memory_limit, self.method, self.copy_streams
         )
     }
 }
@@ -127,7 +132,7 @@ impl ResolvedOptions {
 // boilerplate: pyo3 takes each keyword argument as a parameter of its own: the load options,
 // as `Stream` and `Reader` take them too
 #[pyfunction]
-#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None))]
+#[pyo3(signature = (uris=Vec::new(), *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, copy_streams=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn resolve_options(
     uris: Vec<String>,
@@ -136,6 +141,7 @@ pub(crate) fn resolve_options(
     memory_limit: Option<Bytes<MemoryLimit>>,
     names: Option<Names>,
     method: Option<MethodArg>,
+    copy_streams: Option<CopyStreams>,
     storage_options: Option<StorageOptions>,
     cache: Option<CacheArg>,
     verify: Option<VerifyArg>,
@@ -150,6 +156,7 @@ pub(crate) fn resolve_options(
         memory_limit,
         names,
         method,
+        copy_streams,
         storage_options,
         cache,
         verify,
@@ -166,6 +173,7 @@ pub(crate) fn resolve_options(
         block_size: r.block_size,
         memory_limit: r.memory_limit,
         method: r.method.as_str(),
+        copy_streams: r.copy_streams,
         names: opts.names,
     })
 }

@@ -142,6 +142,7 @@ impl Reader {
             None,
             None,
             None,
+            None,
             storage_options,
             cache,
             verify,

@@ -6,8 +6,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
 
 use super::args::{
-    BlockSize, Bytes, CacheArg, Concurrency, MemoryLimit, MethodArg, Names, StorageOptions,
-    VerifyArg,
+    BlockSize, Bytes, CacheArg, Concurrency, CopyStreams, MemoryLimit, MethodArg, Names,
+    StorageOptions, VerifyArg,
 };
 use super::dlpack::{self, DLDevice};
 use super::errors::raised;
@@ -110,7 +110,7 @@ impl Stream {
     // as `resolve_options` and `Reader` take them)
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None, parts=None, target=None, allocate=None, reader=None))]
+    #[pyo3(signature = (uris, *, concurrency=None, block_size=None, memory_limit=None, names=None, method=None, copy_streams=None, storage_options=None, cache=None, verify=None, keyset=None, associated_data=None, peers=None, peer_token=None, parts=None, target=None, allocate=None, reader=None))]
     fn new(
         py: Python<'_>,
         uris: Vec<String>,
@@ -119,6 +119,7 @@ impl Stream {
         memory_limit: Option<Bytes<MemoryLimit>>,
         names: Option<Names>,
         method: Option<MethodArg>,
+        copy_streams: Option<CopyStreams>,
         storage_options: Option<StorageOptions>,
         cache: Option<CacheArg>,
         verify: Option<VerifyArg>,
@@ -137,6 +138,7 @@ impl Stream {
             memory_limit,
             names,
             method,
+            copy_streams,
             storage_options,
             cache,
             verify,

@@ -82,10 +82,11 @@
  * fallbacks) counts a violation and prints "fake_cuda: violation: ..." to stderr, so that misuse
  * whose error a caller ignores (a destructor's) still shows. At exit, FAKE_CUDA_LOG=path receives
  * one line: copies bytes pinned_peak pinned_now host_allocs host_frees device_peak device_now
- * violations (copies and bytes count host-to-device copies; device_peak is the most bytes
- * allocated at once on any one device), then calls.NAME=N for every entry point called (N calls
- * that got past initialisation and fault injection); fake_cuda_calls() returns those counts
- * in-process, so a test can count what one load costs.
+ * violations copy_streams (copies and bytes count host-to-device copies, copy_streams the
+ * streams that carried any; device_peak is the most bytes allocated at once on any one device),
+ * then calls.NAME=N for every entry point called (N calls that got past initialisation and fault
+ * injection); fake_cuda_calls() returns those counts in-process, so a test can count what one
+ * load costs.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -172,6 +173,7 @@ struct stream_s {
     uint64_t busy_until;   /* when the last queued operation finishes (copy rate) */
     struct op *head, *tail;
     uint64_t held_until;       /* fake_cuda_hold: its work waits until then (0: not held) */
+    uint64_t copies_to_device; /* host-to-device copies queued on it */
     struct stream_s *next_all; /* every stream with work or a handle, for the executor */
 };
 
@@ -207,6 +209,7 @@ static uint64_t lag_us = 2000, copy_rate, pin_rate, register_rate; /* bytes/s, 0
 static size_t device_capacity = (size_t)1 << 40;
 
 static unsigned long long copies, copied_bytes, host_allocs, host_frees, violations;
+static unsigned long long copy_streams; /* streams that carried copies to a device */
 static size_t pinned_now, pinned_peak, device_now[MAX_DEVICES], device_peak;
 
 static uint64_t now_us(void) {
@@ -501,9 +504,10 @@ static void report(void) {
     if (f) {
         fprintf(f,
                 "copies=%llu bytes=%llu pinned_peak=%zu pinned_now=%zu host_allocs=%llu "
-                "host_frees=%llu device_peak=%zu device_now=%zu violations=%llu",
+                "host_frees=%llu device_peak=%zu device_now=%zu violations=%llu "
+                "copy_streams=%llu",
                 copies, copied_bytes, pinned_peak, pinned_now, host_allocs, host_frees,
-                device_peak, now, violations);
+                device_peak, now, violations, copy_streams);
         for (int i = 0; i < MAX_CALLED && called[i].name; i++)
             fprintf(f, " calls.%s=%llu", called[i].name, called[i].n);
         fputc('\n', f);
@@ -1028,6 +1032,7 @@ static CUresult transfer(const char *name, CUstream h, void *dst, const void *sr
     if (to_device && src) {
         copies++;
         copied_bytes += len;
+        if (s->copies_to_device++ == 0) copy_streams++;
     }
     if (sync) wait_for(s, seq);
     pthread_mutex_unlock(&lock);

@@ -29,7 +29,7 @@ pub(super) fn spawn(
     allocator: Box<dyn Allocator>,
 ) -> std_mpsc::Sender<Block> {
     let (copy_tx, copy_rx) = std_mpsc::channel::<Block>();
-    let (done_tx, done_rx) = std_mpsc::channel::<(Fence, Block, Option<Error>)>();
+    let (done_tx, done_rx) = std_mpsc::channel::<Copied>();
     {
         let shared = shared.clone();
         std::thread::Builder::new()
@@ -45,6 +45,15 @@ pub(super) fn spawn(
             .expect("spawning the copy completion thread");
     }
     copy_tx
+}
+
+/// A block whose copies were enqueued on lane `lane`, the fence after them, and the error that
+/// stopped them.
+struct Copied {
+    lane: usize,
+    fence: Fence,
+    block: Block,
+    failed: Option<Error>,
 }
 
 /// Threads that give lent blocks back (and their ring slots with them).
@@ -122,18 +131,20 @@ impl Drop for Releases {
     }
 }
 
-/// The copy thread: destinations on a segment's first block, then one copy per tensor piece.
+/// The copy thread: destinations on a segment's first block, then one copy per tensor piece, on
+/// the lanes in turn.
 fn copier(
     shared: &Shared,
     mut allocator: Box<dyn Allocator>,
     rx: std_mpsc::Receiver<Block>,
-    done: std_mpsc::Sender<(Fence, Block, Option<Error>)>,
+    done: std_mpsc::Sender<Copied>,
 ) {
     if let Err(e) = shared.engine.enter() {
         shared.feed.fail(e);
         return;
     }
     let stats = &shared.feed.stats;
+    let mut turn = 0usize;
     loop {
         let idle = Instant::now();
         let Ok(block) = rx.recv() else {
@@ -143,12 +154,19 @@ fn copier(
         if shared.feed.cancelled() {
             continue;
         }
-        let copied = copy_block(shared, allocator.as_mut(), &block);
+        let lane = turn % shared.lanes.len();
+        turn = turn.wrapping_add(1);
+        let copied = copy_block(shared, allocator.as_mut(), &block, lane);
         // A fence even after a failed copy: pieces already enqueued may still be reading the
         // staging buffer, which must not be reused before they finished.
-        match shared.engine.record() {
+        match shared.lanes[lane].record() {
             Ok(fence) => {
-                let _ = done.send((fence, block, copied.err()));
+                let _ = done.send(Copied {
+                    lane,
+                    fence,
+                    block,
+                    failed: copied.err(),
+                });
             }
             Err(e) => {
                 // Cannot tell when the engine is done with this buffer: never reuse it.
@@ -161,7 +179,12 @@ fn copier(
     }
 }
 
-fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> Result<()> {
+fn copy_block(
+    shared: &Shared,
+    allocator: &mut dyn Allocator,
+    block: &Block,
+    lane: usize,
+) -> Result<()> {
     let seg = &shared.plan.segments[block.job.index];
     let mut guard = block
         .job
@@ -181,7 +204,10 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
             )));
         }
         if let Some(stream) = allocation.stream {
-            shared.engine.order_after(stream)?;
+            // Any lane may copy the segment's later blocks.
+            for lane in &shared.lanes {
+                lane.order_after(stream)?;
+            }
         }
         *guard = Some(allocation.destinations);
     }
@@ -191,7 +217,7 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
     };
     let (lo, hi) = (block.off, block.off + block.len);
     let copying = Instant::now();
-    let copied = copy_pieces(shared, seg, destinations, staging, lo, hi);
+    let copied = copy_pieces(shared, lane, seg, destinations, staging, lo, hi);
     add_since(&shared.feed.stats.copy_ns, copying);
     copied
 }
@@ -199,6 +225,7 @@ fn copy_block(shared: &Shared, allocator: &mut dyn Allocator, block: &Block) -> 
 /// Enqueues the copies of the tensor pieces in `[lo, hi)` of a segment, read into `staging`.
 fn copy_pieces(
     shared: &Shared,
+    lane: usize,
     seg: &plan::Segment,
     destinations: &[Destination],
     staging: &Staging,
@@ -221,7 +248,7 @@ fn copy_pieces(
         // range lies inside the tensor's destination, written by this block only.
         #[allow(unsafe_code)]
         unsafe {
-            shared.engine.copy(
+            shared.lanes[lane].copy(
                 d.addr + (a - t.offset),
                 staging.as_ptr().add((a - lo) as usize),
                 (b - a) as usize,
@@ -237,15 +264,11 @@ fn copy_pieces(
 }
 
 /// The completion thread: fences in order; a segment is handed out after its last block.
-fn completer(
-    shared: &Shared,
-    rx: std_mpsc::Receiver<(Fence, Block, Option<Error>)>,
-    mut releases: Releases,
-) {
+fn completer(shared: &Shared, rx: std_mpsc::Receiver<Copied>, mut releases: Releases) {
     if let Err(e) = shared.engine.enter() {
         shared.feed.fail(e);
         // Without the engine, fences cannot be waited for: keep their buffers out of reuse.
-        for (_, block, _) in rx {
+        for Copied { block, .. } in rx {
             if let Some(staging) = block.staging {
                 std::mem::forget(staging);
             }
@@ -253,9 +276,15 @@ fn completer(
         return;
     }
     let mut delivered = 0;
-    for (fence, block, failed) in rx {
+    for Copied {
+        lane,
+        fence,
+        block,
+        failed,
+    } in rx
+    {
         let waiting = Instant::now();
-        let waited = shared.engine.wait(fence);
+        let waited = shared.lanes[lane].wait(fence);
         add_since(&shared.feed.stats.fence_wait_ns, waiting);
         let Block {
             job,

@@ -75,7 +75,11 @@ fn ring_slots(memory_limit: u64, slot: u64, concurrency: usize) -> usize {
 
 struct Shared {
     plan: Arc<Plan>,
+    /// Stages, lends, and copies on the first of the lanes.
     engine: Arc<dyn Engine>,
+    /// The copy queues (`copy_streams`): `engine` and its further [`Engine::lane`]s; block k is
+    /// copied on lane k mod their number.
+    lanes: Vec<Arc<dyn Engine>>,
     feed: Arc<Feed>,
     pinning: Mutex<Pinning>,
     /// `method="mmap"`: blocks are the files' mapped pages lent to the engine
@@ -140,8 +144,12 @@ const DIRECT: &str = "blocks not in the page cache are read around it (O_DIRECT)
 const LENDING: &str = "the device copies the files' mapped pages where they are, page-locked in \
                        place (no copy out of the page cache)";
 
-pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
+pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Result<Loader> {
     let Target { engine, allocator } = target;
+    let mut lanes = vec![engine.clone()];
+    for _ in 1..opts.copy_streams {
+        lanes.push(engine.lane()?);
+    }
     let lending = opts.method == Method::Mmap;
     let direct = opts.method == Method::Direct;
     let spare = if lending || direct { span_spare() } else { 0 };
@@ -183,6 +191,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
     let shared = Arc::new(Shared {
         plan: loader.plan.clone(),
         engine,
+        lanes,
         feed: feed.clone(),
         pinning: Mutex::new(Pinning::default()),
         lending: AtomicBool::new(lending),
@@ -203,7 +212,7 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Loader {
         }),
     };
     crate::runtime::get().spawn(driver.run());
-    loader
+    Ok(loader)
 }
 
 /// The staging ring: `slots` buffers for blocks of `block` bytes, each `buffer` bytes (a direct

@@ -748,3 +748,136 @@ fn a_file_cut_short_before_a_direct_read_is_an_error_not_wrong_bytes() {
     let error = failure_after_right_bytes(&mut loader, &expected(&sizes, &data));
     assert!(error.contains("truncated"), "{error}");
 }
+
+/// Lane `id` of an engine of several copy queues: a host engine (a worker thread each) whose
+/// fences carry the lane that recorded them, and which counts the blocks fenced on each lane.
+struct Lane {
+    id: u64,
+    inner: HostEngine,
+    /// Fences recorded per lane (one per block), and lanes made.
+    fenced: Arc<[AtomicU64; 4]>,
+    made: Arc<AtomicU64>,
+}
+
+impl Lane {
+    fn first() -> Lane {
+        Lane {
+            id: 0,
+            inner: HostEngine::new(),
+            fenced: Arc::new(Default::default()),
+            made: Arc::new(AtomicU64::new(1)),
+        }
+    }
+}
+
+impl Engine for Lane {
+    fn name(&self) -> String {
+        "lanes".into()
+    }
+    fn staging(&self, len: usize) -> Result<Staging> {
+        self.inner.staging(len)
+    }
+    #[allow(unsafe_code)]
+    unsafe fn copy(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.inner.copy(dst, src, len)
+    }
+    fn lane(&self) -> Result<Arc<dyn Engine>> {
+        Ok(Arc::new(Lane {
+            id: self.made.fetch_add(1, Ordering::SeqCst),
+            inner: HostEngine::new(),
+            fenced: self.fenced.clone(),
+            made: self.made.clone(),
+        }))
+    }
+    fn record(&self) -> Result<Fence> {
+        self.fenced[self.id as usize].fetch_add(1, Ordering::SeqCst);
+        match self.inner.record()? {
+            Fence::Seq(seq) => Ok(Fence::Seq(self.id << 48 | seq)),
+            #[allow(unreachable_patterns)]
+            other => Ok(other),
+        }
+    }
+    #[allow(irrefutable_let_patterns)]
+    fn wait(&self, fence: Fence) -> Result<()> {
+        let Fence::Seq(tagged) = fence else {
+            return Err(Error::device("not a host fence"));
+        };
+        let lane = tagged >> 48;
+        if lane != self.id {
+            return Err(Error::device(format!(
+                "a fence of lane {lane} waited for on lane {}",
+                self.id
+            )));
+        }
+        self.inner.wait(Fence::Seq(tagged & ((1 << 48) - 1)))
+    }
+}
+
+#[test]
+fn blocks_are_copied_on_every_copy_stream_in_turn() {
+    let engine = Arc::new(Lane::first());
+    let sizes = [3 << 20, 100, 0, 2 << 20, 70_000, 1];
+    let opts = LoadOptions {
+        copy_streams: Some(3),
+        ..opts(128 << 10, 1 << 20)
+    };
+    let (got, data, loader) = run(&sizes, opts, engine.clone(), Box::new(HostAllocator));
+    assert_eq!(got, expected(&sizes, &data));
+    assert_eq!(loader.config().copy_streams, 3);
+    assert_eq!(engine.made.load(Ordering::SeqCst), 3, "lanes made");
+    // Block k on lane k mod 3 (and the empty tensor's segment, which copies nothing, too).
+    let fenced: Vec<u64> = engine
+        .fenced
+        .iter()
+        .map(|f| f.load(Ordering::SeqCst))
+        .collect();
+    let blocks: u64 = fenced.iter().sum();
+    assert!(blocks >= 40, "{fenced:?}");
+    assert_eq!(fenced[3], 0, "{fenced:?}");
+    assert!(
+        fenced[..3].iter().all(|&n| n.abs_diff(blocks / 3) <= 1),
+        "{fenced:?}"
+    );
+}
+
+#[test]
+fn an_engine_of_one_queue_fails_a_load_of_several_before_it_reads() {
+    let (file, _) = checkpoint(&[4096]);
+    let uris = vec![file.path().to_string_lossy().into_owned()];
+    let opts = LoadOptions {
+        copy_streams: Some(2),
+        ..opts(4096, 1 << 20)
+    };
+    let engine = Arc::new(SlowEngine {
+        inner: HostEngine::new(),
+        in_flight: AtomicUsize::new(0),
+        max_in_flight: AtomicUsize::new(0),
+    });
+    let target = Target {
+        engine,
+        allocator: Box::new(HostAllocator),
+    };
+    let Err(e) = super::super::open_staged(&uris, &opts, target) else {
+        panic!("a load of two copy streams opened on an engine of one");
+    };
+    assert!(e.to_string().contains("one queue"), "{e}");
+}
+
+#[test]
+fn host_engines_copy_on_as_many_threads_as_copy_streams() {
+    let sizes = [1 << 20, 12_345, 3];
+    for streams in [1, 2, 16] {
+        let opts = LoadOptions {
+            copy_streams: Some(streams),
+            ..opts(64 << 10, 1 << 20)
+        };
+        let (got, data, loader) = run(
+            &sizes,
+            opts,
+            Arc::new(HostEngine::new()),
+            Box::new(HostAllocator),
+        );
+        assert_eq!(got, expected(&sizes, &data), "{streams} copy streams");
+        assert_eq!(loader.config().copy_streams, streams);
+    }
+}
