@@ -341,6 +341,68 @@ emit(error=error)
     assert counters["pinned_now"] == 64 << 10, counters
 
 
+def test_a_failed_fence_wait_on_a_later_copy_stream_retires_its_buffer(
+    fake_cuda, eight_mib, tmp_path
+):
+    # Three copy streams, blocks on each in turn: the 5th fence (the 2nd block of the 2nd
+    # stream) fails to be waited for. The load ends with the driver's error; that block's buffer
+    # is retired as on one stream, and every other one comes back (no buffer is reused on a
+    # fence of another stream: the simulator counts a reuse under a pending copy).
+    code = (
+        LOAD
+        + """
+import gc
+try:
+    load(sys.argv[1], block_size="64KiB", memory_limit="1MiB", copy_streams=3)
+    error = None
+except fastload.FastloadError as e:
+    error = str(e)
+gc.collect()
+time.sleep(0.2)
+fastload.release_memory()
+emit(error=error)
+"""
+    )
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, fail="cuEventSynchronize:5", **SLOW)
+    out = run_probe(code, eight_mib, env=env, timeout=120)
+    assert out["error"] and "cuEventSynchronize" in out["error"], out
+    counters = cuda_sim.log(log)
+    assert counters["violations"] == 0, counters
+    assert counters["pinned_now"] == 64 << 10, counters
+    assert counters["copy_streams"] == 3, counters
+
+
+def test_a_copy_stream_that_cannot_be_made_fails_the_load_before_it_reads(
+    fake_cuda, eight_mib, tmp_path
+):
+    # The 3rd stream of a load of four cannot be created: the load fails with the driver's
+    # error before anything is pinned or copied, and the streams made are destroyed.
+    code = (
+        LOAD
+        + """
+from cuda_sim import calls
+try:
+    load(sys.argv[1], block_size="64KiB", memory_limit="1MiB", copy_streams=4)
+    error = None
+except fastload.FastloadError as e:
+    error = str(e)
+import gc
+gc.collect()
+emit(error=error, calls=calls())
+"""
+    )
+    log = tmp_path / "log"
+    env = cuda_sim.env(fake_cuda, log, fail="cuStreamCreate:3")
+    out = run_probe(code, eight_mib, env=env, timeout=120)
+    assert out["error"] and "cuStreamCreate" in out["error"], out
+    calls = out["calls"]
+    assert calls.get("cuStreamCreate") == calls.get("cuStreamDestroy") == 2, calls
+    counters = cuda_sim.log(log)
+    assert counters["violations"] == 0, counters
+    assert counters["copies"] == counters["host_allocs"] == 0, counters
+
+
 def _build_without(out_dir, symbol: str):
     """The simulator with `symbol` hidden from its dynamic symbol table (an older or foreign
     driver that lacks an entry point)."""

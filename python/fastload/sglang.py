@@ -17,8 +17,8 @@ usual Hub download, the weights stream from the Hub as ``hf://ORG/REPO@REVISION`
 written to disk) or an object-store URI (``s3://``, ``gs://``, ``az://``: config, tokenizer and the
 other small files come through fastload's object-store client into SGLang's cache folder for
 object-store models, the weights stream). ``--model-loader-extra-config`` takes ``concurrency``,
-``block_size``, ``memory_limit``, ``copy_streams``, ``storage_options``, ``cache``, ``verify``, ``keyset``,
-``associated_data``, ``peers`` and ``peer_token`` as ``fastload.load`` does, plus
+``block_size``, ``memory_limit``, ``copy_streams``, ``storage_options``, ``cache``, ``verify``,
+``keyset``, ``associated_data``, ``peers`` and ``peer_token`` as ``fastload.load`` does, plus
 ``weights_uri`` (weights kept apart from the config), ``distributed`` (every worker of
 SGLang's tensor-parallel group reads 1/N of the bytes and gets the rest from the others) and
 ``slices``.

@@ -7,8 +7,9 @@ call :func:`register`, which adds two load formats through vLLM's ``register_mod
     LLM(MODEL, load_format="fastload", model_loader_extra_config={"concurrency": 32})
 
 ``model_loader_extra_config`` takes ``concurrency``, ``block_size``, ``memory_limit``,
-``copy_streams`` (copy queues to the GPU), ``storage_options``, ``cache`` (a local copy of remote weights, written while they stream:
-``True`` or a directory; see ``fastload.Options``), ``verify``, ``keyset`` and
+``copy_streams`` (copy queues to the GPU), ``storage_options``, ``cache`` (a local copy of
+remote weights, written while they stream: ``True`` or a directory; see ``fastload.Options``),
+``verify``, ``keyset`` and
 ``associated_data`` (a Tink-encrypted checkpoint: docs/encryption.md), ``peers`` and
 ``peer_token`` (serves holding the same checkpoint: docs/peers.md) as ``fastload.load`` does,
 plus ``weights_uri``, ``distributed`` and ``slices``.

@@ -26,6 +26,8 @@ gpu_bench.py, and in a server), each load timed until its tensors are on the dev
   where they are, ``cuMemHostRegister``) and copied from the page cache with no CPU copy, at the
   default block size and at 32 MiB (fewer registrations); ``lent_bytes`` and ``lend_refused``
   say whether they were.
+- ``fastload_s2``: the same first and second loads with ``copy_streams=2``: blocks copied on two
+  CUDA streams in turn (the device has more than one copy engine) instead of one.
 - ``safetensors``: ``load_file(device=...)`` twice in one process.
 - ``costs``: the pieces on their own, in a fresh process: torch allocating the checkpoint's
   tensors on the device one ``torch.empty`` each (what fastload's allocator does, cold then from
@@ -151,6 +153,7 @@ STAT_KEYS = (
     "bytes_copied",
     "lent_bytes",
     "lend_refused",
+    "copy_streams",
     "phases_ms",
 )
 
@@ -532,7 +535,8 @@ def _first(row: dict, load: str = "first") -> dict:
 def summary(rows: dict) -> str:
     """One line: each fastload load, safetensors, and the costs on their own."""
     parts = []
-    names = ("fastload", "fastload_b4", "fastload_c64", "fastload_mmap", "fastload_mmap_b32")
+    names = ("fastload", "fastload_b4", "fastload_c64", "fastload_mmap", "fastload_mmap_b32",
+             "fastload_s2")  # fmt: skip
     for name in names:
         for ld in rows.get(name, {}).get("loads", []):
             pinned = ld.get("pinned_bytes") or 0
@@ -588,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", help="checkpoint size [2GiB; 64MiB on the simulated driver]")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--rows", default="fastload,fastload_b4,fastload_c64,fastload_mmap,"
-                    "fastload_mmap_b32,safetensors,costs,profile")  # fmt: skip
+                    "fastload_mmap_b32,fastload_s2,safetensors,costs,profile")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=60, help="seconds per row")
     args = ap.parse_args(argv)
     if args.child:
@@ -628,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         "fastload_mmap_b32": {"row": "fastload",
                               "options": {"method": "mmap", "block_size": "32MiB"},
                               "loads": ["first", "second"]},
+        "fastload_s2": {"row": "fastload", "options": {"copy_streams": 2},
+                        "loads": ["first", "second"]},
         "safetensors": {"row": "safetensors"},
         "costs": {"row": "costs"},
         "profile": {"row": "profile", "options": {},

@@ -13,15 +13,19 @@
 //! - Lent pages: a file's mapped pages page-locked where they are, read-only (`lent`), for loads
 //!   that copy from the page cache with no CPU copy (`method="mmap"`).
 //! - Copies: `cuMemcpyHtoDAsync` (loads) and `cuMemcpyDtoHAsync` (saves) on one non-blocking
-//!   stream per engine; a fence is an event recorded after a block's copies.
+//!   stream per engine (a load of several copy streams has an engine per stream, its lanes); a
+//!   fence is an event recorded after a block's copies.
 //! - Fork: CUDA cannot be used in a child forked after it was initialised; every entry point
 //!   checks the process id before calling the driver and gives a clear error, and the parent's
 //!   page-locked buffers are neither counted nor freed there.
 
 #![allow(unsafe_code)]
 
+mod allocator;
 mod driver;
 mod lent;
+
+pub use allocator::CudaAllocator;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -32,10 +36,9 @@ use driver::{Api, Status};
 
 pub use lent::Lent;
 
-use super::{Allocation, Allocator, Destination, Engine, Fence, Staging, StagingMemory};
+use super::{Engine, Fence, Staging, StagingMemory};
 use crate::error::{Error, Result};
 use crate::memory::HostBuffer;
-use crate::plan::TensorSlot;
 
 /// `Ok` for success, else the driver's name and text for `status`.
 fn check(api: &Api, what: &str, status: Status) -> Result<()> {
@@ -629,73 +632,6 @@ impl Engine for CudaEngine {
         // SAFETY: a live event recorded on our stream.
         check(api, "copy to the device (cuEventSynchronize)", unsafe {
             (api.cuEventSynchronize)(event.raw())
-        })
-    }
-}
-
-/// Device memory from `cuMemAlloc`, freed when dropped.
-struct DeviceMemory {
-    gpu: Arc<Gpu>,
-    ptr: u64,
-}
-
-impl Drop for DeviceMemory {
-    fn drop(&mut self) {
-        if !self.gpu.here() {
-            return;
-        }
-        let (api, ptr) = (self.gpu.api, self.ptr);
-        let _ = self.gpu.borrow(|| {
-            // SAFETY: allocated by `cuMemAlloc`, freed once.
-            check(api, "cuMemFree", unsafe { (api.cuMemFree_v2)(ptr) })
-        });
-    }
-}
-
-/// Destinations allocated by the driver, one per segment with the tensors at their offsets: the
-/// Rust-only path (`fastload bench --device cuda`). The Python bindings let torch allocate instead
-/// (see `src/python/stream.rs`), so that its caching allocator accounts for the memory.
-pub struct CudaAllocator {
-    gpu: Arc<Gpu>,
-}
-
-impl CudaAllocator {
-    pub fn new(ordinal: usize) -> Result<CudaAllocator> {
-        Ok(CudaAllocator {
-            gpu: Gpu::get(ordinal)?,
-        })
-    }
-}
-
-impl Allocator for CudaAllocator {
-    fn allocate(&mut self, tensors: &[TensorSlot]) -> Result<Allocation> {
-        self.gpu.bind()?;
-        let api = self.gpu.api;
-        let total: u64 = tensors.iter().map(|t| t.len.div_ceil(256) * 256).sum();
-        let mut base = 0;
-        // SAFETY: allocates `total` bytes of device memory in the bound context.
-        check(api, "cuMemAlloc", unsafe {
-            (api.cuMemAlloc_v2)(&mut base, total.max(1) as usize)
-        })?;
-        let memory = Arc::new(DeviceMemory {
-            gpu: self.gpu.clone(),
-            ptr: base,
-        });
-        let mut at = base;
-        let destinations = tensors
-            .iter()
-            .map(|t| {
-                let d = Destination {
-                    addr: at,
-                    owner: Box::new(memory.clone()),
-                };
-                at += t.len.div_ceil(256) * 256;
-                d
-            })
-            .collect();
-        Ok(Allocation {
-            destinations,
-            stream: None,
         })
     }
 }

@@ -145,7 +145,11 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
             assert load["lent_bytes"] == load["bytes"] > 0 and load["lend_refused"] is None, load
             assert load["pinned_bytes"] == 0 and load["where_ms"]["lending_per_read"] > 0, load
     assert "fastload_mmap first: " in checks["profile_load"]["details"]
-    # Every load of the file got its bytes, lent or staged.
+    # copy_streams=2: the same loads with blocks on two streams in turn.
+    for load in profile["rows"]["fastload_s2"]["loads"]:
+        assert load["copy_streams"] == 2 and load["bytes"] == first["bytes"], load
+    assert "fastload_s2 first: " in checks["profile_load"]["details"]
+    # Every load of the file got its bytes, lent or staged, on one copy stream or two.
     assert profile["checksums_agree"] and first["checksum"] > 0, profile
 
 
@@ -328,22 +332,27 @@ def test_cold_start_bench_runs_without_a_gpu(tmp_path):
     assert "targets:" in proc.stdout
 
 
-def test_cold_start_runs_method_direct_cold_only(tmp_path):
+def test_cold_start_runs_method_direct_cold_only_and_copy_streams_warm_only(tmp_path):
     # The fastload-direct row runs cold (warm, its blocks are cached and it reads as the
     # fastload row does); on the harness without a device it loads to the CPU, directly too.
+    # The two-copy-stream rows run warm (cold, the disk is the limit, not the copies).
     out = tmp_path / "cold.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benches" / "gpu_cold_start.py"), "--device", "cpu",
          "--size", "4MiB", "--cache", "warm,cold", "--reps", "1", "--rows",
-         "fastload,fastload-direct,fastload-direct-b16", "--ckpt-dir", str(tmp_path), "--json",
-         str(out)],
+         "fastload,fastload-direct,fastload-direct-b16,fastload-streams2", "--ckpt-dir",
+         str(tmp_path), "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     runs = sorted((r["cache"], r["row"]) for r in report["rows"])
     assert runs == [("cold", "fastload"), ("cold", "fastload-direct"),
-                    ("cold", "fastload-direct-b16"), ("warm", "fastload")]  # fmt: skip
+                    ("cold", "fastload-direct-b16"), ("warm", "fastload"),
+                    ("warm", "fastload-streams2")]  # fmt: skip
+    streams = next(r for r in report["rows"] if r["row"] == "fastload-streams2")
+    assert streams["bytes"] == streams["second"]["bytes"] == report["bytes"]
+    assert streams["stats"]["copy_streams"] is None  # to the CPU: nothing is copied
     direct = next(r for r in report["rows"] if r["row"] == "fastload-direct")
     assert direct["bytes"] == report["bytes"]
     assert direct["stats"]["method"] == "direct" and direct["stats"]["direct_bytes"] > 0
