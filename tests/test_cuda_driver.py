@@ -312,16 +312,22 @@ emit(message=message, parent=_fastload.cuda_device_count())
 # Failures (item 7)
 
 
-def test_failed_fence_wait_fails_the_load_and_retires_its_buffer(fake_cuda, eight_mib, tmp_path):
-    # The 3rd fence wait fails: the load ends with the driver's error, and the buffer that block
-    # was copied from is never reused nor freed (its copies may still be reading it): after
-    # release_memory() exactly that one buffer is still page-locked.
+@pytest.mark.parametrize(("copy_streams", "failing"), [(1, 3), (3, 5)])
+def test_failed_fence_wait_fails_the_load_and_retires_its_buffer(
+    fake_cuda, eight_mib, tmp_path, copy_streams, failing
+):
+    # A fence wait fails (one stream: the 3rd; three streams, blocks on each in turn: the 5th,
+    # the 2nd block of the 2nd stream): the load ends with the driver's error, and the buffer
+    # that block was copied from is never reused nor freed (its copies may still be reading it):
+    # after release_memory() exactly that one buffer is still page-locked. Every other buffer
+    # came back, none reused on a fence of another stream (the simulator counts a reuse under a
+    # pending copy).
     code = (
         LOAD
         + """
 import gc
 try:
-    load(sys.argv[1], block_size="64KiB", memory_limit="1MiB")
+    load(sys.argv[1], block_size="64KiB", memory_limit="1MiB", copy_streams=int(sys.argv[2]))
     error = None
 except fastload.FastloadError as e:
     error = str(e)
@@ -332,45 +338,14 @@ emit(error=error)
 """
     )
     log = tmp_path / "log"
-    env = cuda_sim.env(fake_cuda, log, fail="cuEventSynchronize:3")
-    out = run_probe(code, eight_mib, env=env, timeout=120)
+    env = cuda_sim.env(fake_cuda, log, fail=f"cuEventSynchronize:{failing}", **SLOW)
+    out = run_probe(code, eight_mib, str(copy_streams), env=env, timeout=120)
     assert out["error"] and "cuEventSynchronize" in out["error"], out
     assert "CUDA_ERROR_UNKNOWN" in out["error"], out
     counters = cuda_sim.log(log)
     assert counters["violations"] == 0, counters
     assert counters["pinned_now"] == 64 << 10, counters
-
-
-def test_a_failed_fence_wait_on_a_later_copy_stream_retires_its_buffer(
-    fake_cuda, eight_mib, tmp_path
-):
-    # Three copy streams, blocks on each in turn: the 5th fence (the 2nd block of the 2nd
-    # stream) fails to be waited for. The load ends with the driver's error; that block's buffer
-    # is retired as on one stream, and every other one comes back (no buffer is reused on a
-    # fence of another stream: the simulator counts a reuse under a pending copy).
-    code = (
-        LOAD
-        + """
-import gc
-try:
-    load(sys.argv[1], block_size="64KiB", memory_limit="1MiB", copy_streams=3)
-    error = None
-except fastload.FastloadError as e:
-    error = str(e)
-gc.collect()
-time.sleep(0.2)
-fastload.release_memory()
-emit(error=error)
-"""
-    )
-    log = tmp_path / "log"
-    env = cuda_sim.env(fake_cuda, log, fail="cuEventSynchronize:5", **SLOW)
-    out = run_probe(code, eight_mib, env=env, timeout=120)
-    assert out["error"] and "cuEventSynchronize" in out["error"], out
-    counters = cuda_sim.log(log)
-    assert counters["violations"] == 0, counters
-    assert counters["pinned_now"] == 64 << 10, counters
-    assert counters["copy_streams"] == 3, counters
+    assert counters["copy_streams"] == copy_streams, counters
 
 
 def test_a_copy_stream_that_cannot_be_made_fails_the_load_before_it_reads(
