@@ -1,7 +1,9 @@
 //! The two threads of a staged load behind its reads: the copy thread asks the allocator for a
 //! segment's destinations when its first block arrives and enqueues one copy per tensor piece a
-//! block holds, then a fence; the completion thread waits for the fences in order, returns each
-//! staging buffer to the ring and hands a segment out after its last block.
+//! block holds, then a fence, on the load's lanes in turn (block k on lane k mod their number;
+//! each lane is ordered after the consumer's stream, since any may copy a segment's blocks); the
+//! completion thread waits for the fences in order, each on the lane that recorded it, returns
+//! each staging buffer to the ring and hands a segment out after its last block.
 //!
 //! Lent blocks (`method="mmap"`: a file's pages page-locked in place) are given back by release
 //! threads beside the completion thread: unregistering pages is the driver's work, per page, and

@@ -8,7 +8,8 @@
 //!   staging buffer;
 //! - the copy thread takes blocks as their reads finish, asks the allocator for a segment's
 //!   destinations when its first block arrives, enqueues one copy per tensor piece the block
-//!   holds (a tensor larger than a block is copied in pieces) and records a fence;
+//!   holds (a tensor larger than a block is copied in pieces) and records a fence, on the
+//!   load's copy queues in turn (`copy_streams`: the engine and its [`Engine::lane`]s);
 //! - the completion thread waits for fences in order, returns each staging buffer to the ring,
 //!   and hands a segment's tensors to the consumer once its last block's fence passed.
 //!
