@@ -457,12 +457,12 @@ def run_ranks(
     127.0.0.1: ``MASTER_ADDR``/``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` set
     over ``env``), each logging to ``logs/rank{r}.log``. Ranks still running after ``deadline``
     seconds are killed; fails naming a rank stuck or exited with an error, with its log's tail."""
-    from servers.s3 import free_port
+    from servers.s3 import rendezvous_port
 
     env = {
         **env,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(rendezvous_port()),
         "WORLD_SIZE": str(world),
     }
     procs = []

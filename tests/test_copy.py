@@ -21,7 +21,7 @@ import torch
 from helpers import assert_same_tensors, gloo_threads
 from servers import s3 as s3_server
 from servers.hub import MockHub, lfs_sha256
-from servers.s3 import BUCKET, SECRET_KEY, Fault, HttpFaultProxy
+from servers.s3 import BUCKET, SECRET_KEY, Fault, HttpFaultProxy, rendezvous_port
 
 aws_env = s3_server.aws_env
 s3 = s3_server.s3_client
@@ -441,7 +441,6 @@ def _rank(rank: int, world: int, src: str, dst: str, port: str, outs: str) -> No
 
 def test_two_ranks_split_the_files(tmp_path):
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
@@ -451,9 +450,7 @@ def test_two_ranks_split_the_files(tmp_path):
         (src / "d" / f"f{i}").write_bytes(
             hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1)
         )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(rendezvous_port())
     dst = tmp_path / "dst"
     mp.start_processes(_rank, args=(2, str(src), str(dst), port, str(tmp_path)), nprocs=2,
                        start_method="spawn")  # fmt: skip
@@ -505,7 +502,6 @@ def _split_copy(tmp_path: Path, seaweed, dst: str, plans: list[list[Fault]]):
     """Two ranks copy one 21 MiB local file (five parts) to `dst`, rank r through a relay that
     injects `plans[r]` into its part uploads: (each rank's result, each rank's part PUTs)."""
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
@@ -519,9 +515,7 @@ def _split_copy(tmp_path: Path, seaweed, dst: str, plans: list[list[Fault]]):
         HttpFaultProxy(("127.0.0.1", port), plan=plan, match=lambda m, h: m == "PUT")
         for plan in plans
     ]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        rdv = str(s.getsockname()[1])
+    rdv = str(rendezvous_port())
     try:
         endpoints = [p.endpoint for p in proxies]
         mp.start_processes(_split_rank, args=(2, str(src), dst, rdv, str(tmp_path), endpoints),

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers.s3 import free_port
+from servers.s3 import rendezvous_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_REPO = "org/tiny-llama"
@@ -227,7 +227,7 @@ def _env(**extra: str) -> dict[str, str]:
         AWS_EC2_METADATA_DISABLED="true",
         TOKENIZERS_PARALLELISM="false",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+        MASTER_PORT=str(rendezvous_port()),
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",

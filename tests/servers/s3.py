@@ -48,6 +48,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_port() -> int:
+    """A free port for a listener that a child process binds later (torch.distributed's
+    ``MASTER_PORT`` or ``tcp://`` rendezvous), drawn below the kernel's ephemeral range: a port
+    from :func:`free_port` is ephemeral, and another test's outgoing connection (an S3 client's,
+    say) may take it between this check and the child's bind (``EADDRINUSE``, seen in a full
+    run). Below that range only listeners take ports, and this one was free when checked."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
 def seaweed_ports(services: list[str]) -> dict[str, int]:
     """An HTTP port and its gRPC port for each SeaweedFS service, the gRPC one at HTTP + 10000.
 
