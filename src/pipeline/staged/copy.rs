@@ -85,7 +85,7 @@ impl Releases {
                     .name("fastload-release".into())
                     .spawn(move || {
                         // The engine's context, for the driver calls of the release.
-                        let entered = shared.engine.enter();
+                        let entered = shared.engine().enter();
                         loop {
                             let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
                             let Ok((staging, slot)) = next else { break };
@@ -141,7 +141,7 @@ fn copier(
     rx: std_mpsc::Receiver<Block>,
     done: std_mpsc::Sender<Copied>,
 ) {
-    if let Err(e) = shared.engine.enter() {
+    if let Err(e) = shared.engine().enter() {
         shared.feed.fail(e);
         return;
     }
@@ -267,7 +267,7 @@ fn copy_pieces(
 
 /// The completion thread: fences in order; a segment is handed out after its last block.
 fn completer(shared: &Shared, rx: std_mpsc::Receiver<Copied>, mut releases: Releases) {
-    if let Err(e) = shared.engine.enter() {
+    if let Err(e) = shared.engine().enter() {
         shared.feed.fail(e);
         // Without the engine, fences cannot be waited for: keep their buffers out of reuse.
         for Copied { block, .. } in rx {

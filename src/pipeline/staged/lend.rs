@@ -25,7 +25,7 @@ pub(super) async fn block(
     len: u64,
 ) -> Result<Option<Staging>> {
     let started = Instant::now();
-    let (source, engine) = (shard.source.clone(), shared.engine.clone());
+    let (source, engine) = (shard.source.clone(), shared.engine().clone());
     // Outer: what reading would fail on too; inner: what stops lending.
     let lent = super::super::beside_reads(shard.source.as_ref(), move || {
         let mapped = match source.map(at, len as usize) {

@@ -76,10 +76,9 @@ fn ring_slots(memory_limit: u64, slot: u64, concurrency: usize) -> usize {
 
 struct Shared {
     plan: Arc<Plan>,
-    /// Stages, lends, and copies on the first of the lanes.
-    engine: Arc<dyn Engine>,
-    /// The copy queues (`copy_streams`): `engine` and its further [`Engine::lane`]s; block k is
-    /// copied on lane k mod their number.
+    /// The copy queues (`copy_streams`): the target's engine (the first, which also stages and
+    /// lends: [`Shared::engine`]) and its further [`Engine::lane`]s; block k is copied on lane k
+    /// mod their number.
     lanes: Vec<Arc<dyn Engine>>,
     feed: Arc<Feed>,
     pinning: Mutex<Pinning>,
@@ -191,7 +190,6 @@ pub(super) fn start(plan: Plan, opts: Resolved, target: Target) -> Result<Loader
     let (loader, feed) = Loader::new(plan, budgets, config, Some(target_name));
     let shared = Arc::new(Shared {
         plan: loader.plan.clone(),
-        engine,
         lanes,
         feed: feed.clone(),
         pinning: Mutex::new(Pinning::default()),
@@ -289,7 +287,7 @@ impl Landing for Staged {
             }
         }
         // Page-locking new memory can take long: off the runtime's workers.
-        let (engine, block) = (shared.engine.clone(), self.ring.buffer as usize);
+        let (engine, block) = (shared.engine().clone(), self.ring.buffer as usize);
         let waiting = Instant::now();
         let mut staging =
             super::beside_reads(shard.source.as_ref(), move || engine.staging(block)).await?;
@@ -335,6 +333,11 @@ impl Landing for Staged {
 }
 
 impl Shared {
+    /// The target's engine: it stages and lends, and is the first copy lane.
+    fn engine(&self) -> &Arc<dyn Engine> {
+        &self.lanes[0]
+    }
+
     /// `method="direct"`: reads the `len` bytes at `at` of `shard` around the page cache into
     /// `staging` ([`super::direct`]), which then starts where they do; `false` when they are to
     /// be read as `method="read"` reads them.
