@@ -102,21 +102,27 @@ def assert_same_tensor(t, ref: torch.Tensor, name: str = "") -> None:
     assert torch.equal(raw_bytes(t), raw_bytes(ref)), f"{name}: bytes differ"
 
 
-def cuda_stream_bitwise(path, **options) -> dict:
-    """Streams `path` to the GPU with `options`; checks every tensor bit for bit against the
-    reference reader and that every byte was copied; returns the stream's stats."""
+def staged_stream_bitwise(path, **options) -> dict:
+    """Streams `path` through the staged pipeline (`device="cuda"`, or `_target="host"`) with
+    `options`; checks every tensor bit for bit against the reference reader and that every byte
+    was copied; returns the stream's stats."""
     import fastload
 
-    torch.cuda.synchronize()
-    with fastload.stream(path, device="cuda", **options) as s:
+    with fastload.Stream(path, **options) as s:
         got = dict(s)
         stats = s.stats()
     want = reference(path)
     assert sorted(got) == sorted(want)
     for name, ref in want.items():
         assert_same_tensor(got[name].cpu(), ref, name)
-    assert stats["bytes_copied"] == stats["total_bytes"]
+    assert stats["bytes_copied"] == stats["total_bytes"], stats
     return stats
+
+
+def cuda_stream_bitwise(path, **options) -> dict:
+    """:func:`staged_stream_bitwise` to the GPU."""
+    torch.cuda.synchronize()
+    return staged_stream_bitwise(path, device="cuda", **options)
 
 
 def reference(*paths) -> dict:
