@@ -100,6 +100,9 @@ def test_cli_bench_copies_on_the_streams_asked_for(blocks_file):
     a, b = json.loads(one.stdout), json.loads(three.stdout)
     assert (a["copy_streams"], b["copy_streams"]) == (1, 3), (a, b)
     assert a["checksum"] == b["checksum"] and a["bytes"] == b["bytes"], (a, b)
+    # On the CPU nothing is copied: no copy streams to report (as stats() says).
+    cpu = _bench(str(blocks_file), "--repeat", "1", "--copy-streams", "3", "--json")
+    assert cpu.returncode == 0 and json.loads(cpu.stdout)["copy_streams"] is None, cpu.stderr
     table = _bench(*base, "--copy-streams", "3")
     assert table.returncode == 0, table.stderr
     assert "device host (3 copy streams)" in table.stdout, table.stdout

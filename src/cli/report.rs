@@ -63,8 +63,9 @@ struct Report<'a> {
     /// As requested (after FASTLOAD_METHOD); `method_used` is what the loader picked.
     method: &'static str,
     method_used: &'static str,
-    /// Copy queues of a staged load (`--copy-streams`; CPU loads copy nothing).
-    copy_streams: usize,
+    /// Copy queues of a staged load (`--copy-streams`); `None` on the CPU, which copies nothing
+    /// (as `stats()["copy_streams"]`).
+    copy_streams: Option<usize>,
     /// Of the best run when sweeping.
     concurrency: usize,
     block_size: u64,
@@ -101,6 +102,11 @@ impl Setup<'_> {
         self.uris.iter().map(|u| crate::error::scrub(u)).collect()
     }
 
+    /// The copy queues of a staged run; `None` on the CPU.
+    fn copy_streams(&self) -> Option<usize> {
+        (*self.device != Device::Cpu).then_some(self.configs[0].copy_streams)
+    }
+
     fn runs(&self) -> usize {
         self.configs.len() * self.repeat as usize
     }
@@ -127,10 +133,9 @@ impl Setup<'_> {
                 Size(first.block_size)
             )
         };
-        let streams = if first.copy_streams > 1 {
-            format!(" ({} copy streams)", first.copy_streams)
-        } else {
-            String::new()
+        let streams = match self.copy_streams() {
+            Some(n) if n > 1 => format!(" ({n} copy streams)"),
+            _ => String::new(),
         };
         let kept = if self.generated {
             "(generated once and kept there for later runs; `fastload bench --clean` removes it)\n"
@@ -367,7 +372,7 @@ impl Setup<'_> {
             device: self.device.to_string(),
             method: first.method.as_str(),
             method_used: best.method,
-            copy_streams: first.copy_streams,
+            copy_streams: self.copy_streams(),
             concurrency: best.concurrency,
             block_size: best.block_size,
             memory_limit: first.memory_limit,
