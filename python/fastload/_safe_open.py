@@ -111,9 +111,11 @@ class safe_open:
         self._uri = _uris(filename)
         self._options = options
         native = {k: options[k] for k in _READER_OPTIONS if k in options}  # type: ignore[literal-required]
-        # The options only its loads take are checked now too, not at the first load.
+        # The options only its loads take are checked now too, not at the first load (their
+        # variables are: the reader resolves every option).
         loads = {k: v for k, v in options.items() if k not in native}
-        _fastload.resolve_options(self._uri, **loads)  # type: ignore[arg-type]
+        if loads:
+            _fastload.resolve_options(self._uri, **loads)  # type: ignore[arg-type]
         reader = _fastload.Reader(self._uri, **native)
         headers = reader.headers()
         if len(headers) != 1:
