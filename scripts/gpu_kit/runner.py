@@ -385,11 +385,7 @@ def cold_start(ctx: Ctx, check: Check) -> dict:
         return result("fail", f"exit {code} (incomplete): {short(out)}", peers=installed, **bench)
     fast = [r for r in bench["rows"] if r["row"] == "fastload"]
     pinned_ok = all(m.get("pinned_within_limit", True) for m in bench["memory"])
-    verdicts = "; ".join(
-        f"{v['target']} {'-' if v['ratio'] is None else format(v['ratio'], '.2f')}"
-        f" ({'met' if v['met'] else 'not met' if v['met'] is False else 'not measured'})"
-        for v in bench["verdicts"]
-    )
+    verdicts = "; ".join(_verdict(v) for v in bench["verdicts"])
     rates = ", ".join(f"{k} {v:.2f}" for k, v in bench["rates"].items() if v is not None)
     notes = "; ".join(f"{k}: {v[:200]}" for k, v in bench["notes"].items())
     ok = bool(fast) and pinned_ok
@@ -400,6 +396,16 @@ def cold_start(ctx: Ctx, check: Check) -> dict:
         peers=installed,
         **bench,
     )
+
+
+def _verdict(v: dict) -> str:
+    """A cold-start target in the details: its ratio, met or not, and for a peer target out of
+    the hardware's reach, how far it lets fastload go."""
+    met = "met" if v["met"] else "not met" if v["met"] is False else "not measured"
+    bound = v.get("bound")
+    if v["met"] is False and bound is not None and bound < v["needs"]:
+        met += f"; the hardware allows at most {bound:.2f}"
+    return f"{v['target']} {'-' if v['ratio'] is None else format(v['ratio'], '.2f')} ({met})"
 
 
 _D, _G = "checks_driver.py", "checks_gpu.py"

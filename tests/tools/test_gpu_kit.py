@@ -149,6 +149,11 @@ def test_driver_checks_on_the_simulated_driver(fake_cuda, tmp_path):
     for load in profile["rows"]["fastload_s2"]["loads"]:
         assert load["copy_streams"] == 2 and load["bytes"] == first["bytes"], load
     assert "fastload_s2 first: " in checks["profile_load"]["details"]
+    # block_size="16MiB" beside the default 4 MiB (the default GPU block for local files).
+    assert block == 4 << 20
+    for load in profile["rows"]["fastload_b16"]["loads"]:
+        assert load["block_size"] == 16 << 20 and load["bytes"] == first["bytes"], load
+    assert "fastload_b16 first: " in checks["profile_load"]["details"]
     # Every load of the file got its bytes, lent or staged, on one copy stream or two.
     assert profile["checksums_agree"] and first["checksum"] > 0, profile
 
@@ -335,32 +340,81 @@ def test_cold_start_bench_runs_without_a_gpu(tmp_path):
 def test_cold_start_runs_method_direct_cold_only_and_copy_streams_warm_only(tmp_path):
     # The fastload-direct row runs cold (warm, its blocks are cached and it reads as the
     # fastload row does); on the harness without a device it loads to the CPU, directly too.
-    # The two-copy-stream rows run warm (cold, the disk is the limit, not the copies).
+    # The two-copy-stream rows run warm (cold, the disk is the limit, not the copies), once; the
+    # 16 MiB-block row once warm, and cold.
     out = tmp_path / "cold.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benches" / "gpu_cold_start.py"), "--device", "cpu",
-         "--size", "4MiB", "--cache", "warm,cold", "--reps", "1", "--rows",
-         "fastload,fastload-direct,fastload-direct-b16,fastload-streams2", "--ckpt-dir",
-         str(tmp_path), "--json", str(out)],
+         "--size", "4MiB", "--cache", "warm,cold", "--reps", "2", "--rows",
+         "fastload,fastload-direct,fastload-direct-b16,fastload-streams2,fastload-b16",
+         "--ckpt-dir", str(tmp_path), "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     runs = sorted((r["cache"], r["row"]) for r in report["rows"])
-    assert runs == [("cold", "fastload"), ("cold", "fastload-direct"),
-                    ("cold", "fastload-direct-b16"), ("warm", "fastload"),
-                    ("warm", "fastload-streams2")]  # fmt: skip
+    assert runs == [("cold", "fastload"), ("cold", "fastload-b16"), ("cold", "fastload-direct"),
+                    ("cold", "fastload-direct-b16"), ("warm", "fastload"), ("warm", "fastload"),
+                    ("warm", "fastload-b16"), ("warm", "fastload-streams2")]  # fmt: skip
     streams = next(r for r in report["rows"] if r["row"] == "fastload-streams2")
     assert streams["bytes"] == streams["second"]["bytes"] == report["bytes"]
     assert streams["stats"]["copy_streams"] is None  # to the CPU: nothing is copied
     direct = next(r for r in report["rows"] if r["row"] == "fastload-direct")
     assert direct["bytes"] == report["bytes"]
     assert direct["stats"]["method"] == "direct" and direct["stats"]["direct_bytes"] > 0
-    b16 = next(r for r in report["rows"] if r["row"] == "fastload-direct-b16")
-    assert b16["stats"]["block_size"] == 16 << 20
+    for row in ("fastload-direct-b16", "fastload-b16"):
+        got = [r for r in report["rows"] if r["row"] == row]
+        assert {r["stats"]["block_size"] for r in got} == {16 << 20}, row
+        assert all(r["bytes"] == report["bytes"] for r in got)
     verdicts = {v["target"]: v for v in report["verdicts"]}
     assert verdicts["cold load, direct / disk O_DIRECT rate"]["ratio"] is not None
+    assert verdicts["cold load, 16 MiB blocks / disk O_DIRECT rate"]["ratio"] is not None
     assert "cold load, direct / disk O_DIRECT rate" in proc.stdout
+    # The fastest cold way is one of the rows that ran cold, named in its verdict.
+    fastest = [t for t in verdicts if t.startswith("fastest cold load (")]
+    assert len(fastest) == 2
+    assert fastest[0].split("(")[1].split(")")[0] in {r for c, r in runs if c == "cold"}
+
+
+def test_cold_start_verdicts_name_the_fastest_way_and_the_hardware_bound():
+    # Rates as a run would give them: the fastest of fastload's rows per target, whichever
+    # method it was; a peer target out of reach says how far the hardware lets it go.
+    sys.path.insert(0, str(REPO / "benches"))
+    import gpu_cold_start
+
+    rates = {"copy": 50.0, "disk O_DIRECT": 6.0, "disk buffered x8": 5.0,
+             "warm fastload": 30.0, "warm fastload second": 40.0,
+             "warm fastload-mmap": 44.0, "warm fastload-mmap second": 38.0,
+             "warm fastload-b16": 31.0, "warm fastload-b16 second": 46.0,
+             "warm parts-tp2": 60.0,  # slices: never "the fastest whole load"
+             "warm instanttensor": 45.0, "warm safetensors": 5.0,
+             "cold fastload": 4.0, "cold fastload-direct": 5.9, "cold fastload-b16 second": 9.0,
+             "cold instanttensor": 5.5, "cold runai": None}  # fmt: skip
+    got = {v["target"]: v for v in gpu_cold_start.verdicts(rates)}
+    first = got["fastest warm first load (fastload-mmap) / page-locked copy rate"]
+    assert first["ratio"] == 44.0 / 50.0 and first["met"] is True
+    second = got["fastest warm second load (fastload-b16) / page-locked copy rate"]
+    assert second["ratio"] == 46.0 / 50.0 and second["met"] is True
+    peer = got["fastest warm first load (fastload-mmap) / best warm peer"]
+    assert peer["ratio"] == 44.0 / 45.0 and peer["met"] is False
+    # 1.2x of a peer at 45 GB/s is beyond a 50 GB/s copy rate: the report says so.
+    assert peer["bound"] == 50.0 / 45.0
+    assert got["warm load / best warm peer"]["bound"] == 50.0 / 45.0
+    assert runner._verdict(peer) == (
+        "fastest warm first load (fastload-mmap) / best warm peer 0.98 "
+        "(not met; the hardware allows at most 1.11)"
+    )
+    cold = got["fastest cold load (fastload-direct) / disk O_DIRECT rate"]
+    assert cold["ratio"] == 5.9 / 6.0 and cold["met"] is True
+    assert got["fastest cold load (fastload-direct) / best cold peer"]["bound"] == 6.0 / 5.5
+    assert "bound" not in got["warm first load / page-locked copy rate"]
+    # Nothing measured cold: no fastest cold row, and the peer targets' bound is unknown.
+    warm_only = {k: v for k, v in rates.items() if not k.startswith("cold")}
+    got = {v["target"]: v for v in gpu_cold_start.verdicts(warm_only)}
+    assert not [t for t in got if t.startswith("fastest cold")]
+    assert got["cold load / best cold peer"] == {"target": "cold load / best cold peer",
+                                                 "ratio": None, "needs": 1.0, "met": None,
+                                                 "bound": None}  # fmt: skip
 
 
 def test_storage_to_gpu_table_takes_the_cold_start_rates(tmp_path):
