@@ -408,6 +408,10 @@ def test_cold_start_verdicts_name_the_fastest_way_and_the_hardware_bound():
     assert cold["ratio"] == 5.9 / 6.0 and cold["met"] is True
     assert got["fastest cold load (fastload-direct) / best cold peer"]["bound"] == 6.0 / 5.5
     assert "bound" not in got["warm first load / page-locked copy rate"]
+    # A peer faster than the disk's measured rate: the disk reaches at least the peer's rate,
+    # so no bound below 1 (fastload may yet match the peer).
+    fast_peer = gpu_cold_start.verdicts({**rates, "cold instanttensor": 6.5})
+    assert {v["target"]: v for v in fast_peer}["cold load / best cold peer"]["bound"] == 1.0
     # Nothing measured cold: no fastest cold row, and the peer targets' bound is unknown.
     warm_only = {k: v for k, v in rates.items() if not k.startswith("cold")}
     got = {v["target"]: v for v in gpu_cold_start.verdicts(warm_only)}
