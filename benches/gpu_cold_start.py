@@ -324,43 +324,32 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
         peer("warm load / best warm peer", "fastload", "warm", 1.2),
         peer("cold load / best cold peer", "fastload", "cold", 1.0),
     ]  # fmt: skip
+
+    def way(label, row, warm=True, cold=True):
+        """The hardware targets of another of fastload's ways (its row in the rates)."""
+        out = []
+        if warm:
+            out += [(f"warm first load, {label} / page-locked copy rate",
+                     ratio(f"warm {row}", "copy"), 0.8),
+                    (f"warm second load, {label} / page-locked copy rate",
+                     ratio(f"warm {row} second", "copy"), 0.9)]  # fmt: skip
+        if cold:
+            out.append((f"cold load, {label} / disk O_DIRECT rate",
+                        ratio(f"cold {row}", "disk O_DIRECT"), 0.95))  # fmt: skip
+        return out
+
     # The same targets with method="mmap" (the files' pages lent to the device): which of the
     # two ways reaches them, side by side.
-    rows += [
-        ("warm first load, mmap / page-locked copy rate", ratio("warm fastload-mmap", "copy"), 0.8),
-        ("warm second load, mmap / page-locked copy rate",
-         ratio("warm fastload-mmap second", "copy"), 0.9),
-        ("cold load, mmap / disk O_DIRECT rate",
-         ratio("cold fastload-mmap", "disk O_DIRECT"), 0.95),
-    ]  # fmt: skip
+    rows += way("mmap", "fastload-mmap")
     # And cold with method="direct" (blocks read around the page cache into the ring).
-    rows += [
-        ("cold load, direct / disk O_DIRECT rate",
-         ratio("cold fastload-direct", "disk O_DIRECT"), 0.95),
-        peer("cold load, direct / best cold peer", "fastload-direct", "cold", 1.0),
-        ("cold load, direct 16 MiB blocks / disk O_DIRECT rate",
-         ratio("cold fastload-direct-b16", "disk O_DIRECT"), 0.95),
-    ]  # fmt: skip
+    rows += way("direct", "fastload-direct", warm=False)
+    rows.append(peer("cold load, direct / best cold peer", "fastload-direct", "cold", 1.0))
+    rows += way("direct 16 MiB blocks", "fastload-direct-b16", warm=False)
     # And warm with two copy streams (blocks on each in turn), with and without lending.
-    rows += [
-        ("warm first load, 2 copy streams / page-locked copy rate",
-         ratio("warm fastload-streams2", "copy"), 0.8),
-        ("warm second load, 2 copy streams / page-locked copy rate",
-         ratio("warm fastload-streams2 second", "copy"), 0.9),
-        ("warm first load, mmap, 2 copy streams / page-locked copy rate",
-         ratio("warm fastload-mmap-streams2", "copy"), 0.8),
-        ("warm second load, mmap, 2 copy streams / page-locked copy rate",
-         ratio("warm fastload-mmap-streams2 second", "copy"), 0.9),
-    ]  # fmt: skip
+    rows += way("2 copy streams", "fastload-streams2", cold=False)
+    rows += way("mmap, 2 copy streams", "fastload-mmap-streams2", cold=False)
     # And 16 MiB blocks through the page cache, warm and cold (the default is 4 MiB).
-    rows += [
-        ("warm first load, 16 MiB blocks / page-locked copy rate",
-         ratio("warm fastload-b16", "copy"), 0.8),
-        ("warm second load, 16 MiB blocks / page-locked copy rate",
-         ratio("warm fastload-b16 second", "copy"), 0.9),
-        ("cold load, 16 MiB blocks / disk O_DIRECT rate",
-         ratio("cold fastload-b16", "disk O_DIRECT"), 0.95),
-    ]  # fmt: skip
+    rows += way("16 MiB blocks", "fastload-b16")
     for tp in (2, 8):
         for kind in ("parts", "lazy"):
             rows.append((f"TP {tp} {kind} / whole load", ratio(f"warm {kind}-tp{tp}",
