@@ -292,7 +292,7 @@ def _fastest(rates: dict[str, float | None], cache: str, suffix: str = "") -> st
 def verdicts(rates: dict[str, float | None]) -> list[dict]:
     """Each target of the cold start against what this run measured (None: not measured); a
     peer target also says how far the hardware lets it go (``bound``: the copy or disk rate over
-    the best peer's)."""
+    the best peer's) and whether that is short of the target (``out_of_reach``)."""
 
     def ratio(a, b):
         return None if rates.get(a) is None or not rates.get(b) else rates[a] / rates[b]
@@ -368,9 +368,14 @@ def verdicts(rates: dict[str, float | None]) -> list[dict]:
         name = f"fastest cold load ({cold})"
         rows.append((f"{name} / {disk} rate", ratio(f"cold {cold}", disk), 0.95))
         rows.append(peer(f"{name} / best cold peer", cold, "cold", 1.0))
-    return [{"target": r[0], "ratio": r[1], "needs": r[2],
-             "met": None if r[1] is None else r[1] >= r[2],
-             **({"bound": r[3]} if len(r) > 3 else {})} for r in rows]  # fmt: skip
+    out = []
+    for name, r, need, *bound in rows:
+        v = {"target": name, "ratio": r, "needs": need, "met": None if r is None else r >= need}
+        if bound:  # a peer target: out of reach when not met and the hardware stops short
+            b = bound[0]
+            v.update(bound=b, out_of_reach=v["met"] is False and b is not None and b < need)
+        out.append(v)
+    return out
 
 
 def _memory_checks(res: dict, block: int) -> dict:
@@ -504,9 +509,9 @@ def print_report(report: dict) -> None:
     for v in report["verdicts"]:
         r = "-" if v["ratio"] is None else f"{v['ratio']:.2f}x"
         met = {True: "met", False: "NOT MET", None: "not measured"}[v["met"]]
-        bound = v.get("bound")
-        if v["met"] is False and bound is not None and bound < v["needs"]:
-            met += f" (the hardware allows at most {bound:.2f}x: that limit over the best peer)"
+        if v.get("out_of_reach"):
+            met += f" (the hardware allows at most {v['bound']:.2f}x: that limit over the best"
+            met += " peer)"
         print(f"  {v['target']:42} {r:>8} (needs {v['needs']}x): {met}")
     for m in report["memory"]:
         print(f"  memory: {m}")

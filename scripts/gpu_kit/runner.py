@@ -402,9 +402,8 @@ def _verdict(v: dict) -> str:
     """A cold-start target in the details: its ratio, met or not, and for a peer target out of
     the hardware's reach, how far it lets fastload go."""
     met = "met" if v["met"] else "not met" if v["met"] is False else "not measured"
-    bound = v.get("bound")
-    if v["met"] is False and bound is not None and bound < v["needs"]:
-        met += f"; the hardware allows at most {bound:.2f}"
+    if v.get("out_of_reach"):
+        met += f"; the hardware allows at most {v['bound']:.2f}"
     return f"{v['target']} {'-' if v['ratio'] is None else format(v['ratio'], '.2f')} ({met})"
 
 

@@ -398,7 +398,7 @@ def test_cold_start_verdicts_name_the_fastest_way_and_the_hardware_bound():
     peer = got["fastest warm first load (fastload-mmap) / best warm peer"]
     assert peer["ratio"] == 44.0 / 45.0 and peer["met"] is False
     # 1.2x of a peer at 45 GB/s is beyond a 50 GB/s copy rate: the report says so.
-    assert peer["bound"] == 50.0 / 45.0
+    assert peer["bound"] == 50.0 / 45.0 and peer["out_of_reach"] is True
     assert got["warm load / best warm peer"]["bound"] == 50.0 / 45.0
     assert runner._verdict(peer) == (
         "fastest warm first load (fastload-mmap) / best warm peer 0.98 "
@@ -418,7 +418,8 @@ def test_cold_start_verdicts_name_the_fastest_way_and_the_hardware_bound():
     assert not [t for t in got if t.startswith("fastest cold")]
     assert got["cold load / best cold peer"] == {"target": "cold load / best cold peer",
                                                  "ratio": None, "needs": 1.0, "met": None,
-                                                 "bound": None}  # fmt: skip
+                                                 "bound": None,
+                                                 "out_of_reach": False}  # fmt: skip
 
 
 def test_storage_to_gpu_table_takes_the_cold_start_rates(tmp_path):
