@@ -282,8 +282,8 @@ def _gbps(res: dict) -> float | None:
 
 
 def _fastest(rates: dict[str, float | None], cache: str, suffix: str = "") -> str | None:
-    """The fastload row (whole loads: not the slices) fastest in `cache`, or None. `rates` holds
-    one run of each row (its first): a row run twice would otherwise win on its better draw."""
+    """The fastload row (whole loads: not the slices) fastest in `cache` by `rates`, or None
+    (verdicts() passes each row's first run: a row run twice must not win on its better draw)."""
     keys = [k for k, v in rates.items() if v and k.startswith(f"{cache} fastload")
             and k.endswith(suffix) and (suffix or not k.endswith(" second"))]  # fmt: skip
     best = max(keys, key=lambda k: rates[k] or 0.0, default=None)
