@@ -286,7 +286,7 @@ def _fastest(rates: dict[str, float | None], cache: str, suffix: str = "") -> st
     (verdicts() passes each row's first run: a row run twice must not win on its better draw)."""
     keys = [k for k, v in rates.items() if v and k.startswith(f"{cache} fastload")
             and k.endswith(suffix) and (suffix or not k.endswith(" second"))]  # fmt: skip
-    best = max(keys, key=lambda k: rates[k] or 0.0, default=None)
+    best = max(keys, key=lambda k: rates[k], default=None)
     return None if best is None else best[len(cache) + 1 : len(best) - len(suffix)]
 
 
