@@ -719,3 +719,19 @@ def test_read_only_destinations_are_refused_before_anything_is_read(tmp_path, ds
     with pytest.raises(fastload.ConfigError, match="copies to local paths") as e:
         fastload.copy(str(tmp_path / "missing"), dst)
     assert "missing" not in str(e.value)
+
+
+def test_an_overwriting_copy_by_ranks_that_cannot_talk_is_refused(tmp_path, monkeypatch):
+    # torchrun's RANK and WORLD_SIZE without torch.distributed initialised: the ranks could copy
+    # their shares, but not publish them together, so an overwriting copy is refused before
+    # anything is written (a resuming one never replaces a file, so it goes ahead).
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"a" * 100)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    dst = tmp_path / "dst"
+    with pytest.raises(fastload.ConfigError, match=r"overwrite.*group of 2 ranks.*process_group="):
+        fastload.copy(str(src), str(dst), overwrite=True, progress=False)
+    assert not dst.exists()
+    fastload.copy(str(src), str(dst), progress=False)

@@ -27,7 +27,7 @@ import torch
 from fastload import _fastload
 from helpers import mounted_tmpfs, pattern, raw_bytes
 from servers import s3 as s3_server
-from servers.s3 import BUCKET, Fault
+from servers.s3 import BUCKET, Fault, HttpFaultProxy, rendezvous_port
 
 aws_env = s3_server.aws_env
 seaweed_fault_proxy = s3_server.seaweed_fault_proxy
@@ -666,3 +666,175 @@ def test_the_cli_copy_with_overwrite_over_another_layout_removes_the_earlier_sha
     assert outcome(uri, files, old, new) == "new"
     assert set(files) == {"model.safetensors", CONFIG, USER_FILE}
     assert files[USER_FILE] == b"mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# A group of ranks copying over a checkpoint (`process_group`): each rank stages its share, and
+# none publishes until every rank has staged; rank 0 then removes the earlier files, the indexes
+# go first (naming shards not yet there: a load raises), the weights after. A rank that fails,
+# or dies, leaves the earlier checkpoint, the new one or an error on every rank's reader.
+
+GROUP_TIMEOUT = 60  # seconds: a dead peer ends a collective long before this
+
+
+def _group_rank(rank: int, world: int, rdv: str, endpoint: str, old_src: str, new_src: str,
+                base: str, outs: str, part_size: int) -> None:  # fmt: skip
+    """Rank `rank` of a gloo group: for k = 0, 1, ... the earlier checkpoint copied (no fault)
+    to `base`k/, then the new one over it with overwrite=True, rank 1's k-th write request
+    answered 500 (k = 0: none, counting rank 1's write requests), until k passes that count."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rdv}", rank=rank,
+                            world_size=world, timeout=timeout)  # fmt: skip
+    target = ("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))
+    no_retry = {"max_retries": "0", "retry_timeout": "5"}
+    results, k, total = [], 0, 0
+    try:
+        while k <= total:
+            uri = f"s3://{BUCKET}/{base}{k}/"
+            fastload.copy(old_src, uri, progress=False, storage_options={"endpoint": endpoint})
+            nth = Nth(k)
+            plan = [Fault("status", status=500)]
+            proxy = HttpFaultProxy(target, plan=plan, match=nth) if rank == 1 else None
+            try:
+                via = proxy.endpoint if proxy else endpoint
+                out = fastload.copy(new_src, uri, progress=False, overwrite=True,
+                                    part_size=part_size,
+                                    storage_options={"endpoint": via, **no_retry})  # fmt: skip
+                error = None
+            except fastload.FastloadError as e:
+                error, out = f"{type(e).__name__}: {e}", {}
+            finally:
+                if proxy:
+                    proxy.close()
+            faults = proxy.served["faults"] if proxy else 0
+            if k == 0:
+                seen: list = [None] * world
+                dist.all_gather_object(seen, nth.seen)
+                total = seen[1]
+            results.append({"k": k, "uri": uri, "error": error, "faults": faults, "out": out})
+            k += 1
+    finally:
+        dist.destroy_process_group()
+    Path(outs, f"{rank}.json").write_text(json.dumps({"total": total, "results": results}))
+
+
+# (earlier shards, new shards, the new first shard split into parts that both ranks upload)
+GROUP_CASES = [(3, 3, False), (3, 2, False), (2, 3, False), (3, 3, True)]
+PART = 5 << 20
+
+
+@pytest.mark.parametrize("old_n,new_n,split", GROUP_CASES,
+                         ids=["3-to-3", "3-to-2", "2-to-3", "3-to-3-split"])  # fmt: skip
+def test_a_group_copy_whose_kth_request_fails_on_one_rank_leaves_no_mix(
+    seaweed, aws_env, tmp_path, old_n, new_n, split
+):
+    # Two ranks share the files (rank 0 one shard and the index, rank 1 the others and the
+    # config, or so); each write request of rank 1 fails in turn. Before, each rank published its
+    # share on its own: rank 0's new shard beside rank 1's earlier ones loaded without an error.
+    # Split: the first shard (21 MiB, five parts) is uploaded by both ranks, and rank 0 completes
+    # its upload only with the group's other files.
+    import torch.multiprocessing as mp
+
+    aws_env(seaweed)
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, old_n, seed=100, config=b'{"v": 1}')
+    new = checkpoint(new_n, seed=200)
+    if split:
+        new["w0"] = pattern(((21 << 20) // 4,), torch.float32, seed=300)
+    fastload.save(new, new_src, max_shard_size=SHARD)
+    (new_src / CONFIG).write_bytes(b'{"v": 2}')
+    base = f"group-failing/{old_n}-{new_n}-{split}/"
+    mp.start_processes(_group_rank, args=(2, str(rendezvous_port()), seaweed.endpoint,
+                       str(old_src), str(new_src), base, str(tmp_path), PART), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    total = ranks[1]["total"]
+    assert total >= 4 and len(ranks[0]["results"]) == total + 1, ranks
+    if split:
+        # Rank 0 completed the big shard's upload; rank 1 uploaded 3 of its 5 parts (the last
+        # one short).
+        first = f"s3://{BUCKET}/{base}0/model-00001-of-{new_n:05d}.safetensors"
+        assert first in ranks[0]["results"][0]["out"]["copied"], ranks[0]["results"][0]
+        assert ranks[1]["results"][0]["out"]["bytes"] > 2 * PART, ranks[1]["results"][0]
+    client = seaweed.client()
+    direct = {"endpoint": seaweed.endpoint}
+    for mine, other in zip(ranks[1]["results"], ranks[0]["results"]):
+        k = mine["k"]
+        # One error, raised on both ranks; without a fault, none.
+        assert mine["error"] == other["error"], (k, mine, other)
+        assert (mine["faults"], mine["error"] is None) == ((1, False) if k else (0, True)), mine
+        prefix = f"{base}{k}/"
+        files = s3_files(client, prefix)
+        got = outcome(mine["uri"], files, old, new, storage_options=direct)
+        assert got in ("old", "new", "raises"), f"request {k} of {total} failed: {got}"
+        assert mine["error"] or got == "new", k
+        want = {"old": [b'{"v": 1}', None], "new": [b'{"v": 2}'], "raises": [b'{"v": 1}', None]}
+        assert files.get(CONFIG) in want[got], (k, got, files.get(CONFIG))
+        assert open_uploads(client, prefix) == [], k
+
+
+GROUP_COPIER = """
+import datetime, os, signal, sys
+import fastload, torch.distributed as dist
+rank, rdv, src, dst = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+die_at, timeout = int(sys.argv[5]), datetime.timedelta(seconds=int(sys.argv[6]))
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rdv}", rank=rank, world_size=2,
+                        timeout=timeout)
+calls, gather = 0, dist.all_gather_object
+def counted(*args, **kwargs):
+    global calls
+    calls += 1
+    if rank == 1 and calls == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return gather(*args, **kwargs)
+dist.all_gather_object = counted
+try:
+    fastload.copy(src, dst, progress=False, overwrite=True)
+    print("done", calls, flush=True)
+except Exception as e:
+    print("raised", calls, type(e).__name__, str(e)[:300].replace(chr(10), " "), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_killed_at_any_step_of_a_group_copy_leaves_no_mix(tmp_path):
+    # Two processes copy a checkpoint over an earlier one of the same file names; rank 1 is
+    # killed (SIGKILL) before its n-th exchange with rank 0, for every n: after staging, after
+    # rank 0 removed the earlier files, after publishing its index or its weights. Rank 0 raises
+    # (or, once every file was published, finishes), and the folder loads as the earlier
+    # checkpoint, the new one, or raises: a dead rank's shards never load as a smaller model.
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, 3, seed=100, config=b'{"v": 1}')
+    new = source_folder(new_src, 3, seed=200)
+    env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
+
+    def run(n: int, folder: Path) -> list[tuple[int, str]]:
+        fastload.copy(str(old_src), str(folder), progress=False)
+        rdv = str(rendezvous_port())
+        procs = [subprocess.Popen([sys.executable, "-c", GROUP_COPIER, str(r), rdv, str(new_src),
+                                   str(folder), str(n), str(GROUP_TIMEOUT)],
+                                  stdout=subprocess.PIPE, env=env)
+                 for r in range(2)]  # fmt: skip
+        outs = [p.communicate(timeout=GROUP_TIMEOUT + 60)[0].decode() for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+    (rc0, out0), (rc1, out1) = run(0, tmp_path / "count")
+    assert (rc0, rc1) == (0, 0) and out0.startswith("done") and out1.startswith("done"), out0
+    calls = int(out1.split()[1])
+    # The plan, staged, cleared, indexes, weights, the errors' gather.
+    assert calls >= 6, out1
+    got = {}
+    for n in range(1, calls + 1):
+        folder = tmp_path / f"m{n}"
+        (rc0, out0), (rc1, out1) = run(n, folder)
+        assert (rc0, rc1, out1) == (0, -signal.SIGKILL, ""), (n, out0, out1)
+        got[n] = outcome(str(folder), local_files(folder), old, new)
+        assert got[n] in ("old", "new", "raises"), (n, got[n], out0)
+        assert out0.startswith("raised") or got[n] == "new", (n, out0)
+    # Killed before it staged anything of its own the earlier checkpoint stays; killed after
+    # every file was published, the new one loads.
+    assert got[1] == "old" and got[calls] == "new", got

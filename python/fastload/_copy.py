@@ -77,7 +77,9 @@ def copy(
     :class:`fastload.DestinationExistsError` unless ``overwrite=True``, which copies every file
     again and, as :func:`save` does, publishes none until all are complete (the indexes last): a
     failure or Ctrl-C leaves the earlier files, or none, never some of each (a group's ranks
-    publish their shares on their own). Before publishing it also removes, as :func:`save` does,
+    publish together, step by step: every rank staged, the earlier files removed, the indexes,
+    the weights; ranks that cannot talk, ``RANK``/``WORLD_SIZE`` without torch.distributed, are
+    refused ``overwrite=True``). Before publishing it also removes, as :func:`save` does,
     the earlier checkpoint files the copy does not replace (shards, then their index, of a stem
     it writes: ``model-*-of-*.safetensors`` under a new ``model.safetensors``); no other file.
     ``storage_options``
@@ -146,7 +148,14 @@ def _in_group(process_group: Any, src: str, dst: str, options: dict[str, Any]) -
         error = e
     from .distributed import _gather, _portable, _raise_first
 
-    errors = _gather(_portable(error), group, world)
+    try:
+        errors = _gather(_portable(error), group, world)
+    except Exception:
+        # A rank is gone (killed, its link cut): this rank's own error says what happened here,
+        # and is raised; without one, the collective's.
+        if error is None:
+            raise
+        errors = [error if r == rank else None for r in range(world)]
     # The raised error's traceback keeps this frame: neither the group nor the error itself is
     # left in it. Otherwise the group outlives destroy_process_group() (in a cycle only the
     # garbage collector breaks, or for as long as the caller keeps the error), and gloo's

@@ -22,7 +22,9 @@
 //! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), largest first, indexes last (see [`run`]).
 //! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
 //!   split on every rank); with an [`Exchange`] between the ranks, a file of at least two parts
-//!   per rank going to S3 or GCS is split into part ranges that every rank uploads (split.rs).
+//!   per rank going to S3 or GCS is split into part ranges that every rank uploads (split.rs),
+//!   and an overwriting copy publishes every rank's files together (together.rs). Ranks without
+//!   an exchange are refused an overwriting copy: they could only publish each its own share.
 //! - Names from the listing go through [`crate::format::check_inside`] before anything is written.
 
 use std::collections::VecDeque;
@@ -45,6 +47,7 @@ mod encrypted;
 mod list;
 mod split;
 mod stage;
+mod together;
 
 pub use done::{Existing, ID_KEY};
 pub use list::{list, Item, Listing};
@@ -161,43 +164,121 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
                 .collect();
             (targets, split)
         });
-    let mut report = Report::default();
-    if let (Some(exchange), true) = (&options.exchange, options.world > 1) {
-        let plan = match &planned {
-            Ok((targets, split)) => Ok(split
-                .iter()
-                .map(|&i| (targets[i].1.clone(), targets[i].0.source.size()))
-                .collect()),
-            Err(e) => Err(e.to_string()),
-        };
-        let agreed = split::agree(plan, exchange)?;
-        let (targets, split) = planned?;
-        match agreed {
-            Err(split::Stopped(s)) => {
-                report.stopped = Some(s);
-                return Ok(report);
-            }
-            Ok(false) => {
-                return Err(Error::Internal {
-                    message: "the ranks of the copy listed different files to split (did the \
-                              source change while they listed it?); nothing was copied"
-                        .into(),
-                })
-            }
-            Ok(true) => {}
+    if options.write.overwrite && options.world > 1 && options.exchange.is_none() {
+        return Err(Error::option(
+            "overwrite",
+            format!(
+                "an overwriting copy by a group of {} ranks needs them to talk to each other \
+                 (torch.distributed initialised, or process_group=): each rank publishing its \
+                 share on its own could leave two checkpoints mixed",
+                options.world
+            ),
+        ));
+    }
+    let staged = options.write.overwrite.then(stage::Staged::default);
+    match (&options.exchange, options.world > 1) {
+        (Some(exchange), true) => in_group(planned, options, exchange, staged),
+        _ => {
+            let (targets, _) = planned?;
+            start(&targets, &[], options);
+            let outcomes = match (whole(&targets, &[], options, staged.as_ref()), staged) {
+                (Err(e), staged) => {
+                    abort(staged);
+                    return Err(e);
+                }
+                (Ok(outcomes), Some(staged)) => {
+                    let all: Vec<&str> = targets.iter().map(|(_, to)| to.as_str()).collect();
+                    staged.publish(&all, options)?;
+                    outcomes
+                }
+                (Ok(outcomes), None) => outcomes,
+            };
+            Ok(tally(&targets, &[], options, &outcomes, Report::default()))
         }
-        start(&targets, &split, options);
-        let files: Vec<&(Item, String)> = split.iter().map(|&i| &targets[i]).collect();
-        let stop = AtomicBool::new(false);
-        if let Err(split::Stopped(s)) = split::run(&files, options, exchange, &stop, &mut report)? {
+    }
+}
+
+/// The files a copy lists (with their destinations) and the indices of those split into parts
+/// across the ranks, or why they could not be listed.
+type Planned = Result<(Vec<(Item, String)>, Vec<usize>)>;
+
+/// A copy by a group whose ranks talk through `exchange`: the ranks agree on the files to split,
+/// copy those together and the others each its share; overwriting (`staged`), they publish
+/// together (together.rs).
+fn in_group(
+    planned: Planned,
+    options: &CopyOptions,
+    exchange: &Exchange,
+    staged: Option<stage::Staged>,
+) -> Result<Report> {
+    let mut report = Report::default();
+    let plan = match &planned {
+        Ok((targets, split)) => Ok(split
+            .iter()
+            .map(|&i| (targets[i].1.clone(), targets[i].0.source.size()))
+            .collect()),
+        Err(e) => Err(e.to_string()),
+    };
+    let agreed = split::agree(plan, exchange)?;
+    let (targets, split) = planned?;
+    match agreed {
+        Err(split::Stopped(s)) => {
             report.stopped = Some(s);
             return Ok(report);
         }
-        whole(&targets, &split, options, report)
-    } else {
-        let (targets, _) = planned?;
-        start(&targets, &[], options);
-        whole(&targets, &[], options, report)
+        Ok(false) => {
+            return Err(Error::Internal {
+                message: "the ranks of the copy listed different files to split (did the \
+                          source change while they listed it?); nothing was copied"
+                    .into(),
+            })
+        }
+        Ok(true) => {}
+    }
+    start(&targets, &split, options);
+    let files: Vec<&(Item, String)> = split.iter().map(|&i| &targets[i]).collect();
+    let stop = AtomicBool::new(false);
+    let parts = split::run(
+        &files,
+        options,
+        exchange,
+        &stop,
+        &mut report,
+        staged.as_ref(),
+    );
+    let outcomes = match (parts, staged) {
+        (Err(e), staged) => {
+            abort(staged);
+            return Err(e);
+        }
+        (Ok(Err(split::Stopped(s))), staged) => {
+            abort(staged);
+            report.stopped = Some(s);
+            return Ok(report);
+        }
+        (Ok(Ok(())), None) => whole(&targets, &split, options, None)?,
+        (Ok(Ok(())), Some(staged)) => {
+            // This rank's failure is the group's to hear of before it is returned.
+            let (outcomes, own) = match whole(&targets, &split, options, Some(&staged)) {
+                Ok(outcomes) => (outcomes, Ok(())),
+                Err(e) => (Vec::new(), Err(e)),
+            };
+            let all: Vec<&str> = targets.iter().map(|(_, to)| to.as_str()).collect();
+            if let Err(split::Stopped(s)) = together::publish(staged, own, &all, options, exchange)?
+            {
+                report.stopped = Some(s);
+                return Ok(report);
+            }
+            outcomes
+        }
+    };
+    Ok(tally(&targets, &split, options, &outcomes, report))
+}
+
+/// Gives up an overwriting copy's staged files, if any.
+fn abort(staged: Option<stage::Staged>) {
+    if let Some(staged) = staged {
+        staged.abort()
     }
 }
 
@@ -229,33 +310,32 @@ fn start(targets: &[(Item, String)], split: &[usize], options: &CopyOptions) {
     );
 }
 
-/// Copies this rank's share of the files not in `split`, whole, adding to `report`.
+/// Copies this rank's share of the files not in `split`, whole (with `staged`, an overwriting
+/// copy, each added there unpublished): each file's outcome ([`copy_one`]'s, `None` for the
+/// files of other ranks).
 fn whole(
     targets: &[(Item, String)],
     split: &[usize],
     options: &CopyOptions,
-    mut report: Report,
-) -> Result<Report> {
+    staged: Option<&stage::Staged>,
+) -> Result<Vec<Option<bool>>> {
     let mine = whole_share(targets, split, options);
     let (first, last) = schedule(targets, &mine);
     let outcomes = Mutex::new(vec![None; targets.len()]);
-    let staged = options.write.overwrite.then(stage::Staged::default);
-    let copied = run(targets, &first, options, &outcomes, staged.as_ref())
-        .and_then(|()| run(targets, &last, options, &outcomes, staged.as_ref()));
-    match (copied, staged) {
-        (Err(e), Some(staged)) => {
-            staged.abort();
-            return Err(e);
-        }
-        (Err(e), None) => return Err(e),
-        (Ok(()), Some(staged)) => {
-            let all: Vec<&str> = targets.iter().map(|(_, to)| to.as_str()).collect();
-            staged.publish(&all, options)?
-        }
-        (Ok(()), None) => {}
-    }
-    let outcomes = outcomes.into_inner().unwrap_or_else(|e| e.into_inner());
-    for i in mine {
+    run(targets, &first, options, &outcomes, staged)?;
+    run(targets, &last, options, &outcomes, staged)?;
+    Ok(outcomes.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// `report` with this rank's whole files added, by their `outcomes` ([`whole`]).
+fn tally(
+    targets: &[(Item, String)],
+    split: &[usize],
+    options: &CopyOptions,
+    outcomes: &[Option<bool>],
+    mut report: Report,
+) -> Report {
+    for i in whole_share(targets, split, options) {
         let (item, to) = &targets[i];
         match outcomes[i] {
             Some(true) => report.skipped.push(to.clone()),
@@ -266,7 +346,7 @@ fn whole(
             None => {}
         }
     }
-    Ok(report)
+    report
 }
 
 fn emit(options: &CopyOptions, event: Event) {

@@ -14,6 +14,9 @@
 //! 4. rank 0 completes the upload with every rank's parts in order, or aborts it when any rank
 //!    failed; the outcome goes to every rank.
 //!
+//! In an overwriting copy rank 0 does not complete the upload at step 4: it stages it ([`Completing`])
+//! beside the rank's other files, and the group publishes them all together (together.rs).
+//!
 //! A rank whose own step failed returns that error; the others stop with [`Stopped`] and the
 //! caller's group raises the failing rank's error on every rank. Nothing is published unless every
 //! part of every rank went up, and a failed file's upload is aborted (none left open).
@@ -29,9 +32,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::stage::{self, Staged};
 use super::{done, emit, encrypted, pump, CopyOptions, Event, Existing, Item, Report};
 use crate::error::{Error, Result};
 use crate::sink::multipart::{self, SharedUpload};
+use crate::sink::Sink;
 use crate::source::Source;
 use crate::store::storage_error;
 use crate::uri::Store;
@@ -99,7 +104,7 @@ pub(super) fn agree(
 }
 
 /// The first rank's failure in `all` (messages `err:...`).
-fn failure(all: &[String]) -> Option<Stopped> {
+pub(super) fn failure(all: &[String]) -> Option<Stopped> {
     all.iter().enumerate().find_map(|(r, m)| {
         m.strip_prefix("err:")
             .map(|e| Stopped(format!("rank {r} of {}: {e}", all.len())))
@@ -107,16 +112,19 @@ fn failure(all: &[String]) -> Option<Stopped> {
 }
 
 /// Steps 2 to 4 for each of `files` (in that order, all ranks together). Adds this rank's share to
-/// `report`.
+/// `report`. With `staged` (an overwriting copy) rank 0 stages each upload there, complete but
+/// not completed.
 pub(super) fn run(
     files: &[&(Item, String)],
     options: &CopyOptions,
     exchange: &Exchange,
     stop: &AtomicBool,
     report: &mut Report,
+    staged: Option<&Staged>,
 ) -> Result<std::result::Result<(), Stopped>> {
     for (item, to) in files {
-        if let Err(stopped) = one(item, to, options, exchange, stop, report)? {
+        let file = One { item, to, staged };
+        if let Err(stopped) = one(&file, options, exchange, stop, report)? {
             return Ok(Err(stopped));
         }
     }
@@ -208,11 +216,17 @@ fn report_done(options: &CopyOptions, to: &str, bytes: u64, skipped: bool) {
     );
 }
 
+/// A split file, and where an overwriting copy stages it.
+struct One<'a> {
+    item: &'a Item,
+    to: &'a str,
+    staged: Option<&'a Staged>,
+}
+
 /// One split file, steps 2 to 4. Every rank makes the same three exchanges (two when the upload
 /// was not created).
 fn one(
-    item: &Item,
-    to: &str,
+    &One { item, to, staged }: &One,
     options: &CopyOptions,
     exchange: &Exchange,
     stop: &AtomicBool,
@@ -245,25 +259,49 @@ fn one(
         }
         Err(e) => (None, Err(e)),
     };
-    if let Err(stopped) = complete(to, upload.as_ref(), uploaded, parts, options, exchange)? {
+    let ending = Ending {
+        to,
+        upload,
+        parts,
+        bytes: size,
+        staged,
+    };
+    if let Err(stopped) = complete(ending, uploaded, options, exchange)? {
         return Ok(Err(stopped));
     }
     report.bytes += range_bytes(&range, part_size, size);
     if options.rank == 0 {
         report.copied.push(to.to_string());
-        report_done(options, to, size, false);
+        // A staged file is reported done when it is published.
+        if staged.is_none() {
+            report_done(options, to, size, false);
+        }
     }
     Ok(Ok(()))
 }
 
-/// Step 3's end and step 4: every rank's part ids (or failure) gathered; rank 0 completes the
-/// upload with all of them in order, or aborts it when any rank failed; every rank learns the
-/// outcome.
-fn complete(
-    to: &str,
-    upload: Option<&SharedUpload>,
-    uploaded: Result<Vec<String>>,
+/// A split file at step 4: its upload (`None` where this rank could not open it), its number of
+/// parts and bytes, and where an overwriting copy stages it.
+struct Ending<'a> {
+    to: &'a str,
+    upload: Option<SharedUpload>,
     parts: usize,
+    bytes: u64,
+    staged: Option<&'a Staged>,
+}
+
+/// Step 3's end and step 4: every rank's part ids (or failure) gathered; rank 0 completes the
+/// upload with all of them in order (or, overwriting, stages it complete but not completed), or
+/// aborts it when any rank failed; every rank learns the outcome.
+fn complete(
+    Ending {
+        to,
+        upload,
+        parts,
+        bytes,
+        staged,
+    }: Ending,
+    uploaded: Result<Vec<String>>,
     options: &CopyOptions,
     exchange: &Exchange,
 ) -> Result<std::result::Result<(), Stopped>> {
@@ -275,7 +313,7 @@ fn complete(
         ),
         Err(e) => format!("err:{e}"),
     };
-    let all = exchanged(exchange, message, upload.filter(|_| rank0))?;
+    let all = exchanged(exchange, message, upload.as_ref().filter(|_| rank0))?;
     let mut failed = failure(&all);
     let ids: Vec<String> = all
         .iter()
@@ -292,7 +330,18 @@ fn complete(
         )));
     }
     let completed = match (upload, &failed) {
-        (Some(u), None) if rank0 => Some(u.complete(ids, options.write.overwrite)),
+        (Some(upload), None) if rank0 => Some(match staged {
+            Some(staged) => {
+                staged.add(stage::File {
+                    to: to.to_string(),
+                    sink: Box::new(Completing { upload, parts: ids }),
+                    id: None,
+                    bytes,
+                });
+                Ok(())
+            }
+            None => upload.complete(ids, options.write.overwrite),
+        }),
         (Some(u), Some(_)) if rank0 => {
             let _ = u.abort();
             None
@@ -312,6 +361,55 @@ fn complete(
         Some(stopped) => Err(stopped),
         None => Ok(()),
     })
+}
+
+/// A split file whose every part is up, its upload not completed: staged by an overwriting copy,
+/// published ([`Sink::finish`]: completed) with the group's other files, or aborted.
+struct Completing {
+    upload: SharedUpload,
+    parts: Vec<String>,
+}
+
+impl std::fmt::Debug for Completing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completing")
+            .field("uri", &self.upload.uri())
+            .field("parts", &self.parts.len())
+            .finish()
+    }
+}
+
+impl Sink for Completing {
+    fn uri(&self) -> &str {
+        self.upload.uri()
+    }
+
+    fn is_local(&self) -> bool {
+        false
+    }
+
+    fn holds_at_most(&self) -> u64 {
+        0
+    }
+
+    fn write(&mut self, _: Bytes) -> Result<()> {
+        Err(Error::Internal {
+            message: format!("{}: every part is up already", self.upload.uri()),
+        })
+    }
+
+    fn prepare(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        // Overwriting: the group removed what was there, or replaces it.
+        self.upload.complete(self.parts, true)
+    }
+
+    fn abort(self: Box<Self>) -> Result<()> {
+        self.upload.abort()
+    }
 }
 
 /// The bytes of a file of `size` bytes that the parts `range` hold.

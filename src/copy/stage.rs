@@ -37,13 +37,18 @@ pub(super) struct File {
 #[derive(Default)]
 pub(super) struct Staged(Mutex<Vec<File>>);
 
-fn is_index(uri: &str) -> bool {
+pub(super) fn is_index(uri: &str) -> bool {
     uri.ends_with(".index.json")
 }
 
 impl Staged {
     pub fn add(&self, file: File) {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).push(file);
+    }
+
+    /// The staged files, in the order they were staged.
+    pub fn into_files(self) -> Vec<File> {
+        self.0.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Gives up: every staged file aborted (temporary files removed, uploads aborted).
@@ -63,7 +68,7 @@ impl Staged {
         let write = &options.write;
         let mut published: Vec<String> = Vec::new();
         let targets: Vec<&String> = files.iter().map(|f| &f.to).collect();
-        if let Err(e) = clear_earlier(&targets, all, write) {
+        if let Err(e) = clear_earlier(&targets, all, write, false) {
             roll_back(files, &published, write);
             return Err(e);
         }
@@ -77,7 +82,7 @@ impl Staged {
 }
 
 /// Publishes the files of `rest` in order, each added to `published`; stops at the first failure.
-fn publish_each(
+pub(super) fn publish_each(
     rest: &mut std::vec::IntoIter<File>,
     published: &mut Vec<String>,
     options: &CopyOptions,
@@ -113,16 +118,26 @@ fn publish_each(
 /// a smaller model); one file is replaced atomically by its new file. Removed before publishing,
 /// not after: left until then, an earlier index would decide what loads once the new files are
 /// published, so a removal failing would leave the earlier checkpoint loading after a copy that
-/// had published the new one.
-fn clear_earlier(targets: &[&String], all: &[&str], write: &WriteOptions) -> Result<()> {
+/// had published the new one. With `indexes_first` (a group publishes its indexes before its
+/// weights) one earlier weight file is removed too where the copy writes an index, which would
+/// otherwise name it until it is replaced.
+pub(super) fn clear_earlier<S: AsRef<str>>(
+    targets: &[S],
+    all: &[&str],
+    write: &WriteOptions,
+    indexes_first: bool,
+) -> Result<()> {
     let mut found = Vec::new();
     for to in targets {
-        if exists(to, write)? {
-            found.push(to.to_string());
+        if exists(to.as_ref(), write)? {
+            found.push(to.as_ref().to_string());
         }
     }
     let stale = stale_files(all, write)?;
-    if found.len() < 2 && stale.is_empty() {
+    let named_early = indexes_first
+        && targets.iter().any(|t| is_index(t.as_ref()))
+        && found.iter().any(|f| f.ends_with(".safetensors"));
+    if found.len() < 2 && stale.is_empty() && !named_early {
         return Ok(());
     }
     found.extend(stale);
@@ -255,7 +270,7 @@ fn list_names(folder: &str, write: &WriteOptions) -> Result<Vec<String>> {
 
 /// Aborts `rest` and removes `published` (on a thread of its own: the calling thread's Ctrl-C,
 /// which may be what failed the copy, must not cut the clean-up short).
-fn roll_back(rest: Vec<File>, published: &[String], write: &WriteOptions) {
+pub(super) fn roll_back(rest: Vec<File>, published: &[String], write: &WriteOptions) {
     std::thread::scope(|s| {
         let _ = s
             .spawn(|| {
