@@ -306,7 +306,35 @@ fn exists(uri: &str, write: &WriteOptions) -> Result<bool> {
 
 #[cfg(test)]
 mod tests {
-    use super::stale;
+    use super::{clear_earlier, stale};
+    use crate::sink::WriteOptions;
+
+    #[test]
+    fn a_lone_earlier_weight_goes_before_a_group_publishes_an_index_naming_it() {
+        // The destination holds one shard of an earlier set, of a name the copy writes. One
+        // process replaces it in one step (its index comes last); a group, publishing its
+        // index first, must not let that index name the earlier bytes: it is removed first.
+        let dir = tempfile::tempdir().unwrap();
+        let at = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+        let targets: Vec<String> = OLD_SHARDS.iter().map(|n| at(n)).collect();
+        let all: Vec<&str> = targets.iter().map(String::as_str).collect();
+        let lone = &targets[1];
+        let write = WriteOptions::default();
+        std::fs::write(lone, b"earlier").unwrap();
+        clear_earlier(&all, &all, &write, false).unwrap();
+        assert!(std::path::Path::new(lone).exists());
+        clear_earlier(&all, &all, &write, true).unwrap();
+        assert!(!std::path::Path::new(lone).exists());
+        // A lone earlier index is replaced in one step either way; so is a weight where no
+        // index is written.
+        std::fs::write(&targets[3], b"{}").unwrap();
+        clear_earlier(&all, &all, &write, true).unwrap();
+        assert!(std::path::Path::new(&targets[3]).exists());
+        std::fs::remove_file(&targets[3]).unwrap();
+        std::fs::write(lone, b"earlier").unwrap();
+        clear_earlier(&all[..3], &all[..3], &write, true).unwrap();
+        assert!(std::path::Path::new(lone).exists());
+    }
 
     const OLD_SHARDS: [&str; 4] = [
         "model-00001-of-00003.safetensors",
