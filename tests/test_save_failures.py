@@ -781,14 +781,15 @@ GROUP_COPIER = """
 import datetime, os, signal, sys
 import fastload, torch.distributed as dist
 rank, rdv, src, dst = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-die_at, timeout = int(sys.argv[5]), datetime.timedelta(seconds=int(sys.argv[6]))
+dying, die_at = int(sys.argv[5]), int(sys.argv[6])
+timeout = datetime.timedelta(seconds=int(sys.argv[7]))
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rdv}", rank=rank, world_size=2,
                         timeout=timeout)
 calls, gather = 0, dist.all_gather_object
 def counted(*args, **kwargs):
     global calls
     calls += 1
-    if rank == 1 and calls == die_at:
+    if rank == dying and calls == die_at:
         os.kill(os.getpid(), signal.SIGKILL)
     return gather(*args, **kwargs)
 dist.all_gather_object = counted
@@ -801,12 +802,14 @@ os._exit(0)
 """
 
 
-def test_a_rank_killed_at_any_step_of_a_group_copy_leaves_no_mix(tmp_path):
-    # Two processes copy a checkpoint over an earlier one of the same file names; rank 1 is
-    # killed (SIGKILL) before its n-th exchange with rank 0, for every n: after staging, after
-    # rank 0 removed the earlier files, after publishing its index or its weights. Rank 0 raises
-    # (or, once every file was published, finishes), and the folder loads as the earlier
+@pytest.mark.parametrize("dying", [1, 0])
+def test_a_rank_killed_at_any_step_of_a_group_copy_leaves_no_mix(tmp_path, dying):
+    # Two processes copy a checkpoint over an earlier one of the same file names; one rank is
+    # killed (SIGKILL) before its n-th exchange with the other, for every n: after staging, after
+    # rank 0 removed the earlier files, after publishing its index or its weights. The other
+    # raises (or, once every file was published, finishes), and the folder loads as the earlier
     # checkpoint, the new one, or raises: a dead rank's shards never load as a smaller model.
+    # Rank 0 also removes the earlier files and hosts the group's rendezvous store.
     old_src, new_src = tmp_path / "old", tmp_path / "new"
     old = source_folder(old_src, 3, seed=100, config=b'{"v": 1}')
     new = source_folder(new_src, 3, seed=200)
@@ -816,25 +819,27 @@ def test_a_rank_killed_at_any_step_of_a_group_copy_leaves_no_mix(tmp_path):
         fastload.copy(str(old_src), str(folder), progress=False)
         rdv = str(rendezvous_port())
         procs = [subprocess.Popen([sys.executable, "-c", GROUP_COPIER, str(r), rdv, str(new_src),
-                                   str(folder), str(n), str(GROUP_TIMEOUT)],
+                                   str(folder), str(dying), str(n), str(GROUP_TIMEOUT)],
                                   stdout=subprocess.PIPE, env=env)
                  for r in range(2)]  # fmt: skip
         outs = [p.communicate(timeout=GROUP_TIMEOUT + 60)[0].decode() for p in procs]
         return [(p.returncode, out) for p, out in zip(procs, outs)]
 
-    (rc0, out0), (rc1, out1) = run(0, tmp_path / "count")
-    assert (rc0, rc1) == (0, 0) and out0.startswith("done") and out1.startswith("done"), out0
-    calls = int(out1.split()[1])
+    counted = run(0, tmp_path / "count")
+    assert [rc for rc, _ in counted] == [0, 0], counted
+    assert all(out.startswith("done") for _, out in counted), counted
+    calls = int(counted[dying][1].split()[1])
     # The plan, staged, cleared, indexes, weights, the errors' gather.
-    assert calls >= 6, out1
+    assert calls >= 6, counted
     got = {}
     for n in range(1, calls + 1):
         folder = tmp_path / f"m{n}"
-        (rc0, out0), (rc1, out1) = run(n, folder)
-        assert (rc0, rc1, out1) == (0, -signal.SIGKILL, ""), (n, out0, out1)
+        ranks = run(n, folder)
+        (rc, out), (dead_rc, dead_out) = ranks[1 - dying], ranks[dying]
+        assert (rc, dead_rc, dead_out) == (0, -signal.SIGKILL, ""), (n, ranks)
         got[n] = outcome(str(folder), local_files(folder), old, new)
-        assert got[n] in ("old", "new", "raises"), (n, got[n], out0)
-        assert out0.startswith("raised") or got[n] == "new", (n, out0)
+        assert got[n] in ("old", "new", "raises"), (n, got[n], out)
+        assert out.startswith("raised") or got[n] == "new", (n, out)
     # Killed before it staged anything of its own the earlier checkpoint stays; killed after
     # every file was published, the new one loads.
     assert got[1] == "old" and got[calls] == "new", got

@@ -14,8 +14,8 @@
 //! 4. rank 0 completes the upload with every rank's parts in order, or aborts it when any rank
 //!    failed; the outcome goes to every rank.
 //!
-//! In an overwriting copy rank 0 does not complete the upload at step 4: it stages it ([`Completing`])
-//! beside the rank's other files, and the group publishes them all together (together.rs).
+//! In an overwriting copy rank 0 does not complete the upload at step 4: it stages it
+//! ([`Completing`]) beside its other files, and the group publishes them together (together.rs).
 //!
 //! A rank whose own step failed returns that error; the others stop with [`Stopped`] and the
 //! caller's group raises the failing rank's error on every rank. Nothing is published unless every
