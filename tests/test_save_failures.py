@@ -843,3 +843,61 @@ def test_a_rank_killed_at_any_step_of_a_group_copy_leaves_no_mix(tmp_path, dying
     # Killed before it staged anything of its own the earlier checkpoint stays; killed after
     # every file was published, the new one loads.
     assert got[1] == "old" and got[calls] == "new", got
+
+
+# ---------------------------------------------------------------------------------------------
+# kill -9 while publishing: a save's or an overwriting copy's process held at its k-th write
+# request (the proxy answers nothing) and killed there, for every k
+
+KILLED_SAVER = """
+import sys, fastload
+fastload.save(fastload.load(sys.argv[1]), sys.argv[2], max_shard_size=sys.argv[3], overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["save", "copy"])
+@pytest.mark.parametrize("old_n", [0, 3], ids=["into-nothing", "over-3"])
+def test_a_process_killed_at_any_write_request_leaves_no_smaller_model(
+    seaweed, seaweed_fault_proxy, tmp_path, how, old_n
+):
+    # Where nothing earlier is left to load (an empty prefix, or the earlier shards of the same
+    # names removed first), the index is published before the shards: killed between two of them,
+    # the prefix holds an index naming shards not yet there (a load raises). Before, it held some
+    # new shards without an index, which a reader taking every *.safetensors loads as a smaller
+    # model.
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    old = source_folder(old_src, old_n, seed=100, config=b'{"v": 1}') if old_n else None
+    new = source_folder(new_src, 3, seed=200)
+    client = seaweed.client()
+    direct = {"endpoint": seaweed.endpoint}
+    env = {**os.environ, "PYTHONPATH": PYTHON + os.pathsep + str(HERE)}
+    if how == "save":
+        cmd = [sys.executable, "-c", KILLED_SAVER, str(new_src)]
+    else:
+        cmd = [sys.executable, "-c", "import fastload._cli as c; c.main()", "copy",
+               "--overwrite", str(new_src)]  # fmt: skip
+    got, k = {}, 0
+    while True:
+        k += 1
+        prefix = f"killed/{how}-{old_n}/{k}/"
+        uri = f"s3://{BUCKET}/{prefix}"
+        if old_n:
+            fastload.copy(str(old_src), uri, progress=False, storage_options=direct)
+        proxy = seaweed_fault_proxy(plan=[Fault("stall_head", seconds=120)], match=Nth(k))
+        args = [*cmd, uri, SHARD] if how == "save" else [*cmd, uri]
+        proc = subprocess.Popen(args, env={**env, "AWS_ENDPOINT_URL": proxy.endpoint},
+                                stderr=subprocess.PIPE)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while proxy.served["faults"] == 0 and proc.poll() is None:
+            assert time.monotonic() < deadline, k
+            time.sleep(0.01)
+        proc.kill()
+        err = proc.communicate(timeout=60)[1].decode()
+        proxy.close()
+        if proxy.served["faults"] == 0:  # no k-th write request: the process finished
+            assert proc.returncode == 0, err[-2000:]
+            assert outcome(uri, s3_files(client, prefix), old, new, storage_options=direct) == "new"
+            break
+        got[k] = outcome(uri, s3_files(client, prefix), old, new, storage_options=direct)
+        assert got[k] in ("old", "new", "raises"), (k, got[k], got)
+    assert k > 4 and "raises" in got.values(), got

@@ -3,16 +3,24 @@ reader finds the earlier checkpoint whole, the new one whole, or an error: never
 never one's index over the other's shards.
 
 Every file is first written complete and durable without being visible (a synced temporary file;
-an upload whose parts are all stored but not completed). Only then are they published, the
-shards in order and the index last, and the earlier checkpoint's files that the new one does not
-replace removed (shards first, its index last: an index naming a missing shard fails a load,
-where shards left without their index would load as a smaller model). A failure or Ctrl-C before
-the last file is published aborts the files not yet published and removes those that were.
+an upload whose parts are all stored but not completed). Only then are they published, and the
+earlier checkpoint's files that the new one does not replace removed (shards first, its index
+last: an index naming a missing shard fails a load, where shards left without their index would
+load as a smaller model). A failure or Ctrl-C before the last file is published aborts the files
+not yet published and removes those that were.
 
 A new checkpoint with the earlier one's file names (the same number of shards) cannot replace it
 file by file without a moment where the earlier index names some new shards: the earlier files
 are removed before the first new one is published, so a failure from there on leaves no
-checkpoint rather than a mixed one."""
+checkpoint rather than a mixed one.
+
+Which goes first, the index or the shards: where an earlier checkpoint stays loadable until the
+new one is whole (other file names), the shards go first and the index last, so readers go from
+the old checkpoint to the new one in one step, and a process killed in between leaves the old one
+loading. Where none is left (an empty folder, or the earlier files removed as above), the index
+goes first: killed between two renames, the folder then holds an index naming shards not yet
+there (a load raises), never shards alone that a reader taking every ``*.safetensors`` file
+would load as a smaller model."""
 
 from __future__ import annotations
 
@@ -96,26 +104,34 @@ class Staged:
         self.files.append((name, writer))
 
     def publish(self, index: bytes | None = None) -> list[str]:
-        """Publishes every file, then `index` (the index file's bytes) if given; removes the
-        earlier checkpoint's files the new one does not replace. Returns the names, index last."""
+        """Publishes every file and `index` (the index file's bytes) if given, the index first
+        where no earlier checkpoint is left, else last (see the module's documentation); removes
+        the earlier checkpoint's files the new one does not replace. Returns the names, index
+        last."""
         names = [name for name, _ in self.files]
         written = [*names, INDEX_FILE] if index is not None else names
         if _clashes(self.earlier, names):
             remove_stale(self.folder, self.earlier, [], self.storage_options)
             self.earlier = []
+        index_first = not self.earlier
+        if index is not None and index_first:
+            self._write_index(index)
         for _, writer in self.files:
             writer.finish()
-        if index is not None:
-            self.index_started = True
-            _fastload.write_bytes(
-                join(self.folder, INDEX_FILE),
-                index,
-                overwrite=self.overwrite,
-                storage_options=self.storage_options,
-            )
+        if index is not None and not index_first:
+            self._write_index(index)
         self.done = True
         remove_stale(self.folder, self.earlier, written, self.storage_options)
         return written
+
+    def _write_index(self, index: bytes) -> None:
+        self.index_started = True
+        _fastload.write_bytes(
+            join(self.folder, INDEX_FILE),
+            index,
+            overwrite=self.overwrite,
+            storage_options=self.storage_options,
+        )
 
     def __enter__(self) -> Staged:
         return self

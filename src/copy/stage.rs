@@ -3,7 +3,12 @@
 //! `overwrite` copies every file again, so a rerun has nothing to resume and a copy can hold back
 //! its files: each is written complete and durable without being visible ([`Sink::prepare`]: a
 //! synced temporary file, or an upload whose parts are all stored but not completed), and only
-//! when all are does [`Staged::publish`] publish them, the indexes (`*.index.json`) last. A
+//! when all are does [`Staged::publish`] publish them, the indexes (`*.index.json`) last where an
+//! earlier checkpoint stays loadable until then (readers go from it to the new one in one step),
+//! first where none is left (an empty destination, or the earlier files removed, below): a
+//! process killed between two publications then leaves an index naming files not yet there (a
+//! load raises), never weights alone that a reader taking every `*.safetensors` file would load
+//! as a smaller model. A
 //! failure or Ctrl-C before then aborts every staged file and removes those published, so a
 //! reader finds the earlier files, the new ones, or (see below) an error, never some of each.
 //!
@@ -63,15 +68,19 @@ impl Staged {
     /// `all`: every destination of the copy (every rank's), none of which is stale.
     pub fn publish(self, all: &[&str], options: &CopyOptions) -> Result<()> {
         let mut files = self.0.into_inner().unwrap_or_else(|e| e.into_inner());
-        // Stable: the weights in the order they were staged, then the indexes.
-        files.sort_by_key(|f| is_index(&f.to));
         let write = &options.write;
         let mut published: Vec<String> = Vec::new();
         let targets: Vec<&String> = files.iter().map(|f| &f.to).collect();
-        if let Err(e) = clear_earlier(&targets, all, write, false) {
-            roll_back(files, &published, write);
-            return Err(e);
-        }
+        let cleared = match clear_earlier(&targets, all, write, false) {
+            Ok(cleared) => cleared,
+            Err(e) => {
+                roll_back(files, &published, write);
+                return Err(e);
+            }
+        };
+        // Stable: the weights in the order they were staged, the indexes last, or first where
+        // nothing earlier is left to load (see the module's documentation).
+        files.sort_by_key(|f| is_index(&f.to) != cleared);
         let mut rest = files.into_iter();
         let outcome = publish_each(&mut rest, &mut published, options);
         if outcome.is_err() {
@@ -120,13 +129,14 @@ pub(super) fn publish_each(
 /// published, so a removal failing would leave the earlier checkpoint loading after a copy that
 /// had published the new one. With `indexes_first` (a group publishes its indexes before its
 /// weights) one earlier weight file is removed too where the copy writes an index, which would
-/// otherwise name it until it is replaced.
+/// otherwise name it until it is replaced. `Ok(true)`: no earlier file of the targets' names or
+/// checkpoints is left (there was none, or they were removed).
 pub(super) fn clear_earlier<S: AsRef<str>>(
     targets: &[S],
     all: &[&str],
     write: &WriteOptions,
     indexes_first: bool,
-) -> Result<()> {
+) -> Result<bool> {
     let mut found = Vec::new();
     for to in targets {
         if exists(to.as_ref(), write)? {
@@ -138,11 +148,12 @@ pub(super) fn clear_earlier<S: AsRef<str>>(
         && targets.iter().any(|t| is_index(t.as_ref()))
         && found.iter().any(|f| f.ends_with(".safetensors"));
     if found.len() < 2 && stale.is_empty() && !named_early {
-        return Ok(());
+        return Ok(found.is_empty());
     }
     found.extend(stale);
     found.sort_by_key(|to| is_index(to));
-    found.iter().try_for_each(|to| remove(to, write))
+    found.iter().try_for_each(|to| remove(to, write))?;
+    Ok(true)
 }
 
 /// The stem of a checkpoint file's name: `S` of `S.safetensors`, `S-00001-of-00003.safetensors`
@@ -320,19 +331,21 @@ mod tests {
         let all: Vec<&str> = targets.iter().map(String::as_str).collect();
         let lone = &targets[1];
         let write = WriteOptions::default();
+        // Nothing there: nothing earlier is left (one process publishes its index first).
+        assert!(clear_earlier(&all, &all, &write, false).unwrap());
         std::fs::write(lone, b"earlier").unwrap();
-        clear_earlier(&all, &all, &write, false).unwrap();
+        assert!(!clear_earlier(&all, &all, &write, false).unwrap());
         assert!(std::path::Path::new(lone).exists());
-        clear_earlier(&all, &all, &write, true).unwrap();
+        assert!(clear_earlier(&all, &all, &write, true).unwrap());
         assert!(!std::path::Path::new(lone).exists());
         // A lone earlier index is replaced in one step either way; so is a weight where no
         // index is written.
         std::fs::write(&targets[3], b"{}").unwrap();
-        clear_earlier(&all, &all, &write, true).unwrap();
+        assert!(!clear_earlier(&all, &all, &write, true).unwrap());
         assert!(std::path::Path::new(&targets[3]).exists());
         std::fs::remove_file(&targets[3]).unwrap();
         std::fs::write(lone, b"earlier").unwrap();
-        clear_earlier(&all[..3], &all[..3], &write, true).unwrap();
+        assert!(!clear_earlier(&all[..3], &all[..3], &write, true).unwrap());
         assert!(std::path::Path::new(lone).exists());
     }
 

@@ -86,7 +86,9 @@ pub(super) fn publish(
     for step in [Step::Staged, Step::Cleared, Step::Indexes, Step::Others] {
         let done = match step {
             Step::Staged => own.take().unwrap_or(Ok(())),
-            Step::Cleared if options.rank == 0 => stage::clear_earlier(all, all, write, true),
+            Step::Cleared if options.rank == 0 => {
+                stage::clear_earlier(all, all, write, true).map(|_| ())
+            }
             Step::Cleared => Ok(()),
             Step::Indexes => stage::publish_each(&mut rest[0], &mut published, options),
             Step::Others => stage::publish_each(&mut rest[1], &mut published, options),
