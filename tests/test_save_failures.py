@@ -391,6 +391,10 @@ def source_folder(folder: Path, shards: int, seed: int, config: bytes = b'{"v": 
     return sd
 
 
+# The config a copy's destination may hold beside each outcome of its weights: the new one only
+# beside the whole new checkpoint.
+CONFIG_BESIDE = {"old": [b'{"v": 1}', None], "new": [b'{"v": 2}'], "raises": [b'{"v": 1}', None]}
+
 # (3, 1) and (1, 3): the request that fails may be one removing the earlier layout's files.
 COPY_CASES = [(3, 3), (3, 2), (2, 3), (3, 1), (1, 3)]
 
@@ -433,8 +437,7 @@ def test_an_s3_copy_whose_kth_request_fails_leaves_the_old_or_the_new_checkpoint
         assert got in ("old", "new", "raises"), f"request {k} of {total} failed: {got}"
         assert failed or got == "new", k
         # The config goes with the weights: the new one only beside the whole new checkpoint.
-        want = {"old": [b'{"v": 1}', None], "new": [b'{"v": 2}'], "raises": [b'{"v": 1}', None]}
-        assert files.get(CONFIG) in want[got], (k, got, files.get(CONFIG))
+        assert files.get(CONFIG) in CONFIG_BESIDE[got], (k, got, files.get(CONFIG))
         assert open_uploads(client, prefix) == [], k
         proxy.close()
 
@@ -772,8 +775,7 @@ def test_a_group_copy_whose_kth_request_fails_on_one_rank_leaves_no_mix(
         got = outcome(mine["uri"], files, old, new, storage_options=direct)
         assert got in ("old", "new", "raises"), f"request {k} of {total} failed: {got}"
         assert mine["error"] or got == "new", k
-        want = {"old": [b'{"v": 1}', None], "new": [b'{"v": 2}'], "raises": [b'{"v": 1}', None]}
-        assert files.get(CONFIG) in want[got], (k, got, files.get(CONFIG))
+        assert files.get(CONFIG) in CONFIG_BESIDE[got], (k, got, files.get(CONFIG))
         assert open_uploads(client, prefix) == [], k
 
 

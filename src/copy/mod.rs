@@ -156,14 +156,6 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
             message: "fastload copies to local paths, s3://, gs:// and az://".into(),
         });
     }
-    let planned = list(src, &options.write.storage_options)
-        .and_then(|listing| destinations(&listing, dst))
-        .map(|targets| {
-            let split: Vec<usize> = (0..targets.len())
-                .filter(|&i| split::splits(&targets[i].0, &targets[i].1, options))
-                .collect();
-            (targets, split)
-        });
     if options.write.overwrite && options.world > 1 && options.exchange.is_none() {
         return Err(Error::option(
             "overwrite",
@@ -175,6 +167,14 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
             ),
         ));
     }
+    let planned = list(src, &options.write.storage_options)
+        .and_then(|listing| destinations(&listing, dst))
+        .map(|targets| {
+            let split: Vec<usize> = (0..targets.len())
+                .filter(|&i| split::splits(&targets[i].0, &targets[i].1, options))
+                .collect();
+            (targets, split)
+        });
     let staged = options.write.overwrite.then(stage::Staged::default);
     match (&options.exchange, options.world > 1) {
         (Some(exchange), true) => in_group(planned, options, exchange, staged),
@@ -193,7 +193,7 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
                 }
                 (Ok(outcomes), None) => outcomes,
             };
-            Ok(tally(&targets, &[], options, &outcomes, Report::default()))
+            Ok(tally(&targets, &outcomes, Report::default()))
         }
     }
 }
@@ -272,7 +272,7 @@ fn in_group(
             outcomes
         }
     };
-    Ok(tally(&targets, &split, options, &outcomes, report))
+    Ok(tally(&targets, &outcomes, report))
 }
 
 /// Gives up an overwriting copy's staged files, if any.
@@ -327,17 +327,11 @@ fn whole(
     Ok(outcomes.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// `report` with this rank's whole files added, by their `outcomes` ([`whole`]).
-fn tally(
-    targets: &[(Item, String)],
-    split: &[usize],
-    options: &CopyOptions,
-    outcomes: &[Option<bool>],
-    mut report: Report,
-) -> Report {
-    for i in whole_share(targets, split, options) {
-        let (item, to) = &targets[i];
-        match outcomes[i] {
+/// `report` with this rank's whole files added, by their `outcomes` ([`whole`]: `None` for the
+/// files this rank did not copy).
+fn tally(targets: &[(Item, String)], outcomes: &[Option<bool>], mut report: Report) -> Report {
+    for ((item, to), outcome) in targets.iter().zip(outcomes) {
+        match outcome {
             Some(true) => report.skipped.push(to.clone()),
             Some(false) => {
                 report.copied.push(to.clone());

@@ -26,10 +26,8 @@ use super::stage::{self, File, Staged};
 use super::CopyOptions;
 use crate::error::{Error, Result};
 
-/// How a step ended for the group, as this rank learned it.
-enum Settled {
-    /// Every rank did its part.
-    Go,
+/// Why the group stops at a step, as this rank learned it.
+enum Halt {
     /// Another rank failed (its error is the group's).
     Stopped(Stopped),
     /// This rank failed; the others know.
@@ -38,25 +36,25 @@ enum Settled {
     Lost(Error),
 }
 
-/// Ends a step: this rank's outcome to every rank, every rank's back.
-fn settle(step: Result<()>, exchange: &Exchange) -> Settled {
+/// Ends a step: this rank's outcome to every rank, every rank's back; `Ok` when every rank did
+/// its part.
+fn settle(step: Result<()>, exchange: &Exchange) -> std::result::Result<(), Halt> {
     let message = match &step {
         Ok(()) => "ok".to_string(),
         Err(e) => format!("err:{e}"),
     };
     let all = match exchange(message) {
         Ok(all) => all,
-        Err(lost) => return Settled::Lost(step.err().unwrap_or(lost)),
+        Err(lost) => return Err(Halt::Lost(step.err().unwrap_or(lost))),
     };
     match (step, failure(&all)) {
-        (Err(e), _) => Settled::Failed(e),
-        (Ok(()), Some(stopped)) => Settled::Stopped(stopped),
-        (Ok(()), None) => Settled::Go,
+        (Err(e), _) => Err(Halt::Failed(e)),
+        (Ok(()), Some(stopped)) => Err(Halt::Stopped(stopped)),
+        (Ok(()), None) => Ok(()),
     }
 }
 
 /// The steps, in order.
-#[derive(Clone, Copy, PartialEq)]
 enum Step {
     Staged,
     Cleared,
@@ -93,20 +91,18 @@ pub(super) fn publish(
             Step::Indexes => stage::publish_each(&mut rest[0], &mut published, options),
             Step::Others => stage::publish_each(&mut rest[1], &mut published, options),
         };
-        let settled = settle(done, exchange);
-        if let Settled::Go = settled {
+        let Err(halt) = settle(done, exchange) else {
             continue;
-        }
+        };
         let unpublished: Vec<File> = rest.into_iter().flatten().collect();
-        if let Settled::Lost(_) = settled {
+        if let Halt::Lost(_) = halt {
             // The indexes stay: they name what a rank that is gone may have published.
             published.retain(|to| !stage::is_index(to));
         }
         stage::roll_back(unpublished, &published, write);
-        return match settled {
-            Settled::Stopped(stopped) => Ok(Err(stopped)),
-            Settled::Failed(e) | Settled::Lost(e) => Err(e),
-            Settled::Go => Ok(Ok(())),
+        return match halt {
+            Halt::Stopped(stopped) => Ok(Err(stopped)),
+            Halt::Failed(e) | Halt::Lost(e) => Err(e),
         };
     }
     Ok(Ok(()))
