@@ -351,12 +351,13 @@ def test_a_copy_killed_midway_is_finished_by_a_rerun(hub, env, s3, tmp_path):
             s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=u["UploadId"])
 
 
-def test_files_are_copied_side_by_side_and_the_index_after_its_shards(
+def test_files_are_copied_side_by_side_and_the_index_before_its_shards(
     hub, env, s3, seaweed, monkeypatch
 ):
     # The order in which SeaweedFS receives the requests (the relay's log): another file's
     # requests arrive while big.bin's multipart upload is open (from its creation to its
-    # completion), and the index only after every shard is complete.
+    # completion), and the index before any shard's first request (stopped at any point, the
+    # copy leaves an index naming shards not yet there, never shards alone).
     port = int(seaweed.endpoint.rsplit(":", 1)[1])
     prefix = "copy/overlap/"
     hub.storage.rate = 8 << 20  # big.bin's 12 MiB take a while; the small files are not LFS
@@ -380,7 +381,7 @@ def test_files_are_copied_side_by_side_and_the_index_after_its_shards(
         i for i, (m, key, _) in enumerate(log) if m == "PUT" and key.endswith(".index.json")
     )
     for shard in shards:
-        assert max(i for i, (_, key, _) in enumerate(log) if key == shard) < index, log
+        assert min(i for i, (_, key, _) in enumerate(log) if key == shard) > index, log
 
 
 INTERRUPTED = """
@@ -425,6 +426,61 @@ def test_ctrl_c_aborts_the_uploads_of_the_files_in_flight(hub, env, s3):
     assert "big.bin" not in objects(s3, prefix)
 
 
+GROUP_INTERRUPTED = """
+import os, signal, sys, time
+import torch.distributed as dist
+import fastload
+signal.signal(signal.SIGINT, signal.default_int_handler)
+rank, port, src, dst = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+print("ready", flush=True)
+try:
+    fastload.copy(src, dst, progress=False)
+    print("done", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    time.sleep(300)  # a process that lives on after a Ctrl-C (a REPL, a server), its group too
+except fastload.FastloadError as e:
+    notes = " ".join(getattr(e, "__notes__", []))
+    print("raised", type(e).__name__, str(e).replace(chr(10), " "), notes, flush=True)
+os._exit(0)
+"""
+
+
+def test_ctrl_c_on_one_rank_of_a_group_copy_reaches_the_others_at_once(hub, env, tmp_path):
+    # Rank 0 copies big.bin (12 s at this rate), rank 1 the small files, then waits to hear how
+    # the group's copy ended. A Ctrl-C on rank 0 alone: rank 0 raises KeyboardInterrupt and
+    # rank 1 a FastloadError saying so, at once. Before, rank 0 left without telling the group,
+    # and rank 1 waited for as long as rank 0's process lived (or the group's timeout).
+    hub.storage.rate = 1 << 20
+    dst = tmp_path / "dst"
+    rdv = str(rendezvous_port())
+    procs = [subprocess.Popen([sys.executable, "-c", GROUP_INTERRUPTED, str(r), rdv, f"hf://{REPO}",
+                               str(dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": PYTHON})
+             for r in range(2)]  # fmt: skip
+    try:
+        assert [p.stdout.readline() for p in procs] == [b"ready\n"] * 2
+        deadline = time.monotonic() + 60
+        while not list(dst.glob(".big.bin*")):  # rank 0's temporary file: big.bin under way
+            assert time.monotonic() < deadline and procs[0].poll() is None
+            time.sleep(0.01)
+        procs[0].send_signal(signal.SIGINT)
+        assert procs[0].stdout.readline() == b"interrupted\n"
+        out, err = procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+        hub.storage.rate = 0
+    assert procs[1].returncode == 0, err.decode()[-2000:]
+    assert out.decode().startswith("raised FastloadError copy interrupted (KeyboardInterrupt)"), (
+        out.decode() + err.decode()[-2000:]
+    )
+    if sys.version_info >= (3, 11):  # the note saying whose error it is (add_note)
+        assert "(raised on rank 0 of 2" in out.decode()
+    assert not (dst / "big.bin").exists()
+
+
 def _rank(rank: int, world: int, src: str, dst: str, port: str, outs: str) -> None:
     import json
 
@@ -458,6 +514,53 @@ def test_two_ranks_split_the_files(tmp_path):
     mine = [set(o["copied"]) for o in outs]
     assert mine[0] and mine[1] and not (mine[0] & mine[1])
     assert files_of(dst) == files_of(src)
+
+
+def _rank_watching(rank: int, world: int, src: str, dst: str, port: str, outs: str) -> None:
+    """`_rank`, recording what the destination holds when each of the group's exchanges returns."""
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    seen, gather = [], dist.all_gather_object
+
+    def watched(*args, **kwargs):
+        out = gather(*args, **kwargs)
+        seen.append(sorted(os.listdir(dst)) if os.path.isdir(dst) else [])
+        return out
+
+    dist.all_gather_object = watched
+    try:
+        out = fastload.copy(src, dst, process_group="default", progress=False)
+    finally:
+        dist.destroy_process_group()
+    Path(outs, f"{rank}.json").write_text(json.dumps({**out, "seen": seen}))
+
+
+def test_a_resuming_group_publishes_the_index_before_any_shard(tmp_path):
+    # Rank 0 copies the index before the ranks agree on their plan (their first exchange), so
+    # when that returns on either rank the index is there already: stopped at any point, the
+    # group leaves an index naming shards not yet there (a load raises), never shards alone.
+    import json
+
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    sd = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(6)}
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    fastload.save(sd, src, max_shard_size=40_000)  # 3 shards
+    index = "model.safetensors.index.json"
+    mp.start_processes(_rank_watching, args=(2, str(src), str(dst), str(rendezvous_port()),
+                       str(tmp_path)), nprocs=2, start_method="spawn")  # fmt: skip
+    outs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert all(index in o["seen"][0] for o in outs), outs
+    assert str(dst / index) in outs[0]["copied"], outs
+    mine = [set(o["copied"]) for o in outs]
+    assert mine[0] and mine[1] and not (mine[0] & mine[1]), outs
+    assert files_of(dst) == files_of(src)
+    assert_same_tensors(fastload.load(str(dst)), sd)
 
 
 def _split_rank(rank: int, world: int, src: str, dst: str, port: str, outs: str,
@@ -735,3 +838,31 @@ def test_an_overwriting_copy_by_ranks_that_cannot_talk_is_refused(tmp_path, monk
         fastload.copy(str(src), str(dst), overwrite=True, progress=False)
     assert not dst.exists()
     fastload.copy(str(src), str(dst), progress=False)
+
+
+@pytest.mark.parametrize(
+    "old_n,new_n", [(1, 3), (3, 1)], ids=["one-under-shards", "shards-under-one"]
+)
+def test_a_resuming_copy_over_another_layout_of_the_same_model_is_refused(tmp_path, old_n, new_n):
+    # A resuming copy never replaces a file; left beside the copy's own files, an earlier
+    # checkpoint of another layout would decide what loads (transformers takes model.safetensors
+    # first, vLLM and fastload the index) or be loaded with them. So it is refused, naming the
+    # file, before anything is written; overwrite=True replaces it.
+    def saved(folder: Path, shards: int, seed: int) -> dict:
+        torch.manual_seed(seed)
+        sd = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(6)}
+        fastload.save(sd, folder, max_shard_size="1MB" if shards == 1 else 40_000)  # 2 a shard
+        return sd
+
+    old = saved(tmp_path / "dst", old_n, 1)
+    new = saved(tmp_path / "src", new_n, 2)
+    before = files_of(tmp_path / "dst")
+    assert len([n for n in before if n.endswith(".safetensors")]) == old_n
+    with pytest.raises(fastload.DestinationExistsError, match="already exists") as e:
+        fastload.copy(str(tmp_path / "src"), str(tmp_path / "dst"), progress=False)
+    assert Path(e.value.filename).name in before
+    assert files_of(tmp_path / "dst") == before
+    assert_same_tensors(fastload.load(str(tmp_path / "dst")), old)
+    fastload.copy(str(tmp_path / "src"), str(tmp_path / "dst"), overwrite=True, progress=False)
+    assert files_of(tmp_path / "dst") == files_of(tmp_path / "src")
+    assert_same_tensors(fastload.load(str(tmp_path / "dst")), new)

@@ -65,24 +65,29 @@ def copy(
     Each file is read once (``concurrency`` reads of ``block_size`` bytes in flight) and written
     as :func:`save_file` writes (temporary file and rename, or a multipart upload of
     ``part_size`` parts, completed last). Up to 4 files are copied at once, the largest first,
-    sharing ``memory_limit`` (the bytes of parts in flight); indexes (``*.index.json``) go last,
-    after the shards they name. A Ctrl-C aborts the uploads of the files in flight before the
-    ``KeyboardInterrupt`` is raised. With
-    ``verify`` a Hub file's sha256 (LFS) or git blob id is checked while it streams: a mismatch
-    aborts that file (nothing published) and raises naming it. A destination file that is a
-    complete copy of the same source (same size and source identity, recorded with it) is
-    skipped, so a rerun after an interruption finishes the job; a Hub file copied with
-    ``verify=False`` is recorded as unchecked, and a ``verify=True`` run checks it again (hashes
-    a local file, copies an object again) before skipping it. Any other existing file raises
-    :class:`fastload.DestinationExistsError` unless ``overwrite=True``, which copies every file
-    again and, as :func:`save` does, publishes none until all are complete (the indexes last): a
-    failure or Ctrl-C leaves the earlier files, or none, never some of each (a group's ranks
-    publish together, step by step: every rank staged, the earlier files removed, the indexes,
-    the weights; ranks that cannot talk, ``RANK``/``WORLD_SIZE`` without torch.distributed, are
-    refused ``overwrite=True``). Before publishing it also removes, as :func:`save` does,
-    the earlier checkpoint files the copy does not replace (shards, then their index, of a stem
-    it writes: ``model-*-of-*.safetensors`` under a new ``model.safetensors``); no other file.
-    ``storage_options``
+    sharing ``memory_limit`` (the bytes of parts in flight); indexes (``*.index.json``) go first
+    (in a group, rank 0 copies them before any rank starts on the others): a copy stopped at any
+    point leaves an index naming shards not yet there, so a load raises, never shards alone that a
+    reader taking every ``*.safetensors`` file would load as a smaller model. A Ctrl-C aborts the
+    uploads of the files in flight before the ``KeyboardInterrupt`` is raised (in a group, the
+    other ranks raise a :class:`fastload.FastloadError` saying so). With ``verify`` a Hub file's
+    sha256 (LFS) or git blob id is checked while it streams: a mismatch aborts that file (nothing
+    published) and raises naming it. A destination file that is a complete copy of the same
+    source (same size and source identity, recorded with it) is skipped, so a rerun after an
+    interruption finishes the job; a Hub file copied with ``verify=False`` is recorded as
+    unchecked, and a ``verify=True`` run checks it again (hashes a local file, copies an object
+    again) before skipping it. Any other existing file raises
+    :class:`fastload.DestinationExistsError` unless ``overwrite=True``, and so does an earlier
+    checkpoint of another layout of a stem the copy writes (one ``model.safetensors`` where it
+    writes ``model-*-of-*.safetensors`` shards, or the reverse), which it would leave beside its
+    own files. ``overwrite=True`` copies every file again and, as :func:`save` does, publishes
+    none until all are complete (the indexes last where an earlier checkpoint stays loadable
+    until then, else first): a failure or Ctrl-C leaves the earlier files, or none, never some of
+    each (a group's ranks publish together, step by step: every rank staged, the earlier files
+    removed, the indexes, the weights; ranks that cannot talk, ``RANK``/``WORLD_SIZE`` without
+    torch.distributed, are refused ``overwrite=True``). Before publishing it also removes, as
+    :func:`save` does, the earlier checkpoint files of another layout (shards, then their index,
+    under a new ``model.safetensors``); no other file. ``storage_options``
     configure both stores. In a group each rank copies its share of the files; the call returns
     on every rank once all ranks finished (an error on any rank is raised on every rank). A file
     of at least two parts per rank going to S3 or GCS is split: every rank reads and uploads its
@@ -124,6 +129,15 @@ def _done(report: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def _for_the_others(error: BaseException | None) -> BaseException | None:
+    """What the other ranks of a group raise for this rank's `error`: the error itself, or, for
+    a ``KeyboardInterrupt`` (a Ctrl-C that reached this rank only), a :class:`FastloadError`
+    saying so: only the interrupted rank raises ``KeyboardInterrupt``."""
+    if error is None or isinstance(error, Exception):
+        return error
+    return FastloadError(f"copy interrupted ({type(error).__name__})")
+
+
 def _in_group(process_group: Any, src: str, dst: str, options: dict[str, Any]) -> dict[str, Any]:
     """The native copy with ``options`` on this rank of ``process_group`` (see :func:`_group`),
     the ranks exchanging through an all-gather of one str per rank; in a group, an error on any
@@ -144,12 +158,12 @@ def _in_group(process_group: Any, src: str, dst: str, options: dict[str, Any]) -
     report: dict[str, Any] = {"copied": [], "skipped": [], "bytes": 0}
     try:
         report = _fastload.copy(src, dst, rank=rank, world=world, exchange=exchange, **options)
-    except Exception as e:
+    except BaseException as e:  # a Ctrl-C too: the others wait in the gather below to hear of it
         error = e
     from .distributed import _gather, _portable, _raise_first
 
     try:
-        errors = _gather(_portable(error), group, world)
+        errors = _gather(_portable(_for_the_others(error)), group, world)
     except Exception:
         # A rank is gone (killed, its link cut): this rank's own error says what happened here,
         # and is raised; without one, the collective's.
@@ -163,6 +177,8 @@ def _in_group(process_group: Any, src: str, dst: str, options: dict[str, Any]) -
     # GIL ("terminate called without an active exception").
     del group, exchange
     try:
+        if error is not None and not isinstance(error, Exception):
+            raise error  # this rank's Ctrl-C stays a KeyboardInterrupt here
         _raise_first(errors, rank, error)
     finally:
         del errors, error

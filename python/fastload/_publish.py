@@ -10,12 +10,15 @@ load as a smaller model). A failure or Ctrl-C before the last file is published 
 not yet published and removes those that were.
 
 A new checkpoint with the earlier one's file names (the same number of shards) cannot replace it
-file by file without a moment where the earlier index names some new shards: the earlier files
+file by file without a moment where the earlier index names some new shards; nor can new shards
+appear beside an earlier checkpoint that has no index (one ``model.safetensors``), which a reader
+taking every ``*.safetensors`` file would load together with them: in both cases the earlier files
 are removed before the first new one is published, so a failure from there on leaves no
 checkpoint rather than a mixed one.
 
 Which goes first, the index or the shards: where an earlier checkpoint stays loadable until the
-new one is whole (other file names), the shards go first and the index last, so readers go from
+new one is whole (other file names, under an index of its own that decides what loads until the
+new index replaces it), the shards go first and the index last, so readers go from
 the old checkpoint to the new one in one step, and a process killed in between leaves the old one
 loading. Where none is left (an empty folder, or the earlier files removed as above), the index
 goes first: killed between two renames, the folder then holds an index naming shards not yet
@@ -73,9 +76,15 @@ def remove_stale(
 
 
 def _clashes(earlier: list[str], names: list[str]) -> bool:
-    """Whether publishing `names` would replace some of an earlier checkpoint's files while others
-    of it stay (one file replacing one file is a single atomic replace)."""
-    return bool(set(earlier) & set(names)) and set(earlier) != {SINGLE_FILE}
+    """Whether the earlier checkpoint cannot stay loadable, alone, while `names` are published one
+    by one: some of its files would be replaced while others of it stay (one file replacing one
+    file is a single atomic replace), or, having no index, it would sit beside new weights of
+    other names (one `model.safetensors` under new shards), and a reader taking every
+    ``*.safetensors`` file would load both, the same tensors twice (vLLM keeps whichever it reads
+    last: a mix that loads without an error)."""
+    if set(earlier) & set(names):
+        return set(earlier) != {SINGLE_FILE}
+    return bool(earlier) and INDEX_FILE not in earlier and bool(names)
 
 
 class Staged:

@@ -419,7 +419,8 @@ def save(
     ``save_pretrained`` does: ``model.safetensors`` when it fits in one shard, else
     ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``. No file is
     published before every shard is written whole (a synced temporary file, or an upload whose
-    parts are all stored); then the shards, the index last. A failure or Ctrl-C removes what the
+    parts are all stored); then the shards and the index (first where no earlier checkpoint is
+    left to load, else last: docs/writing.md). A failure or Ctrl-C removes what the
     save published, so a reader finds the earlier checkpoint or the new one, whole, or an error
     (docs/writing.md, "When a write fails"). Shards are split by huggingface_hub's rule
     (:func:`split_shards`).

@@ -14,12 +14,16 @@
 //!   identity (a local one without the attribute is hashed when the source has a digest), except
 //!   that a `verify=True` run checks an unchecked copy again (hashes a local file, copies an
 //!   object again). An existing file that is not a copy of the source is refused unless
-//!   `overwrite`, which copies every file again.
+//!   `overwrite`, which copies every file again. So is an earlier checkpoint of another layout
+//!   that the copy would leave beside its files ([`refuse_other_layouts`]).
 //! - Overwriting: every file is copied again, each held back complete and unpublished until all
-//!   are, then published with the indexes last (stage.rs): a failed or interrupted copy leaves
+//!   are, then published (stage.rs: the indexes last, or first where nothing earlier is left to
+//!   load): a failed or interrupted copy leaves
 //!   the earlier files or none, never some of each. The earlier checkpoint files the copy does
 //!   not replace (`fastload.save`'s rule, [`stage::stale`]) are removed first.
-//! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), largest first, indexes last (see [`run`]).
+//! - Several files at once ([`MAX_FILES_IN_FLIGHT`]), indexes first, then the largest (see
+//!   [`schedule`]): a resuming copy stopped at any point leaves an index naming shards not yet
+//!   there, never shards alone.
 //! - Groups: with `world > 1` each rank copies its share of the files (balanced by size, the same
 //!   split on every rank); with an [`Exchange`] between the ranks, a file of at least two parts
 //!   per rank going to S3 or GCS is split into part ranges that every rank uploads (split.rs),
@@ -44,6 +48,7 @@ use crate::uri::Kind;
 
 mod done;
 mod encrypted;
+mod group;
 mod list;
 mod split;
 mod stage;
@@ -169,6 +174,7 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
     }
     let planned = list(src, &options.write.storage_options)
         .and_then(|listing| destinations(&listing, dst))
+        .and_then(|targets| refuse_other_layouts(targets, options))
         .map(|targets| {
             let split: Vec<usize> = (0..targets.len())
                 .filter(|&i| split::splits(&targets[i].0, &targets[i].1, options))
@@ -177,7 +183,7 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
         });
     let staged = options.write.overwrite.then(stage::Staged::default);
     match (&options.exchange, options.world > 1) {
-        (Some(exchange), true) => in_group(planned, options, exchange, staged),
+        (Some(exchange), true) => group::in_group(planned, options, exchange, staged),
         _ => {
             let (targets, _) = planned?;
             start(&targets, &[], options);
@@ -202,77 +208,23 @@ pub fn copy(src: &str, dst: &str, options: &CopyOptions) -> Result<Report> {
 /// across the ranks, or why they could not be listed.
 type Planned = Result<(Vec<(Item, String)>, Vec<usize>)>;
 
-/// A copy by a group whose ranks talk through `exchange`: the ranks agree on the files to split,
-/// copy those together and the others each its share; overwriting (`staged`), they publish
-/// together (together.rs).
-fn in_group(
-    planned: Planned,
+/// A resuming copy's targets, or [`Error::Exists`] naming an earlier checkpoint file of another
+/// layout at the destination ([`stage::stale`]: one `model.safetensors` where the copy writes
+/// `model-*-of-*` shards, or the reverse), which the copy would leave beside its own files: a
+/// reader would then load one or the other (transformers prefers the single file, vLLM the
+/// index), or both. An overwriting copy removes them ([`stage::Staged::publish`]).
+fn refuse_other_layouts(
+    targets: Vec<(Item, String)>,
     options: &CopyOptions,
-    exchange: &Exchange,
-    staged: Option<stage::Staged>,
-) -> Result<Report> {
-    let mut report = Report::default();
-    let plan = match &planned {
-        Ok((targets, split)) => Ok(split
-            .iter()
-            .map(|&i| (targets[i].1.clone(), targets[i].0.source.size()))
-            .collect()),
-        Err(e) => Err(e.to_string()),
-    };
-    let agreed = split::agree(plan, exchange)?;
-    let (targets, split) = planned?;
-    match agreed {
-        Err(split::Stopped(s)) => {
-            report.stopped = Some(s);
-            return Ok(report);
-        }
-        Ok(false) => {
-            return Err(Error::Internal {
-                message: "the ranks of the copy listed different files to split (did the \
-                          source change while they listed it?); nothing was copied"
-                    .into(),
-            })
-        }
-        Ok(true) => {}
+) -> Result<Vec<(Item, String)>> {
+    if options.write.overwrite {
+        return Ok(targets);
     }
-    start(&targets, &split, options);
-    let files: Vec<&(Item, String)> = split.iter().map(|&i| &targets[i]).collect();
-    let stop = AtomicBool::new(false);
-    let parts = split::run(
-        &files,
-        options,
-        exchange,
-        &stop,
-        &mut report,
-        staged.as_ref(),
-    );
-    let outcomes = match (parts, staged) {
-        (Err(e), staged) => {
-            abort(staged);
-            return Err(e);
-        }
-        (Ok(Err(split::Stopped(s))), staged) => {
-            abort(staged);
-            report.stopped = Some(s);
-            return Ok(report);
-        }
-        (Ok(Ok(())), None) => whole(&targets, &split, options, None)?,
-        (Ok(Ok(())), Some(staged)) => {
-            // This rank's failure is the group's to hear of before it is returned.
-            let (outcomes, own) = match whole(&targets, &split, options, Some(&staged)) {
-                Ok(outcomes) => (outcomes, Ok(())),
-                Err(e) => (Vec::new(), Err(e)),
-            };
-            let all: Vec<&str> = targets.iter().map(|(_, to)| to.as_str()).collect();
-            if let Err(split::Stopped(s)) = together::publish(staged, own, &all, options, exchange)?
-            {
-                report.stopped = Some(s);
-                return Ok(report);
-            }
-            outcomes
-        }
-    };
-    Ok(tally(&targets, &outcomes, report))
+    let all: Vec<&str> = targets.iter().map(|(_, to)| to.as_str()).collect();
+    match stage::stale_files(&all, &options.write)?.into_iter().next() {
+        Some(path) => Err(Error::Exists { path }),
+        None => Ok(targets),
+    }
 }
 
 /// Gives up an overwriting copy's staged files, if any.
@@ -282,9 +234,13 @@ fn abort(staged: Option<stage::Staged>) {
     }
 }
 
-/// This rank's share of the files not in `split` (copied whole).
+/// This rank's share of the files not in `split` (copied whole), less a resuming group's indexes
+/// ([`group::ahead_of_group`]).
 fn whole_share(targets: &[(Item, String)], split: &[usize], options: &CopyOptions) -> Vec<usize> {
-    let candidates: Vec<usize> = (0..targets.len()).filter(|i| !split.contains(i)).collect();
+    let ahead = group::ahead_of_group(targets, options);
+    let candidates: Vec<usize> = (0..targets.len())
+        .filter(|i| !split.contains(i) && !ahead.contains(i))
+        .collect();
     share(targets, &candidates, options.rank, options.world)
 }
 
@@ -320,10 +276,10 @@ fn whole(
     staged: Option<&stage::Staged>,
 ) -> Result<Vec<Option<bool>>> {
     let mine = whole_share(targets, split, options);
-    let (first, last) = schedule(targets, &mine);
+    let (indexes, rest) = schedule(targets, &mine);
     let outcomes = Mutex::new(vec![None; targets.len()]);
-    run(targets, &first, options, &outcomes, staged)?;
-    run(targets, &last, options, &outcomes, staged)?;
+    run(targets, &indexes, options, &outcomes, staged)?;
+    run(targets, &rest, options, &outcomes, staged)?;
     Ok(outcomes.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
 
@@ -349,15 +305,17 @@ fn emit(options: &CopyOptions, event: Event) {
     }
 }
 
-/// The order this rank copies its files in: the largest first (the long transfers start early,
-/// the small files fill in beside them), and the indexes (`*.index.json`) after all the others,
-/// so that an index is published only once the shards it names are.
+/// The order this rank copies its files in: the indexes (`*.index.json`) before all the others,
+/// so that a resuming copy stopped at any point leaves an index naming shards not yet there (a
+/// load raises), never shards without their index, which a reader taking every `*.safetensors`
+/// file would load as a smaller model; then the largest first (the long transfers start early,
+/// the small files fill in beside them). An overwriting copy publishes in its own order
+/// ([`stage::Staged::publish`]).
 fn schedule(targets: &[(Item, String)], mine: &[usize]) -> (Vec<usize>, Vec<usize>) {
-    let (last, mut first): (Vec<usize>, Vec<usize>) = mine
-        .iter()
-        .partition(|&&i| targets[i].0.rel.ends_with(".index.json"));
-    first.sort_by_key(|&i| std::cmp::Reverse(targets[i].0.source.size()));
-    (first, last)
+    let (indexes, mut rest): (Vec<usize>, Vec<usize>) =
+        mine.iter().partition(|&&i| stage::is_index(&targets[i].1));
+    rest.sort_by_key(|&i| std::cmp::Reverse(targets[i].0.source.size()));
+    (indexes, rest)
 }
 
 /// Files copied at once, at most: enough that one file's fixed costs (the check of what is at the
@@ -719,7 +677,7 @@ mod tests {
     }
 
     #[test]
-    fn the_largest_files_go_first_and_indexes_last_within_the_memory_limit() {
+    fn indexes_go_first_then_the_largest_files_within_the_memory_limit() {
         let l = listing(
             false,
             &[
@@ -730,7 +688,7 @@ mod tests {
             ],
         );
         let t = destinations(&l, "s3://b/p/").unwrap();
-        assert_eq!(schedule(&t, &[0, 1, 2, 3]), (vec![3, 1, 0], vec![2]));
+        assert_eq!(schedule(&t, &[0, 1, 2, 3]), (vec![2], vec![3, 1, 0]));
         let write = |limit: u64, part: u64| WriteOptions {
             memory_limit: Some(limit),
             part_size: Some(part),

@@ -60,6 +60,7 @@ pub(super) fn splits(item: &Item, to: &str, options: &CopyOptions) -> bool {
     options.world > 1
         && options.exchange.is_some()
         && store
+        && !super::stage::is_index(to)
         && options.write.encryption.is_none()
         && !(options.verify && item.digest.is_some())
         && size >= 2 * options.world as u64 * part_size(size, options)

@@ -229,7 +229,7 @@ pub(super) fn stale<'a>(names: &[&'a str], written: &[&str]) -> Vec<&'a str> {
 }
 
 /// The destination's stale checkpoint files ([`stale`]), folder by folder, as URIs.
-fn stale_files(all: &[&str], write: &WriteOptions) -> Result<Vec<String>> {
+pub(super) fn stale_files(all: &[&str], write: &WriteOptions) -> Result<Vec<String>> {
     let mut folders: Vec<&str> = all
         .iter()
         .filter_map(|to| to.rsplit_once('/'))
