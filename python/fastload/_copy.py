@@ -162,8 +162,15 @@ def _in_group(process_group: Any, src: str, dst: str, options: dict[str, Any]) -
         error = e
     from .distributed import _gather, _portable, _raise_first
 
+    # A Ctrl-C that cut the copy's exchanges short: another rank may be waiting in one this rank
+    # never ran, which a gather here would meet, and misread. So none is run; the others hear of
+    # this rank when its process exits (or at the group's timeout).
+    cut = getattr(error, _fastload.UNANSWERED, False)
     try:
-        errors = _gather(_portable(_for_the_others(error)), group, world)
+        if cut:
+            errors = [error if r == rank else None for r in range(world)]
+        else:
+            errors = _gather(_portable(_for_the_others(error)), group, world)
     except Exception:
         # A rank is gone (killed, its link cut): this rank's own error says what happened here,
         # and is raised; without one, the collective's.

@@ -48,6 +48,7 @@ __all__ = [
     "OPTIONS",
     "REMOTE_READ_COST",
     "SCHEMES",
+    "UNANSWERED",
     "FileWriter",
     "Item",
     "OptionDef",
@@ -96,6 +97,9 @@ DTYPES: tuple[str, ...]
 DLPACK_DTYPES: tuple[str, ...]
 # The index file of a sharded checkpoint, read by loads and written by ``save``.
 INDEX_FILE: str
+# Set (True) on a KeyboardInterrupt raised by a call whose exchanges with other ranks were cut
+# short: the caller must run no further collective of the group's.
+UNANSWERED: str
 
 # What one more request costs a reader of chosen ranges, in bytes it could read instead
 # (``Source::read_cost``): a file's pread, an object store's round trip, a mapping (no request).

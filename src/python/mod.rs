@@ -110,6 +110,7 @@ fn _fastload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SCHEMES", PyTuple::new(py, crate::uri::remote_schemes())?)?;
     m.add("DTYPES", PyTuple::new(py, Dtype::ALL.map(Dtype::as_str))?)?;
     m.add("INDEX_FILE", crate::format::INDEX_FILE)?;
+    m.add("UNANSWERED", wait::UNANSWERED)?;
     let dlpack: Vec<&str> = Dtype::ALL
         .into_iter()
         .filter(|d| dlpack::native(*d).is_some())

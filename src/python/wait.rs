@@ -50,7 +50,11 @@ pub type Ask<Q, A> = Arc<dyn Fn(Q) -> Option<A> + Send + Sync>;
 /// torch.distributed collective, say, runs where the caller's other collectives, its CUDA device
 /// and its signal handling are, and none is left in flight on a thread of ours when the call
 /// returns or the interpreter exits. `serve` returning an error (a Ctrl-C met while it ran Python) ends the wait as a
-/// Ctrl-C does; questions asked while winding down, or after, get `None`.
+/// Ctrl-C does; questions asked while winding down, or after, get `None`. Where a question went
+/// unanswered so (or `serve` raised, or `work` had asked something and did not end within
+/// `grace`), the raised exception carries [`UNANSWERED`]` = True`: the work's peers, which asked
+/// the same questions of their own callers (a collective), may be waiting on one this caller
+/// never ran, so the caller must not run another collective of theirs.
 pub fn off_thread_serving<T, Q, A>(
     py: Python<'_>,
     what: &str,
@@ -78,26 +82,33 @@ where
         let _ = tx.send(Message::Done(out));
     })?;
     let mut rx = rx;
+    let mut asked = false;
     loop {
-        let interrupt = match recv(py, &mut rx) {
+        let (interrupt, cut) = match recv(py, &mut rx) {
             Ok(Some(Message::Done(out))) => return Ok(out),
             Ok(Some(Message::Ask(question, reply))) => match serve(py, question) {
                 Ok(answer) => {
+                    asked = true;
                     let _ = reply.send(answer);
                     continue;
                 }
-                Err(e) => e,
+                Err(e) => (e, true),
             },
             Ok(None) => return Err(panicked(what)),
-            Err(e) => e,
+            Err(e) => (e, false),
         };
         let _ = abort.trigger();
-        if !grace.is_zero() {
-            wind_down(py, rx, grace);
+        let ended = !grace.is_zero() && wind_down(py, rx, grace);
+        if cut || (asked && !ended) {
+            let _ = interrupt.value(py).setattr(UNANSWERED, true);
         }
         return Err(interrupt);
     }
 }
+
+/// The attribute [`off_thread_serving`] sets on the exception it raises when a question of the
+/// work went unanswered.
+pub const UNANSWERED: &str = "_fastload_unanswered";
 
 /// Starts `work` on a thread of its own, named `fastload-{what}`.
 pub fn spawn(what: &str, work: impl FnOnce() + Send + 'static) -> crate::Result<()> {
@@ -140,21 +151,25 @@ enum Message<T, Q, A> {
 }
 
 /// Waits (GIL released, in slices) until the worker behind `rx` is done, `grace` is over, or
-/// another signal's handler raises.
-/// Questions asked meanwhile are not answered (their [`Ask`] returns `None`).
+/// another signal's handler raises. Questions asked meanwhile are not answered (their [`Ask`]
+/// returns `None`). `true`: the worker ended, having asked nothing meanwhile.
 fn wind_down<T: Send, Q: Send, A: Send>(
     py: Python<'_>,
     mut rx: Receiver<Message<T, Q, A>>,
     grace: Duration,
-) {
+) -> bool {
     let until = std::time::Instant::now() + grace;
+    let mut dropped = false;
     while std::time::Instant::now() < until {
         let (waited, back) = super::gil::detach(py, move || (rx.recv_timeout(SLICE), rx));
         rx = back;
         match waited {
-            Ok(Message::Ask(..)) => continue, // the reply dropped: the question gets `None`
-            Err(RecvTimeoutError::Timeout) if py.check_signals().is_ok() => continue,
-            _ => return,
+            // The reply dropped: the question gets `None`.
+            Ok(Message::Ask(..)) => dropped = true,
+            Ok(Message::Done(_)) => return !dropped,
+            Err(RecvTimeoutError::Timeout) if py.check_signals().is_ok() => {}
+            _ => return false,
         }
     }
+    false
 }

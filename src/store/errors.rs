@@ -138,7 +138,27 @@ pub(super) fn failure_kind(e: &object_store::Error) -> io::ErrorKind {
         }
         next = err.source();
     }
+    if kind == io::ErrorKind::Other && matches!(unmapped_status(e), Some(401 | 403)) {
+        return io::ErrorKind::PermissionDenied;
+    }
     kind
+}
+
+/// The HTTP status of a failed request that object_store answers without one of its status
+/// variants (a listing's: it maps only single-object requests' 401, 403 and 404 to them). Its
+/// retry error, which it does not export, displays as `Server returned non-2xx status code: 403
+/// Forbidden: ...`; only an error of the chain whose own text begins so is read, never a
+/// message that quotes one.
+fn unmapped_status(e: &object_store::Error) -> Option<u16> {
+    const STATUS: &str = "Server returned non-2xx status code: ";
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = next {
+        if let Some(rest) = err.to_string().strip_prefix(STATUS) {
+            return rest.get(..3)?.parse().ok();
+        }
+        next = err.source();
+    }
+    None
 }
 
 /// True when a 404 is about the bucket or container rather than the object. The status is the

@@ -289,6 +289,41 @@ fn transport_failures_are_classified_by_their_types() {
 }
 
 #[test]
+fn a_listings_refusal_is_access_denied_by_its_status() {
+    /// object_store's list error: its own words, the retry error (status and body) as source.
+    #[derive(Debug)]
+    struct Listing(io::Error);
+    impl std::fmt::Display for Listing {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "Error performing list request: {}", self.0)
+        }
+    }
+    impl std::error::Error for Listing {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+    let status = |line: &str| generic(Listing(io::Error::other(line.to_string())));
+    let refused = "Server returned non-2xx status code: 403 Forbidden: SignatureDoesNotMatch";
+    assert_eq!(
+        kind_of(status(refused)).unwrap(),
+        io::ErrorKind::PermissionDenied
+    );
+    let unsigned = "Server returned non-2xx status code: 401 Unauthorized: ";
+    assert_eq!(
+        kind_of(status(unsigned)).unwrap(),
+        io::ErrorKind::PermissionDenied
+    );
+    let busy = "Server returned non-2xx status code: 503 Service Unavailable: SlowDown";
+    assert_eq!(kind_of(status(busy)).unwrap(), io::ErrorKind::Other);
+    // A message that only quotes a status decides nothing.
+    let quoted = generic(io::Error::other(format!("proxy said: {refused}")));
+    assert_eq!(kind_of(quoted).unwrap(), io::ErrorKind::Other);
+    let text = storage_error("s3://b/k", status(refused)).to_string();
+    assert!(text.contains("access denied"), "{text}");
+}
+
+#[test]
 fn a_404_is_a_missing_bucket_only_by_the_service_error_code() {
     let xml = |code: &str| {
         format!(
