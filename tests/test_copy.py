@@ -7,6 +7,7 @@ followed by a rerun, and a group of two ranks splitting the files."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import signal
@@ -428,67 +429,12 @@ def test_ctrl_c_aborts_the_uploads_of_the_files_in_flight(hub, env, s3):
     assert "big.bin" not in objects(s3, prefix)
 
 
-GROUP_INTERRUPTED = """
+GROUP_COPIER = """
 import os, signal, sys, time
 import torch.distributed as dist
 import fastload
 signal.signal(signal.SIGINT, signal.default_int_handler)
-rank, port, src, dst = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-print("ready", flush=True)
-try:
-    fastload.copy(src, dst, progress=False)
-    print("done", flush=True)
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
-    time.sleep(300)  # a process that lives on after a Ctrl-C (a REPL, a server), its group too
-except fastload.FastloadError as e:
-    notes = " ".join(getattr(e, "__notes__", []))
-    print("raised", type(e).__name__, str(e).replace(chr(10), " "), notes, flush=True)
-os._exit(0)
-"""
-
-
-def test_ctrl_c_on_one_rank_of_a_group_copy_reaches_the_others_at_once(hub, env, tmp_path):
-    # Rank 0 copies big.bin (12 s at this rate), rank 1 the small files, then waits to hear how
-    # the group's copy ended. A Ctrl-C on rank 0 alone: rank 0 raises KeyboardInterrupt and
-    # rank 1 a FastloadError saying so, at once. Before, rank 0 left without telling the group,
-    # and rank 1 waited for as long as rank 0's process lived (or the group's timeout).
-    hub.storage.rate = 1 << 20
-    dst = tmp_path / "dst"
-    rdv = str(rendezvous_port())
-    procs = [subprocess.Popen([sys.executable, "-c", GROUP_INTERRUPTED, str(r), rdv, f"hf://{REPO}",
-                               str(dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": PYTHON})
-             for r in range(2)]  # fmt: skip
-    try:
-        assert [p.stdout.readline() for p in procs] == [b"ready\n"] * 2
-        deadline = time.monotonic() + 60
-        while not list(dst.glob(".big.bin*")):  # rank 0's temporary file: big.bin under way
-            assert time.monotonic() < deadline and procs[0].poll() is None
-            time.sleep(0.01)
-        procs[0].send_signal(signal.SIGINT)
-        assert procs[0].stdout.readline() == b"interrupted\n"
-        out, err = procs[1].communicate(timeout=60)
-    finally:
-        for p in procs:
-            p.kill()
-        hub.storage.rate = 0
-    assert procs[1].returncode == 0, err.decode()[-2000:]
-    assert out.decode().startswith("raised FastloadError copy interrupted (KeyboardInterrupt)"), (
-        out.decode() + err.decode()[-2000:]
-    )
-    if sys.version_info >= (3, 11):  # the note saying whose error it is (add_note)
-        assert "(raised on rank 0 of 2" in out.decode()
-    assert not (dst / "big.bin").exists()
-
-
-GROUP_CUT = """
-import os, signal, sys, time
-import torch.distributed as dist
-import fastload
-signal.signal(signal.SIGINT, signal.default_int_handler)
-rank, port, src, dst = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+rank, port, src, dst, how = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 calls, gather = 0, dist.all_gather_object
 def counted(*args, **kwargs):
@@ -498,15 +444,63 @@ def counted(*args, **kwargs):
     return gather(*args, **kwargs)
 dist.all_gather_object = counted
 try:
-    fastload.copy(src, dst, progress=False, overwrite=True)
+    fastload.copy(src, dst, progress=False, overwrite=how == "overwrite")
     print("done", flush=True)
 except KeyboardInterrupt as e:
     print("interrupted", getattr(e, fastload._fastload.UNANSWERED, False), calls, flush=True)
-    time.sleep(5)  # lives on a while after the Ctrl-C, then exits
+    # Lives on a while after the Ctrl-C (a REPL, a server), its group too.
+    time.sleep(float(sys.argv[6]))
 except fastload.FastloadError as e:
-    print("raised", type(e).__name__, str(e).replace(chr(10), " "), flush=True)
+    notes = " ".join(getattr(e, "__notes__", []))
+    print("raised", type(e).__name__, str(e).replace(chr(10), " "), notes, flush=True)
 os._exit(0)
 """
+
+
+@contextlib.contextmanager
+def group_copy(hub, dst: Path, how: str, linger: float):
+    """Two processes (gloo) copying the mock Hub's repo to `dst` at 1 MiB/s (`how`: "resume" or
+    "overwrite"); an interrupted one prints so and lives `linger` seconds more. Each prints
+    "exchange N" as it enters its N-th collective."""
+    hub.storage.rate = 1 << 20
+    rdv = str(rendezvous_port())
+    procs = [subprocess.Popen([sys.executable, "-c", GROUP_COPIER, str(r), rdv, f"hf://{REPO}",
+                               str(dst), how, str(linger)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": PYTHON})
+             for r in range(2)]  # fmt: skip
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        hub.storage.rate = 0
+
+
+def test_ctrl_c_on_one_rank_of_a_group_copy_reaches_the_others_at_once(hub, env, tmp_path):
+    # Rank 0 copies big.bin (12 s at this rate), rank 1 the small files, then waits to hear how
+    # the group's copy ended. A Ctrl-C on rank 0 alone: rank 0 raises KeyboardInterrupt and
+    # rank 1 a FastloadError saying so, at once. Before, rank 0 left without telling the group,
+    # and rank 1 waited for as long as rank 0's process lived (or the group's timeout).
+    dst = tmp_path / "dst"
+    with group_copy(hub, dst, "resume", 300) as procs:
+        assert procs[0].stdout.readline() == b"exchange 1\n"  # the plan agreed
+        deadline = time.monotonic() + 60
+        while not list(dst.glob(".big.bin*")):  # rank 0's temporary file: big.bin under way
+            assert time.monotonic() < deadline and procs[0].poll() is None
+            time.sleep(0.01)
+        procs[0].send_signal(signal.SIGINT)
+        # The copy's own exchanges were over: rank 0 joins the group's gather of the errors.
+        assert procs[0].stdout.readline() == b"exchange 2\n"
+        assert procs[0].stdout.readline() == b"interrupted False 2\n"
+        out, err = procs[1].communicate(timeout=60)
+    assert procs[1].returncode == 0, err.decode()[-2000:]
+    said = out.decode().splitlines()[-1]
+    assert said.startswith("raised FastloadError copy interrupted (KeyboardInterrupt)"), (
+        out.decode() + err.decode()[-2000:]
+    )
+    if sys.version_info >= (3, 11):  # the note saying whose error it is (add_note)
+        assert "(raised on rank 0 of 2" in said
+    assert not (dst / "big.bin").exists()
 
 
 def test_ctrl_c_in_a_group_copys_exchange_runs_no_other_collective(hub, env, tmp_path):
@@ -516,23 +510,13 @@ def test_ctrl_c_in_a_group_copys_exchange_runs_no_other_collective(hub, env, tmp
     # the next one. A gather run by rank 1 now would meet it and be read as rank 1's answer
     # there; so none is run (the KeyboardInterrupt says so), and rank 0 hears of rank 1 when its
     # process exits, then undoes its part: nothing of the copy is left.
-    hub.storage.rate = 1 << 20
     dst = tmp_path / "dst"
-    rdv = str(rendezvous_port())
-    procs = [subprocess.Popen([sys.executable, "-c", GROUP_CUT, str(r), rdv, f"hf://{REPO}",
-                               str(dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": PYTHON})
-             for r in range(2)]  # fmt: skip
-    try:
+    with group_copy(hub, dst, "overwrite", 5) as procs:
         lines = [procs[1].stdout.readline() for _ in range(2)]
         assert lines == [b"exchange 1\n", b"exchange 2\n"], lines
         procs[1].send_signal(signal.SIGINT)
         assert procs[1].stdout.readline() == b"interrupted True 2\n"
         out, err = procs[0].communicate(timeout=120)
-    finally:
-        for p in procs:
-            p.kill()
-        hub.storage.rate = 0
     assert procs[0].returncode == 0, err.decode()[-2000:]
     assert out.decode().splitlines()[-1].startswith("raised "), out.decode() + err.decode()[-2000:]
     assert not list(dst.glob("*.safetensors")) and not (dst / "big.bin").exists()
