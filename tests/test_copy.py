@@ -33,6 +33,15 @@ PART = 5 << 20
 REPO = "org/model"
 
 
+def saved_checkpoint(folder: Path, shards: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Six 64x64 float32 tensors saved to `folder` by fastload.save: one model.safetensors
+    (`shards` 1), or 3 shards of 2 tensors (`shards` 3)."""
+    torch.manual_seed(seed)
+    sd = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(6)}
+    fastload.save(sd, folder, max_shard_size="1MB" if shards == 1 else 40_000)
+    return sd
+
+
 def files_of(directory: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
@@ -588,10 +597,8 @@ def test_a_resuming_group_publishes_the_index_before_any_shard(tmp_path):
 
     import torch.multiprocessing as mp
 
-    torch.manual_seed(0)
-    sd = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(6)}
     src, dst = tmp_path / "src", tmp_path / "dst"
-    fastload.save(sd, src, max_shard_size=40_000)  # 3 shards
+    sd = saved_checkpoint(src, 3)
     index = "model.safetensors.index.json"
     mp.start_processes(_rank_watching, args=(2, str(src), str(dst), str(rendezvous_port()),
                        str(tmp_path)), nprocs=2, start_method="spawn")  # fmt: skip
@@ -889,14 +896,8 @@ def test_a_resuming_copy_over_another_layout_of_the_same_model_is_refused(tmp_pa
     # checkpoint of another layout would decide what loads (transformers takes model.safetensors
     # first, vLLM and fastload the index) or be loaded with them. So it is refused, naming the
     # file, before anything is written; overwrite=True replaces it.
-    def saved(folder: Path, shards: int, seed: int) -> dict:
-        torch.manual_seed(seed)
-        sd = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(6)}
-        fastload.save(sd, folder, max_shard_size="1MB" if shards == 1 else 40_000)  # 2 a shard
-        return sd
-
-    old = saved(tmp_path / "dst", old_n, 1)
-    new = saved(tmp_path / "src", new_n, 2)
+    old = saved_checkpoint(tmp_path / "dst", old_n, seed=1)
+    new = saved_checkpoint(tmp_path / "src", new_n, seed=2)
     before = files_of(tmp_path / "dst")
     assert len([n for n in before if n.endswith(".safetensors")]) == old_n
     with pytest.raises(fastload.DestinationExistsError, match="already exists") as e:

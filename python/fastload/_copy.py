@@ -165,17 +165,16 @@ def _in_group(process_group: Any, src: str, dst: str, options: dict[str, Any]) -
     # A Ctrl-C that cut the copy's exchanges short: another rank may be waiting in one this rank
     # never ran, which a gather here would meet, and misread. So none is run; the others hear of
     # this rank when its process exits (or at the group's timeout).
-    cut = getattr(error, _fastload.UNANSWERED, False)
+    errors: list[Any] | None = None
     try:
-        if cut:
-            errors = [error if r == rank else None for r in range(world)]
-        else:
+        if not getattr(error, _fastload.UNANSWERED, False):
             errors = _gather(_portable(_for_the_others(error)), group, world)
     except Exception:
         # A rank is gone (killed, its link cut): this rank's own error says what happened here,
         # and is raised; without one, the collective's.
         if error is None:
             raise
+    if errors is None:  # no gather (above), or it failed: this rank's own error alone
         errors = [error if r == rank else None for r in range(world)]
     # The raised error's traceback keeps this frame: neither the group nor the error itself is
     # left in it. Otherwise the group outlives destroy_process_group() (in a cycle only the

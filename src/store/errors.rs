@@ -87,14 +87,13 @@ impl std::error::Error for CredentialsUnavailable {}
 
 /// The credential chain's failure inside an object_store error, if that is what it is.
 fn credentials_unavailable(e: &object_store::Error) -> Option<&CredentialsUnavailable> {
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = next {
-        if let Some(found) = err.downcast_ref::<CredentialsUnavailable>() {
-            return Some(found);
-        }
-        next = err.source();
-    }
-    None
+    sources(e).find_map(|err| err.downcast_ref::<CredentialsUnavailable>())
+}
+
+/// `e` and the errors below it, outermost first.
+fn sources(e: &object_store::Error) -> impl Iterator<Item = &(dyn std::error::Error + 'static)> {
+    let first: &(dyn std::error::Error + 'static) = e;
+    std::iter::successors(Some(first), |err| err.source())
 }
 
 /// What kind of failure `e` is, from its variant and the types in its source chain:
@@ -104,7 +103,8 @@ fn credentials_unavailable(e: &object_store::Error) -> Option<&CredentialsUnavai
 ///   (`ConnectionRefused`, `ConnectionReset`, ...).
 ///
 /// Other statuses (5xx, 429) reach us only as text: object_store keeps them in an error type it
-/// does not export. They stay `Other`, as they were retried already.
+/// does not export. They stay `Other`, as they were retried already; a listing's 401 and 403,
+/// which reach us so too, are read from that text ([`unmapped_status`]).
 pub(super) fn failure_kind(e: &object_store::Error) -> io::ErrorKind {
     match e {
         object_store::Error::NotFound { .. } => return io::ErrorKind::NotFound,
@@ -113,8 +113,7 @@ pub(super) fn failure_kind(e: &object_store::Error) -> io::ErrorKind {
         _ => {}
     }
     let mut kind = io::ErrorKind::Other;
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = next {
+    for err in sources(e) {
         if let Some(http) = err.downcast_ref::<HttpError>() {
             match http.kind() {
                 HttpErrorKind::Timeout => return io::ErrorKind::TimedOut,
@@ -136,7 +135,6 @@ pub(super) fn failure_kind(e: &object_store::Error) -> io::ErrorKind {
                 precise => kind = precise,
             }
         }
-        next = err.source();
     }
     if kind == io::ErrorKind::Other && matches!(unmapped_status(e), Some(401 | 403)) {
         return io::ErrorKind::PermissionDenied;
@@ -151,14 +149,9 @@ pub(super) fn failure_kind(e: &object_store::Error) -> io::ErrorKind {
 /// message that quotes one.
 fn unmapped_status(e: &object_store::Error) -> Option<u16> {
     const STATUS: &str = "Server returned non-2xx status code: ";
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = next {
-        if let Some(rest) = err.to_string().strip_prefix(STATUS) {
-            return rest.get(..3)?.parse().ok();
-        }
-        next = err.source();
-    }
-    None
+    let line =
+        sources(e).find_map(|err| err.to_string().strip_prefix(STATUS).map(str::to_string))?;
+    line.get(..3)?.parse().ok()
 }
 
 /// True when a 404 is about the bucket or container rather than the object. The status is the
